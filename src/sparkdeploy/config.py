@@ -1,0 +1,289 @@
+"""The deployment profile: one YAML file, one top-level key ``sparkdeploy:``.
+
+``load_profile(path)`` reads and validates the file once and returns typed objects. Every
+problem becomes a ``ProfileError`` whose message is one line naming the file and the key:
+
+    configs/x.yaml: sparkdeploy.nodes[1].role: must be 'head' or 'worker'
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+class ProfileError(Exception):
+    """A profile that cannot be used; ``str()`` is the one line to show the user."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Link(_Strict):
+    """A node's end of the fast link (the QSFP cable)."""
+
+    interface: str
+    address: str
+    hcas: list[str] = Field(default_factory=list)
+
+    @field_validator("address")
+    @classmethod
+    def _ip(cls, v: str) -> str:
+        try:
+            ipaddress.ip_address(v)
+        except ValueError:
+            raise ValueError(f"not an IP address: {v!r}") from None
+        return v
+
+
+class Node(_Strict):
+    name: str = Field(min_length=1)
+    role: Literal["head", "worker"]
+    ssh: str | None = None
+    """SSH alias or host name; ``None`` means this machine (run locally)."""
+    link: Link
+    gpus: int = Field(default=1, ge=0)
+    docker_socket: str = "/var/run/docker.sock"
+    privilege: Literal["sudo", "none"] = "none"
+    arch: Literal["arm64", "amd64"] = "arm64"
+
+    @property
+    def local(self) -> bool:
+        return self.ssh is None
+
+
+class SshSettings(_Strict):
+    config: str | None = None
+    """An ssh_config file for every connection (the lab writes one)."""
+    known_hosts: str | None = None
+    """The known_hosts file sparkdeploy checks host keys against and ``hosts.trust`` writes."""
+    control_persist: str = "10m"
+    connect_timeout: int = Field(default=10, ge=1)
+
+
+class Model(_Strict):
+    repo: str = Field(pattern=r"^[\w.-]+/[\w.-]+$")
+    revision: str = "main"
+    path: str
+    """Where the weights live on every node."""
+    allow_patterns: list[str] = Field(default_factory=lambda: ["*"])
+
+
+class Candidate(_Strict):
+    ref: str
+    engine: Literal["sglang", "vllm"]
+
+
+class Layer(_Strict):
+    """The derivative image: a candidate plus a pinned transformers."""
+
+    dockerfile: str = "docker/transformers.Dockerfile"
+    base: str
+    requirement: str = "transformers>=5"
+    tag: str
+
+
+class Images(_Strict):
+    candidates: list[Candidate] = Field(min_length=1)
+    layer: Layer | None = None
+    ship_compression: Literal["none", "zstd"] = "none"
+
+
+class ServiceSettings(_Strict):
+    stop: dict[str, list[str]] = Field(default_factory=dict)
+    """Units to stop per node name, in stop order."""
+    gpu_free_timeout_s: float = Field(default=120, gt=0)
+    gpu_poll_s: float = Field(default=2, gt=0)
+
+
+class Engine(_Strict):
+    name: str
+    kind: Literal["sglang", "vllm"]
+    image: str
+    port: Port
+    dist_port: Port | None = None
+    """SGLang's --dist-init-addr port, or the Ray GCS port for vLLM on Ray."""
+    tensor_parallel: int = Field(default=1, ge=1)
+    pipeline_parallel: int = Field(default=1, ge=1)
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class Bench(_Strict):
+    concurrency: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 8])
+    requests: int = Field(default=16, ge=1)
+    input_tokens: int = Field(default=512, ge=1)
+    output_tokens: int = Field(default=256, ge=2)
+    warmup: int = Field(default=1, ge=0)
+    baseline_decode_tok_s: float = Field(default=27.0, gt=0)
+
+
+class Profile(_Strict):
+    name: str
+    ssh: SshSettings = Field(default_factory=SshSettings)
+    nodes: list[Node] = Field(min_length=1)
+    model: Model
+    images: Images
+    services: ServiceSettings = Field(default_factory=ServiceSettings)
+    engines: list[Engine] = Field(min_length=1)
+    bench: Bench = Field(default_factory=Bench)
+    endpoint: str | None = None
+    """The deployed OpenAI-compatible endpoint, when known (bench's default target)."""
+
+    @property
+    def head(self) -> Node:
+        return next(n for n in self.nodes if n.role == "head")
+
+    @property
+    def workers(self) -> list[Node]:
+        return [n for n in self.nodes if n.role == "worker"]
+
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise ProfileError(f"no node named {name!r} (nodes: {', '.join(self.names)})")
+
+    @property
+    def names(self) -> list[str]:
+        return [n.name for n in self.nodes]
+
+
+# --- errors as one line -----------------------------------------------------------------
+
+
+def _loc(parts: tuple[Any, ...] | list[Any]) -> str:
+    out = "sparkdeploy"
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else f".{p}"
+    return out
+
+
+def _message(err: dict[str, Any]) -> str:
+    kind = err["type"]
+    ctx = err.get("ctx") or {}
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "required key is missing"
+    if kind == "literal_error":
+        return "must be " + ctx.get("expected", "one of the allowed values")
+    if kind in ("int_parsing", "int_type", "int_from_float"):
+        return f"must be an integer, not {err.get('input')!r}"
+    if kind in ("float_parsing", "float_type"):
+        return f"must be a number, not {err.get('input')!r}"
+    if kind in ("string_type",):
+        return f"must be a string, not {err.get('input')!r}"
+    if kind in ("list_type",):
+        return "must be a list"
+    if kind in ("dict_type", "model_type", "model_attributes_type"):
+        return "must be a mapping"
+    if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
+        lo, hi = ctx.get("ge", ctx.get("gt")), ctx.get("le", ctx.get("lt"))
+        return f"{err.get('input')!r} is out of range" + (
+            f" ({lo}..{hi})" if lo is not None and hi is not None else ""
+        ) + ("" if lo is None or hi is not None else f" (must be >= {lo})")
+    if kind == "too_short":
+        return "must not be empty"
+    if kind == "string_pattern_mismatch":
+        return f"{err.get('input')!r} is not of the form {ctx.get('pattern')}"
+    if kind == "value_error":
+        return str(ctx.get("error", err["msg"]))
+    return err["msg"]
+
+
+def _first_error(exc: ValidationError) -> tuple[str, str]:
+    errors = exc.errors()
+    # pydantic reports both branches of an Optional; keep the most specific one
+    err = errors[0]
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "literal["))))
+    extra = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return _loc(loc), _message(err) + extra
+
+
+def _cross_checks(p: Profile) -> tuple[str, str] | None:
+    heads = [i for i, n in enumerate(p.nodes) if n.role == "head"]
+    if len(heads) != 1:
+        where = heads[1] if heads else 0
+        what = "two or more heads" if heads else "no head"
+        return f"sparkdeploy.nodes[{where}].role", f"{what}: exactly one node must be 'head'"
+    seen: dict[str, int] = {}
+    for i, n in enumerate(p.nodes):
+        if n.name in seen:
+            return f"sparkdeploy.nodes[{i}].name", f"duplicate node name {n.name!r} (also nodes[{seen[n.name]}])"
+        seen[n.name] = i
+    addrs: dict[str, int] = {}
+    for i, n in enumerate(p.nodes):
+        if n.link.address in addrs:
+            return (
+                f"sparkdeploy.nodes[{i}].link.address",
+                f"{n.link.address} is also nodes[{addrs[n.link.address]}]'s address",
+            )
+        addrs[n.link.address] = i
+    for unit_node in p.services.stop:
+        if unit_node not in seen:
+            return f"sparkdeploy.services.stop.{unit_node}", "no node by that name"
+    gpus = sum(n.gpus for n in p.nodes)
+    names: dict[str, int] = {}
+    for i, e in enumerate(p.engines):
+        if e.name in names:
+            return f"sparkdeploy.engines[{i}].name", f"duplicate engine name {e.name!r}"
+        names[e.name] = i
+        want = e.tensor_parallel * e.pipeline_parallel
+        if want != gpus:
+            return (
+                f"sparkdeploy.engines[{i}].tensor_parallel",
+                f"tensor_parallel x pipeline_parallel = {want}, but the nodes declare {gpus} GPUs",
+            )
+        if e.dist_port is not None and e.dist_port == e.port:
+            return f"sparkdeploy.engines[{i}].dist_port", "must differ from port"
+    return None
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read, parse and validate a profile file; raise ``ProfileError`` with one line."""
+    path = Path(path)
+    label = str(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ProfileError(f"{label}: no such profile file") from None
+    except IsADirectoryError:
+        raise ProfileError(f"{label}: is a directory, not a profile file") from None
+    except OSError as e:
+        raise ProfileError(f"{label}: cannot read: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ProfileError(f"{label}: invalid YAML: {where}{problem}") from None
+    if data is None:
+        raise ProfileError(f"{label}: the file is empty")
+    if not isinstance(data, dict):
+        raise ProfileError(f"{label}: must be a mapping with one key 'sparkdeploy', not a {type(data).__name__}")
+    if "sparkdeploy" not in data:
+        raise ProfileError(f"{label}: sparkdeploy: required top-level key is missing")
+    others = sorted(str(k) for k in data if k != "sparkdeploy")
+    if others:
+        raise ProfileError(f"{label}: {others[0]}: unknown top-level key (only 'sparkdeploy')")
+    body = data["sparkdeploy"]
+    if not isinstance(body, dict):
+        raise ProfileError(f"{label}: sparkdeploy: must be a mapping")
+    try:
+        profile = Profile.model_validate(body)
+    except ValidationError as e:
+        key, msg = _first_error(e)
+        raise ProfileError(f"{label}: {key}: {msg}") from None
+    problem = _cross_checks(profile)
+    if problem:
+        raise ProfileError(f"{label}: {problem[0]}: {problem[1]}")
+    return profile
