@@ -1,0 +1,15 @@
+"""The invoke namespaces, one module per capability; this module only assembles them."""
+
+from invoke import Collection
+
+from sparkdeploy.tasks import hosts, profile, services
+
+ns = Collection(profile, hosts, services)
+ns.configure(
+    {
+        "sparkdeploy": {
+            "profile": "configs/qwen3.5-122b-a10b-fp8.yaml",
+            "state_dir": ".sparkdeploy",
+        }
+    }
+)
