@@ -1,0 +1,52 @@
+"""A deployment: the validated profile, one ``Host`` per node, the state dir, dry-run flag."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from invoke import Context
+
+from sparkdeploy.config import Profile, ProfileError, load_profile
+from sparkdeploy.hosts import Host
+from sparkdeploy.state import StateDir
+
+
+@dataclass
+class Deployment:
+    profile: Profile
+    profile_path: str
+    state: StateDir
+    hosts: dict[str, Host]
+    dry: bool = False
+    sleep: Callable[[float], None] = field(default=time.sleep)
+    clock: Callable[[], float] = field(default=time.monotonic)
+
+    def host(self, name: str) -> Host:
+        try:
+            return self.hosts[name]
+        except KeyError:
+            raise ProfileError(
+                f"{self.profile_path}: no node named {name!r} (nodes: {', '.join(self.hosts)})"
+            ) from None
+
+    def select(self, names: str | None) -> list[Host]:
+        """``None`` -> every node; ``"spark1,spark2"`` or ``"all"`` -> those nodes."""
+        if not names or names == "all":
+            return list(self.hosts.values())
+        return [self.host(n.strip()) for n in names.split(",") if n.strip()]
+
+
+def from_context(ctx: Context, profile: str | None = None) -> Deployment:
+    """Build a deployment from invoke's config (explicit ``profile`` wins over config)."""
+    cfg = ctx.config.get("sparkdeploy", {}) or {}
+    path = profile or cfg.get("profile")
+    if not path:
+        raise ProfileError("no profile: set sparkdeploy.profile in invoke.yaml or "
+                           "INVOKE_SPARKDEPLOY_PROFILE=configs/X.yaml")
+    prof = load_profile(path)
+    state = StateDir(Path(cfg.get("state_dir") or ".sparkdeploy"))
+    hosts = {n.name: Host(n, prof.ssh, ctx, state) for n in prof.nodes}
+    return Deployment(prof, str(path), state, hosts, dry=bool(ctx.config.run.dry))

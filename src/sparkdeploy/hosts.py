@@ -1,0 +1,239 @@
+"""One ``Host``: run an argv on a node over OpenSSH (or locally), dry-run aware.
+
+Every command goes through invoke's runner (so ``--hide``/``--echo`` behave as for any invoke
+task), is journaled under the state dir with secrets redacted, and comes back as a
+``CmdResult``. Commands are argv lists; the only shell involved is the remote login shell,
+which gets ``shlex.join(argv)``.
+
+Dry run (``inv --dry``): read-only probes (``change=False``) still run, since they change
+nothing; every other command is echoed as ``[node] would run: ...`` and not run.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+from invoke import Context
+from invoke.exceptions import CommandTimedOut
+
+from sparkdeploy.config import Node, SshSettings
+from sparkdeploy.state import StateDir, redact
+
+SSH_UNREACHABLE = 255
+
+
+class HostError(Exception):
+    """A command could not be run as asked (unreachable node, sudo wants a password)."""
+
+
+@dataclass
+class CmdResult:
+    host: str
+    argv: list[str]
+    exit_code: int
+    stdout: str = ""
+    stderr: str = ""
+    duration: float = 0.0
+    dry: bool = False
+    """True when the command was not run because of ``--dry``."""
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    @property
+    def unreachable(self) -> bool:
+        return self.exit_code == SSH_UNREACHABLE and not self.dry
+
+    def one_line_error(self) -> str:
+        text = (self.stderr or self.stdout).strip().splitlines()
+        return text[-1] if text else f"exit code {self.exit_code}"
+
+
+def ssh_base_argv(ssh: SshSettings, control_dir: str | None = None) -> list[str]:
+    """The ssh client options every connection uses (host key checking stays on)."""
+    argv = ["ssh"]
+    if ssh.config:
+        argv += ["-F", ssh.config]
+    argv += [
+        "-o", "BatchMode=yes",
+        "-o", "StrictHostKeyChecking=yes",
+        "-o", f"ConnectTimeout={ssh.connect_timeout}",
+        "-o", "ControlMaster=auto",
+        "-o", f"ControlPath={control_dir or default_control_dir()}/%C",
+        "-o", f"ControlPersist={ssh.control_persist}",
+    ]  # fmt: skip
+    if ssh.known_hosts:
+        argv += ["-o", f"UserKnownHostsFile={ssh.known_hosts}"]
+    return argv
+
+
+def default_control_dir() -> str:
+    # Unix socket paths are limited to ~104 bytes: keep the directory short.
+    d = os.path.join(tempfile.gettempdir(), f"sparkdeploy-cm-{os.getuid()}")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    return d
+
+
+@dataclass
+class Host:
+    node: Node
+    ssh: SshSettings = field(default_factory=SshSettings)
+    ctx: Context | None = None
+    state: StateDir | None = None
+    out: Any = None
+    """Where echo lines go (default stdout)."""
+    _unreachable: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+    @property
+    def dry(self) -> bool:
+        return bool(self.ctx is not None and self.ctx.config.run.dry)
+
+    @property
+    def echo(self) -> bool:
+        return bool(self.ctx is not None and (self.ctx.config.run.echo or self.ctx.config.run.dry))
+
+    def wrap(self, argv: Sequence[str], *, sudo: bool = False) -> list[str]:
+        """The local argv that runs ``argv`` on this node (ssh + remote command, or as is)."""
+        argv = list(argv)
+        if sudo and self.node.privilege == "sudo":
+            argv = ["sudo", "-n", "--", *argv]
+        if self.node.local:
+            return argv
+        return [*ssh_base_argv(self.ssh), self.node.ssh or "", "--", shlex.join(argv)]
+
+    def _say(self, text: str) -> None:
+        print(text, file=self.out or sys.stdout, flush=True)
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        change: bool = True,
+        sudo: bool = False,
+        timeout: float | None = None,
+        input: str | None = None,
+    ) -> CmdResult:
+        """Run ``argv`` on the node. ``change=False`` marks a read-only probe."""
+        argv = [str(a) for a in argv]
+        shown = redact(shlex.join(argv if not (sudo and self.node.privilege == "sudo")
+                                  else ["sudo", "-n", *argv]))
+        if self.dry and change:
+            self._say(f"[{self.name}] would run: {shown}")
+            # nothing ran and nothing is written, not even the journal
+            return CmdResult(self.name, argv, 0, dry=True)
+        if self.echo:
+            self._say(f"[{self.name}] $ {shown}")
+        if self._unreachable is not None:
+            return CmdResult(self.name, argv, SSH_UNREACHABLE, stderr=self._unreachable)
+        full = self.wrap(argv, sudo=sudo)
+        ctx = self.ctx or Context()
+        start = time.monotonic()
+        try:
+            r = ctx.run(
+                shlex.join(full),
+                dry=False,
+                echo=False,
+                warn=True,
+                hide=True,
+                pty=False,
+                timeout=timeout,
+                in_stream=StringIO(input) if input is not None else False,
+            )
+            res = CmdResult(self.name, argv, r.exited, r.stdout, r.stderr,
+                            time.monotonic() - start)
+        except CommandTimedOut as e:
+            res = CmdResult(self.name, argv, 124, e.result.stdout,
+                            (e.result.stderr + f"\ntimed out after {timeout}s").strip(),
+                            time.monotonic() - start)
+        self._journal(res, change)
+        if not self.node.local and res.exit_code == SSH_UNREACHABLE:
+            self._unreachable = res.one_line_error()
+        if sudo and self.node.privilege == "sudo" and res.exit_code != 0 and (
+            "a password is required" in res.stderr or "a terminal is required" in res.stderr
+        ):
+            raise HostError(
+                f"{self.name}: sudo needs a password for {argv[0]}; allow it without a password "
+                f"(NOPASSWD) for the deploying user, or set privilege: none"
+            )
+        return res
+
+    def _journal(self, res: CmdResult, change: bool) -> None:
+        if self.state is None or self.dry:
+            return
+        self.state.journal(
+            {
+                "host": self.name,
+                "argv": res.argv,
+                "exit": res.exit_code,
+                "duration_s": round(res.duration, 4),
+                "dry": res.dry,
+                "change": change,
+                "stderr": res.stderr,
+            }
+        )
+
+    @contextmanager
+    def docker_client(self, timeout: int = 600) -> Iterator[Any]:
+        """A docker SDK client for this node's engine.
+
+        Remote nodes: the node's docker socket forwarded to a local unix socket over the same
+        OpenSSH connection settings (docker-py's own ssh transport ignores ssh_config files).
+        """
+        import docker  # imported late: only image and container work needs it
+
+        if self.node.local:
+            client = docker.DockerClient(base_url=f"unix://{self.node.docker_socket}", timeout=timeout)
+            try:
+                yield client
+            finally:
+                client.close()
+            return
+        tmp = Path(tempfile.mkdtemp(prefix="sd-docker-", dir=default_control_dir()))
+        sock = tmp / "d.sock"
+        fwd = [
+            *ssh_base_argv(self.ssh),
+            "-N", "-o", "ExitOnForwardFailure=yes", "-o", "ControlMaster=no",
+            "-L", f"{sock}:{self.node.docker_socket}", self.node.ssh or "",
+        ]  # fmt: skip
+        proc = subprocess.Popen(fwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + self.ssh.connect_timeout + 5
+            while not sock.exists():
+                if proc.poll() is not None:
+                    err = (proc.stderr.read() if proc.stderr else b"").decode(errors="replace")
+                    raise HostError(f"{self.name}: cannot forward the docker socket: "
+                                    f"{err.strip().splitlines()[-1] if err.strip() else 'ssh exited'}")
+                if time.monotonic() > deadline:
+                    raise HostError(f"{self.name}: timed out forwarding the docker socket")
+                time.sleep(0.05)
+            client = docker.DockerClient(base_url=f"unix://{sock}", timeout=timeout)
+            try:
+                yield client
+            finally:
+                client.close()
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            sock.unlink(missing_ok=True)
+            tmp.rmdir()

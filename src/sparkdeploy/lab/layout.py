@@ -1,0 +1,168 @@
+"""Where the lab keeps things, node names, interface names and address plans."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+LAB_DIR = Path("/var/lib/sparkdeploy/lab")
+CACHE_DIR = Path("/var/cache/sparkdeploy")
+STATE_FILE = LAB_DIR / "state.json"
+LOCK_FILE = Path("/var/lib/sparkdeploy/lab.lock")
+NS_DIR = LAB_DIR / "ns"
+NODES_DIR = LAB_DIR / "nodes"
+KEYS_DIR = LAB_DIR / "keys"
+CONTROLLER_KEY = KEYS_DIR / "id_ed25519"
+SSH_CONFIG = LAB_DIR / "ssh_config"
+KNOWN_HOSTS = LAB_DIR / "known_hosts"
+ENV_FILE = LAB_DIR / "env"
+
+# Paths inside a node that get a private bind mount (node path -> backing dir name).
+MODEL_DIR = "/srv/models"
+UNIT_DIR = "/etc/systemd/system"
+STANDIN_DIR = "/opt/sparkdeploy-lab"
+"""The stand-ins' home on a node: ``bin/`` (first on PATH) and the stand-ins' own state."""
+NODE_STATE_DIR = "/var/lib/sparkdeploy-node"
+ROOT_SSH_DIR = "/root/.ssh"
+PRIVATE_MOUNTS: dict[str, str] = {
+    MODEL_DIR: "models",
+    UNIT_DIR: "systemd-system",
+    STANDIN_DIR: "standins",
+    NODE_STATE_DIR: "node-state",
+    ROOT_SSH_DIR: "ssh",
+}
+
+NODE_PATH = f"{STANDIN_DIR}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+MGMT_BRIDGE = "labmgmt0"
+MGMT_IF = "eth0"
+"""The management interface's name inside a node."""
+FAST_IF = "enp1s0f0np0"
+"""The fast link's name inside a node (the Sparks' ConnectX-7 naming)."""
+FAST_HCAS = ["rocep1s0f0", "roceP2p1s0f0"]
+FAST_MTU = 9000
+FAST_NETNS = "lab-fast"
+FAST_BRIDGE = "labfast0"
+
+# Address plans: the first is what configs/lab.yaml names; the rest are fallbacks used only
+# when the first clashes with one of the machine's own routes.
+MGMT_CANDIDATES = ["10.77.0.0/24", "172.31.77.0/24", "192.168.177.0/24", "10.177.0.0/24"]
+FAST_NET = "10.77.1.0/24"
+"""The fast link lives only inside node namespaces; its addresses are in configs/lab.yaml."""
+
+ENGINES = ("docker26", "classic20", "containerd")
+DEFAULT_ENGINE = "docker26"
+BASE_IMAGE = "sparkdeploy-lab/base:bookworm"
+STANDIN_LABEL = "org.sparkdeploy.lab.standin"
+
+
+def node_names(n: int) -> list[str]:
+    return [f"spark{i}" for i in range(1, n + 1)]
+
+
+def netns_name(node: str) -> str:
+    return f"lab-{node}"
+
+
+def netns_path(node: str) -> Path:
+    return Path("/var/run/netns") / netns_name(node)
+
+
+def mntns_path(node: str) -> Path:
+    return NS_DIR / f"{node}.mnt"
+
+
+def node_dir(node: str) -> Path:
+    return NODES_DIR / node
+
+
+def docker_socket(node: str) -> str:
+    return str(node_dir(node) / "run" / "docker.sock")
+
+
+def node_index(node: str) -> int:
+    return int(node.removeprefix("spark"))
+
+
+def root_veth(node: str) -> str:
+    """The root-namespace end of a node's management veth (<= 15 chars)."""
+    return f"lab{node_index(node)}m"
+
+
+def fast_peer_veth(node: str) -> str:
+    """The bridge-side end of a node's fast veth (in the lab-fast namespace)."""
+    return f"lab{node_index(node)}f"
+
+
+@dataclass(frozen=True)
+class AddressPlan:
+    mgmt_net: str
+    fast_net: str
+
+    @property
+    def controller(self) -> str:
+        return str(ipaddress.ip_network(self.mgmt_net)[1])
+
+    def mgmt_addr(self, node: str) -> str:
+        return str(ipaddress.ip_network(self.mgmt_net)[10 + node_index(node)])
+
+    def fast_addr(self, node: str) -> str:
+        return str(ipaddress.ip_network(self.fast_net)[node_index(node)])
+
+    @property
+    def prefix(self) -> int:
+        return ipaddress.ip_network(self.mgmt_net).prefixlen
+
+
+def machine_routes() -> list[dict]:
+    out = subprocess.run(["ip", "-j", "route", "show", "table", "all"], capture_output=True,
+                         text=True, check=True).stdout
+    return json.loads(out or "[]")
+
+
+def _clashes(net: str, routes: list[dict], own_devs: set[str]) -> list[str]:
+    want = ipaddress.ip_network(net)
+    hits = []
+    for r in routes:
+        dst = r.get("dst", "")
+        if r.get("dev") in own_devs or dst in ("default", "") or ":" in dst:
+            continue
+        if r.get("type") in ("broadcast", "local") and r.get("dev") == "lo":
+            continue
+        try:
+            have = ipaddress.ip_network(dst if "/" in dst else f"{dst}/32", strict=False)
+        except ValueError:
+            continue
+        if have.prefixlen == 0:
+            continue
+        if want.overlaps(have):
+            hits.append(f"{dst} dev {r.get('dev', '?')}")
+    return hits
+
+
+def plan_addresses(routes: list[dict], recorded: str | None = None) -> tuple[AddressPlan, str]:
+    """Pick the management /24 (the recorded one if the lab is up); say why in one line.
+
+    Routes on the lab's own bridge do not count as clashes. Raises ``ValueError`` when every
+    candidate clashes, or when the fast-link range does.
+    """
+    own = {MGMT_BRIDGE}
+    fast_hits = _clashes(FAST_NET, routes, own)
+    if fast_hits:
+        raise ValueError(f"the fast-link range {FAST_NET} (named in configs/lab.yaml) clashes "
+                         f"with this machine's route {fast_hits[0]}")
+    if recorded:
+        return AddressPlan(recorded, FAST_NET), f"management network {recorded} (recorded)"
+    for i, net in enumerate(MGMT_CANDIDATES):
+        hits = _clashes(net, routes, own) + _clashes(net, [{"dst": FAST_NET}], set())
+        if not hits:
+            if i == 0:
+                return AddressPlan(net, FAST_NET), f"management network {net} (default)"
+            return AddressPlan(net, FAST_NET), (
+                f"management network {net}: the default {MGMT_CANDIDATES[0]} clashes with "
+                f"this machine's routes; ssh aliases hide the difference")
+    raise ValueError("every candidate management network clashes with this machine's routes: "
+                     + ", ".join(MGMT_CANDIDATES))

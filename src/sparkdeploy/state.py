@@ -1,0 +1,113 @@
+"""The controller's state dir: the run journal, the run lock and small JSON records."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+_SECRET_VALUE = re.compile(r"\bhf_[A-Za-z0-9]{8,}\b")
+_SECRET_KEY = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY)", re.IGNORECASE)
+REDACTED = "***"
+
+
+def redact(text: str) -> str:
+    """Hide what looks like a secret: HF tokens anywhere, values of KEY=... for secret keys."""
+    text = _SECRET_VALUE.sub(REDACTED, text)
+
+    def _kv(m: re.Match[str]) -> str:
+        return f"{m.group(1)}={REDACTED}"
+
+    return re.sub(r"\b([A-Za-z_]*(?:TOKEN|SECRET|PASSWORD|PASSWD|API_KEY)[A-Za-z_]*)=(\S+)", _kv, text,
+                  flags=re.IGNORECASE)
+
+
+def redact_argv(argv: Iterable[str]) -> list[str]:
+    return [redact(a) for a in argv]
+
+
+def is_secret_key(name: str) -> bool:
+    return bool(_SECRET_KEY.search(name))
+
+
+class LockHeld(Exception):
+    pass
+
+
+class StateDir:
+    """One directory on the controller holding everything sparkdeploy remembers."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def ensure(self) -> Path:
+        self.path.mkdir(parents=True, exist_ok=True)
+        return self.path
+
+    # -- journal ---------------------------------------------------------------------------
+    @property
+    def journal_path(self) -> Path:
+        return self.path / "journal.jsonl"
+
+    def journal(self, entry: dict[str, Any]) -> None:
+        """Append one command record; secrets are redacted before anything is written."""
+        self.ensure()
+        entry = dict(entry)
+        if "argv" in entry:
+            entry["argv"] = redact_argv(entry["argv"])
+        for key in ("stdout", "stderr"):
+            if key in entry and isinstance(entry[key], str):
+                entry[key] = redact(entry[key])[-2000:]
+        entry.setdefault("ts", time.time())
+        line = json.dumps(entry, sort_keys=True)
+        with open(self.journal_path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+    # -- records ----------------------------------------------------------------------------
+    def read_json(self, name: str, default: Any = None) -> Any:
+        p = self.path / name
+        try:
+            return json.loads(p.read_text())
+        except FileNotFoundError:
+            return default
+
+    def write_json(self, name: str, data: Any) -> Path:
+        """Write atomically (temp file + rename), so a killed run never leaves half a record."""
+        p = self.path / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, p)
+        return p
+
+    def remove(self, name: str) -> None:
+        (self.path / name).unlink(missing_ok=True)
+
+    # -- lock -------------------------------------------------------------------------------
+    @contextmanager
+    def lock(self, what: str = "sparkdeploy") -> Iterator[None]:
+        """Hold the deployment lock; a second concurrent run fails at once, naming the holder."""
+        self.ensure()
+        p = self.path / "lock"
+        fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another run"
+                raise LockHeld(f"{p} is held by {holder}; wait for it or stop it") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} ({what})".encode(), 0)
+            try:
+                yield
+            finally:
+                os.ftruncate(fd, 0)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)

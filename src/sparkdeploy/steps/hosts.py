@@ -1,0 +1,95 @@
+"""Reachability and host keys. Host keys are only ever added after the user confirms them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparkdeploy.deployment import Deployment
+from sparkdeploy.hosts import ssh_base_argv
+from sparkdeploy.results import Result, changed, failed, ok, skipped
+
+STEP_CHECK = "hosts.check"
+STEP_TRUST = "hosts.trust"
+
+
+def check(dep: Deployment, node: str | None = None) -> list[Result]:
+    results = []
+    for host in dep.select(node):
+        r = host.run(["true"], change=False, timeout=dep.profile.ssh.connect_timeout + 10)
+        if r.ok:
+            how = "this machine" if host.node.local else f"ssh {host.node.ssh}"
+            results.append(ok(STEP_CHECK, f"reachable ({how}, {r.duration * 1000:.0f} ms)",
+                              host.name))
+        else:
+            results.append(failed(STEP_CHECK, f"unreachable: {r.one_line_error()}", host.name))
+    return results
+
+
+@dataclass
+class Target:
+    host: str
+    port: int
+
+    @property
+    def known_hosts_name(self) -> str:
+        return self.host if self.port == 22 else f"[{self.host}]:{self.port}"
+
+
+def resolve(dep: Deployment, alias: str) -> Target:
+    """Where ssh really connects for an alias (``ssh -G`` applies the profile's ssh_config)."""
+    argv = [*ssh_base_argv(dep.profile.ssh), "-G", alias]
+    out = subprocess.run(argv, capture_output=True, text=True, check=False).stdout
+    host, port = alias, 22
+    for line in out.splitlines():
+        k, _, v = line.partition(" ")
+        if k == "hostname":
+            host = v.strip()
+        elif k == "port":
+            port = int(v)
+    return Target(host, port)
+
+
+def known_hosts_file(dep: Deployment) -> Path:
+    p = dep.profile.ssh.known_hosts
+    return Path(os.path.expanduser(p or "~/.ssh/known_hosts"))
+
+
+def trust(dep: Deployment, node: str | None, confirm: Callable[[str, str], bool]) -> list[Result]:
+    """Scan each node's host key, show its fingerprint, add it when ``confirm`` says yes."""
+    kh = known_hosts_file(dep)
+    results = []
+    for host in dep.select(node):
+        if host.node.local:
+            results.append(ok(STEP_TRUST, "this machine: no host key needed", host.name))
+            continue
+        t = resolve(dep, host.node.ssh or host.name)
+        if kh.exists():
+            known = subprocess.run(["ssh-keygen", "-F", t.known_hosts_name, "-f", str(kh)],
+                                   capture_output=True, text=True, check=False)
+            if known.returncode == 0 and known.stdout.strip():
+                results.append(ok(STEP_TRUST, f"{t.known_hosts_name} already in {kh}", host.name))
+                continue
+        scan = subprocess.run(["ssh-keyscan", "-T", "5", "-p", str(t.port), "-t", "ed25519",
+                               t.host], capture_output=True, text=True, check=False)
+        keys = [ln for ln in scan.stdout.splitlines() if ln and not ln.startswith("#")]
+        if not keys:
+            results.append(failed(STEP_TRUST, f"no host key from {t.known_hosts_name}: "
+                                  f"{scan.stderr.strip() or 'no answer'}", host.name))
+            continue
+        fp = subprocess.run(["ssh-keygen", "-l", "-f", "-"], input="\n".join(keys) + "\n",
+                            capture_output=True, text=True, check=False).stdout.strip()
+        if dep.dry:
+            results.append(skipped(STEP_TRUST, f"would ask to add {fp} to {kh}", host.name))
+            continue
+        if not confirm(host.name, fp):
+            results.append(skipped(STEP_TRUST, f"not confirmed: {fp}", host.name))
+            continue
+        kh.parent.mkdir(parents=True, exist_ok=True)
+        with open(kh, "a") as f:
+            f.write("\n".join(keys) + "\n")
+        results.append(changed(STEP_TRUST, f"added {fp} to {kh}", host.name, fingerprint=fp))
+    return results

@@ -1,0 +1,28 @@
+"""`inv hosts.*`: which nodes answer, and whose host keys we trust."""
+
+from invoke import Collection, task
+
+from sparkdeploy.steps import hosts as step
+from sparkdeploy.tasks._common import run_step
+
+
+@task(default=True, help={"node": "only this node", "profile": "profile file"})
+def check(c, node=None, profile=None):
+    """Report which nodes are reachable."""
+    run_step(c, step.check, node, profile=profile, lock=False, title="hosts.check")
+
+
+@task(help={"node": "only this node", "yes": "add without asking", "profile": "profile file"})
+def trust(c, node=None, yes=False, profile=None):
+    """Fetch each node's host key, show its fingerprint, add it to known_hosts when confirmed."""
+
+    def confirm(name: str, fingerprint: str) -> bool:
+        if yes:
+            return True
+        answer = input(f"{name}: {fingerprint}\n  trust this host key? [y/N] ")
+        return answer.strip().lower() in ("y", "yes")
+
+    run_step(c, step.trust, node, confirm, profile=profile, title="hosts.trust")
+
+
+ns = Collection("hosts", check, trust)
