@@ -89,10 +89,10 @@ def legacy_v1_ids(layers):
     ids = []
     parent = None
     for chain in chain_ids(layers)[:-1]:
-        doc = '{"container_config":%s,"created":"1970-01-01T00:00:00Z","layer_id":"%s"%s}' % (
+        doc = '{{"container_config":{},"created":"1970-01-01T00:00:00Z","layer_id":"{}"{}}}'.format(
             _ZERO_CONTAINER_CONFIG,
             chain,
-            ',"parent":"sha256:%s"' % parent if parent else "",
+            f',"parent":"sha256:{parent}"' if parent else "",
         )
         parent = hashlib.sha256(doc.encode()).hexdigest()
         ids.append(parent)
@@ -121,7 +121,7 @@ def _read_list(path):
 
 def _diff_id(value):
     if not DIFF_ID_RE.match(value):
-        raise argparse.ArgumentTypeError("not a diff ID (sha256:<64 hex>): %r" % value)
+        raise argparse.ArgumentTypeError(f"not a diff ID (sha256:<64 hex>): {value!r}")
     return value
 
 
@@ -203,7 +203,7 @@ class Filter:
         now = time.monotonic()
         if force or now - self._last_progress >= self.progress:
             self._last_progress = now
-            self.err.write("progress bytes_in=%d bytes_out=%d\n" % (self.bytes_in, self.bytes_out))
+            self.err.write(f"progress bytes_in={self.bytes_in} bytes_out={self.bytes_out}\n")
             self.err.flush()
 
     def _data(self, size, keep, capture):
@@ -282,7 +282,7 @@ class Filter:
             try:
                 info = tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape")
             except tarfile.HeaderError as exc:
-                raise ValueError("not a tar header (%s)" % exc) from None
+                raise ValueError(f"not a tar header ({exc})") from None
             size = info.size
             if info.type in (tarfile.XHDTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK):
                 data = self._data(size, keep=False, capture=True)
@@ -366,27 +366,27 @@ class Filter:
                 except (ValueError, KeyError, TypeError, UnicodeDecodeError):
                     diff_ids = []
             if len(diff_ids) != len(paths):
-                report["errors"].append("config of %s: cannot map layers" % entry.get("Config"))
+                report["errors"].append(
+                    "config of {}: cannot map layers".format(entry.get("Config"))
+                )
                 continue
             k = 0
             while k < len(diff_ids) and diff_ids[k] in self.plan.have:
                 k += 1
             later = set(diff_ids[k:])
-            for i, (path, diff) in enumerate(zip(paths, diff_ids)):
+            for i, (path, diff) in enumerate(zip(paths, diff_ids, strict=False)):
                 if path in dropped_paths:
                     if i < k and diff not in later:
                         fine.add(path)
                         dropped_paths[path]["diff_id"] = diff
                     else:
-                        bad.append(
-                            "dropped %s (layer %d, %s) which the peer lacks" % (path, i, diff)
-                        )
+                        bad.append(f"dropped {path} (layer {i}, {diff}) which the peer lacks")
                         fine.add(path)
                 elif i < k and diff not in later and diff not in report["missed"]:
                     report["missed"].append(diff)
         for path in dropped_paths:
             if path not in fine:
-                bad.append("dropped %s which no manifest names as a layer" % path)
+                bad.append(f"dropped {path} which no manifest names as a layer")
         report["errors"].extend(bad)
         report["unsafe"] = bool(bad)
         return report
@@ -456,7 +456,7 @@ def main(argv=None):
     try:
         filt.run()
     except (EOFError, ValueError) as exc:
-        sys.stderr.write("save_filter: %s\n" % exc)
+        sys.stderr.write(f"save_filter: {exc}\n")
         status = 3
     except BrokenPipeError:
         sys.stderr.write("save_filter: output closed\n")
