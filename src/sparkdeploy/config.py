@@ -13,9 +13,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-Port = Annotated[int, Field(ge=1, le=65535)]
+
+def _port(v: int) -> int:
+    if not 1 <= v <= 65535:
+        raise ValueError(f"{v} is out of range (1..65535)")
+    return v
+
+
+Port = Annotated[int, AfterValidator(_port)]
 
 
 class ProfileError(Exception):
@@ -186,10 +193,10 @@ def _message(err: dict[str, Any]) -> str:
     if kind in ("dict_type", "model_type", "model_attributes_type"):
         return "must be a mapping"
     if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
-        lo, hi = ctx.get("ge", ctx.get("gt")), ctx.get("le", ctx.get("lt"))
-        return f"{err.get('input')!r} is out of range" + (
-            f" ({lo}..{hi})" if lo is not None and hi is not None else ""
-        ) + ("" if lo is None or hi is not None else f" (must be >= {lo})")
+        op = {"greater_than_equal": ">=", "less_than_equal": "<=", "greater_than": ">",
+              "less_than": "<"}[kind]
+        bound = next(iter(ctx.values()), "?")
+        return f"{err.get('input')!r} is out of range (must be {op} {bound})"
     if kind == "too_short":
         return "must not be empty"
     if kind == "string_pattern_mismatch":
@@ -217,7 +224,8 @@ def _cross_checks(p: Profile) -> tuple[str, str] | None:
     seen: dict[str, int] = {}
     for i, n in enumerate(p.nodes):
         if n.name in seen:
-            return f"sparkdeploy.nodes[{i}].name", f"duplicate node name {n.name!r} (also nodes[{seen[n.name]}])"
+            return (f"sparkdeploy.nodes[{i}].name",
+                    f"duplicate node name {n.name!r} (also nodes[{seen[n.name]}])")
         seen[n.name] = i
     addrs: dict[str, int] = {}
     for i, n in enumerate(p.nodes):
@@ -269,7 +277,8 @@ def load_profile(path: str | Path) -> Profile:
     if data is None:
         raise ProfileError(f"{label}: the file is empty")
     if not isinstance(data, dict):
-        raise ProfileError(f"{label}: must be a mapping with one key 'sparkdeploy', not a {type(data).__name__}")
+        raise ProfileError(
+            f"{label}: must be a mapping with one key 'sparkdeploy', not a {type(data).__name__}")
     if "sparkdeploy" not in data:
         raise ProfileError(f"{label}: sparkdeploy: required top-level key is missing")
     others = sorted(str(k) for k in data if k != "sparkdeploy")

@@ -1,0 +1,181 @@
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sparkdeploy.config import ProfileError, load_profile
+
+ROOT = Path(__file__).resolve().parents[2]
+SEED = ROOT / "configs" / "qwen3.5-122b-a10b-fp8.yaml"
+
+
+def seed() -> dict:
+    return yaml.safe_load(SEED.read_text())
+
+
+def write(tmp_path: Path, data, name="x.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return p
+
+
+def mutate(fn):
+    d = seed()
+    fn(d["sparkdeploy"])
+    return d
+
+
+def test_seed_profile_loads():
+    p = load_profile(SEED)
+    assert p.head.name == "spark1"
+    assert [n.name for n in p.workers] == ["spark2"]
+    assert p.services.stop["spark1"] == [
+        "vllm-proxy.service", "vllm-embeddings.service", "vllm-reranker.service",
+        "vllm-cluster.service",
+    ]
+    assert [e.kind for e in p.engines] == ["sglang", "vllm"]
+    assert p.bench.baseline_decode_tok_s == 27.0
+
+
+def test_lab_profile_loads_when_present():
+    lab = ROOT / "configs" / "lab.yaml"
+    if lab.exists():
+        assert load_profile(lab).head.name == "spark1"
+
+
+def _set(path, value):
+    def fn(d):
+        *parents, last = path
+        for k in parents:
+            d = d[k]
+        d[last] = value
+    return fn
+
+
+def _del(path):
+    def fn(d):
+        *parents, last = path
+        for k in parents:
+            d = d[k]
+        del d[last]
+    return fn
+
+
+def _three_nodes_two_heads(d):
+    extra = copy.deepcopy(d["nodes"][1])
+    extra.update(name="spark3", role="head")
+    extra["link"]["address"] = "192.168.100.12"
+    d["nodes"].append(extra)
+    for e in d["engines"]:
+        e["tensor_parallel"] = 3
+
+
+BAD = [
+    # (id, mutation, expected message after "x.yaml: ")
+    ("unknown-key", _set(["nodes", 0, "gpu"], 1), "sparkdeploy.nodes[0].gpu: unknown key"),
+    ("typo-top", _set(["modle"], {}), "sparkdeploy.modle: unknown key"),
+    ("bad-role", _set(["nodes", 1, "role"], "boss"),
+     "sparkdeploy.nodes[1].role: must be 'head' or 'worker'"),
+    ("wrong-type", _set(["nodes", 0, "gpus"], "one"),
+     "sparkdeploy.nodes[0].gpus: must be an integer, not 'one'"),
+    ("missing-required", _del(["model", "repo"]),
+     "sparkdeploy.model.repo: required key is missing"),
+    ("two-heads", _set(["nodes", 1, "role"], "head"),
+     "sparkdeploy.nodes[1].role: two or more heads: exactly one node must be 'head'"),
+    ("no-head", _set(["nodes", 0, "role"], "worker"),
+     "sparkdeploy.nodes[0].role: no head: exactly one node must be 'head'"),
+    ("dup-name", _set(["nodes", 1, "name"], "spark1"),
+     "sparkdeploy.nodes[1].name: duplicate node name 'spark1' (also nodes[0])"),
+    ("port-range", _set(["engines", 1, "port"], 70000),
+     "sparkdeploy.engines[1].port: 70000 is out of range (1..65535)"),
+    ("port-zero", _set(["engines", 0, "port"], 0),
+     "sparkdeploy.engines[0].port: 0 is out of range (1..65535)"),
+    ("tp-pp", _set(["engines", 0, "tensor_parallel"], 4),
+     "sparkdeploy.engines[0].tensor_parallel: tensor_parallel x pipeline_parallel = 4, "
+     "but the nodes declare 2 GPUs"),
+    ("bad-ip", _set(["nodes", 0, "link", "address"], "192.168.100"),
+     "sparkdeploy.nodes[0].link.address: not an IP address: '192.168.100'"),
+    ("privilege", _set(["nodes", 0, "privilege"], "doas"),
+     "sparkdeploy.nodes[0].privilege: must be 'sudo' or 'none'"),
+    ("services-unknown-node", _set(["services", "stop"], {"spark9": ["x.service"]}),
+     "sparkdeploy.services.stop.spark9: no node by that name"),
+    ("no-candidates", _set(["images", "candidates"], []),
+     "sparkdeploy.images.candidates: must not be empty"),
+    ("repo-form", _set(["model", "repo"], "just-a-name"),
+     "sparkdeploy.model.repo: 'just-a-name' is not of the form ^[\\w.-]+/[\\w.-]+$"),
+    ("nodes-not-list", _set(["nodes"], {"spark1": {}}), "sparkdeploy.nodes: must be a list"),
+    ("dup-address", _set(["nodes", 1, "link", "address"], "192.168.100.10"),
+     "sparkdeploy.nodes[1].link.address: 192.168.100.10 is also nodes[0]'s address"),
+    ("three-nodes-two-heads", _three_nodes_two_heads,
+     "sparkdeploy.nodes[2].role: two or more heads: exactly one node must be 'head'"),
+]
+
+
+@pytest.mark.parametrize("mutation,expected", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_profile_names_file_and_key(tmp_path, mutation, expected):
+    p = write(tmp_path, mutate(mutation))
+    with pytest.raises(ProfileError) as e:
+        load_profile(p)
+    assert str(e.value) == f"{p}: {expected}"
+
+
+FILE_CASES = [
+    ("invalid-yaml", "sparkdeploy:\n  nodes: [\n", "invalid YAML: line 3, column 1: "),
+    ("empty", "", "the file is empty"),
+    ("comment-only", "# nothing\n", "the file is empty"),
+    ("not-mapping", "- a\n- b\n", "must be a mapping with one key 'sparkdeploy', not a list"),
+    ("no-top-key", "nodes: []\n", "sparkdeploy: required top-level key is missing"),
+    ("extra-top-key", "sparkdeploy: {}\nother: 1\n", "other: unknown top-level key (only 'sparkdeploy')"),
+    ("body-not-mapping", "sparkdeploy: 3\n", "sparkdeploy: must be a mapping"),
+]
+
+
+@pytest.mark.parametrize("text,expected", [c[1:] for c in FILE_CASES], ids=[c[0] for c in FILE_CASES])
+def test_bad_file(tmp_path, text, expected):
+    p = write(tmp_path, text)
+    with pytest.raises(ProfileError) as e:
+        load_profile(p)
+    assert str(e.value).startswith(f"{p}: {expected}")
+    assert "\n" not in str(e.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ProfileError, match=r"nope.yaml: no such profile file$"):
+        load_profile(tmp_path / "nope.yaml")
+
+
+def test_any_number_of_nodes(tmp_path):
+    d = seed()
+    nodes = d["sparkdeploy"]["nodes"]
+    for i in range(3, 5):
+        n = copy.deepcopy(nodes[1])
+        n["name"] = f"spark{i}"
+        n["link"]["address"] = f"192.168.100.{10 + i}"
+        nodes.append(n)
+    for e in d["sparkdeploy"]["engines"]:
+        e["tensor_parallel"] = 4
+    p = load_profile(write(tmp_path, d))
+    assert [n.name for n in p.workers] == ["spark2", "spark3", "spark4"]
+
+
+def test_inv_reports_bad_profile_in_one_line(tmp_path):
+    p = write(tmp_path, mutate(_set(["nodes", 1, "role"], "boss")))
+    r = subprocess.run([sys.executable, "-m", "invoke", "profile.check"], cwd=ROOT,
+                       capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin", "INVOKE_SPARKDEPLOY_PROFILE": str(p)})
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"{p}: sparkdeploy.nodes[1].role: must be 'head' or 'worker'"
+    assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_inv_profile_check_prints_resolved_profile():
+    r = subprocess.run([sys.executable, "-m", "invoke", "profile.check"], cwd=ROOT,
+                       capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin", "INVOKE_SPARKDEPLOY_PROFILE": str(SEED)})
+    assert r.returncode == 0, r.stderr
+    body = yaml.safe_load(r.stdout)
+    assert body["sparkdeploy"]["nodes"][0]["docker_socket"] == "/var/run/docker.sock"
+    assert body["sparkdeploy"]["services"]["gpu_free_timeout_s"] == 120

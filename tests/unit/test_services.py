@@ -1,0 +1,228 @@
+import json
+import shlex
+
+import pytest
+
+from sparkdeploy.config import load_profile
+from sparkdeploy.deployment import Deployment
+from sparkdeploy.hosts import Host
+from sparkdeploy.results import Status
+from sparkdeploy.state import StateDir
+from sparkdeploy.steps import services
+from tests.unit.fakes import FakeNode, ScriptedContext
+from tests.unit.test_profile import SEED
+
+GLM = ["vllm-proxy.service", "vllm-embeddings.service", "vllm-reranker.service",
+       "vllm-cluster.service"]
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+        self.sleeps = []
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, s):
+        self.sleeps.append(s)
+        self.now += s
+
+
+def glm_node(**kw) -> FakeNode:
+    node = FakeNode(units={u: "active" for u in GLM},
+                    gpu=[(4242, "python3")], holds_gpu={"vllm-cluster.service": (4242, "python3")})
+    for k, v in kw.items():
+        setattr(node, k, v)
+    return node
+
+
+def deployment(tmp_path, nodes, dry=False, profile=SEED):
+    ctx = ScriptedContext(nodes, dry=dry)
+    prof = load_profile(profile)
+    state = StateDir(tmp_path / "state")
+    hosts = {n.name: Host(n, prof.ssh, ctx, state) for n in prof.nodes}
+    clock = Clock()
+    dep = Deployment(prof, str(profile), state, hosts, dry=dry, sleep=clock.sleep, clock=clock)
+    return dep, ctx, clock
+
+
+def remote(ctx, alias="spark1"):
+    return [shlex.join(argv) for a, argv in ctx.calls if a == alias]
+
+
+LIST = ("systemctl list-units --all --plain --no-legend --no-pager --type=service -- "
+        + " ".join(GLM))
+GPU = "nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader"
+
+
+def test_stop_exact_commands_in_profile_order(tmp_path):
+    dep, ctx, _ = deployment(tmp_path, {"spark1": glm_node()})
+    results = services.stop(dep)
+    assert remote(ctx) == [LIST] + [f"sudo -n -- systemctl stop {u}" for u in GLM] + [GPU]
+    assert [(r.step, r.status) for r in results] == [
+        ("services.stop", Status.CHANGED), ("services.gpu-free", Status.OK)]
+    # the whole local command line: OpenSSH, batch mode, host key checking, multiplexing
+    first = shlex.split(ctx.commands[0])
+    assert first[:9] == ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+                         "-o", "ConnectTimeout=10", "-o", "ControlMaster=auto"]
+    assert first[-3:] == ["spark1", "--", LIST]
+
+
+def test_privilege_none_runs_without_sudo(tmp_path):
+    text = SEED.read_text().replace("privilege: sudo", "privilege: none")
+    prof = tmp_path / "p.yaml"
+    prof.write_text(text)
+    dep, ctx, _ = deployment(tmp_path, {"spark1": glm_node()}, profile=prof)
+    services.stop(dep)
+    assert f"systemctl stop {GLM[0]}" in remote(ctx)
+
+
+def test_gpu_busy_then_free_waits(tmp_path):
+    dep, ctx, clock = deployment(tmp_path, {"spark1": glm_node(gpu_lingers=3)})
+    results = services.stop(dep)
+    assert results[-1].status is Status.OK
+    assert remote(ctx).count(GPU) == 4
+    assert clock.sleeps == [2, 2, 2]
+
+
+def test_gpu_timeout_names_the_processes(tmp_path):
+    dep, ctx, clock = deployment(tmp_path, {"spark1": glm_node(gpu_lingers=10**6)})
+    results = services.stop(dep)
+    assert results[-1].status is Status.FAILED
+    assert results[-1].why == "GPU still busy after 120s: pid 4242 (python3)"
+    assert clock.now >= 120
+
+
+def test_missing_and_inactive_units_are_ok(tmp_path):
+    node = FakeNode(units={"vllm-cluster.service": "inactive"})
+    dep, ctx, _ = deployment(tmp_path, {"spark1": node})
+    results = services.stop(dep)
+    assert remote(ctx) == [LIST, GPU]
+    assert results[0].status is Status.OK
+    assert "3 absent" in results[0].why
+    assert dep.state.read_json("services/qwen3.5-122b-a10b-fp8.json") is None
+
+
+def test_stop_records_then_restore_starts_in_reverse_and_forgets(tmp_path):
+    node = glm_node()
+    dep, ctx, _ = deployment(tmp_path, {"spark1": node})
+    services.stop(dep)
+    record = json.loads((tmp_path / "state/services/qwen3.5-122b-a10b-fp8.json").read_text())
+    assert record == {"spark1": GLM}
+    ctx.calls.clear()
+    results = services.restore(dep)
+    assert remote(ctx) == [LIST] + [f"sudo -n -- systemctl start {u}" for u in reversed(GLM)] + [LIST]
+    assert results[0].status is Status.CHANGED
+    assert all(node.units[u] == "active" for u in GLM)
+    assert not (tmp_path / "state/services/qwen3.5-122b-a10b-fp8.json").exists()
+    assert services.restore(dep)[0].why == "nothing recorded to restore"
+
+
+def test_stop_twice_keeps_the_record_then_restore(tmp_path):
+    node = glm_node()
+    dep, ctx, _ = deployment(tmp_path, {"spark1": node})
+    services.stop(dep)
+    second = services.stop(dep)
+    assert second[0].status is Status.OK
+    assert dep.state.read_json("services/qwen3.5-122b-a10b-fp8.json") == {"spark1": GLM}
+    services.restore(dep)
+    assert all(node.units[u] == "active" for u in GLM)
+
+
+def test_restore_after_partial_stop(tmp_path):
+    node = glm_node(fail_stop={"vllm-reranker.service"})
+    dep, ctx, _ = deployment(tmp_path, {"spark1": node})
+    results = services.stop(dep)
+    assert results[0].status is Status.FAILED
+    assert results[0].why == "systemctl stop vllm-reranker.service: Job for vllm-reranker.service failed."
+    # every unit that was active is recorded before anything stopped
+    assert dep.state.read_json("services/qwen3.5-122b-a10b-fp8.json") == {"spark1": GLM}
+    ctx.calls.clear()
+    services.restore(dep)
+    # the two that did stop come back; the two still running are not started again
+    assert remote(ctx)[1:3] == ["sudo -n -- systemctl start vllm-embeddings.service",
+                                "sudo -n -- systemctl start vllm-proxy.service"]
+    assert all(node.units[u] == "active" for u in GLM)
+
+
+def test_restore_failure_keeps_the_record(tmp_path):
+    node = glm_node()
+    dep, ctx, _ = deployment(tmp_path, {"spark1": node})
+    services.stop(dep)
+    node.fail_start = {"vllm-cluster.service"}
+    results = services.restore(dep)
+    assert results[0].status is Status.FAILED
+    assert "vllm-cluster.service" in results[0].why
+    assert dep.state.read_json("services/qwen3.5-122b-a10b-fp8.json") == {
+        "spark1": ["vllm-cluster.service"]}
+
+
+def test_dry_run_lists_and_changes_nothing(tmp_path, capsys):
+    node = glm_node()
+    dep, ctx, _ = deployment(tmp_path, {"spark1": node}, dry=True)
+    results = services.stop(dep)
+    # only read-only probes ran
+    assert remote(ctx) == [LIST, GPU]
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"[spark1] $ {LIST}"] + [
+        f"[spark1] would run: sudo -n systemctl stop {u}" for u in GLM] + [f"[spark1] $ {GPU}"]
+    assert all(node.units[u] == "active" for u in GLM)
+    assert not (tmp_path / "state").exists()
+    assert [r.status for r in results] == [Status.SKIPPED, Status.SKIPPED]
+
+
+def test_dry_run_unreachable_node_still_lists(tmp_path, capsys):
+    dep, ctx, _ = deployment(tmp_path, {"spark1": glm_node(unreachable=True)}, dry=True)
+    results = services.stop(dep)
+    out = capsys.readouterr().out
+    for u in GLM:
+        assert f"would run: sudo -n systemctl stop {u}" in out
+    assert GPU in out
+    assert results[0].why.startswith("unreachable: ssh: connect to host")
+    # the unreachable node is asked once, not once per command
+    assert len(ctx.calls) == 1
+
+
+def test_unreachable_node_fails_without_dry(tmp_path):
+    dep, _, _ = deployment(tmp_path, {"spark1": glm_node(unreachable=True)})
+    results = services.stop(dep)
+    assert results[0].status is Status.FAILED
+    assert results[0].why.startswith("unreachable:")
+
+
+def test_sudo_password_prompt_is_a_clear_error(tmp_path):
+    from sparkdeploy.hosts import HostError
+
+    dep, _, _ = deployment(tmp_path, {"spark1": glm_node(sudo_password=True)})
+    with pytest.raises(HostError, match="sudo needs a password"):
+        services.stop(dep)
+
+
+def test_status_reports_units_and_gpu(tmp_path):
+    dep, _, _ = deployment(tmp_path, {"spark1": glm_node(), "spark2": FakeNode()})
+    res = services.status(dep)
+    assert res[0].why == ("vllm-proxy.service active, vllm-embeddings.service active, "
+                          "vllm-reranker.service active, vllm-cluster.service active; "
+                          "GPU: pid 4242 (python3)")
+    assert res[1].why == "GPU free"
+
+
+def test_journal_redacts_secrets(tmp_path):
+    state = StateDir(tmp_path)
+    state.journal({"argv": ["env", "HF_TOKEN=hf_abcdefghijklmnop", "x"], "stderr": "hf_zzzzzzzzzzzz"})
+    line = (tmp_path / "journal.jsonl").read_text()
+    assert "hf_abc" not in line and "hf_zzz" not in line
+    assert json.loads(line)["argv"] == ["env", "HF_TOKEN=***", "x"]
+
+
+def test_lock_excludes_a_second_run(tmp_path):
+    from sparkdeploy.state import LockHeld
+
+    state = StateDir(tmp_path)
+    with state.lock("first"):
+        with pytest.raises(LockHeld, match="held by pid"):
+            with StateDir(tmp_path).lock("second"):
+                pass
+    with state.lock("again"):
+        pass
