@@ -1,0 +1,1 @@
+"""Stand-ins for the engines and services the lab replaces (stdlib-only modules)."""
