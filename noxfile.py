@@ -18,3 +18,29 @@ def lint(session: nox.Session) -> None:
     """ruff check on the package, tasks, tests and scripts."""
     session.install("ruff>=0.5")
     session.run("ruff", "check", "src", "tests", "scripts", "tasks.py", "noxfile.py")
+
+
+LAB_ENV = {"INVOKE_SPARKDEPLOY_PROFILE": "configs/lab.yaml"}
+REHEARSAL = [
+    # the main job, as far as it exists, against the simulated Spark pair
+    ["hosts.check"],
+    ["services.stop"],
+    ["services.status"],
+    ["services.restore"],
+]
+
+
+@nox.session(default=False)
+def rehearse(session: nox.Session) -> None:
+    """Bring up the lab (root, Linux) and run the deployment chain against it."""
+    session.install("-e", ".")
+    session.run("inv", "lab.up", *session.posargs)
+    for argv in REHEARSAL:
+        session.run("inv", *argv, env=LAB_ENV)
+
+
+@nox.session(default=False)
+def lab_down(session: nox.Session) -> None:
+    """Take the lab down: its processes (by PID), namespaces, links, mounts and data."""
+    session.install("-e", ".")
+    session.run("inv", "lab.down")
