@@ -1,0 +1,322 @@
+"""scripts/probe_image.py against fake site-packages trees (no engine, no transformers needed)."""
+
+import importlib.util
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "probe_image.py"
+
+# transformers 4.57's message for a model type it does not know (configuration_auto.py).
+UNKNOWN_TYPE = (
+    "The checkpoint you are trying to load has model type `{t}` but Transformers does not "
+    "recognize this architecture. This could be because of an issue with the checkpoint, or "
+    "because your version of Transformers is out of date.\n\nYou can update Transformers with the "
+    "command `pip install --upgrade transformers`. If this does not work, and the checkpoint is "
+    "very new, then there may not be a release version that supports this model yet. In this "
+    "case, you can get the most up-to-date code by installing Transformers from source with the "
+    "command `pip install git+https://github.com/huggingface/transformers.git`"
+)
+
+FAKE_TRANSFORMERS = """
+import json, os, time
+KNOWN = {known!r}
+UNKNOWN_TYPE = {msg!r}
+
+class AutoConfig:
+    @classmethod
+    def from_pretrained(cls, path):
+        if {sleep!r}:
+            time.sleep({sleep!r})
+        with open(os.path.join(path, "config.json")) as fh:
+            cfg = json.load(fh)
+        if cfg["model_type"] not in KNOWN:
+            raise ValueError(UNKNOWN_TYPE.format(t=cfg["model_type"]))
+        return cfg
+"""
+
+QWEN = {
+    "model_type": "qwen3_5_moe",
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+    "text_config": {"model_type": "qwen3_5_moe_text"},
+}
+SGLANG_FILES = ["sglang/srt/models/qwen3_5.py", "sglang/srt/models/qwen3_5_mtp.py"]
+
+
+def dist(site: Path, name: str, version: str, files: dict[str, str], *, missing=()):
+    """A dist-info (METADATA + RECORD) and its files; names in `missing` are listed, not present."""
+    info = site / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    record = [f"{rel},," for rel in list(files) + list(missing)]
+    record += [f"{info.name}/METADATA,,", f"{info.name}/RECORD,,"]
+    (info / "RECORD").write_text("\n".join(record) + "\n")
+    for rel, text in files.items():
+        p = site / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+
+
+def fake_transformers(site: Path, version: str, known: list[str], sleep: float = 0):
+    code = FAKE_TRANSFORMERS.format(known=known, msg=UNKNOWN_TYPE, sleep=sleep)
+    dist(site, "transformers", version, {"transformers/__init__.py": code})
+
+
+def fake_sglang(site: Path, version: str, *, missing=()):
+    files = {"sglang/__init__.py": "raise RuntimeError('the probe must not import engines')\n"}
+    for rel in SGLANG_FILES:
+        if rel not in missing:
+            files[rel] = "# model\n"
+    dist(site, "sglang", version, files, missing=missing)
+
+
+def model_dir(tmp_path: Path, config=QWEN) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def run_probe(site: Path, *args: str) -> subprocess.CompletedProcess:
+    # -S: only the fake tree (PYTHONPATH) and the stdlib, not this machine's site-packages.
+    return subprocess.run(
+        [sys.executable, "-S", str(SCRIPT), *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
+
+
+def probe_json(site: Path, *args: str) -> dict:
+    cp = run_probe(site, *args)
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stdout.count("\n") == 1  # one JSON object, one line
+    return json.loads(cp.stdout)
+
+
+SGLANG_ARGS = [
+    "--model-file", f"sglang={SGLANG_FILES[0]}",
+    "--model-file", f"sglang={SGLANG_FILES[1]}",
+    "--min-version", "sglang=0.5.9",
+    "--require-config", "sglang",
+]  # fmt: skip
+
+
+def test_seed_image_needs_newer_transformers(tmp_path):
+    site = tmp_path / "site"
+    fake_transformers(site, "4.57.1", ["qwen3", "qwen3_moe"])
+    fake_sglang(site, "0.5.10rc0")
+    out = probe_json(site, "--model-dir", model_dir(tmp_path), *SGLANG_ARGS)
+    assert out == {
+        "python": platform.python_version(),
+        "arch": platform.machine(),
+        "packages": {
+            "transformers": "4.57.1",
+            "sglang": "0.5.10rc0",
+            "vllm": None,
+            "torch": None,
+            "ray": None,
+        },
+        "config": {
+            "ok": False,
+            "model_type": "qwen3_5_moe",
+            "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+            "error": "ValueError: The checkpoint you are trying to load has model type "
+            "`qwen3_5_moe` but Transformers does not recognize this architecture. This could be "
+            "because of an issue with the checkpoint, or because your version of Transformers is "
+            "out of date.",
+        },
+        "engines": {
+            "sglang": {
+                "installed": True,
+                "version": "0.5.10rc0",
+                "model_files": {SGLANG_FILES[0]: True, SGLANG_FILES[1]: True},
+                "ok": False,
+                "reasons": ["transformers 4.57.1 cannot parse model_type qwen3_5_moe"],
+            }
+        },
+    }
+
+
+def test_derivative_image_passes(tmp_path):
+    site = tmp_path / "site"
+    fake_transformers(site, "5.23.0", ["qwen3_5_moe", "qwen3_5_moe_text"])
+    fake_sglang(site, "0.5.10rc0")
+    out = probe_json(site, "--model-dir", model_dir(tmp_path), *SGLANG_ARGS)
+    assert out["config"] == {
+        "ok": True,
+        "model_type": "qwen3_5_moe",
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "error": None,
+    }
+    assert out["engines"]["sglang"]["ok"] is True
+    assert out["engines"]["sglang"]["reasons"] == []
+
+
+def test_old_engine_lists_every_reason(tmp_path):
+    """lmsysorg/sglang:spark: SGLang 0.5.4 without the Qwen3.5 files, transformers 4.57."""
+    site = tmp_path / "site"
+    fake_transformers(site, "4.57.1", ["qwen3"])
+    fake_sglang(site, "0.5.4", missing=SGLANG_FILES)
+    out = probe_json(site, "--model-dir", model_dir(tmp_path), *SGLANG_ARGS)
+    eng = out["engines"]["sglang"]
+    assert eng["model_files"] == {SGLANG_FILES[0]: False, SGLANG_FILES[1]: False}
+    assert eng["reasons"] == [
+        "sglang 0.5.4 is below the minimum 0.5.9",
+        f"sglang lacks {SGLANG_FILES[0]}",
+        f"sglang lacks {SGLANG_FILES[1]}",
+        "transformers 4.57.1 cannot parse model_type qwen3_5_moe",
+    ]
+    assert eng["ok"] is False
+
+
+def test_config_rule_only_for_engines_that_require_it(tmp_path):
+    """vLLM ships its own Qwen3.5 config classes: a failed transformers parse does not matter."""
+    site = tmp_path / "site"
+    fake_transformers(site, "4.57.1", ["qwen3"])
+    dist(site, "vllm", "0.17.1", {"vllm/model_executor/models/qwen3_5.py": ""})
+    out = probe_json(
+        site,
+        "--model-dir", model_dir(tmp_path),
+        "--model-file", "vllm=vllm/model_executor/models/qwen3_5.py",
+        "--min-version", "vllm=0.17.0",
+    )  # fmt: skip
+    assert out["config"]["ok"] is False
+    assert out["engines"] == {
+        "vllm": {
+            "installed": True,
+            "version": "0.17.1",
+            "model_files": {"vllm/model_executor/models/qwen3_5.py": True},
+            "ok": True,
+            "reasons": [],
+        }
+    }
+
+
+def test_engine_not_installed(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    out = probe_json(site, "--model-file", f"sglang={SGLANG_FILES[0]}")
+    assert out["config"] is None
+    assert out["packages"]["transformers"] is None
+    assert out["engines"]["sglang"] == {
+        "installed": False,
+        "version": None,
+        "model_files": {SGLANG_FILES[0]: False},
+        "ok": False,
+        "reasons": ["sglang is not installed"],
+    }
+
+
+def test_file_listed_in_record_but_deleted_is_missing(tmp_path):
+    site = tmp_path / "site"
+    fake_sglang(site, "0.5.10rc0")
+    (site / SGLANG_FILES[1]).unlink()
+    out = probe_json(site, "--model-file", f"sglang={SGLANG_FILES[1]}")
+    assert out["engines"]["sglang"]["model_files"] == {SGLANG_FILES[1]: False}
+    assert out["engines"]["sglang"]["reasons"] == [f"sglang lacks {SGLANG_FILES[1]}"]
+
+
+def test_no_engine_named_reports_the_known_engines(tmp_path):
+    site = tmp_path / "site"
+    fake_sglang(site, "0.5.10rc0")
+    out = probe_json(site)
+    assert sorted(out["engines"]) == ["sglang", "vllm"]
+    assert out["engines"]["sglang"]["ok"] is True
+    assert out["engines"]["vllm"]["reasons"] == ["vllm is not installed"]
+
+
+def test_transformers_missing_means_no_parse(tmp_path):
+    site = tmp_path / "site"
+    fake_sglang(site, "0.5.10rc0")
+    out = probe_json(site, "--model-dir", model_dir(tmp_path), "--require-config", "sglang")
+    assert out["config"]["ok"] is False
+    assert out["config"]["error"] == "transformers is not installed"
+    assert out["engines"]["sglang"]["reasons"] == [
+        "transformers is not installed: cannot parse the model config"
+    ]
+
+
+def test_unreadable_config(tmp_path):
+    site = tmp_path / "site"
+    fake_transformers(site, "5.23.0", ["qwen3_5_moe"])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = probe_json(site, "--model-dir", empty)
+    assert out["config"]["ok"] is False
+    assert out["config"]["model_type"] is None
+    assert out["config"]["error"].startswith(f"cannot read {empty}/config.json")
+
+
+def test_config_parse_timeout(tmp_path):
+    site = tmp_path / "site"
+    fake_transformers(site, "5.23.0", ["qwen3_5_moe"], sleep=30)
+    out = probe_json(site, "--model-dir", model_dir(tmp_path), "--timeout", "0.5")
+    assert out["config"]["ok"] is False
+    assert out["config"]["error"] == "config parse timed out after 0.5s"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--bogus"],
+        ["--model-file", "sglang"],
+        ["--model-file", "=x.py"],
+        ["--min-version", "sglang=not-a-version"],
+        ["--require-config", "sglang"],  # nothing to parse without --model-dir
+        ["--timeout", "0", "--model-dir", "/nonexistent"],
+    ],
+)
+def test_bad_arguments_exit_2_with_usage(tmp_path, args):
+    cp = run_probe(tmp_path, *args)
+    assert cp.returncode == 2
+    assert cp.stdout == ""
+    assert cp.stderr.startswith("usage: probe_image.py")
+
+
+# -- the version comparator ------------------------------------------------------------------
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("probe_image", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize(
+    "low,high",
+    [
+        ("0.5.9", "0.5.10rc0"),
+        ("0.5.10rc0", "0.5.10"),
+        ("0.5.10.dev3", "0.5.10a1"),
+        ("0.5.10a1", "0.5.10b1"),
+        ("0.5.10b2", "0.5.10rc1"),
+        ("0.5.10rc1.dev1", "0.5.10rc1"),
+        ("0.5.10", "0.5.10.post1"),
+        ("0.5.10.post1.dev1", "0.5.10.post1"),
+        ("4.57.1", "5.2.0"),
+        ("5.2.0", "5.23.0"),
+        ("1.0", "1!0.1"),
+        ("2.9.0", "2.9.0+cu130"),
+    ],
+)
+def test_version_order(low, high):
+    cmp = _load().compare_versions
+    assert cmp(low, high) == -1
+    assert cmp(high, low) == 1
+
+
+@pytest.mark.parametrize("a,b", [("1.0", "1.0.0"), ("0.5.10rc0", "0.5.10-rc0"), ("5.2", "5.2.0")])
+def test_version_equal(a, b):
+    assert _load().compare_versions(a, b) == 0
+
+
+def test_version_rejects_garbage():
+    with pytest.raises(ValueError):
+        _load().version_key("latest")
