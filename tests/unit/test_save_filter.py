@@ -1,0 +1,451 @@
+"""scripts/save_filter.py against synthetic `docker save` archives of both layouts.
+
+The archives mimic what Docker 20.10 (legacy) and Docker 26 (OCI) write: members in lexical name
+order (manifest.json and index.json after the layers), v1 IDs computed as Docker does, uncompressed
+layer blobs named by their diff ID.  Tests run the script through pipes as the ship does.
+"""
+
+import gzip
+import hashlib
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import threading
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "save_filter.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("save_filter", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+sf = _load()
+
+
+def sha(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def layer_tar(name: str, payload: bytes) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as t:
+        info = tarfile.TarInfo(name)
+        info.size = len(payload)
+        info.mtime = 1
+        t.addfile(info, io.BytesIO(payload))
+    return buf.getvalue()
+
+
+class Archive:
+    """A tar written member by member, remembering each member's raw byte span."""
+
+    def __init__(self, fmt=tarfile.USTAR_FORMAT):
+        self.buf = io.BytesIO()
+        self.tar = tarfile.open(fileobj=self.buf, mode="w", format=fmt)
+        self.spans = {}  # name -> (start, end)
+
+    def add(self, name, data=None, *, kind=tarfile.REGTYPE, link=""):
+        start = self.tar.offset
+        info = tarfile.TarInfo(name)
+        info.type = kind
+        info.mtime = 1700000000
+        info.linkname = link
+        if kind == tarfile.REGTYPE:
+            info.size = len(data)
+            self.tar.addfile(info, io.BytesIO(data))
+        else:
+            info.mode = 0o755 if kind == tarfile.DIRTYPE else 0o777
+            self.tar.addfile(info)
+        self.spans[name] = (start, self.tar.offset)
+
+    def close(self) -> bytes:
+        self.tar.close()
+        self.end = self.spans and max(e for _, e in self.spans.values())
+        return self.buf.getvalue()
+
+    def without(self, raw: bytes, dropped) -> bytes:
+        """The expected filter output: the archive minus the raw spans of the dropped members."""
+        out, pos = [], 0
+        for name, (s, e) in sorted(self.spans.items(), key=lambda kv: kv[1]):
+            if name in dropped:
+                out.append(raw[pos:s])
+                pos = e
+        out.append(raw[pos:])
+        return b"".join(out)
+
+
+def image(n_layers=3, payloads=None):
+    payloads = payloads or [os.urandom(3000 + 1000 * i) for i in range(n_layers)]
+    layers = [layer_tar("f-" + sha(p)[7:19], p) for p in payloads]
+    diff_ids = [sha(t) for t in layers]
+    config = json.dumps(
+        {"architecture": "amd64", "os": "linux", "rootfs": {"type": "layers", "diff_ids": diff_ids}}
+    ).encode()
+    return layers, diff_ids, config
+
+
+def legacy_archive(layers, diff_ids, config, tag="sdderiv:1"):
+    """Docker 20.10's layout, in its order (lexical); duplicates become symlinks as in Docker."""
+    v1 = sf.legacy_v1_ids(diff_ids)
+    top = hashlib.sha256(b"top layer: its v1 id embeds the whole image config").hexdigest()
+    v1.append(top)
+    cfg_name = hashlib.sha256(config).hexdigest() + ".json"
+    members = {}
+    first_path = {}
+    for i, (tar_bytes, diff) in enumerate(zip(layers, diff_ids, strict=True)):
+        d = v1[i]
+        doc = {"id": d, "created": "1970-01-01T00:00:00Z", "os": "linux"}
+        if i:
+            doc["parent"] = v1[i - 1]
+        members[d + "/"] = ("dir", None)
+        members[d + "/VERSION"] = ("file", b"1.0")
+        members[d + "/json"] = ("file", json.dumps(doc).encode())
+        if diff in first_path:
+            members[d + "/layer.tar"] = ("link", "../" + first_path[diff])
+        else:
+            members[d + "/layer.tar"] = ("file", tar_bytes)
+            first_path[diff] = d + "/layer.tar"
+    members[cfg_name] = ("file", config)
+    manifest = [{"Config": cfg_name, "RepoTags": [tag], "Layers": [d + "/layer.tar" for d in v1]}]
+    members["manifest.json"] = ("file", json.dumps(manifest).encode())
+    members["repositories"] = ("file", b'{"sdderiv":{"1":"%s"}}' % top.encode())
+    return build(members), v1
+
+
+def oci_archive(blobs_by_digest, config, layer_paths, tag="sdderiv:1"):
+    """Docker 26's layout, in its order: blobs sorted by digest, then index.json, manifest.json."""
+    cfg_digest = sha(config)
+    manifest_blob = json.dumps({"schemaVersion": 2, "config": {"digest": cfg_digest}}).encode()
+    members = {"blobs/": ("dir", None), "blobs/sha256/": ("dir", None)}
+    blobs = dict(blobs_by_digest)
+    blobs[cfg_digest] = config
+    blobs[sha(manifest_blob)] = manifest_blob
+    for digest, data in blobs.items():
+        members["blobs/sha256/" + digest.split(":")[1]] = ("file", data)
+    index = {"schemaVersion": 2, "manifests": [{"digest": sha(manifest_blob)}]}
+    members["index.json"] = ("file", json.dumps(index).encode())
+    manifest = [
+        {"Config": "blobs/sha256/" + cfg_digest.split(":")[1], "RepoTags": [tag],
+         "Layers": layer_paths}
+    ]  # fmt: skip
+    members["manifest.json"] = ("file", json.dumps(manifest).encode())
+    members["oci-layout"] = ("file", b'{"imageLayoutVersion": "1.0.0"}')
+    members["repositories"] = ("file", b"{}")
+    return build(members)
+
+
+def build(members):
+    arc = Archive()
+    for name in sorted(members):
+        kind, data = members[name]
+        if kind == "dir":
+            arc.add(name, kind=tarfile.DIRTYPE)
+        elif kind == "link":
+            arc.add(name, kind=tarfile.SYMTYPE, link=data)
+        else:
+            arc.add(name, data)
+    raw = arc.close()
+    return arc, raw
+
+
+def run_filter(raw: bytes, *args, tmp_path=None):
+    stats = None
+    if tmp_path is not None:
+        stats = tmp_path / "stats.json"
+        args = (*args, "--stats", str(stats))
+    cp = subprocess.run([sys.executable, str(SCRIPT), *args], input=raw, capture_output=True, timeout=120)
+    report = json.loads(cp.stderr.decode().strip().splitlines()[-1]) if cp.stderr else None
+    if stats is not None and stats.exists():
+        assert json.loads(stats.read_text()) == report
+    return cp, report
+
+
+def names_of(raw: bytes):
+    with tarfile.open(fileobj=io.BytesIO(raw), mode="r|") as t:
+        return [m.name for m in t]
+
+
+# -- legacy layout (Docker < 25) -------------------------------------------------------------
+
+
+def test_legacy_v1_ids_match_docker_20_10():
+    """v1 IDs observed in a real Docker 20.10 `docker save` (two lower layers of sdderiv:1)."""
+    diff_ids = [
+        "sha256:d018aca997651d202cb6a523238eaa053d4df3e7fb6bc395b387e0d1fba1fe54",
+        "sha256:be0975d57402806b91ac64756340cb60b73aab408e307f15e757ecebcb0634db",
+        "sha256:bb9513fe5650affed25d20abc59ccc7a2544346610016a7b5ca3c1771d24d583",
+    ]
+    assert sf.legacy_v1_ids(diff_ids) == [
+        "238d79fc90d8f93decfb42c4df54c7846f6211a44c6244a56248e2cff0d0c114",
+        "e8e3d2178e77ff9fdc05ce76c33b4dfe1ffc588bb501ac5b6e13101ff711e3f0",
+    ]
+
+
+def test_legacy_drops_the_base_layers(tmp_path):
+    layers, diff_ids, config = image(3)
+    (arc, raw), v1 = legacy_archive(layers, diff_ids, config)
+    # manifest.json comes after every layer: the filter decides without it
+    order = names_of(raw)
+    assert order.index("manifest.json") > max(order.index(d + "/layer.tar") for d in v1)
+    cp, report = run_filter(
+        raw, "--layers", ",".join(diff_ids), "--have", diff_ids[0], "--have", diff_ids[1],
+        tmp_path=tmp_path,
+    )  # fmt: skip
+    assert cp.returncode == 0, cp.stderr
+    dropped = {v1[0] + "/layer.tar", v1[1] + "/layer.tar"}
+    assert cp.stdout == arc.without(raw, dropped)
+    assert report["layout"] == "legacy"
+    assert sorted(report["dropped"], key=lambda d: d["path"]) == sorted(
+        [
+            {"path": v1[0] + "/layer.tar", "size": len(layers[0]), "diff_id": diff_ids[0]},
+            {"path": v1[1] + "/layer.tar", "size": len(layers[1]), "diff_id": diff_ids[1]},
+        ],
+        key=lambda d: d["path"],
+    )  # in archive order, which is lexical
+    assert report["bytes_in"] == len(raw)
+    assert report["bytes_out"] == len(cp.stdout)
+    assert report["bytes_dropped"] == len(layers[0]) + len(layers[1])
+    assert report["members_dropped"] == 2
+    assert report["members_in"] - report["members_out"] == 2
+    assert report["missed"] == []
+    assert report["errors"] == []
+    assert report["status"] == 0
+
+
+def test_legacy_top_layer_recognised_by_its_parent(tmp_path):
+    """The peer has every layer (e.g. the new image only changed labels): all tars dropped."""
+    layers, diff_ids, config = image(3)
+    (arc, raw), v1 = legacy_archive(layers, diff_ids, config)
+    cp, report = run_filter(raw, "--layers", ",".join(diff_ids), *_haves(diff_ids))
+    assert cp.returncode == 0
+    assert cp.stdout == arc.without(raw, {d + "/layer.tar" for d in v1})
+    assert report["missed"] == []
+
+
+def test_legacy_single_layer_image(tmp_path):
+    layers, diff_ids, config = image(1)
+    (arc, raw), v1 = legacy_archive(layers, diff_ids, config)
+    cp, report = run_filter(raw, "--layers", diff_ids[0], "--have", diff_ids[0])
+    assert cp.stdout == arc.without(raw, {v1[0] + "/layer.tar"})
+    assert report["missed"] == []
+
+
+def test_legacy_without_layers_drops_nothing_and_says_so(tmp_path):
+    layers, diff_ids, config = image(2)
+    (arc, raw), v1 = legacy_archive(layers, diff_ids, config)
+    cp, report = run_filter(raw, "--have", diff_ids[0])
+    assert cp.returncode == 0
+    assert cp.stdout == raw
+    assert report["missed"] == [diff_ids[0]]
+
+
+def test_only_the_chain_prefix_is_dropped(tmp_path):
+    """The classic store keys layers by chain: a have-layer above a missing one is still sent."""
+    layers, diff_ids, config = image(3)
+    (arc, raw), v1 = legacy_archive(layers, diff_ids, config)
+    cp, report = run_filter(raw, "--layers", ",".join(diff_ids), *_haves([diff_ids[0], diff_ids[2]]))
+    assert cp.stdout == arc.without(raw, {v1[0] + "/layer.tar"})
+    assert report["prefix_layers"] == 1
+    assert report["missed"] == []
+
+
+def test_legacy_duplicate_layer_symlink(tmp_path):
+    """A diff ID recurring above the prefix keeps its file (a later symlink points at it)."""
+    same = os.urandom(2000)
+    layers, diff_ids, config = image(3, payloads=[same, os.urandom(100), same])
+    assert diff_ids[0] == diff_ids[2]
+    (arc, raw), v1 = legacy_archive(layers, diff_ids, config)
+    cp, report = run_filter(raw, "--layers", ",".join(diff_ids), "--have", diff_ids[0])
+    assert cp.returncode == 0
+    assert cp.stdout == raw  # layer 0 is needed again at position 2: nothing droppable
+    with tarfile.open(fileobj=io.BytesIO(cp.stdout)) as t:
+        assert t.getmember(v1[2] + "/layer.tar").issym()
+
+
+# -- OCI layout (Docker 25+) -----------------------------------------------------------------
+
+
+def _haves(diff_ids):
+    out = []
+    for d in diff_ids:
+        out += ["--have", d]
+    return out
+
+
+def test_oci_drops_blobs_by_digest(tmp_path):
+    layers, diff_ids, config = image(3)
+    arc, raw = oci_archive(
+        dict(zip(diff_ids, layers, strict=True)), config,
+        ["blobs/sha256/" + d.split(":")[1] for d in diff_ids],
+    )  # fmt: skip
+    have = tmp_path / "have.txt"
+    have.write_text(f"# the peer's layers\n{diff_ids[0]}\n{diff_ids[1]}\n")
+    lfile = tmp_path / "layers.json"
+    lfile.write_text(json.dumps(diff_ids))
+    cp, report = run_filter(raw, "--layers-file", str(lfile), "--have-file", str(have), tmp_path=tmp_path)
+    assert cp.returncode == 0, cp.stderr
+    dropped = {"blobs/sha256/" + d.split(":")[1] for d in diff_ids[:2]}
+    assert cp.stdout == arc.without(raw, dropped)
+    assert report["layout"] == "oci"
+    assert {d["path"] for d in report["dropped"]} == dropped
+    assert report["missed"] == []
+    assert report["errors"] == []
+
+
+def test_oci_without_layers_list_drops_named_blobs():
+    layers, diff_ids, config = image(2)
+    arc, raw = oci_archive(
+        dict(zip(diff_ids, layers, strict=True)), config,
+        ["blobs/sha256/" + d.split(":")[1] for d in diff_ids],
+    )  # fmt: skip
+    cp, report = run_filter(raw, "--have", diff_ids[0])
+    assert cp.stdout == arc.without(raw, {"blobs/sha256/" + diff_ids[0].split(":")[1]})
+    assert report["status"] == 0
+
+
+def test_oci_compressed_blobs_need_drop_paths(tmp_path):
+    """gzip layer blobs: digest != diff ID; in stream only --drop can leave them out."""
+    layers, diff_ids, config = image(2)
+    gz = [gzip.compress(t, mtime=0) for t in layers]
+    paths = ["blobs/sha256/" + sha(g).split(":")[1] for g in gz]
+    arc, raw = oci_archive({sha(g): g for g in gz}, config, paths)
+    cp, report = run_filter(raw, "--layers", ",".join(diff_ids), "--have", diff_ids[0])
+    assert cp.stdout == raw
+    assert report["missed"] == [diff_ids[0]]  # the controller learns to pass --drop
+    cp, report = run_filter(raw, "--layers", ",".join(diff_ids), "--have", diff_ids[0], "--drop", paths[0])
+    assert cp.returncode == 0
+    assert cp.stdout == arc.without(raw, {paths[0]})
+    assert report["dropped"] == [{"path": paths[0], "size": len(gz[0]), "diff_id": diff_ids[0]}]
+    assert report["missed"] == []
+
+
+def test_dropping_a_layer_the_peer_lacks_is_flagged(tmp_path):
+    layers, diff_ids, config = image(2)
+    paths = ["blobs/sha256/" + d.split(":")[1] for d in diff_ids]
+    arc, raw = oci_archive(dict(zip(diff_ids, layers, strict=True)), config, paths)
+    cp, report = run_filter(raw, "--drop", paths[1])
+    assert cp.returncode == 4
+    assert report["unsafe"] is True
+    assert report["errors"] == [f"dropped {paths[1]} (layer 1, {diff_ids[1]}) which the peer lacks"]
+
+
+def test_pax_long_names_and_headers_are_kept_verbatim():
+    """A member needing a pax header (long name): header blocks pass through unchanged."""
+    arc = Archive(fmt=tarfile.PAX_FORMAT)
+    long = "d/" + "x" * 150
+    arc.add(long, b"payload")
+    drop_me = os.urandom(700)
+    arc.add("blobs/sha256/" + sha(drop_me).split(":")[1] + "/" + "y" * 120, b"kept: not a blob")
+    arc.add("blobs/sha256/" + sha(drop_me).split(":")[1], drop_me)
+    raw = arc.close()
+    cp, report = run_filter(raw, "--have", sha(drop_me))
+    assert cp.returncode == 0
+    assert cp.stdout == arc.without(raw, {"blobs/sha256/" + sha(drop_me).split(":")[1]})
+    assert names_of(cp.stdout)[0] == long
+
+
+def test_streams_through_pipes_in_bounded_memory(tmp_path):
+    """A 256 MiB layer goes through pipes (kept) while the filter stays far below its size."""
+    size = 256 << 20
+    chunk = os.urandom(1 << 20)
+    header = tarfile.TarInfo("blobs/sha256/" + "ab" * 32)
+    header.size = size
+    header.mtime = 1
+    head = header.tobuf(format=tarfile.USTAR_FORMAT)
+    small = os.urandom(5000)
+    small_info = tarfile.TarInfo("blobs/sha256/" + sha(small).split(":")[1])
+    small_info.size = len(small)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--have", sha(small), "--quiet"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    out_len = [0]
+    out_hash = hashlib.sha256()
+
+    def reader():
+        while data := proc.stdout.read(1 << 20):
+            out_len[0] += len(data)
+            out_hash.update(data)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    in_hash = hashlib.sha256()
+
+    def feed(data):
+        in_hash.update(data)
+        proc.stdin.write(data)
+
+    feed(small_info.tobuf(format=tarfile.USTAR_FORMAT) + small + b"\0" * (-len(small) % 512))
+    in_hash = hashlib.sha256()  # the expected output starts after the dropped member
+    feed(head)
+    for _ in range(size // len(chunk)):
+        feed(chunk)
+    feed(b"\0" * 1024)
+    proc.stdin.close()
+    _, status, rusage = os.wait4(proc.pid, 0)
+    t.join()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 0
+    assert out_len[0] == 512 + size + 1024
+    assert out_hash.hexdigest() == in_hash.hexdigest()
+    assert rusage.ru_maxrss * 1024 < size // 4  # ru_maxrss is in KiB on Linux
+
+
+def test_progress_lines(tmp_path):
+    layers, diff_ids, config = image(2)
+    arc, raw = oci_archive(
+        dict(zip(diff_ids, layers, strict=True)), config,
+        ["blobs/sha256/" + d.split(":")[1] for d in diff_ids],
+    )  # fmt: skip
+    cp = subprocess.run(
+        [sys.executable, str(SCRIPT), "--progress", "1000", "--quiet"],
+        input=raw, capture_output=True,
+    )  # fmt: skip
+    assert cp.returncode == 0
+    # the final count is always printed, whatever the period
+    assert cp.stderr.decode().splitlines() == [f"progress bytes_in={len(raw)} bytes_out={len(raw)}"]
+
+
+def test_truncated_archive_fails():
+    layers, diff_ids, config = image(2)
+    arc, raw = oci_archive(
+        dict(zip(diff_ids, layers, strict=True)), config,
+        ["blobs/sha256/" + d.split(":")[1] for d in diff_ids],
+    )  # fmt: skip
+    cp, report = run_filter(raw[: len(raw) // 2])
+    assert cp.returncode == 3
+    assert report["status"] == 3
+    assert b"truncated" in cp.stderr
+
+
+def test_not_a_tar_fails():
+    cp, report = run_filter(b"this is not a tar archive".ljust(4096, b"!"))
+    assert cp.returncode == 3
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--have", "sha256:short"],
+        ["--have", "md5:" + "0" * 64],
+        ["--layers", "sha256:" + "0" * 64 + ",nope"],
+        ["--progress", "0"],
+        ["--bogus"],
+        ["--have-file", "/nonexistent/have.txt"],
+    ],
+)
+def test_bad_arguments_exit_2(args):
+    cp = subprocess.run([sys.executable, str(SCRIPT), *args], input=b"", capture_output=True)
+    assert cp.returncode == 2
+    assert cp.stderr.startswith(b"usage: save_filter.py")
+    assert cp.stdout == b""
