@@ -2,9 +2,9 @@
 
 from invoke import Collection
 
-from sparkdeploy.tasks import hosts, profile, services
+from sparkdeploy.tasks import hosts, lab, profile, services
 
-ns = Collection(profile, hosts, services)
+ns = Collection(profile, hosts, services, lab)
 ns.configure(
     {
         "sparkdeploy": {

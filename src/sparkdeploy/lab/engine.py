@@ -1,0 +1,190 @@
+"""Each node's Docker engine: Docker 26 from Debian trixie (default), bookworm's 20.10, or
+Docker 26 on the containerd image store with its own containerd daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from pathlib import Path
+
+from sparkdeploy.lab import layout
+from sparkdeploy.lab.proc import LabError, in_node, run, spawn
+
+DOCKER26_DIR = layout.CACHE_DIR / "docker26"
+DOCKER26_DOCKERD = DOCKER26_DIR / "usr" / "sbin" / "dockerd"
+TRIXIE_APT = layout.CACHE_DIR / "apt-trixie"
+CLASSIC_DOCKERD = "/usr/sbin/dockerd"
+SNAPSHOTTER_DRIVER = "io.containerd.snapshotter.v1"
+
+
+def debian_mirror(sources: Path = Path("/etc/apt/sources.list.d/debian.sources")) -> str:
+    """The machine's configured Debian mirror (first ``URIs:`` of a suite without -security)."""
+    try:
+        text = sources.read_text()
+    except OSError:
+        text = ""
+    for stanza in text.split("\n\n"):
+        uris = re.search(r"^URIs:\s*(\S+)", stanza, re.M)
+        suites = re.search(r"^Suites:\s*(.+)$", stanza, re.M)
+        if uris and suites and "security" not in suites.group(1):
+            return uris.group(1).rstrip("/")
+    legacy = Path("/etc/apt/sources.list")
+    if legacy.exists():
+        for line in legacy.read_text().splitlines():
+            m = re.match(r"^deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+\S+", line)
+            if m and "security" not in line:
+                return m.group(1).rstrip("/")
+    return "http://deb.debian.org/debian"
+
+
+def ensure_docker26() -> tuple[bool, str]:
+    """Docker 26's dockerd from trixie's ``docker.io``, unpacked under the cache.
+
+    Uses a separate sources list and lists dir, so the system's apt setup is untouched.
+    Returns (changed, why).
+    """
+    if DOCKER26_DOCKERD.exists():
+        return False, f"{DOCKER26_DOCKERD} cached"
+    TRIXIE_APT.mkdir(parents=True, exist_ok=True)
+    (TRIXIE_APT / "lists" / "partial").mkdir(parents=True, exist_ok=True)
+    (TRIXIE_APT / "archives" / "partial").mkdir(parents=True, exist_ok=True)
+    src = TRIXIE_APT / "sources.list"
+    src.write_text(f"deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] "
+                   f"{debian_mirror()} trixie main\n")
+    opts = ["-o", f"Dir::Etc::SourceList={src}", "-o", "Dir::Etc::SourceParts=/nonexistent",
+            "-o", f"Dir::State::Lists={TRIXIE_APT / 'lists'}",
+            "-o", f"Dir::Cache::Archives={TRIXIE_APT / 'archives'}",
+            "-o", "APT::Get::List-Cleanup=0"]
+    run(["apt-get", *opts, "update"], timeout=600)
+    for old in TRIXIE_APT.glob("docker.io_*.deb"):
+        old.unlink()
+    run(["apt-get", *opts, "download", "docker.io"], cwd=TRIXIE_APT, timeout=600)
+    debs = sorted(TRIXIE_APT.glob("docker.io_*.deb"))
+    if not debs:
+        raise LabError("apt-get download docker.io (trixie) left no .deb")
+    tmp = DOCKER26_DIR.with_name("docker26.tmp")
+    run(["rm", "-rf", str(tmp)])
+    run(["dpkg", "-x", str(debs[-1]), str(tmp)])
+    run(["rm", "-rf", str(DOCKER26_DIR)])
+    os.replace(tmp, DOCKER26_DIR)
+    ver = run([str(DOCKER26_DOCKERD), "--version"], check=False).stdout.strip()
+    return True, f"unpacked {debs[-1].name} ({ver})"
+
+
+def storage_driver() -> str:
+    """overlay2 works inside a node's mount namespace on this machine's ext4 (measured:
+    vfs would copy every layer fully); fall back to vfs where overlay is unavailable."""
+    try:
+        if "overlay" in Path("/proc/filesystems").read_text():
+            return "overlay2"
+    except OSError:
+        pass
+    return "vfs"
+
+
+def engine_dir(node: str, engine: str) -> Path:
+    return layout.node_dir(node) / "docker" / engine
+
+
+def start_containerd(node: str, mntns: Path, netns: Path, engine: str) -> dict:
+    d = engine_dir(node, engine) / "containerd"
+    (d / "root").mkdir(parents=True, exist_ok=True)
+    (d / "state").mkdir(parents=True, exist_ok=True)
+    sock = d / "containerd.sock"
+    cfg = d / "config.toml"
+    cfg.write_text(
+        "version = 2\n"
+        f'root = "{d / "root"}"\n'
+        f'state = "{d / "state"}"\n'
+        'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
+        "[grpc]\n"
+        f'  address = "{sock}"\n'
+        "[ttrpc]\n"
+        f'  address = "{sock}.ttrpc"\n'
+        "[debug]\n"
+        f'  address = "{d / "debug.sock"}"\n'
+    )
+    rec = spawn(in_node(mntns, netns, ["containerd", "--config", str(cfg)]),
+                layout.node_dir(node) / "log" / "containerd.log", env=_env())
+    rec["socket"] = str(sock)
+    _wait_for_socket(sock, "containerd", node, rec)
+    return rec
+
+
+def start_dockerd(node: str, mntns: Path, netns: Path, engine: str,
+                  containerd_sock: str | None) -> dict:
+    d = engine_dir(node, engine)
+    for sub in ("data", "exec"):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+    run_dir = layout.node_dir(node) / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    sock = layout.docker_socket(node)
+    cfg: dict = {}
+    if engine == "containerd":
+        cfg["features"] = {"containerd-snapshotter": True}
+    cfg_file = d / "daemon.json"
+    cfg_file.write_text(json.dumps(cfg, indent=2) + "\n")
+    binary = CLASSIC_DOCKERD if engine == "classic20" else str(DOCKER26_DOCKERD)
+    argv = [binary, "--config-file", str(cfg_file), "--data-root", str(d / "data"),
+            "--exec-root", str(d / "exec"), "--pidfile", str(run_dir / "docker.pid"),
+            "-H", f"unix://{sock}", "--storage-driver", storage_driver(),
+            "--iptables=false", "--ip-masq=false", "--bridge=none"]
+    if containerd_sock:
+        argv += ["--containerd", containerd_sock]
+    rec = spawn(in_node(mntns, netns, argv), layout.node_dir(node) / "log" / "dockerd.log",
+                env=_env())
+    rec["socket"] = sock
+    rec["engine"] = engine
+    _wait_for_socket(Path(sock), "dockerd", node, rec, timeout=60)
+    return rec
+
+
+def _env() -> dict[str, str]:
+    # bookworm's containerd and runc first (trixie's runc needs a newer glibc)
+    env = {k: v for k, v in os.environ.items() if k in ("LANG", "LC_ALL", "TZ")}
+    env["PATH"] = "/usr/bin:/usr/sbin:/bin:/sbin:" + str(DOCKER26_DIR / "usr" / "bin")
+    env["HOME"] = "/root"
+    return env
+
+
+def _wait_for_socket(sock: Path, what: str, node: str, rec: dict, timeout: float = 30) -> None:
+    from sparkdeploy.lab.proc import alive
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sock.exists():
+            s = socket.socket(socket.AF_UNIX)
+            try:
+                s.connect(str(sock))
+                return
+            except OSError:
+                pass
+            finally:
+                s.close()
+        if not alive(rec):
+            break
+        time.sleep(0.2)
+    tail = ""
+    try:
+        tail = Path(rec["log"]).read_text().strip().splitlines()[-1][:200]
+    except (OSError, IndexError):
+        pass
+    raise LabError(f"{node}: {what} did not come up on {sock}: {tail}")
+
+
+def docker(node: str, *args: str) -> list[str]:
+    """argv for the docker CLI against a node's engine (from the controller)."""
+    return ["docker", "-H", f"unix://{layout.docker_socket(node)}", *args]
+
+
+def engine_info(node: str) -> dict | None:
+    cp = run(docker(node, "info", "--format", "{{json .}}"), check=False, timeout=30)
+    if cp.returncode != 0:
+        return None
+    try:
+        return json.loads(cp.stdout)
+    except ValueError:
+        return None

@@ -1,0 +1,264 @@
+"""A node's namespaces, private mounts and network links (idempotent; each says if it changed)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from sparkdeploy.lab import layout
+from sparkdeploy.lab.layout import AddressPlan
+from sparkdeploy.lab.proc import LabError, run
+
+# --- mounts ------------------------------------------------------------------------------
+
+
+def _mount_points(mountinfo: str) -> dict[str, str]:
+    """mount point -> root (the path inside its source filesystem), last mount wins."""
+    out = {}
+    for line in mountinfo.splitlines():
+        f = line.split()
+        if len(f) > 4:
+            out[_unescape(f[4])] = _unescape(f[3])
+    return out
+
+
+def _unescape(s: str) -> str:
+    return s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace(
+        "\\134", "\\")
+
+
+def root_mounts() -> dict[str, str]:
+    return _mount_points(Path("/proc/self/mountinfo").read_text())
+
+
+def is_ns_mounted(path: Path) -> bool:
+    return os.path.realpath(path) in root_mounts()
+
+
+def ensure_mntns(node: str, created: list[str]) -> bool:
+    """A persistent mount namespace bound to ``ns/<node>.mnt``; True if made now."""
+    f = layout.mntns_path(node)
+    if f.exists() and is_ns_mounted(f):
+        return False
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.touch()
+    run(["unshare", f"--mount={f}", "--propagation", "private", "true"])
+    return True
+
+
+def ensure_private_mounts(node: str, created: list[str]) -> list[str]:
+    """Bind each node-private backing dir over its path inside the node; return those made."""
+    f = layout.mntns_path(node)
+    have = _mount_points(run(["nsenter", f"--mount={f}", "cat", "/proc/self/mountinfo"]).stdout)
+    made = []
+    for target, name in layout.PRIVATE_MOUNTS.items():
+        src = layout.node_dir(node) / name
+        src.mkdir(parents=True, exist_ok=True)
+        if name == "ssh":
+            os.chmod(src, 0o700)
+        tp = Path(target)
+        if not tp.exists():
+            tp.mkdir(parents=True)
+            created.append(target)
+        if target in have and have[target].endswith(str(src)):
+            continue
+        run(["nsenter", f"--mount={f}", "mount", "--bind", str(src), target])
+        made.append(target)
+    return made
+
+
+# --- network -----------------------------------------------------------------------------
+
+
+def _links(netns: str | None = None) -> dict[str, dict]:
+    argv = ["ip", "-j"] + (["-n", netns] if netns else []) + ["addr", "show"]
+    cp = run(argv, check=False)
+    if cp.returncode != 0:
+        return {}
+    return {i["ifname"]: i for i in json.loads(cp.stdout or "[]")}
+
+
+def _has_addr(link: dict | None, addr: str, prefix: int) -> bool:
+    if not link:
+        return False
+    return any(a.get("local") == addr and a.get("prefixlen") == prefix
+               for a in link.get("addr_info", []))
+
+
+def netns_exists(name: str) -> bool:
+    p = Path("/var/run/netns") / name
+    return p.exists() and is_ns_mounted(p)
+
+
+def ensure_netns(name: str) -> bool:
+    if netns_exists(name):
+        return False
+    p = Path("/var/run/netns") / name
+    if p.exists():  # a stale file (e.g. after a reboot): replace it
+        run(["ip", "netns", "del", name], check=False)
+    run(["ip", "netns", "add", name])
+    run(["ip", "-n", name, "link", "set", "lo", "up"])
+    return True
+
+
+def ensure_mgmt_bridge(plan: AddressPlan) -> bool:
+    links = _links()
+    br = links.get(layout.MGMT_BRIDGE)
+    changed = False
+    if br is None:
+        run(["ip", "link", "add", layout.MGMT_BRIDGE, "type", "bridge"])
+        changed = True
+    if not _has_addr(br, plan.controller, plan.prefix):
+        for a in (br or {}).get("addr_info", []):
+            if a.get("family") == "inet":
+                run(["ip", "addr", "del", f"{a['local']}/{a['prefixlen']}", "dev",
+                     layout.MGMT_BRIDGE])
+        run(["ip", "addr", "add", f"{plan.controller}/{plan.prefix}", "dev", layout.MGMT_BRIDGE])
+        changed = True
+    if br is None or "UP" not in br.get("flags", []):
+        run(["ip", "link", "set", layout.MGMT_BRIDGE, "up"])
+        changed = True
+    return changed
+
+
+def ensure_mgmt_link(node: str, plan: AddressPlan) -> bool:
+    ns = layout.netns_name(node)
+    veth = layout.root_veth(node)
+    inner = _links(ns).get(layout.MGMT_IF)
+    outer = _links().get(veth)
+    changed = False
+    if inner is None or outer is None:
+        if outer is not None:
+            run(["ip", "link", "del", veth])
+        if inner is not None:
+            run(["ip", "-n", ns, "link", "del", layout.MGMT_IF])
+        run(["ip", "link", "add", veth, "type", "veth", "peer", "name", layout.MGMT_IF,
+             "netns", ns])
+        inner = None
+        changed = True
+    if outer is None or outer.get("master") != layout.MGMT_BRIDGE or "UP" not in outer.get(
+            "flags", []):
+        run(["ip", "link", "set", veth, "master", layout.MGMT_BRIDGE, "up"])
+        changed = True
+    addr = plan.mgmt_addr(node)
+    if not _has_addr(inner, addr, plan.prefix):
+        run(["ip", "-n", ns, "addr", "flush", "dev", layout.MGMT_IF])
+        run(["ip", "-n", ns, "addr", "add", f"{addr}/{plan.prefix}", "dev", layout.MGMT_IF])
+        changed = True
+    if inner is None or "UP" not in inner.get("flags", []):
+        run(["ip", "-n", ns, "link", "set", layout.MGMT_IF, "up"])
+        changed = True
+    return changed
+
+
+def fast_topology(n: int) -> str:
+    return "none" if n < 2 else "pair" if n == 2 else "bridge"
+
+
+def _fast_ok(nodes: list[str], plan: AddressPlan, topology: str) -> bool:
+    prefix = int(plan.fast_net.split("/")[1])
+    for node in nodes:
+        link = _links(layout.netns_name(node)).get(layout.FAST_IF)
+        if not _has_addr(link, plan.fast_addr(node), prefix):
+            return False
+        if link.get("mtu") != layout.FAST_MTU or "UP" not in link.get("flags", []):
+            return False
+    if topology == "pair":
+        return not netns_exists(layout.FAST_NETNS)
+    ports = _links(layout.FAST_NETNS)
+    return all(ports.get(layout.fast_peer_veth(n), {}).get("master") == layout.FAST_BRIDGE
+               for n in nodes)
+
+
+def remove_fast(nodes: list[str]) -> None:
+    for node in nodes:
+        ns = layout.netns_name(node)
+        if layout.FAST_IF in _links(ns):
+            run(["ip", "-n", ns, "link", "del", layout.FAST_IF], check=False)
+    if netns_exists(layout.FAST_NETNS):
+        run(["ip", "netns", "del", layout.FAST_NETNS], check=False)
+
+
+def ensure_fast(nodes: list[str], plan: AddressPlan) -> bool:
+    """The fast link: a veth pair for two nodes, a bridge in ``lab-fast`` for more."""
+    topo = fast_topology(len(nodes))
+    if topo == "none":
+        remove_fast(nodes)
+        return False
+    if _fast_ok(nodes, plan, topo):
+        return False
+    remove_fast(nodes)
+    mtu = str(layout.FAST_MTU)
+    prefix = plan.fast_net.split("/")[1]
+    if topo == "pair":
+        a, b = (layout.netns_name(x) for x in nodes)
+        run(["ip", "link", "add", layout.FAST_IF, "netns", a, "mtu", mtu, "type", "veth",
+             "peer", "name", layout.FAST_IF, "netns", b, "mtu", mtu])
+    else:
+        ensure_netns(layout.FAST_NETNS)
+        fns = layout.FAST_NETNS
+        run(["ip", "-n", fns, "link", "add", layout.FAST_BRIDGE, "mtu", mtu, "type", "bridge"])
+        run(["ip", "-n", fns, "link", "set", layout.FAST_BRIDGE, "up"])
+        for node in nodes:
+            peer = layout.fast_peer_veth(node)
+            run(["ip", "link", "add", layout.FAST_IF, "netns", layout.netns_name(node), "mtu",
+                 mtu, "type", "veth", "peer", "name", peer, "netns", fns, "mtu", mtu])
+            run(["ip", "-n", fns, "link", "set", peer, "master", layout.FAST_BRIDGE, "up"])
+    for node in nodes:
+        ns = layout.netns_name(node)
+        run(["ip", "-n", ns, "addr", "add", f"{plan.fast_addr(node)}/{prefix}", "dev",
+             layout.FAST_IF])
+        run(["ip", "-n", ns, "link", "set", layout.FAST_IF, "up"])
+    return True
+
+
+def node_addresses(node: str) -> dict[str, list[str]]:
+    """ifname -> IPv4 addresses inside a node (for status)."""
+    out = {}
+    for name, link in _links(layout.netns_name(node)).items():
+        if name == "lo":
+            continue
+        out[name] = [f"{a['local']}/{a['prefixlen']}" for a in link.get("addr_info", [])
+                     if a.get("family") == "inet"]
+    return out
+
+
+def remove_node_net(node: str) -> bool:
+    changed = False
+    veth = layout.root_veth(node)
+    if veth in _links():
+        run(["ip", "link", "del", veth], check=False)
+        changed = True
+    ns = layout.netns_name(node)
+    if (Path("/var/run/netns") / ns).exists():
+        run(["ip", "netns", "del", ns], check=False)
+        changed = True
+    return changed
+
+
+def remove_mgmt_bridge() -> bool:
+    if layout.MGMT_BRIDGE in _links():
+        run(["ip", "link", "del", layout.MGMT_BRIDGE])
+        return True
+    return False
+
+
+def unmount_ns(path: Path) -> bool:
+    changed = False
+    while path.exists() and is_ns_mounted(path):
+        run(["umount", str(path)])
+        changed = True
+    if path.exists():
+        path.unlink()
+    return changed
+
+
+def check_no_clash_with_root(plan: AddressPlan) -> None:
+    """Refuse if a root-namespace interface other than the lab's holds a lab address."""
+    for name, link in _links().items():
+        if name == layout.MGMT_BRIDGE:
+            continue
+        for a in link.get("addr_info", []):
+            if a.get("local") == plan.controller:
+                raise LabError(f"{plan.controller} is already on {name}")

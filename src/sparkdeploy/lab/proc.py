@@ -1,0 +1,172 @@
+"""Running commands, and processes the lab started: recorded by PID plus start time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+
+class LabError(Exception):
+    """Something the lab could not do; ``str()`` is one line for the user."""
+
+
+def run(argv: Sequence[str], *, check: bool = True, input: str | bytes | None = None,
+        timeout: float | None = 600, env: dict[str, str] | None = None,
+        cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """Run argv (no shell), capture output; on failure raise LabError naming the command."""
+    text = not isinstance(input, bytes)
+    try:
+        cp = subprocess.run(list(argv), capture_output=True, input=input, timeout=timeout,
+                            env=env, cwd=cwd, text=text)
+    except FileNotFoundError:
+        raise LabError(f"{argv[0]}: command not found") from None
+    except subprocess.TimeoutExpired:
+        raise LabError(f"timed out after {timeout}s: {' '.join(argv)}") from None
+    if check and cp.returncode != 0:
+        err = cp.stderr if text else cp.stderr.decode(errors="replace")
+        lines = [ln for ln in (err or "").strip().splitlines() if ln.strip()]
+        why = lines[-1] if lines else f"exit code {cp.returncode}"
+        raise LabError(f"{' '.join(argv[:6])}{' ...' if len(argv) > 6 else ''}: {why}")
+    return cp
+
+
+def in_node(mntns: Path | str, netns: Path | str, argv: Sequence[str]) -> list[str]:
+    """argv entering a node's mount and network namespaces (never ``ip netns exec``)."""
+    return ["nsenter", f"--mount={mntns}", f"--net={netns}", *argv]
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(raw[raw.rindex(")") + 2:].split()[19])
+
+
+def alive(rec: dict | None) -> bool:
+    """True when a recorded process still runs (same PID *and* same start time, not a zombie)."""
+    if not rec or not rec.get("pid"):
+        return False
+    pid = int(rec["pid"])
+    st = start_time(pid)
+    if st is None or st != rec.get("start"):
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def record(pid: int, **extra) -> dict:
+    return {"pid": pid, "start": start_time(pid), **extra}
+
+
+def spawn(argv: Sequence[str], log: Path, env: dict[str, str] | None = None) -> dict:
+    """Start a daemon detached from us (own session), output to ``log``; return its record.
+
+    ``nsenter`` execs its command, so the PID is the daemon's own.
+    """
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as fh:
+        p = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=fh, stderr=fh,
+                             start_new_session=True, env=env, close_fds=True)
+    # nsenter may not have exec'd yet; wait until the command name changes from nsenter
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            comm = Path(f"/proc/{p.pid}/comm").read_text().strip()
+        except OSError:
+            break
+        if comm != "nsenter":
+            break
+        time.sleep(0.02)
+    rec = record(p.pid, argv=list(argv), log=str(log))
+    _children_reaper(p)
+    return rec
+
+
+_POPENS: list[subprocess.Popen] = []
+
+
+def _children_reaper(p: subprocess.Popen) -> None:
+    # keep a reference so Python does not warn; the daemon outlives us in its own session
+    _POPENS.append(p)
+
+
+def reap_exited() -> None:
+    for p in list(_POPENS):
+        if p.poll() is not None:
+            _POPENS.remove(p)
+
+
+def stop(rec: dict | None, timeout: float = 15) -> bool:
+    """SIGTERM a recorded process, wait, then SIGKILL. True if it was running."""
+    if not alive(rec):
+        return False
+    pid = int(rec["pid"])
+    _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        reap_exited()
+        if not alive(rec):
+            return True
+        time.sleep(0.1)
+    _signal(pid, signal.SIGKILL)
+    for _ in range(50):
+        reap_exited()
+        if not alive(rec):
+            break
+        time.sleep(0.1)
+    return True
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def ns_inode(path: Path | str) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
+
+
+def pids_in_ns(kind: str, inode: int) -> list[int]:
+    """PIDs whose ``/proc/PID/ns/<kind>`` (``net`` or ``mnt``) is the namespace ``inode``."""
+    want = f"{kind}:[{inode}]"
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{d}/ns/{kind}") == want:
+                out.append(int(d))
+        except OSError:
+            continue
+    return out
+
+
+def kill_pids(pids: Sequence[int], timeout: float = 10) -> list[int]:
+    """TERM then KILL exactly these PIDs (found by namespace, recorded); return those signalled."""
+    recs = [r for r in (record(p) for p in pids) if r["start"] is not None]
+    for r in recs:
+        _signal(r["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(r) for r in recs):
+        time.sleep(0.1)
+    for r in recs:
+        if alive(r):
+            _signal(r["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(alive(r) for r in recs):
+        time.sleep(0.1)
+    return [r["pid"] for r in recs]
