@@ -521,6 +521,10 @@ class Throttle:
             self._tokens = min(self._tokens, float(self.burst))
             self._last = time.monotonic()
 
+    def reset_counters(self) -> None:
+        with self._lock:
+            self.waited_s, self.bytes = 0.0, 0
+
     def take(self, n: int) -> None:
         with self._lock:
             self.bytes += n
@@ -580,6 +584,7 @@ class HubState:
             with self.lock:
                 self.log.clear()
                 self.faults_fired.clear()
+            self.throttle.reset_counters()
         return self.knobs()
 
     def take_fault(self, path: str) -> Fault | None:
