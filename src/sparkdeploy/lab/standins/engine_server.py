@@ -335,6 +335,11 @@ class Handler(BaseHTTPRequestHandler):
 
     # -- plumbing --
 
+    def parse_request(self) -> bool:
+        # the request's arrival: its request line is in, before header parsing costs anything
+        self.arrival = time.monotonic()
+        return super().parse_request()
+
     def _json(self, code: int, obj: dict) -> None:
         data = json.dumps(obj).encode()
         self.send_response(code)
@@ -408,7 +413,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):  # noqa: N802
         path = self.path.split("?", 1)[0]
-        arrival = time.monotonic()
+        arrival = self.arrival
         body = self._body()
         if body is None:
             return
@@ -426,14 +431,13 @@ class Handler(BaseHTTPRequestHandler):
 
     def _generate(self, chat: bool, body: dict, arrival: float) -> None:
         st = self.server.state
-        cfg = st.cfg
         if chat and not isinstance(body.get("messages"), list):
             self._error(400, "'messages' is required")
             return
         if not chat and "prompt" not in body:
             self._error(400, "'prompt' is required")
             return
-        n_req, rule = st.next_request()
+        _n, rule = st.next_request()
         try:
             self._answer(chat, body, arrival, rule)
         except _Closed:
@@ -496,6 +500,9 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
+        # CLOCK_MONOTONIC is shared by processes on one machine: a client on the same host can
+        # tell how late the request reached this handler (time.perf_counter uses it on Linux)
+        self.send_header("X-Standin-Arrival", f"{arrival:.6f}")
         self.end_headers()
         head = {"id": rid, "object": obj + ".chunk", "created": created, "model": model}
 
@@ -625,6 +632,9 @@ def make_server(cfg: Config) -> StandinServer:
 
 def run_server(cfg: Config) -> int:
     """Startup (faults, load time), bind, log readiness, serve until interrupted."""
+    # many handler threads wake at the same instant (64 streams in lockstep): a short GIL
+    # switch interval keeps each one's wait for the interpreter, hence its lateness, small
+    sys.setswitchinterval(float(os.environ.get(ENV + "SWITCH_INTERVAL_S", "0.0002")))
     try:
         _startup(cfg)
         srv = make_server(cfg)
@@ -730,7 +740,7 @@ def _nccl_hang(ns) -> None:
         f"{host}:{pid}:{pid} [0] NCCL INFO NET/IB : No device found.",
         f"{host}:{pid}:{pid} [0] NCCL INFO NET/Socket : Using [0]{iface}",
         f"{host}:{pid}:{pid} [0] NCCL INFO cudaDriverVersion 13000",
-        f"NCCL version 2.27.7+cuda13.0",
+        "NCCL version 2.27.7+cuda13.0",
         f"{host}:{pid}:{pid} [0] NCCL INFO Channel 00/02 : 0 1",
         f"{host}:{pid}:{pid} [0] NCCL INFO Connecting to rank 1 via NET/Socket/0 ...",
     ]

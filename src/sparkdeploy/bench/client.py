@@ -1,0 +1,315 @@
+"""The load generator: worker threads, one persistent HTTP/1.1 connection each.
+
+Why this shape (measured on a 2-core machine, see .notes/bench-figures.md): each worker owns an
+``http.client`` connection that it opens before the clock starts and reuses for every request
+(a pool sized to the concurrency, no connection set-up inside a measurement). While a stream is
+read, the only work per chunk is ``read1`` (which returns one HTTP chunk = one SSE event as soon
+as it arrives), ``perf_counter()``, and appending ``(time, bytes)`` to a list; JSON is parsed
+after the run (``metrics.analyse``). The GIL switch interval is lowered during the run so a
+worker that wakes up with data waits at most ~1 ms for the interpreter.
+
+The client measures its own overhead: the time spent between a read returning and the next
+read starting (per event), the lateness of request starts against their schedule, the lateness
+of a probe thread's 5 ms sleeps (how late any thread here wakes up under this load), and the
+client process's CPU use.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from sparkdeploy.bench.metrics import Timeline, analyse, stats, summarize
+
+
+class BenchError(Exception):
+    """A benchmark that cannot run (unreachable endpoint, bad arguments): one line."""
+
+
+@dataclass(frozen=True)
+class Target:
+    scheme: str
+    host: str
+    port: int
+    prefix: str  # path before /v1, usually ""
+
+    @classmethod
+    def parse(cls, url: str) -> Target:
+        u = urlsplit(url if "://" in url else "http://" + url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise BenchError(f"not an http(s) URL: {url!r}")
+        prefix = u.path.rstrip("/")
+        if prefix.endswith("/v1"):
+            prefix = prefix[:-3]
+        port = u.port or (443 if u.scheme == "https" else 80)
+        return cls(u.scheme, u.hostname, port, prefix)
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.host}:{self.port}{self.prefix}"
+
+    def connect(self, timeout: float) -> http.client.HTTPConnection:
+        cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
+        conn = cls(self.host, self.port, timeout=timeout)
+        conn.connect()
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
+
+
+@dataclass
+class Settings:
+    api: str = "chat"  # chat | completions
+    model: str | None = None
+    input_tokens: int = 512
+    output_tokens: int = 256
+    thinking: bool | None = None  # None: leave the server's default
+    ignore_eos: bool = True
+    timeout: float = 120.0
+    """Seconds without a byte before a request fails (a stalled stream)."""
+    seed: int = 0
+
+    def as_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def get_json(target: Target, path: str, timeout: float = 10.0) -> dict:
+    try:
+        conn = target.connect(timeout)
+        conn.request("GET", target.prefix + path)
+        resp = conn.getresponse()
+        body = resp.read()
+        conn.close()
+    except (OSError, http.client.HTTPException) as e:
+        raise BenchError(f"cannot reach {target.url}{path}: {e}") from None
+    if resp.status != 200:
+        raise BenchError(f"{target.url}{path}: HTTP {resp.status} {body[:200]!r}")
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise BenchError(f"{target.url}{path}: not JSON") from None
+
+
+def default_model(target: Target) -> str:
+    data = get_json(target, "/v1/models").get("data") or []
+    if not data or not data[0].get("id"):
+        raise BenchError(f"{target.url}/v1/models lists no model: pass --model")
+    return data[0]["id"]
+
+
+_VOCAB = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
+          "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
+          "zulu").split()
+
+
+def synthetic_prompt(n_words: int, index: int, seed: int) -> str:
+    """About ``n_words`` tokens (one common word is about one token), unique per request so no
+    prefix cache can serve it."""
+    rng = random.Random(seed * 1_000_003 + index)
+    words = [f"r{index}"] + [rng.choice(_VOCAB) for _ in range(max(0, n_words - 1))]
+    return " ".join(words)
+
+
+def request_body(s: Settings, index: int) -> bytes:
+    prompt = synthetic_prompt(s.input_tokens, index, s.seed)
+    body: dict = {"model": s.model, "max_tokens": s.output_tokens, "stream": True,
+                  "stream_options": {"include_usage": True}}
+    if s.ignore_eos:
+        body["ignore_eos"] = True
+    if s.api == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+        if s.thinking is not None:
+            body["chat_template_kwargs"] = {"enable_thinking": s.thinking}
+    else:
+        body["prompt"] = prompt
+    return json.dumps(body).encode()
+
+
+@dataclass
+class Overhead:
+    handling_s: list[float] = field(default_factory=list)
+    events: int = 0
+
+
+def _stream(conn, target: Target, path: str, body: bytes, tl: Timeline, ov: Overhead) -> None:
+    """Send one request, record every SSE data payload with its arrival time."""
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+    perf = time.perf_counter
+    # format the request first, take the start time, then send: the timestamp covers only
+    # the send itself
+    conn.putrequest("POST", target.prefix + path, skip_accept_encoding=True)
+    for k, v in headers.items():
+        conn.putheader(k, v)
+    conn.putheader("Content-Length", str(len(body)))
+    tl.start = perf()
+    conn.endheaders(body)
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raw = resp.read()
+        tl.end = perf()
+        try:
+            d = json.loads(raw)
+            msg = d.get("message") or (d.get("error") or {}).get("message") or ""
+        except (ValueError, AttributeError):
+            msg = raw[:120].decode(errors="replace")
+        tl.error = f"HTTP {resp.status}: {msg}".rstrip(": ")
+        return
+    events = tl.events
+    buf = b""
+    handling = ov.handling_s
+    read1 = resp.read1
+    while True:
+        try:
+            data = read1(65536)
+        except (http.client.IncompleteRead, ConnectionError):
+            data = b""
+        t = perf()
+        if not data:
+            break
+        buf += data
+        while True:
+            i = buf.find(b"\n\n")
+            if i < 0:
+                break
+            ev, buf = buf[:i], buf[i + 2:]
+            for line in ev.split(b"\n"):
+                if line.startswith(b"data:"):
+                    events.append((t, line[5:].strip()))
+        handling.append(perf() - t)
+        if events and events[-1][1] == b"[DONE]":
+            # drain the chunked terminator so the connection can be reused
+            while read1(65536):
+                pass
+            break
+    tl.end = perf()
+    if not events or events[-1][1] != b"[DONE]":
+        tl.error = f"stream closed midway (after {len(events)} events)"
+
+
+class _Probe(threading.Thread):
+    """Sleeps 5 ms again and again and records how late it wakes up (client-side lag)."""
+
+    def __init__(self):
+        super().__init__(daemon=True, name="bench-probe")
+        self.lags: list[float] = []
+        self.stop = threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            t = time.perf_counter()
+            time.sleep(0.005)
+            self.lags.append((time.perf_counter() - t - 0.005) * 1000.0)
+
+
+def run_level(target: Target, s: Settings, requests: int, concurrency: int | None = None,
+              rate: float | None = None, path: str | None = None, first_index: int = 0) -> dict:
+    """Run ``requests`` requests at a fixed concurrency, or Poisson arrivals at ``rate`` req/s
+    (then ``concurrency`` caps the workers, default min(requests, 256)). Returns
+    ``{"summary", "requests", "client"}``."""
+    if s.model is None:
+        raise BenchError("no model")
+    path = path or ("/v1/chat/completions" if s.api == "chat" else "/v1/completions")
+    if rate is not None:
+        workers = min(requests, concurrency or 256)
+        rng = random.Random(s.seed + 7)
+        offsets, t = [], 0.0
+        for _ in range(requests):
+            offsets.append(t)
+            t += rng.expovariate(rate)
+    else:
+        workers = min(requests, concurrency or 1)
+        offsets = [0.0] * requests
+    bodies = [request_body(s, first_index + i) for i in range(requests)]
+    timelines: list[Timeline | None] = [None] * requests
+    lock = threading.Lock()
+    nxt = [0]
+    ov = [Overhead() for _ in range(workers)]
+    ready = threading.Barrier(workers + 1)
+    t0 = [0.0]
+    connect_errors: list[str] = []
+
+    def worker(k: int) -> None:
+        conn = None
+        try:
+            conn = target.connect(s.timeout)
+        except OSError as e:
+            connect_errors.append(str(e))
+        ready.wait()
+        ready.wait()  # main thread sets t0 in between
+        prev_end = 0.0
+        while True:
+            with lock:
+                i = nxt[0]
+                nxt[0] += 1
+            if i >= requests:
+                break
+            # a fixed-concurrency worker is due as soon as its previous request ended
+            sched = max(t0[0] + offsets[i], prev_end)
+            delay = sched - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            tl = Timeline(start=time.perf_counter(), scheduled=sched)
+            timelines[i] = tl
+            try:
+                if conn is None:
+                    conn = target.connect(s.timeout)
+                _stream(conn, target, path, bodies[i], tl, ov[k])
+            except TimeoutError:
+                tl.error = f"timeout: no data for {s.timeout:g}s"
+            except (OSError, http.client.HTTPException) as e:
+                tl.error = f"{type(e).__name__}: {e}".rstrip(": ")
+            if tl.end is None:
+                tl.end = time.perf_counter()
+            prev_end = tl.end if rate is None else 0.0
+            if tl.error is not None and conn is not None:
+                conn.close()
+                conn = None
+                try:
+                    conn = target.connect(s.timeout)
+                except OSError:
+                    conn = None
+        if conn is not None:
+            conn.close()
+
+    old_switch = sys.getswitchinterval()
+    sys.setswitchinterval(0.001)
+    probe = _Probe()
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(workers)]
+    try:
+        for th in threads:
+            th.start()
+        ready.wait()
+        t0[0] = time.perf_counter() + 0.01
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        probe.start()
+        ready.wait()
+        for th in threads:
+            th.join()
+        cpu1, wall1 = time.process_time(), time.perf_counter()
+    finally:
+        probe.stop.set()
+        sys.setswitchinterval(old_switch)
+    parse0 = time.perf_counter()
+    metrics = [analyse(tl) for tl in timelines]
+    parse_s = time.perf_counter() - parse0
+    summary = summarize(metrics)
+    handling = [x * 1e6 for o in ov for x in o.handling_s]
+    lateness = [max(0.0, tl.start - tl.scheduled) * 1000.0 for tl in timelines
+                if tl.scheduled is not None]
+    client = {
+        "workers": workers,
+        "connections_failed": len(connect_errors),
+        "event_handling_us": stats(handling),
+        "start_lateness_ms": stats(lateness),
+        "probe_wake_lag_ms": stats(probe.lags),
+        "cpu_pct": 100.0 * (cpu1 - cpu0) / max(wall1 - wall0, 1e-9),
+        "parse_after_s": parse_s,
+    }
+    summary["client"] = client
+    return {"summary": summary, "requests": [m.as_json() for m in metrics]}

@@ -1,0 +1,85 @@
+"""Compare two benchmark JSON files on the headline metrics, level by level.
+
+Headlines: aggregate output tok/s (higher is better), median per-request decode rate (higher),
+p90 TTFT (lower), p90 ITL (lower). NEW regresses when, at a level present in both files, one of
+them is worse than BASE by more than ``max_regression_pct`` percent, or is missing in NEW
+(every request failed) while BASE has it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HEADLINES = [
+    ("aggregate output tok/s", ("output_tok_s",), True),
+    ("median decode tok/s", ("per_request_output_tok_s", "median"), True),
+    ("p90 TTFT ms", ("ttft_ms", "p90"), False),
+    ("p90 ITL ms", ("itl_ms", "p90"), False),
+]
+
+
+@dataclass
+class Row:
+    level: str
+    metric: str
+    base: float | None
+    new: float | None
+    change_pct: float | None
+    regressed: bool
+
+
+@dataclass
+class Comparison:
+    rows: list[Row]
+    only_base: list[str]
+    only_new: list[str]
+    max_regression_pct: float
+
+    @property
+    def regressions(self) -> list[Row]:
+        return [r for r in self.rows if r.regressed]
+
+
+def parse_pct(text: str | float) -> float:
+    """``"5%"``, ``"5"`` or ``5`` -> 5.0 (percent)."""
+    s = str(text).strip().rstrip("%").strip()
+    try:
+        v = float(s)
+    except ValueError:
+        raise ValueError(f"not a percentage: {text!r}") from None
+    if v < 0:
+        raise ValueError(f"must not be negative: {text!r}")
+    return v
+
+
+def _level(run: dict) -> str:
+    if run.get("rate") is not None:
+        return f"rate {run['rate']:g}"
+    return f"c={run.get('concurrency')}"
+
+
+def _get(summary: dict, keys):
+    v = summary
+    for k in keys:
+        v = v.get(k) if isinstance(v, dict) else None
+    return v
+
+
+def compare(base: dict, new: dict, max_regression_pct: float = 5.0) -> Comparison:
+    b = {_level(r): r["summary"] for r in base["runs"]}
+    n = {_level(r): r["summary"] for r in new["runs"]}
+    rows = []
+    for level in (k for k in b if k in n):
+        for metric, keys, higher in HEADLINES:
+            bv, nv = _get(b[level], keys), _get(n[level], keys)
+            if bv is None:
+                rows.append(Row(level, metric, bv, nv, None, False))
+                continue
+            if nv is None:
+                rows.append(Row(level, metric, bv, nv, None, True))
+                continue
+            change = (nv - bv) / bv * 100.0 if bv else 0.0
+            worse = -change if higher else change
+            rows.append(Row(level, metric, bv, nv, change, worse > max_regression_pct))
+    return Comparison(rows, [k for k in b if k not in n], [k for k in n if k not in b],
+                      max_regression_pct)

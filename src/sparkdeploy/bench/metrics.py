@@ -1,0 +1,175 @@
+"""Benchmark metrics, defined as ``vllm bench serve`` defines them (../shared/FACTS.md).
+
+A request is a timeline: its start (``time.perf_counter()`` just before the request is sent)
+and the SSE ``data:`` payloads, each with its arrival time. From that timeline:
+
+- TTFT: start -> the first chunk that carries text (``content`` or ``reasoning_content`` for
+  chat, ``text`` for completions). The bare role chunk does not count.
+- ITL: the gaps between consecutive text-carrying chunks (pooled over all requests for stats).
+- E2EL: start -> the last chunk before ``[DONE]`` (usually the usage chunk).
+- output tokens: ``usage.completion_tokens``; when the server sends no usage, the number of
+  text-carrying chunks (``tokens_source`` says which).
+- TPOT: (E2EL - TTFT) / (output tokens - 1); per-request decode rate = 1000 / TPOT(ms).
+
+Run level: aggregate output tok/s = output tokens of successful requests / duration, where
+duration runs from the first request's start to the last request's end; requests/s =
+successful requests / duration. Stats are mean, median, p90, p99 with linear interpolation
+between order statistics (numpy's default, which vLLM uses). Failed requests are counted,
+kept with their error, and left out of the latency stats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+DONE = b"[DONE]"
+
+
+@dataclass
+class Timeline:
+    """What the client recorded for one request (times in seconds, ``perf_counter``)."""
+
+    start: float
+    events: list[tuple[float, bytes]] = field(default_factory=list)
+    end: float | None = None
+    error: str | None = None
+    scheduled: float | None = None
+
+
+@dataclass
+class RequestMetrics:
+    ttft_ms: float | None
+    e2el_ms: float | None
+    output_tokens: int | None
+    input_tokens: int | None
+    itl_ms: list[float]
+    tpot_ms: float | None
+    decode_tok_s: float | None
+    tokens_source: str | None
+    error: str | None
+    start: float
+    end: float | None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def as_json(self) -> dict:
+        return {"ttft_ms": self.ttft_ms, "e2el_ms": self.e2el_ms,
+                "output_tokens": self.output_tokens, "input_tokens": self.input_tokens,
+                "tpot_ms": self.tpot_ms, "decode_tok_s": self.decode_tok_s,
+                "tokens_source": self.tokens_source, "error": self.error}
+
+
+def _text(d: dict) -> str:
+    choices = d.get("choices") or []
+    if not choices:
+        return ""
+    c = choices[0] or {}
+    delta = c.get("delta")
+    if isinstance(delta, dict):
+        return (delta.get("content") or "") + (delta.get("reasoning_content") or "") + (
+            delta.get("reasoning") or "")
+    return c.get("text") or ""
+
+
+def analyse(tl: Timeline) -> RequestMetrics:
+    """One request's metrics from its timeline (errors stay errors; parse errors become one)."""
+    error = tl.error
+    first = last_text = last_any = None
+    itl: list[float] = []
+    usage_out = usage_in = None
+    chunks = 0
+    done = False
+    for t, payload in tl.events:
+        if payload.strip() == DONE:
+            done = True
+            continue
+        try:
+            d = json.loads(payload)
+        except ValueError:
+            error = error or f"bad SSE payload: {payload[:80]!r}"
+            break
+        if not isinstance(d, dict):
+            continue
+        if d.get("error"):
+            err = d["error"]
+            error = error or f"error event: {err.get('message') if isinstance(err, dict) else err}"
+        usage = d.get("usage")
+        if isinstance(usage, dict):
+            usage_out = usage.get("completion_tokens", usage_out)
+            usage_in = usage.get("prompt_tokens", usage_in)
+        if _text(d):
+            chunks += 1
+            if first is None:
+                first = t
+            else:
+                itl.append((t - last_text) * 1000.0)
+            last_text = t
+        last_any = t
+    if error is None and not done:
+        error = "stream ended before [DONE]"
+    if error is None and first is None:
+        error = "no content in the stream"
+    if error is not None:
+        return RequestMetrics(None, None, None, usage_in, [], None, None, None, error,
+                              tl.start, tl.end)
+    ttft = (first - tl.start) * 1000.0
+    e2el = (last_any - tl.start) * 1000.0
+    if usage_out is not None:
+        out, source = int(usage_out), "usage"
+    else:
+        out, source = chunks, "chunks"
+    tpot = (e2el - ttft) / (out - 1) if out > 1 else None
+    rate = 1000.0 / tpot if tpot else None
+    return RequestMetrics(ttft, e2el, out, usage_in, itl, tpot, rate, source, None,
+                          tl.start, tl.end)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between order statistics (numpy's default method)."""
+    xs = sorted(values)
+    if not xs:
+        raise ValueError("no values")
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def stats(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "median": None, "p90": None, "p99": None}
+    return {"mean": sum(values) / len(values), "median": percentile(values, 50),
+            "p90": percentile(values, 90), "p99": percentile(values, 99)}
+
+
+def summarize(reqs: list[RequestMetrics], duration_s: float | None = None) -> dict:
+    """The run summary (the issue's JSON shape, plus totals and the error tally)."""
+    ok = [r for r in reqs if r.ok]
+    if duration_s is None:
+        ends = [r.end for r in reqs if r.end is not None]
+        duration_s = (max(ends) - min(r.start for r in reqs)) if reqs and ends else 0.0
+    out_tokens = sum(r.output_tokens or 0 for r in ok)
+    sources = sorted({r.tokens_source for r in ok if r.tokens_source})
+    return {
+        "requests": len(reqs),
+        "completed": len(ok),
+        "failed": len(reqs) - len(ok),
+        "duration_s": duration_s,
+        "ttft_ms": stats([r.ttft_ms for r in ok]),
+        "itl_ms": stats([x for r in ok for x in r.itl_ms]),
+        "tpot_ms": stats([r.tpot_ms for r in ok if r.tpot_ms is not None]),
+        "e2el_ms": stats([r.e2el_ms for r in ok]),
+        "output_tok_s": out_tokens / duration_s if duration_s > 0 else 0.0,
+        "requests_s": len(ok) / duration_s if duration_s > 0 else 0.0,
+        "per_request_output_tok_s": stats([r.decode_tok_s for r in ok
+                                           if r.decode_tok_s is not None]),
+        "total_output_tokens": out_tokens,
+        "total_input_tokens": sum(r.input_tokens or 0 for r in ok),
+        "output_tokens_source": "+".join(sources) if sources else None,
+        "errors": dict(Counter(r.error for r in reqs if r.error)),
+    }

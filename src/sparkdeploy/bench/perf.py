@@ -1,0 +1,89 @@
+"""The benchmark's accuracy figure: measure the engine stand-in, whose timing is known.
+
+The stand-in runs in its own process on loopback (a free port) at a set time to first token
+and inter-token gap; the client sweeps concurrency 1, 8 and 64 on this machine. Errors are the
+distance of the measured medians from the set values, worst over the levels (issue 6: ITL within
+3%, TTFT within 5 ms, decode rate within 3%).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from sparkdeploy.bench.client import Settings
+from sparkdeploy.bench.sweep import run_sweep
+
+TTFT_MS = 100.0
+TOK_S = 27.0
+LEVELS = ((1, 4), (8, 16), (64, 128))  # (concurrency, requests)
+OUTPUT_TOKENS = 64
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_standin(port: int, ttft_ms: float, tok_s: float, extra: list[str] | None = None):
+    """The stand-in as a child process; returns the Popen once /health answers."""
+    import sparkdeploy.lab.standins.engine_server as es
+
+    env = dict(os.environ)
+    src = str(Path(es.__file__).resolve().parents[3])
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sparkdeploy.lab.standins.engine_server", "--host", "127.0.0.1",
+         "--port", str(port), "--ttft-ms", str(ttft_ms), "--tok-s", str(tok_s), *(extra or [])],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"stand-in exited: {proc.stderr.read().decode()[-300:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("stand-in did not open its port in 20 s")
+
+
+def run() -> dict[str, float]:
+    port = free_port()
+    proc = start_standin(port, TTFT_MS, TOK_S)
+    gap_ms = 1000.0 / TOK_S
+    out: dict[str, float] = {}
+    worst_itl = worst_ttft = worst_rate = 0.0
+    try:
+        for conc, n in LEVELS:
+            print(f"bench perf: concurrency {conc}, {n} requests", file=sys.stderr, flush=True)
+            doc = run_sweep(f"http://127.0.0.1:{port}",
+                            Settings(input_tokens=128, output_tokens=OUTPUT_TOKENS),
+                            concurrency=[conc], requests=n, warmup=1)
+            s = doc["runs"][0]["summary"]
+            if s["failed"]:
+                raise RuntimeError(f"concurrency {conc}: {s['failed']} failed: {s['errors']}")
+            itl = abs(s["itl_ms"]["median"] - gap_ms) / gap_ms * 100
+            ttft = abs(s["ttft_ms"]["median"] - TTFT_MS)
+            rate = abs(s["per_request_output_tok_s"]["median"] - TOK_S) / TOK_S * 100
+            worst_itl, worst_ttft, worst_rate = (max(worst_itl, itl), max(worst_ttft, ttft),
+                                                 max(worst_rate, rate))
+            out[f"c{conc}.itl_median_ms"] = s["itl_ms"]["median"]
+            out[f"c{conc}.ttft_median_ms"] = s["ttft_ms"]["median"]
+            out[f"c{conc}.decode_median_tok_s"] = s["per_request_output_tok_s"]["median"]
+            out[f"c{conc}.client_event_handling_us_p99"] = \
+                s["client"]["event_handling_us"]["p99"]
+            out[f"c{conc}.client_wake_lag_ms_p99"] = s["client"]["probe_wake_lag_ms"]["p99"]
+            out[f"c{conc}.client_cpu_pct"] = s["client"]["cpu_pct"]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    return {"itl_error_pct": worst_itl, "ttft_error_ms": worst_ttft,
+            "decode_rate_error_pct": worst_rate, "set_ttft_ms": TTFT_MS, "set_gap_ms": gap_ms,
+            **out}

@@ -1,0 +1,100 @@
+"""A benchmark run: warm up, then one measured level per concurrency (or per rate)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from pathlib import Path
+
+from sparkdeploy.bench.client import BenchError, Settings, Target, default_model, run_level
+
+
+def parse_levels(text: str | None, kind=int) -> list:
+    """``"1,8,64"`` -> [1, 8, 64]; BenchError on anything else."""
+    if text is None or str(text).strip() == "":
+        return []
+    out = []
+    for part in str(text).split(","):
+        try:
+            v = kind(part.strip())
+        except ValueError:
+            raise BenchError(f"not a number: {part.strip()!r}") from None
+        if v <= 0:
+            raise BenchError(f"must be positive: {part.strip()!r}")
+        out.append(v)
+    return out
+
+
+def run_sweep(url: str, settings: Settings, *, concurrency: list[int] | None = None,
+              rates: list[float] | None = None, requests: int = 16, warmup: int = 1,
+              max_concurrency: int | None = None, progress=None) -> dict:
+    """The whole run as the JSON document (``config`` + ``runs``). ``progress(msg)`` is called
+    before each level when given."""
+    target = Target.parse(url)
+    if settings.model is None:
+        settings.model = default_model(target)
+    else:
+        default_model(target)  # fail early, with one line, when the endpoint is unreachable
+    levels: list[tuple[int | None, float | None]]
+    if rates:
+        levels = [(max_concurrency, r) for r in rates]
+    else:
+        levels = [(c, None) for c in (concurrency or [1])]
+    doc = {
+        "config": {"url": target.url, **settings.as_json(), "requests": requests,
+                   "warmup": warmup, "concurrency": concurrency if not rates else None,
+                   "rates": rates or None, "max_concurrency": max_concurrency,
+                   "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")},
+        "runs": [],
+    }
+    index = 0
+    for conc, rate in levels:
+        if warmup:
+            if progress:
+                progress(f"warm-up: {warmup} request(s)")
+            run_level(target, settings, warmup, concurrency=min(warmup, conc or 1),
+                      first_index=10_000_000 + index)
+        if progress:
+            progress(f"concurrency {conc}" if rate is None else f"rate {rate:g} req/s")
+        res = run_level(target, settings, requests, concurrency=conc, rate=rate,
+                        first_index=index)
+        index += requests
+        doc["runs"].append({"concurrency": conc, "rate": rate, **res})
+    return doc
+
+
+def save_json(doc: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
+
+
+def load_json(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BenchError(f"{path}: no such file") from None
+    except (OSError, ValueError) as e:
+        raise BenchError(f"{path}: not a benchmark JSON file ({e})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
+        raise BenchError(f"{path}: not a benchmark JSON file (no 'runs' list)")
+    return doc
+
+
+def check_baseline(doc: dict, baseline_tok_s: float, tolerance_pct: float) -> tuple[bool, str]:
+    """The single-request gate: median per-request decode rate at concurrency 1 must be at
+    least ``baseline * (1 - tolerance)``."""
+    run = next((r for r in doc["runs"] if r.get("concurrency") == 1 and r.get("rate") is None),
+               None)
+    if run is None:
+        return False, "no concurrency-1 run to check against the baseline (add 1 to the sweep)"
+    got = run["summary"]["per_request_output_tok_s"]["median"]
+    floor = baseline_tok_s * (1 - tolerance_pct / 100.0)
+    if got is None:
+        return False, "concurrency 1: no successful request, no decode rate to check"
+    verdict = "ok" if got >= floor else "BELOW BASELINE"
+    return got >= floor, (f"single-request median decode rate {got:.2f} tok/s vs baseline "
+                          f"{baseline_tok_s:g} tok/s (floor {floor:.2f}, tolerance "
+                          f"{tolerance_pct:g}%): {verdict}")
