@@ -44,3 +44,19 @@ def lab_down(session: nox.Session) -> None:
     """Take the lab down: its processes (by PID), namespaces, links, mounts and data."""
     session.install("-e", ".")
     session.run("inv", "lab.down")
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """Benchmark the profile's endpoint (or `-- --url URL`): JSON and PNG under
+    <state_dir>/bench/, fail when the single-request decode rate is >10% below the baseline."""
+    session.install("-e", ".[bench]")
+    session.run("inv", "bench.run", "--save", "--check-baseline", *session.posargs)
+
+
+@nox.session(default=False)
+def perf(session: nox.Session) -> None:
+    """Speed/accuracy figures as `name: value` lines; `-- NAME ...` runs only those
+    (registry: src/sparkdeploy/perf.py)."""
+    session.install("-e", ".[bench]")
+    session.run("python", "-m", "sparkdeploy.perf", *session.posargs)

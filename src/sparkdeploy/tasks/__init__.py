@@ -2,9 +2,9 @@
 
 from invoke import Collection
 
-from sparkdeploy.tasks import hosts, lab, profile, services
+from sparkdeploy.tasks import bench, hosts, image, lab, profile, services
 
-ns = Collection(profile, hosts, services, lab)
+ns = Collection(profile, hosts, services, image, lab, bench)
 ns.configure(
     {
         "sparkdeploy": {

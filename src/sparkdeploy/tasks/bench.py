@@ -1,0 +1,151 @@
+"""bench.run (default) and bench.compare: thin wrappers over sparkdeploy.bench."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from invoke import Context, task
+from invoke.exceptions import Exit
+
+from sparkdeploy.bench.client import BenchError, Settings
+from sparkdeploy.config import Bench
+
+_HELP = {
+    "url": "OpenAI-compatible endpoint (default: the profile's endpoint)",
+    "model": "model name (default: the first one /v1/models lists)",
+    "concurrency": "comma-separated sweep, e.g. 1,8,64 (default: the profile's bench.concurrency)",
+    "rate": "Poisson arrivals at R req/s instead (comma-separated sweep allowed)",
+    "max_concurrency": "with --rate: cap on requests in flight (default min(requests, 256))",
+    "requests": "measured requests per level (default: the profile's bench.requests)",
+    "input_tokens": "prompt length in tokens (synthetic words)",
+    "output_tokens": "max_tokens, with ignore_eos",
+    "warmup": "warm-up requests before each level, not measured",
+    "thinking": "on|off: chat_template_kwargs.enable_thinking (default: the server's)",
+    "api": "chat|completions",
+    "json": "write the results JSON here",
+    "plot": "write the four-panel PNG here",
+    "timeout": "seconds without data before a request fails (default 120)",
+    "save": "also save JSON and PNG under <state_dir>/bench/",
+    "check_baseline": "fail unless the concurrency-1 median decode rate is within "
+                      "--baseline-tolerance of the profile's bench.baseline_decode_tok_s",
+    "baseline_tolerance": "allowed shortfall against the baseline (default 10%)",
+    "profile": "profile file (default: sparkdeploy.profile from invoke config)",
+}
+
+
+def _profile(c: Context, profile: str | None, url: str | None):
+    """(bench settings, endpoint); a bad profile is fatal only when it is needed for the URL."""
+    from sparkdeploy.tasks._common import load
+
+    try:
+        prof = load(c, profile).profile
+    except Exit:
+        if url:
+            return Bench(), None
+        raise
+    return prof.bench, prof.endpoint
+
+
+def _state_dir(c: Context) -> Path:
+    cfg = c.config.get("sparkdeploy", {}) or {}
+    return Path(cfg.get("state_dir") or ".sparkdeploy")
+
+
+@task(default=True, help=_HELP)
+def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=None,
+        requests=None, input_tokens=None, output_tokens=None, warmup=None, thinking=None,
+        api="chat", json=None, plot=None, timeout=120.0, save=False, check_baseline=False,
+        baseline_tolerance="10%", profile=None):
+    """Benchmark an endpoint: a concurrency (or rate) sweep, vLLM bench-serve metrics."""
+    from rich.console import Console
+
+    from sparkdeploy.bench.compare import parse_pct
+    from sparkdeploy.bench.report import run_table
+    from sparkdeploy.bench.sweep import check_baseline as gate
+    from sparkdeploy.bench.sweep import parse_levels, run_sweep, save_json
+
+    bench, endpoint = _profile(c, profile, url)
+    url = url or endpoint
+    if not url:
+        raise Exit("the profile has no endpoint (sparkdeploy.endpoint): pass --url URL", code=2)
+    if api not in ("chat", "completions"):
+        raise Exit(f"--api must be chat or completions, not {api!r}", code=2)
+    if thinking not in (None, "on", "off"):
+        raise Exit(f"--thinking must be on or off, not {thinking!r}", code=2)
+    try:
+        tolerance = parse_pct(baseline_tolerance)
+        levels = parse_levels(concurrency) or list(bench.concurrency)
+        rates = parse_levels(rate, float)
+        settings = Settings(
+            api=api, model=model,
+            input_tokens=int(input_tokens or bench.input_tokens),
+            output_tokens=int(output_tokens or bench.output_tokens),
+            thinking=None if thinking is None else thinking == "on",
+            timeout=float(timeout))
+        n = int(requests or bench.requests)
+        k = bench.warmup if warmup is None else int(warmup)
+    except (ValueError, BenchError) as e:
+        raise Exit(str(e), code=2) from None
+    console = Console()
+    try:
+        doc = run_sweep(url, settings, concurrency=levels, rates=rates, requests=n, warmup=k,
+                        max_concurrency=int(max_concurrency) if max_concurrency else None,
+                        progress=lambda msg: console.print(f"[dim]{msg}[/]"))
+    except BenchError as e:
+        raise Exit(str(e), code=1) from None
+    for r in doc["runs"]:
+        console.print(run_table(r))
+    sources = {r["summary"]["output_tokens_source"] for r in doc["runs"]} - {None}
+    if sources and sources != {"usage"}:
+        console.print("note: some output token counts are chunk counts (no usage from the server)")
+    targets: list[tuple[str, Path]] = []
+    if json:
+        targets.append(("json", Path(json)))
+    if plot:
+        targets.append(("plot", Path(plot)))
+    if save:
+        stem = _state_dir(c) / "bench" / time.strftime("bench-%Y%m%d-%H%M%S")
+        targets += [("json", stem.with_suffix(".json")), ("plot", stem.with_suffix(".png"))]
+    for kind, path in targets:
+        if kind == "json":
+            save_json(doc, path)
+        else:
+            from sparkdeploy.bench.plot import plot as draw
+
+            draw(doc["runs"], path, title=f"{doc['config']['model']} @ {doc['config']['url']}")
+        console.print(f"wrote {path}")
+    if check_baseline:
+        ok, line = gate(doc, bench.baseline_decode_tok_s, tolerance)
+        console.print(line)
+        if not ok:
+            raise Exit("below the baseline decode rate", code=1)
+
+
+@task(help={"base": "the reference results JSON", "new": "the results JSON to judge",
+            "max_regression": "allowed worsening per headline metric (default 5%)"})
+def compare(c, base, new, max_regression="5%"):
+    """Side-by-side headline metrics; exit 1 when NEW is worse than BASE beyond the threshold."""
+    from rich.console import Console
+
+    from sparkdeploy.bench.compare import compare as cmp
+    from sparkdeploy.bench.compare import parse_pct
+    from sparkdeploy.bench.report import comparison_table
+    from sparkdeploy.bench.sweep import load_json
+
+    try:
+        threshold = parse_pct(max_regression)
+        result = cmp(load_json(base), load_json(new), threshold)
+    except (ValueError, BenchError) as e:
+        raise Exit(str(e), code=2) from None
+    console = Console()
+    console.print(comparison_table(result, base, new))
+    for level in result.only_base:
+        console.print(f"{level}: only in {base}")
+    for level in result.only_new:
+        console.print(f"{level}: only in {new}")
+    if not result.rows:
+        raise Exit("no level in common between the two files", code=2)
+    bad = result.regressions
+    if bad:
+        raise Exit(f"{len(bad)} regression(s) beyond {threshold:g}%", code=1)
