@@ -95,10 +95,49 @@ class Layer(_Strict):
     base: str
     requirement: str = "transformers>=5"
     tag: str
+    index_url: str = "https://pypi.org/simple"
+    """Where ``requirement`` is resolved and installed from (credential-free: it is recorded in
+    the image history)."""
+
+    @field_validator("index_url")
+    @classmethod
+    def _no_credentials(cls, v: str) -> str:
+        from urllib.parse import urlsplit
+
+        if urlsplit(v).password or "@" in urlsplit(v).netloc:
+            raise ValueError("must not carry credentials (they would land in the image history)")
+        return v
+
+
+class EngineRule(_Strict):
+    """What an image needs to serve the model with one engine (judged by the image probe)."""
+
+    min_version: str
+    model_files: list[str] = Field(default_factory=list)
+    require_config: bool = False
+    """Whether the image's transformers must parse the model's config (SGLang: yes; vLLM 0.17+
+    ships its own Qwen3.5 config classes and needs transformers<5: no)."""
+
+
+def _default_rules() -> dict[str, EngineRule]:
+    return {
+        "sglang": EngineRule(
+            min_version="0.5.9",
+            model_files=["sglang/srt/models/qwen3_5.py", "sglang/srt/models/qwen3_5_mtp.py"],
+            require_config=True,
+        ),
+        "vllm": EngineRule(
+            min_version="0.17.0",
+            model_files=["vllm/model_executor/models/qwen3_5.py",
+                         "vllm/model_executor/models/qwen3_5_mtp.py"],
+            require_config=False,
+        ),
+    }
 
 
 class Images(_Strict):
     candidates: list[Candidate] = Field(min_length=1)
+    rules: dict[Literal["sglang", "vllm"], EngineRule] = Field(default_factory=_default_rules)
     layer: Layer | None = None
     ship_compression: Literal["none", "zstd"] = "none"
 

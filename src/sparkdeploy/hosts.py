@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from io import StringIO
@@ -86,6 +86,24 @@ def default_control_dir() -> str:
     return d
 
 
+class _LineStream:
+    """A write-only stream handing complete lines to a callback (for invoke's err_stream)."""
+
+    def __init__(self, cb: Callable[[str], None]):
+        self.cb = cb
+        self.buf = ""
+
+    def write(self, data: str) -> int:
+        self.buf += data
+        *lines, self.buf = self.buf.split("\n")
+        for line in lines:
+            self.cb(line)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
 @dataclass
 class Host:
     node: Node
@@ -128,8 +146,11 @@ class Host:
         sudo: bool = False,
         timeout: float | None = None,
         input: str | None = None,
+        on_stderr: Callable[[str], None] | None = None,
     ) -> CmdResult:
-        """Run ``argv`` on the node. ``change=False`` marks a read-only probe."""
+        """Run ``argv`` on the node. ``change=False`` marks a read-only probe.
+
+        ``on_stderr`` receives each stderr line as it arrives (progress of long commands)."""
         argv = [str(a) for a in argv]
         shown = redact(shlex.join(argv if not (sudo and self.node.privilege == "sudo")
                                   else ["sudo", "-n", *argv]))
@@ -150,7 +171,8 @@ class Host:
                 dry=False,
                 echo=False,
                 warn=True,
-                hide=True,
+                hide="out" if on_stderr else True,
+                err_stream=_LineStream(on_stderr) if on_stderr else None,
                 pty=False,
                 timeout=timeout,
                 in_stream=StringIO(input) if input is not None else False,

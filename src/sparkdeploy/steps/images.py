@@ -1,0 +1,374 @@
+"""Choose an image: probe every candidate on the head, decide, and build the transformers layer.
+
+``probe`` runs ``scripts/probe_image.py`` inside each candidate (``docker run --rm --network
+none``, the probe and the model's config mounted read only), checks its platform against the
+head's architecture, and writes a decision record (JSON and Markdown) under the state dir.
+``build`` builds the derivative (the profile's ``images.layer``) on the head's engine, with
+``transformers>=5`` resolved to one exact version first; it is ``ok`` without building when an
+image of the same recipe (base image ID, Dockerfile hash, version) already exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import tarfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from sparkdeploy.deployment import Deployment
+from sparkdeploy.hosts import Host
+from sparkdeploy.results import Result, changed, failed, ok, skipped
+from sparkdeploy.steps.node import (
+    ARCH,
+    SCRIPTS,
+    NodeUnreachable,
+    docker,
+    inspect_image,
+    node_arch,
+    stage,
+    stage_script,
+)
+
+STEP_PROBE = "image.probe"
+STEP_DECIDE = "image.decide"
+STEP_BUILD = "image.build"
+RECORD = "decisions/image-probe"
+LABEL_BASE_ID = "org.sparkdeploy.base.id"
+LABEL_TF = "org.sparkdeploy.transformers.version"
+LABEL_DOCKERFILE = "org.sparkdeploy.dockerfile.sha256"
+ROOT = SCRIPTS.parent
+
+Log = Callable[[str], None]
+
+
+# -- the model's config ------------------------------------------------------------------------
+
+
+class ConfigUnavailable(Exception):
+    pass
+
+
+def model_config_text(dep: Deployment, head: Host) -> tuple[str, str]:
+    """The model's config.json: from the downloaded model on the head, else from the hub
+    (``hf_hub_download`` of that one small file). Returns (text, where it came from)."""
+    model = dep.profile.model
+    path = f"{model.path.rstrip('/')}/config.json"
+    r = head.run(["cat", path], change=False)
+    if r.ok and r.stdout.strip():
+        return r.stdout, f"{head.name}:{path}"
+    try:
+        from huggingface_hub import hf_hub_download
+
+        local = hf_hub_download(model.repo, "config.json", revision=model.revision,
+                                cache_dir=str(dep.state.path / "hf-cache"))
+    except Exception as e:  # noqa: BLE001 - any hub failure is reported as one line
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigUnavailable(f"config.json is neither on {head.name} ({path}) nor fetchable "
+                                f"from the hub: {msg}") from None
+    return Path(local).read_text(), f"hub:{model.repo}@{model.revision}"
+
+
+# -- probe -------------------------------------------------------------------------------------
+
+
+def probe_argv(dep: Deployment, head: Host, ref: str, probe_path: str, config_dir: str) -> list[str]:
+    rules = dep.profile.images.rules
+    args = [
+        "run", "--rm", "--network", "none",
+        "-e", "HF_HUB_OFFLINE=1", "-e", "TRANSFORMERS_OFFLINE=1",
+        "-v", f"{probe_path}:/sparkdeploy/probe_image.py:ro",
+        "-v", f"{config_dir}:/sparkdeploy/model:ro",
+        "--entrypoint", "python3", ref, "/sparkdeploy/probe_image.py",
+        "--model-dir", "/sparkdeploy/model",
+    ]  # fmt: skip
+    for engine, rule in rules.items():
+        for f in rule.model_files:
+            args += ["--model-file", f"{engine}={f}"]
+        args += ["--min-version", f"{engine}={rule.min_version}"]
+        if rule.require_config:
+            args += ["--require-config", engine]
+    return docker(head, *args)
+
+
+def _config_only(reasons: list[str]) -> bool:
+    return bool(reasons) and all("transformers" in r for r in reasons)
+
+
+def judge(dep: Deployment, ref: str, engine: str, arch: str, info: dict | None,
+          report: dict | None, error: str | None) -> dict[str, Any]:
+    """The verdict on one candidate: viable, needs-layer, rejected or missing, and why."""
+    row: dict[str, Any] = {"image": ref, "engine": engine, "present": info is not None}
+    if info is None:
+        return {**row, "verdict": "missing", "why": error or "not on the head and not pullable"}
+    img_arch = image_arch(info)
+    row["platform"] = f"{info.get('Os', 'linux')}/{img_arch}"
+    row["platform_ok"] = img_arch == arch
+    if report is None:
+        return {**row, "verdict": "rejected", "why": f"probe failed: {error}"}
+    row["probe"] = report
+    eng = (report.get("engines") or {}).get(engine, {})
+    row["engine_version"] = eng.get("version")
+    row["transformers"] = (report.get("packages") or {}).get("transformers")
+    row["config_ok"] = (report.get("config") or {}).get("ok")
+    row["files_ok"] = all((eng.get("model_files") or {}).values()) if eng.get("model_files") else None
+    reasons = list(eng.get("reasons") or [])
+    if not row["platform_ok"]:
+        reasons.insert(0, f"image is {row['platform']}, {dep.profile.head.name} is linux/{arch}")
+    layer = dep.profile.images.layer
+    if not reasons and eng.get("ok"):
+        return {**row, "verdict": "viable", "why": f"{engine} {eng.get('version')} with every "
+                f"model file" + (", config parses" if row["config_ok"] else "")}
+    if row["platform_ok"] and _config_only(reasons) and layer and layer.base == ref:
+        return {**row, "verdict": "needs-layer", "why": "; ".join(reasons)
+                + f"; fixed by the layer {layer.requirement} -> {layer.tag}"}
+    return {**row, "verdict": "rejected", "why": "; ".join(reasons) or "probe says not ok"}
+
+
+def image_arch(info: dict) -> str:
+    a = info.get("Architecture") or "?"
+    return ARCH.get(a, a)
+
+
+def probe(dep: Deployment) -> tuple[list[Result], dict[str, Any]]:
+    head = dep.host(dep.profile.head.name)
+    try:
+        arch = node_arch(head)
+        text, source = model_config_text(dep, head)
+        config_path = stage(head, "model/config.json", text)
+        config_dir = config_path.rsplit("/", 1)[0]
+        probe_path = stage_script(head, "probe_image.py")
+    except (NodeUnreachable, ConfigUnavailable) as e:
+        return [failed(STEP_PROBE, str(e), head.name)], {}
+    rows: list[dict[str, Any]] = []
+    results: list[Result] = []
+    for cand in dep.profile.images.candidates:
+        info = inspect_image(head, cand.ref)
+        err = None
+        if info is None:
+            pull = head.run(docker(head, "pull", cand.ref), timeout=1800)
+            if pull.dry:
+                err = "not on the head; would pull it"
+            elif pull.ok:
+                info = inspect_image(head, cand.ref)
+            else:
+                err = f"not on the head, pull failed: {pull.one_line_error()}"
+        report = None
+        if info is not None:
+            r = head.run(probe_argv(dep, head, cand.ref, probe_path, config_dir), change=False,
+                         timeout=300)
+            try:
+                report = json.loads(r.stdout) if r.ok else None
+                err = None if r.ok else r.one_line_error()
+            except json.JSONDecodeError:
+                err = f"probe printed no JSON: {r.stdout.strip()[:120]}"
+        row = judge(dep, cand.ref, cand.engine, arch, info, report, err)
+        rows.append(row)
+        status = ok if row["verdict"] in ("viable", "needs-layer") else skipped
+        results.append(status(STEP_PROBE, f"{cand.ref}: {row['verdict']}: {row['why']}",
+                              head.name, **{k: v for k, v in row.items() if k != "probe"}))
+    record = decide(dep, head.name, arch, source, rows)
+    if dep.dry:
+        results.append(skipped(STEP_DECIDE, "would write the decision record: "
+                               + record["summary"], head.name))
+    else:
+        write_record(dep, record)
+        status = changed if record["chosen"] else failed
+        results.append(status(STEP_DECIDE, record["summary"] + f" (record: {dep.state.path / RECORD}"
+                              ".md)", head.name, chosen=record["chosen"]))
+    return results, record
+
+
+def decide(dep: Deployment, node: str, arch: str, source: str, rows: list[dict]) -> dict[str, Any]:
+    per_engine: dict[str, Any] = {}
+    for eng in dep.profile.engines:
+        for row in rows:
+            if row["engine"] == eng.kind and row["verdict"] in ("viable", "needs-layer"):
+                per_engine[eng.name] = {"image": row["image"], "engine": eng.kind,
+                                        "needs_layer": row["verdict"] == "needs-layer",
+                                        "serve_image": (dep.profile.images.layer.tag
+                                                        if row["verdict"] == "needs-layer"
+                                                        and dep.profile.images.layer else row["image"])}
+                break
+    chosen = next((dict(engine=name, **v) for name, v in per_engine.items()), None)
+    if chosen:
+        summary = (f"chosen {chosen['image']} for {chosen['engine']}"
+                   + (" + the transformers layer" if chosen["needs_layer"] else ""))
+    else:
+        summary = "no viable candidate"
+    return {
+        "profile": dep.profile.name, "node": node, "arch": arch, "config_from": source,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "chosen": chosen, "engines": per_engine, "candidates": rows, "summary": summary,
+    }
+
+
+def write_record(dep: Deployment, record: dict[str, Any]) -> None:
+    dep.state.write_json(RECORD + ".json", record)
+    lines = [f"# Image decision for {record['profile']}", "",
+             f"Probed on {record['node']} ({record['arch']}) at {record['time']}; "
+             f"model config from {record['config_from']}.", "", f"**{record['summary']}**", "",
+             "| image | engine | engine version | transformers | model files | config parses | "
+             "platform | verdict |", "|---|---|---|---|---|---|---|---|"]
+    for r in record["candidates"]:
+        lines.append(f"| `{r['image']}` | {r['engine']} | {r.get('engine_version') or '-'} | "
+                     f"{r.get('transformers') or '-'} | {_yn(r.get('files_ok'))} | "
+                     f"{_yn(r.get('config_ok'))} | {r.get('platform', '-')} | {r['verdict']} |")
+    lines += ["", "## Why", ""]
+    for r in record["candidates"]:
+        lines.append(f"- `{r['image']}` ({r['engine']}): {r['verdict']}: {r['why']}")
+    lines += ["", "## Per engine", ""]
+    for name, v in record["engines"].items():
+        lines.append(f"- {name}: serve `{v['serve_image']}`"
+                     + (f" (built from `{v['image']}` + the transformers layer)" if v["needs_layer"]
+                        else ""))
+    path = dep.state.path / (RECORD + ".md")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _yn(v: Any) -> str:
+    return "-" if v is None else ("yes" if v else "no")
+
+
+# -- build -------------------------------------------------------------------------------------
+
+
+class ResolveError(Exception):
+    pass
+
+
+def resolve_requirement(requirement: str, index_url: str, get: Callable | None = None) -> str:
+    """The newest final release on the index that satisfies ``requirement`` (PEP 503 page)."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
+    from packaging.version import InvalidVersion
+
+    req = Requirement(requirement)
+    url = f"{index_url.rstrip('/')}/{canonicalize_name(req.name)}/"
+    if get is None:
+        import requests
+
+        def get(u: str) -> str:
+            resp = requests.get(u, timeout=30)
+            resp.raise_for_status()
+            return resp.text
+
+    try:
+        page = get(url)
+    except Exception as e:  # noqa: BLE001 - reported as one line
+        raise ResolveError(f"cannot read {url}: {e}") from None
+    versions = set()
+    for name in re.findall(r">([^<>]+\.(?:whl|tar\.gz|zip))</a>", page):
+        try:
+            if name.endswith(".whl"):
+                versions.add(parse_wheel_filename(name)[1])
+            else:
+                versions.add(parse_sdist_filename(name)[1])
+        except (InvalidVersion, ValueError):
+            continue
+    good = sorted(v for v in versions if not v.is_prerelease and req.specifier.contains(v))
+    if not good:
+        raise ResolveError(f"no release of {req.name} on {index_url} satisfies {requirement}")
+    return str(good[-1])
+
+
+def legacy_dockerfile(text: str) -> str:
+    """The Dockerfile for the legacy builder (the docker API): every ``--mount=...`` removed."""
+    return re.sub(r"--mount=\S+\s*", "", text)
+
+
+def build_context(dockerfile: str, config_text: str) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in (("Dockerfile", legacy_dockerfile(dockerfile).encode()),
+                           ("probe_image.py", (SCRIPTS / "probe_image.py").read_bytes()),
+                           ("model/config.json", config_text.encode())):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mtime = 0
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _find_built(head: Host, labels: dict[str, str]) -> str | None:
+    args = ["image", "ls", "-q", "--no-trunc"]
+    for k, v in labels.items():
+        args += ["--filter", f"label={k}={v}"]
+    r = head.run(docker(head, *args), change=False)
+    ids = [x for x in r.stdout.split() if x] if r.ok else []
+    return ids[0] if ids else None
+
+
+def build(dep: Deployment, log: Log | None = None) -> list[Result]:
+    layer = dep.profile.images.layer
+    head = dep.host(dep.profile.head.name)
+    if layer is None:
+        return [skipped(STEP_BUILD, "the profile has no images.layer", head.name)]
+    dockerfile_path = ROOT / layer.dockerfile
+    try:
+        dockerfile = dockerfile_path.read_text()
+    except OSError as e:
+        return [failed(STEP_BUILD, f"{layer.dockerfile}: {e.strerror}", head.name)]
+    try:
+        base = inspect_image(head, layer.base)
+    except NodeUnreachable as e:
+        return [failed(STEP_BUILD, str(e), head.name)]
+    if base is None:
+        return [failed(STEP_BUILD, f"base image {layer.base} is not on {head.name} "
+                       "(run image.probe, which pulls missing candidates)", head.name)]
+    try:
+        version = resolve_requirement(layer.requirement, layer.index_url)
+    except ResolveError as e:
+        return [failed(STEP_BUILD, str(e), head.name)]
+    df_sha = hashlib.sha256(dockerfile.encode()).hexdigest()
+    labels = {LABEL_BASE_ID: base["Id"], LABEL_DOCKERFILE: df_sha, LABEL_TF: version}
+    existing = _find_built(head, labels)
+    what = f"{layer.tag} = {layer.base} + transformers=={version}"
+    if existing:
+        tagged = inspect_image(head, layer.tag)
+        if tagged and tagged["Id"] == existing:
+            return [ok(STEP_BUILD, f"{what} already built ({existing[:19]})", head.name,
+                       image_id=existing, transformers=version)]
+        head.run(docker(head, "tag", existing, layer.tag))
+        return [changed(STEP_BUILD, f"tagged the existing build {existing[:19]} as {layer.tag}",
+                        head.name, image_id=existing, transformers=version)]
+    if dep.dry:
+        return [skipped(STEP_BUILD, f"would build {what}", head.name, transformers=version)]
+    try:
+        config_text, _ = model_config_text(dep, head)
+    except ConfigUnavailable as e:
+        return [failed(STEP_BUILD, str(e), head.name)]
+    build_args = {"BASE_IMAGE": layer.base, "BASE_IMAGE_ID": base["Id"],
+                  "TRANSFORMERS_VERSION": version, "DOCKERFILE_SHA256": df_sha,
+                  "PIP_INDEX_URL": layer.index_url}
+    if urlsplit(layer.index_url).scheme == "http":
+        build_args["PIP_TRUSTED_HOST"] = urlsplit(layer.index_url).hostname or ""
+    context = build_context(dockerfile, config_text)
+    errors: list[str] = []
+    tail: list[str] = []
+    started = time.monotonic()
+    with head.docker_client(timeout=3600) as client:
+        for chunk in client.api.build(fileobj=io.BytesIO(context), custom_context=True,
+                                      tag=layer.tag, buildargs=build_args, network_mode="host",
+                                      rm=True, forcerm=True, decode=True, pull=False):
+            if "stream" in chunk:
+                for line in chunk["stream"].splitlines():
+                    if line.strip():
+                        tail = (tail + [line])[-20:]
+                        if log:
+                            log(line)
+            if "error" in chunk:
+                errors.append(chunk["error"].strip())
+    if errors:
+        return [failed(STEP_BUILD, f"build failed: {errors[-1].splitlines()[-1]}", head.name,
+                       log_tail=tail)]
+    built = inspect_image(head, layer.tag)
+    if not built:
+        return [failed(STEP_BUILD, f"build finished but {layer.tag} is not on {head.name}", head.name)]
+    return [changed(STEP_BUILD, f"built {what} in {time.monotonic() - started:.0f}s "
+                    f"({built['Id'][:19]})", head.name, image_id=built["Id"], transformers=version)]

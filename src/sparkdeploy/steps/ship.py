@@ -1,0 +1,246 @@
+"""``image.ship``: copy an image node to node over the fast link, sending only missing layers.
+
+For each peer: compare the image's diff IDs on the source with every layer the peer's engine
+already holds, check the peer's free disk, then run on the source
+
+    docker save IMAGE | python3 save_filter.py ... | [zstd |] ssh PEER-LINK-ADDR '[zstd -d |] docker load'
+
+with no temp file of the image on either side. Peers on the containerd image store (where a
+partial archive "loads" into an incomplete image) get the whole archive, and so does any peer
+that refuses a partial one. A ship succeeds only when the peer lists the image under its tag with
+the source's diff IDs (and, on the classic store, the same config digest). ``docker load`` tags
+only after the whole archive arrived, so a killed transfer leaves nothing tagged and a re-run
+completes. With several peers, peers that have the image serve the next ones.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparkdeploy.deployment import Deployment
+from sparkdeploy.hosts import Host
+from sparkdeploy.results import Result, changed, failed, ok, skipped
+from sparkdeploy.steps.node import NodeUnreachable, docker, inspect_image, listed_tags, stage, stage_script
+
+STEP = "image.ship"
+CONTAINERD = "io.containerd.snapshotter.v1"
+
+Progress = Callable[[str, int, int], None]
+"""(peer name, bytes read from docker save, total bytes expected)"""
+
+
+@dataclass
+class Engine:
+    """What a node's docker engine is like, for shipping."""
+
+    containerd_store: bool
+    root_dir: str
+    have: set[str] = field(default_factory=set)
+
+
+def engine_facts(host: Host) -> Engine:
+    r = host.run(docker(host, "info", "--format", "{{json .}}"), change=False)
+    if r.unreachable:
+        raise NodeUnreachable(host.name, r.one_line_error())
+    if not r.ok:
+        raise NodeUnreachable(host.name, f"docker info failed: {r.one_line_error()}")
+    info = json.loads(r.stdout)
+    status = info.get("DriverStatus") or []
+    containerd = any(CONTAINERD in str(v) for pair in status for v in pair)
+    return Engine(containerd, info.get("DockerRootDir") or "/var/lib/docker", layers_on(host))
+
+
+def layers_on(host: Host) -> set[str]:
+    """Every diff ID of every image the node's engine holds."""
+    ids = host.run(docker(host, "image", "ls", "-a", "-q", "--no-trunc"), change=False)
+    uniq = sorted({x for x in ids.stdout.split() if x}) if ids.ok else []
+    if not uniq:
+        return set()
+    r = host.run(docker(host, "image", "inspect", "--format", "{{json .RootFS.Layers}}", *uniq),
+                 change=False)
+    have: set[str] = set()
+    for line in r.stdout.splitlines():
+        line = line.strip()
+        if line and line != "null":
+            have.update(json.loads(line))
+    return have
+
+
+def layer_sizes(host: Host, ref: str, layers: list[str], total: int) -> list[int]:
+    """Uncompressed size per layer, oldest first (from ``docker history``); a proportional guess
+    when history and layers do not line up."""
+    r = host.run(docker(host, "history", "--no-trunc", "--human=false", "--format", "{{.Size}}", ref),
+                 change=False)
+    sizes = [int(x) for x in r.stdout.split() if x.isdigit() and int(x) > 0] if r.ok else []
+    sizes.reverse()
+    if len(sizes) == len(layers):
+        return sizes
+    return [total // max(len(layers), 1)] * len(layers)
+
+
+def free_bytes(host: Host, path: str) -> int | None:
+    r = host.run(["df", "-P", "-B1", path], change=False)
+    if not r.ok:
+        return None
+    rows = r.stdout.strip().splitlines()
+    return int(rows[-1].split()[3]) if len(rows) >= 2 else None
+
+
+def have_prefix(layers: list[str], have: set[str]) -> int:
+    """How many leading layers the peer has (docker load skips a layer only if its whole chain
+    is there)."""
+    n = 0
+    for d in layers:
+        if d not in have:
+            break
+        n += 1
+    return n
+
+
+def pipeline(src: Host, peer: Host, ref: str, filter_path: str | None, layers_file: str | None,
+             have_file: str | None, compression: str) -> list[str]:
+    """The argv (``bash -c``) the source runs to stream the image into the peer's engine."""
+    save = docker(src, "save", ref)
+    stages = [save]
+    if filter_path:
+        stages.append(["python3", filter_path, "--layers-file", layers_file or "",
+                       "--have-file", have_file or "", "--progress", "1"])
+    load = docker(peer, "load")
+    remote = shlex.join(load)
+    if compression == "zstd":
+        stages.append(["zstd", "-q", "-T0", "-3", "-c"])
+        remote = f"zstd -q -d -c | {remote}"
+    stages.append(["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+                   peer.node.link.address, remote])
+    script = "set -o pipefail; " + " | ".join(shlex.join(s) for s in stages)
+    return ["bash", "-c", script]
+
+
+def _report(stderr: str) -> dict[str, Any]:
+    for line in reversed(stderr.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return {}
+
+
+def verify(peer: Host, ref: str, src_info: dict, peer_store_containerd: bool) -> str | None:
+    """None when the peer holds the image as the source does, else what differs."""
+    info = inspect_image(peer, ref)
+    want_layers = src_info["RootFS"]["Layers"]
+    if info is None:
+        return f"{peer.name} has no {ref}"
+    got_layers = info.get("RootFS", {}).get("Layers")
+    if got_layers != want_layers:
+        return f"diff IDs differ: source {want_layers}, {peer.name} {got_layers}"
+    if not peer_store_containerd and info["Id"] != src_info["Id"]:
+        return f"config digest differs: source {src_info['Id']}, {peer.name} {info['Id']}"
+    tag = ref if ":" in ref.rsplit("/", 1)[-1] else f"{ref}:latest"
+    if tag not in listed_tags(peer):
+        return f"{peer.name} does not list {tag} (an incomplete image?)"
+    return None
+
+
+def ship_one(dep: Deployment, src: Host, peer: Host, ref: str, src_info: dict,
+             progress: Progress | None = None) -> Result:
+    try:
+        facts = engine_facts(peer)
+    except NodeUnreachable as e:
+        return failed(STEP, str(e), peer.name)
+    layers = src_info["RootFS"]["Layers"]
+    if verify(peer, ref, src_info, facts.containerd_store) is None:
+        return ok(STEP, f"{peer.name} already has {ref} ({src_info['Id'][:19]})", peer.name)
+    prefix = 0 if facts.containerd_store else have_prefix(layers, facts.have)
+    sizes = layer_sizes(src, ref, layers, int(src_info.get("Size") or 0))
+    missing = sum(sizes[prefix:])
+    free = free_bytes(peer, facts.root_dir)
+    need = 2 * missing  # the archive is unpacked to a temp dir, then applied
+    if free is not None and free < need:
+        return failed(STEP, f"{peer.name} has {free / 1e9:.1f} GB free in {facts.root_dir}, needs "
+                      f"about {need / 1e9:.1f} GB for {ref}", peer.name)
+    why_full = ("the peer uses the containerd image store" if facts.containerd_store
+                else "the peer has none of its layers" if prefix == 0 else "")
+    if dep.dry:
+        return skipped(STEP, f"would send {ref} from {src.name} to {peer.name}: "
+                       + (f"{prefix} of {len(layers)} layers already there, ~{missing / 1e6:.0f} MB"
+                          if prefix else f"whole ({why_full}), ~{missing / 1e6:.0f} MB"), peer.name)
+    compression = dep.profile.images.ship_compression
+    started = time.monotonic()
+    filter_path = layers_file = have_file = None
+    if prefix:
+        filter_path = stage_script(src, "save_filter.py")
+        layers_file = stage(src, "layers.json", json.dumps(layers))
+        have_file = stage(src, "have.json", json.dumps(layers[:prefix]))
+
+    def on_line(line: str) -> None:
+        if progress and line.startswith("progress "):
+            kv = dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
+            progress(peer.name, int(kv.get("bytes_in", 0)), int(src_info.get("Size") or 0))
+
+    r = src.run(pipeline(src, peer, ref, filter_path, layers_file, have_file, compression),
+                on_stderr=on_line, timeout=6 * 3600)
+    report = _report(r.stderr)
+    mode = "partial" if prefix else "full"
+    note = ""
+    if not r.ok and prefix:
+        # a peer that refuses the partial archive gets the whole one
+        note = f"; the peer refused the partial archive ({r.one_line_error()}), sent it whole"
+        r = src.run(pipeline(src, peer, ref, None, None, None, compression), timeout=6 * 3600)
+        mode, report = "full", {}
+    if not r.ok:
+        return failed(STEP, f"transfer to {peer.name} failed: {r.one_line_error()}{note}", peer.name)
+    problem = verify(peer, ref, src_info, facts.containerd_store)
+    if problem:
+        return failed(STEP, f"after the transfer: {problem}{note}", peer.name)
+    secs = time.monotonic() - started
+    sent = report.get("bytes_out")
+    sent_txt = f"{sent / 1e6:.0f} MB of {report.get('bytes_in', 0) / 1e6:.0f} MB" if sent else "whole"
+    reason = f" ({why_full})" if mode == "full" and why_full and not note else ""
+    return changed(STEP, f"sent {ref} {src.name} -> {peer.name}: {mode}{reason}, {sent_txt}, "
+                   f"{prefix}/{len(layers)} layers already there, {secs:.1f}s{note}", peer.name,
+                   mode=mode, seconds=secs, bytes_in=report.get("bytes_in"), bytes_out=sent,
+                   layers_skipped=prefix, source=src.name)
+
+
+def default_image(dep: Deployment) -> str:
+    rec = dep.state.read_json("decisions/image-probe.json", {}) or {}
+    chosen = rec.get("chosen") or {}
+    return chosen.get("serve_image") or dep.profile.engines[0].image
+
+
+def ship(dep: Deployment, to: str, image: str | None = None,
+         progress: Progress | None = None) -> list[Result]:
+    ref = image or default_image(dep)
+    head = dep.host(dep.profile.head.name)
+    peers = [h for h in dep.select(to) if h.name != head.name] if to != "all" else \
+        [dep.host(n.name) for n in dep.profile.workers]
+    if not peers:
+        return [ok(STEP, "no peer to ship to")]
+    try:
+        src_info = inspect_image(head, ref)
+    except NodeUnreachable as e:
+        return [failed(STEP, str(e), head.name)]
+    if src_info is None:
+        return [failed(STEP, f"{head.name} has no image {ref}", head.name)]
+    sources = [head]
+    pending = list(peers)
+    results: list[Result] = []
+    while pending:
+        batch, pending = pending[: len(sources)], pending[len(sources):]
+        pairs = list(zip(sources, batch, strict=False))
+        with ThreadPoolExecutor(max_workers=len(pairs)) as pool:
+            done = list(pool.map(lambda p: ship_one(dep, p[0], p[1], ref, src_info, progress), pairs))
+        for (_, peer), res in zip(pairs, done, strict=True):
+            results.append(res)
+            if res.status in ("ok", "changed") and not dep.dry:
+                sources.append(peer)
+    return results
