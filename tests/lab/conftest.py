@@ -1,0 +1,63 @@
+"""The lab fixture: brings the rehearsal lab up once per test run (root + Linux only).
+
+The lab stays up after the run (a developer's re-run is then fast); set
+``SPARKDEPLOY_LAB_DOWN=1`` to take it down at the end. CI calls ``inv lab.down`` itself.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from dataclasses import dataclass
+
+import pytest
+
+from sparkdeploy.lab import layout, lifecycle
+
+pytestmark = pytest.mark.lab
+
+
+@dataclass
+class Lab:
+    nodes: list[str]
+    ssh_config: str
+    known_hosts: str
+    state: dict
+    up_results: list
+
+    def addr(self, node: str, which: str = "fast") -> str:
+        return self.state["node"][node][f"{which}_addr"]
+
+    def ssh_argv(self, node: str, command: str | list[str]) -> list[str]:
+        cmd = command if isinstance(command, str) else shlex.join(command)
+        return ["ssh", "-F", self.ssh_config, "-o", "BatchMode=yes", "-o",
+                "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={self.known_hosts}",
+                node, "--", cmd]
+
+    def ssh(self, node: str, command: str | list[str], check: bool = True,
+            timeout: float = 120) -> subprocess.CompletedProcess:
+        """Run a command on a node over the lab's ssh_config (host keys checked)."""
+        cp = subprocess.run(self.ssh_argv(node, command), capture_output=True, text=True,
+                            timeout=timeout)
+        if check and cp.returncode != 0:
+            raise AssertionError(f"ssh {node} {command!r} -> {cp.returncode}\n"
+                                 f"stdout: {cp.stdout}\nstderr: {cp.stderr}")
+        return cp
+
+
+@pytest.fixture(scope="session")
+def lab() -> Lab:
+    why = lifecycle.preflight()
+    if why:
+        pytest.skip(why)
+    results = lifecycle.up(nodes=2, engine_name=layout.DEFAULT_ENGINE)
+    bad = [r for r in results if r.failed]
+    if bad:
+        pytest.fail("lab.up failed: " + "; ".join(f"{r.step} {r.node or ''}: {r.why}"
+                                                  for r in bad), pytrace=False)
+    facts = lifecycle.lab_facts()
+    yield Lab(nodes=facts["nodes"], ssh_config=facts["ssh_config"],
+              known_hosts=facts["known_hosts"], state=facts, up_results=results)
+    if os.environ.get("SPARKDEPLOY_LAB_DOWN") == "1":
+        lifecycle.down()
