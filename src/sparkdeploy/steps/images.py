@@ -189,13 +189,13 @@ def decide(dep: Deployment, node: str, arch: str, source: str, rows: list[dict])
     for eng in dep.profile.engines:
         for row in rows:
             if row["engine"] == eng.kind and row["verdict"] in ("viable", "needs-layer"):
-                per_engine[eng.name] = {"image": row["image"], "engine": eng.kind,
+                per_engine[eng.name] = {"image": row["image"], "kind": eng.kind,
                                         "needs_layer": row["verdict"] == "needs-layer",
                                         "serve_image": (dep.profile.images.layer.tag
                                                         if row["verdict"] == "needs-layer"
                                                         and dep.profile.images.layer else row["image"])}
                 break
-    chosen = next((dict(engine=name, **v) for name, v in per_engine.items()), None)
+    chosen = next(({"engine": name, **v} for name, v in per_engine.items()), None)
     if chosen:
         summary = (f"chosen {chosen['image']} for {chosen['engine']}"
                    + (" + the transformers layer" if chosen["needs_layer"] else ""))

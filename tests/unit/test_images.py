@@ -1,0 +1,147 @@
+import json
+import shlex
+
+import pytest
+
+from sparkdeploy.config import load_profile
+from sparkdeploy.deployment import Deployment
+from sparkdeploy.hosts import Host
+from sparkdeploy.state import StateDir
+from sparkdeploy.steps import images, ship
+from tests.unit.test_profile import SEED
+
+
+@pytest.fixture
+def dep(tmp_path):
+    prof = load_profile(SEED)
+    state = StateDir(tmp_path / "state")
+    return Deployment(prof, str(SEED), state, {n.name: Host(n, prof.ssh, None, state) for n in prof.nodes})
+
+
+def test_probe_argv_is_exact(dep):
+    head = dep.host("spark1")
+    argv = images.probe_argv(dep, head, "scitrera/dgx-spark-sglang:0.5.10rc0", "/s/probe_image.py", "/s/model")
+    assert shlex.join(argv) == (
+        "docker -H unix:///var/run/docker.sock run --rm --network none "
+        "-e HF_HUB_OFFLINE=1 -e TRANSFORMERS_OFFLINE=1 "
+        "-v /s/probe_image.py:/sparkdeploy/probe_image.py:ro -v /s/model:/sparkdeploy/model:ro "
+        "--entrypoint python3 scitrera/dgx-spark-sglang:0.5.10rc0 /sparkdeploy/probe_image.py "
+        "--model-dir /sparkdeploy/model "
+        "--model-file sglang=sglang/srt/models/qwen3_5.py --model-file sglang=sglang/srt/models/qwen3_5_mtp.py "
+        "--min-version sglang=0.5.9 --require-config sglang "
+        "--model-file vllm=vllm/model_executor/models/qwen3_5.py "
+        "--model-file vllm=vllm/model_executor/models/qwen3_5_mtp.py --min-version vllm=0.17.0")
+
+
+def report(engine, version, files, tf, config_ok, ok, reasons):
+    return {"packages": {"transformers": tf, engine: version},
+            "config": {"ok": config_ok, "model_type": "qwen3_5_moe"},
+            "engines": {engine: {"installed": version is not None, "version": version,
+                                 "model_files": files, "ok": ok, "reasons": reasons}}}
+
+
+INFO = {"Id": "sha256:aa", "Architecture": "arm64", "Os": "linux"}
+
+
+def test_judge_rejects_old_sglang(dep):
+    r = report("sglang", "0.5.4", {"sglang/srt/models/qwen3_5.py": False}, "4.57.1", False, False,
+               ["sglang 0.5.4 is below the minimum 0.5.9", "sglang lacks sglang/srt/models/qwen3_5.py",
+                "transformers 4.57.1 cannot parse model_type qwen3_5_moe"])
+    row = images.judge(dep, "lmsysorg/sglang:spark", "sglang", "arm64", INFO, r, None)
+    assert row["verdict"] == "rejected"
+    assert "lacks sglang/srt/models/qwen3_5.py" in row["why"]
+
+
+def test_judge_needs_layer_when_only_transformers_fails(dep):
+    r = report("sglang", "0.5.10rc0", {"sglang/srt/models/qwen3_5.py": True}, "4.57.1", False, False,
+               ["transformers 4.57.1 cannot parse model_type qwen3_5_moe"])
+    row = images.judge(dep, "scitrera/dgx-spark-sglang:0.5.10rc0", "sglang", "arm64", INFO, r, None)
+    assert row["verdict"] == "needs-layer"
+    assert row["why"].endswith("fixed by the layer transformers>=5 -> sparkdeploy/sglang-qwen3.5:latest")
+
+
+def test_judge_platform_mismatch_rejects(dep):
+    r = report("vllm", "0.17.1", {"vllm/model_executor/models/qwen3_5.py": True}, "4.57.1", False, True, [])
+    row = images.judge(dep, "hellohal2064/vllm-qwen3.5-gb10", "vllm", "arm64",
+                       {**INFO, "Architecture": "amd64"}, r, None)
+    assert row["verdict"] == "rejected"
+    assert row["why"] == "image is linux/amd64, spark1 is linux/arm64"
+
+
+def test_judge_viable_and_decision(dep):
+    v = images.judge(dep, "hellohal2064/vllm-qwen3.5-gb10", "vllm", "arm64", INFO,
+                     report("vllm", "0.17.1", {"x": True}, "4.57.1", False, True, []), None)
+    n = images.judge(dep, "scitrera/dgx-spark-sglang:0.5.10rc0", "sglang", "arm64", INFO,
+                     report("sglang", "0.5.10rc0", {"x": True}, "4.57.1", False, False,
+                            ["transformers 4.57.1 cannot parse model_type qwen3_5_moe"]), None)
+    m = images.judge(dep, "lmsysorg/sglang:spark", "sglang", "arm64", None, None, "pull failed: no registry")
+    assert v["verdict"] == "viable" and m["verdict"] == "missing"
+    rec = images.decide(dep, "spark1", "arm64", "hub", [m, n, v])
+    assert rec["chosen"] == {"engine": "sglang", "kind": "sglang", "image": "scitrera/dgx-spark-sglang:0.5.10rc0",
+                             "needs_layer": True, "serve_image": "sparkdeploy/sglang-qwen3.5:latest"}
+    assert rec["engines"]["vllm-ray"]["serve_image"] == "hellohal2064/vllm-qwen3.5-gb10"
+    images.write_record(dep, rec)
+    md = (dep.state.path / "decisions/image-probe.md").read_text()
+    assert "- `lmsysorg/sglang:spark` (sglang): missing: pull failed: no registry" in md
+
+
+PAGE = """<html><body>
+<a href="/f/transformers-4.57.1-py3-none-any.whl#sha256=1">transformers-4.57.1-py3-none-any.whl</a>
+<a href="/f/transformers-5.2.0-py3-none-any.whl#sha256=2">transformers-5.2.0-py3-none-any.whl</a>
+<a href="/f/transformers-5.23.0-py3-none-any.whl#sha256=3">transformers-5.23.0-py3-none-any.whl</a>
+<a href="/f/transformers-5.24.0rc1-py3-none-any.whl#sha256=4">transformers-5.24.0rc1-py3-none-any.whl</a>
+<a href="/f/transformers-5.23.0.tar.gz#sha256=5">transformers-5.23.0.tar.gz</a>
+</body></html>"""
+
+
+def test_resolve_requirement_picks_newest_final():
+    seen = []
+    v = images.resolve_requirement("transformers>=5", "http://index/simple/",
+                                   get=lambda u: seen.append(u) or PAGE)
+    assert v == "5.23.0"
+    assert seen == ["http://index/simple/transformers/"]
+    assert images.resolve_requirement("transformers<5", "http://i/simple", get=lambda u: PAGE) == "4.57.1"
+    with pytest.raises(images.ResolveError, match="satisfies transformers>=6"):
+        images.resolve_requirement("transformers>=6", "http://i/simple", get=lambda u: PAGE)
+
+
+def test_legacy_dockerfile_drops_mounts():
+    text = "RUN --mount=type=secret,id=pipconf \\\n    --mount=type=secret,id=pip_ca \\\n    set -eu\n"
+    assert images.legacy_dockerfile(text) == "RUN \\\n    \\\n    set -eu\n"
+
+
+def test_index_url_with_credentials_is_refused(tmp_path):
+    from sparkdeploy.config import ProfileError
+
+    p = tmp_path / "p.yaml"
+    p.write_text(SEED.read_text().replace("index_url: https://pypi.org/simple",
+                                          "index_url: https://user:pw@example.org/simple"))
+    with pytest.raises(ProfileError, match="images.layer.index_url: must not carry credentials"):
+        load_profile(p)
+
+
+def test_have_prefix_follows_the_chain():
+    assert ship.have_prefix(["a", "b", "c"], {"a", "b"}) == 2
+    assert ship.have_prefix(["a", "b", "c"], {"b", "c"}) == 0
+    assert ship.have_prefix(["a", "b", "c"], {"a", "c"}) == 1
+
+
+def test_ship_pipeline_argv(dep):
+    src, peer = dep.host("spark1"), dep.host("spark2")
+    argv = ship.pipeline(src, peer, "img:1", "/t/save_filter.py", "/t/layers.json", "/t/have.json", "none")
+    assert argv[:2] == ["bash", "-c"]
+    assert argv[2] == (
+        "set -o pipefail; docker -H unix:///var/run/docker.sock save img:1 | "
+        "python3 /t/save_filter.py --layers-file /t/layers.json --have-file /t/have.json --progress 1 | "
+        "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes 192.168.100.11 "
+        "'docker -H unix:///var/run/docker.sock load'")
+    full = ship.pipeline(src, peer, "img:1", None, None, None, "zstd")
+    assert full[2] == (
+        "set -o pipefail; docker -H unix:///var/run/docker.sock save img:1 | zstd -q -T0 -3 -c | "
+        "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes 192.168.100.11 "
+        "'zstd -q -d -c | docker -H unix:///var/run/docker.sock load'")
+
+
+def test_filter_report_is_read_from_stderr():
+    err = "progress bytes_in=1 bytes_out=1\n" + json.dumps({"bytes_in": 10, "bytes_out": 4}) + "\n"
+    assert ship._report(err) == {"bytes_in": 10, "bytes_out": 4}
