@@ -81,6 +81,8 @@ class Model(_Strict):
     path: str
     """Where the weights live on every node."""
     allow_patterns: list[str] = Field(default_factory=lambda: ["*"])
+    endpoint: str | None = None
+    """The model hub (``HF_ENDPOINT``); None means huggingface_hub's default (or $HF_ENDPOINT)."""
 
 
 class Candidate(_Strict):

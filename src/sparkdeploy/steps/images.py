@@ -66,7 +66,7 @@ def model_config_text(dep: Deployment, head: Host) -> tuple[str, str]:
         from huggingface_hub import hf_hub_download
 
         local = hf_hub_download(model.repo, "config.json", revision=model.revision,
-                                cache_dir=str(dep.state.path / "hf-cache"))
+                                cache_dir=str(dep.state.path / "hf-cache"), endpoint=model.endpoint)
     except Exception as e:  # noqa: BLE001 - any hub failure is reported as one line
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigUnavailable(f"config.json is neither on {head.name} ({path}) nor fetchable "
