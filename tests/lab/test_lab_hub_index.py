@@ -1,0 +1,92 @@
+"""Lab part 2, the closed internet: the model hub and the package index on the management net.
+
+Each test serves its own hub or index on the controller's management address (a free port),
+so it proves the path a node really uses (node -> management network -> controller) whatever
+lab.up itself runs on the default ports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from sparkdeploy.lab import hub, layout, pkgindex
+
+pytestmark = pytest.mark.lab
+
+
+@pytest.fixture()
+def six_index(lab, tmp_path):
+    report = pkgindex.ensure_wheels(["six"], tmp_path / "wheels")
+    assert report.files["six"]
+    server = pkgindex.start_index(bind=lab.state["controller"], port=0,
+                                  wheel_dir=tmp_path / "wheels")
+    yield server
+    server.stop()
+
+
+def test_docker_build_on_the_head_installs_a_wheel_from_the_lab_index(lab, six_index):
+    head = lab.nodes[0]
+    tag = f"sparkdeploy-lab/index-test:{uuid.uuid4().hex[:8]}"
+    dockerfile = (
+        f"FROM {layout.BASE_IMAGE}\n"
+        "ARG PIP_INDEX_URL\n"
+        "RUN python3 -m pip install --break-system-packages --no-cache-dir"
+        ' --index-url "$PIP_INDEX_URL" six\n'
+    )
+    build = ["docker", "build", "--network", "host", "--build-arg",
+             f"PIP_INDEX_URL={six_index.index_url}", "-t", tag, "-"]
+    done = subprocess.run(lab.ssh_argv(head, shlex.join(build)), input=dockerfile,
+                          capture_output=True, text=True, timeout=600)
+    try:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        out = lab.ssh(head, ["docker", "run", "--rm", "--network", "none", tag, "python3", "-c",
+                             "import six, json; print(json.dumps(six.__file__))"]).stdout
+        assert json.loads(out.strip().splitlines()[-1]).startswith("/usr/local/lib/python3")
+        assert ("GET", "/simple/six/", 200) in six_index.requests
+        assert any(p.startswith("/files/six-") for _, p, _ in six_index.requests)
+    finally:
+        lab.ssh(head, ["docker", "rmi", "-f", tag], check=False)
+
+
+def test_snapshot_download_on_the_head_through_hf_endpoint(lab, tmp_path):
+    """The head downloads the miniature model from the controller's hub into its own model dir,
+    resuming once after the hub drops the connection mid-shard."""
+    server = hub.start_hub(bind=lab.state["controller"], port=0, data_dir=tmp_path / "hub",
+                           size_mb=24, shards=2)
+    try:
+        repo = server.state.repos[hub.REPO_ID]
+        shard = sorted(p for p, f in repo.files.items() if f.lfs)[0]
+        server.set_knobs(fault={"file": shard, "after_bytes": 11 * 1024 * 1024})
+        target = f"{layout.MODEL_DIR}/lab-hub-test-{uuid.uuid4().hex[:8]}"
+        script = (
+            "import hashlib, json, os\n"
+            "from huggingface_hub import snapshot_download\n"
+            f"p = snapshot_download({hub.REPO_ID!r}, local_dir={target!r})\n"
+            "print(json.dumps({f: hashlib.sha256(open(os.path.join(p, f), 'rb').read())"
+            ".hexdigest() for f in os.listdir(p) if os.path.isfile(os.path.join(p, f))}))\n"
+        )
+        env = (f"HF_ENDPOINT={server.url} HF_HUB_DISABLE_TELEMETRY=1 "
+               f"HF_HUB_DISABLE_PROGRESS_BARS=1 HF_HOME={target}/.hf_home")
+        # the controller's interpreter (the node shares the root filesystem, not the model dir)
+        cmd = f"env {env} {shlex.quote(sys.executable)} -c {shlex.quote(script)}"
+        out = lab.ssh(lab.nodes[0], cmd,
+                      timeout=300).stdout
+        got = json.loads(out.strip().splitlines()[-1])
+        assert got == {p: hashlib.sha256((repo.root / p).read_bytes()).hexdigest()
+                       for p in repo.files}
+        assert {f.sha256 for f in repo.files.values() if f.lfs} <= set(got.values())
+        stats = server.stats()
+        assert [f["file"] for f in stats["faults_fired"]] == [shard]
+        assert any(r["file"] == shard and r["status"] == 206 for r in stats["requests"])
+        # only the head holds the files
+        assert lab.ssh(lab.nodes[1], ["test", "-e", target], check=False).returncode == 1
+        lab.ssh(lab.nodes[0], ["rm", "-rf", target])
+    finally:
+        server.stop()
