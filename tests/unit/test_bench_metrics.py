@@ -1,0 +1,99 @@
+"""Metric definitions against hand-made timelines: exact values (vLLM bench serve's)."""
+
+import json
+
+import pytest
+
+from sparkdeploy.bench.metrics import Timeline, analyse, percentile, stats, summarize
+
+
+def ev(d) -> bytes:
+    return json.dumps(d).encode()
+
+
+ROLE = ev({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+
+
+def chunk(key, text):
+    return ev({"choices": [{"index": 0, "delta": {key: text}}]})
+
+
+def usage(n):
+    return ev({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": n}})
+
+
+def timeline(start=10.0):
+    return Timeline(start=start, events=[
+        (10.001, ROLE),                               # role chunk: not the first token
+        (10.100, chunk("reasoning_content", "a")),    # first token (reasoning counts)
+        (10.130, chunk("reasoning_content", "b")),
+        (10.170, chunk("content", "c")),
+        (10.200, chunk("content", "d")),
+        (10.250, usage(4)),
+        (10.251, b"[DONE]"),
+    ], end=10.252)
+
+
+def test_request_metrics_exact():
+    m = analyse(timeline())
+    assert m.error is None
+    assert m.ttft_ms == pytest.approx(100.0)
+    assert m.itl_ms == pytest.approx([30.0, 40.0, 30.0])
+    assert m.e2el_ms == pytest.approx(250.0)  # to the last chunk before [DONE]
+    assert m.output_tokens == 4 and m.tokens_source == "usage"
+    assert m.input_tokens == 7
+    assert m.tpot_ms == pytest.approx(50.0)  # (250 - 100) / (4 - 1)
+    assert m.decode_tok_s == pytest.approx(20.0)
+
+
+def test_without_usage_counts_text_chunks_and_says_so():
+    tl = timeline()
+    tl.events = [e for e in tl.events if b"usage" not in e[1]]
+    m = analyse(tl)
+    assert m.output_tokens == 4 and m.tokens_source == "chunks"
+    assert m.e2el_ms == pytest.approx(200.0)
+
+
+def test_completions_text_chunks():
+    tl = Timeline(start=0.0, events=[
+        (0.05, ev({"choices": [{"text": "x"}]})), (0.06, ev({"choices": [{"text": "y"}]})),
+        (0.06, usage(2)), (0.07, b"[DONE]")], end=0.07)
+    m = analyse(tl)
+    assert m.ttft_ms == pytest.approx(50.0) and m.itl_ms == pytest.approx([10.0])
+    assert m.tpot_ms == pytest.approx(10.0)
+
+
+def test_stream_without_done_is_an_error():
+    tl = timeline()
+    tl.events = tl.events[:3]
+    assert analyse(tl).error == "stream ended before [DONE]"
+    tl.error = "stream closed midway (after 3 events)"
+    m = analyse(tl)
+    assert m.error == "stream closed midway (after 3 events)" and m.ttft_ms is None
+
+
+def test_percentiles_linear_like_numpy():
+    xs = [1.0, 2.0, 3.0, 4.0, 10.0]
+    assert percentile(xs, 50) == 3.0
+    assert percentile(xs, 90) == pytest.approx(7.6)  # numpy.percentile(xs, 90)
+    assert percentile(xs, 99) == pytest.approx(9.76)
+    assert stats(xs)["mean"] == 4.0
+    assert stats([]) == {"mean": None, "median": None, "p90": None, "p99": None}
+
+
+def test_summary_counts_failures_and_aggregates():
+    a = analyse(timeline(10.0))
+    b_tl = timeline(10.0)
+    b_tl.events = [(t + 0.75, p) for t, p in b_tl.events]
+    b_tl.start, b_tl.end = 10.75, 11.002
+    b = analyse(b_tl)
+    bad = analyse(Timeline(start=10.0, end=10.5, error="HTTP 500: boom"))
+    s = summarize([a, b, bad])
+    assert s["requests"] == 3 and s["completed"] == 2 and s["failed"] == 1
+    assert s["errors"] == {"HTTP 500: boom": 1}
+    assert s["duration_s"] == pytest.approx(1.002)  # first start -> last end
+    assert s["output_tok_s"] == pytest.approx(8 / 1.002)
+    assert s["requests_s"] == pytest.approx(2 / 1.002)
+    assert s["ttft_ms"]["median"] == pytest.approx(100.0)
+    assert s["itl_ms"]["mean"] == pytest.approx(100.0 / 3)  # pooled: 30, 40, 30 twice
+    assert s["per_request_output_tok_s"]["median"] == pytest.approx(20.0)

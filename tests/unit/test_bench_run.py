@@ -1,0 +1,136 @@
+"""bench.run against a fast stand-in: faults counted as failures, JSON and PNG written, the
+PNG holds the four panels' data; bench.compare exit codes."""
+
+import json
+
+import pytest
+from invoke import Config, Context
+from invoke.exceptions import Exit
+
+from sparkdeploy.bench.client import BenchError, Settings
+from sparkdeploy.bench.plot import panel_data, read_png_panels
+from sparkdeploy.bench.sweep import check_baseline, run_sweep
+from sparkdeploy.lab.standins import engine_server as es
+from sparkdeploy.tasks import bench as bench_tasks
+
+
+@pytest.fixture
+def server():
+    srv = es.start_in_thread(es.Config(port=0, ttft_ms=20, gap_ms=5, reasoning_tokens=2))
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def ctx(tmp_path) -> Context:
+    return Context(Config(overrides={"sparkdeploy": {"profile": str(tmp_path / "none.yaml"),
+                                                     "state_dir": str(tmp_path / "state")}}))
+
+
+def test_faulty_requests_fail_with_their_error_and_files_are_written(server, tmp_path):
+    # requests are numbered per server: warm-up is request 1, the measured ones 2..13
+    server.state.control({"faults": "http500:every=4,close:every=5:after=2,"
+                                    "stall:every=7:after=1:seconds=1.5"})
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    bench_tasks.run(ctx(tmp_path), url=f"http://127.0.0.1:{server.port}/v1", concurrency="3",
+                    requests=12, output_tokens=6, input_tokens=8, warmup=1, timeout=0.5,
+                    json=str(out), plot=str(png))
+    doc = json.loads(out.read_text())
+    run = doc["runs"][0]
+    s = run["summary"]
+    # 4, 8, 12 -> 500; 5, 10 -> closed; 7 -> stalled past the 0.5 s timeout
+    assert s["requests"] == 12 and s["failed"] == 6 and s["completed"] == 6
+    assert s["errors"] == {"HTTP 500: stand-in fault: internal server error": 3,
+                           "stream closed midway (after 3 events)": 2,
+                           "timeout: no data for 0.5s": 1}
+    errors = [r["error"] for r in run["requests"]]
+    assert errors.count(None) == 6
+    ok = [r for r in run["requests"] if r["error"] is None]
+    assert all(r["output_tokens"] == 6 for r in ok)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert read_png_panels(png) == panel_data(doc["runs"])
+
+
+def test_png_holds_the_four_panels(server, tmp_path):
+    doc = run_sweep(f"http://127.0.0.1:{server.port}", Settings(input_tokens=4, output_tokens=4),
+                    concurrency=[1, 2], requests=2, warmup=0)
+    from sparkdeploy.bench.plot import plot
+
+    path = tmp_path / "p.png"
+    drawn = plot(doc["runs"], path)
+    stored = read_png_panels(path)
+    assert stored == drawn
+    p = stored["panels"]
+    s1, s2 = (r["summary"] for r in doc["runs"])
+    assert p["output_tok_s"] == {"x": [1, 2], "series": {"total": [s1["output_tok_s"],
+                                                                    s2["output_tok_s"]]}}
+    assert p["decode_tok_s"]["series"]["median"] == [
+        s1["per_request_output_tok_s"]["median"], s2["per_request_output_tok_s"]["median"]]
+    for key in ("ttft_ms", "itl_ms"):
+        for q in ("median", "p90", "p99"):
+            assert p[key]["series"][q] == [s1[key][q], s2[key][q]]
+
+
+def test_save_under_state_dir_and_baseline_gate(server, tmp_path):
+    c = ctx(tmp_path)
+    url = f"http://127.0.0.1:{server.port}"
+    # stand-in decode rate is 200 tok/s; the default baseline is 27: passes
+    bench_tasks.run(c, url=url, concurrency="1", requests=2, output_tokens=4, warmup=0,
+                    save=True, check_baseline=True)
+    files = sorted(p.suffix for p in (tmp_path / "state" / "bench").iterdir())
+    assert files == [".json", ".png"]
+    doc = json.loads(next((tmp_path / "state" / "bench").glob("*.json")).read_text())
+    assert check_baseline(doc, 300.0, 10)[0] is False  # 200 < 270
+    assert check_baseline(doc, 210.0, 10)[0] is True
+    doc["runs"][0]["concurrency"] = 8
+    assert "no concurrency-1 run" in check_baseline(doc, 27, 10)[1]
+
+
+def test_no_endpoint_no_url_is_a_clear_exit(tmp_path):
+    prof = tmp_path / "p.yaml"
+    prof.write_text((__import__("pathlib").Path("configs/lab.yaml")).read_text())
+    c = Context(Config(overrides={"sparkdeploy": {"profile": str(prof),
+                                                  "state_dir": str(tmp_path)}}))
+    with pytest.raises(Exit, match="pass --url"):
+        bench_tasks.run(c)
+
+
+def test_unreachable_endpoint_is_one_line(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(Exit, match="cannot reach"):
+        bench_tasks.run(ctx(tmp_path), url=f"http://127.0.0.1:{port}", requests=1)
+    with pytest.raises(BenchError):
+        run_sweep("ftp://x", Settings())
+
+
+def _doc(tok_s, decode, ttft, itl, conc=8):
+    return {"config": {}, "runs": [{"concurrency": conc, "rate": None, "summary": {
+        "output_tok_s": tok_s, "per_request_output_tok_s": {"median": decode},
+        "ttft_ms": {"p90": ttft}, "itl_ms": {"p90": itl}}}]}
+
+
+def test_compare_exit_codes(tmp_path):
+    base, same, worse, better = (tmp_path / f"{n}.json" for n in ("b", "s", "w", "x"))
+    base.write_text(json.dumps(_doc(200.0, 27.0, 100.0, 37.0)))
+    same.write_text(json.dumps(_doc(195.0, 26.0, 104.0, 38.5)))     # all within 5%
+    worse.write_text(json.dumps(_doc(200.0, 27.0, 100.0, 39.0)))    # p90 ITL +5.4%
+    better.write_text(json.dumps(_doc(250.0, 30.0, 80.0, 30.0)))
+    c = ctx(tmp_path)
+    bench_tasks.compare(c, str(base), str(same))
+    bench_tasks.compare(c, str(base), str(better))
+    with pytest.raises(Exit) as e:
+        bench_tasks.compare(c, str(base), str(worse))
+    assert e.value.code == 1
+    bench_tasks.compare(c, str(base), str(worse), max_regression="6%")
+    with pytest.raises(Exit) as e:
+        bench_tasks.compare(c, str(base), str(tmp_path / "missing.json"))
+    assert e.value.code == 2
+    other = tmp_path / "o.json"
+    other.write_text(json.dumps(_doc(200.0, 27.0, 100.0, 37.0, conc=64)))
+    with pytest.raises(Exit) as e:
+        bench_tasks.compare(c, str(base), str(other))
+    assert e.value.code == 2
