@@ -37,11 +37,13 @@ def test_docker_build_on_the_head_installs_a_wheel_from_the_lab_index(lab, six_i
     dockerfile = (
         f"FROM {layout.BASE_IMAGE}\n"
         "ARG PIP_INDEX_URL\n"
-        "RUN python3 -m pip install --break-system-packages --no-cache-dir"
-        ' --index-url "$PIP_INDEX_URL" six\n'
+        "ARG PIP_TRUSTED_HOST\n"
+        "RUN python3 -m pip install --break-system-packages --no-cache-dir six\n"
     )
-    build = ["docker", "build", "--network", "host", "--build-arg",
-             f"PIP_INDEX_URL={six_index.index_url}", "-t", tag, "-"]
+    build = ["docker", "build", "--network", "host"]
+    for k, v in six_index.pip_env.items():  # PIP_INDEX_URL and PIP_TRUSTED_HOST (plain HTTP)
+        build += ["--build-arg", f"{k}={v}"]
+    build += ["-t", tag, "-"]
     done = subprocess.run(lab.ssh_argv(head, shlex.join(build)), input=dockerfile,
                           capture_output=True, text=True, timeout=600)
     try:

@@ -27,6 +27,11 @@ def test_target_platforms_cover_bookworm_glibc_per_architecture():
     assert pkgindex.target_platforms("arm64") == arm
 
 
+def test_pip_env_trusts_the_plain_http_host():
+    assert pkgindex.pip_env("http://10.77.0.1:8901/simple/") == {
+        "PIP_INDEX_URL": "http://10.77.0.1:8901/simple/", "PIP_TRUSTED_HOST": "10.77.0.1"}
+
+
 def test_pip_download_argv_is_exact():
     argv = pkgindex.pip_download_argv(["transformers>=5"], "/d", "/c", machine="x86_64",
                                       python="/py")

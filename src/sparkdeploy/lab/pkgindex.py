@@ -20,7 +20,12 @@ Function API::
     pkgindex.ensure_wheels([["six"], ["transformers==4.57.1"]], "/tmp/wheels")
     server = pkgindex.start_index(bind="127.0.0.1", port=0, wheel_dir="/tmp/wheels")
     server.url            # "http://127.0.0.1:<port>";  server.index_url -> ".../simple/"
+    server.pip_env        # {"PIP_INDEX_URL": ".../simple/", "PIP_TRUSTED_HOST": "127.0.0.1"}
     server.stop()
+
+pip ignores a plain-HTTP index on any host but localhost unless told the host is trusted: the
+lab's env file needs both ``PIP_INDEX_URL`` and ``PIP_TRUSTED_HOST`` (``pip_env(url)``), and a
+``docker build`` passes both (``--build-arg`` or ``--trusted-host``).
 
 ``ensure_wheels(requirements, cache_dir)`` resolves each requirement set with its own
 ``pip download`` (sets may conflict with each other, e.g. transformers 4 and 5) and records
@@ -408,6 +413,10 @@ class IndexServer(ThreadingHTTPServer):
     def port(self) -> int:
         return self.server_address[1]
 
+    @property
+    def pip_env(self) -> dict[str, str]:
+        return pip_env(self.index_url)
+
     def start(self) -> IndexServer:
         self._thread = threading.Thread(target=self.serve_forever, name="lab-index", daemon=True)
         self._thread.start()
@@ -418,6 +427,15 @@ class IndexServer(ThreadingHTTPServer):
         self.server_close()
         if self._thread:
             self._thread.join(timeout=5)
+
+
+def pip_env(index_url: str) -> dict[str, str]:
+    """Environment for pip (and the lab's env file) to use the index over plain HTTP.
+
+    pip ignores a plain-HTTP index on any host but localhost unless it is a trusted host.
+    """
+    host = urllib.parse.urlsplit(index_url).hostname or ""
+    return {"PIP_INDEX_URL": index_url, "PIP_TRUSTED_HOST": host}
 
 
 def start_index(bind: str = "127.0.0.1", port: int = 0,
@@ -461,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
 __all__ = [
     "DEFAULT_PORT", "DEFAULT_WHEEL_DIR", "DEFAULT_REQUIREMENTS", "IndexServer", "WheelsReport",
     "WheelDownloadError", "ensure_wheels", "normalize", "pip_download_argv", "project_of",
-    "start_index", "target_platforms", "main",
+    "pip_env", "start_index", "target_platforms", "main",
 ]
 
 if __name__ == "__main__":
