@@ -46,7 +46,14 @@ def from_context(ctx: Context, profile: str | None = None) -> Deployment:
     if not path:
         raise ProfileError("no profile: set sparkdeploy.profile in invoke.yaml or "
                            "INVOKE_SPARKDEPLOY_PROFILE=configs/X.yaml")
-    prof = load_profile(path)
-    state = StateDir(Path(cfg.get("state_dir") or ".sparkdeploy"))
+    return load(path, cfg.get("state_dir") or ".sparkdeploy", ctx)
+
+
+def load(profile: str | Path, state_dir: str | Path = ".sparkdeploy",
+         ctx: Context | None = None) -> Deployment:
+    """A deployment outside invoke (benchmarks, tests): a fresh quiet Context by default."""
+    ctx = ctx or Context()
+    prof = load_profile(profile)
+    state = StateDir(Path(state_dir))
     hosts = {n.name: Host(n, prof.ssh, ctx, state) for n in prof.nodes}
-    return Deployment(prof, str(path), state, hosts, dry=bool(ctx.config.run.dry))
+    return Deployment(prof, str(profile), state, hosts, dry=bool(ctx.config.run.dry))
