@@ -1,0 +1,428 @@
+"""The community images of the seed, rebuilt for the lab with real packages and engine stand-ins.
+
+On one node's Docker engine (spark1 in the lab), from the lab base image (debootstrap bookworm
+with python3), three images tagged with the real names:
+
+- ``lmsysorg/sglang:spark``: sglang 0.5.4 (the real wheel, ``--no-deps``) + transformers 4.57.1;
+- ``scitrera/dgx-spark-sglang:0.5.10rc0``: sglang 0.5.10rc0 (holds ``srt/models/qwen3_5.py``
+  and ``qwen3_5_mtp.py``) + transformers 4.57.1;
+- ``hellohal2064/vllm-qwen3.5-gb10``: vllm 0.17.1 (the real wheel with its compiled ``*.so``
+  libraries left out, RECORD rewritten to match) + real Ray + transformers 4.57.1.
+
+Everything lives in a venv at ``/opt/venv`` first on the image's PATH, so the container's
+``python3`` has the packages (as in the real images; bookworm's own python3 is
+EXTERNALLY-MANAGED). No GPU dependency goes in (no torch): the probes read package metadata and
+installed files, and the engines run as stand-ins (``standins/engine_server.py``, copied to
+``/opt/standin/``): ``python3 -m sglang.launch_server`` runs ``engine_server.sglang_main`` (the
+installed ``sglang/launch_server.py`` is replaced by a shim), ``vllm serve`` runs
+``engine_server.vllm_main`` (the ``vllm`` console script is replaced by a shim) and its Ray
+check uses the real Ray in the image. The sglang images also get the few light packages that
+``import sglang`` needs (aiohttp, pybase64, pydantic), as the real images have them.
+
+Wheels come from the controller's cache (``/var/cache/sparkdeploy/wheels``, filled with
+``pip download`` through ``sparkdeploy.lab.pkgindex``); the build itself has no network
+(``network_mode=none``): a multi-stage Dockerfile copies the wheels into a build stage, installs
+them into ``/opt/venv``, and the final stage is the base image plus ``COPY --from`` of the venv,
+so no wheel lands in the final image. Every image carries ``org.sparkdeploy.lab.standin=true``
+and ``org.sparkdeploy.lab.recipe=<hash>``: the hash covers the pins, the Dockerfile, the shims,
+the stand-in's source and the base image ID, and an image whose label matches is not rebuilt.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from sparkdeploy.lab import layout
+from sparkdeploy.results import Result, changed, failed, ok
+
+STEP = "lab.images"
+RECIPE_LABEL = "org.sparkdeploy.lab.recipe"
+STAGE_LABEL = "org.sparkdeploy.lab.build-stage"
+FORMAT = 1
+"""Bumped when the way images are built changes in a way the hash inputs do not show."""
+
+WHEEL_CACHE = layout.CACHE_DIR / "wheels"
+STRIPPED_CACHE = layout.CACHE_DIR / "wheels-stripped"
+"""Engine wheels without their compiled libraries (kept apart: the package index serves
+``WHEEL_CACHE`` and must serve only real wheels)."""
+STANDIN_SOURCE = Path(__file__).resolve().parent / "standins" / "engine_server.py"
+VENV = "/opt/venv"
+STANDIN_DIR = "/opt/standin"
+PATH = f"{VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+SGLANG_IMPORT_DEPS = ("aiohttp==3.14.5", "pybase64==1.5.1", "pydantic==2.14.4")
+"""What ``import sglang`` (run by ``python3 -m sglang.launch_server``) needs besides numpy,
+requests and tqdm (which transformers brings)."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    tag: str
+    engine: str  # "sglang" | "vllm"
+    engine_requirement: str  # "name==version": the engine wheel, installed with --no-deps
+    requires: tuple[str, ...]  # installed with their dependencies
+    strip_compiled: bool = False  # leave the engine wheel's *.so out
+
+    @property
+    def engine_name(self) -> str:
+        return self.engine_requirement.split("==", 1)[0]
+
+    @property
+    def engine_version(self) -> str:
+        return self.engine_requirement.split("==", 1)[1]
+
+
+COMMUNITY_IMAGES: tuple[Recipe, ...] = (
+    Recipe("lmsysorg/sglang:spark", "sglang", "sglang==0.5.4",
+           ("transformers==4.57.1", *SGLANG_IMPORT_DEPS)),
+    Recipe("scitrera/dgx-spark-sglang:0.5.10rc0", "sglang", "sglang==0.5.10rc0",
+           ("transformers==4.57.1", *SGLANG_IMPORT_DEPS)),
+    Recipe("hellohal2064/vllm-qwen3.5-gb10", "vllm", "vllm==0.17.1",
+           ("transformers==4.57.1", "ray==2.60.0"), strip_compiled=True),
+)
+
+# --- the shims and the wiring script (run inside the build stage) --------------------------
+
+SGLANG_SHIM = f'''"""Lab stand-in: ``python3 -m sglang.launch_server`` runs the sparkdeploy engine stand-in
+(the real SGLang needs a GPU stack; this image carries its real files for probing)."""
+
+import sys
+
+sys.path.insert(0, "{STANDIN_DIR}")
+from engine_server import sglang_main  # noqa: E402
+
+if __name__ == "__main__":
+    raise SystemExit(sglang_main())
+'''
+
+VLLM_SHIM = f'''#!{VENV}/bin/python3
+"""Lab stand-in: ``vllm serve`` runs the sparkdeploy engine stand-in (Ray is real)."""
+
+import sys
+
+sys.path.insert(0, "{STANDIN_DIR}")
+from engine_server import vllm_main  # noqa: E402
+
+if __name__ == "__main__":
+    raise SystemExit(vllm_main())
+'''
+
+WIRE_PY = '''"""Put the engine stand-in's shims in place (runs in the build stage, with the venv's python)."""
+import json
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+engine = sys.argv[1]
+shims = json.loads(Path(sys.argv[2]).read_text())
+if engine == "sglang":
+    target = Path(sysconfig.get_paths()["purelib"]) / "sglang" / "launch_server.py"
+    mode = 0o644
+elif engine == "vllm":
+    target = Path(sys.prefix) / "bin" / "vllm"
+    mode = 0o755
+else:
+    sys.exit(f"unknown engine {engine!r}")
+if not target.is_file():
+    sys.exit(f"{target}: not installed by the engine wheel")
+target.write_text(shims[engine])
+os.chmod(target, mode)
+for pyc in (target.parent / "__pycache__").glob(target.stem + ".*.pyc"):
+    pyc.unlink()
+print(f"stand-in shim: {target}")
+'''
+
+
+def dockerfile(recipe: Recipe, base_image: str, engine_wheel: str, labels: dict[str, str]) -> str:
+    """The multi-stage Dockerfile: wheels only in the build stage, the venv in the final one."""
+    reqs = " ".join(f'"{r}"' for r in recipe.requires)
+    pip = f"{VENV}/bin/pip install --no-cache-dir --no-index --disable-pip-version-check"
+    label_args = " ".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    return "\n".join([
+        f"FROM {base_image} AS build",
+        f'LABEL {STAGE_LABEL}="true"',
+        "COPY wheels /tmp/wheels",
+        f"RUN python3 -m venv {VENV} \\",
+        f" && {pip} --find-links /tmp/wheels/deps {reqs} \\",
+        f" && {pip} --no-deps /tmp/wheels/engine/{engine_wheel}",
+        f"COPY standin {STANDIN_DIR}",
+        "COPY wire.py shims.json /tmp/",
+        f"RUN {VENV}/bin/python3 /tmp/wire.py {recipe.engine} /tmp/shims.json",
+        "",
+        f"FROM {base_image}",
+        f"COPY --from=build {VENV} {VENV}",
+        f"COPY --from=build {STANDIN_DIR} {STANDIN_DIR}",
+        f"ENV VIRTUAL_ENV={VENV} PATH={PATH} RAY_USAGE_STATS_ENABLED=0",
+        f"LABEL {label_args}",
+        'CMD ["/bin/bash"]',
+        "",
+    ])
+
+
+def recipe_hash(recipe: Recipe, base_image_id: str, standin_source: bytes) -> str:
+    """What decides an image's content: pins, Dockerfile shape, shims, stand-in, base image."""
+    ident = {
+        "format": FORMAT,
+        "recipe": asdict(recipe),
+        "base": base_image_id,
+        "dockerfile": dockerfile(recipe, "BASE", "ENGINE.whl", {}),
+        "wire": WIRE_PY,
+        "shims": [SGLANG_SHIM, VLLM_SHIM],
+        "standin": hashlib.sha256(standin_source).hexdigest(),
+        "strip": COMPILED_RE.pattern if recipe.strip_compiled else None,
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
+
+
+# --- wheels ----------------------------------------------------------------------------------
+
+COMPILED_RE = re.compile(r"\.so(\.\d+)*$")
+
+
+def is_compiled(name: str) -> bool:
+    """A compiled shared library inside a wheel (``x.so``, ``x.cpython-311-x86_64-linux-gnu.so``,
+    ``libfoo.so.1.2``)."""
+    return bool(COMPILED_RE.search(name))
+
+
+def strip_wheel(src: Path, dst: Path, drop: Callable[[str], bool] = is_compiled) -> list[str]:
+    """Copy wheel ``src`` to ``dst`` without the members ``drop`` selects; RECORD lists only what
+    is left. Member order and timestamps are kept (same input, same bytes). Returns the dropped
+    names. Written to a temporary file and renamed, so ``dst`` is never partial."""
+    dropped: list[str] = []
+    tmp = dst.with_name(dst.name + ".tmp")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            if drop(info.filename):
+                dropped.append(info.filename)
+        gone = set(dropped)
+        for info in zin.infolist():
+            if info.filename in gone:
+                continue
+            data = zin.read(info)
+            if info.filename.endswith(".dist-info/RECORD"):
+                data = _filter_record(data, gone)
+            out = zipfile.ZipInfo(info.filename, date_time=info.date_time)
+            out.external_attr = info.external_attr
+            out.compress_type = zipfile.ZIP_DEFLATED
+            zout.writestr(out, data)
+    os.replace(tmp, dst)
+    return dropped
+
+
+def _filter_record(data: bytes, gone: set[str]) -> bytes:
+    rows = [r for r in csv.reader(io.StringIO(data.decode())) if r and r[0] not in gone]
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows(rows)
+    return buf.getvalue().encode()
+
+
+def _find_wheel(cache: Path, requirement: str) -> Path | None:
+    name, version = requirement.split("==", 1)
+    stem = re.sub(r"[-_.]+", "_", name).lower()
+    hits = sorted(cache.glob(f"{stem}-{version}-*.whl"))
+    return hits[0] if hits else None
+
+
+def ensure_engine_wheel(recipe: Recipe, cache: Path = WHEEL_CACHE,
+                        stripped_cache: Path = STRIPPED_CACHE,
+                        runner: Callable[..., subprocess.CompletedProcess] = subprocess.run,
+                        ) -> Path:
+    """The engine wheel (``--no-deps``) in the cache, downloaded once; stripped if the recipe
+    says so (cached too). No network when present."""
+    from sparkdeploy.lab import pkgindex
+
+    wheel = _find_wheel(cache, recipe.engine_requirement)
+    if wheel is None:
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache, prefix=".dl-") as tmp:
+            argv = pkgindex.pip_download_argv([recipe.engine_requirement], tmp, cache)
+            argv.insert(argv.index("download") + 1, "--no-deps")
+            cp = runner(argv, capture_output=True, text=True)
+            if cp.returncode != 0:
+                tail = " | ".join(((cp.stderr or "") + (cp.stdout or "")).splitlines()[-3:])
+                raise ImageBuildError(f"pip download {recipe.engine_requirement} failed: {tail}")
+            for name in os.listdir(tmp):
+                if name.endswith(".whl") and not (cache / name).exists():
+                    os.replace(os.path.join(tmp, name), cache / name)
+        wheel = _find_wheel(cache, recipe.engine_requirement)
+        if wheel is None:
+            raise ImageBuildError(f"pip download {recipe.engine_requirement}: no wheel saved")
+    if not recipe.strip_compiled:
+        return wheel
+    out = stripped_cache / wheel.name
+    if not out.exists():
+        strip_wheel(wheel, out)
+    return out
+
+
+def dependency_wheels(recipe: Recipe, cache: Path = WHEEL_CACHE) -> list[Path]:
+    """The wheels that ``recipe.requires`` resolves to (through ``pkgindex.ensure_wheels``)."""
+    from sparkdeploy.lab import pkgindex
+
+    report = pkgindex.ensure_wheels([list(recipe.requires)], cache)
+    files = report.files["; ".join(recipe.requires)]
+    return [cache / f for f in files]
+
+
+class ImageBuildError(Exception):
+    """One line for the user."""
+
+
+# --- building --------------------------------------------------------------------------------
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def write_context(ctx: Path, recipe: Recipe, base_image: str, labels: dict[str, str],
+                  engine_wheel: Path, dep_wheels: Iterable[Path], standin_source: bytes) -> None:
+    (ctx / "wheels" / "engine").mkdir(parents=True)
+    (ctx / "wheels" / "deps").mkdir()
+    _link_or_copy(engine_wheel, ctx / "wheels" / "engine" / engine_wheel.name)
+    for w in dep_wheels:
+        _link_or_copy(w, ctx / "wheels" / "deps" / w.name)
+    (ctx / "standin").mkdir()
+    (ctx / "standin" / "engine_server.py").write_bytes(standin_source)
+    (ctx / "wire.py").write_text(WIRE_PY)
+    (ctx / "shims.json").write_text(json.dumps({"sglang": SGLANG_SHIM, "vllm": VLLM_SHIM}))
+    (ctx / "Dockerfile").write_text(dockerfile(recipe, base_image, engine_wheel.name, labels))
+
+
+def _labels(api, ref: str) -> dict[str, str] | None:
+    import docker.errors
+
+    try:
+        data = api.inspect_image(ref)
+    except docker.errors.ImageNotFound:
+        return None
+    return (data.get("Config") or {}).get("Labels") or {}
+
+
+def _build(api, ctx: Path, tag: str, log: Callable[[str], None] | None) -> str:
+    """Build ``ctx`` (classic builder, no network); return the image ID or raise."""
+    last: list[str] = []
+    for chunk in api.build(path=str(ctx), tag=tag, rm=True, forcerm=True, pull=False,
+                           network_mode="none", decode=True):
+        if "error" in chunk:
+            detail = (chunk.get("errorDetail") or {}).get("message") or chunk["error"]
+            tail = " | ".join(ln.strip() for ln in last[-3:] if ln.strip())
+            raise ImageBuildError(f"docker build {tag}: {detail.strip()} ({tail})")
+        line = chunk.get("stream")
+        if line:
+            last.append(line)
+            del last[:-20]
+            if log:
+                log(line.rstrip("\n"))
+    return api.inspect_image(tag)["Id"]
+
+
+def _prune_build_stages(api) -> None:
+    """Drop the untagged build-stage images (they hold the wheels); only ours, by label."""
+    try:
+        api.prune_images(filters={"dangling": True, "label": f"{STAGE_LABEL}=true"})
+    except Exception:  # noqa: BLE001 - best effort: leftovers cost disk, not correctness
+        pass
+
+
+def build_community_images(
+    docker_base_url: str,
+    base_image: str = layout.BASE_IMAGE,
+    *,
+    recipes: Sequence[Recipe] = COMMUNITY_IMAGES,
+    cache_dir: Path = WHEEL_CACHE,
+    stripped_cache: Path = STRIPPED_CACHE,
+    node: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> list[Result]:
+    """Build each community image on the engine at ``docker_base_url`` unless an image with
+    the same recipe hash is already tagged there: one Result per image (``ok`` present,
+    ``changed`` built, ``failed`` with one line of why)."""
+    import docker
+
+    api = docker.APIClient(base_url=docker_base_url, version="auto", timeout=1800)
+    try:
+        base = api.inspect_image(base_image)
+    except docker.errors.ImageNotFound:
+        return [failed(STEP, f"{r.tag}: base image {base_image} not on this engine", node,
+                       image=r.tag) for r in recipes]
+    standin = STANDIN_SOURCE.read_bytes()
+    results: list[Result] = []
+    for recipe in recipes:
+        h = recipe_hash(recipe, base["Id"], standin)
+        labels = {layout.STANDIN_LABEL: "true", RECIPE_LABEL: h,
+                  "org.sparkdeploy.lab.engine": recipe.engine_requirement}
+        have = _labels(api, recipe.tag)
+        if have is not None and have.get(RECIPE_LABEL) == h and have.get(layout.STANDIN_LABEL) == "true":
+            results.append(ok(STEP, f"{recipe.tag}: present (recipe {h[:12]})", node,
+                              image=recipe.tag, recipe=h, size=_size(api, recipe.tag)))
+            continue
+        t0 = time.monotonic()
+        try:
+            engine_wheel = ensure_engine_wheel(recipe, cache_dir, stripped_cache)
+            deps = dependency_wheels(recipe, cache_dir)
+            with tempfile.TemporaryDirectory(dir=cache_dir.parent, prefix=".image-ctx-") as tmp:
+                write_context(Path(tmp), recipe, base_image, labels, engine_wheel, deps, standin)
+                image_id = _build(api, Path(tmp), recipe.tag, log)
+        except Exception as e:  # noqa: BLE001 - one line per image, the others still build
+            results.append(failed(STEP, f"{recipe.tag}: {_one_line(e)}", node, image=recipe.tag))
+            continue
+        finally:
+            _prune_build_stages(api)
+        why = "rebuilt (recipe changed)" if have is not None else "built"
+        results.append(changed(STEP, f"{recipe.tag}: {why} in {time.monotonic() - t0:.0f}s", node,
+                               image=recipe.tag, recipe=h, id=image_id,
+                               size=_size(api, recipe.tag),
+                               seconds=round(time.monotonic() - t0, 1)))
+    return results
+
+
+def _size(api, ref: str) -> int | None:
+    try:
+        return int(api.inspect_image(ref).get("Size") or 0)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[-1] if text else type(e).__name__)[:300]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sparkdeploy.lab.images DOCKER_URL [BASE_IMAGE]`` (development aid)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        print("usage: python -m sparkdeploy.lab.images unix:///path/docker.sock [BASE_IMAGE]",
+              file=sys.stderr)
+        return 2
+    verbose = os.environ.get("SPARKDEPLOY_IMAGES_LOG") == "1"
+    results = build_community_images(args[0], *(args[1:2] or [layout.BASE_IMAGE]),
+                                     log=(lambda s: print(s, file=sys.stderr)) if verbose else None)
+    for r in results:
+        print(json.dumps(r.to_dict()))
+    return 1 if any(r.failed for r in results) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
