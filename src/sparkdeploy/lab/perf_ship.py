@@ -1,0 +1,142 @@
+"""``nox -s perf -- ship``: how much ``image.ship`` sends, and how fast, measured on the lab.
+
+- ``ship.delta_ratio``: bytes received on the peer's fast-link interface while shipping the
+  derivative image (the transformers layer) to a peer that has its base, divided by the size of
+  the layers the peer lacked (their uncompressed tars, as ``docker save`` writes them).
+- ``ship.full_vs_naive``: wall time of sparkdeploy's full ship to an empty peer divided by plain
+  ``docker save | ssh peer docker load`` of the same image, alternating in one run (median of
+  ``REPS`` each).
+
+Needs root and the lab (it brings it up if needed) with the derivative built (it builds it).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+from sparkdeploy.deployment import Deployment, load
+from sparkdeploy.steps import images, ship
+from sparkdeploy.steps.node import docker
+
+ROOT = Path(__file__).resolve().parents[3]
+PROFILE = ROOT / "configs" / "lab.yaml"
+REPS = 2
+
+
+def _say(msg: str) -> None:
+    print(f"[perf ship] {msg}", file=sys.stderr, flush=True)
+
+
+def rx_bytes(netns: str, iface: str) -> int:
+    out = subprocess.run(["ip", "-n", netns, "-j", "-s", "link", "show", "dev", iface],
+                         capture_output=True, text=True, check=True).stdout
+    return int(json.loads(out)[0]["stats64"]["rx"]["bytes"])
+
+
+def _run(dep: Deployment, node: str, argv: list[str]) -> None:
+    r = dep.host(node).run(argv)
+    if not r.ok:
+        raise RuntimeError(f"{node}: {shlex.join(argv)}: {r.one_line_error()}")
+
+
+def forget(dep: Deployment, node: str, *refs: str) -> None:
+    """Make the node's engine hold none of ``refs`` nor their layers."""
+    h = dep.host(node)
+    h.run(docker(h, "image", "rm", "-f", *refs))
+    h.run(docker(h, "image", "prune", "-a", "-f"))
+
+
+def layer_tar_sizes(dep: Deployment, node: str, ref: str, diff_ids: list[str]) -> dict[str, int]:
+    """Exact sizes of the layer tars in ``docker save`` (OCI layout: uncompressed blobs named by
+    diff ID), read by streaming the archive once."""
+    h = dep.host(node)
+    argv = h.wrap(docker(h, "save", ref))
+    want = {d.split(":", 1)[1] for d in diff_ids}
+    sizes: dict[str, int] = {}
+    with subprocess.Popen(argv, stdout=subprocess.PIPE) as proc:
+        assert proc.stdout is not None
+        with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
+            for m in tar:
+                name = m.name.rsplit("/", 1)[-1]
+                if m.name.startswith("blobs/sha256/") and name in want:
+                    sizes["sha256:" + name] = m.size
+    if set(sizes) != set(diff_ids):
+        raise SystemExit(f"{ref}: the save archive is not OCI layout with uncompressed layers")
+    return sizes
+
+
+def run() -> dict[str, float]:
+    from sparkdeploy.lab import layout, lifecycle
+
+    why = lifecycle.preflight()
+    if why:
+        raise SystemExit(f"perf ship needs the lab: {why}")
+    _say("lab.up")
+    bad = [r for r in lifecycle.up(nodes=2, engine_name=layout.DEFAULT_ENGINE) if r.failed]
+    if bad:
+        raise SystemExit("lab.up failed: " + "; ".join(r.why for r in bad))
+    dep = load(PROFILE, ROOT / ".sparkdeploy" / "perf")
+    layer = dep.profile.images.layer
+    assert layer is not None
+    _say("image.build (the derivative)")
+    built = images.build(dep)
+    if built[0].failed:
+        raise SystemExit(f"image.build failed: {built[0].why}")
+    head, peer = dep.profile.head.name, dep.profile.workers[0].name
+    iface = dep.profile.node(peer).link.interface
+    netns = f"lab-{peer}"
+    src = images.inspect_image(dep.host(head), layer.tag)
+    base = images.inspect_image(dep.host(head), layer.base)
+    assert src and base
+    figures: dict[str, float] = {}
+
+    # -- delta: the peer has the base, not the derivative
+    forget(dep, peer, layer.tag, layer.base)
+    _say(f"shipping the base {layer.base} to {peer}")
+    r = ship.ship(dep, peer, layer.base)
+    if r[0].failed:
+        raise SystemExit(r[0].why)
+    missing = src["RootFS"]["Layers"][len(base["RootFS"]["Layers"]):]
+    sizes = layer_tar_sizes(dep, head, layer.tag, missing)
+    missing_bytes = sum(sizes.get(d, 0) for d in missing)
+    before = rx_bytes(netns, iface)
+    r = ship.ship(dep, peer, layer.tag)
+    after = rx_bytes(netns, iface)
+    if r[0].failed or r[0].details.get("mode") != "partial":
+        raise SystemExit(f"delta ship did not ship partially: {r[0].why}")
+    _say(r[0].why)
+    figures["delta_ratio"] = (after - before) / missing_bytes
+    figures["delta_missing_mb"] = missing_bytes / 1e6
+    figures["delta_rx_mb"] = (after - before) / 1e6
+    figures["image_mb"] = float(src.get("Size") or 0) / 1e6
+
+    # -- full ship vs naive, alternating, the peer emptied before each
+    peer_addr = dep.profile.node(peer).link.address
+    naive = ["bash", "-c", "set -o pipefail; " + shlex.join(docker(dep.host(head), "save", layer.tag))
+             + " | " + shlex.join(["ssh", "-o", "BatchMode=yes", peer_addr,
+                                   shlex.join(docker(dep.host(peer), "load"))])]
+    ours_t, naive_t = [], []
+    for i in range(REPS):
+        for kind in (("naive", "ours") if i % 2 == 0 else ("ours", "naive")):
+            forget(dep, peer, layer.tag, layer.base)
+            t0 = time.monotonic()
+            if kind == "naive":
+                _run(dep, head, naive)
+                naive_t.append(time.monotonic() - t0)
+            else:
+                res = ship.ship(dep, peer, layer.tag)
+                if res[0].failed:
+                    raise SystemExit(res[0].why)
+                ours_t.append(time.monotonic() - t0)
+            _say(f"{kind}: {time.monotonic() - t0:.1f}s")
+    figures["full_vs_naive"] = statistics.median(ours_t) / statistics.median(naive_t)
+    figures["full_s"] = statistics.median(ours_t)
+    figures["naive_s"] = statistics.median(naive_t)
+    return figures
