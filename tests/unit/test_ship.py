@@ -61,7 +61,8 @@ class Ctx(Context):
         elif argv[:2] == ["image", "ls"]:
             out = "\n".join(r if ":" in r.rsplit("/", 1)[-1] else r + ":latest" for r in e.images)
         elif argv[:1] == ["info"]:
-            status = [["driver-type", "io.containerd.snapshotter.v1"]] if e.containerd else [["Backing Filesystem", "extfs"]]
+            status = ([["driver-type", "io.containerd.snapshotter.v1"]] if e.containerd
+                      else [["Backing Filesystem", "extfs"]])
             out = json.dumps({"DriverStatus": status, "DockerRootDir": "/var/lib/docker"})
         elif argv[:1] == ["history"]:
             out = "0\n1000000000\n0\n1000000000\n1000000000\n"
