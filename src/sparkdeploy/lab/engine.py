@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from sparkdeploy.lab import layout
-from sparkdeploy.lab.proc import LabError, in_node, run, spawn
+from sparkdeploy.lab.proc import LabError, clean_stale_tmp, in_node, remove_tree, run, spawn
 
 DOCKER26_DIR = layout.CACHE_DIR / "docker26"
 DOCKER26_DOCKERD = DOCKER26_DIR / "usr" / "sbin" / "dockerd"
@@ -65,28 +65,36 @@ def ensure_docker26() -> tuple[bool, str]:
     debs = sorted(TRIXIE_APT.glob("docker.io_*.deb"))
     if not debs:
         raise LabError("apt-get download docker.io (trixie) left no .deb")
-    tmp = DOCKER26_DIR.with_name("docker26.tmp")
-    run(["rm", "-rf", str(tmp)])
+    clean_stale_tmp(layout.CACHE_DIR, "docker26")
+    tmp = layout.CACHE_DIR / f"docker26.{os.getpid()}.tmp"
+    remove_tree(tmp)
     run(["dpkg", "-x", str(debs[-1]), str(tmp)])
-    run(["rm", "-rf", str(DOCKER26_DIR)])
+    remove_tree(DOCKER26_DIR)
     os.replace(tmp, DOCKER26_DIR)
     ver = run([str(DOCKER26_DOCKERD), "--version"], check=False).stdout.strip()
     return True, f"unpacked {debs[-1].name} ({ver})"
 
 
-def storage_driver() -> str:
+def storage_driver(engine: str) -> str:
     """overlay2 works inside a node's mount namespace on this machine's ext4 (measured:
-    vfs would copy every layer fully); fall back to vfs where overlay is unavailable."""
+    vfs would copy every layer fully); fall back to vfs where overlay is unavailable. With the
+    containerd image store the flag names a containerd snapshotter (overlayfs, native)."""
     try:
-        if "overlay" in Path("/proc/filesystems").read_text():
-            return "overlay2"
+        overlay = "overlay" in Path("/proc/filesystems").read_text()
     except OSError:
-        pass
-    return "vfs"
+        overlay = False
+    if engine == "containerd":
+        return "overlayfs" if overlay else "native"
+    return "overlay2" if overlay else "vfs"
 
 
 def engine_dir(node: str, engine: str) -> Path:
     return layout.node_dir(node) / "docker" / engine
+
+
+def containerd_argv(node: str, mntns: Path, netns: Path, engine: str) -> list[str]:
+    d = engine_dir(node, engine) / "containerd"
+    return in_node(mntns, netns, ["containerd", "--config", str(d / "config.toml")])
 
 
 def start_containerd(node: str, mntns: Path, netns: Path, engine: str) -> dict:
@@ -94,8 +102,7 @@ def start_containerd(node: str, mntns: Path, netns: Path, engine: str) -> dict:
     (d / "root").mkdir(parents=True, exist_ok=True)
     (d / "state").mkdir(parents=True, exist_ok=True)
     sock = d / "containerd.sock"
-    cfg = d / "config.toml"
-    cfg.write_text(
+    (d / "config.toml").write_text(
         "version = 2\n"
         f'root = "{d / "root"}"\n'
         f'state = "{d / "state"}"\n'
@@ -107,35 +114,44 @@ def start_containerd(node: str, mntns: Path, netns: Path, engine: str) -> dict:
         "[debug]\n"
         f'  address = "{d / "debug.sock"}"\n'
     )
-    rec = spawn(in_node(mntns, netns, ["containerd", "--config", str(cfg)]),
+    rec = spawn(containerd_argv(node, mntns, netns, engine),
                 layout.node_dir(node) / "log" / "containerd.log", env=_env())
     rec["socket"] = str(sock)
     _wait_for_socket(sock, "containerd", node, rec)
     return rec
 
 
-def start_dockerd(node: str, mntns: Path, netns: Path, engine: str,
-                  containerd_sock: str | None) -> dict:
+def containerd_socket(node: str, engine: str) -> str:
+    return str(engine_dir(node, engine) / "containerd" / "containerd.sock")
+
+
+def dockerd_argv(node: str, mntns: Path, netns: Path, engine: str) -> list[str]:
+    """The exact command a node's dockerd runs with (compared with the recorded one)."""
+    d = engine_dir(node, engine)
+    binary = CLASSIC_DOCKERD if engine == "classic20" else str(DOCKER26_DOCKERD)
+    argv = [binary, "--config-file", str(d / "daemon.json"), "--data-root", str(d / "data"),
+            "--exec-root", str(d / "exec"),
+            "--pidfile", str(layout.node_dir(node) / "run" / "docker.pid"),
+            "-H", f"unix://{layout.docker_socket(node)}",
+            "--storage-driver", storage_driver(engine),
+            "--iptables=false", "--ip-masq=false", "--bridge=none"]
+    if engine == "containerd":
+        argv += ["--containerd", containerd_socket(node, engine)]
+    return in_node(mntns, netns, argv)
+
+
+def start_dockerd(node: str, mntns: Path, netns: Path, engine: str) -> dict:
     d = engine_dir(node, engine)
     for sub in ("data", "exec"):
         (d / sub).mkdir(parents=True, exist_ok=True)
-    run_dir = layout.node_dir(node) / "run"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    sock = layout.docker_socket(node)
+    (layout.node_dir(node) / "run").mkdir(parents=True, exist_ok=True)
     cfg: dict = {}
     if engine == "containerd":
         cfg["features"] = {"containerd-snapshotter": True}
-    cfg_file = d / "daemon.json"
-    cfg_file.write_text(json.dumps(cfg, indent=2) + "\n")
-    binary = CLASSIC_DOCKERD if engine == "classic20" else str(DOCKER26_DOCKERD)
-    argv = [binary, "--config-file", str(cfg_file), "--data-root", str(d / "data"),
-            "--exec-root", str(d / "exec"), "--pidfile", str(run_dir / "docker.pid"),
-            "-H", f"unix://{sock}", "--storage-driver", storage_driver(),
-            "--iptables=false", "--ip-masq=false", "--bridge=none"]
-    if containerd_sock:
-        argv += ["--containerd", containerd_sock]
-    rec = spawn(in_node(mntns, netns, argv), layout.node_dir(node) / "log" / "dockerd.log",
-                env=_env())
+    (d / "daemon.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    sock = layout.docker_socket(node)
+    rec = spawn(dockerd_argv(node, mntns, netns, engine),
+                layout.node_dir(node) / "log" / "dockerd.log", env=_env())
     rec["socket"] = sock
     rec["engine"] = engine
     _wait_for_socket(Path(sock), "dockerd", node, rec, timeout=60)

@@ -4,14 +4,14 @@ imported once and loaded into every node's engine (same image ID everywhere)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 from sparkdeploy.lab import layout
 from sparkdeploy.lab.engine import debian_mirror, docker
-from sparkdeploy.lab.proc import LabError, run
+from sparkdeploy.lab.proc import LabError, clean_stale_tmp, remove_tree, run
 
 BASE_TAR = layout.CACHE_DIR / "base-bookworm.tar"
-ROOTFS = layout.CACHE_DIR / "rootfs-bookworm.tmp"
 INCLUDE = "python3,python3-venv,python3-pip"
 
 
@@ -19,17 +19,20 @@ def ensure_base_tarball() -> tuple[bool, str]:
     if BASE_TAR.exists() and BASE_TAR.stat().st_size > 0:
         return False, f"{BASE_TAR} cached ({BASE_TAR.stat().st_size // 2**20} MB)"
     layout.CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    run(["rm", "-rf", str(ROOTFS)])
-    run(["debootstrap", "--variant=minbase", f"--include={INCLUDE}", "bookworm", str(ROOTFS),
+    clean_stale_tmp(layout.CACHE_DIR, "rootfs-bookworm")
+    clean_stale_tmp(layout.CACHE_DIR, "base-bookworm.tar")
+    rootfs = layout.CACHE_DIR / f"rootfs-bookworm.{os.getpid()}.tmp"
+    remove_tree(rootfs)
+    run(["debootstrap", "--variant=minbase", f"--include={INCLUDE}", "bookworm", str(rootfs),
          debian_mirror()], timeout=1200)
     # no apt lists or caches in the image; a lab hostname
-    run(["rm", "-rf", str(ROOTFS / "var/cache/apt/archives"), str(ROOTFS / "var/lib/apt/lists")])
-    (ROOTFS / "var/lib/apt/lists/partial").mkdir(parents=True, exist_ok=True)
-    (ROOTFS / "var/cache/apt/archives/partial").mkdir(parents=True, exist_ok=True)
-    tmp = BASE_TAR.with_suffix(".tar.tmp")
-    run(["tar", "--numeric-owner", "-C", str(ROOTFS), "-cf", str(tmp), "."], timeout=600)
-    tmp.rename(BASE_TAR)
-    run(["rm", "-rf", str(ROOTFS)])
+    run(["rm", "-rf", str(rootfs / "var/cache/apt/archives"), str(rootfs / "var/lib/apt/lists")])
+    (rootfs / "var/lib/apt/lists/partial").mkdir(parents=True, exist_ok=True)
+    (rootfs / "var/cache/apt/archives/partial").mkdir(parents=True, exist_ok=True)
+    tmp = layout.CACHE_DIR / f"base-bookworm.tar.{os.getpid()}.tmp"
+    run(["tar", "--numeric-owner", "-C", str(rootfs), "-cf", str(tmp), "."], timeout=600)
+    os.replace(tmp, BASE_TAR)
+    remove_tree(rootfs)
     return True, f"debootstrap bookworm -> {BASE_TAR} ({BASE_TAR.stat().st_size // 2**20} MB)"
 
 

@@ -100,6 +100,7 @@ def _up(add: Callable[[Result], Result], n: int, engine_name: str) -> None:
         extra = [x for x in st["nodes"] if x not in names]
         for x in extra:
             _down_node(x, st)
+            proc.remove_tree(layout.node_dir(x))
             st["nodes"].pop(x, None)
             lab_state.save(st)
             add(changed("node", "removed (beyond --nodes)", x))
@@ -225,28 +226,29 @@ def _port_open(addr: str, port: int) -> bool:
 
 def _ensure_engine(x: str, st: dict, engine_name: str) -> Result:
     procs = st["nodes"][x]["procs"]
-    cur = procs.get("dockerd")
-    if (proc.alive(cur) and cur.get("engine") == engine_name
-            and (engine_name != "containerd" or proc.alive(procs.get("containerd")))
+    mnt, net = layout.mntns_path(x), layout.netns_path(x)
+    cur, ccur = procs.get("dockerd"), procs.get("containerd")
+    want_c = engine_name == "containerd"
+    if (proc.alive(cur) and cur.get("argv") == engine.dockerd_argv(x, mnt, net, engine_name)
+            and (not want_c or (proc.alive(ccur) and ccur.get("argv")
+                                == engine.containerd_argv(x, mnt, net, engine_name)))
+            and (want_c or ccur is None)
             and engine.engine_info(x) is not None):
         return ok("engine", f"{engine_name} dockerd running (pid {cur['pid']})", x)
     was = proc.stop(cur)
-    proc.stop(procs.get("containerd"))
+    proc.stop(ccur)
     procs.pop("containerd", None)
     lab_state.save(st)
-    mnt, net = layout.mntns_path(x), layout.netns_path(x)
-    csock = None
-    if engine_name == "containerd":
-        crec = engine.start_containerd(x, mnt, net, engine_name)
-        procs["containerd"] = crec
+    if want_c:
+        procs["containerd"] = engine.start_containerd(x, mnt, net, engine_name)
         lab_state.save(st)
-        csock = crec["socket"]
-    rec = engine.start_dockerd(x, mnt, net, engine_name, csock)
+    rec = engine.start_dockerd(x, mnt, net, engine_name)
     procs["dockerd"] = rec
     lab_state.save(st)
     info = engine.engine_info(x) or {}
+    store = dict(info.get("DriverStatus") or []).get("driver-type", "classic store")
     return changed("engine", f"{'restarted' if was else 'started'} {engine_name}: Docker "
-                   f"{info.get('ServerVersion', '?')}, {info.get('Driver', '?')} "
+                   f"{info.get('ServerVersion', '?')}, {info.get('Driver', '?')}, {store} "
                    f"(pid {rec['pid']})", x)
 
 

@@ -21,7 +21,7 @@ def run(argv: Sequence[str], *, check: bool = True, input: str | bytes | None = 
     text = not isinstance(input, bytes)
     try:
         cp = subprocess.run(list(argv), capture_output=True, input=input, timeout=timeout,
-                            env=env, cwd=cwd, text=text)
+                            env=env, cwd=cwd, text=text, preexec_fn=_die_with_parent)
     except FileNotFoundError:
         raise LabError(f"{argv[0]}: command not found") from None
     except subprocess.TimeoutExpired:
@@ -32,6 +32,53 @@ def run(argv: Sequence[str], *, check: bool = True, input: str | bytes | None = 
         why = lines[-1] if lines else f"exit code {cp.returncode}"
         raise LabError(f"{' '.join(argv[:6])}{' ...' if len(argv) > 6 else ''}: {why}")
     return cp
+
+
+def _die_with_parent() -> None:
+    """A command we wait for gets SIGTERM when the thread that started it dies (a killed
+    ``lab.up`` leaves no debootstrap or apt-get running)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def remove_tree(path: Path) -> None:
+    """rm -rf a directory of ours, first unmounting anything left mounted under it
+    (debootstrap mounts /proc and /sys in its target; a killed run may leave them)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    prefix = os.path.realpath(path) + "/"
+    mounts = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        mp = line.split()[4].replace("\\040", " ")
+        if mp.startswith(prefix):
+            mounts.append(mp)
+    for mp in sorted(mounts, key=len, reverse=True):
+        run(["umount", "-l", mp], check=False)
+    run(["rm", "-rf", "--one-file-system", str(path)])
+
+
+def pid_of_tmp(path: Path) -> int | None:
+    """The PID in a ``name.<pid>.tmp`` path, if any."""
+    parts = Path(path).name.split(".")
+    if len(parts) >= 3 and parts[-1] == "tmp" and parts[-2].isdigit():
+        return int(parts[-2])
+    return None
+
+
+def clean_stale_tmp(parent: Path, stem: str) -> None:
+    """Remove ``stem.<pid>.tmp`` leftovers whose process is gone."""
+    for p in Path(parent).glob(f"{stem}.*.tmp"):
+        pid = pid_of_tmp(p)
+        if pid is not None and pid != os.getpid() and start_time(pid) is None:
+            if p.is_dir():
+                remove_tree(p)
+            else:
+                p.unlink(missing_ok=True)
 
 
 def in_node(mntns: Path | str, netns: Path | str, argv: Sequence[str]) -> list[str]:
