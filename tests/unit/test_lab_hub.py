@@ -272,15 +272,17 @@ def test_control_endpoint(small_hub):
 
 
 def test_cli_serves_and_reports_ready(tmp_path):
+    argv = hub.cli_argv("127.0.0.1", 0, tmp_path, size_mb=1, shards=1)
+    assert argv == [sys.executable, "-m", "sparkdeploy.lab.hub", "--bind", "127.0.0.1",
+                    "--port", "0", "--data", str(tmp_path), "--size-mb", "1", "--shards", "1"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sparkdeploy.lab.hub", "--bind", "127.0.0.1", "--port", "0",
-         "--data", str(tmp_path), "--size-mb", "1", "--shards", "1",
-         "--bandwidth-bps", "1000000", "--fault", "model-00001-of-00001.safetensors:100"],
+        [*argv, "--bandwidth-bps", "1000000", "--fault", "model-00001-of-00001.safetensors:100"],
         stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline().strip()
         assert line.startswith("READY http://127.0.0.1:")
         url = line.split()[1]
+        assert hub.wait_ready(url, timeout=10)
         assert requests.get(url + "/_lab/health").json()["repos"] == [REPO]
         assert requests.get(url + "/_lab/control").json() == {
             "bandwidth_bps": 1000000,

@@ -185,12 +185,14 @@ def test_pip_installs_a_cached_wheel_from_the_index(tmp_path):
 
 def test_cli_serves_and_reports_ready(tmp_path):
     make_wheel(tmp_path, "cli_demo", "1.0", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sparkdeploy.lab.pkgindex", "--bind", "127.0.0.1", "--port", "0",
-         "--wheels", str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    argv = pkgindex.cli_argv("127.0.0.1", 0, tmp_path)
+    assert argv == [sys.executable, "-m", "sparkdeploy.lab.pkgindex", "--bind", "127.0.0.1",
+                    "--port", "0", "--wheels", str(tmp_path)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline().strip()
         assert line.startswith("READY http://127.0.0.1:") and line.endswith("/simple/")
+        assert pkgindex.wait_ready(line.split()[1], timeout=10)
         assert "cli-demo" in requests.get(line.split()[1]).text
     finally:
         proc.terminate()

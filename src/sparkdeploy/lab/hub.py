@@ -34,7 +34,9 @@ Function API (tests, ``lab.up`` in-process)::
 
     hub.set_knobs(url, bandwidth_bps=...)   # same, over HTTP, for a hub running as a daemon
 
-CLI (``lab.up`` as a daemon; prints ``READY <url>`` on stdout once it serves)::
+CLI (``lab.up`` as a daemon: ``Popen(hub.cli_argv(controller_addr))``, record the PID, then
+``hub.wait_ready(url)``; it prints ``READY <url>`` on stdout once it serves; the lab's env file
+gets ``HF_ENDPOINT=http://<controller>:8900``)::
 
     python -m sparkdeploy.lab.hub --bind 10.x.y.1 --port 8900 \
         --data /var/cache/sparkdeploy/hub --size-mb 300 --shards 8 \
@@ -996,6 +998,29 @@ def get_stats(url: str) -> dict[str, Any]:
         return json.loads(r.read())
 
 
+def cli_argv(bind: str, port: int = DEFAULT_PORT, data_dir: Path | str = DEFAULT_DATA_DIR,
+             size_mb: int = DEFAULT_SIZE_MB, shards: int = DEFAULT_SHARDS,
+             python: str = sys.executable) -> list[str]:
+    """argv to run the hub as a daemon (lab.up: Popen it, record its PID, wait_ready)."""
+    return [python, "-m", "sparkdeploy.lab.hub", "--bind", bind, "--port", str(port),
+            "--data", str(data_dir), "--size-mb", str(size_mb), "--shards", str(shards)]
+
+
+def wait_ready(url: str, timeout: float = 60.0) -> bool:
+    """Poll GET <url>/_lab/health until it answers 200 (True) or timeout passes (False)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/_lab/health", timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+
+
 def _parse_fault(text: str) -> dict[str, Any]:
     name, sep, n = text.rpartition(":")
     if not sep or not name or not n.isdigit():
@@ -1033,7 +1058,7 @@ def main(argv: list[str] | None = None) -> int:
 
 __all__ = [
     "DEFAULT_PORT", "DEFAULT_DATA_DIR", "REPO_ID", "HubServer", "Repo", "prepare_repo",
-    "start_hub", "set_knobs", "get_stats", "model_config", "main",
+    "start_hub", "set_knobs", "get_stats", "model_config", "cli_argv", "wait_ready", "main",
 ]
 
 if __name__ == "__main__":

@@ -32,7 +32,10 @@ lab's env file needs both ``PIP_INDEX_URL`` and ``PIP_TRUSTED_HOST`` (``pip_env(
 what each set needed in ``<cache_dir>/.sets/``; a set already recorded whose files are present
 is not downloaded again (no network at all).
 
-CLI (``lab.up`` as a daemon; prints ``READY <url>`` once it serves)::
+CLI (``lab.up`` as a daemon: ``ensure_wheels()`` in lab.up itself so failures surface there,
+then ``Popen(pkgindex.cli_argv(controller_addr))``, record the PID, ``pkgindex.wait_ready(url)``;
+it prints ``READY <index url>`` once it serves; the lab's env file gets
+``pip_env("http://<controller>:8901/simple/")``: PIP_INDEX_URL and PIP_TRUSTED_HOST)::
 
     python -m sparkdeploy.lab.pkgindex --bind 10.x.y.1 --port 8901 \
         --wheels /var/cache/sparkdeploy/wheels [--ensure]   # --ensure: ensure_wheels() first
@@ -55,6 +58,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
+import urllib.request
 import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -445,6 +449,20 @@ def start_index(bind: str = "127.0.0.1", port: int = 0,
     return IndexServer((bind, port), wheel_dir).start()
 
 
+def cli_argv(bind: str, port: int = DEFAULT_PORT, wheel_dir: Path | str = DEFAULT_WHEEL_DIR,
+             python: str = sys.executable) -> list[str]:
+    """argv to run the index as a daemon (lab.up: ensure_wheels() first, then Popen this)."""
+    return [python, "-m", "sparkdeploy.lab.pkgindex", "--bind", bind, "--port", str(port),
+            "--wheels", str(wheel_dir)]
+
+
+def wait_ready(url: str, timeout: float = 60.0) -> bool:
+    """Poll GET <server root>/_lab/health until it answers 200 (True) or timeout (False)."""
+    from sparkdeploy.lab.hub import wait_ready as wait_health
+
+    return wait_health(url.split("/simple", 1)[0], timeout)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sparkdeploy.lab.pkgindex",
                                 description=__doc__.split("\n\n")[0])
@@ -479,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
 __all__ = [
     "DEFAULT_PORT", "DEFAULT_WHEEL_DIR", "DEFAULT_REQUIREMENTS", "IndexServer", "WheelsReport",
     "WheelDownloadError", "ensure_wheels", "normalize", "pip_download_argv", "project_of",
-    "pip_env", "start_index", "target_platforms", "main",
+    "pip_env", "start_index", "target_platforms", "cli_argv", "wait_ready", "main",
 ]
 
 if __name__ == "__main__":
