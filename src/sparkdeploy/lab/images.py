@@ -17,7 +17,7 @@ installed files, and the engines run as stand-ins (``standins/engine_server.py``
 installed ``sglang/launch_server.py`` is replaced by a shim), ``vllm serve`` runs
 ``engine_server.vllm_main`` (the ``vllm`` console script is replaced by a shim) and its Ray
 check uses the real Ray in the image. The sglang images also get the few light packages that
-``import sglang`` needs (aiohttp, pybase64, pydantic), as the real images have them.
+``import sglang`` needs (aiohttp, IPython, pybase64, pydantic), as the real images have them.
 
 Wheels come from the controller's cache (``/var/cache/sparkdeploy/wheels``, filled with
 ``pip download`` through ``sparkdeploy.lab.pkgindex``); the build itself has no network
@@ -64,9 +64,9 @@ VENV = "/opt/venv"
 STANDIN_DIR = "/opt/standin"
 PATH = f"{VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
-SGLANG_IMPORT_DEPS = ("aiohttp==3.14.5", "pybase64==1.5.1", "pydantic==2.14.4")
+SGLANG_IMPORT_DEPS = ("aiohttp==3.14.5", "ipython==9.18.1", "pybase64==1.5.1", "pydantic==2.14.4")
 """What ``import sglang`` (run by ``python3 -m sglang.launch_server``) needs besides numpy,
-requests and tqdm (which transformers brings)."""
+requests and tqdm (which transformers brings); sglang/utils.py imports IPython at the top."""
 
 
 @dataclass(frozen=True)
@@ -337,6 +337,17 @@ def _build(api, ctx: Path, tag: str, log: Callable[[str], None] | None) -> str:
     return api.inspect_image(tag)["Id"]
 
 
+def _remove_superseded(api, tag: str, new_id: str) -> None:
+    """The image the tag pointed to before a rebuild, now untagged: remove it unless it still has
+    a tag or a container (best effort)."""
+    for img in api.images(filters={"dangling": True, "label": f"{RECIPE_LABEL}"}):
+        if img["Id"] != new_id and not [t for t in img.get("RepoTags") or [] if t != "<none>:<none>"]:
+            try:
+                api.remove_image(img["Id"])
+            except Exception:  # noqa: BLE001 - in use by a container: leave it
+                pass
+
+
 def _prune_build_stages(api) -> None:
     """Drop the untagged build-stage images (they hold the wheels); only ours, by label."""
     try:
@@ -389,6 +400,8 @@ def build_community_images(
             continue
         finally:
             _prune_build_stages(api)
+        if have is not None:
+            _remove_superseded(api, recipe.tag, image_id)
         why = "rebuilt (recipe changed)" if have is not None else "built"
         results.append(changed(STEP, f"{recipe.tag}: {why} in {time.monotonic() - t0:.0f}s", node,
                                image=recipe.tag, recipe=h, id=image_id,
