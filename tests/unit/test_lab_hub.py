@@ -151,7 +151,8 @@ def test_prepare_repo_is_deterministic_and_reuses_its_cache(tmp_path):
     assert {p: (a.root / p).stat().st_mtime_ns for p in a.files} == mtimes
     assert {p: f.sha256 for p, f in b.files.items()} == {p: f.sha256 for p, f in a.files.items()}
     other = hub.prepare_repo(tmp_path / "a", size_mb=3, shards=2)
-    assert other.commit != a.commit
+    assert other.commit != a.commit and other.root != a.root
+    assert {p: (a.root / p).stat().st_mtime_ns for p in a.files} == mtimes
 
 
 def test_resume_after_the_fault_drops_the_connection_once(tmp_path, monkeypatch):

@@ -414,8 +414,9 @@ class Repo:
     tensor_counts: dict[str, int] = field(default_factory=dict)
 
 
-def _repo_dir(data_dir: Path, repo_id: str) -> Path:
-    return Path(data_dir) / "models" / repo_id.replace("/", "--")
+def _repo_dir(data_dir: Path, repo_id: str, size_mb: int, shards: int) -> Path:
+    # one folder per size: generating another size never replaces files a running hub serves
+    return Path(data_dir) / "models" / f"{repo_id.replace('/', '--')}--{size_mb}mb-{shards}s"
 
 
 def prepare_repo(
@@ -427,9 +428,10 @@ def prepare_repo(
     """Generate the miniature model into data_dir (idempotent, safe across processes)."""
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    target = _repo_dir(data_dir, repo_id)
+    shards = max(1, min(shards, LAYERS))
+    target = _repo_dir(data_dir, repo_id, size_mb, shards)
     params = {"generator": GENERATOR_VERSION, "repo_id": repo_id, "size_mb": size_mb,
-              "shards": max(1, min(shards, LAYERS))}
+              "shards": shards}
     with open(data_dir / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         manifest_path = target / ".lab-hub.json"
