@@ -1,0 +1,161 @@
+"""Lab part 2, item 3: the community images on spark1 (real engine files, stand-in engines)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sparkdeploy.lab import images, layout
+from sparkdeploy.lab.engine import docker
+from sparkdeploy.results import Status
+
+pytestmark = pytest.mark.lab
+
+PROBE = Path(__file__).resolve().parents[2] / "scripts" / "probe_image.py"
+TAGS = {
+    "lmsysorg/sglang:spark": "lmsysorg/sglang:spark",
+    "scitrera/dgx-spark-sglang:0.5.10rc0": "scitrera/dgx-spark-sglang:0.5.10rc0",
+    "hellohal2064/vllm-qwen3.5-gb10": "hellohal2064/vllm-qwen3.5-gb10:latest",
+}
+MODEL_CONFIG = {
+    "model_type": "qwen3_5_moe",
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+    "text_config": {"model_type": "qwen3_5_moe_text", "num_hidden_layers": 48},
+}
+SGLANG_FILES = ["sglang/srt/models/qwen3_5.py", "sglang/srt/models/qwen3_5_mtp.py"]
+VLLM_FILES = ["vllm/model_executor/models/qwen3_5.py", "vllm/model_executor/models/qwen3_5_mtp.py"]
+
+
+@pytest.fixture(scope="module")
+def head_images(lab):
+    """What lab.up leaves on the head; building here is a no-op when lab.up already did it."""
+    head = lab.nodes[0]
+    results = images.build_community_images(f"unix://{layout.docker_socket(head)}",
+                                            layout.BASE_IMAGE, node=head)
+    bad = [r.why for r in results if r.failed]
+    assert not bad, bad
+    return head, results
+
+
+def tags_on(lab, node: str) -> set[str]:
+    out = lab.ssh(node, ["docker", "images", "--format", "{{.Repository}}:{{.Tag}}"]).stdout
+    return set(out.split())
+
+
+def probe(node: str, image: str, *args: str) -> dict:
+    """Run scripts/probe_image.py under the image's python3 (no network, the model's config
+    written inside the container)."""
+    shell = ("mkdir -p /tmp/model && printf '%s' \"$CFG\" > /tmp/model/config.json && "
+             "exec python3 - \"$@\"")
+    cp = subprocess.run(
+        docker(node, "run", "-i", "--rm", "--network", "none", "-e",
+               f"CFG={json.dumps(MODEL_CONFIG)}", image, "sh", "-c", shell, "probe", *args),
+        input=PROBE.read_text(), capture_output=True, text=True, timeout=180)
+    assert cp.returncode == 0, cp.stderr
+    return json.loads(cp.stdout)
+
+
+def test_head_holds_the_three_images_and_the_worker_none(lab, head_images):
+    head, _ = head_images
+    assert set(TAGS.values()) <= tags_on(lab, head)
+    for worker in lab.nodes[1:]:
+        assert not set(TAGS.values()) & tags_on(lab, worker)
+
+
+def test_each_image_is_labelled_a_lab_standin_with_its_recipe(lab, head_images):
+    head, results = head_images
+    for r in results:
+        out = lab.ssh(head, ["docker", "image", "inspect", "--format", "{{json .Config.Labels}}",
+                             r.details["image"]]).stdout
+        labels = json.loads(out)
+        assert labels[layout.STANDIN_LABEL] == "true"
+        assert labels[images.RECIPE_LABEL] == r.details["recipe"]
+
+
+def test_building_again_is_ok_without_a_build(head_images):
+    head, first = head_images
+    again = images.build_community_images(f"unix://{layout.docker_socket(head)}",
+                                          layout.BASE_IMAGE, node=head)
+    assert [r.status for r in again] == [Status.OK] * len(images.COMMUNITY_IMAGES)
+    assert [r.details["recipe"] for r in again] == [r.details["recipe"] for r in first]
+
+
+def test_probe_reads_the_seed_versions_files_and_config_error(head_images):
+    head, _ = head_images
+    files = [f"--model-file=sglang={f}" for f in SGLANG_FILES]
+    files += [f"--model-file=vllm={f}" for f in VLLM_FILES]
+    args = ["--model-dir", "/tmp/model", *files, "--require-config", "sglang"]
+
+    old = probe(head, "lmsysorg/sglang:spark", *args)
+    assert old["packages"]["sglang"] == "0.5.4"
+    assert old["packages"]["transformers"] == "4.57.1"
+    assert old["packages"]["torch"] is None and old["packages"]["vllm"] is None
+    assert old["engines"]["sglang"]["model_files"] == {f: False for f in SGLANG_FILES}
+    assert old["config"]["ok"] is False
+    assert "does not recognize this architecture" in old["config"]["error"]
+
+    rc0 = probe(head, "scitrera/dgx-spark-sglang:0.5.10rc0", *args)
+    assert rc0["packages"]["sglang"] == "0.5.10rc0"
+    assert rc0["packages"]["transformers"] == "4.57.1"
+    assert rc0["engines"]["sglang"]["model_files"] == {f: True for f in SGLANG_FILES}
+    assert rc0["config"]["ok"] is False and rc0["engines"]["sglang"]["ok"] is False
+
+    vl = probe(head, "hellohal2064/vllm-qwen3.5-gb10", *args)
+    assert vl["packages"]["vllm"].startswith("0.17.")
+    assert vl["packages"]["ray"].startswith("2.")
+    assert vl["packages"]["transformers"] == "4.57.1"
+    assert vl["packages"]["torch"] is None and vl["packages"]["sglang"] is None
+    assert vl["engines"]["vllm"]["model_files"] == {f: True for f in VLLM_FILES}
+    assert vl["engines"]["vllm"]["ok"] is True  # vLLM ships its own config classes
+
+
+def run_in(node: str, image: str, script: str, timeout: float = 120) -> str:
+    cp = subprocess.run(docker(node, "run", "--rm", "--network", "none", image, "sh", "-c", script),
+                        capture_output=True, text=True, timeout=timeout)
+    assert cp.returncode == 0, f"{cp.stdout}\n{cp.stderr}"
+    return cp.stdout
+
+
+MODELS = ('python3 -c "import json, urllib.request; '
+          "print(json.load(urllib.request.urlopen('http://127.0.0.1:{port}/v1/models'))"
+          "['data'][0]['owned_by'])\"")
+WAIT = "for i in $(seq 100); do {check} 2>/dev/null && break; sleep 0.2; done"
+
+
+def test_sglang_launch_server_runs_the_standin(head_images):
+    head, _ = head_images
+    for image in ("lmsysorg/sglang:spark", "scitrera/dgx-spark-sglang:0.5.10rc0"):
+        check = MODELS.format(port=30000)
+        out = run_in(head, image,
+                     "python3 -m sglang.launch_server --model-path /models/m --host 127.0.0.1 "
+                     "--port 30000 --tp 1 --trust-remote-code >/tmp/log 2>&1 & "
+                     + WAIT.format(check=check) + "; " + check)
+        assert out.strip().splitlines()[-1] == "sglang"
+
+
+def test_sglang_two_nodes_hangs_in_nccl_init(head_images):
+    head, _ = head_images
+    out = run_in(head, "scitrera/dgx-spark-sglang:0.5.10rc0",
+                 "timeout 4 python3 -m sglang.launch_server --model-path /models/m --tp 2 "
+                 "--nnodes 2 --node-rank 0 --dist-init-addr 10.0.0.1:20000 --port 30000 2>&1; "
+                 "echo rc=$?")
+    assert "NCCL INFO" in out and out.strip().endswith("rc=124")
+
+
+def test_vllm_serve_runs_the_standin_and_checks_the_real_ray_cluster(head_images):
+    head, _ = head_images
+    check = MODELS.format(port=8000)
+    out = run_in(head, "hellohal2064/vllm-qwen3.5-gb10",
+                 "ray start --head --port 6379 --node-ip-address 127.0.0.1 --num-gpus 1 "
+                 "--disable-usage-stats >/dev/null 2>&1 || exit 3; "
+                 "vllm serve /models/m --tensor-parallel-size 2 --distributed-executor-backend ray "
+                 "--port 8000 2>&1; echo rc=$?; "
+                 "vllm serve /models/m --tensor-parallel-size 1 --distributed-executor-backend ray "
+                 "--port 8000 >/tmp/log 2>&1 & " + WAIT.format(check=check) + "; " + check,
+                 timeout=180)
+    lines = out.strip().splitlines()
+    assert "Ray cluster has 1 GPUs on 1 alive node(s)" in out
+    assert "rc=1" in lines and lines[-1] == "vllm"
