@@ -145,6 +145,9 @@ def start_dockerd(node: str, mntns: Path, netns: Path, engine: str) -> dict:
     for sub in ("data", "exec"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     (layout.node_dir(node) / "run").mkdir(parents=True, exist_ok=True)
+    # the recorded dockerd is gone (checked by PID and start time); its pidfile may name a
+    # zombie or a recycled PID, which dockerd would take for a running daemon
+    (layout.node_dir(node) / "run" / "docker.pid").unlink(missing_ok=True)
     cfg: dict = {}
     if engine == "containerd":
         cfg["features"] = {"containerd-snapshotter": True}

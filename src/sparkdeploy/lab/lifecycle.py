@@ -122,18 +122,24 @@ def _up(add: Callable[[Result], Result], n: int, engine_name: str) -> None:
                        docker_socket=layout.docker_socket(x), dir=str(layout.node_dir(x)))
             lab_state.save(st)
             what = []
+            if not rec["procs"]:
+                # no record of this node's daemons (state lost, or an older lab): whatever runs
+                # in its namespaces was started by a lab, and would hold its ports
+                n_old = _sweep_node(x)
+                if n_old:
+                    what.append(f"ended {n_old} unrecorded process(es) in it")
             if node.ensure_netns(layout.netns_name(x)):
-                what.append("netns")
+                what.append("made netns")
             if node.ensure_mntns(x, st["created_paths"]):
-                what.append("mount ns")
+                what.append("made mount ns")
             mounts = node.ensure_private_mounts(x, st["created_paths"])
             if mounts:
-                what.append("mounts " + " ".join(mounts))
+                what.append("mounted " + " ".join(mounts))
             if node.ensure_mgmt_link(x, plan):
-                what.append(f"{layout.MGMT_IF} {plan.mgmt_addr(x)}")
+                what.append(f"linked {layout.MGMT_IF} {plan.mgmt_addr(x)}")
             st["created_paths"] = sorted(set(st["created_paths"]))
             lab_state.save(st)
-            add(changed("node", "made " + ", ".join(what), x) if what
+            add(changed("node", ", ".join(what), x) if what
                 else ok("node", f"namespaces, mounts, {layout.MGMT_IF} {plan.mgmt_addr(x)}", x))
 
         # 6. fast link
@@ -322,19 +328,26 @@ def _down_node(x: str, st: dict) -> list[str]:
     if units:
         proc.kill_pids([r["pid"] for r in units])
         done.append(f"stopped {len(units)} unit process(es) of the systemctl stand-in")
-    for kind, path in (("net", layout.netns_path(x)), ("mnt", layout.mntns_path(x))):
-        ino = proc.ns_inode(path)
-        if ino is None or not node.is_ns_mounted(Path(path)):
-            continue
-        pids = [p for p in proc.pids_in_ns(kind, ino) if p != os.getpid()]
-        if pids:
-            killed = proc.kill_pids(pids)
-            done.append(f"ended {len(killed)} process(es) left in its {kind} namespace")
+    n_left = _sweep_node(x)
+    if n_left:
+        done.append(f"ended {n_left} process(es) left in its namespaces")
     if node.unmount_ns(layout.mntns_path(x)):
         done.append("mount ns removed")
     if node.remove_node_net(x):
         done.append("netns removed")
     return done
+
+
+def _sweep_node(x: str) -> int:
+    """End every process inside a node's network or mount namespace (found by the namespace's
+    inode, signalled by PID): all of them were started by the lab. Returns how many."""
+    pids: set[int] = set()
+    for kind, path in (("net", layout.netns_path(x)), ("mnt", layout.mntns_path(x))):
+        ino = proc.ns_inode(path)
+        if ino is not None and node.is_ns_mounted(Path(path)):
+            pids |= set(proc.pids_in_ns(kind, ino))
+    pids.discard(os.getpid())
+    return len(proc.kill_pids(sorted(pids))) if pids else 0
 
 
 def down() -> list[Result]:
