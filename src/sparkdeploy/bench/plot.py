@@ -72,7 +72,9 @@ def plot(runs: list[dict], path: str | Path, title: str | None = None) -> dict:
             ax.set_xticks(spec["x"], [str(x) for x in spec["x"]])
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-        ax.set_ylim(bottom=0)
+        top = max((y for ys in spec["series"].values() for y in ys if y is not None),
+                  default=0.0)
+        ax.set_ylim(0, top * 1.15 if top > 0 else 1.0)
         drawn["panels"][key] = {
             "x": [_clean(x) for x in ax.lines[0].get_xdata()],
             "series": {ln.get_label(): [_clean(y) for y in ln.get_ydata()] for ln in ax.lines},
