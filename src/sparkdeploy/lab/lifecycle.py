@@ -194,6 +194,35 @@ def _up(add: Callable[[Result], Result], n: int, engine_name: str) -> None:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+def ensure_controller_daemon(st: dict, name: str, argv: list[str],
+                             ready: Callable[[], bool], timeout: float = 30) -> Result:
+    """A lab daemon in the root namespace (part 2: the model hub and the package index on the
+    controller's management address). Recorded under ``controller_procs`` so ``lab.down``
+    stops it by PID; restarted when its argv changed or it died."""
+    procs = st.setdefault("controller_procs", {})
+    cur = procs.get(name)
+    if proc.alive(cur) and cur.get("argv") == argv and ready():
+        return ok(name, f"running (pid {cur['pid']})")
+    was = proc.stop(cur)
+    rec = proc.spawn(argv, layout.LAB_DIR / "log" / f"{name}.log")
+    procs[name] = rec
+    lab_state.save(st)
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline or not proc.alive(rec):
+            raise LabError(f"{name} did not get ready (see {rec['log']})")
+        time.sleep(0.2)
+    return changed(name, f"{'restarted' if was else 'started'} (pid {rec['pid']})")
+
+
+def set_env(st: dict, **values: str) -> bool:
+    """Add variables to the lab's ``env`` file (part 2: HF_ENDPOINT, PIP_INDEX_URL)."""
+    extra = {**st.get("env_extra", {}), **values}
+    st["env_extra"] = extra
+    lab_state.save(st)
+    return keys.write_if_changed(layout.ENV_FILE, keys.env_text(extra))
+
+
 def _hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -359,6 +388,9 @@ def down() -> list[Result]:
         with lab_state.locked():
             st = lab_state.load()
             names = _known_nodes(st)
+            for name, rec in sorted(st.get("controller_procs", {}).items()):
+                if proc.stop(rec):
+                    results.append(changed(name, f"stopped (pid {rec['pid']})"))
             for x in names:
                 done = _down_node(x, st)
                 results.append(changed("node", "; ".join(done), x) if done
@@ -408,6 +440,10 @@ def status() -> list[Result]:
     out = [ok("lab", f"engine {st.get('engine')}, management {st.get('mgmt_net')} "
               f"(controller {st.get('controller')}), fast link {st.get('fast_topology')} "
               f"{st.get('fast_net')}; ssh -F {layout.SSH_CONFIG}")]
+    for name, p in sorted(st.get("controller_procs", {}).items()):
+        live = proc.alive(p)
+        out.append((ok if live else failed)(name, f"{'alive' if live else 'dead'} "
+                                            f"(pid {p.get('pid')}) on the controller"))
     for x, rec in sorted(st["nodes"].items()):
         addrs = node.node_addresses(x) if node.netns_exists(layout.netns_name(x)) else {}
         a = ", ".join(f"{k} {' '.join(v)}" for k, v in sorted(addrs.items())) or "no netns"
