@@ -60,3 +60,21 @@ def perf(session: nox.Session) -> None:
     (registry: src/sparkdeploy/perf.py)."""
     session.install("-e", ".[bench]")
     session.run("python", "-m", "sparkdeploy.perf", *session.posargs)
+
+
+# transformers versions -> what they must do with the model's config (qwen3_5_moe)
+CONFIG_MATRIX = {"transformers==4.57.1": "fail", "transformers==5.2.0": "parse", "transformers>=5": "parse"}
+
+
+@nox.session(default=False)
+@nox.parametrize("target", [*CONFIG_MATRIX, "images"])
+def probe(session: nox.Session, target: str) -> None:
+    """Compatibility probes: the config-parse matrix over transformers versions, then the
+    profile's candidate images through docker (`nox -s "probe(target='images')" -- --image X`)."""
+    session.install("-e", ".")
+    if target == "images":
+        session.run("python", "-m", "sparkdeploy.probes", "images", *session.posargs)
+    else:
+        session.install(target)
+        session.run("python", "-m", "sparkdeploy.probes", "config", "--expect", CONFIG_MATRIX[target],
+                    *session.posargs)

@@ -135,8 +135,12 @@ def image_arch(info: dict) -> str:
     return ARCH.get(a, a)
 
 
-def probe(dep: Deployment) -> tuple[list[Result], dict[str, Any]]:
+def probe(dep: Deployment, only: str | None = None) -> tuple[list[Result], dict[str, Any]]:
+    """Probe every candidate (or only the image ``only``) on the head and decide."""
     head = dep.host(dep.profile.head.name)
+    candidates = [c for c in dep.profile.images.candidates if only is None or c.ref == only]
+    if not candidates:
+        return [failed(STEP_PROBE, f"{only} is not a candidate of the profile", head.name)], {}
     try:
         arch = node_arch(head)
         text, source = model_config_text(dep, head)
@@ -147,7 +151,7 @@ def probe(dep: Deployment) -> tuple[list[Result], dict[str, Any]]:
         return [failed(STEP_PROBE, str(e), head.name)], {}
     rows: list[dict[str, Any]] = []
     results: list[Result] = []
-    for cand in dep.profile.images.candidates:
+    for cand in candidates:
         info = inspect_image(head, cand.ref)
         err = None
         if info is None:

@@ -1,0 +1,98 @@
+"""``python -m sparkdeploy.probes``: the compatibility probes behind ``nox -s probe``.
+
+``config --expect parse|fail``: run ``scripts/probe_image.py`` with this interpreter (the nox
+session's virtualenv, holding one transformers version) on the model's config, and check the
+expectation: transformers 4.57 must fail on ``qwen3_5_moe``, >= 5.2 must parse it. The config is
+the model's own when ``--config DIR`` is given, else the lab hub's faithful copy of its shape.
+
+``images [--image REF] [--profile P]``: the profile's candidate images, probed through docker on
+the head (``image.probe``); exits non-zero when no candidate is viable, 0 with a note when no
+engine is reachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _config_dir(given: str | None) -> str:
+    if given:
+        return given
+    from sparkdeploy.lab.hub import model_config
+
+    d = tempfile.mkdtemp(prefix="sparkdeploy-config-")
+    Path(d, "config.json").write_text(json.dumps(model_config(), indent=2))
+    return d
+
+
+def config(expect: str, config_dir: str | None) -> int:
+    d = _config_dir(config_dir)
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "probe_image.py"), "--model-dir", d],
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        print(f"probe failed: {out.stderr.strip()}", file=sys.stderr)
+        return 1
+    report = json.loads(out.stdout)
+    tf = report["packages"].get("transformers")
+    cfg = report["config"] or {}
+    got = "parse" if cfg.get("ok") else "fail"
+    line = f"transformers {tf}: {cfg.get('model_type')} -> {got}" + (
+        f" ({cfg.get('error')})" if cfg.get("error") else "")
+    print(line)
+    if got != expect:
+        print(f"expected {expect}: the compatibility facts changed", file=sys.stderr)
+        return 1
+    return 0
+
+
+def images(image: str | None, profile: str | None) -> int:
+    from sparkdeploy.config import ProfileError
+    from sparkdeploy.deployment import load
+    from sparkdeploy.steps import images as step
+    from sparkdeploy.steps.node import docker
+
+    path = profile or os.environ.get("INVOKE_SPARKDEPLOY_PROFILE") or "configs/qwen3.5-122b-a10b-fp8.yaml"
+    try:
+        dep = load(path, os.environ.get("INVOKE_SPARKDEPLOY_STATE_DIR", ".sparkdeploy"))
+    except ProfileError as e:
+        print(e, file=sys.stderr)
+        return 2
+    head = dep.host(dep.profile.head.name)
+    r = head.run(docker(head, "info", "--format", "{{.ServerVersion}}"), change=False)
+    if not r.ok:
+        print(f"no docker engine reachable on {head.name} ({r.one_line_error()}): "
+              "image probes not run")
+        return 0
+    results, record = step.probe(dep, only=image)
+    for res in results:
+        print(f"{res.status.value:<8} {res.step:<12} {res.why}")
+    if any(res.failed for res in results) or not record.get("chosen"):
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sparkdeploy.probes")
+    sub = p.add_subparsers(dest="what", required=True)
+    c = sub.add_parser("config", help="does this interpreter's transformers parse the config?")
+    c.add_argument("--expect", choices=["parse", "fail"], required=True)
+    c.add_argument("--config", metavar="DIR", help="a directory holding the model's config.json")
+    i = sub.add_parser("images", help="probe the profile's candidate images on the head")
+    i.add_argument("--image", help="probe only this candidate")
+    i.add_argument("--profile", help="profile file (default: $INVOKE_SPARKDEPLOY_PROFILE or the seed's)")
+    args = p.parse_args(argv)
+    if args.what == "config":
+        return config(args.expect, args.config)
+    return images(args.image, args.profile)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
