@@ -137,3 +137,18 @@ def test_services_stop_frees_the_heads_gpu_and_restore_brings_the_units_back(lab
     assert restore.returncode == 0, restore.stdout + restore.stderr
     assert lab.ssh(head, ["systemctl", "is-active", *GLM_UNITS]).stdout.split() == ["active"] * 4
     assert lab.ssh(head, gpu).stdout.strip() != ""
+
+
+def test_lab_up_restarts_daemons_that_died(lab):
+    from sparkdeploy.lab import proc
+    from sparkdeploy.lab import state as lab_state
+
+    node = lab.nodes[-1]
+    procs = lab_state.load()["nodes"][node]["procs"]
+    assert proc.stop(procs["sshd"]) and proc.stop(procs["dockerd"])
+    assert lab.ssh(node, "true", check=False).returncode == 255
+    results = lifecycle.up(nodes=len(lab.nodes), engine_name=lab.state["engine"])
+    redone = {(r.step, r.node) for r in results if r.status is Status.CHANGED}
+    assert {("sshd", node), ("engine", node)} <= redone
+    assert not [r for r in results if r.failed]
+    assert lab.ssh(node, ["docker", "image", "inspect", layout.BASE_IMAGE]).returncode == 0
