@@ -235,7 +235,9 @@ def _ensure_sshd(x: str, st: dict, plan: AddressPlan) -> Result:
     if proc.alive(cur) and cur.get("config") == h and _port_open(plan.mgmt_addr(x), 22):
         return ok("sshd", f"running (pid {cur['pid']})", x)
     restarted = proc.stop(cur)
-    (Path("/run/sshd")).mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation dir
+    if not Path("/run/sshd").exists():  # sshd's privilege separation dir
+        Path("/run/sshd").mkdir(mode=0o755)
+        st["created_paths"] = sorted(set(st["created_paths"]) | {"/run/sshd"})
     mnt, net = layout.mntns_path(x), layout.netns_path(x)
     rec = proc.spawn(proc.in_node(mnt, net, ["/usr/sbin/sshd", "-D", "-e", "-f", str(cfg)]),
                      layout.node_dir(x) / "log" / "sshd.log")

@@ -1,5 +1,7 @@
 """`inv lab.*`: the rehearsal lab (Linux, root): simulated Spark nodes on this machine."""
 
+import sys
+
 from invoke import Collection, task
 from invoke.exceptions import Exit
 
@@ -14,7 +16,15 @@ def up(c, nodes=2, engine=layout.DEFAULT_ENGINE):
     """Bring the lab up, or check it is up (idempotent; says what changed)."""
     if engine not in layout.ENGINES:
         raise Exit(f"--engine: must be one of {', '.join(layout.ENGINES)}, not {engine!r}")
-    render(lifecycle.up(nodes=int(nodes), engine_name=engine), "lab.up")
+    if not sys.stdout.isatty():
+        render(lifecycle.up(nodes=int(nodes), engine_name=engine), "lab.up")
+        return
+    from rich.console import Console
+
+    with Console().status("lab.up: starting") as board:
+        results = lifecycle.up(nodes=int(nodes), engine_name=engine, progress=lambda r: board.update(
+            f"lab.up: {r.step} {r.node or ''} {r.status}: {r.why[:60]}"))
+    render(results, "lab.up")
 
 
 @task(default=True)
