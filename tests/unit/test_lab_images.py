@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import io
+import json
+import re
 import subprocess
 import zipfile
 from pathlib import Path
@@ -170,10 +172,14 @@ def test_dockerfile_keeps_wheels_out_of_the_final_stage():
 # --- build_community_images against a fake engine -------------------------------------------------
 
 
+BASE = {"Id": "sha256:base", "RootFS": {"Type": "layers", "Layers": ["sha256:l1"]}}
+
+
 class FakeAPI:
     def __init__(self, images_: dict[str, dict]):
         self.images_ = images_  # ref -> inspect answer
         self.builds: list[tuple[str, str]] = []
+        self.loads = 0
 
     def inspect_image(self, ref):
         if ref not in self.images_:
@@ -191,6 +197,16 @@ class FakeAPI:
         yield {"stream": "Step 1/14 : FROM base AS build\n"}
         yield {"stream": f"Successfully tagged {tag}\n"}
 
+    def get_image(self, ref):
+        data = json.dumps({ref: self.inspect_image(ref)}).encode()
+        yield data[:10]
+        yield data[10:]
+
+    def load_image(self, fh, quiet):
+        self.loads += 1
+        self.images_.update(json.loads(fh.read()))
+        yield {"stream": "Loaded image"}
+
     def images(self, **kw):
         return []
 
@@ -203,7 +219,7 @@ class FakeAPI:
 
 @pytest.fixture
 def fake_engine(tmp_path, monkeypatch):
-    api = FakeAPI({layout.BASE_IMAGE: {"Id": "sha256:base"}})
+    api = FakeAPI({layout.BASE_IMAGE: BASE})
     monkeypatch.setattr(docker, "APIClient", lambda **kw: api)
     engine = tmp_path / "cache" / "eng-1.0-py3-none-any.whl"
     engine.parent.mkdir()
@@ -212,43 +228,48 @@ def fake_engine(tmp_path, monkeypatch):
     dep.write_bytes(b"dep")
     monkeypatch.setattr(images, "ensure_engine_wheel", lambda r, c, s: engine)
     monkeypatch.setattr(images, "dependency_wheels", lambda r, c: [dep])
-    return api, tmp_path / "cache"
+    cache, archives = tmp_path / "cache", tmp_path / "archives"
+
+    def build(base=layout.BASE_IMAGE, **kw):
+        kw.setdefault("archive_dir", archives)
+        return images.build_community_images("unix:///x.sock", base, cache_dir=cache, **kw)
+
+    return api, build, archives
 
 
 def test_builds_what_is_missing_then_is_ok(fake_engine):
-    api, cache = fake_engine
+    api, build, archives = fake_engine
     lines: list[str] = []
-    first = images.build_community_images("unix:///x.sock", cache_dir=cache, node="spark1",
-                                          log=lines.append)
+    first = build(node="spark1", log=lines.append)
     assert [r.status for r in first] == [Status.CHANGED] * 3
     assert [t for t, _ in api.builds] == [r.tag for r in images.COMMUNITY_IMAGES]
     assert all(r.node == "spark1" and r.details["size"] == 123 for r in first)
     assert "Successfully tagged lmsysorg/sglang:spark" in lines
-    second = images.build_community_images("unix:///x.sock", cache_dir=cache, node="spark1")
+    second = build(node="spark1")
     assert [r.status for r in second] == [Status.OK] * 3
     assert len(api.builds) == 3
     assert [r.details["recipe"] for r in second] == [r.details["recipe"] for r in first]
 
 
 def test_a_tag_with_another_recipe_or_no_standin_label_is_rebuilt(fake_engine):
-    api, cache = fake_engine
-    images.build_community_images("unix:///x.sock", cache_dir=cache)
+    api, build, _ = fake_engine
+    build(archive_dir=None)
     api.images_["lmsysorg/sglang:spark"]["Config"]["Labels"][images.RECIPE_LABEL] = "old"
     del api.images_["hellohal2064/vllm-qwen3.5-gb10"]["Config"]["Labels"][layout.STANDIN_LABEL]
-    again = images.build_community_images("unix:///x.sock", cache_dir=cache)
+    again = build(archive_dir=None)
     assert [r.status for r in again] == [Status.CHANGED, Status.OK, Status.CHANGED]
     assert "rebuilt" in again[0].why
 
 
 def test_missing_base_image_fails_each_image_in_one_line(fake_engine):
-    api, cache = fake_engine
-    res = images.build_community_images("unix:///x.sock", "nope:1", cache_dir=cache)
+    api, build, _ = fake_engine
+    res = build("nope:1")
     assert [r.status for r in res] == [Status.FAILED] * 3
     assert "base image nope:1 not on this engine" in res[0].why and api.builds == []
 
 
 def test_a_failed_build_is_one_line_and_the_others_still_build(fake_engine, monkeypatch):
-    api, cache = fake_engine
+    api, build_all, _ = fake_engine
     real_build = api.build
 
     def build(path, tag, **kw):
@@ -260,7 +281,35 @@ def test_a_failed_build_is_one_line_and_the_others_still_build(fake_engine, monk
         yield from real_build(path, tag, **kw)
 
     monkeypatch.setattr(api, "build", build)
-    res = images.build_community_images("unix:///x.sock", cache_dir=cache)
+    res = build_all()
     assert [r.status for r in res] == [Status.CHANGED, Status.FAILED, Status.CHANGED]
     assert "\n" not in res[1].why and "non-zero code: 1" in res[1].why
     assert "No matching distribution" in res[1].why
+
+
+def test_built_images_are_archived_and_a_fresh_engine_loads_them(fake_engine):
+    api, build, archives = fake_engine
+    first = build()
+    assert all(r.why.endswith("s; archived") for r in first)
+    names = sorted(p.name for p in archives.iterdir())
+    assert names == sorted(f"{re.sub(r'[^A-Za-z0-9.]+', '_', r.details['image'])}-"
+                           f"{r.details['recipe']}.tar" for r in first)
+    # a fresh lab: same base layers under a new base image ID, no community image
+    api.images_ = {layout.BASE_IMAGE: {**BASE, "Id": "sha256:reimported"}}
+    api.builds.clear()
+    again = build()
+    assert [r.status for r in again] == [Status.CHANGED] * 3
+    assert all("loaded from the archive" in r.why for r in again)
+    assert api.builds == [] and api.loads == 3
+    assert [r.details["recipe"] for r in again] == [r.details["recipe"] for r in first]
+    assert [r.status for r in build()] == [Status.OK] * 3
+
+
+def test_a_new_recipe_replaces_its_tags_archive(fake_engine):
+    api, build, archives = fake_engine
+    build()
+    before = {p.name for p in archives.iterdir()}
+    api.images_[layout.BASE_IMAGE] = {"Id": "sha256:b2", "RootFS": {"Layers": ["sha256:l2"]}}
+    build()
+    after = {p.name for p in archives.iterdir()}
+    assert len(after) == 3 and not before & after

@@ -25,7 +25,9 @@ Wheels come from the controller's cache (``/var/cache/sparkdeploy/wheels``, fill
 them into ``/opt/venv``, and the final stage is the base image plus ``COPY --from`` of the venv,
 so no wheel lands in the final image. Every image carries ``org.sparkdeploy.lab.standin=true``
 and ``org.sparkdeploy.lab.recipe=<hash>``: the hash covers the pins, the Dockerfile, the shims,
-the stand-in's source and the base image ID, and an image whose label matches is not rebuilt.
+the stand-in's source and the base image's layers; an image whose label matches is not rebuilt.
+Built images are also saved under ``/var/cache/sparkdeploy/images/`` (one archive per recipe
+hash), so a fresh lab with warm caches loads them instead of building.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ WHEEL_CACHE = layout.CACHE_DIR / "wheels"
 STRIPPED_CACHE = layout.CACHE_DIR / "wheels-stripped"
 """Engine wheels without their compiled libraries (kept apart: the package index serves
 ``WHEEL_CACHE`` and must serve only real wheels)."""
+ARCHIVE_DIR = layout.CACHE_DIR / "images"
+"""``docker save`` archives of built images, one per recipe hash: a fresh lab (after
+``lab.down``) loads them instead of building again."""
 STANDIN_SOURCE = Path(__file__).resolve().parent / "standins" / "engine_server.py"
 VENV = "/opt/venv"
 STANDIN_DIR = "/opt/standin"
@@ -174,12 +179,12 @@ def dockerfile(recipe: Recipe, base_image: str, engine_wheel: str, labels: dict[
     ])
 
 
-def recipe_hash(recipe: Recipe, base_image_id: str, standin_source: bytes) -> str:
+def recipe_hash(recipe: Recipe, base_ident: str, standin_source: bytes) -> str:
     """What decides an image's content: pins, Dockerfile shape, shims, stand-in, base image."""
     ident = {
         "format": FORMAT,
         "recipe": asdict(recipe),
-        "base": base_image_id,
+        "base": base_ident,
         "dockerfile": dockerfile(recipe, "BASE", "ENGINE.whl", {}),
         "wire": WIRE_PY,
         "shims": [SGLANG_SHIM, VLLM_SHIM],
@@ -363,12 +368,14 @@ def build_community_images(
     recipes: Sequence[Recipe] = COMMUNITY_IMAGES,
     cache_dir: Path = WHEEL_CACHE,
     stripped_cache: Path = STRIPPED_CACHE,
+    archive_dir: Path | None = ARCHIVE_DIR,
     node: str | None = None,
     log: Callable[[str], None] | None = None,
 ) -> list[Result]:
-    """Build each community image on the engine at ``docker_base_url`` unless an image with
-    the same recipe hash is already tagged there: one Result per image (``ok`` present,
-    ``changed`` built, ``failed`` with one line of why)."""
+    """Make each community image present on the engine at ``docker_base_url``: one Result per
+    image. ``ok``: already tagged with the same recipe hash. ``changed``: loaded from the
+    controller's archive of that recipe (``archive_dir``; a fresh lab with warm caches), or
+    built (then archived). ``failed``: one line of why; the other images still go ahead."""
     import docker
 
     api = docker.APIClient(base_url=docker_base_url, version="auto", timeout=1800)
@@ -377,37 +384,86 @@ def build_community_images(
     except docker.errors.ImageNotFound:
         return [failed(STEP, f"{r.tag}: base image {base_image} not on this engine", node,
                        image=r.tag) for r in recipes]
+    # the base's layers, not its ID: re-importing the same rootfs tarball gives a new image ID
+    # (a new creation time) but the same layer diff IDs
+    base_ident = json.dumps((base.get("RootFS") or {}).get("Layers") or base["Id"])
     standin = STANDIN_SOURCE.read_bytes()
     results: list[Result] = []
     for recipe in recipes:
-        h = recipe_hash(recipe, base["Id"], standin)
+        h = recipe_hash(recipe, base_ident, standin)
         labels = {layout.STANDIN_LABEL: "true", RECIPE_LABEL: h,
                   "org.sparkdeploy.lab.engine": recipe.engine_requirement}
         have = _labels(api, recipe.tag)
-        if have is not None and have.get(RECIPE_LABEL) == h and have.get(layout.STANDIN_LABEL) == "true":
-            results.append(ok(STEP, f"{recipe.tag}: present (recipe {h[:12]})", node,
+        archive = archive_path(archive_dir, recipe, h) if archive_dir else None
+        if _matches(have, h):
+            note = _ensure_archive(api, recipe.tag, archive)
+            results.append(ok(STEP, f"{recipe.tag}: present (recipe {h[:12]}){note}", node,
                               image=recipe.tag, recipe=h, size=_size(api, recipe.tag)))
             continue
         t0 = time.monotonic()
+        how, note = None, ""
         try:
-            engine_wheel = ensure_engine_wheel(recipe, cache_dir, stripped_cache)
-            deps = dependency_wheels(recipe, cache_dir)
-            with tempfile.TemporaryDirectory(dir=cache_dir.parent, prefix=".image-ctx-") as tmp:
-                write_context(Path(tmp), recipe, base_image, labels, engine_wheel, deps, standin)
-                image_id = _build(api, Path(tmp), recipe.tag, log)
+            if archive is not None and archive.is_file():
+                with open(archive, "rb") as fh:
+                    for chunk in api.load_image(fh, quiet=True):
+                        if isinstance(chunk, dict) and chunk.get("error"):
+                            raise ImageBuildError(f"docker load {archive.name}: {chunk['error']}")
+                if _matches(_labels(api, recipe.tag), h):
+                    how = "loaded from the archive"
+            if how is None:
+                engine_wheel = ensure_engine_wheel(recipe, cache_dir, stripped_cache)
+                deps = dependency_wheels(recipe, cache_dir)
+                with tempfile.TemporaryDirectory(dir=cache_dir.parent,
+                                                 prefix=".image-ctx-") as tmp:
+                    write_context(Path(tmp), recipe, base_image, labels, engine_wheel, deps,
+                                  standin)
+                    _build(api, Path(tmp), recipe.tag, log)
+                how = "rebuilt (recipe changed)" if have is not None else "built"
+                note = _ensure_archive(api, recipe.tag, archive)
         except Exception as e:  # noqa: BLE001 - one line per image, the others still build
             results.append(failed(STEP, f"{recipe.tag}: {_one_line(e)}", node, image=recipe.tag))
             continue
         finally:
             _prune_build_stages(api)
-        if have is not None:
-            _remove_superseded(api, recipe.tag, image_id)
-        why = "rebuilt (recipe changed)" if have is not None else "built"
-        results.append(changed(STEP, f"{recipe.tag}: {why} in {time.monotonic() - t0:.0f}s", node,
+        image_id = api.inspect_image(recipe.tag)["Id"]
+        _remove_superseded(api, recipe.tag, image_id)
+        secs = time.monotonic() - t0
+        results.append(changed(STEP, f"{recipe.tag}: {how} in {secs:.0f}s{note}", node,
                                image=recipe.tag, recipe=h, id=image_id,
-                               size=_size(api, recipe.tag),
-                               seconds=round(time.monotonic() - t0, 1)))
+                               size=_size(api, recipe.tag), seconds=round(secs, 1)))
     return results
+
+
+def _matches(labels: dict[str, str] | None, recipe_hash_: str) -> bool:
+    return (labels is not None and labels.get(RECIPE_LABEL) == recipe_hash_
+            and labels.get(layout.STANDIN_LABEL) == "true")
+
+
+def archive_path(archive_dir: Path, recipe: Recipe, recipe_hash_: str) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9.]+", "_", recipe.tag)
+    return archive_dir / f"{slug}-{recipe_hash_}.tar"
+
+
+def _ensure_archive(api, tag: str, archive: Path | None) -> str:
+    """``docker save`` the image into the controller's archive once (older archives of the same
+    tag removed); best effort: returns a note for the Result's why."""
+    if archive is None or archive.is_file():
+        return ""
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    tmp = archive.with_name(f".{archive.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            for chunk in api.get_image(tag):
+                fh.write(chunk)
+        os.replace(tmp, archive)
+    except Exception as e:  # noqa: BLE001 - the image is there; only the next fresh lab is slower
+        tmp.unlink(missing_ok=True)
+        return f"; not archived: {_one_line(e)}"
+    same_tag = re.compile(re.escape(archive.name.rsplit("-", 1)[0]) + r"-[0-9a-f]{32}\.tar")
+    for old in archive.parent.iterdir():
+        if old != archive and same_tag.fullmatch(old.name):
+            old.unlink(missing_ok=True)
+    return "; archived"
 
 
 def _size(api, ref: str) -> int | None:
