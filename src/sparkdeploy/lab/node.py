@@ -61,7 +61,9 @@ def ensure_private_mounts(node: str, created: list[str]) -> list[str]:
         if not tp.exists():
             tp.mkdir(parents=True)
             created.append(target)
-        if target in have and have[target].endswith(str(src)):
+        # mountinfo's root is the path inside the source filesystem: a suffix of ``src``
+        root = have.get(target, "/")
+        if root != "/" and str(src).endswith(root) and root.endswith(f"/{node}/{name}"):
             continue
         run(["nsenter", f"--mount={f}", "mount", "--bind", str(src), target])
         made.append(target)
