@@ -313,3 +313,22 @@ def test_a_new_recipe_replaces_its_tags_archive(fake_engine):
     build()
     after = {p.name for p in archives.iterdir()}
     assert len(after) == 3 and not before & after
+
+
+def test_prefetch_fetches_every_recipes_wheels_and_says_what_is_new(tmp_path, monkeypatch):
+    cache = tmp_path / "wheels"
+    cache.mkdir()
+    seen: list[tuple[str, str]] = []
+
+    def engine(r, c, s):
+        seen.append(("engine", r.engine_requirement))
+        (c / f"{r.engine_name}-{r.engine_version}-py3-none-any.whl").write_bytes(b"x" * 2**20)
+
+    monkeypatch.setattr(images, "ensure_engine_wheel", engine)
+    monkeypatch.setattr(images, "dependency_wheels",
+                        lambda r, c: seen.append(("deps", ";".join(r.requires))))
+    did, why = images.prefetch_wheels(cache=cache, stripped_cache=tmp_path / "s")
+    assert did and why == "3 wheels downloaded (3 MB)"
+    assert [k for k, _ in seen] == ["engine", "deps"] * 3
+    assert images.prefetch_wheels(cache=cache, stripped_cache=tmp_path / "s") == (
+        False, "engine and dependency wheels cached")

@@ -286,6 +286,20 @@ def dependency_wheels(recipe: Recipe, cache: Path = WHEEL_CACHE) -> list[Path]:
     return [cache / f for f in files]
 
 
+def prefetch_wheels(recipes: Sequence[Recipe] = COMMUNITY_IMAGES, cache: Path = WHEEL_CACHE,
+                    stripped_cache: Path = STRIPPED_CACHE) -> tuple[bool, str]:
+    """Every wheel the recipes need, in the cache (``lab.up`` may run this early, in parallel
+    with debootstrap). No network when all are cached. Returns (downloaded anything, why)."""
+    before = {p.name for p in cache.glob("*.whl")} if cache.is_dir() else set()
+    for recipe in recipes:
+        ensure_engine_wheel(recipe, cache, stripped_cache)
+        dependency_wheels(recipe, cache)
+    new = {p.name for p in cache.glob("*.whl")} - before
+    total = sum((cache / n).stat().st_size for n in new) // 2**20
+    return bool(new), (f"{len(new)} wheels downloaded ({total} MB)" if new
+                       else "engine and dependency wheels cached")
+
+
 class ImageBuildError(Exception):
     """One line for the user."""
 
