@@ -28,6 +28,22 @@ and ``org.sparkdeploy.lab.recipe=<hash>``: the hash covers the pins, the Dockerf
 the stand-in's source and the base image's layers; an image whose label matches is not rebuilt.
 Built images are also saved under ``/var/cache/sparkdeploy/images/`` (one archive per recipe
 hash), so a fresh lab with warm caches loads them instead of building.
+
+From ``lab.up`` (the head only; spark2 starts without them, as in the seed)::
+
+    pool.submit(images.prefetch_wheels)          # early, next to debootstrap: (did, why)
+    ...                                          # after the base image is on every node:
+    for r in images.build_community_images(f"unix://{layout.docker_socket(head)}",
+                                           layout.BASE_IMAGE, node=head):
+        add(r)
+
+Figures (2-core lab machine, Docker 26 classic store): built from cached wheels about 45-70 s
+per image (about 3 min for the three; plus about 1 min of downloads with an empty wheel cache),
+loaded from the archives about 15 s for the three, about 0.3 s when all are present. Sizes:
+base 191 MB; sglang images about 530 and 555 MB, vLLM image about 730 MB (base included).
+
+Development aid: ``python -m sparkdeploy.lab.images unix:///path/docker.sock [BASE_IMAGE]``
+(``SPARKDEPLOY_IMAGES_LOG=1`` streams the build log to stderr).
 """
 
 from __future__ import annotations
