@@ -38,6 +38,7 @@ PRIVATE_MOUNTS: dict[str, str] = {
 NODE_PATH = f"{STANDIN_DIR}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 MGMT_BRIDGE = "labmgmt0"
+MGMT_BRIDGE_MAC = "02:5d:1a:b0:00:01"
 MGMT_IF = "eth0"
 """The management interface's name inside a node."""
 FAST_IF = "enp1s0f0np0"

@@ -244,7 +244,7 @@ def _ensure_sshd(x: str, st: dict, plan: AddressPlan) -> Result:
     rec["config"] = h
     procs["sshd"] = rec
     lab_state.save(st)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while not _port_open(plan.mgmt_addr(x), 22):
         if time.monotonic() > deadline or not proc.alive(rec):
             raise LabError(f"{x}: sshd did not listen on {plan.mgmt_addr(x)}:22 "

@@ -109,7 +109,10 @@ def ensure_mgmt_bridge(plan: AddressPlan) -> bool:
     br = links.get(layout.MGMT_BRIDGE)
     changed = False
     if br is None:
-        run(["ip", "link", "add", layout.MGMT_BRIDGE, "type", "bridge"])
+        # a fixed, locally administered MAC: a bridge otherwise takes its lowest port's MAC,
+        # which changes as nodes come and go and leaves the nodes' ARP caches stale
+        run(["ip", "link", "add", layout.MGMT_BRIDGE, "address", layout.MGMT_BRIDGE_MAC,
+             "type", "bridge"])
         changed = True
     if not _has_addr(br, plan.controller, plan.prefix):
         for a in (br or {}).get("addr_info", []):
@@ -144,6 +147,9 @@ def ensure_mgmt_link(node: str, plan: AddressPlan) -> bool:
         run(["ip", "link", "set", veth, "master", layout.MGMT_BRIDGE, "up"])
         changed = True
     addr = plan.mgmt_addr(node)
+    if changed:
+        # a neighbour entry left FAILED while the node was away would delay the first contact
+        run(["ip", "neigh", "flush", "to", addr, "dev", layout.MGMT_BRIDGE], check=False)
     if not _has_addr(inner, addr, plan.prefix):
         run(["ip", "-n", ns, "addr", "flush", "dev", layout.MGMT_IF])
         run(["ip", "-n", ns, "addr", "add", f"{addr}/{plan.prefix}", "dev", layout.MGMT_IF])
