@@ -1,0 +1,74 @@
+"""Lab pieces that need no root: exact daemon argv, sshd config, PID records, mirror lookup."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from sparkdeploy.lab import engine, keys, layout, proc
+from sparkdeploy.lab.layout import AddressPlan
+
+N = "/var/lib/sparkdeploy/lab/nodes/spark2"
+ENTER = ["nsenter", "--mount=/var/lib/sparkdeploy/lab/ns/spark2.mnt",
+         "--net=/var/run/netns/lab-spark2"]
+
+
+def _argv(eng: str) -> list[str]:
+    return engine.dockerd_argv("spark2", layout.mntns_path("spark2"), layout.netns_path("spark2"),
+                               eng)
+
+
+def test_dockerd_argv_per_engine(monkeypatch):
+    monkeypatch.setattr(engine, "storage_driver",
+                        lambda e: "overlayfs" if e == "containerd" else "overlay2")
+    common = ["--iptables=false", "--ip-masq=false", "--bridge=none"]
+    assert _argv("docker26") == ENTER + [
+        "/var/cache/sparkdeploy/docker26/usr/sbin/dockerd",
+        "--config-file", f"{N}/docker/docker26/daemon.json",
+        "--data-root", f"{N}/docker/docker26/data", "--exec-root", f"{N}/docker/docker26/exec",
+        "--pidfile", f"{N}/run/docker.pid", "-H", f"unix://{N}/run/docker.sock",
+        "--storage-driver", "overlay2", *common]
+    assert _argv("classic20")[len(ENTER)] == "/usr/sbin/dockerd"
+    c = _argv("containerd")
+    assert c[c.index("--storage-driver") + 1] == "overlayfs"
+    assert c[-2:] == ["--containerd", f"{N}/docker/containerd/containerd/containerd.sock"]
+
+
+def test_sshd_config_gives_sessions_the_stand_ins_and_the_nodes_engine():
+    text = keys.sshd_config("spark2", AddressPlan("10.77.0.0/24", "10.77.1.0/24"), fast=True)
+    lines = text.splitlines()
+    assert "ListenAddress 10.77.0.12" in lines and "ListenAddress 10.77.1.2" in lines
+    assert "PermitRootLogin prohibit-password" in lines
+    assert "PasswordAuthentication no" in lines
+    assert (f"SetEnv PATH=/opt/sparkdeploy-lab/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:"
+            f"/usr/bin:/sbin:/bin DOCKER_HOST=unix://{N}/run/docker.sock") in lines
+    single = keys.sshd_config("spark1", AddressPlan("10.77.0.0/24", "10.77.1.0/24"), fast=False)
+    assert [ln for ln in single.splitlines() if ln.startswith("ListenAddress")] == [
+        "ListenAddress 10.77.0.11"]
+
+
+def test_a_recorded_process_is_alive_only_with_its_own_start_time():
+    me = proc.record(os.getpid())
+    assert proc.alive(me)
+    assert not proc.alive({**me, "start": me["start"] - 1})  # a recycled PID
+    p = subprocess.Popen(["true"])
+    rec = proc.record(p.pid)
+    p.wait()
+    assert not proc.alive(rec)
+    assert not proc.alive(None) and not proc.alive({})
+
+
+def test_stale_tmp_names_carry_the_pid():
+    assert proc.pid_of_tmp(Path("/x/rootfs-bookworm.1234.tmp")) == 1234
+    assert proc.pid_of_tmp(Path("/x/base-bookworm.tar.99.tmp")) == 99
+    assert proc.pid_of_tmp(Path("/x/base-bookworm.tar")) is None
+
+
+def test_debian_mirror_is_read_from_the_machines_sources(tmp_path):
+    f = tmp_path / "debian.sources"
+    f.write_text("Types: deb\nURIs: http://mirror.example/debian-security\n"
+                 "Suites: bookworm-security\nComponents: main\n\n"
+                 "Types: deb\nURIs: http://mirror.example/debian/\nSuites: bookworm\n"
+                 "Components: main\n")
+    assert engine.debian_mirror(f) == "http://mirror.example/debian"
