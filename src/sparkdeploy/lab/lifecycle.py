@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from sparkdeploy.lab import engine, image, keys, layout, node, packages, proc, standins_install
+from sparkdeploy.lab import engine, image, internet, keys, layout, node, packages, proc, standins_install
 from sparkdeploy.lab import state as lab_state
 from sparkdeploy.lab.layout import AddressPlan
 from sparkdeploy.lab.proc import LabError
@@ -41,7 +41,7 @@ def preflight() -> str | None:
 
 
 def up(nodes: int = 2, engine_name: str = layout.DEFAULT_ENGINE,
-       progress: Callable[[Result], None] | None = None) -> list[Result]:
+       progress: Callable[[Result], None] | None = None, seed_worker: bool = False) -> list[Result]:
     """Bring the lab up (idempotent). ``progress`` is called with each result as it lands."""
     why = preflight()
     if why:
@@ -60,7 +60,7 @@ def up(nodes: int = 2, engine_name: str = layout.DEFAULT_ENGINE,
     t0 = time.monotonic()
     try:
         with lab_state.locked():
-            _up(add, nodes, engine_name)
+            _up(add, nodes, engine_name, seed_worker)
     except LabError as e:
         add(failed("lab.up", str(e)))
     else:
@@ -69,7 +69,7 @@ def up(nodes: int = 2, engine_name: str = layout.DEFAULT_ENGINE,
     return run.results
 
 
-def _up(add: Callable[[Result], Result], n: int, engine_name: str) -> None:
+def _up(add: Callable[[Result], Result], n: int, engine_name: str, seed_worker: bool = False) -> None:
     names = layout.node_names(n)
     st = lab_state.load()
     layout.LAB_DIR.mkdir(parents=True, exist_ok=True)
@@ -80,9 +80,10 @@ def _up(add: Callable[[Result], Result], n: int, engine_name: str) -> None:
         else ok("packages", "all present"))
 
     # start the slow cache builds now; join before they are needed
-    pool = ThreadPoolExecutor(max_workers=2)
+    pool = ThreadPoolExecutor(max_workers=4)
     base_job = pool.submit(image.ensure_base_tarball)
     d26_job = pool.submit(engine.ensure_docker26) if engine_name != "classic20" else None
+    wheels_job = pool.submit(internet.prefetch)
 
     try:
         # 2. addresses
@@ -187,7 +188,18 @@ def _up(add: Callable[[Result], Result], n: int, engine_name: str) -> None:
         # 12. GLM units on the head
         add(_ensure_glm(names[0]))
 
-        # 13. the proof: controller -> every node over ssh with host key checking on
+        # 13. part 2: the closed internet (hub, package index) and the community images
+        did, why = wheels_job.result()
+        add((changed if did else ok)("wheels", why))
+        for r in internet.ensure_servers(st, plan.controller):
+            add(r)
+        for r in internet.ensure_community_images(names[0]):
+            add(r)
+        if seed_worker:
+            for x in names[1:]:
+                add(internet.seed_worker(names[0], x))
+
+        # 14. the proof: controller -> every node over ssh with host key checking on
         for x in names:
             add(_check_ssh(x))
     finally:

@@ -10,19 +10,21 @@ from sparkdeploy.tasks._common import render
 
 
 @task(help={"nodes": "how many nodes (spark1..sparkN; default 2)",
+            "seed_worker": "also give the workers the derivative's base image (delta-ship tests)",
             "engine": "docker26 (default), classic20 (bookworm's 20.10) or containerd "
                       "(Docker 26 on the containerd image store)"})
-def up(c, nodes=2, engine=layout.DEFAULT_ENGINE):
+def up(c, nodes=2, engine=layout.DEFAULT_ENGINE, seed_worker=False):
     """Bring the lab up, or check it is up (idempotent; says what changed)."""
     if engine not in layout.ENGINES:
         raise Exit(f"--engine: must be one of {', '.join(layout.ENGINES)}, not {engine!r}")
     if not sys.stdout.isatty():
-        render(lifecycle.up(nodes=int(nodes), engine_name=engine), "lab.up")
+        render(lifecycle.up(nodes=int(nodes), engine_name=engine, seed_worker=seed_worker), "lab.up")
         return
     from rich.console import Console
 
     with Console().status("lab.up: starting") as board:
-        results = lifecycle.up(nodes=int(nodes), engine_name=engine, progress=lambda r: board.update(
+        results = lifecycle.up(nodes=int(nodes), engine_name=engine, seed_worker=seed_worker,
+                               progress=lambda r: board.update(
             f"lab.up: {r.step} {r.node or ''} {r.status}: {r.why[:60]}"))
     render(results, "lab.up")
 

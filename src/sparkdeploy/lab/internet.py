@@ -1,0 +1,80 @@
+"""Lab part 2 inside ``lab.up``: the closed internet (model hub and package index on the
+controller's management address) and the community images on the head.
+
+The lab's ``env`` file gains ``HF_ENDPOINT``, ``PIP_INDEX_URL`` and ``PIP_TRUSTED_HOST``;
+``configs/lab.yaml`` names the same endpoints (``model.endpoint``, ``images.layer.index_url``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+from sparkdeploy.lab import hub, images, layout, pkgindex
+from sparkdeploy.lab.proc import LabError
+from sparkdeploy.results import Result, changed, ok
+
+HUB_PORT = hub.DEFAULT_PORT
+INDEX_PORT = pkgindex.DEFAULT_PORT
+
+
+def hub_url(controller: str) -> str:
+    return f"http://{controller}:{HUB_PORT}"
+
+
+def index_url(controller: str) -> str:
+    return f"http://{controller}:{INDEX_PORT}/simple/"
+
+
+def prefetch() -> tuple[bool, str]:
+    """Every wheel the lab needs, cached (index requirements and community images)."""
+    try:
+        report = pkgindex.ensure_wheels()
+        did, why = images.prefetch_wheels()
+    except pkgindex.WheelDownloadError as e:
+        raise LabError(str(e).splitlines()[0]) from None
+    did = did or report.changed
+    index = (f"index sets downloaded: {len(report.downloaded)}" if report.changed
+             else "index sets cached")
+    return did, f"{index}; {why}"
+
+
+def ensure_servers(st: dict, controller: str) -> list[Result]:
+    from sparkdeploy.lab.lifecycle import ensure_controller_daemon, set_env
+
+    hurl, iurl = hub_url(controller), index_url(controller)
+    out = [
+        ensure_controller_daemon(st, "hub", hub.cli_argv(controller),
+                                 lambda: hub.wait_ready(hurl, timeout=0.5)),
+        ensure_controller_daemon(st, "index", pkgindex.cli_argv(controller),
+                                 lambda: pkgindex.wait_ready(iurl, timeout=0.5)),
+    ]
+    env = {"HF_ENDPOINT": hurl, **pkgindex.pip_env(iurl)}
+    wrote = set_env(st, **env)
+    out.append((changed if wrote else ok)("env", " ".join(f"{k}={v}" for k, v in env.items())))
+    return out
+
+
+def ensure_community_images(head: str) -> list[Result]:
+    return images.build_community_images(f"unix://{layout.docker_socket(head)}", layout.BASE_IMAGE,
+                                         node=head)
+
+
+def seed_worker(head: str, worker: str, ref: str = "scitrera/dgx-spark-sglang:0.5.10rc0") -> Result:
+    """Give a worker the derivative's base image (for delta-shipping tests)."""
+    def dk(x: str, *args: str) -> list[str]:
+        return ["docker", "-H", f"unix://{layout.docker_socket(x)}", *args]
+
+    have = subprocess.run(dk(worker, "image", "inspect", "--format", "{{.Id}}", ref),
+                          capture_output=True, text=True)
+    want = subprocess.run(dk(head, "image", "inspect", "--format", "{{.Id}}", ref),
+                          capture_output=True, text=True)
+    if want.returncode != 0:
+        raise LabError(f"{head} has no {ref} to seed {worker} with")
+    if have.returncode == 0 and have.stdout == want.stdout:
+        return ok("seed-worker", f"{ref} present", worker)
+    save = subprocess.Popen(dk(head, "save", ref), stdout=subprocess.PIPE)
+    load = subprocess.run(dk(worker, "load", "-q"), stdin=save.stdout, capture_output=True, text=True)
+    save.stdout.close()  # type: ignore[union-attr]
+    if save.wait() != 0 or load.returncode != 0:
+        raise LabError(f"seeding {worker} with {ref} failed: {load.stderr.strip()}")
+    return changed("seed-worker", f"loaded {ref}", worker)
