@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from io import StringIO
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +58,11 @@ class CmdResult:
     def one_line_error(self) -> str:
         text = (self.stderr or self.stdout).strip().splitlines()
         return text[-1] if text else f"exit code {self.exit_code}"
+
+
+def elide(argv: Sequence[str], limit: int = 200) -> list[str]:
+    """argv for echo and the journal: a long argument (a staged file) shown by its size."""
+    return [a if len(a) <= limit else f"<{len(a)} bytes>" for a in argv]
 
 
 def ssh_base_argv(ssh: SshSettings, control_dir: str | None = None) -> list[str]:
@@ -145,15 +149,14 @@ class Host:
         change: bool = True,
         sudo: bool = False,
         timeout: float | None = None,
-        input: str | None = None,
         on_stderr: Callable[[str], None] | None = None,
     ) -> CmdResult:
         """Run ``argv`` on the node. ``change=False`` marks a read-only probe.
 
         ``on_stderr`` receives each stderr line as it arrives (progress of long commands)."""
         argv = [str(a) for a in argv]
-        shown = redact(shlex.join(argv if not (sudo and self.node.privilege == "sudo")
-                                  else ["sudo", "-n", *argv]))
+        shown = redact(shlex.join(elide(argv if not (sudo and self.node.privilege == "sudo")
+                                        else ["sudo", "-n", *argv])))
         if self.dry and change:
             self._say(f"[{self.name}] would run: {shown}")
             # nothing ran and nothing is written, not even the journal
@@ -175,7 +178,7 @@ class Host:
                 err_stream=_LineStream(on_stderr) if on_stderr else None,
                 pty=False,
                 timeout=timeout,
-                in_stream=StringIO(input) if input is not None else False,
+                in_stream=False,
             )
             res = CmdResult(self.name, argv, r.exited, r.stdout, r.stderr,
                             time.monotonic() - start)
@@ -201,7 +204,7 @@ class Host:
         self.state.journal(
             {
                 "host": self.name,
-                "argv": res.argv,
+                "argv": elide(res.argv),
                 "exit": res.exit_code,
                 "duration_s": round(res.duration, 4),
                 "dry": res.dry,

@@ -175,7 +175,7 @@ def probe(dep: Deployment, only: str | None = None) -> tuple[list[Result], dict[
         rows.append(row)
         status = ok if row["verdict"] in ("viable", "needs-layer") else skipped
         results.append(status(STEP_PROBE, f"{cand.ref}: {row['verdict']}: {row['why']}",
-                              head.name, **{k: v for k, v in row.items() if k != "probe"}))
+                              head.name, **{k: v for k, v in row.items() if k not in ("probe", "why")}))
     record = decide(dep, head.name, arch, source, rows)
     if dep.dry:
         results.append(skipped(STEP_DECIDE, "would write the decision record: "

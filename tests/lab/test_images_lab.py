@@ -1,0 +1,141 @@
+"""image.probe / image.build / image.ship against the lab's engines and community images."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from sparkdeploy.deployment import load
+from sparkdeploy.results import Status
+from sparkdeploy.steps import ship
+from sparkdeploy.steps.node import docker, inspect_image, listed_tags
+
+pytestmark = pytest.mark.lab
+
+REPO = Path(__file__).resolve().parents[2]
+PROFILE = REPO / "configs" / "lab.yaml"
+SGLANG_OLD = "lmsysorg/sglang:spark"
+SGLANG = "scitrera/dgx-spark-sglang:0.5.10rc0"
+VLLM = "hellohal2064/vllm-qwen3.5-gb10"
+DERIVED = "sparkdeploy/sglang-qwen3.5:latest"
+
+
+@pytest.fixture(scope="module")
+def state(lab, tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("state")
+
+
+def inv(state: Path, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
+    env = {**os.environ, "INVOKE_SPARKDEPLOY_PROFILE": str(PROFILE),
+           "INVOKE_SPARKDEPLOY_STATE_DIR": str(state)}
+    return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def dep(state):
+    return load(PROFILE, state)
+
+
+def forget(dep, node: str, *refs: str) -> None:
+    h = dep.host(node)
+    h.run(docker(h, "image", "rm", "-f", *refs))
+    h.run(docker(h, "image", "prune", "-a", "-f"))
+
+
+def test_probe_rejects_old_sglang_needs_layer_for_scitrera_accepts_vllm(state):
+    r = inv(state, "image.probe")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rec = json.loads((state / "decisions" / "image-probe.json").read_text())
+    verdicts = {c["image"]: c for c in rec["candidates"]}
+    assert verdicts[SGLANG_OLD]["verdict"] == "rejected"
+    assert "sglang lacks sglang/srt/models/qwen3_5.py" in verdicts[SGLANG_OLD]["why"]
+    assert verdicts[SGLANG]["verdict"] == "needs-layer"
+    assert verdicts[SGLANG]["engine_version"] == "0.5.10rc0"
+    assert verdicts[SGLANG]["transformers"] == "4.57.1"
+    assert "transformers 4.57.1 cannot parse model_type qwen3_5_moe" in verdicts[SGLANG]["why"]
+    assert verdicts[VLLM]["verdict"] == "viable"
+    assert rec["chosen"]["image"] == SGLANG and rec["chosen"]["needs_layer"] is True
+    assert rec["engines"]["vllm-ray"]["serve_image"] == VLLM
+    md = (state / "decisions" / "image-probe.md").read_text()
+    assert f"- `{SGLANG_OLD}` (sglang): rejected:" in md
+    # the table is printed too
+    assert "needs-layer" in r.stdout and "rejected" in r.stdout
+
+
+def test_build_makes_a_derivative_whose_config_parses_and_rebuild_is_ok(state, dep):
+    first = inv(state, "image.build")
+    assert first.returncode == 0, first.stdout + first.stderr
+    head = dep.host("spark1")
+    info = inspect_image(head, DERIVED)
+    labels = info["Config"]["Labels"]
+    tf = labels["org.sparkdeploy.transformers.version"]
+    assert int(tf.split(".")[0]) >= 5
+    assert labels["org.opencontainers.image.base.name"] == SGLANG
+    assert labels["org.sparkdeploy.base.id"] == inspect_image(head, SGLANG)["Id"]
+    # the probe in the derivative: transformers parses the config, sglang is ok
+    r = head.run(docker(head, "run", "--rm", "--network", "none", "--entrypoint", "cat", DERIVED,
+                        "/usr/share/sparkdeploy/probe.json"), change=False)
+    report = json.loads(r.stdout)
+    assert report["config"]["ok"] is True and report["packages"]["transformers"] == tf
+    second = inv(state, "image.build")
+    assert second.returncode == 0
+    assert second.stdout.startswith("ok") and "already built" in second.stdout
+
+
+def test_ship_full_then_delta_then_nothing(dep):
+    forget(dep, "spark2", DERIVED, SGLANG)
+    [full] = ship.ship(dep, "spark2", SGLANG)
+    assert full.status is Status.CHANGED, full.why
+    assert full.details["mode"] == "full"
+    [delta] = ship.ship(dep, "spark2", DERIVED)
+    assert delta.status is Status.CHANGED, delta.why
+    assert delta.details["mode"] == "partial"
+    assert delta.details["layers_skipped"] == len(inspect_image(dep.host("spark1"), SGLANG)["RootFS"]["Layers"])
+    assert delta.details["bytes_out"] < delta.details["bytes_in"] / 2
+    src, got = inspect_image(dep.host("spark1"), DERIVED), inspect_image(dep.host("spark2"), DERIVED)
+    assert got["Id"] == src["Id"] and got["RootFS"]["Layers"] == src["RootFS"]["Layers"]
+    [again] = ship.ship(dep, "spark2", DERIVED)
+    assert again.status is Status.OK
+
+
+def _peer_load_pid(sock: str) -> int | None:
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"load" in cmd and f"unix://{sock}".encode() in cmd and cmd[0].endswith(b"docker"):
+            return int(pid)
+    return None
+
+
+def test_killed_transfer_leaves_nothing_tagged_and_a_rerun_completes(dep):
+    forget(dep, "spark2", VLLM)
+    sock = dep.profile.node("spark2").docker_socket
+    out: list = []
+    t = threading.Thread(target=lambda: out.extend(ship.ship(dep, "spark2", VLLM)))
+    t.start()
+    deadline = time.monotonic() + 120
+    pid = None
+    while pid is None and time.monotonic() < deadline and t.is_alive():
+        pid = _peer_load_pid(sock)
+        time.sleep(0.05)
+    assert pid, "never saw docker load on the peer"
+    time.sleep(0.3)
+    os.kill(pid, 9)  # the transfer dies midway (our own process, by PID)
+    t.join(600)
+    assert out and out[0].status is Status.FAILED, out
+    assert f"{VLLM}:latest" not in listed_tags(dep.host("spark2"))
+    [rerun] = ship.ship(dep, "spark2", VLLM)
+    assert rerun.status is Status.CHANGED, rerun.why
+    assert inspect_image(dep.host("spark2"), VLLM)["Id"] == inspect_image(dep.host("spark1"), VLLM)["Id"]
