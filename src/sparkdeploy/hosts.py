@@ -46,14 +46,12 @@ class CmdResult:
     duration: float = 0.0
     dry: bool = False
     """True when the command was not run because of ``--dry``."""
+    unreachable: bool = False
+    """True when ssh could not reach the node (not merely a command that exited 255)."""
 
     @property
     def ok(self) -> bool:
         return self.exit_code == 0
-
-    @property
-    def unreachable(self) -> bool:
-        return self.exit_code == SSH_UNREACHABLE and not self.dry
 
     def one_line_error(self) -> str:
         text = (self.stderr or self.stdout).strip().splitlines()
@@ -164,7 +162,8 @@ class Host:
         if self.echo:
             self._say(f"[{self.name}] $ {shown}")
         if self._unreachable is not None:
-            return CmdResult(self.name, argv, SSH_UNREACHABLE, stderr=self._unreachable)
+            return CmdResult(self.name, argv, SSH_UNREACHABLE, stderr=self._unreachable,
+                             unreachable=True)
         full = self.wrap(argv, sudo=sudo)
         ctx = self.ctx or Context()
         start = time.monotonic()
@@ -187,7 +186,9 @@ class Host:
                             (e.result.stderr + f"\ntimed out after {timeout}s").strip(),
                             time.monotonic() - start)
         self._journal(res, change)
-        if not self.node.local and res.exit_code == SSH_UNREACHABLE:
+        if not self.node.local and res.exit_code == SSH_UNREACHABLE and self._lost(ctx):
+            # ssh itself failed (a command of ours may exit 255 too: then the node still answers)
+            res.unreachable = True
             self._unreachable = res.one_line_error()
         if sudo and self.node.privilege == "sudo" and res.exit_code != 0 and (
             "a password is required" in res.stderr or "a terminal is required" in res.stderr
@@ -197,6 +198,11 @@ class Host:
                 f"(NOPASSWD) for the deploying user, or set privilege: none"
             )
         return res
+
+    def _lost(self, ctx: Context) -> bool:
+        r = ctx.run(shlex.join(self.wrap(["true"])), dry=False, echo=False, warn=True, hide=True,
+                    pty=False, in_stream=False, timeout=self.ssh.connect_timeout + 10)
+        return r.exited != 0
 
     def _journal(self, res: CmdResult, change: bool) -> None:
         if self.state is None or self.dry:

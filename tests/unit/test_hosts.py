@@ -1,0 +1,56 @@
+import shlex
+
+from invoke import Config, Context, Result
+
+from sparkdeploy.config import Link, Node, SshSettings
+from sparkdeploy.hosts import Host, elide
+
+NODE = Node(name="spark1", role="head", ssh="spark1", link=Link(interface="e0", address="10.0.0.1"),
+            privilege="sudo")
+
+
+def test_wrap_uses_the_profile_ssh_files_and_quotes_the_remote_command():
+    h = Host(NODE, SshSettings(config="/lab/ssh_config", known_hosts="/lab/known_hosts"))
+    argv = h.wrap(["sh", "-c", "echo $HOME; rm x", "a b"], sudo=True)
+    assert argv[:3] == ["ssh", "-F", "/lab/ssh_config"]
+    assert "UserKnownHostsFile=/lab/known_hosts" in argv and "StrictHostKeyChecking=yes" in argv
+    assert argv[-3:] == ["spark1", "--", "sudo -n -- sh -c 'echo $HOME; rm x' 'a b'"]
+
+
+def test_local_node_runs_argv_as_is():
+    local = NODE.model_copy(update={"ssh": None, "privilege": "none"})
+    assert Host(local).wrap(["ls", "-l"], sudo=True) == ["ls", "-l"]
+
+
+class Ctx(Context):
+    def __init__(self, answers):
+        super().__init__(Config(overrides={"run": {"dry": False}}))
+        self._set("answers", answers)
+        self._set("seen", [])
+
+    def run(self, command, **kw):
+        remote = shlex.split(command)[-1]
+        self.seen.append(remote)
+        code = self.answers.get(remote, 0)
+        return Result(stdout="", stderr="boom" if code else "", exited=code, command=command)
+
+
+def test_a_command_exiting_255_on_a_live_node_is_not_unreachable():
+    ctx = Ctx({"exit255": 255})
+    h = Host(NODE, SshSettings(), ctx)
+    r = h.run(["exit255"])
+    assert r.exit_code == 255 and not r.unreachable
+    assert h.run(["echo"]).ok
+    assert ctx.seen == ["exit255", "true", "echo"]
+
+
+def test_an_unreachable_node_is_asked_once():
+    ctx = Ctx({"a": 255, "true": 255, "b": 0})
+    h = Host(NODE, SshSettings(), ctx)
+    assert h.run(["a"]).unreachable
+    assert h.run(["b"]).unreachable
+    assert ctx.seen == ["a", "true"]
+
+
+def test_elide_long_arguments():
+    assert elide(["sh", "x" * 300]) == ["sh", "<300 bytes>"]
