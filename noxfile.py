@@ -26,6 +26,9 @@ REHEARSAL = [
     ["hosts.check"],
     ["services.stop"],
     ["services.status"],
+    ["image.probe"],
+    ["image.build"],
+    ["image.ship", "--to", "all"],
     ["services.restore"],
 ]
 
