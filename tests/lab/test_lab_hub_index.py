@@ -38,7 +38,7 @@ def test_docker_build_on_the_head_installs_a_wheel_from_the_lab_index(lab, six_i
         f"FROM {layout.BASE_IMAGE}\n"
         "ARG PIP_INDEX_URL\n"
         "ARG PIP_TRUSTED_HOST\n"
-        "RUN python3 -m pip install --break-system-packages --no-cache-dir six\n"
+        "RUN python3 -m venv /opt/v && /opt/v/bin/pip install --no-cache-dir six\n"
     )
     build = ["docker", "build", "--network", "host"]
     for k, v in six_index.pip_env.items():  # PIP_INDEX_URL and PIP_TRUSTED_HOST (plain HTTP)
@@ -48,9 +48,9 @@ def test_docker_build_on_the_head_installs_a_wheel_from_the_lab_index(lab, six_i
                           capture_output=True, text=True, timeout=600)
     try:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        out = lab.ssh(head, ["docker", "run", "--rm", "--network", "none", tag, "python3", "-c",
+        out = lab.ssh(head, ["docker", "run", "--rm", "--network", "none", tag, "/opt/v/bin/python3", "-c",
                              "import six, json; print(json.dumps(six.__file__))"]).stdout
-        assert json.loads(out.strip().splitlines()[-1]).startswith("/usr/local/lib/python3")
+        assert json.loads(out.strip().splitlines()[-1]).startswith("/opt/v/lib/python3")
         assert ("GET", "/simple/six/", 200) in six_index.requests
         assert any(p.startswith("/files/six-") for _, p, _ in six_index.requests)
     finally:
