@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from sparkdeploy.deployment import load
+from sparkdeploy.lab import layout
 from sparkdeploy.results import Status
 from sparkdeploy.steps import ship
 from sparkdeploy.steps.node import docker, inspect_image, listed_tags
@@ -45,9 +46,19 @@ def dep(state):
 
 
 def forget(dep, node: str, *refs: str) -> None:
+    """The node loses ``refs`` and every layer no other tag holds (the lab base image too)."""
     h = dep.host(node)
     h.run(docker(h, "image", "rm", "-f", *refs))
     h.run(docker(h, "image", "prune", "-a", "-f"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def worker_as_lab_up_left_it(dep):
+    """After these tests spark2 holds what lab.up gave it: the lab base image, no community image."""
+    yield
+    forget(dep, "spark2", DERIVED, SGLANG, VLLM)
+    [base] = ship.ship(dep, "spark2", layout.BASE_IMAGE)
+    assert not base.failed, base.why
 
 
 def test_probe_rejects_old_sglang_needs_layer_for_scitrera_accepts_vllm(state):

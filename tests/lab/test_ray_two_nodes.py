@@ -40,6 +40,7 @@ def cluster(lab, tmp_path_factory):
     yield lab, head, names
     for node, name in names.items():
         lab.ssh(node, ["docker", "rm", "-f", name], check=False)
+    lab.ssh(worker, ["docker", "image", "rm", VLLM], check=False)  # spark2 as lab.up left it
 
 
 RESOURCES = ("import json, ray; ray.init(address='auto', logging_level='ERROR'); "

@@ -136,6 +136,9 @@ def run() -> dict[str, float]:
                     raise SystemExit(res[0].why)
                 ours_t.append(time.monotonic() - t0)
             _say(f"{kind}: {time.monotonic() - t0:.1f}s")
+    # leave the worker as lab.up left it: the lab base image, no community image
+    forget(dep, peer, layer.tag, layer.base)
+    ship.ship(dep, peer, layout.BASE_IMAGE)
     figures["full_vs_naive"] = statistics.median(ours_t) / statistics.median(naive_t)
     figures["full_s"] = statistics.median(ours_t)
     figures["naive_s"] = statistics.median(naive_t)
