@@ -11,6 +11,7 @@ nothing; every other command is echoed as ``[node] would run: ...`` and not run.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shlex
 import subprocess
@@ -73,7 +74,9 @@ def ssh_base_argv(ssh: SshSettings, control_dir: str | None = None) -> list[str]
         "-o", "StrictHostKeyChecking=yes",
         "-o", f"ConnectTimeout={ssh.connect_timeout}",
         "-o", "ControlMaster=auto",
-        "-o", f"ControlPath={control_dir or default_control_dir()}/%C",
+        # one master per (ssh settings, connection): a master opened with another known_hosts
+        # or ssh_config is never reused
+        "-o", f"ControlPath={control_dir or default_control_dir()}/{settings_tag(ssh)}-%C",
         "-o", f"ControlPersist={ssh.control_persist}",
     ]  # fmt: skip
     if ssh.known_hosts:
@@ -81,9 +84,17 @@ def ssh_base_argv(ssh: SshSettings, control_dir: str | None = None) -> list[str]
     return argv
 
 
+def settings_tag(ssh: SshSettings) -> str:
+    key = f"{ssh.config}\0{ssh.known_hosts}".encode()
+    return hashlib.sha256(key).hexdigest()[:8]
+
+
 def default_control_dir() -> str:
-    # Unix socket paths are limited to ~104 bytes: keep the directory short.
-    d = os.path.join(tempfile.gettempdir(), f"sparkdeploy-cm-{os.getuid()}")
+    # Unix socket paths are limited to ~104 bytes (the name adds 50): keep the directory short.
+    base = tempfile.gettempdir()
+    if len(base) > 40:
+        base = "/tmp"
+    d = os.path.join(base, f"sparkdeploy-cm-{os.getuid()}")
     os.makedirs(d, mode=0o700, exist_ok=True)
     return d
 
