@@ -1047,7 +1047,12 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"hub: cannot start: {e}", file=sys.stderr)
         return 1
-    print(f"READY {server.url}", flush=True)
+    return serve_until_stopped(server, server.url)
+
+
+def serve_until_stopped(server: Any, url: str) -> int:
+    """A lab daemon's main loop: say READY, serve until interrupted, stop cleanly."""
+    print(f"READY {url}", flush=True)
     try:
         while True:
             time.sleep(3600)
@@ -1060,7 +1065,7 @@ def main(argv: list[str] | None = None) -> int:
 
 __all__ = [
     "DEFAULT_PORT", "DEFAULT_DATA_DIR", "REPO_ID", "HubServer", "Repo", "prepare_repo",
-    "start_hub", "set_knobs", "get_stats", "model_config", "cli_argv", "wait_ready", "main",
+    "start_hub", "set_knobs", "get_stats", "model_config", "cli_argv", "wait_ready", "serve_until_stopped", "main",
 ]
 
 if __name__ == "__main__":

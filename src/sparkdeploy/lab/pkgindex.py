@@ -56,7 +56,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import urllib.parse
 import urllib.request
 import zipfile
@@ -483,15 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"pkgindex: cannot start: {e}", file=sys.stderr)
         return 1
-    print(f"READY {server.index_url}", flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
-    return 0
+    from sparkdeploy.lab.hub import serve_until_stopped
+
+    return serve_until_stopped(server, server.index_url)
 
 
 __all__ = [
