@@ -930,13 +930,15 @@ class HubHandler(BaseHTTPRequestHandler):
                 pass
 
 
-class HubServer(ThreadingHTTPServer):
+class LabServer(ThreadingHTTPServer):
+    """A lab HTTP server served from a background thread (the hub and the package index)."""
+
     daemon_threads = True
     allow_reuse_address = True
+    thread_name = "lab-server"
 
-    def __init__(self, addr: tuple[str, int], state: HubState):
-        super().__init__(addr, HubHandler)
-        self.state = state
+    def __init__(self, addr: tuple[str, int], handler: type[BaseHTTPRequestHandler]):
+        super().__init__(addr, handler)
         self._thread: threading.Thread | None = None
 
     @property
@@ -949,14 +951,8 @@ class HubServer(ThreadingHTTPServer):
     def port(self) -> int:
         return self.server_address[1]
 
-    def set_knobs(self, **knobs: Any) -> dict[str, Any]:
-        return self.state.apply(knobs)
-
-    def stats(self) -> dict[str, Any]:
-        return self.state.stats()
-
-    def start(self) -> HubServer:
-        self._thread = threading.Thread(target=self.serve_forever, name="lab-hub", daemon=True)
+    def start(self) -> LabServer:
+        self._thread = threading.Thread(target=self.serve_forever, name=self.thread_name, daemon=True)
         self._thread.start()
         return self
 
@@ -965,6 +961,20 @@ class HubServer(ThreadingHTTPServer):
         self.server_close()
         if self._thread:
             self._thread.join(timeout=5)
+
+
+class HubServer(LabServer):
+    thread_name = "lab-hub"
+
+    def __init__(self, addr: tuple[str, int], state: HubState):
+        super().__init__(addr, HubHandler)
+        self.state = state
+
+    def set_knobs(self, **knobs: Any) -> dict[str, Any]:
+        return self.state.apply(knobs)
+
+    def stats(self) -> dict[str, Any]:
+        return self.state.stats()
 
 
 def start_hub(

@@ -61,9 +61,12 @@ import urllib.request
 import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
+
+from sparkdeploy.lab.hub import LabServer, serve_until_stopped
+from sparkdeploy.lab.hub import wait_ready as wait_health
 
 DEFAULT_PORT = 8901
 DEFAULT_WHEEL_DIR = Path("/var/cache/sparkdeploy/wheels")
@@ -386,16 +389,14 @@ class IndexHandler(BaseHTTPRequestHandler):
         self.server.record(self.command, self.path, 200)  # type: ignore[attr-defined]
 
 
-class IndexServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
+class IndexServer(LabServer):
+    thread_name = "lab-index"
 
     def __init__(self, addr: tuple[str, int], wheel_dir: Path | str):
         super().__init__(addr, IndexHandler)
         self.wheels = WheelDir(wheel_dir)
         self.requests: list[tuple[str, str, int]] = []
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
 
     def record(self, method: str, path: str, status: int) -> None:
         with self._lock:
@@ -403,33 +404,12 @@ class IndexServer(ThreadingHTTPServer):
             del self.requests[:-2000]
 
     @property
-    def url(self) -> str:
-        host, port = self.server_address[:2]
-        host = host if ":" not in str(host) else f"[{host}]"
-        return f"http://{host}:{port}"
-
-    @property
     def index_url(self) -> str:
         return self.url + "/simple/"
 
     @property
-    def port(self) -> int:
-        return self.server_address[1]
-
-    @property
     def pip_env(self) -> dict[str, str]:
         return pip_env(self.index_url)
-
-    def start(self) -> IndexServer:
-        self._thread = threading.Thread(target=self.serve_forever, name="lab-index", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.shutdown()
-        self.server_close()
-        if self._thread:
-            self._thread.join(timeout=5)
 
 
 def pip_env(index_url: str) -> dict[str, str]:
@@ -457,8 +437,6 @@ def cli_argv(bind: str, port: int = DEFAULT_PORT, wheel_dir: Path | str = DEFAUL
 
 def wait_ready(url: str, timeout: float = 60.0) -> bool:
     """Poll GET <server root>/_lab/health until it answers 200 (True) or timeout (False)."""
-    from sparkdeploy.lab.hub import wait_ready as wait_health
-
     return wait_health(url.split("/simple", 1)[0], timeout)
 
 
@@ -482,8 +460,6 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"pkgindex: cannot start: {e}", file=sys.stderr)
         return 1
-    from sparkdeploy.lab.hub import serve_until_stopped
-
     return serve_until_stopped(server, server.index_url)
 
 
