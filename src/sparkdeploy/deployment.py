@@ -10,7 +10,10 @@ from pathlib import Path
 from invoke import Context
 
 from sparkdeploy.config import Profile, ProfileError, load_profile
+from sparkdeploy.events import EventSink
 from sparkdeploy.hosts import Host
+from sparkdeploy.records import Records
+from sparkdeploy.results import Result
 from sparkdeploy.state import StateDir
 
 
@@ -23,6 +26,20 @@ class Deployment:
     dry: bool = False
     sleep: Callable[[float], None] = field(default=time.sleep)
     clock: Callable[[], float] = field(default=time.monotonic)
+    events: EventSink = field(default_factory=EventSink)
+    """The one event stream of this deployment (steps' results and progress, hosts' echo)."""
+
+    def __post_init__(self) -> None:
+        for h in self.hosts.values():
+            h.events = self.events
+
+    @property
+    def records(self) -> Records:
+        return Records(self.state, self.profile.name)
+
+    def report(self, result: Result) -> Result:
+        """Emit a step's result as it happens; returns it (``out.append(dep.report(r))``)."""
+        return self.events.result(result)
 
     def host(self, name: str) -> Host:
         try:

@@ -123,8 +123,8 @@ class Host:
     ssh: SshSettings = field(default_factory=SshSettings)
     ctx: Context | None = None
     state: StateDir | None = None
-    out: Any = None
-    """Where echo lines go (default stdout)."""
+    events: Any = None
+    """The deployment's ``EventSink``: echo goes there as ``Echo`` events (else stdout)."""
     _unreachable: str | None = None
 
     @property
@@ -148,8 +148,14 @@ class Host:
             return argv
         return [*ssh_base_argv(self.ssh), self.node.ssh or "", "--", shlex.join(argv)]
 
-    def _say(self, text: str) -> None:
-        print(text, file=self.out or sys.stdout, flush=True)
+    def _say(self, text: str, would: bool = False) -> None:
+        if self.events is not None:
+            from sparkdeploy.events import Echo
+
+            self.events.emit(Echo(self.name, text, would))
+        else:
+            prefix = "would run: " if would else "$ "
+            print(f"[{self.name}] {prefix}{text}", file=sys.stdout, flush=True)
 
     def run(
         self,
@@ -167,11 +173,11 @@ class Host:
         shown = redact(shlex.join(elide(argv if not (sudo and self.node.privilege == "sudo")
                                         else ["sudo", "-n", *argv])))
         if self.dry and change:
-            self._say(f"[{self.name}] would run: {shown}")
+            self._say(shown, would=True)
             # nothing ran and nothing is written, not even the journal
             return CmdResult(self.name, argv, 0, dry=True)
         if self.echo:
-            self._say(f"[{self.name}] $ {shown}")
+            self._say(shown)
         if self._unreachable is not None:
             return CmdResult(self.name, argv, SSH_UNREACHABLE, stderr=self._unreachable,
                              unreachable=True)

@@ -57,7 +57,7 @@ def images(image: str | None, profile: str | None) -> int:
     from sparkdeploy.config import ProfileError
     from sparkdeploy.deployment import load
     from sparkdeploy.steps import images as step
-    from sparkdeploy.steps.node import docker
+    from sparkdeploy.nodeops import docker
 
     path = profile or os.environ.get("INVOKE_SPARKDEPLOY_PROFILE") or "configs/qwen3.5-122b-a10b-fp8.yaml"
     try:

@@ -16,7 +16,7 @@ from sparkdeploy.deployment import load
 from sparkdeploy.lab import layout
 from sparkdeploy.results import Status
 from sparkdeploy.steps import ship
-from sparkdeploy.steps.node import docker, inspect_image, listed_tags
+from sparkdeploy.nodeops import docker, inspect_image, listed_tags
 
 pytestmark = pytest.mark.lab
 

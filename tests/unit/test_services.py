@@ -8,6 +8,7 @@ from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Host
 from sparkdeploy.results import Status
 from sparkdeploy.state import StateDir
+from sparkdeploy.events import Echo, describe
 from sparkdeploy.steps import services
 from tests.unit.fakes import FakeNode, ScriptedContext
 from tests.unit.test_profile import SEED
@@ -161,10 +162,11 @@ def test_restore_failure_keeps_the_record(tmp_path):
 def test_dry_run_lists_and_changes_nothing(tmp_path, capsys):
     node = glm_node()
     dep, ctx, _ = deployment(tmp_path, {"spark1": node}, dry=True)
-    results = services.stop(dep)
+    with dep.events.collect() as events:
+        results = services.stop(dep)
     # only read-only probes ran
     assert remote(ctx) == [LIST, GPU]
-    out = capsys.readouterr().out.splitlines()
+    out = [describe(e) for e in events if isinstance(e, Echo)]
     assert out == [f"[spark1] $ {LIST}"] + [
         f"[spark1] would run: sudo -n systemctl stop {u}" for u in GLM] + [f"[spark1] $ {GPU}"]
     assert all(node.units[u] == "active" for u in GLM)
@@ -174,8 +176,9 @@ def test_dry_run_lists_and_changes_nothing(tmp_path, capsys):
 
 def test_dry_run_unreachable_node_still_lists(tmp_path, capsys):
     dep, ctx, _ = deployment(tmp_path, {"spark1": glm_node(unreachable=True)}, dry=True)
-    results = services.stop(dep)
-    out = capsys.readouterr().out
+    with dep.events.collect() as events:
+        results = services.stop(dep)
+    out = "\n".join(describe(e) for e in events if isinstance(e, Echo))
     for u in GLM:
         assert f"would run: sudo -n systemctl stop {u}" in out
     assert GPU in out

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from sparkdeploy.deployment import Deployment, load
 from sparkdeploy.steps import images, ship
-from sparkdeploy.steps.node import docker
+from sparkdeploy.nodeops import docker
 
 ROOT = Path(__file__).resolve().parents[3]
 PROFILE = ROOT / "configs" / "lab.yaml"

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Host
 from sparkdeploy.results import Result, changed, failed, ok, skipped
-from sparkdeploy.steps.node import (
+from sparkdeploy.nodeops import (
     ARCH,
     SCRIPTS,
     NodeUnreachable,

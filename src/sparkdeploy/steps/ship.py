@@ -26,7 +26,7 @@ from typing import Any
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Host
 from sparkdeploy.results import Result, changed, failed, ok, skipped
-from sparkdeploy.steps.node import NodeUnreachable, docker, inspect_image, listed_tags, stage, stage_script
+from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image, listed_tags, stage, stage_script
 
 STEP = "image.ship"
 CONTAINERD = "io.containerd.snapshotter.v1"

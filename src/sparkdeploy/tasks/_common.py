@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable
 
 from invoke import Context
@@ -10,12 +9,11 @@ from invoke.exceptions import Exit
 
 from sparkdeploy.config import ProfileError
 from sparkdeploy.deployment import Deployment, from_context
+from sparkdeploy.events import describe, rendering
 from sparkdeploy.hosts import HostError
-from sparkdeploy.results import Result, Status
+from sparkdeploy.nodeops import NodeUnreachable
+from sparkdeploy.results import Result
 from sparkdeploy.state import LockHeld
-
-_STYLE = {Status.OK: "green", Status.CHANGED: "yellow", Status.SKIPPED: "cyan",
-          Status.FAILED: "bold red"}
 
 
 def load(c: Context, profile: str | None = None) -> Deployment:
@@ -25,38 +23,37 @@ def load(c: Context, profile: str | None = None) -> Deployment:
         raise Exit(str(e), code=2) from None
 
 
-def render(results: Iterable[Result], title: str | None = None) -> None:
-    """A rich table on a terminal, plain lines otherwise; exit 1 if any step failed."""
-    results = list(results)
-    if sys.stdout.isatty():
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title=title, show_lines=False)
-        for col in ("status", "step", "node", "why"):
-            table.add_column(col, overflow="fold")
-        for r in results:
-            table.add_row(f"[{_STYLE[r.status]}]{r.status}[/]", r.step, r.node or "-", r.why)
-        Console().print(table)
-    else:
-        for r in results:
-            print(f"{r.status.value:<8} {r.step:<20} {r.node or '-':<10} {r.why}", flush=True)
+def summarize(results: Iterable[Result]) -> None:
+    """Exit 1 naming how many results failed (the results themselves were already shown)."""
     bad = [r for r in results if r.failed]
     if bad:
         raise Exit(f"{len(bad)} step(s) failed", code=1)
 
 
+def render(results: Iterable[Result], title: str | None = None) -> None:
+    """Show results not streamed (plain lines), then exit 1 if any failed."""
+    results = list(results)
+    for r in results:
+        print(describe(r), flush=True)
+    summarize(results)
+
+
 def run_step(c: Context, fn, *args, profile: str | None = None, lock: bool = True, title=None,
              **kwargs) -> list[Result]:
-    """Load the deployment, hold the lock (unless dry or read-only), run the step, render."""
+    """Load the deployment, hold the lock (unless dry or read-only), run the step with its
+    event stream rendered as it happens (live on a terminal, plain lines otherwise)."""
     dep = load(c, profile)
-    try:
-        if lock and not dep.dry:
-            with dep.state.lock(title or getattr(fn, "__name__", "step")):
+    with rendering(dep.events):
+        try:
+            if lock and not dep.dry:
+                with dep.state.lock(title or getattr(fn, "__name__", "step")):
+                    results = fn(dep, *args, **kwargs)
+            else:
                 results = fn(dep, *args, **kwargs)
-        else:
-            results = fn(dep, *args, **kwargs)
-    except (HostError, LockHeld, ProfileError) as e:
-        raise Exit(str(e), code=1) from None
-    render(results, title)
+            for r in results:
+                if not dep.events.seen(r):
+                    dep.events.emit(r)
+        except (HostError, LockHeld, ProfileError, NodeUnreachable) as e:
+            raise Exit(str(e), code=1) from None
+    summarize(results)
     return results

@@ -12,7 +12,7 @@ from typing import Any
 
 from sparkdeploy.hosts import Host
 
-SCRIPTS = Path(__file__).resolve().parents[3] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 STAGE_DIR = "/tmp/sparkdeploy-stage"
 
 ARCH = {"aarch64": "arm64", "arm64": "arm64", "x86_64": "amd64", "amd64": "amd64"}

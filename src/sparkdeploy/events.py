@@ -1,0 +1,245 @@
+"""The event stream: what steps and hosts report while they work, and how tasks show it.
+
+A deployment carries one ``EventSink``. Steps emit their ``Result``s as they happen and
+``Progress`` during long work; ``Host`` emits its command echo as ``Echo``; long-running
+commands hand their output lines over as ``Log``. Nothing below the tasks prints: a task
+attaches a renderer to the sink (``live`` on a terminal, ``plain`` otherwise) and the
+renderer is the only thing that writes to stdout.
+
+Events are plain frozen dataclasses so that a test can collect them with ``sink.collect()``
+and assert on what a step reported, in order.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from sparkdeploy.results import Result, Status
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Long work advancing: ``done`` of ``total`` ``unit`` (total None when unknown)."""
+
+    step: str
+    node: str | None
+    done: float
+    total: float | None = None
+    unit: str = "B"
+    note: str = ""
+    """A short word on what is moving (a file name, a layer, a phase)."""
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A command a host runs (or, in a dry run, would run)."""
+
+    node: str
+    text: str
+    would: bool = False
+
+
+@dataclass(frozen=True)
+class Log:
+    """One line of output from long work (a docker build, an engine's log)."""
+
+    step: str
+    node: str | None
+    text: str
+
+
+@dataclass(frozen=True)
+class StepState:
+    """A step of a plan changing state: pending, running, done, failed, skipped."""
+
+    step: str
+    state: str
+    why: str = ""
+
+
+Event = Result | Progress | Echo | Log | StepState
+Listener = Callable[[Event], None]
+
+
+@dataclass
+class EventSink:
+    """Fan-out of events to listeners, safe to emit from several threads at once."""
+
+    listeners: list[Listener] = field(default_factory=list)
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    _emitted: set[int] = field(default_factory=set, repr=False)
+
+    def emit(self, event: Event) -> Event:
+        with self._lock:
+            if isinstance(event, Result):
+                self._emitted.add(id(event))
+            for fn in list(self.listeners):
+                fn(event)
+        return event
+
+    def result(self, result: Result) -> Result:
+        """Emit a step's result as it happens and hand it back (``out.append(dep.report(r))``)."""
+        self.emit(result)
+        return result
+
+    def seen(self, result: Result) -> bool:
+        return id(result) in self._emitted
+
+    def progress(self, step: str, node: str | None, done: float, total: float | None = None,
+                 unit: str = "B", note: str = "") -> None:
+        self.emit(Progress(step, node, done, total, unit, note))
+
+    def log(self, step: str, node: str | None, text: str) -> None:
+        self.emit(Log(step, node, text))
+
+    @contextmanager
+    def listening(self, fn: Listener) -> Iterator[Listener]:
+        with self._lock:
+            self.listeners.append(fn)
+        try:
+            yield fn
+        finally:
+            with self._lock:
+                if fn in self.listeners:
+                    self.listeners.remove(fn)
+
+    @contextmanager
+    def collect(self) -> Iterator[list[Event]]:
+        """Every event emitted inside the block, in order (for tests and records)."""
+        got: list[Event] = []
+        with self.listening(got.append):
+            yield got
+
+
+# --- rendering ----------------------------------------------------------------------------
+
+def _size(n: float, unit: str) -> str:
+    if unit != "B":
+        return f"{n:,.0f} {unit}"
+    for u in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or u == "TB":
+            return f"{n:,.1f} {u}" if u != "B" else f"{n:,.0f} B"
+        n /= 1000
+    return f"{n} B"
+
+
+def describe(ev: Event) -> str:
+    """One line for an event, without time (shared by both renderers)."""
+    if isinstance(ev, Result):
+        return f"{ev.status.value:<8} {ev.step:<18} {ev.node or '-':<8} {ev.why}"
+    if isinstance(ev, Progress):
+        where = f"[{ev.node}] " if ev.node else ""
+        if ev.total:
+            pct = 100 * ev.done / ev.total if ev.total else 0
+            amount = f"{_size(ev.done, ev.unit)} of {_size(ev.total, ev.unit)} ({pct:.0f}%)"
+        else:
+            amount = _size(ev.done, ev.unit)
+        note = f" {ev.note}" if ev.note else ""
+        return f"{'...':<8} {ev.step:<18} {where}{amount}{note}"
+    if isinstance(ev, Echo):
+        return f"[{ev.node}] would run: {ev.text}" if ev.would else f"[{ev.node}] $ {ev.text}"
+    if isinstance(ev, Log):
+        return f"[{ev.node or ev.step}] {ev.text}"
+    if isinstance(ev, StepState):
+        why = f": {ev.why}" if ev.why else ""
+        return f"{ev.state:<8} {ev.step}{why}"
+    return str(ev)
+
+
+class PlainRenderer:
+    """One timestamped, flushed line per event as it happens (logs, CI, pipes).
+
+    Progress of one (step, node) is throttled to one line every ``progress_every`` seconds
+    (and always when it completes), so a long transfer neither floods a log nor goes silent.
+    """
+
+    def __init__(self, out: TextIO | None = None, progress_every: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 stamp: Callable[[], str] | None = None):
+        self.out = out or sys.stdout
+        self.progress_every = progress_every
+        self.clock = clock
+        self.stamp = stamp or (lambda: time.strftime("%H:%M:%S"))
+        self._last: dict[tuple[str, str | None], float] = {}
+
+    def __call__(self, ev: Event) -> None:
+        if isinstance(ev, Progress):
+            key = (ev.step, ev.node)
+            now = self.clock()
+            complete = ev.total is not None and ev.done >= ev.total
+            if not complete and now - self._last.get(key, -1e9) < self.progress_every:
+                return
+            self._last[key] = now
+        print(f"{self.stamp()} {describe(ev)}", file=self.out, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+_STYLE = {Status.OK: "green", Status.CHANGED: "yellow", Status.SKIPPED: "cyan",
+          Status.FAILED: "bold red"}
+
+
+class LiveRenderer:
+    """A rich live view on a terminal: results and echo scroll above, a progress line per
+    (step, node) below, updated in place."""
+
+    def __init__(self, console: Any = None):
+        from rich.console import Console
+        from rich.live import Live
+
+        self.console = console or Console()
+        self._bars: dict[tuple[str, str | None], Progress] = {}
+        self._live = Live(self._render(), console=self.console, refresh_per_second=8,
+                          transient=True)
+        self._live.start()
+
+    def _render(self) -> Any:
+        from rich.text import Text
+
+        lines = [describe(p) for p in self._bars.values()]
+        return Text("\n".join(lines))
+
+    def __call__(self, ev: Event) -> None:
+        if isinstance(ev, Progress):
+            key = (ev.step, ev.node)
+            if ev.total is not None and ev.done >= ev.total:
+                self._bars.pop(key, None)
+            else:
+                self._bars[key] = ev
+        elif isinstance(ev, Result):
+            self._bars = {k: v for k, v in self._bars.items() if k[0] != ev.step or k[1] != ev.node}
+            self.console.print(f"[{_STYLE[ev.status]}]{ev.status.value:<8}[/] "
+                               f"{ev.step:<18} {ev.node or '-':<8} {ev.why}", highlight=False,
+                               markup=True)
+        else:
+            self.console.print(describe(ev), highlight=False, markup=False)
+        self._live.update(self._render())
+
+    def close(self) -> None:
+        self._live.stop()
+
+
+def renderer_for(out: TextIO | None = None) -> PlainRenderer | LiveRenderer:
+    """The live view on a terminal, plain lines otherwise."""
+    out = out or sys.stdout
+    if out.isatty():
+        return LiveRenderer()
+    return PlainRenderer(out)
+
+
+@contextmanager
+def rendering(sink: EventSink, out: TextIO | None = None) -> Iterator[PlainRenderer | LiveRenderer]:
+    """Attach the right renderer to ``sink`` for the duration of a task."""
+    r = renderer_for(out)
+    try:
+        with sink.listening(r):
+            yield r
+    finally:
+        r.close()

@@ -1,0 +1,61 @@
+"""One deadline loop for everything that waits (a GPU to free, a daemon to answer, a port to
+open, an endpoint to be healthy).
+
+``wait_for(probe, deadline=..., interval=...)`` calls ``probe()`` until it returns something
+truthy and returns that. When the deadline passes it raises ``WaitTimeout`` carrying the last
+thing the probe said, so the caller can fail with one line of why. The clock and the sleep are
+injectable, so tests run instantly and deterministically; ``tick(elapsed)`` is called after
+every unsuccessful probe (progress on long waits).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class WaitTimeout(Exception):
+    def __init__(self, what: str, waited: float, last: object = None):
+        self.what = what
+        self.waited = waited
+        self.last = last
+        tail = f" (last: {last})" if last not in (None, "", False) else ""
+        super().__init__(f"timed out after {waited:.0f}s waiting for {what}{tail}")
+
+
+class Stop(Exception):
+    """Raised by a probe to end the wait at once (e.g. the container it waits on exited)."""
+
+
+def wait_for(
+    probe: Callable[[], T],
+    *,
+    deadline: float,
+    interval: float = 1.0,
+    what: str = "the condition",
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    tick: Callable[[float], None] | None = None,
+    describe: Callable[[T], object] | None = None,
+) -> T:
+    """Probe until truthy or ``deadline`` seconds have passed; at least one probe always runs.
+
+    ``describe(value)`` turns a falsy probe result into the ``last`` shown on timeout."""
+    if deadline < 0 or interval <= 0:
+        raise ValueError("deadline must be >= 0 and interval > 0")
+    start = clock()
+    last: object = None
+    while True:
+        value = probe()
+        if value:
+            return value
+        last = describe(value) if describe else value
+        elapsed = clock() - start
+        if elapsed >= deadline:
+            raise WaitTimeout(what, elapsed, last)
+        if tick is not None:
+            tick(elapsed)
+        sleep(min(interval, max(deadline - elapsed, 0.0)) or interval)
