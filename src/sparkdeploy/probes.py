@@ -56,8 +56,8 @@ def config(expect: str, config_dir: str | None) -> int:
 def images(image: str | None, profile: str | None) -> int:
     from sparkdeploy.config import ProfileError
     from sparkdeploy.deployment import load
-    from sparkdeploy.steps import images as step
     from sparkdeploy.nodeops import docker
+    from sparkdeploy.steps import images as step
 
     path = profile or os.environ.get("INVOKE_SPARKDEPLOY_PROFILE") or "configs/qwen3.5-122b-a10b-fp8.yaml"
     try:

@@ -14,9 +14,9 @@ import pytest
 
 from sparkdeploy.deployment import load
 from sparkdeploy.lab import layout
+from sparkdeploy.nodeops import docker, inspect_image, listed_tags
 from sparkdeploy.results import Status
 from sparkdeploy.steps import ship
-from sparkdeploy.nodeops import docker, inspect_image, listed_tags
 
 pytestmark = pytest.mark.lab
 

@@ -5,10 +5,10 @@ import pytest
 
 from sparkdeploy.config import load_profile
 from sparkdeploy.deployment import Deployment
+from sparkdeploy.events import Echo, describe
 from sparkdeploy.hosts import Host
 from sparkdeploy.results import Status
 from sparkdeploy.state import StateDir
-from sparkdeploy.events import Echo, describe
 from sparkdeploy.steps import services
 from tests.unit.fakes import FakeNode, ScriptedContext
 from tests.unit.test_profile import SEED

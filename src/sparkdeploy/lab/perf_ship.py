@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from sparkdeploy.deployment import Deployment, load
-from sparkdeploy.steps import images, ship
 from sparkdeploy.nodeops import docker
+from sparkdeploy.steps import images, ship
 
 ROOT = Path(__file__).resolve().parents[3]
 PROFILE = ROOT / "configs" / "lab.yaml"

@@ -23,7 +23,6 @@ from urllib.parse import urlsplit
 
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Host
-from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.nodeops import (
     ARCH,
     SCRIPTS,
@@ -34,6 +33,7 @@ from sparkdeploy.nodeops import (
     stage,
     stage_script,
 )
+from sparkdeploy.results import Result, changed, failed, ok, skipped
 
 STEP_PROBE = "image.probe"
 STEP_DECIDE = "image.decide"

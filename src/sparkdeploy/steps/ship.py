@@ -25,8 +25,8 @@ from typing import Any
 
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Host
-from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image, listed_tags, stage, stage_script
+from sparkdeploy.results import Result, changed, failed, ok, skipped
 
 STEP = "image.ship"
 CONTAINERD = "io.containerd.snapshotter.v1"
