@@ -32,6 +32,7 @@ from sparkdeploy.nodeops import (
     node_arch,
     stage,
     stage_script,
+    verified,
 )
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 
@@ -164,8 +165,9 @@ def probe(dep: Deployment, only: str | None = None) -> tuple[list[Result], dict[
                 err = f"not on the head, pull failed: {pull.one_line_error()}"
         report = None
         if info is not None:
-            r = head.run(probe_argv(dep, head, cand.ref, probe_path, config_dir), change=False,
-                         timeout=300)
+            r = head.run(verified([probe_path, config_path],
+                                  probe_argv(dep, head, cand.ref, probe_path, config_dir)),
+                         change=False, timeout=300)
             try:
                 report = json.loads(r.stdout) if r.ok else None
                 err = None if r.ok else r.one_line_error()
