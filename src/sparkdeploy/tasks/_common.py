@@ -14,6 +14,7 @@ from sparkdeploy.hosts import HostError
 from sparkdeploy.nodeops import NodeUnreachable
 from sparkdeploy.results import Result
 from sparkdeploy.state import LockHeld
+from sparkdeploy.tasks._flags import node_names
 
 
 def load(c: Context, profile: str | None = None) -> Deployment:
@@ -39,10 +40,15 @@ def render(results: Iterable[Result], title: str | None = None) -> None:
 
 
 def run_step(c: Context, fn, *args, profile: str | None = None, lock: bool = True, title=None,
-             **kwargs) -> list[Result]:
+             nodes: tuple[str, str | None] | None = None, **kwargs) -> list[Result]:
     """Load the deployment, hold the lock (unless dry or read-only), run the step with its
-    event stream rendered as it happens (live on a terminal, plain lines otherwise)."""
+    event stream rendered as it happens (live on a terminal, plain lines otherwise).
+
+    ``nodes=("--node", value)``: the flag's node names are checked against the profile first
+    (an unknown name is a usage error, exit 2)."""
     dep = load(c, profile)
+    if nodes is not None:
+        node_names(nodes[0], nodes[1], dep.hosts)
     with rendering(dep.events):
         try:
             if lock and not dep.dry:

@@ -2,11 +2,14 @@
 
 import sys
 
-from invoke import Collection, task
+from invoke import Collection
 
+from sparkdeploy import checks
 from sparkdeploy.steps import images
 from sparkdeploy.steps import ship as ship_step
+from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks._common import run_step
+from sparkdeploy.tasks._flags import task
 
 
 def _probe_table(record):
@@ -66,7 +69,9 @@ def ship(c, to="all", image=None, profile=None):
             last[peer] = pct
             print(f"[{peer}] {done / 1e6:,.0f} MB read of ~{total / 1e6:,.0f} MB ({pct}%)", flush=True)
 
-    run_step(c, ship_step.ship, to, image, progress, profile=profile, title="image.ship")
+    image = flags.parsed("--image", image, checks.image_ref) if image else None
+    run_step(c, ship_step.ship, to, image, progress, profile=profile, nodes=("--to", to),
+             title="image.ship")
 
 
 ns = Collection("image", probe, build, ship)

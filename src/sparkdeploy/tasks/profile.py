@@ -1,9 +1,10 @@
 """`inv profile.check`: validate the profile and print it resolved, touching no node."""
 
 import yaml
-from invoke import Collection, task
+from invoke import Collection
 
 from sparkdeploy.tasks._common import load
+from sparkdeploy.tasks._flags import task
 
 
 @task(default=True, help={"profile": "profile file (default: sparkdeploy.profile)"})
