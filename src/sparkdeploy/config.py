@@ -9,6 +9,7 @@ problem becomes a ``ProfileError`` whose message is one line naming the file and
 from __future__ import annotations
 
 import ipaddress
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -152,6 +153,7 @@ class ServiceSettings(_Strict):
 
 class Engine(_Strict):
     name: Name
+    """Part of the container names (``sparkdeploy-<name>-<role>``)."""
     kind: Literal["sglang", "vllm"]
     image: ImageRef
     port: Port
@@ -160,7 +162,25 @@ class Engine(_Strict):
     tensor_parallel: int = Field(default=1, ge=1)
     pipeline_parallel: int = Field(default=1, ge=1)
     args: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str | None] = Field(default_factory=dict)
+    """Overrides of the environment the engine sets; a null value removes a variable."""
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str | None]) -> dict[str, str | None]:
+        for k in v:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+                raise ValueError(f"{k!r} is not an environment variable name")
+        return v
+
+
+class Serve(_Strict):
+    """How ``serve.up`` waits: a phase with no new log line and no readiness step for
+    ``stall_s`` is a hang; ``ready_timeout_s`` bounds the whole bring-up of one engine."""
+
+    stall_s: float = Field(default=300, gt=0)
+    ready_timeout_s: float = Field(default=1800, gt=0)
+    poll_s: float = Field(default=2, gt=0)
 
 
 class Bench(_Strict):
@@ -181,6 +201,7 @@ class Profile(_Strict):
     services: ServiceSettings = Field(default_factory=ServiceSettings)
     engines: list[Engine] = Field(min_length=1)
     bench: Bench = Field(default_factory=Bench)
+    serve: Serve = Field(default_factory=Serve)
     endpoint: Url | None = None
     """The deployed OpenAI-compatible endpoint, when known (bench's default target)."""
 
