@@ -8,8 +8,7 @@ from invoke import Config, Context
 
 from sparkdeploy import nodeops
 from sparkdeploy.config import Link, Node
-from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import NodeUnreachable
+from sparkdeploy.hosts import Host, HostError
 
 LOCAL = Node(name="spark1", role="head", link=Link(interface="e0", address="10.0.0.1"))
 HELPER = "#!/usr/bin/env python3\nprint('hello from the helper')\n"
@@ -57,7 +56,7 @@ def test_a_stage_directory_that_is_not_private_is_refused(host, tmp_path, spoil)
             if os.getuid() != 0:
                 pytest.skip("chown to another user needs root")
             os.chown(d, 4242, 4242)
-    with pytest.raises(NodeUnreachable) as e:
+    with pytest.raises(HostError) as e:
         nodeops.stage(host, "helper.py", HELPER)
     assert str(e.value).startswith(f"spark1: cannot stage helper.py: {d} is not a private directory")
     assert not any(d.rglob("helper.py"))

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from sparkdeploy.files import write_atomic
 from sparkdeploy.tasks import _flags as flags
 from tests.unit.test_profile import ROOT, SEED
 
@@ -114,7 +115,7 @@ def test_write_atomic_leaves_nothing_when_the_writer_fails(tmp_path):
         raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError):
-        flags.write_atomic(target, boom)
+        write_atomic(target, boom)
     assert os.listdir(tmp_path) == []
-    flags.write_atomic(target, lambda tmp: tmp.write_text("{}"))
+    write_atomic(target, lambda tmp: tmp.write_text("{}"))
     assert os.listdir(tmp_path) == ["r.json"] and target.read_text() == "{}"

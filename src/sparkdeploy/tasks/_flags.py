@@ -5,7 +5,7 @@ own type conversion (which raises a traceback on ``--timeout abc``) never runs, 
 one kind (a count, a duration, a URL, an output file, node names) follows one rule.
 
 Output files are checked up front (the directory must exist: missing directories are refused,
-never created) and written whole or not at all (``write_atomic``).
+never created) and written whole or not at all (``sparkdeploy.files.write_atomic``).
 """
 
 from __future__ import annotations
@@ -119,19 +119,6 @@ def input_file(flag: str, value: str) -> Path:
     if not path.is_file():
         raise usage(flag, f"{path}: no such file" if not path.exists() else f"{path} is not a file")
     return path
-
-
-def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp)`` for a temporary file next to ``path``, then rename it over ``path``:
-    a failure leaves no half-written file behind."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + path.suffix, dir=path.parent)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def node_names(flag: str, value: str | None, known: Iterable[str], *, allow_all: bool = True) -> None:

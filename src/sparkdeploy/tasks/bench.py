@@ -1,8 +1,8 @@
-"""bench.run (default) and bench.compare: thin wrappers over sparkdeploy.bench."""
+"""bench.run (default) and bench.compare: thin wrappers over sparkdeploy.bench and the
+``bench.run`` step."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from invoke import Context
@@ -60,12 +60,10 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
         api="chat", json=None, plot=None, timeout=None, save=False, check_baseline=False,
         baseline_tolerance="10%", profile=None):
     """Benchmark an endpoint: a concurrency (or rate) sweep, vLLM bench-serve metrics."""
-    from rich.console import Console
-
     from sparkdeploy.bench.compare import parse_pct
-    from sparkdeploy.bench.report import run_table
-    from sparkdeploy.bench.sweep import check_baseline as gate
-    from sparkdeploy.bench.sweep import parse_levels, run_sweep, save_json
+    from sparkdeploy.bench.sweep import parse_levels
+    from sparkdeploy.steps.bench import benchmark
+    from sparkdeploy.tasks._common import stream
 
     # every flag first: a bad one exits 2 before the profile is read or a request is sent
     url = flags.url("--url", url)
@@ -86,50 +84,33 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
         raise flags.usage("--max-concurrency", "only applies with --rate")
 
     bench, endpoint = _profile(c, profile, url)
-    url = url or flags.url("sparkdeploy.endpoint", endpoint)
+    url = url or endpoint
     if not url:
         raise Exit("the profile has no endpoint (sparkdeploy.endpoint): pass --url URL", code=2)
-    levels = levels or list(bench.concurrency)
-    n = n or bench.requests
-    k = bench.warmup if k is None else k
     settings = Settings(api=api, model=model, input_tokens=n_in or bench.input_tokens,
                         output_tokens=n_out or bench.output_tokens,
                         thinking=None if thinking is None else thinking == "on", timeout=secs)
-    targets: list[tuple[str, Path]] = []
-    if json_path:
-        targets.append(("json", json_path))
-    if plot_path:
-        targets.append(("plot", plot_path))
-    if save:
-        stem = _state_dir(c) / "bench" / time.strftime("bench-%Y%m%d-%H%M%S")
-        stem.parent.mkdir(parents=True, exist_ok=True)  # our own state dir: made, not refused
-        targets += [("json", stem.with_suffix(".json")), ("plot", stem.with_suffix(".png"))]
+    stream(benchmark, url, settings, concurrency=levels or list(bench.concurrency), rates=rates,
+           requests=n or bench.requests, warmup=bench.warmup if k is None else k,
+           max_concurrency=cap, json_path=json_path, plot_path=plot_path,
+           save_dir=_state_dir(c) / "bench" if save else None,
+           baseline=bench.baseline_decode_tok_s if check_baseline else None,
+           tolerance=tolerance, show=_tables)
+
+
+def _tables(results) -> None:
+    """Each level's table after the stream (rich renders plain text off a terminal)."""
+    from rich.console import Console
+
+    from sparkdeploy.bench.report import run_table
+
     console = Console()
-    try:
-        doc = run_sweep(url, settings, concurrency=levels, rates=rates, requests=n, warmup=k,
-                        max_concurrency=cap,
-                        progress=lambda msg: console.print(f"[dim]{msg}[/]"))
-    except BenchError as e:
-        raise Exit(str(e), code=1) from None
-    for r in doc["runs"]:
+    runs = [r.details["run"] for r in results if "run" in r.details]
+    for r in runs:
         console.print(run_table(r))
-    sources = {r["summary"]["output_tokens_source"] for r in doc["runs"]} - {None}
+    sources = {r["summary"]["output_tokens_source"] for r in runs} - {None}
     if sources and sources != {"usage"}:
         console.print("note: some output token counts are chunk counts (no usage from the server)")
-    title = f"{doc['config']['model']} @ {doc['config']['url']}"
-    for kind, path in targets:
-        if kind == "json":
-            flags.write_atomic(path, lambda tmp: save_json(doc, tmp))
-        else:
-            from sparkdeploy.bench.plot import plot as draw
-
-            flags.write_atomic(path, lambda tmp: draw(doc["runs"], tmp, title=title))
-        console.print(f"wrote {path}")
-    if check_baseline:
-        ok, line = gate(doc, bench.baseline_decode_tok_s, tolerance)
-        console.print(line)
-        if not ok:
-            raise Exit("below the baseline decode rate", code=1)
 
 
 @task(help={"base": "the reference results JSON", "new": "the results JSON to judge",
