@@ -156,8 +156,6 @@ def error_line(stderr: str, fallback: str) -> str:
 def helper_json(host: Host, argv: list[str], what: str, **run: Any) -> dict[str, Any]:
     """Run a node helper that prints one JSON object; ModelError naming ``what`` otherwise."""
     r = host.run(argv, **run)
-    if r.unreachable:
-        raise NodeUnreachable(host.name, r.one_line_error())
     out = last_json(r.stdout) if r.ok else None
     if out is None:
         raise ModelError(f"{host.name}: {what}: {error_line(r.stderr, r.one_line_error())}")
@@ -306,8 +304,6 @@ def run_fetch(dep: Deployment, host: Host, rt: Runtime, st: Staged, meta: dict[s
 
     r = host.run(fetch_argv(dep, host, rt, st, owner, only), on_stderr=on_line,
                  input=(controller_token() or "") + "\n", timeout=24 * 3600)
-    if r.unreachable:
-        raise NodeUnreachable(host.name, r.one_line_error())
     out = last_json(r.stdout)
     if out is None:
         if "is already in use" in r.stderr and CONTAINER in r.stderr:

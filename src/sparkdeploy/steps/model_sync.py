@@ -66,8 +66,6 @@ class Daemon:
 def rsync_available(host: Host) -> str | None:
     """None when rsync is on the node, else the one line to show."""
     r = host.run(["rsync", "--version"], change=False)
-    if r.unreachable:
-        raise NodeUnreachable(host.name, r.one_line_error())
     if r.ok:
         return None
     return f"{host.name}: rsync is not installed (install it: apt-get install rsync)"
@@ -236,11 +234,15 @@ def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan, meta: dic
     errors: dict[str, str] = {}
 
     def send(f: str, src: str, dst: str) -> str | None:
+        try:
+            return send_one(f, src, dst)
+        except (ModelError, NodeUnreachable) as e:
+            return str(e)
+
+    def send_one(f: str, src: str, dst: str) -> str | None:
         r = hosts[src].run(send_argv(dep, hosts[src], hosts[dst], f, ports[dst]),
                            input=(secret + "\n") if secret else None, timeout=24 * 3600)
         if not r.ok:
-            if r.unreachable:
-                return f"{src} unreachable: {r.one_line_error()}"
             text = r.stderr
             if any(k in text for k in DISK_FULL):
                 return (f"disk full on {dst} ({dep.profile.model.path}) while receiving {f}")
