@@ -39,8 +39,14 @@ def _dep(tmp_path, lab_hub, images=None, free=None, dry=False, **kw):
     return deployment(tmp_path, nodes, lab_hub.url, dry=dry, **kw)
 
 
+def _unwrap(argv):
+    """The command a staged-file check (``sh -c 'sha256sum -c ...; exec "$@"'``) runs."""
+    assert argv[:2] == ["sh", "-c"] and "sha256sum -c" in argv[2], argv
+    return argv[4:]
+
+
 def _fetches(ctx):
-    return [(n, a, t) for n, a, t in ctx.calls if "fetch" in a]
+    return [(n, _unwrap(a), t) for n, a, t in ctx.calls if "fetch" in a]
 
 
 def test_download_runs_in_a_container_with_the_token_on_stdin_only(tmp_path, lab_hub, token):
@@ -58,6 +64,9 @@ def test_download_runs_in_a_container_with_the_token_on_stdin_only(tmp_path, lab
     assert argv[argv.index("--entrypoint"):argv.index("--entrypoint") + 4] == [
         "--entrypoint", "python3", "--", IMAGE]
     assert ["-v", f"{path}:{path}"] == argv[argv.index("-v"):argv.index("-v") + 2]
+    # the staged helper and spec are mounted read only, nothing else of the node
+    mounts = [argv[i + 1] for i, a in enumerate(argv) if a == "-v"]
+    assert len(mounts) == 3 and all(m.endswith(":ro") for m in mounts[1:])
     env = [argv[i + 1] for i, a in enumerate(argv) if a == "-e"]
     assert env == ["HF_HOME=/tmp/hf-home", "HF_HUB_DISABLE_TELEMETRY=1"]
     # the token is in no argv, no journal line, no event, no file of the node
@@ -121,7 +130,7 @@ def test_no_image_with_huggingface_hub_means_a_venv_never_system_pip(tmp_path, l
                     index_url="http://127.0.0.1:9/simple")
     [res] = model.download(dep)
     assert res.status is Status.CHANGED, res.why
-    venv_calls = [a for _, a, _ in ctx.calls if "venv" in a and "--venv" in a]
+    venv_calls = [_unwrap(a) for _, a, _ in ctx.calls if "venv" in a and "--venv" in a]
     assert venv_calls[0][-4:] == ["--venv", str(venv), "--index-url", "http://127.0.0.1:9/simple"]
     [(_, argv, stdin)] = _fetches(ctx)
     assert argv[0] == str(venv / "bin" / "python3") and stdin == TOKEN + "\n"
@@ -216,9 +225,9 @@ def test_send_argv_rsyncd_and_ssh(tmp_path):
 
 def test_the_daemon_binds_the_link_address_and_gets_its_secret_on_stdin(tmp_path):
     dep, _ = deployment(tmp_path, {"spark1": Node(), "spark2": Node()}, "http://127.0.0.1:9")
-    st = model.Staged("/s/model_node.py", "/s/spec.json")
-    argv = model_sync.serve_argv(dep, dep.host("spark2"), st, ["10.77.1.1", "10.77.1.2"])
-    assert argv == ["python3", "/s/model_node.py", "serve", "--address", "10.77.1.2", "--port",
+    st = model.Staged(f"/s/{'a' * 64}/model_node.py", f"/s/{'b' * 64}/spec.json")
+    argv = _unwrap(model_sync.serve_argv(dep, dep.host("spark2"), st, ["10.77.1.1", "10.77.1.2"]))
+    assert argv == ["python3", st.script, "serve", "--address", "10.77.1.2", "--port",
                     "8730", "--dir", dep.profile.model.path, "--allow", "10.77.1.1,10.77.1.2",
                     "--max-connections", "10"]
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import STAGE_DIR, NodeUnreachable, docker, inspect_image, stage, stage_script
+from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image, stage, stage_script, verified
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.registry import step
 
@@ -128,6 +128,10 @@ class Staged:
     script: str
     spec: str
 
+    def run(self, argv: list[str]) -> list[str]:
+        """``argv`` run only while both staged files still match their sha256."""
+        return verified([self.script, self.spec], argv)
+
 
 def stage_for(host: Host, meta: dict[str, Any]) -> Staged:
     spec = {k: meta[k] for k in ("repo", "revision", "commit", "files")}
@@ -175,7 +179,7 @@ def verify_argv(dep: Deployment, st: Staged, only: list[str] | None = None,
         argv.append("--quick")
     if only:
         argv += ["--only", *only]
-    return argv
+    return st.run(argv)
 
 
 def node_state(dep: Deployment, host: Host, st: Staged, only: list[str] | None = None,
@@ -255,8 +259,8 @@ def choose_runtime(dep: Deployment, host: Host, st: Staged) -> Runtime:
     m = dep.profile.model
     if dep.dry:
         return Runtime("venv", python=m.venv, why=f"a virtualenv at {m.venv} (would create it)")
-    out = helper_json(host, ["python3", st.script, "venv", "--venv", m.venv, "--index-url",
-                             m.index_url], "no environment for the downloader", timeout=1800)
+    out = helper_json(host, st.run(["python3", st.script, "venv", "--venv", m.venv, "--index-url",
+                                    m.index_url]), "no environment for the downloader", timeout=1800)
     return Runtime("venv", python=out["python"],
                    why=f"the virtualenv {out['python'].rsplit('/bin/', 1)[0]}"
                    + (" (created)" if out.get("created") else ""))
@@ -270,12 +274,15 @@ def fetch_argv(dep: Deployment, host: Host, rt: Runtime, st: Staged, owner: str,
     if only:
         helper += ["--only", *only]
     if rt.kind == "venv":
-        return [rt.python or "python3", st.script, *helper]
+        return st.run([rt.python or "python3", st.script, *helper])
     # -i: the token arrives on stdin; never -e (docker keeps env in the container's config)
-    return docker(host, "run", "--rm", "-i", "--name", CONTAINER, "--network", "host",
-                  "--user", owner, "-e", "HF_HOME=/tmp/hf-home", "-e", "HF_HUB_DISABLE_TELEMETRY=1",
-                  "-v", f"{m.path}:{m.path}", "-v", f"{STAGE_DIR}:{STAGE_DIR}:ro",
-                  "--entrypoint", "python3", "--", rt.image or "", st.script, *helper)
+    mounts = ["-v", f"{m.path}:{m.path}"]
+    for d in dict.fromkeys(os.path.dirname(p) for p in (st.script, st.spec)):
+        mounts += ["-v", f"{d}:{d}:ro"]
+    return st.run(docker(host, "run", "--rm", "-i", "--name", CONTAINER, "--network", "host",
+                         "--user", owner, "-e", "HF_HOME=/tmp/hf-home", "-e",
+                         "HF_HUB_DISABLE_TELEMETRY=1", *mounts, "--entrypoint", "python3", "--",
+                         rt.image or "", st.script, *helper))
 
 
 def run_fetch(dep: Deployment, host: Host, rt: Runtime, st: Staged, meta: dict[str, Any],

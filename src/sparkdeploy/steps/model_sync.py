@@ -73,9 +73,9 @@ def rsync_available(host: Host) -> str | None:
 
 def serve_argv(dep: Deployment, dst: Host, st: Staged, allow: list[str]) -> list[str]:
     s = dep.profile.model.sync
-    return ["python3", st.script, "serve", "--address", dst.node.link.address, "--port",
-            str(s.port), "--dir", dep.profile.model.path, "--allow", ",".join(allow),
-            "--max-connections", str(2 * s.streams + 2)]
+    return st.run(["python3", st.script, "serve", "--address", dst.node.link.address, "--port",
+                   str(s.port), "--dir", dep.profile.model.path, "--allow", ",".join(allow),
+                   "--max-connections", str(2 * s.streams + 2)])
 
 
 def start_daemon(dep: Deployment, dst: Host, st: Staged, secret: str, allow: list[str]) -> Daemon:
@@ -86,8 +86,8 @@ def start_daemon(dep: Deployment, dst: Host, st: Staged, secret: str, allow: lis
 
 
 def stop_daemon(d: Daemon, st: Staged) -> None:
-    d.host.run(["python3", st.script, "unserve", "--pid", str(d.pid), "--private", d.private],
-               timeout=60)
+    d.host.run(st.run(["python3", st.script, "unserve", "--pid", str(d.pid), "--private",
+                       d.private]), timeout=60)
 
 
 def send_argv(dep: Deployment, src: Host, dst: Host, rel: str, port: int | None) -> list[str]:
