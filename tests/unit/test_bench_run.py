@@ -89,21 +89,24 @@ def test_save_under_state_dir_and_baseline_gate(server, tmp_path):
 
 def test_no_endpoint_no_url_is_a_clear_exit(tmp_path):
     prof = tmp_path / "p.yaml"
-    prof.write_text((__import__("pathlib").Path("configs/lab.yaml")).read_text())
+    prof.write_text((__import__("pathlib").Path("configs/qwen3.5-122b-a10b-fp8.yaml")).read_text())
     c = Context(Config(overrides={"sparkdeploy": {"profile": str(prof),
                                                   "state_dir": str(tmp_path)}}))
     with pytest.raises(Exit, match="pass --url"):
         bench_tasks.run(c)
 
 
-def test_unreachable_endpoint_is_one_line(tmp_path):
+def test_unreachable_endpoint_is_one_line(tmp_path, capsys):
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(Exit, match="cannot reach"):
+    with pytest.raises(Exit) as e:
         bench_tasks.run(ctx(tmp_path), url=f"http://127.0.0.1:{port}", requests=1)
+    assert e.value.code == 1
+    [line] = capsys.readouterr().out.splitlines()
+    assert f"failed   bench.run          -        cannot reach http://127.0.0.1:{port}" in line
     with pytest.raises(BenchError):
         run_sweep("ftp://x", Settings())
 

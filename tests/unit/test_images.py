@@ -126,22 +126,66 @@ def test_have_prefix_follows_the_chain():
     assert ship.have_prefix(["a", "b", "c"], {"a", "c"}) == 1
 
 
+S = "/tmp/sparkdeploy-stage-0/" + "a" * 64
+L = "/tmp/sparkdeploy-stage-0/" + "b" * 64
+H = "/tmp/sparkdeploy-stage-0/" + "c" * 64
+
+
 def test_ship_pipeline_argv(dep):
     src, peer = dep.host("spark1"), dep.host("spark2")
-    argv = ship.pipeline(src, peer, "img:1", "/t/save_filter.py", "/t/layers.json", "/t/have.json", "none")
+    argv = ship.pipeline(src, peer, "img:1", f"{S}/save_filter.py", f"{L}/layers.json",
+                         f"{H}/have.json", "none")
     assert argv[:2] == ["bash", "-c"]
-    assert argv[2] == (
-        "set -o pipefail; docker -H unix:///var/run/docker.sock save img:1 | "
-        "python3 /t/save_filter.py --layers-file /t/layers.json --have-file /t/have.json --progress 1 | "
-        "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes 192.168.100.11 "
+    checks = "".join(
+        f"printf '{d * 64}  {p}\\n' | sha256sum -c --status || "
+        f"{{ echo '{p} differs from its sha256: not run' >&2; exit 97; }}; "
+        for d, p in (("a", f"{S}/save_filter.py"), ("b", f"{L}/layers.json"), ("c", f"{H}/have.json")))
+    assert argv[2] == checks + (
+        f"set -o pipefail; docker -H unix:///var/run/docker.sock save img:1 | "
+        f"python3 {S}/save_filter.py --layers-file {L}/layers.json --have-file {H}/have.json "
+        "--progress 1 | "
+        "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes -- 192.168.100.11 "
         "'docker -H unix:///var/run/docker.sock load'")
     full = ship.pipeline(src, peer, "img:1", None, None, None, "zstd")
     assert full[2] == (
         "set -o pipefail; docker -H unix:///var/run/docker.sock save img:1 | zstd -q -T0 -3 -c | "
-        "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes 192.168.100.11 "
+        "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes -- 192.168.100.11 "
         "'zstd -q -d -c | docker -H unix:///var/run/docker.sock load'")
 
 
 def test_filter_report_is_read_from_stderr():
     err = "progress bytes_in=1 bytes_out=1\n" + json.dumps({"bytes_in": 10, "bytes_out": 4}) + "\n"
     assert ship._report(err) == {"bytes_in": 10, "bytes_out": 4}
+
+
+def test_build_output_goes_to_the_stream_as_log_lines_and_step_progress(dep):
+    from sparkdeploy.events import Log, Progress
+
+    chunks = [{"stream": "Step 1/3 : ARG BASE_IMAGE\n"}, {"stream": "\n"},
+              {"stream": "Step 2/3 : FROM x\n ---> 1234\n"},
+              {"stream": "Step 3/3 : RUN pip install\n"},
+              {"error": "The command returned a non-zero code: 1\n"}]
+    with dep.events.collect() as got:
+        errors, tail = images.follow_build(dep, "spark1", chunks)
+    assert errors == ["The command returned a non-zero code: 1"]
+    assert tail == ["Step 1/3 : ARG BASE_IMAGE", "Step 2/3 : FROM x", " ---> 1234",
+                    "Step 3/3 : RUN pip install"]
+    assert [e.text for e in got if isinstance(e, Log)] == tail
+    assert [(e.done, e.total, e.unit, e.note) for e in got if isinstance(e, Progress)] == [
+        (0, 3, "steps", "ARG BASE_IMAGE"), (1, 3, "steps", "FROM x"),
+        (2, 3, "steps", "RUN pip install")]
+
+
+def test_the_decision_record_carries_who_and_when_and_ship_reads_it(dep):
+    rec = images.decide(dep, "spark1", "arm64", "hub", [
+        images.judge(dep, "hellohal2064/vllm-qwen3.5-gb10", "vllm", "arm64", INFO,
+                     report("vllm", "0.17.1", {"x": True}, "4.57.1", False, True, []), None)])
+    assert ship.default_image(dep) == dep.profile.engines[0].image  # no record yet
+    images.write_record(dep, rec)
+    env = dep.records.read("image-probe")
+    assert (env["name"], env["step"], env["profile"]) == ("image-probe", "image.probe",
+                                                           dep.profile.name)
+    assert env["data"]["chosen"]["serve_image"] == "hellohal2064/vllm-qwen3.5-gb10"
+    assert ship.default_image(dep) == "hellohal2064/vllm-qwen3.5-gb10"
+    md = (dep.state.path / "decisions/image-probe.md").read_text()
+    assert "| hellohal2064/vllm-qwen3.5-gb10 | vllm | 0.17.1 | 4.57.1 | yes | no | linux/arm64 | viable |" in md

@@ -4,12 +4,14 @@ import json
 import shlex
 
 import pytest
-from invoke import Config, Context, Result
+from invoke import Config, Context
+from invoke import Result as RunResult
 
 from sparkdeploy.config import load_profile
 from sparkdeploy.deployment import Deployment
+from sparkdeploy.events import Progress
 from sparkdeploy.hosts import Host
-from sparkdeploy.results import Status
+from sparkdeploy.results import Result, Status
 from sparkdeploy.state import StateDir
 from sparkdeploy.steps import ship
 from tests.unit.test_profile import SEED
@@ -39,7 +41,8 @@ class Ctx(Context):
 
     def run(self, command, **kw):
         full = shlex.split(command)
-        alias, argv = full[-3], shlex.split(full[-1])
+        alias, argv = full[-2], shlex.split(full[-1])
+        assert full[-3] == "--"
         e = self.engines[alias]
         out, code, err = "", 0, ""
         if argv[:1] == ["docker"]:
@@ -68,8 +71,9 @@ class Ctx(Context):
             out = "0\n1000000000\n0\n1000000000\n1000000000\n"
         elif argv[:1] == ["df"]:
             out = f"Filesystem 1-blocks Used Available Capacity Mounted\n/dev/x 1 1 {e.free} 1% /\n"
-        elif argv[:2] == ["sh", "-c"]:
-            pass  # staging a script
+        elif argv[:2] == ["sh", "-c"]:  # staging a helper: the node answers with its path
+            digest, name = argv[4], argv[5]
+            out = f"/tmp/sparkdeploy-stage-0/{digest}/{name}\n"
         elif argv[:2] == ["bash", "-c"]:
             script = argv[2]
             self.pipelines.append((alias, script))
@@ -79,12 +83,17 @@ class Ctx(Context):
             if partial and self.engines[peer].refuse_partial:
                 code, err = 1, "Error processing tar file: unexpected EOF"
             else:
+                if kw.get("err_stream") is not None and partial:
+                    # save_filter's progress, as it arrives (split mid-line on purpose)
+                    for chunk in ("progress bytes_in=1000000000 byt", "es_out=0\n",
+                                  "progress bytes_in=3000000000 bytes_out=1000000000\n"):
+                        kw["err_stream"].write(chunk)
                 self.engines[peer].images["img:1"] = IMG
                 err = json.dumps({"bytes_in": 3_000_000_000,
                                   "bytes_out": 1_000_000_000 if partial else 3_000_000_000})
         else:
             raise AssertionError(argv)
-        return Result(stdout=out, stderr=err, exited=code, command=command)
+        return RunResult(stdout=out, stderr=err, exited=code, command=command)
 
 
 ADDR = {"spark1": "192.168.100.10", "spark2": "192.168.100.11"}
@@ -103,7 +112,13 @@ def make(tmp_path):
 
 def test_peer_with_the_base_gets_only_the_top_layer(make):
     dep, ctx = make(Engine({"base:1": BASE_IMG}))
-    [res] = ship.ship(dep, "spark2", "img:1")
+    with dep.events.collect() as events:
+        [res] = ship.ship(dep, "spark2", "img:1")
+    # progress as the source reads the image, then the result, each once, on the stream
+    assert [e for e in events if isinstance(e, Progress)] == [
+        Progress("image.ship", "spark2", 1_000_000_000, 3_000_000_000, "B", "from spark1"),
+        Progress("image.ship", "spark2", 3_000_000_000, 3_000_000_000, "B", "from spark1")]
+    assert [e for e in events if isinstance(e, Result)] == [res]
     assert res.status is Status.CHANGED, res.why
     assert res.details["mode"] == "partial" and res.details["layers_skipped"] == 2
     [(alias, script)] = ctx.pipelines

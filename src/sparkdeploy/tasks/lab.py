@@ -2,21 +2,24 @@
 
 import sys
 
-from invoke import Collection, task
+from invoke import Collection
 from invoke.exceptions import Exit
 
 from sparkdeploy.lab import faults, layout, lifecycle
+from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks._common import render
+from sparkdeploy.tasks._flags import task
 
 
 @task(help={"nodes": "how many nodes (spark1..sparkN; default 2)",
             "seed_worker": "also give the workers the derivative's base image (delta-ship tests)",
             "engine": "docker26 (default), classic20 (bookworm's 20.10) or containerd "
                       "(Docker 26 on the containerd image store)"})
-def up(c, nodes=2, engine=layout.DEFAULT_ENGINE, seed_worker=False):
+def up(c, nodes=None, engine=layout.DEFAULT_ENGINE, seed_worker=False):
     """Bring the lab up, or check it is up (idempotent; says what changed)."""
+    nodes = flags.integer("--nodes", nodes, default=2, min=1, max=9)
     if engine not in layout.ENGINES:
-        raise Exit(f"--engine: must be one of {', '.join(layout.ENGINES)}, not {engine!r}")
+        raise Exit(f"--engine: must be one of {', '.join(layout.ENGINES)}, not {engine!r}", code=2)
     if not sys.stdout.isatty():
         render(lifecycle.up(nodes=int(nodes), engine_name=engine, seed_worker=seed_worker), "lab.up")
         return
@@ -46,7 +49,7 @@ def down(c):
 def fault(c, name):
     """Force a failure the lab's stand-ins show until `inv lab.fault none` (lasts across lab.up)."""
     if name != "none" and name not in faults.FAULTS:
-        raise Exit(f"NAME: unknown fault {name!r} (one of none, {', '.join(faults.FAULTS)})", code=2)
+        raise flags.usage("NAME", f"unknown fault {name!r} (one of none, {', '.join(faults.FAULTS)})")
     render(faults.set_fault(name), "lab.fault")
 
 

@@ -1,0 +1,500 @@
+"""Why did the engine fail (or hang)? Classify engine logs, one per node, into a failure class.
+
+``classify(logs)`` takes ``{label: lines}`` (a label is a file path or a node name) and returns a
+``Diagnosis``: the class, the decisive lines as evidence, and one line of why. ``main(paths, out)``
+is the same for files (``inv serve.diagnose``).
+
+How it decides (docs/diagnose.md has the table with the real log lines behind each rule):
+
+1. Every line of every log is matched against ``RULES``, a table of (class, priority, pattern).
+   Patterns are written against what vLLM, SGLang, NCCL, PyTorch (c10d, the NCCL watchdog), Ray,
+   Triton and transformers really print, not against our stand-ins.
+2. Sequence rules look at the order of lines in each log: distributed init that began and never
+   ended (and did not crash either) is a hang.
+3. The finding with the highest priority wins: a specific cause beats a generic symptom. A crash
+   with a named cause (port taken, model type unknown, no kernel for the GPU, out of memory) beats
+   the waiting it leaves behind on the other node; Ray's missing worker and a link NCCL or Gloo
+   cannot use beat the hang they cause; an init hang is what is left when distributed init
+   started and never completed.
+4. ``unknown`` when nothing matched.
+
+To add a rule, add a line to ``RULES`` (and a real log excerpt under tests/unit/data/engine_logs/).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate
+from pathlib import Path
+from typing import TextIO
+
+CLASSES = (
+    "nccl-init-hang",
+    "link-misconfigured",
+    "ray-worker-missing",
+    "out-of-memory",
+    "arch-unsupported",
+    "port-in-use",
+    "model-config-unrecognized",
+    "unknown",
+)
+
+MAX_EVIDENCE_PER_LOG = 3
+WEAK = 20  # rules below this priority are hints: they decide only when nothing else matched
+MAX_TEXT = 400
+
+
+@dataclass(frozen=True)
+class Evidence:
+    label: str
+    line_no: int  # 1-based
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.label}:{self.line_no}: {self.text}"
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    cls: str
+    evidence: list[Evidence] = field(default_factory=list)
+    summary: str = ""
+
+
+# --- the pattern table ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pat:
+    """A regular expression guarded by cheap keys: it is tried only on a line whose lowercase text
+    contains one of ``keys`` (logs run to hundreds of thousands of lines; most match nothing)."""
+
+    regex: re.Pattern
+    keys: tuple[str, ...]
+
+    def search(self, line: str, low: str | None = None) -> bool:
+        low = line.lower() if low is None else low
+        return any(k in low for k in self.keys) and self.regex.search(line) is not None
+
+
+def pat(regex: str, *keys: str, icase: bool = True) -> Pat:
+    return Pat(re.compile(regex, re.IGNORECASE if icase else 0), keys)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A line matching ``pattern`` is evidence of ``cls`` at ``priority`` (higher wins).
+
+    ``context``: the rule holds only when this also matches one of the ``window`` lines before
+    (a bare ``KeyError`` is a model type only inside transformers' config lookup).
+    ``void_after``: the rule does not hold when this matches a later line of the same log
+    (NCCL finding no RDMA device is harmless once NCCL init completed).
+    """
+
+    cls: str
+    priority: int
+    pattern: Pat
+    why: str
+    context: Pat | None = None
+    window: int = 12
+    void_after: Pat | None = None
+
+
+# Markers of distributed init: begins and ends, as the engines print them.
+INIT_BEGIN = pat(
+    r"Init torch distributed begin"  # SGLang
+    r"|NCCL INFO .*Init START"  # NCCL ncclCommInitRank
+    r"|distributed_init_method=\S+"  # vLLM worker init
+    r"|(?:sglang|vLLM) is using nccl==",  # pynccl starting a communicator
+    "init torch distributed begin", "init start", "distributed_init_method", "is using nccl", icase=False,
+)
+INIT_END = pat(
+    r"Init torch distributed ends"  # SGLang
+    r"|Init COMPLETE"  # NCCL
+    r"|is assigned as DP rank"  # vLLM parallel_state, after init_process_group
+    r"|Load weight begin|Loading weights|Starting to load model|Loading model weights"
+    r"|Model loading took|Loading safetensors checkpoint"
+    r"|Memory profiling takes|# GPU blocks|KV cache|Capturing (?:CUDA )?graph|Capture cuda graph"
+    r"|Uvicorn running on|Application startup complete|The server is fired up and ready to roll"
+    r"|Starting vLLM API server",
+    "init torch distributed ends", "init complete", "assigned as dp rank", "load weight", "loading weights",
+    "load model", "loading model", "model loading", "safetensors", "memory profiling", "gpu blocks", "kv cache",
+    "graph", "uvicorn running", "startup complete", "ready to roll", "api server",
+)
+# SGLang's last line before its cross-node message queue waits (vLLM prints a similar one).
+SPANS_NODES = pat(r"custom ?allreduce is disabled because this process group spans across nodes",
+                  "spans across nodes")
+READY = pat(r"Application startup complete|The server is fired up and ready to roll|Uvicorn running on",
+            "startup complete", "ready to roll", "uvicorn running")
+CRASH = pat(
+    r"Traceback \(most recent call last\)|terminate called after throwing|^\s*\w+(?:\.\w+)*(?:Error|Exception)\b:"
+    r"|\bERROR\b.*(?:failed|exception|died)|core dumped|Segmentation fault|exited with code [1-9]",
+    "traceback", "terminate called", "error", "exception", "core dumped", "segmentation fault", "exited with code",
+    icase=False,
+)
+NCCL_WORKS = pat(r"Init COMPLETE|Connected all rings|Init torch distributed ends",
+                 "init complete", "connected all rings", "init torch distributed ends", icase=False)
+CONFIG_LOOKUP = pat(r"configuration_auto|CONFIG_MAPPING|AutoConfig|model_type|config_dict\[",
+                    "configuration_auto", "config_mapping", "autoconfig", "model_type", "config_dict", icase=False)
+
+RULES: tuple[Rule, ...] = (
+    # -- a port the engine (or its rendezvous) needs is taken --
+    Rule("port-in-use", 100,
+         pat(r"\[Errno 98\]|\berrno:? 98\b|EADDRINUSE|address already in use",
+             "errno", "eaddrinuse", "address already in use"),
+         "a port it needs is already in use"),
+    # -- transformers/the engine does not know the model --
+    Rule("model-config-unrecognized", 95,
+         pat(r"does not recognize this architecture|Unrecognized model in |Unrecognized configuration class"
+             r"|Model architectures \[.*\] are not supported|Model type \S+ not supported"
+             r"|Unsupported (?:model )?architectures?:? \[?'?[A-Z]\w*(?:For\w+|Model)\b"
+             r"|requires you to execute the configuration file in that repo",
+             "recognize", "supported", "configuration file"),
+         "the model type or architecture is unknown to this transformers/engine version"),
+    Rule("model-config-unrecognized", 95, pat(r"\bKeyError: '[A-Za-z][\w.-]*'", "keyerror", icase=False),
+         "transformers has no config class for the model type", context=CONFIG_LOOKUP),
+    # -- kernels not built for this GPU (GB10 is sm_121) --
+    Rule("arch-unsupported", 90,
+         pat(r"no kernel image is available for execution|cudaErrorNoKernelImageForDevice"
+             r"|ptxas fatal\s*: Value 'sm_\w+' is not defined|PTXASError"
+             r"|Unsupported gpu architecture 'compute_\w+'|device kernel image is invalid"
+             r"|PTX was compiled with an unsupported toolchain"
+             r"|Could not load any common_ops library",
+             "kernel image", "nokernelimage", "ptxas", "gpu architecture", "toolchain", "common_ops"),
+         "kernels in the image are not built for this GPU architecture"),
+    Rule("arch-unsupported", 90,
+         pat(r"(?:fmha|trtllm|flashinfer|cutlass|kernel|sm_?1\d\d|SM ?1\d\d).*Unsupported architecture\b"
+             r"|architecture is not supported|(?:sm_?12[01]a?|SM ?12[01]|capability \(?12[.,] ?1\)?)"
+             r".*(?:not supported|unsupported|no kernel)",
+             "architecture", "supported", "no kernel"),
+         "a kernel library does not support this GPU architecture"),
+    # -- memory --
+    Rule("out-of-memory", 85,
+         pat(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|cudaErrorMemoryAllocation"
+             r"|Cuda failure 'out of memory'|No available memory for the cache blocks"
+             r"|Not enough memory\. Please try to increase --mem-fraction-static"
+             r"|larger than the available KV cache memory|is less than desired GPU memory utilization"
+             r"|NV_ERR_NO_MEMORY|Out of memory: Killed process|oom-kill(?:er)?\b|OOM killer"
+             r"|node running low on memory",
+             "memory", "oom"),
+         "it ran out of (unified) memory"),
+    # -- Ray cluster lacks a node or its GPU --
+    Rule("ray-worker-missing", 70,
+         pat(r"Waiting for creating a placement group of specs"
+             r"|required GPUs exceeds the total number of available GPUs"
+             r"|Cannot provide a placement group"
+             r"|Tensor parallel size \(\d+\) exceeds available GPUs"
+             r"|Current node has no GPU available|Ray does not allocate any GPUs on the driver node"
+             r"|No available node types can fulfill resource request"
+             r"|Could not find any running Ray instance|Failed to connect to GCS|Unable to connect to GCS"
+             r"|marked dead because the detector has missed too many heartbeats"
+             r"|Every node should have a unique IP address",
+             "placement group", "gpus", "gpu available", "node types", "ray instance", "gcs", "heartbeats",
+             "unique ip"),
+         "the Ray cluster lacks a worker node or its GPU"),
+    # -- NCCL or Gloo cannot use the fast link --
+    Rule("link-misconfigured", 60,
+         pat(r"no socket interface found|no NCCL_SOCKET_IFNAME interface found|No usable listening interface"
+             r"|Unable to find (?:address|interface) for|interface or hostname can't be empty"
+             r"|socketStartConnect: Connect to .* failed"
+             r"|(?:NCCL|WARN|gloo).*\bconnect\w*\b.*\b(?:failed|returned)\b.*(?:refused|timed out|No route to host"
+             r"|unreachable|connection abort)"
+             r"|is neither AF_INET\(2\) nor AF_INET6|ibv_modify_qp failed|NET/IB : Got async event"
+             r"|NET/IB.*(?:Unable to open device|No IB device found)"
+             r"|gloo.*(?:Connection refused|Connection reset by peer|No route to host|Timed out waiting)",
+             "interface", "connect", "af_inet", "ibv_", "net/ib", "unable to find", "gloo"),
+         "NCCL/Gloo cannot reach the peer over the configured link interface"),
+    Rule("link-misconfigured", 55,
+         pat(r"NET/IB : No device found|NCCL_IB_DISABLE set by environment to 1", "net/ib", "ib_disable",
+             icase=False),
+         "NCCL found no RDMA (RoCE) device and fell back to sockets", void_after=NCCL_WORKS),
+    # -- explicit timeouts of distributed init --
+    Rule("nccl-init-hang", 40,
+         pat(r"Timed out after \d+ seconds waiting for (?:clients|workers)|DistStoreError"
+             r"|Watchdog caught collective operation timeout"
+             r"|client socket has timed out after \d+m?s while trying to connect"
+             r"|client socket has failed to connect to"
+             r"|DistNetworkError",
+             "timed out", "diststore", "watchdog", "client socket", "distnetwork", icase=False),
+         "the ranks never all joined distributed init (store/collective timeout)"),
+    # -- weak hints, used only when nothing else matched --
+    Rule("arch-unsupported", 15,
+         pat(r"with CUDA capability sm_\d+ is not compatible with the current PyTorch installation"
+             r"|which is of cuda capability \d+\.\d+\. Minimum and Maximum cuda capability",
+             "capability"),
+         "PyTorch warns it has no kernels for this GPU (harmless on GB10 when nothing else failed)"),
+    Rule("model-config-unrecognized", 12, pat(r"^\s*KeyError: '[a-z][a-z0-9_]*'\s*$", "keyerror", icase=False),
+         "a KeyError naming what looks like a model type"),
+)
+
+# --- findings ---------------------------------------------------------------------------
+
+
+@dataclass
+class Finding:
+    cls: str
+    priority: int
+    why: str
+    evidence: list[Evidence]
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def _clean(line: str) -> str:
+    line = _ANSI.sub("", line)
+    if "\r" in line:  # progress bars redraw with \r: what stayed on screen is the last part
+        parts = [p for p in line.split("\r") if p.strip()]
+        line = parts[-1] if parts else ""
+    return line.rstrip()
+
+
+def _ev(label: str, i: int, text: str) -> Evidence:
+    text = text.strip()
+    if len(text) > MAX_TEXT:
+        text = text[: MAX_TEXT - 3] + "..."
+    return Evidence(label, i + 1, text)
+
+
+@dataclass
+class Log:
+    """One node's log, cleaned, with each line's lowercase text for the patterns' keys."""
+
+    label: str
+    lines: list[str]
+    lows: list[str]  # "" for a line no pattern's key occurs in
+    candidates: list[int]  # the indices of the others, ascending
+
+    @classmethod
+    def of(cls, label: str, raw: str | Iterable[str]) -> Log:
+        lines: list[str] = []
+        for item in [raw] if isinstance(raw, str) else raw:
+            # tolerate a label mapped to one big string, or lines with embedded newlines
+            lines += [_clean(piece) for piece in str(item).split("\n")]
+        if isinstance(raw, str) and lines and not lines[-1]:
+            lines.pop()  # the text's final newline ends the last line, it opens none
+        lows = [line.lower() for line in lines]
+        keep = sorted(_candidates(lows, _keys(RULES)))
+        kept = set(keep)
+        return cls(str(label), lines, [low if i in kept else "" for i, low in enumerate(lows)], keep)
+
+    def hit(self, p: Pat, i: int) -> bool:
+        low = self.lows[i]
+        return bool(low) and p.search(self.lines[i], low)
+
+    def last(self, p: Pat, start: int = 0) -> int | None:
+        """Index of the last line at or after ``start`` matching ``p``."""
+        return next((j for j in reversed(self.candidates) if j >= start and self.hit(p, j)), None)
+
+    def ev(self, i: int) -> Evidence:
+        return _ev(self.label, i, self.lines[i])
+
+
+def _keys(rules: Sequence[Rule]) -> set[str]:
+    pats = [INIT_BEGIN, INIT_END, SPANS_NODES, READY, CRASH, NCCL_WORKS, CONFIG_LOOKUP]
+    for r in rules:
+        pats += [p for p in (r.pattern, r.context, r.void_after) if p is not None]
+    keys = {k for p in pats for k in p.keys}
+    # a key containing another is found by the shorter one: scan for the shorter only
+    return {k for k in keys if not any(o != k and o in k for o in keys)}
+
+
+def _candidates(lows: list[str], keys: Iterable[str]) -> set[int]:
+    """Indices of the lines containing any key: one fast substring scan of the whole log per key
+    (trying every pattern on every line costs ~25 us a line; logs run to 10^5 lines)."""
+    text = "\n".join(lows)
+    starts = list(accumulate((len(low) + 1 for low in lows), initial=0))
+    found: set[int] = set()
+    for key in keys:
+        pos = text.find(key)
+        while pos != -1:
+            i = bisect_right(starts, pos) - 1
+            found.add(i)
+            pos = text.find(key, starts[i + 1])
+    return found
+
+
+def _rule_findings(log: Log) -> list[Finding]:
+    found: dict[int, Finding] = {}  # rule index -> finding
+    voids = {r.void_after: log.last(r.void_after) for r in RULES if r.void_after is not None}
+    for i in log.candidates:
+        for r_i, rule in enumerate(RULES):
+            if not log.hit(rule.pattern, i):
+                continue
+            if rule.context and not any(log.hit(rule.context, j) for j in range(max(0, i - rule.window), i + 1)):
+                continue
+            void = voids.get(rule.void_after) if rule.void_after is not None else None
+            if void is not None and void > i:
+                continue
+            f = found.setdefault(r_i, Finding(rule.cls, rule.priority, rule.why, []))
+            if len(f.evidence) < MAX_EVIDENCE_PER_LOG:
+                f.evidence.append(log.ev(i))
+    return list(found.values())
+
+
+def _init_hang(log: Log) -> Finding | None:
+    """Distributed init began and neither completed nor crashed: the log stops inside init."""
+    begin = None  # the first begin not followed by an end
+    for i in log.candidates:
+        if log.hit(INIT_END, i):
+            begin = None
+        elif begin is None and (log.hit(INIT_BEGIN, i) or log.hit(SPANS_NODES, i)):
+            begin = i
+    if begin is None:
+        return None
+    if log.last(CRASH, begin + 1) is not None:
+        return None  # it died there: a crash, not a hang (the crash rules name it if they can)
+    evidence = [log.ev(begin)]
+    spans = log.last(SPANS_NODES, begin)
+    if spans is not None and spans != begin:
+        evidence.append(log.ev(spans))
+    last = next((j for j in range(len(log.lines) - 1, begin, -1) if log.lines[j].strip()), None)
+    if last is not None and last != spans:
+        evidence.append(log.ev(last))
+    if spans is not None:
+        why = ("distributed init stopped after 'CustomAllreduce is disabled ... spans across nodes' and never "
+               "ended (a rank advertised an address its peer cannot reach, e.g. SGLANG_HOST_IP unset)")
+    else:
+        why = "distributed init began and never completed"
+    return Finding("nccl-init-hang", 30, why, evidence)
+
+
+SequenceRule = Callable[[Log], "Finding | None"]
+SEQUENCE_RULES: tuple[SequenceRule, ...] = (_init_hang,)
+
+
+# --- classification ---------------------------------------------------------------------
+
+
+def classify(logs: Mapping[str, Sequence[str]]) -> Diagnosis:
+    """Classify engine logs (``{label: lines}``, one per node) into one failure class."""
+    findings: list[Finding] = []
+    ready: list[Evidence] = []
+    total = 0
+    for label, raw in logs.items():
+        log = Log.of(label, raw)
+        total += len(log.lines)
+        findings += _rule_findings(log)
+        for rule in SEQUENCE_RULES:
+            f = rule(log)
+            if f:
+                findings.append(f)
+        first_ready = next((i for i in log.candidates if log.hit(READY, i)), None)
+        if first_ready is not None:
+            ready.append(log.ev(first_ready))
+    if ready:  # a weak hint (a warning many healthy runs print) says nothing once the engine is up
+        findings = [f for f in findings if f.priority >= WEAK]
+    if not findings:
+        if ready:
+            return Diagnosis("unknown", ready, "no failure pattern; the engine reported ready")
+        return Diagnosis("unknown", [], f"no known failure pattern in {len(logs)} log(s), {total} line(s)")
+    top = max(f.priority for f in findings)
+    best = [f for f in findings if f.priority == top]
+    cls = best[0].cls
+    # every finding of the winning class contributes evidence, strongest first, in log order
+    order = {label: n for n, label in enumerate(logs)}
+    chosen = sorted((f for f in findings if f.cls == cls), key=lambda f: -f.priority)
+    seen: set[tuple[str, int]] = set()
+    evidence: list[Evidence] = []
+    for f in chosen:
+        for e in f.evidence:
+            if (e.label, e.line_no) not in seen:
+                seen.add((e.label, e.line_no))
+                evidence.append(e)
+    evidence.sort(key=lambda e: (order.get(e.label, 0), e.line_no))
+    where = sorted({e.label for e in best[0].evidence}, key=lambda x: order.get(x, 0))
+    summary = f"{best[0].why} ({', '.join(where)})" if where else best[0].why
+    if cls == "nccl-init-hang" and any(
+        "Watchdog caught" in e.text for e in evidence
+    ) and ready:
+        summary += "; note: the engine had reported ready, so a collective wedged while serving"
+    return Diagnosis(cls, evidence, _one_line(summary))
+
+
+def _one_line(text: str) -> str:
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
+# --- files ------------------------------------------------------------------------------
+
+
+class LogError(Exception):
+    """A log file that cannot be read as text; ``str()`` is the one line to print."""
+
+
+def read_log(path: str) -> list[str]:
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise LogError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise LogError(f"{path}: is a directory, not a log file") from None
+    except OSError as e:
+        raise LogError(f"{path}: cannot read: {e.strerror or e}") from None
+    if b"\x00" in data[:65536]:
+        raise LogError(f"{path}: binary file, not a text log")
+    return data.decode("utf-8", errors="replace").splitlines()
+
+
+def main(paths: list[str], out: TextIO | None = None) -> int:
+    """Print ``class: NAME`` then ``FILE:LINE: text`` per evidence line; 2 on an unreadable file."""
+    out = out or sys.stdout
+    if not paths:
+        print("diagnose: give at least one log file (--log FILE)", file=sys.stderr)
+        return 2
+    logs: dict[str, list[str]] = {}
+    for p in paths:
+        try:
+            logs[p] = read_log(p)
+        except LogError as e:
+            print(f"diagnose: {e}", file=sys.stderr)
+            return 2
+    d = classify(logs)
+    print(f"class: {d.cls}", file=out)
+    for e in d.evidence:
+        print(str(e), file=out)
+    print(f"why: {d.summary}", file=sys.stderr)
+    return 0
+
+
+# --- figures (nox -s perf -- diagnose) ----------------------------------------------------
+
+
+def perf() -> dict[str, float]:
+    """Speed on a long synthetic two-node log that hangs at the end; accuracy on the real excerpts
+    under tests/unit/data/engine_logs/<class>/ (when the source tree is at hand)."""
+    import time
+
+    chatter = [
+        "[2026-08-26 10:12:0{} TP0] Prefill batch. #new-seq: 1, #new-token: 512, #cached-token: 0, "
+        "token usage: 0.01, #running-req: 0, #queue-req: 0",
+        'INFO:     10.0.0.{}:4242 - "POST /v1/chat/completions HTTP/1.1" 200 OK',
+        "spark1:4242:4242 [0] NCCL INFO Channel 0{}/02 :    0   1",
+    ]
+    n = 100_000
+    body = [chatter[i % 3].format(i % 10) for i in range(n)]
+    logs = {
+        "head": body + ["[2026-08-26 10:12:01 TP0] Init torch distributed begin.",
+                        "[2026-08-26 10:12:03 TP0] CustomAllreduce is disabled because this process group "
+                        "spans across nodes."],
+        "worker": body,
+    }
+    t = time.perf_counter()
+    d = classify(logs)
+    spent = time.perf_counter() - t
+    figures: dict[str, float] = {"lines": float(2 * n + 2), "seconds": spent, "lines_per_s": (2 * n + 2) / spent,
+                                 "synthetic_right": float(d.cls == "nccl-init-hang")}
+    root = Path(__file__).resolve().parents[2] / "tests" / "unit" / "data" / "engine_logs"
+    cases = sorted(p for p in root.glob("*/*"))
+    if cases:
+        right = 0
+        for case in cases:
+            files = sorted(case.iterdir()) if case.is_dir() else [case]
+            right += classify({f.name: read_log(str(f)) for f in files}).cls == case.parent.name
+        figures.update({"real_excerpts": float(len(cases)), "real_excerpts_right": float(right),
+                        "accuracy": right / len(cases)})
+    return figures
