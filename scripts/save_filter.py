@@ -376,7 +376,8 @@ class Filter:
             while k < len(diff_ids) and diff_ids[k] in self.plan.have:
                 k += 1
             later = set(diff_ids[k:])
-            for i, (path, diff) in enumerate(zip(paths, diff_ids)):  # same length (checked above)
+            for i, path in enumerate(paths):  # no zip(strict=): that needs 3.10
+                diff = diff_ids[i]  # same length (checked above)
                 if path in dropped_paths:
                     if i < k and diff not in later:
                         fine.add(path)
