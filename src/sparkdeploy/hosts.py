@@ -12,6 +12,7 @@ nothing; every other command is echoed as ``[node] would run: ...`` and not run.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import shlex
 import subprocess
@@ -165,10 +166,14 @@ class Host:
         sudo: bool = False,
         timeout: float | None = None,
         on_stderr: Callable[[str], None] | None = None,
+        input: str | None = None,
     ) -> CmdResult:
         """Run ``argv`` on the node. ``change=False`` marks a read-only probe.
 
-        ``on_stderr`` receives each stderr line as it arrives (progress of long commands)."""
+        ``on_stderr`` receives each stderr line as it arrives (progress of long commands).
+        ``input`` is written to the command's stdin, then stdin is closed: the way a secret
+        reaches a process on a node (never echoed, journaled or put in argv; keep it short,
+        invoke feeds stdin a byte per poll)."""
         argv = [str(a) for a in argv]
         shown = redact(shlex.join(elide(argv if not (sudo and self.node.privilege == "sudo")
                                         else ["sudo", "-n", *argv])))
@@ -194,7 +199,8 @@ class Host:
                 err_stream=_LineStream(on_stderr) if on_stderr else None,
                 pty=False,
                 timeout=timeout,
-                in_stream=False,
+                in_stream=io.StringIO(input) if input is not None else False,
+                echo_stdin=False,
             )
             res = CmdResult(self.name, argv, r.exited, r.stdout, r.stderr,
                             time.monotonic() - start)
