@@ -294,6 +294,13 @@ def up(dep: Deployment, engine: str | None = None) -> list[Result]:
         if url:
             return [dep.report(ok(STEP_UP, f"endpoint: {url}", endpoint=url, engine=eng.name))]
     hosts = [dep.host(n.name) for n in dep.profile.nodes]
+    from sparkdeploy.steps import serve_persist
+
+    units = {h.name: serve_persist.active(h, serve_persist.installed(dep, h)) for h in hosts}
+    if any(units.values()):
+        return [dep.report(failed(STEP_UP, "the persisted units run this deployment (" + "; ".join(
+            f"{n}: {', '.join(u)}" for n, u in units.items() if u) + "): serve.down or "
+            "serve.unpersist first"))]
     if not dep.dry:
         stale = remove(dep, hosts)
         if stale:

@@ -1,0 +1,66 @@
+"""`inv serve.*`: bring the model up across the nodes, watch it, persist it, take it down, and
+say why when it does not come up."""
+
+from invoke import Collection, task
+from invoke.exceptions import Exit
+
+from sparkdeploy.steps import serve as step
+from sparkdeploy.steps import serve_persist
+from sparkdeploy.tasks._common import run_step
+
+_P = {"profile": "profile file (default: sparkdeploy.profile)"}
+
+
+@task(default=True, help={"engine": "start with this engine of the profile (default: the first)", **_P})
+def up(c, engine=None, profile=None):
+    """Preflight, start and wait in phases; on a hang diagnose and fall back to the next engine."""
+    run_step(c, step.up, engine, profile=profile, title="serve.up")
+
+
+@task(help=_P)
+def down(c, profile=None):
+    """Remove the deployment's engine containers on every node (stopping persisted units)."""
+    run_step(c, step.down, profile=profile, title="serve.down")
+
+
+@task(help=_P)
+def status(c, profile=None):
+    """Engine containers per node, Ray's nodes, the endpoint's health."""
+    run_step(c, step.status, profile=profile, lock=False, title="serve.status")
+
+
+@task(help={"node": "only this node (default: every node)", "tail": "only the last N lines", **_P})
+def logs(c, node=None, tail=None, profile=None):
+    """Show the engine containers' logs."""
+    try:
+        n = int(tail) if tail is not None else None
+    except ValueError:
+        raise Exit(f"--tail: must be a number, not {tail!r}", code=2) from None
+    run_step(c, step.logs, node, n, profile=profile, lock=False, title="serve.logs")
+
+
+@task(help={"engine": "the engine to persist (default: the one serve.up chose)", **_P})
+def persist(c, engine=None, profile=None):
+    """Install the deployment as systemd units on every node and hand it over to them."""
+    run_step(c, serve_persist.persist, engine, profile=profile, title="serve.persist")
+
+
+@task(help=_P)
+def unpersist(c, profile=None):
+    """Stop, disable and remove the deployment's systemd units on every node."""
+    run_step(c, serve_persist.unpersist, profile=profile, title="serve.unpersist")
+
+
+@task(iterable=["log"], help={"log": "an engine log file, one per node (repeat --log for each)"})
+def diagnose(c, log=None):
+    """Classify engine logs: prints `class: NAME`, then the evidence lines as FILE:LINE: text."""
+    from sparkdeploy import diagnose as dx
+
+    if not log:
+        raise Exit("--log: give at least one engine log file", code=2)
+    code = dx.main(list(log))
+    if code:
+        raise Exit(code=code)
+
+
+ns = Collection("serve", up, down, status, logs, persist, unpersist, diagnose)
