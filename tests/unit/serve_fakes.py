@@ -103,8 +103,8 @@ class FakeNode:
             filters = [a[i + 1] for i, x in enumerate(a) if x == "--filter"]
             out = []
             for c in self.containers.values():
-                if all(c.labels.get(f.split("=")[0].removeprefix("label=")) == f.split("=", 2)[2]
-                       for f in filters):
+                wanted = [f.removeprefix("label=").split("=", 1) for f in filters]
+                if all(c.labels.get(k) == v for k, v in wanted):
                     out.append(f"{c.name}|{c.status(now)[0]}|{c.labels['sparkdeploy.engine']}|"
                                f"{c.labels['sparkdeploy.role']}")
             return 0, "\n".join(out) + ("\n" if out else ""), ""
@@ -113,7 +113,8 @@ class FakeNode:
             labels = dict(x.removeprefix("--label=").split("=", 1) for x in a
                           if x.startswith("--label="))
             if name in self.containers:
-                return 125, "", f'docker: Error response from daemon: Conflict. The container name "/{name}" is already in use.'
+                return 125, "", ("docker: Error response from daemon: Conflict. The container "
+                                 f'name "/{name}" is already in use.')
             if stdin is not None:
                 self.stdin[name] = stdin
             self.containers[name] = Container(name, now, self.scripts.get(name, Script()), labels, a)

@@ -202,15 +202,20 @@ def test_an_exited_container_fails_at_once_with_its_last_lines(lab):
     dep, ctx, nodes, cluster, clock = lab
     nodes["spark1"].scripts["sparkdeploy-sglang-head"] = Script(
         [(1, "loading"), (2, "KeyError: 'qwen3_5_moe'")], exit_at=3)
+    healthy_vllm(nodes, cluster)
     t0 = clock()
     results = serve.up(dep, engine="sglang")
     [bad] = [r for r in results if r.failed]
     assert bad.why.startswith("sglang exited: spark1: sparkdeploy-sglang-head exited (exit code 1) "
-                              "during sparkdeploy-sglang-head running")
+                              "during the head's init port 192.168.100.10:20000")
     assert "last lines: loading | KeyError: 'qwen3_5_moe'" in bad.why
-    assert clock() - t0 < 10
-    assert not runs(ctx, "spark2")
-    assert dep.records.data("serve")["chosen"] is None
+    assert "class: model-config-unrecognized" in bad.why
+    assert not [a for a in runs(ctx, "spark2") if "--name=sparkdeploy-sglang-worker" in a]
+    rec = dep.records.data("serve")
+    assert rec["tried"][0]["outcome"] == "exited" and rec["chosen"] == "vllm-ray"
+    assert "fallback_after_s" not in rec["tried"][0]
+    assert clock() - t0 < 20
+    assert results[-1].why == "endpoint: http://10.0.0.1:8000"
 
 
 def test_ray_missing_worker_gpu_is_a_hang_not_a_success(lab):

@@ -282,6 +282,38 @@ def already_serving(dep: Deployment, engine: Engine) -> str | None:
     return None
 
 
+def _before(dep: Deployment, engines: list[Engine]) -> Result | None:
+    """Already serving (ok), or run by persisted units (failed); else clear this deployment's
+    old containers. Unreachable nodes are left to the preflight to report."""
+    from sparkdeploy.steps import serve_persist
+
+    for eng in engines:
+        try:
+            url = already_serving(dep, eng)
+        except NodeUnreachable:
+            url = None
+        if url:
+            return dep.report(ok(STEP_UP, f"endpoint: {url}", endpoint=url, engine=eng.name))
+    units: dict[str, list[str]] = {}
+    reachable = []
+    for h in (dep.host(n.name) for n in dep.profile.nodes):
+        try:
+            units[h.name] = serve_persist.active(h, serve_persist.installed(dep, h))
+            reachable.append(h)
+        except NodeUnreachable:
+            continue
+    if any(units.values()):
+        return dep.report(failed(STEP_UP, "the persisted units run this deployment (" + "; ".join(
+            f"{n}: {', '.join(u)}" for n, u in units.items() if u) + "): serve.down or "
+            "serve.unpersist first"))
+    if not dep.dry:
+        stale = remove(dep, reachable)
+        if stale:
+            dep.report(changed(STEP_UP, "removed this deployment's old containers: " + ", ".join(
+                f"{n}: {', '.join(c)}" for n, c in stale.items())))
+    return None
+
+
 @step(STEP_UP, needs=("services.stop", "image.ship", "model.download", "model.sync"))
 def up(dep: Deployment, engine: str | None = None) -> list[Result]:
     """Bring the model up across the nodes, falling back to the next engine on a failure."""
@@ -289,23 +321,9 @@ def up(dep: Deployment, engine: str | None = None) -> list[Result]:
         engines = _order(dep, engine)
     except EngineError as e:
         return [dep.report(failed(STEP_UP, str(e)))]
-    for eng in engines:
-        url = already_serving(dep, eng)
-        if url:
-            return [dep.report(ok(STEP_UP, f"endpoint: {url}", endpoint=url, engine=eng.name))]
-    hosts = [dep.host(n.name) for n in dep.profile.nodes]
-    from sparkdeploy.steps import serve_persist
-
-    units = {h.name: serve_persist.active(h, serve_persist.installed(dep, h)) for h in hosts}
-    if any(units.values()):
-        return [dep.report(failed(STEP_UP, "the persisted units run this deployment (" + "; ".join(
-            f"{n}: {', '.join(u)}" for n, u in units.items() if u) + "): serve.down or "
-            "serve.unpersist first"))]
-    if not dep.dry:
-        stale = remove(dep, hosts)
-        if stale:
-            dep.report(changed(STEP_UP, "removed this deployment's old containers: " + ", ".join(
-                f"{n}: {', '.join(c)}" for n, c in stale.items())))
+    done = _before(dep, engines)
+    if done is not None:
+        return [done]
     run = Run(dep)
     results: list[Result] = []
     for i, eng in enumerate(engines):

@@ -52,6 +52,9 @@ def facts_argv(dep: Deployment, script: str, node_name: str, ports: list[int],
 
 
 def node_facts(dep: Deployment, host: Host, ports: list[int], peers: list[str]) -> dict[str, Any]:
+    r = host.run(["true"], change=False)
+    if r.unreachable:
+        raise NodeUnreachable(host.name, r.one_line_error())
     script = stage_script(host, HELPER)
     r = host.run(facts_argv(dep, script, host.name, ports, peers), change=False, timeout=60)
     if r.unreachable:
