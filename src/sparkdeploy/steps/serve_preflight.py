@@ -16,7 +16,7 @@ from typing import Any
 from sparkdeploy.config import Engine
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import Launch, NodeFacts
-from sparkdeploy.hosts import Host
+from sparkdeploy.hosts import Host, HostError
 from sparkdeploy.nodeops import NodeUnreachable, inspect_image, stage_script
 from sparkdeploy.results import Result, failed, ok
 from sparkdeploy.steps.services import gpu_processes
@@ -52,16 +52,15 @@ def facts_argv(dep: Deployment, script: str, node_name: str, ports: list[int],
 
 
 def node_facts(dep: Deployment, host: Host, ports: list[int], peers: list[str]) -> dict[str, Any]:
-    r = host.run(["true"], change=False)
-    if r.unreachable:
-        raise NodeUnreachable(host.name, r.one_line_error())
+    host.run(["true"], change=False)  # raises NodeUnreachable first, before staging
     script = stage_script(host, HELPER)
     r = host.run(facts_argv(dep, script, host.name, ports, peers), change=False, timeout=60)
-    if r.unreachable:
-        raise NodeUnreachable(host.name, r.one_line_error())
-    if not r.ok:
-        raise NodeUnreachable(host.name, f"{HELPER} failed: {r.one_line_error()}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    try:
+        if r.ok:
+            return json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        pass
+    raise HostError(f"{host.name}: {HELPER} facts failed: {r.one_line_error()}")
 
 
 def _check_node(dep: Deployment, engine: Engine, host: Host, got: dict[str, Any],
@@ -133,14 +132,16 @@ def run(dep: Deployment, engine: Engine, lau: Launch) -> Preflight:
         try:
             return h, node_facts(dep, h, ports, peers if h.name == head else [])
         except NodeUnreachable as e:
-            return h, e.why
+            return h, f"unreachable: {e.why}"
+        except HostError as e:
+            return h, str(e).removeprefix(f"{h.name}: ")
 
     with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
         gathered = list(pool.map(one, hosts))
     reachable = []
     for h, got in gathered:
         if isinstance(got, str):
-            pf.fail(h.name, f"unreachable: {got}")
+            pf.fail(h.name, got)
             continue
         reachable.append(h)
         _check_node(dep, engine, h, got, pf)

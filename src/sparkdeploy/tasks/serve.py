@@ -4,8 +4,6 @@ say why when it does not come up."""
 from invoke import Collection, task
 from invoke.exceptions import Exit
 
-from sparkdeploy.steps import serve as step
-from sparkdeploy.steps import serve_persist
 from sparkdeploy.tasks._common import run_step
 
 _P = {"profile": "profile file (default: sparkdeploy.profile)"}
@@ -14,19 +12,19 @@ _P = {"profile": "profile file (default: sparkdeploy.profile)"}
 @task(default=True, help={"engine": "start with this engine of the profile (default: the first)", **_P})
 def up(c, engine=None, profile=None):
     """Preflight, start and wait in phases; on a hang diagnose and fall back to the next engine."""
-    run_step(c, step.up, engine, profile=profile, title="serve.up")
+    run_step(c, "serve.up", profile=profile, engine=engine)
 
 
 @task(help=_P)
 def down(c, profile=None):
     """Remove the deployment's engine containers on every node (stopping persisted units)."""
-    run_step(c, step.down, profile=profile, title="serve.down")
+    run_step(c, "serve.down", profile=profile)
 
 
 @task(help=_P)
 def status(c, profile=None):
     """Engine containers per node, Ray's nodes, the endpoint's health."""
-    run_step(c, step.status, profile=profile, lock=False, title="serve.status")
+    run_step(c, "serve.status", profile=profile, lock=False)
 
 
 @task(help={"node": "only this node (default: every node)", "tail": "only the last N lines", **_P})
@@ -36,19 +34,19 @@ def logs(c, node=None, tail=None, profile=None):
         n = int(tail) if tail is not None else None
     except ValueError:
         raise Exit(f"--tail: must be a number, not {tail!r}", code=2) from None
-    run_step(c, step.logs, node, n, profile=profile, lock=False, title="serve.logs")
+    run_step(c, "serve.logs", profile=profile, lock=False, node=node, tail=n)
 
 
 @task(help={"engine": "the engine to persist (default: the one serve.up chose)", **_P})
 def persist(c, engine=None, profile=None):
     """Install the deployment as systemd units on every node and hand it over to them."""
-    run_step(c, serve_persist.persist, engine, profile=profile, title="serve.persist")
+    run_step(c, "serve.persist", profile=profile, engine=engine)
 
 
 @task(help=_P)
 def unpersist(c, profile=None):
     """Stop, disable and remove the deployment's systemd units on every node."""
-    run_step(c, serve_persist.unpersist, profile=profile, title="serve.unpersist")
+    run_step(c, "serve.unpersist", profile=profile)
 
 
 @task(iterable=["log"], help={"log": "an engine log file, one per node (repeat --log for each)"})
