@@ -79,8 +79,10 @@ class FakeNode:
             return 255, "", f"ssh: connect to host {self.name} port 22: No route to host"
         if argv == ["true"]:
             return 0, "", ""
-        if argv[:2] == ["sh", "-c"] and "base64 -d" in argv[2]:
-            return 0, "", ""  # staging a helper
+        if argv[:2] == ["sh", "-c"] and argv[2].startswith("set -eu") and "base64 -d" in argv[2]:
+            return 0, f"/tmp/sparkdeploy-stage-0/{argv[4]}/{argv[5]}\n", ""  # staging a helper
+        if argv[:2] == ["sh", "-c"] and argv[2].endswith('exec "$@"'):
+            argv = argv[4:]  # a staged helper, run after its sha256 check
         if argv[:2] == ["sh", "-c"] and "for f" in argv[2]:
             return 0, "", ""  # no unit installed
         if argv[0] == "python3" and argv[2] == "facts":
@@ -194,7 +196,8 @@ class FakeContext(Context):
         self.commands.append(command)
         full = shlex.split(command)
         assert full[0] == "ssh", command
-        alias, remote = full[-3], shlex.split(full[-1])
+        alias, remote = full[-2], shlex.split(full[-1])
+        assert full[-3] == "--"
         stream = kwargs.get("in_stream")
         stdin = stream.getvalue() if isinstance(stream, io.StringIO) else None
         self.calls.append((alias, remote))

@@ -3,15 +3,13 @@ diagnosis -> fallback, an exited container failing at once, the API key only on 
 
 from __future__ import annotations
 
-import json
-import shlex
 from pathlib import Path
 
 import pytest
 import yaml
 
 from sparkdeploy import endpoint as ep
-from sparkdeploy.config import load_profile
+from sparkdeploy.config import ProfileError, load_profile
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import NodeFacts, launch
 from sparkdeploy.engines.base import run_args
@@ -261,17 +259,19 @@ def test_down_removes_every_container_and_status_reports(lab):
 
 def test_unknown_engine_is_one_line(lab):
     dep, *_ = lab
-    [r] = serve.up(dep, engine="tgi")
-    assert r.why == "--engine: no engine named 'tgi' (engines: sglang, vllm-ray)"
+    with pytest.raises(ProfileError, match=r"^--engine: no engine named 'tgi' \(engines: sglang, vllm-ray\)$"):
+        serve.up(dep, engine="tgi")
 
 
 def test_serve_node_facts_argv(lab):
     dep, ctx, nodes, cluster, clock = lab
     healthy_sglang(nodes)
     serve.up(dep)
-    facts = [argv for a, argv in ctx.calls if a == "spark1" and argv[2:3] == ["facts"]][0]
+    [wrapped] = [argv for a, argv in ctx.calls if a == "spark1" and "facts" in argv]
+    # run only after the staged helper's sha256 checks out
+    assert wrapped[:2] == ["sh", "-c"] and "sha256sum -c --status" in wrapped[2]
+    facts = wrapped[4:]
     assert facts[3:] == ["--iface", "enp1s0f0np0", "--addr", "192.168.100.10", "--hca", "rocep1s0f0",
                          "--hca", "roceP2p1s0f0", "--port", "20000", "--port", "30000", "--model",
                          "/srv/models/Qwen3.5-122B-A10B-FP8", "--peer", "192.168.100.11"]
-    assert shlex.join(facts[:2]).startswith("python3 /tmp/sparkdeploy-stage/")
-    json.dumps(facts)
+    assert facts[0] == "python3" and facts[1].endswith("/serve_node.py") and facts[1] in wrapped[2]

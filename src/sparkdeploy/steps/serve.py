@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from sparkdeploy import endpoint as ep
-from sparkdeploy.config import Engine
+from sparkdeploy.config import Engine, ProfileError
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import EngineError, Launch, launch
 from sparkdeploy.engines.base import API_KEY_ENV, LABEL_DEPLOYMENT, LABEL_ENGINE, run_args, secret_lines
 from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import NodeUnreachable, docker, stage_script
+from sparkdeploy.nodeops import NodeUnreachable, docker, stage_script, verified
 from sparkdeploy.records import markdown_table
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps import serve_preflight
@@ -117,8 +117,9 @@ def _dist_port_open(dep: Deployment, lau: Launch) -> bool:
     w = dep.host(worker)
     script = stage_script(w, serve_preflight.HELPER)
     head_addr = dep.profile.node(lau.head).link.address
-    r = w.run(["python3", script, "connect", "--addr", head_addr, "--port", str(lau.wait_port),
-               "--source", dep.profile.node(worker).link.address], change=False, timeout=30)
+    r = w.run(verified([script], ["python3", script, "connect", "--addr", head_addr, "--port",
+                                  str(lau.wait_port), "--source",
+                                  dep.profile.node(worker).link.address]), change=False, timeout=30)
     try:
         return bool(r.ok and json.loads(r.stdout.strip().splitlines()[-1]).get("open"))
     except (ValueError, IndexError):
@@ -261,7 +262,7 @@ def _order(dep: Deployment, first: str | None) -> list[Engine]:
         return engines
     names = [e.name for e in engines]
     if first not in names:
-        raise EngineError(f"--engine: no engine named {first!r} (engines: {', '.join(names)})")
+        raise ProfileError(f"--engine: no engine named {first!r} (engines: {', '.join(names)})")
     return engines[names.index(first):]
 
 
@@ -315,10 +316,7 @@ def _before(dep: Deployment, engines: list[Engine]) -> Result | None:
 @step(STEP_UP, needs=("services.stop", "image.ship"))
 def up(dep: Deployment, engine: str | None = None) -> list[Result]:
     """Bring the model up across the nodes, falling back to the next engine on a failure."""
-    try:
-        engines = _order(dep, engine)
-    except EngineError as e:
-        return [dep.report(failed(STEP_UP, str(e)))]
+    engines = _order(dep, engine)
     done = _before(dep, engines)
     if done is not None:
         return [done]

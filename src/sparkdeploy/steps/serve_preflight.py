@@ -17,7 +17,7 @@ from sparkdeploy.config import Engine
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import Launch, NodeFacts
 from sparkdeploy.hosts import Host, HostError
-from sparkdeploy.nodeops import NodeUnreachable, inspect_image, stage_script
+from sparkdeploy.nodeops import NodeUnreachable, inspect_image, stage_script, verified
 from sparkdeploy.results import Result, failed, ok
 from sparkdeploy.steps.services import gpu_processes
 
@@ -54,7 +54,8 @@ def facts_argv(dep: Deployment, script: str, node_name: str, ports: list[int],
 def node_facts(dep: Deployment, host: Host, ports: list[int], peers: list[str]) -> dict[str, Any]:
     host.run(["true"], change=False)  # raises NodeUnreachable first, before staging
     script = stage_script(host, HELPER)
-    r = host.run(facts_argv(dep, script, host.name, ports, peers), change=False, timeout=60)
+    r = host.run(verified([script], facts_argv(dep, script, host.name, ports, peers)),
+                 change=False, timeout=60)
     try:
         if r.ok:
             return json.loads(r.stdout.strip().splitlines()[-1])

@@ -1,10 +1,11 @@
 """`inv serve.*`: bring the model up across the nodes, watch it, persist it, take it down, and
 say why when it does not come up."""
 
-from invoke import Collection, task
+from invoke import Collection
 from invoke.exceptions import Exit
 
 from sparkdeploy.tasks._common import run_step
+from sparkdeploy.tasks._flags import integer, task
 
 _P = {"profile": "profile file (default: sparkdeploy.profile)"}
 
@@ -30,10 +31,7 @@ def status(c, profile=None):
 @task(help={"node": "only this node (default: every node)", "tail": "only the last N lines", **_P})
 def logs(c, node=None, tail=None, profile=None):
     """Show the engine containers' logs."""
-    try:
-        n = int(tail) if tail is not None else None
-    except ValueError:
-        raise Exit(f"--tail: must be a number, not {tail!r}", code=2) from None
+    n = integer("--tail", tail, min=1)
     run_step(c, "serve.logs", profile=profile, lock=False, node=node, tail=n)
 
 
