@@ -204,6 +204,7 @@ class Host:
         ``input`` is written to the command's stdin, then stdin is closed: the way a secret
         reaches a process on a node (never echoed, journaled or put in argv; keep it short,
         invoke feeds stdin a byte per poll).
+
         Raises ``NodeUnreachable`` when ssh cannot reach the node (asked once per run: later
         commands raise at once)."""
         argv = [str(a) for a in argv]
