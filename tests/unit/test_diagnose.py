@@ -443,8 +443,8 @@ def test_keys_never_hide_a_match_on_mixed_text(line):
 
 def test_begins_and_ends_pair_per_rank_in_one_log():
     # vLLM #58290's shape: some ranks' communicators complete, others never do
-    start = "node-0:27{r}:27{r} [{r}] NCCL INFO ncclCommInitRank comm 0x1{r} rank {r} nranks 4 cudaDev {r} - Init START"
-    done = "node-0:27{r}:27{r} [{r}] NCCL INFO ncclCommInitRank comm 0x1{r} rank {r} nranks 4 cudaDev {r} - Init COMPLETE"
+    comm = "node-0:27{r}:27{r} [{r}] NCCL INFO ncclCommInitRank comm 0x1{r} rank {r} nranks 4 cudaDev {r}"
+    start, done = comm + " - Init START", comm + " - Init COMPLETE"
     lines = [start.format(r=r) for r in range(4)] + [done.format(r=r) for r in (0, 2)]
     d = dx.classify({"node-0": lines})
     assert d.cls == "nccl-init-hang"
