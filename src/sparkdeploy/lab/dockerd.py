@@ -206,9 +206,14 @@ def _wait_for_socket(sock: Path, what: str, node: str, rec: dict, timeout: float
     raise LabError(f"{node}: {what} did not come up on {sock}: {tail}")
 
 
+def url(node: str) -> str:
+    """A node's dockerd for the docker CLI's ``-H`` and the docker SDK's ``base_url``."""
+    return f"unix://{layout.docker_socket(node)}"
+
+
 def docker(node: str, *args: str) -> list[str]:
     """argv for the docker CLI against a node's dockerd (from the controller)."""
-    return ["docker", "-H", f"unix://{layout.docker_socket(node)}", *args]
+    return ["docker", "-H", url(node), *args]
 
 
 def info(node: str) -> dict | None:

@@ -13,7 +13,7 @@ import subprocess
 import yaml
 
 from sparkdeploy.lab import daemons, hub, images, layout, pkgindex
-from sparkdeploy.lab.dockerd import docker
+from sparkdeploy.lab.dockerd import docker, url
 from sparkdeploy.lab.proc import LabError
 from sparkdeploy.results import Result, changed, ok
 
@@ -66,7 +66,7 @@ def ensure_servers(st: dict, controller: str) -> list[Result]:
 
 
 def ensure_community_images(head: str) -> list[Result]:
-    return images.build_community_images(f"unix://{layout.docker_socket(head)}", layout.BASE_IMAGE,
+    return images.build_community_images(url(head), layout.BASE_IMAGE,
                                          node=head)
 
 

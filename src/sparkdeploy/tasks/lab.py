@@ -3,20 +3,8 @@
 from invoke import Collection, task
 from invoke.exceptions import Exit
 
-from sparkdeploy.events import EventSink, rendering
 from sparkdeploy.lab import layout, lifecycle
-from sparkdeploy.tasks._common import summarize
-
-
-def _streamed(fn, **kwargs) -> None:
-    """Run a lab entry point with its events rendered as they happen; exit 1 on a failure."""
-    sink = EventSink()
-    with rendering(sink):
-        results = fn(events=sink, **kwargs)
-        for r in results:
-            if not sink.seen(r):
-                sink.emit(r)
-    summarize(results)
+from sparkdeploy.tasks._common import stream
 
 
 @task(help={"nodes": "how many nodes (spark1..sparkN; default 2)",
@@ -38,19 +26,20 @@ def up(c, nodes=2, dockerd=layout.DEFAULT_DOCKERD, seed_worker=False, mgmt_net=N
         n = int(nodes)
     except ValueError:
         raise Exit(f"--nodes: must be a number, not {nodes!r}", code=2) from None
-    _streamed(lifecycle.up, nodes=n, flavor=dockerd, seed_worker=seed_worker, mgmt_net=mgmt_net)
+    stream(lambda sink: lifecycle.up(nodes=n, flavor=dockerd, seed_worker=seed_worker,
+                                     mgmt_net=mgmt_net, events=sink))
 
 
 @task(default=True)
 def status(c):
     """Show the lab's nodes, addresses, daemons and images per node."""
-    _streamed(lifecycle.status)
+    stream(lambda sink: lifecycle.status(events=sink))
 
 
 @task
 def down(c):
     """Stop what the lab started and remove its namespaces, links, mounts and data (keeps caches)."""
-    _streamed(lifecycle.down)
+    stream(lambda sink: lifecycle.down(events=sink))
 
 
 ns = Collection("lab", up, status, down)
