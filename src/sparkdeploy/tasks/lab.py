@@ -1,10 +1,12 @@
 """`inv lab.*`: the rehearsal lab (Linux, root): simulated Spark nodes on this machine."""
 
-from invoke import Collection, task
+from invoke import Collection
 from invoke.exceptions import Exit
 
 from sparkdeploy.lab import layout, lifecycle
+from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks._common import stream
+from sparkdeploy.tasks._flags import task
 
 
 @task(help={"nodes": "how many nodes (spark1..sparkN; default 2)",
@@ -14,18 +16,15 @@ from sparkdeploy.tasks._common import stream
             "mgmt_net": "the management /24: 'fallback' forces the first fallback, or one of "
                         + ", ".join(layout.MGMT_CANDIDATES)
                         + " (default: the recorded one; a lab on another is moved in place)"})
-def up(c, nodes=2, dockerd=layout.DEFAULT_DOCKERD, seed_worker=False, mgmt_net=None):
+def up(c, nodes=None, dockerd=layout.DEFAULT_DOCKERD, seed_worker=False, mgmt_net=None):
     """Bring the lab up, or check it is up (idempotent; says what changed as it goes)."""
+    n = flags.integer("--nodes", nodes, default=2, min=1, max=9)
     if dockerd not in layout.DOCKERDS:
         raise Exit(f"--dockerd: must be one of {', '.join(layout.DOCKERDS)}, not {dockerd!r}",
                    code=2)
     if mgmt_net not in (None, "fallback", *layout.MGMT_CANDIDATES):
         raise Exit(f"--mgmt-net: must be 'fallback' or one of {', '.join(layout.MGMT_CANDIDATES)}, "
                    f"not {mgmt_net!r}", code=2)
-    try:
-        n = int(nodes)
-    except ValueError:
-        raise Exit(f"--nodes: must be a number, not {nodes!r}", code=2) from None
     stream(lambda sink: lifecycle.up(nodes=n, flavor=dockerd, seed_worker=seed_worker,
                                      mgmt_net=mgmt_net, events=sink))
 
