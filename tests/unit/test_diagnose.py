@@ -49,6 +49,7 @@ EXPECTED: dict[str, dict[str, list[int]]] = {
     "nccl-init-hang/c10d-store-1of2-workers.log": {"": [3]},
     "nccl-init-hang/torch-watchdog-allreduce.log": {"": [2, 3]},
     "arch-unsupported/flashinfer-trtllm-fmha-unsupported-arch.log": {"": [2]},
+    "ray-worker-missing/ray-head-gcs-unreachable.log": {"": [3, 4]},
 }
 
 
@@ -163,6 +164,10 @@ def test_bare_keyerror_is_only_a_weak_hint():
     assert cls_of(a=["KeyError: 'qwen3_5_moe'"]) == "model-config-unrecognized"
     assert cls_of(a=["KeyError: 'qwen3_5_moe'", PG_WAIT]) == "ray-worker-missing"
     assert cls_of(a=["KeyError: 'model.layers.0.mlp.experts.w13_weight'"]) == "unknown"
+
+
+def test_gcs_of_google_cloud_is_not_ray():
+    assert cls_of(a=["ERROR: Unable to connect to GCS bucket 'weights': 403"]) == "unknown"
 
 
 def test_gb10_torch_warning_is_weak():
@@ -434,3 +439,23 @@ def test_keys_never_hide_a_match_on_mixed_text(line):
     for p in all_pats():
         if p.regex.search(line):
             assert any(k in low for k in p.keys), (p.regex.pattern[:60], line)
+
+
+def test_begins_and_ends_pair_per_rank_in_one_log():
+    # vLLM #58290's shape: some ranks' communicators complete, others never do
+    comm = "node-0:27{r}:27{r} [{r}] NCCL INFO ncclCommInitRank comm 0x1{r} rank {r} nranks 4 cudaDev {r}"
+    start, done = comm + " - Init START", comm + " - Init COMPLETE"
+    lines = [start.format(r=r) for r in range(4)] + [done.format(r=r) for r in (0, 2)]
+    d = dx.classify({"node-0": lines})
+    assert d.cls == "nccl-init-hang"
+    assert d.evidence[0].line_no == 2  # rank 1's start: the first that never completed
+    lines += [done.format(r=r) for r in (1, 3)]
+    assert dx.classify({"node-0": lines}).cls == "unknown"
+
+
+def test_sglang_tp_ranks_pair_by_their_tag():
+    lines = ["[2025-09-01 05:58:12 TP0] Init torch distributed begin.",
+             "[2025-09-01 05:58:12 TP1] Init torch distributed begin.",
+             "[2025-09-01 05:58:13 TP0] Init torch distributed ends. mem usage=0.35 GB"]
+    d = dx.classify({"n": lines})
+    assert (d.cls, [e.line_no for e in d.evidence]) == ("nccl-init-hang", [2, 3])
