@@ -19,6 +19,8 @@ DOCKER26_DOCKERD = DOCKER26_DIR / "usr" / "sbin" / "dockerd"
 TRIXIE_APT = layout.CACHE_DIR / "apt-trixie"
 CLASSIC_DOCKERD = "/usr/sbin/dockerd"
 SNAPSHOTTER_DRIVER = "io.containerd.snapshotter.v1"
+NVIDIA_RUNTIME = f"{layout.STANDIN_DIR}/bin/nvidia-container-runtime"
+"""The ``nvidia`` runtime stand-in (inside the node's mount namespace)."""
 
 
 def debian_mirror(sources: Path = Path("/etc/apt/sources.list.d/debian.sources")) -> str:
@@ -135,7 +137,8 @@ def dockerd_argv(node: str, mntns: Path, netns: Path, flavor: str) -> list[str]:
             "--pidfile", str(layout.node_dir(node) / "run" / "docker.pid"),
             "-H", f"unix://{layout.docker_socket(node)}",
             "--storage-driver", storage_driver(flavor),
-            "--iptables=false", "--ip-masq=false", "--bridge=none"]
+            "--iptables=false", "--ip-masq=false", "--bridge=none",
+            "--add-runtime", f"nvidia={NVIDIA_RUNTIME}"]
     if flavor == "containerd":
         argv += ["--containerd", containerd_socket(node, flavor)]
     return in_node(mntns, netns, argv)
@@ -165,7 +168,10 @@ def start_dockerd(node: str, mntns: Path, netns: Path, flavor: str) -> dict:
 def _env() -> dict[str, str]:
     # bookworm's containerd and runc first (trixie's runc needs a newer glibc)
     env = {k: v for k, v in os.environ.items() if k in ("LANG", "LC_ALL", "TZ")}
-    env["PATH"] = "/usr/bin:/usr/sbin:/bin:/sbin:" + str(DOCKER26_DIR / "usr" / "bin")
+    # the node's stand-ins last: nvidia-container-runtime-hook on dockerd's PATH is what makes
+    # dockerd accept `docker run --gpus ...` (see standins/nvidia-container-runtime-hook)
+    env["PATH"] = ("/usr/bin:/usr/sbin:/bin:/sbin:" + str(DOCKER26_DIR / "usr" / "bin")
+                   + f":{layout.STANDIN_DIR}/bin")
     env["HOME"] = "/root"
     return env
 
