@@ -697,6 +697,9 @@ class HubHandler(BaseHTTPRequestHandler):
         if path not in ("/_lab/health", "/_lab/control", "/_lab/stats"):
             self.hub.record({
                 "method": self.command, "path": path, "range": self.headers.get("Range"),
+                # a digest of the credential the client sent (tests prove a token arrived)
+                "auth": hashlib.sha256(self.headers["Authorization"].encode()).hexdigest()[:16]
+                if self.headers.get("Authorization") else None,
                 "status": self._status, "bytes": self._bytes, "file": self._file,
                 "limit_bps": self._limit, "fault_fired": self._fault_fired,
                 "duration_s": round(time.monotonic() - t0, 6),
