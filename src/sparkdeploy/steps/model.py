@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -111,8 +112,8 @@ def metadata(dep: Deployment, refresh: bool = True) -> tuple[dict[str, Any], str
                          f"{dep.profile.model.allow_patterns}")
     if not dep.dry:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".meta-")
+        with os.fdopen(fd, "w") as f:
             json.dump(meta, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
     return meta, ""
