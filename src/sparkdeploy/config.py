@@ -206,6 +206,8 @@ class Serve(_Strict):
     stall_s: float = Field(default=300, gt=0)
     ready_timeout_s: float = Field(default=1800, gt=0)
     poll_s: float = Field(default=2, gt=0)
+    group_port: Port = 29990
+    """Where the persisted units' supervisors publish their state on the fast link."""
 
 
 class Bench(_Strict):

@@ -3,9 +3,10 @@
 model.download and model.sync each hold a lock of their own (not the deployment's), so the
 sync can run beside the download and send each file as soon as the head has verified it."""
 
-from invoke import Collection, task
+from invoke import Collection
 
 from sparkdeploy.tasks._common import run_step
+from sparkdeploy.tasks._flags import task
 
 
 @task(default=True, help={"node": "the node to download on (default: the head)",
