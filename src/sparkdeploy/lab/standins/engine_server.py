@@ -1308,7 +1308,7 @@ def start_ray_workers(ray, pg, world_size: int) -> list:
         pass
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
 
-    cls = ray.remote(num_gpus=1)(_RayWorker)
+    cls = ray.remote(num_gpus=1, num_cpus=0)(_RayWorker)
     actors = [cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
         placement_group=pg, placement_group_bundle_index=i)).remote() for i in range(world_size)]
     ray.get([a.start.remote() for a in actors], timeout=120)
