@@ -274,6 +274,9 @@ class HubHandler(BaseHTTPRequestHandler):
             self.hub.record({
                 "method": self.command, "path": path, "client": self.client_address[0],
                 "range": self.headers.get("Range"),
+                # a digest of the credential the client sent (tests prove a token arrived)
+                "auth": hashlib.sha256(self.headers["Authorization"].encode()).hexdigest()[:16]
+                if self.headers.get("Authorization") else None,
                 "status": self._status, "bytes": self._bytes, "file": self._file,
                 "limit_bps": self._limit, "fault_fired": self._fault_fired,
                 "duration_s": round(time.monotonic() - t0, 6),
