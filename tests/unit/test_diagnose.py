@@ -394,17 +394,38 @@ def test_standin_port_taken_is_port_in_use():
 
 
 def test_standin_sglang_two_nodes_stall_is_diagnosed(tmp_path):
-    args = ["--model-path", str(tmp_path), "--tp", "2", "--nnodes", "2", "--node-rank", "0",
-            "--dist-init-addr", f"127.0.0.1:{free_port()}", "--port", str(free_port())]
-    lines = standin(args, "sglang_main", env={"SPARKDEPLOY_STANDIN_SGLANG_MULTINODE": ""}, seconds=3)
+    """Two stand-in ranks meet over --dist-init-addr; rank 1 advertises an address that is not
+    its link address (the seed's cause): both stall after CustomAllreduce, named nccl-init-hang."""
+    import os
+    import subprocess
+    import sys
+
+    from sparkdeploy.lab.standins import roce
+
+    model = tmp_path / "m"
+    model.mkdir()
+    roce.write_tree(tmp_path, ["rocep1s0f0", "roceP2p1s0f0"], "lo", roce.gid_table("127.0.0.1", "fe80::1"))
+    dist = free_port()
+    env = {"SPARKDEPLOY_STANDIN_SYSFS_IB": str(tmp_path / "infiniband"), "NCCL_SOCKET_IFNAME": "lo",
+           "SPARKDEPLOY_STANDIN_LAB_DIR": str(tmp_path / "lab")}
+    args = ["--model-path", str(model), "--tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{dist}",
+            "--port", str(free_port())]
+    root = Path(__file__).resolve().parents[2]
+    code = "import sys; from sparkdeploy.lab.standins import engine_server as e; sys.exit(e.sglang_main(sys.argv[1:]))"
+    worker = subprocess.Popen([sys.executable, "-c", code, *args, "--node-rank", "1"],
+                              env={**os.environ, "PYTHONPATH": str(root / "src"), **env,
+                                   "SGLANG_HOST_IP": "10.255.7.7"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        lines = standin([*args, "--node-rank", "0"], "sglang_main",
+                        env={**env, "SGLANG_HOST_IP": "127.0.0.1"}, seconds=5)
+    finally:
+        worker.kill()
+        worker.wait()
+    assert lines[-1].endswith("CustomAllreduce is disabled because this process group spans across nodes.")
     d = dx.classify({"head": lines})
-    # today's stand-in (and any faithful one) stalls either in NCCL with no RDMA device on sockets
-    # (the link) or after SGLang's CustomAllreduce line (the init hang); either way it is named
-    if any("NET/IB : No device found" in line for line in lines):
-        assert d.cls == "link-misconfigured"
-    else:
-        assert d.cls == "nccl-init-hang"
-        assert d.evidence[-1].line_no == max(i for i, line in enumerate(lines, 1) if line.strip())
+    assert d.cls == "nccl-init-hang"
+    assert d.evidence[-1].line_no == max(i for i, line in enumerate(lines, 1) if line.strip())
 
 
 # --- the keys that gate each pattern never hide a match --------------------------------------
