@@ -1,7 +1,8 @@
 """The deployment profile: one YAML file, one top-level key ``sparkdeploy:``.
 
-``load_profile(path)`` reads and validates the file once and returns typed objects. Every
-problem becomes a ``ProfileError`` whose message is one line naming the file and the key:
+``load_profile(path)`` reads the file (and the files it ``extends:``, see ``overlays``),
+validates the merged result once and returns typed objects. Every problem becomes a
+``ProfileError`` whose message is one line naming the file that set the bad value and the key:
 
     configs/x.yaml: sparkdeploy.nodes[1].role: must be 'head' or 'worker'
 """
@@ -9,11 +10,13 @@ problem becomes a ``ProfileError`` whose message is one line naming the file and
 from __future__ import annotations
 
 import ipaddress
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from sparkdeploy.overlays import Merged, ProfileError, load_merged, parse_dotted
 
 
 def _port(v: int) -> int:
@@ -23,10 +26,6 @@ def _port(v: int) -> int:
 
 
 Port = Annotated[int, AfterValidator(_port)]
-
-
-class ProfileError(Exception):
-    """A profile that cannot be used; ``str()`` is the one line to show the user."""
 
 
 class _Strict(BaseModel):
@@ -152,7 +151,8 @@ class ServiceSettings(_Strict):
 
 
 class Engine(_Strict):
-    name: str
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$")
+    """Part of the container names (``sparkdeploy-<name>-<role>``)."""
     kind: Literal["sglang", "vllm"]
     image: str
     port: Port
@@ -161,7 +161,25 @@ class Engine(_Strict):
     tensor_parallel: int = Field(default=1, ge=1)
     pipeline_parallel: int = Field(default=1, ge=1)
     args: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str | None] = Field(default_factory=dict)
+    """Overrides of the environment the engine sets; a null value removes a variable."""
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str | None]) -> dict[str, str | None]:
+        for k in v:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+                raise ValueError(f"{k!r} is not an environment variable name")
+        return v
+
+
+class Serve(_Strict):
+    """How ``serve.up`` waits: a phase with no new log line and no readiness step for
+    ``stall_s`` is a hang; ``ready_timeout_s`` bounds the whole bring-up of one engine."""
+
+    stall_s: float = Field(default=300, gt=0)
+    ready_timeout_s: float = Field(default=1800, gt=0)
+    poll_s: float = Field(default=2, gt=0)
 
 
 class Bench(_Strict):
@@ -182,6 +200,7 @@ class Profile(_Strict):
     services: ServiceSettings = Field(default_factory=ServiceSettings)
     engines: list[Engine] = Field(min_length=1)
     bench: Bench = Field(default_factory=Bench)
+    serve: Serve = Field(default_factory=Serve)
     endpoint: str | None = None
     """The deployed OpenAI-compatible endpoint, when known (bench's default target)."""
 
@@ -297,43 +316,25 @@ def _cross_checks(p: Profile) -> tuple[str, str] | None:
 
 
 def load_profile(path: str | Path) -> Profile:
-    """Read, parse and validate a profile file; raise ``ProfileError`` with one line."""
-    path = Path(path)
-    label = str(path)
+    """Read, merge (``extends:``) and validate a profile; raise ``ProfileError`` with one line."""
+    return load_layered(path)[0]
+
+
+def _blame(merged: Merged, key: str, msg: str) -> ProfileError:
+    """One line naming the file that set ``key`` (and the profile, when that is another)."""
+    where = merged.file_of(parse_dotted(key))
+    via = f" (via {merged.top})" if where != merged.top else ""
+    return ProfileError(f"{where}: {key}: {msg}{via}")
+
+
+def load_layered(path: str | Path) -> tuple[Profile, Merged]:
+    """The validated profile and how it was merged (files, provenance, overrides)."""
+    merged = load_merged(path)
     try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ProfileError(f"{label}: no such profile file") from None
-    except IsADirectoryError:
-        raise ProfileError(f"{label}: is a directory, not a profile file") from None
-    except OSError as e:
-        raise ProfileError(f"{label}: cannot read: {e.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ProfileError(f"{label}: invalid YAML: {where}{problem}") from None
-    if data is None:
-        raise ProfileError(f"{label}: the file is empty")
-    if not isinstance(data, dict):
-        raise ProfileError(
-            f"{label}: must be a mapping with one key 'sparkdeploy', not a {type(data).__name__}")
-    if "sparkdeploy" not in data:
-        raise ProfileError(f"{label}: sparkdeploy: required top-level key is missing")
-    others = sorted(str(k) for k in data if k != "sparkdeploy")
-    if others:
-        raise ProfileError(f"{label}: {others[0]}: unknown top-level key (only 'sparkdeploy')")
-    body = data["sparkdeploy"]
-    if not isinstance(body, dict):
-        raise ProfileError(f"{label}: sparkdeploy: must be a mapping")
-    try:
-        profile = Profile.model_validate(body)
+        profile = Profile.model_validate(merged.body)
     except ValidationError as e:
-        key, msg = _first_error(e)
-        raise ProfileError(f"{label}: {key}: {msg}") from None
+        raise _blame(merged, *_first_error(e)) from None
     problem = _cross_checks(profile)
     if problem:
-        raise ProfileError(f"{label}: {problem[0]}: {problem[1]}")
-    return profile
+        raise _blame(merged, *problem)
+    return profile, merged

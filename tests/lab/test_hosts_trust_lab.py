@@ -23,9 +23,10 @@ def inv(tmp_path: Path, *args: str, stdin: str = "") -> subprocess.CompletedProc
 
 def test_trust_asks_then_adds_host_keys_and_check_passes(lab, tmp_path):
     known = tmp_path / "known_hosts"
-    text = (REPO / "configs" / "lab.yaml").read_text().replace(
-        "known_hosts: /var/lib/sparkdeploy/lab/known_hosts", f"known_hosts: {known}")
-    (tmp_path / "lab.yaml").write_text(text)
+    # the lab profile with an empty known_hosts of our own (an overlay over configs/lab.yaml)
+    (tmp_path / "lab.yaml").write_text(
+        f"extends: {REPO / 'configs' / 'lab.yaml'}\n"
+        f"sparkdeploy:\n  ssh:\n    known_hosts: {known}\n")
 
     before = inv(tmp_path, "hosts.check")
     assert before.returncode == 1

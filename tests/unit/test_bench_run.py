@@ -89,7 +89,7 @@ def test_save_under_state_dir_and_baseline_gate(server, tmp_path):
 
 def test_no_endpoint_no_url_is_a_clear_exit(tmp_path):
     prof = tmp_path / "p.yaml"
-    prof.write_text((__import__("pathlib").Path("configs/lab.yaml")).read_text())
+    prof.write_text((__import__("pathlib").Path("configs/qwen3.5-122b-a10b-fp8.yaml")).read_text())
     c = Context(Config(overrides={"sparkdeploy": {"profile": str(prof),
                                                   "state_dir": str(tmp_path)}}))
     with pytest.raises(Exit, match="pass --url"):

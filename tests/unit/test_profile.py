@@ -40,12 +40,6 @@ def test_seed_profile_loads():
     assert p.bench.baseline_decode_tok_s == 27.0
 
 
-def test_lab_profile_loads_when_present():
-    lab = ROOT / "configs" / "lab.yaml"
-    if lab.exists():
-        assert load_profile(lab).head.name == "spark1"
-
-
 def _set(path, value):
     def fn(d):
         *parents, last = path
@@ -128,7 +122,8 @@ FILE_CASES = [
     ("comment-only", "# nothing\n", "the file is empty"),
     ("not-mapping", "- a\n- b\n", "must be a mapping with one key 'sparkdeploy', not a list"),
     ("no-top-key", "nodes: []\n", "sparkdeploy: required top-level key is missing"),
-    ("extra-top-key", "sparkdeploy: {}\nother: 1\n", "other: unknown top-level key (only 'sparkdeploy')"),
+    ("extra-top-key", "sparkdeploy: {}\nother: 1\n",
+     "other: unknown top-level key (only 'sparkdeploy', and 'extends')"),
     ("body-not-mapping", "sparkdeploy: 3\n", "sparkdeploy: must be a mapping"),
 ]
 

@@ -1,13 +1,16 @@
 """Lab part 2 inside ``lab.up``: the closed internet (model hub and package index on the
 controller's management address) and the community images on the head.
 
-The lab's ``env`` file gains ``HF_ENDPOINT``, ``PIP_INDEX_URL`` and ``PIP_TRUSTED_HOST``;
-``configs/lab.yaml`` names the same endpoints (``model.endpoint``, ``images.layer.index_url``).
+The lab's ``env`` file gains ``HF_ENDPOINT``, ``PIP_INDEX_URL`` and ``PIP_TRUSTED_HOST``; the
+profile overlay (``layout.PROFILE_OVERLAY``, extended by ``configs/lab.yaml``) names the same
+endpoints (``model.endpoint``, ``images.layer.index_url``) for the /24 lab.up chose.
 """
 
 from __future__ import annotations
 
 import subprocess
+
+import yaml
 
 from sparkdeploy.lab import hub, images, layout, pkgindex
 from sparkdeploy.lab.proc import LabError
@@ -23,6 +26,15 @@ def hub_url(controller: str) -> str:
 
 def index_url(controller: str) -> str:
     return f"http://{controller}:{INDEX_PORT}/simple/"
+
+
+def profile_overlay(controller: str) -> str:
+    """The profile overlay for a lab whose controller is ``controller``: the only place the lab
+    profile gets its hub and index addresses from."""
+    body = {"sparkdeploy": {"model": {"endpoint": hub_url(controller)},
+                            "images": {"layer": {"index_url": index_url(controller)}}}}
+    return ("# Written by lab.up for the management network it chose; do not edit.\n"
+            + yaml.safe_dump(body, sort_keys=False))
 
 
 def prefetch() -> tuple[bool, str]:

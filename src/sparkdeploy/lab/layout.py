@@ -19,6 +19,8 @@ CONTROLLER_KEY = KEYS_DIR / "id_ed25519"
 SSH_CONFIG = LAB_DIR / "ssh_config"
 KNOWN_HOSTS = LAB_DIR / "known_hosts"
 ENV_FILE = LAB_DIR / "env"
+PROFILE_OVERLAY = LAB_DIR / "profile.yaml"
+"""The profile overlay lab.up writes for the addresses it chose (``configs/lab.yaml`` extends it)."""
 
 # Paths inside a node that get a private bind mount (node path -> backing dir name).
 MODEL_DIR = "/srv/models"

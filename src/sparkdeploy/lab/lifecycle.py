@@ -96,6 +96,9 @@ def _up(add: Callable[[Result], Result], n: int, engine_name: str, seed_worker: 
         st.update(mgmt_net=plan.mgmt_net, fast_net=plan.fast_net, controller=plan.controller)
         lab_state.save(st)
         add((changed if first else ok)("addresses", why, mgmt=plan.mgmt_net, fast=plan.fast_net))
+        wrote = keys.write_if_changed(layout.PROFILE_OVERLAY, internet.profile_overlay(plan.controller))
+        add((changed if wrote else ok)("profile.overlay", f"{layout.PROFILE_OVERLAY}: hub and "
+                                       f"index on {plan.controller}"))
 
         # nodes beyond --nodes from an earlier run go away first
         extra = [x for x in st["nodes"] if x not in names]

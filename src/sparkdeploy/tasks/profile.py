@@ -1,19 +1,55 @@
 """`inv profile.check`: validate the profile and print it resolved, touching no node."""
 
+import json
+
 import yaml
 from invoke import Collection, task
+from invoke.exceptions import Exit
 
+from sparkdeploy.config import ProfileError, load_layered
+from sparkdeploy.overlays import REMOVED, UNSET, Merged, dotted
 from sparkdeploy.tasks._common import load
+
+
+def _short(v) -> str:
+    if v is REMOVED or v is UNSET:
+        return repr(v)
+    text = json.dumps(v, separators=(", ", ": "))
+    if len(text) <= 70:
+        return text
+    if isinstance(v, list):
+        return f"[{len(v)} items]"
+    if isinstance(v, dict):
+        return f"{{{len(v)} keys}}"
+    return text[:67] + "..."
+
+
+def override_lines(merged: Merged) -> list[str]:
+    """One comment line per value an extending file set over (or added to) its parents."""
+    if len(merged.files) < 2:
+        return []
+    lines = ["# files, base first: " + ", ".join(merged.files), "# overrides:"]
+    for o in sorted(merged.overrides, key=lambda o: [str(x) for x in o.path]):
+        was = "unset" if o.was is UNSET else f"{_short(o.was)} from {o.was_file}"
+        lines.append(f"#   {dotted(o.path)} = {_short(o.value)} ({o.file}; was {was})")
+    return lines
 
 
 @task(default=True, help={"profile": "profile file (default: sparkdeploy.profile)"})
 def check(c, profile=None):
-    """Validate the profile and print it with every default filled in."""
+    """Validate the profile and print it with every default filled in (and, for a profile
+    that extends others, which values each file overrides)."""
     dep = load(c, profile)
     p = dep.profile
+    try:
+        _, merged = load_layered(dep.profile_path)
+    except ProfileError as e:
+        raise Exit(str(e), code=2) from None
     print(f"# {dep.profile_path}: valid profile {p.name!r}: head {p.head.name}, "
           f"workers {', '.join(n.name for n in p.workers) or 'none'}, "
           f"{sum(n.gpus for n in p.nodes)} GPU(s), engines {', '.join(e.name for e in p.engines)}")
+    for line in override_lines(merged):
+        print(line)
     print(yaml.safe_dump({"sparkdeploy": p.model_dump(mode="json")}, sort_keys=False), end="")
 
 

@@ -1,0 +1,252 @@
+"""What every serving engine shares: per-node container specs, the link environment, and the
+``docker run`` argv built from a spec.
+
+An engine module turns the profile into a ``Launch``: stages of containers, each stage started
+on its nodes and then waited on (SGLang's head opens its init port, Ray reports every node with
+its GPU) before the next. Everything is decided here, on the controller, from the profile and
+a few facts read from each node (``NodeFacts``: the RoCE GID index, whether RDMA devices
+exist), so the exact argv and environment are testable without a node.
+
+The link environment is derived from the profile's fast link (FACTS: working two-Spark setups
+set all of these to the fast-link interface and addresses):
+
+- ``NCCL_SOCKET_IFNAME``, ``GLOO_SOCKET_IFNAME``, ``TP_SOCKET_IFNAME``, ``UCX_NET_DEVICES``: the
+  node's fast-link interface;
+- ``NCCL_IB_HCA``: every RoCE HCA of the link (both twins of the port, else ~3 GB/s),
+  ``NCCL_IB_DISABLE=0``, ``NCCL_IB_GID_INDEX``: the RoCE v2 GID index read from the node's
+  sysfs (not assumed to be 3). A node without HCAs gets ``NCCL_IB_DISABLE=1`` instead;
+- ``MASTER_ADDR``: the head's fast-link address;
+- the engine's own host address (``SGLANG_HOST_IP`` / ``VLLM_HOST_IP``, Ray's node IP): the
+  node's own fast-link address, so no rank advertises another interface to its peers.
+
+The profile's engine ``env`` overrides any of them; a null value removes a variable.
+
+Secrets: the API key (``SPARKDEPLOY_API_KEY`` on the controller) is never part of a spec's
+argv or env. A spec names the variables it wants (``secret_env``) and the starter hands the
+values to ``docker run --env-file /dev/stdin`` through the ssh process's stdin: the key is not
+in any command line (ps, the journal, ``docker inspect``'s Args) and no file holds it on the
+node. ``docker inspect`` does show it under ``Config.Env``, as it shows every container
+variable: reading that needs access to the node's Docker socket, which is root on that node.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from sparkdeploy.config import Engine, Node, Profile
+
+PREFIX = "sparkdeploy"
+LABEL_DEPLOYMENT = "sparkdeploy.deployment"
+LABEL_ENGINE = "sparkdeploy.engine"
+LABEL_ROLE = "sparkdeploy.role"
+API_KEY_ENV = "SPARKDEPLOY_API_KEY"
+"""The controller's environment variable holding the endpoint's API key (optional)."""
+
+_IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$")
+
+
+class EngineError(Exception):
+    """The profile cannot be turned into containers; ``str()`` is one line."""
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What the specs need to know about a node that the profile does not say."""
+
+    gid_index: int | None = None
+    """The RoCE v2 GID index of the fast-link address (``/sys/class/infiniband/...``)."""
+    rdma_devices: bool = False
+    """``/dev/infiniband`` exists: pass it to the containers (NCCL over RoCE needs it)."""
+
+
+@dataclass(frozen=True)
+class Mount:
+    source: str
+    target: str
+    read_only: bool = True
+
+    def arg(self) -> str:
+        return f"--volume={self.source}:{self.target}" + (":ro" if self.read_only else "")
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """One engine container on one node."""
+
+    node: str
+    engine: str
+    role: str
+    """``head``, ``worker`` (``worker1``, ``worker2``, ... with several) or ``api``."""
+    rank: int
+    image: str
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    mounts: tuple[Mount, ...] = ()
+    ports: tuple[int, ...] = ()
+    """Host ports the container listens on (host networking): checked free before starting."""
+    gpus: bool = True
+    devices: tuple[str, ...] = ()
+    volumes: tuple[str, ...] = ()
+    """Anonymous volumes (container paths), shared with ``volumes_from`` containers."""
+    volumes_from: str | None = None
+    secret_env: tuple[str, ...] = ()
+    """Variables whose values come from the controller's secrets when the container starts."""
+    deployment: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{PREFIX}-{self.engine}-{self.role}"
+
+    @property
+    def environment(self) -> dict[str, str]:
+        return dict(self.env)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Containers started together, then a wait before the next stage (``None``: none)."""
+
+    containers: tuple[ContainerSpec, ...]
+    wait: str | None = None
+    """``dist-port``: the head's init port answers; ``ray-nodes``: Ray lists every node with
+    its GPUs at its fast-link address."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    engine: Engine
+    stages: tuple[Stage, ...]
+    head: str
+    port: int
+    served_model: str
+    wait_port: int | None = None
+    """The port of the ``dist-port`` wait (on the head's fast-link address)."""
+
+    @property
+    def containers(self) -> list[ContainerSpec]:
+        return [c for s in self.stages for c in s.containers]
+
+    def on(self, node: str) -> list[ContainerSpec]:
+        return [c for c in self.containers if c.node == node]
+
+
+# --- the environment ----------------------------------------------------------------------
+
+
+def link_env(profile: Profile, node: Node, facts: NodeFacts) -> dict[str, str]:
+    """The fast-link environment of one node (before the engine's and the profile's)."""
+    iface = node.link.interface
+    env = {
+        "NCCL_SOCKET_IFNAME": iface,
+        "GLOO_SOCKET_IFNAME": iface,
+        "TP_SOCKET_IFNAME": iface,
+        "UCX_NET_DEVICES": iface,
+    }
+    if node.link.hcas:
+        env["NCCL_IB_HCA"] = ",".join(node.link.hcas)
+        env["NCCL_IB_DISABLE"] = "0"
+        if facts.gid_index is not None:
+            env["NCCL_IB_GID_INDEX"] = str(facts.gid_index)
+    else:
+        env["NCCL_IB_DISABLE"] = "1"
+    env["MASTER_ADDR"] = profile.head.link.address
+    return env
+
+
+def apply_overrides(env: dict[str, str], overrides: dict[str, str | None]) -> dict[str, str]:
+    """The profile's engine ``env`` over the tool's: a value replaces, null removes."""
+    out = dict(env)
+    for k, v in overrides.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = v
+    return out
+
+
+def merge_args(ours: list[str], theirs: list[str], flags_with_value: set[str]) -> list[str]:
+    """Our flags, minus any the profile's ``args`` set itself (the profile wins), then theirs."""
+    given = {a.split("=", 1)[0] for a in theirs if a.startswith("-")}
+    out: list[str] = []
+    i = 0
+    while i < len(ours):
+        a = ours[i]
+        takes = a in flags_with_value
+        if a.startswith("-") and a in given:
+            i += 2 if takes else 1
+            continue
+        out.append(a)
+        if takes:
+            out.append(ours[i + 1])
+            i += 2
+        else:
+            i += 1
+    return [*out, *theirs]
+
+
+def check_inputs(profile: Profile, engine: Engine) -> None:
+    if not _IMAGE.match(engine.image):
+        raise EngineError(f"engines.{engine.name}.image: {engine.image!r} is not an image reference")
+    if not profile.model.path.startswith("/"):
+        raise EngineError(f"model.path: {profile.model.path!r} must be an absolute path")
+
+
+def role_of(profile: Profile, node: Node) -> tuple[str, int]:
+    """(role, rank): the head is rank 0; workers 1.. in profile order, suffixed when several."""
+    if node.role == "head":
+        return "head", 0
+    workers = profile.workers
+    rank = workers.index(node) + 1
+    return ("worker" if len(workers) == 1 else f"worker{rank}"), rank
+
+
+def ordered_nodes(profile: Profile) -> list[Node]:
+    """The head first, then the workers in profile order (the ranks)."""
+    return [profile.head, *profile.workers]
+
+
+def model_mount(profile: Profile) -> Mount:
+    return Mount(profile.model.path, profile.model.path, read_only=True)
+
+
+# --- docker argv ------------------------------------------------------------------------
+
+
+def run_args(spec: ContainerSpec, *, detach: bool = True, remove: bool = False,
+             env_file: str | None = None) -> list[str]:
+    """``docker run`` arguments (after ``docker -H ...``) for a spec.
+
+    ``env_file`` is where docker reads the secret variables (``/dev/stdin`` when serve.up
+    pipes them in); single-argument ``--flag=value`` forms so no value is read as a flag."""
+    argv = ["run"]
+    if detach:
+        argv.append("--detach")
+    if remove:
+        argv.append("--rm")
+    argv += [
+        f"--name={spec.name}",
+        f"--label={LABEL_DEPLOYMENT}={spec.deployment}",
+        f"--label={LABEL_ENGINE}={spec.engine}",
+        f"--label={LABEL_ROLE}={spec.role}",
+        "--network=host",
+        "--ipc=host",
+        "--ulimit=memlock=-1",
+        "--ulimit=stack=67108864",
+    ]
+    if spec.gpus:
+        argv.append("--gpus=all")
+    argv += [f"--device={d}" for d in spec.devices]
+    argv += [m.arg() for m in spec.mounts]
+    argv += [f"--volume={v}" for v in spec.volumes]
+    if spec.volumes_from:
+        argv.append(f"--volumes-from={spec.volumes_from}")
+    if env_file and spec.secret_env:
+        argv.append(f"--env-file={env_file}")
+    argv += [f"--env={k}={v}" for k, v in spec.env]
+    return [*argv, spec.image, *spec.argv]
+
+
+def secret_lines(spec: ContainerSpec, secrets: dict[str, str]) -> str:
+    """The ``--env-file`` content for a spec's secret variables (only those that are set)."""
+    return "".join(f"{k}={secrets[k]}\n" for k in spec.secret_env if secrets.get(k))

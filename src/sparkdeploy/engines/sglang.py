@@ -1,0 +1,76 @@
+"""SGLang across the nodes: one container per node, ``python3 -m sglang.launch_server`` with
+``--nnodes N --node-rank R --dist-init-addr <head fast-link ip>:<dist_port>``.
+
+The head (rank 0) starts first; its init port must answer before the workers start. Rank 0
+serves the OpenAI API. Each node advertises its own fast-link address (``SGLANG_HOST_IP``):
+without it SGLang picks an address by itself, and on a Spark pair that was the Wi-Fi, which
+hung NCCL init (FACTS).
+"""
+
+from __future__ import annotations
+
+from sparkdeploy.config import Engine, Profile
+from sparkdeploy.engines.base import (
+    API_KEY_ENV,
+    ContainerSpec,
+    Launch,
+    NodeFacts,
+    Stage,
+    apply_overrides,
+    check_inputs,
+    link_env,
+    merge_args,
+    model_mount,
+    ordered_nodes,
+    role_of,
+)
+
+DEFAULT_DIST_PORT = 20000
+_VALUED = {"--model-path", "--served-model-name", "--tp", "--pp-size", "--nnodes", "--node-rank",
+           "--dist-init-addr", "--host", "--port"}
+# SGLang takes the key only as --api-key: it is added inside the container from a variable
+# handed over through --env-file, so it is in no docker command line and in no docker inspect
+# Args (the engine process's own argv inside the container still shows it).
+_WITH_KEY = 'exec "$@" --api-key "$SPARKDEPLOY_API_KEY"'
+
+
+def build(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
+          api_key: bool = False) -> Launch:
+    check_inputs(profile, engine)
+    nodes = ordered_nodes(profile)
+    head = profile.head
+    dist_port = engine.dist_port or DEFAULT_DIST_PORT
+    specs = []
+    for node in nodes:
+        role, rank = role_of(profile, node)
+        nf = facts.get(node.name, NodeFacts())
+        ours = ["--model-path", profile.model.path, "--served-model-name", profile.model.repo,
+                "--tp", str(engine.tensor_parallel)]
+        if engine.pipeline_parallel > 1:
+            ours += ["--pp-size", str(engine.pipeline_parallel)]
+        if len(nodes) > 1:
+            ours += ["--nnodes", str(len(nodes)), "--node-rank", str(rank),
+                     "--dist-init-addr", f"{head.link.address}:{dist_port}"]
+        ours += ["--host", "0.0.0.0", "--port", str(engine.port)]
+        argv = ["python3", "-m", "sglang.launch_server",
+                *merge_args(ours, list(engine.args), _VALUED)]
+        secret: tuple[str, ...] = ()
+        if api_key and rank == 0:
+            argv = ["sh", "-c", _WITH_KEY, "sglang", *argv]
+            secret = (API_KEY_ENV,)
+        env = link_env(profile, node, nf)
+        env["SGLANG_HOST_IP"] = node.link.address
+        env = apply_overrides(env, engine.env)
+        ports = (engine.port, dist_port) if rank == 0 and len(nodes) > 1 else \
+            (engine.port,) if rank == 0 else ()
+        specs.append(ContainerSpec(
+            node=node.name, engine=engine.name, role=role, rank=rank, image=engine.image,
+            argv=tuple(argv), env=tuple(env.items()), mounts=(model_mount(profile),),
+            ports=ports, devices=("/dev/infiniband",) if nf.rdma_devices else (),
+            secret_env=secret, deployment=profile.name))
+    if len(specs) == 1:
+        stages = (Stage((specs[0],)),)
+    else:
+        stages = (Stage((specs[0],), wait="dist-port"), Stage(tuple(specs[1:])))
+    return Launch(engine, stages, head.name, engine.port, profile.model.repo,
+                  wait_port=dist_port if len(specs) > 1 else None)

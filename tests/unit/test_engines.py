@@ -1,0 +1,251 @@
+"""The exact containers both engines start, for the seed's profile and a three-node profile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sparkdeploy.config import load_profile
+from sparkdeploy.engines import NodeFacts, launch
+from sparkdeploy.engines.base import EngineError, apply_overrides, merge_args, run_args
+
+REPO = Path(__file__).resolve().parents[2]
+SEED = REPO / "configs" / "qwen3.5-122b-a10b-fp8.yaml"
+MODEL = "/srv/models/Qwen3.5-122B-A10B-FP8"
+REPO_ID = "Qwen/Qwen3.5-122B-A10B-FP8"
+FACTS = {"spark1": NodeFacts(gid_index=3, rdma_devices=True),
+         "spark2": NodeFacts(gid_index=5, rdma_devices=True),
+         "spark3": NodeFacts(gid_index=7, rdma_devices=False)}
+
+
+def _seed():
+    return load_profile(SEED)
+
+
+def _profile(tmp_path, edit) -> object:
+    data = yaml.safe_load(SEED.read_text())
+    edit(data["sparkdeploy"])
+    p = tmp_path / "p.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return load_profile(p)
+
+
+def _three(tmp_path):
+    def edit(d):
+        d["nodes"].append({"name": "spark3", "role": "worker", "ssh": "spark3",
+                           "link": {"interface": "enp1s0f1np1", "address": "192.168.100.12",
+                                    "hcas": ["rocep1s0f1", "roceP2p1s0f1"]}})
+        for e in d["engines"]:
+            e["tensor_parallel"] = 3
+    return _profile(tmp_path, edit)
+
+
+def link(iface, own_gid, master, hcas="rocep1s0f0,roceP2p1s0f0"):
+    env = [("NCCL_SOCKET_IFNAME", iface), ("GLOO_SOCKET_IFNAME", iface),
+           ("TP_SOCKET_IFNAME", iface), ("UCX_NET_DEVICES", iface),
+           ("NCCL_IB_HCA", hcas), ("NCCL_IB_DISABLE", "0")]
+    if own_gid is not None:
+        env.append(("NCCL_IB_GID_INDEX", str(own_gid)))
+    return [*env, ("MASTER_ADDR", master)]
+
+
+def common(name, engine, role, deployment="qwen3.5-122b-a10b-fp8", rdma=True):
+    return ["run", "--detach", f"--name={name}", f"--label=sparkdeploy.deployment={deployment}",
+            f"--label=sparkdeploy.engine={engine}", f"--label=sparkdeploy.role={role}",
+            "--network=host", "--ipc=host", "--ulimit=memlock=-1", "--ulimit=stack=67108864",
+            "--gpus=all", *(["--device=/dev/infiniband"] if rdma else []),
+            f"--volume={MODEL}:{MODEL}:ro"]
+
+
+SGLANG_ARGS = ["--trust-remote-code", "--mem-fraction-static", "0.85", "--context-length", "32768"]
+VLLM_ARGS = ["--distributed-executor-backend", "ray", "--gpu-memory-utilization", "0.85",
+             "--max-model-len", "32768", "--trust-remote-code"]
+
+
+def sglang_argv(rank, nnodes, tp, head="192.168.100.10"):
+    return ["python3", "-m", "sglang.launch_server", "--model-path", MODEL, "--served-model-name",
+            REPO_ID, "--tp", str(tp), "--nnodes", str(nnodes), "--node-rank", str(rank),
+            "--dist-init-addr", f"{head}:20000", "--host", "0.0.0.0", "--port", "30000",
+            *SGLANG_ARGS]
+
+
+def envs(pairs):
+    return [f"--env={k}={v}" for k, v in pairs]
+
+
+def test_sglang_seed_profile_exact_argv_and_env():
+    p = _seed()
+    lau = launch(p, p.engines[0], FACTS)
+    assert [(s.wait, [c.name for c in s.containers]) for s in lau.stages] == [
+        ("dist-port", ["sparkdeploy-sglang-head"]), (None, ["sparkdeploy-sglang-worker"])]
+    head, worker = lau.containers
+    assert (head.node, head.ports, worker.node, worker.ports) == ("spark1", (30000, 20000), "spark2", ())
+    assert run_args(head) == [
+        *common("sparkdeploy-sglang-head", "sglang", "head"),
+        *envs([*link("enp1s0f0np0", 3, "192.168.100.10"), ("SGLANG_HOST_IP", "192.168.100.10")]),
+        "sparkdeploy/sglang-qwen3.5:latest", *sglang_argv(0, 2, 2)]
+    assert run_args(worker) == [
+        *common("sparkdeploy-sglang-worker", "sglang", "worker"),
+        *envs([*link("enp1s0f0np0", 5, "192.168.100.10"), ("SGLANG_HOST_IP", "192.168.100.11")]),
+        "sparkdeploy/sglang-qwen3.5:latest", *sglang_argv(1, 2, 2)]
+    assert lau.wait_port == 20000 and lau.port == 30000 and lau.served_model == REPO_ID
+
+
+def ray_worker(addr, head="192.168.100.10"):
+    return ["ray", "start", "--address", f"{head}:6379", "--node-ip-address", addr, "--num-gpus",
+            "1", "--disable-usage-stats", "--block"]
+
+
+def vllm_serve(tp):
+    # the profile's args set --distributed-executor-backend themselves: theirs wins, once
+    return ["vllm", "serve", MODEL, "--served-model-name", REPO_ID, "--host", "0.0.0.0", "--port",
+            "8000", "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", "1", *VLLM_ARGS]
+
+
+def test_vllm_ray_seed_profile_exact_argv_and_env():
+    p = _seed()
+    lau = launch(p, p.engines[1], FACTS)
+    assert [(s.wait, [c.name for c in s.containers]) for s in lau.stages] == [
+        (None, ["sparkdeploy-vllm-ray-head"]), ("ray-nodes", ["sparkdeploy-vllm-ray-worker"]),
+        (None, ["sparkdeploy-vllm-ray-api"])]
+    head, worker, api = lau.containers
+    ray = [("RAY_memory_monitor_refresh_ms", "0")]
+    assert run_args(head) == [
+        *common("sparkdeploy-vllm-ray-head", "vllm-ray", "head"), "--volume=/tmp/ray",
+        *envs([*link("enp1s0f0np0", 3, "192.168.100.10"), ("VLLM_HOST_IP", "192.168.100.10"), *ray]),
+        "hellohal2064/vllm-qwen3.5-gb10", "ray", "start", "--head", "--port", "6379",
+        "--node-ip-address", "192.168.100.10", "--num-gpus", "1", "--disable-usage-stats", "--block"]
+    assert run_args(worker) == [
+        *common("sparkdeploy-vllm-ray-worker", "vllm-ray", "worker"),
+        *envs([*link("enp1s0f0np0", 5, "192.168.100.10"), ("VLLM_HOST_IP", "192.168.100.11"), *ray]),
+        "hellohal2064/vllm-qwen3.5-gb10", *ray_worker("192.168.100.11")]
+    assert run_args(api) == [
+        *common("sparkdeploy-vllm-ray-api", "vllm-ray", "api"),
+        "--volumes-from=sparkdeploy-vllm-ray-head",
+        *envs([*link("enp1s0f0np0", 3, "192.168.100.10"), ("VLLM_HOST_IP", "192.168.100.10"), *ray,
+               ("RAY_ADDRESS", "192.168.100.10:6379")]),
+        "hellohal2064/vllm-qwen3.5-gb10", *vllm_serve(2)]
+    assert (head.ports, worker.ports, api.ports) == ((6379,), (), (8000,))
+
+
+def test_three_nodes_sglang_ranks_and_own_addresses(tmp_path):
+    p = _three(tmp_path)
+    lau = launch(p, p.engines[0], FACTS)
+    names = [c.name for c in lau.containers]
+    assert names == ["sparkdeploy-sglang-head", "sparkdeploy-sglang-worker1",
+                     "sparkdeploy-sglang-worker2"]
+    w2 = lau.containers[2]
+    assert run_args(w2) == [
+        *common("sparkdeploy-sglang-worker2", "sglang", "worker2", rdma=False),
+        *envs([*link("enp1s0f1np1", 7, "192.168.100.10", "rocep1s0f1,roceP2p1s0f1"),
+               ("SGLANG_HOST_IP", "192.168.100.12")]),
+        "sparkdeploy/sglang-qwen3.5:latest", *sglang_argv(2, 3, 3)]
+    assert [c.argv[c.argv.index("--node-rank") + 1] for c in lau.containers] == ["0", "1", "2"]
+    assert [s.wait for s in lau.stages] == ["dist-port", None]
+    assert [c.name for c in lau.stages[1].containers] == names[1:]
+
+
+def test_three_nodes_vllm_ray_one_worker_per_node(tmp_path):
+    p = _three(tmp_path)
+    lau = launch(p, p.engines[1], FACTS)
+    assert [c.name for c in lau.containers] == [
+        "sparkdeploy-vllm-ray-head", "sparkdeploy-vllm-ray-worker1", "sparkdeploy-vllm-ray-worker2",
+        "sparkdeploy-vllm-ray-api"]
+    w1, w2 = lau.stages[1].containers
+    assert (w1.node, w2.node) == ("spark2", "spark3")
+    assert list(w2.argv) == ray_worker("192.168.100.12")
+    assert w2.environment["VLLM_HOST_IP"] == "192.168.100.12"
+    assert w2.environment["NCCL_SOCKET_IFNAME"] == "enp1s0f1np1"
+    assert w2.environment["NCCL_IB_GID_INDEX"] == "7"
+    assert list(lau.containers[-1].argv) == vllm_serve(3)
+
+
+def test_profile_env_overrides_and_null_removes(tmp_path):
+    def edit(d):
+        d["engines"][0]["env"] = {"SGLANG_HOST_IP": None, "NCCL_IB_GID_INDEX": "5",
+                                  "NCCL_DEBUG": "INFO"}
+    p = _profile(tmp_path, edit)
+    head = launch(p, p.engines[0], FACTS).containers[0]
+    env = head.environment
+    assert "SGLANG_HOST_IP" not in env
+    assert env["NCCL_IB_GID_INDEX"] == "5" and env["NCCL_DEBUG"] == "INFO"
+    assert not any(a.startswith("--env=SGLANG_HOST_IP") for a in run_args(head))
+
+
+def test_no_hcas_disables_ib_and_unknown_gid_is_left_out(tmp_path):
+    def edit(d):
+        d["nodes"][1]["link"]["hcas"] = []
+    p = _profile(tmp_path, edit)
+    lau = launch(p, p.engines[0], {"spark1": NodeFacts(gid_index=None)})
+    head, worker = lau.containers
+    assert "NCCL_IB_GID_INDEX" not in head.environment
+    assert head.environment["NCCL_IB_DISABLE"] == "0"
+    assert worker.environment["NCCL_IB_DISABLE"] == "1" and "NCCL_IB_HCA" not in worker.environment
+
+
+def test_api_key_only_through_the_env_file(tmp_path):
+    p = _seed()
+    lau = launch(p, p.engines[1], FACTS, api_key=True)
+    api = lau.containers[-1]
+    assert api.secret_env == ("VLLM_API_KEY",)
+    args = run_args(api, env_file="/dev/stdin")
+    assert "--env-file=/dev/stdin" in args
+    assert not any("API_KEY" in a for a in args) and "--api-key" not in args
+    assert all(c.secret_env == () for c in lau.containers[:-1])
+    sg = launch(p, p.engines[0], FACTS, api_key=True).containers
+    assert sg[0].secret_env == ("SPARKDEPLOY_API_KEY",) and sg[1].secret_env == ()
+    assert sg[0].argv[:4] == ("sh", "-c", 'exec "$@" --api-key "$SPARKDEPLOY_API_KEY"', "sglang")
+    assert "--api-key" not in sg[1].argv
+
+
+def test_single_node_vllm_needs_no_ray(tmp_path):
+    def edit(d):
+        d["nodes"] = d["nodes"][:1]
+        d["services"]["stop"] = {}
+        for e in d["engines"]:
+            e["tensor_parallel"] = 1
+            e["args"] = []
+    p = _profile(tmp_path, edit)
+    [only] = launch(p, p.engines[1], FACTS).containers
+    assert list(only.argv) == ["vllm", "serve", MODEL, "--served-model-name", REPO_ID, "--host",
+                               "0.0.0.0", "--port", "8000", "--tensor-parallel-size", "1",
+                               "--pipeline-parallel-size", "1", "--distributed-executor-backend", "mp"]
+    [sg] = launch(p, p.engines[0], FACTS).containers
+    assert "--nnodes" not in sg.argv and "--dist-init-addr" not in sg.argv
+
+
+def test_bad_image_is_one_line(tmp_path):
+    def edit(d):
+        d["engines"][0]["image"] = "--privileged"
+    p = _profile(tmp_path, edit)
+    with pytest.raises(EngineError, match=r"^engines.sglang.image: '--privileged' is not an image"):
+        launch(p, p.engines[0], FACTS)
+
+
+@pytest.mark.parametrize("ours,theirs,want", [
+    (["--port", "1", "--x"], ["--port", "2"], ["--x", "--port", "2"]),
+    (["--port", "1"], ["--port=2"], ["--port=2"]),
+    (["--tp", "2", "--port", "1"], [], ["--tp", "2", "--port", "1"]),
+])
+def test_merge_args_profile_wins(ours, theirs, want):
+    assert merge_args(ours, theirs, {"--port", "--tp"}) == want
+
+
+def test_apply_overrides():
+    assert apply_overrides({"A": "1", "B": "2"}, {"A": None, "C": "3", "B": "x"}) == {"B": "x", "C": "3"}
+
+
+def test_profile_refuses_bad_env_name_and_engine_name(tmp_path):
+    from sparkdeploy.config import ProfileError
+
+    def bad_env(d):
+        d["engines"][0]["env"] = {"BAD-NAME": "1"}
+    with pytest.raises(ProfileError, match=r"engines\[0\]\.env: 'BAD-NAME' is not an environment"):
+        _profile(tmp_path, bad_env)
+
+    def bad_name(d):
+        d["engines"][0]["name"] = "--rm"
+    with pytest.raises(ProfileError, match=r"engines\[0\]\.name: '--rm' is not of the form"):
+        _profile(tmp_path, bad_name)
