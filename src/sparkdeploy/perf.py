@@ -13,6 +13,7 @@ import sys
 BENCHMARKS: dict[str, str] = {
     "bench": "sparkdeploy.bench.perf:run",
     "ship": "sparkdeploy.lab.perf_ship:run",
+    "deploy": "sparkdeploy.lab.perf_deploy:run",
 }
 
 

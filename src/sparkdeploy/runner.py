@@ -354,3 +354,21 @@ class Runner:
         r.started = self.clock()
         self._state(r, RUNNING)
         running[pool.submit(self._execute, self.by_name[name])] = name
+
+
+def longest_chain(out: Outcome, plan: list[PlanStep]) -> tuple[float, list[str]]:
+    """The longest chain of dependent steps, by the seconds each took in ``out``: a step ends a
+    chain of its own time plus the longest chain of its needs; an ``after_start`` step adds to
+    the chain up to the *start* of the step it follows. Returns (seconds, the chain's steps)."""
+    names = {s.name for s in plan}
+    took = {n: (r.elapsed or 0.0) for n, r in out.runs.items()}
+    best: dict[str, tuple[float, list[str]]] = {}
+    graph = {s.name: _needs(s, names) for s in plan}
+    for name in TopologicalSorter({**graph, **{s.name: graph[s.name] | set(s.after_start)
+                                               for s in plan}}).static_order():
+        spec = next(s for s in plan if s.name == name)
+        before = [best[n] for n in graph[name]]
+        before += [(best[a][0] - took.get(a, 0.0), best[a][1][:-1]) for a in spec.after_start]
+        base = max(before, default=(0.0, []), key=lambda x: x[0])
+        best[name] = (base[0] + took.get(name, 0.0), [*base[1], name])
+    return max(best.values(), default=(0.0, []), key=lambda x: x[0])

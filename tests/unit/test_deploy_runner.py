@@ -331,3 +331,17 @@ def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
     again = Runner(dep_for(tmp_path), plans.plan(dep)).run()
     assert again.runs["bench.run"].state == "skipped"
     assert again.runs["bench.run"].why.startswith("nothing changed")
+
+
+def test_longest_chain_counts_after_start_from_the_start():
+    from sparkdeploy.runner import Outcome, StepRun, longest_chain
+
+    plan = [PlanStep("dl"), PlanStep("sync", after_start=("dl",)), PlanStep("probe"),
+            PlanStep("ship", needs=("probe",)), PlanStep("up", needs=("dl", "sync", "ship"))]
+    took = {"dl": 60.0, "sync": 63.0, "probe": 5.0, "ship": 20.0, "up": 10.0}
+    runs = {n: StepRun(n, "done", elapsed=t) for n, t in took.items()}
+    secs, chain = longest_chain(Outcome("deploy", runs, 80.0, False), plan)
+    assert (secs, chain) == (73.0, ["sync", "up"])
+    took["ship"] = 70.0
+    runs = {n: StepRun(n, "done", elapsed=t) for n, t in took.items()}
+    assert longest_chain(Outcome("deploy", runs, 80.0, False), plan) == (85.0, ["probe", "ship", "up"])
