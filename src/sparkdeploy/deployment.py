@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +40,10 @@ class Deployment:
     def report(self, result: Result) -> Result:
         """Emit a step's result as it happens; returns it (``out.append(dep.report(r))``)."""
         return self.events.result(result)
+
+    def report_all(self, results: Iterable[Result]) -> list[Result]:
+        """Emit each result as it is produced (a step written as a generator) and return them."""
+        return [self.events.result(r) for r in results]
 
     def host(self, name: str) -> Host:
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -75,12 +76,15 @@ class EventSink:
 
     listeners: list[Listener] = field(default_factory=list)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
-    _emitted: set[int] = field(default_factory=set, repr=False)
+    _emitted: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary,
+                                                  repr=False)
+    """Results already emitted, by identity (weak: a result nobody holds is forgotten, and
+    its id, once reused, is not mistaken for it)."""
 
     def emit(self, event: Event) -> Event:
         with self._lock:
             if isinstance(event, Result):
-                self._emitted.add(id(event))
+                self._emitted[id(event)] = event
             for fn in list(self.listeners):
                 fn(event)
         return event
@@ -91,7 +95,8 @@ class EventSink:
         return result
 
     def seen(self, result: Result) -> bool:
-        return id(result) in self._emitted
+        """Whether this very result (not an equal one) was emitted already."""
+        return self._emitted.get(id(result)) is result
 
     def progress(self, step: str, node: str | None, done: float, total: float | None = None,
                  unit: str = "B", note: str = "") -> None:
@@ -286,18 +291,20 @@ class LiveRenderer:
             self.console.print("\n".join(self.board.lines()), highlight=False, markup=False)
 
 
-def renderer_for(out: TextIO | None = None) -> PlainRenderer | LiveRenderer:
-    """The live view on a terminal, plain lines otherwise."""
+def renderer_for(out: TextIO | None = None, live: bool = True) -> PlainRenderer | LiveRenderer:
+    """The live view on a terminal (unless ``live`` is False), plain lines otherwise."""
     out = out or sys.stdout
-    if out.isatty():
+    if live and out.isatty():
         return LiveRenderer()
     return PlainRenderer(out)
 
 
 @contextmanager
-def rendering(sink: EventSink, out: TextIO | None = None) -> Iterator[PlainRenderer | LiveRenderer]:
-    """Attach the right renderer to ``sink`` for the duration of a task."""
-    r = renderer_for(out)
+def rendering(sink: EventSink, out: TextIO | None = None,
+              live: bool = True) -> Iterator[PlainRenderer | LiveRenderer]:
+    """Attach the right renderer to ``sink`` for the duration of a task (``live=False`` for a
+    task that asks questions on the terminal)."""
+    r = renderer_for(out, live)
     try:
         with sink.listening(r):
             yield r

@@ -6,7 +6,11 @@ task), is journaled under the state dir with secrets redacted, and comes back as
 which gets ``shlex.join(argv)``.
 
 Dry run (``inv --dry``): read-only probes (``change=False``) still run, since they change
-nothing; every other command is echoed as ``[node] would run: ...`` and not run.
+nothing; every other command is echoed as ``[node] would run: ...`` and not run. Echo goes to
+the deployment's event stream as ``Echo`` events, never to stdout.
+
+A node that cannot be reached raises ``NodeUnreachable`` from ``run`` (the one error for it);
+a command that merely fails comes back as a ``CmdResult`` with its exit code.
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ import hashlib
 import os
 import shlex
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,13 +31,31 @@ from invoke import Context
 from invoke.exceptions import CommandTimedOut
 
 from sparkdeploy.config import Node, SshSettings
+from sparkdeploy.events import Echo, EventSink
+from sparkdeploy.results import Result, failed
 from sparkdeploy.state import StateDir, redact
+from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 SSH_UNREACHABLE = 255
 
 
 class HostError(Exception):
-    """A command could not be run as asked (unreachable node, sudo wants a password)."""
+    """A command could not be run as asked (sudo wants a password, the node is unreachable)."""
+
+
+class NodeUnreachable(HostError):
+    """The node cannot be reached (ssh cannot connect, authenticate or verify its host key).
+
+    The one error for it: ``Host.run`` raises it, steps turn it into one failed result per
+    node with ``as_result(step)``, and a task that sees it escape exits 1 with its one line."""
+
+    def __init__(self, node: str, why: str):
+        super().__init__(f"{node}: unreachable: {why}")
+        self.node = node
+        self.why = why
+
+    def as_result(self, step: str, **details: Any) -> Result:
+        return failed(step, f"unreachable: {self.why}", self.node, **details)
 
 
 @dataclass
@@ -47,8 +68,6 @@ class CmdResult:
     duration: float = 0.0
     dry: bool = False
     """True when the command was not run because of ``--dry``."""
-    unreachable: bool = False
-    """True when ssh could not reach the node (not merely a command that exited 255)."""
 
     @property
     def ok(self) -> bool:
@@ -123,8 +142,8 @@ class Host:
     ssh: SshSettings = field(default_factory=SshSettings)
     ctx: Context | None = None
     state: StateDir | None = None
-    events: Any = None
-    """The deployment's ``EventSink``: echo goes there as ``Echo`` events (else stdout)."""
+    events: EventSink = field(default_factory=EventSink)
+    """The deployment's event stream: echo goes there as ``Echo`` events."""
     _unreachable: str | None = None
 
     @property
@@ -149,13 +168,7 @@ class Host:
         return [*ssh_base_argv(self.ssh), self.node.ssh or "", "--", shlex.join(argv)]
 
     def _say(self, text: str, would: bool = False) -> None:
-        if self.events is not None:
-            from sparkdeploy.events import Echo
-
-            self.events.emit(Echo(self.name, text, would))
-        else:
-            prefix = "would run: " if would else "$ "
-            print(f"[{self.name}] {prefix}{text}", file=sys.stdout, flush=True)
+        self.events.emit(Echo(self.name, text, would))
 
     def run(
         self,
@@ -168,7 +181,9 @@ class Host:
     ) -> CmdResult:
         """Run ``argv`` on the node. ``change=False`` marks a read-only probe.
 
-        ``on_stderr`` receives each stderr line as it arrives (progress of long commands)."""
+        ``on_stderr`` receives each stderr line as it arrives (progress of long commands).
+        Raises ``NodeUnreachable`` when ssh cannot reach the node (asked once per run: later
+        commands raise at once)."""
         argv = [str(a) for a in argv]
         shown = redact(shlex.join(elide(argv if not (sudo and self.node.privilege == "sudo")
                                         else ["sudo", "-n", *argv])))
@@ -179,8 +194,7 @@ class Host:
         if self.echo:
             self._say(shown)
         if self._unreachable is not None:
-            return CmdResult(self.name, argv, SSH_UNREACHABLE, stderr=self._unreachable,
-                             unreachable=True)
+            raise NodeUnreachable(self.name, self._unreachable)
         full = self.wrap(argv, sudo=sudo)
         ctx = self.ctx or Context()
         start = time.monotonic()
@@ -205,8 +219,8 @@ class Host:
         self._journal(res, change)
         if not self.node.local and res.exit_code == SSH_UNREACHABLE and self._lost(ctx):
             # ssh itself failed (a command of ours may exit 255 too: then the node still answers)
-            res.unreachable = True
             self._unreachable = res.one_line_error()
+            raise NodeUnreachable(self.name, self._unreachable)
         if sudo and self.node.privilege == "sudo" and res.exit_code != 0 and (
             "a password is required" in res.stderr or "a terminal is required" in res.stderr
         ):
@@ -262,15 +276,19 @@ class Host:
         proc = subprocess.Popen(fwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)
         try:
-            deadline = time.monotonic() + self.ssh.connect_timeout + 5
-            while not sock.exists():
+            def forwarded() -> bool:
                 if proc.poll() is not None:
                     err = (proc.stderr.read() if proc.stderr else b"").decode(errors="replace")
-                    raise HostError(f"{self.name}: cannot forward the docker socket: "
-                                    f"{err.strip().splitlines()[-1] if err.strip() else 'ssh exited'}")
-                if time.monotonic() > deadline:
-                    raise HostError(f"{self.name}: timed out forwarding the docker socket")
-                time.sleep(0.05)
+                    raise Stop(err.strip().splitlines()[-1] if err.strip() else "ssh exited")
+                return sock.exists()
+
+            try:
+                wait_for(forwarded, deadline=self.ssh.connect_timeout + 5, interval=0.05,
+                         what="the docker socket forward")
+            except Stop as e:
+                raise NodeUnreachable(self.name, f"cannot forward the docker socket: {e}") from None
+            except WaitTimeout as e:
+                raise NodeUnreachable(self.name, str(e)) from None
             client = docker.DockerClient(base_url=f"unix://{sock}", timeout=timeout)
             try:
                 yield client

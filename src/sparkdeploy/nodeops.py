@@ -1,5 +1,8 @@
-"""Small node-side helpers every image step shares: the docker CLI argv, JSON probes, staging
-a file on a node, the node's architecture."""
+"""Small node-side helpers every step shares: the docker CLI argv, JSON probes, staging a file
+on a node, the node's architecture.
+
+A node that cannot be reached raises ``NodeUnreachable`` (from ``Host.run``; re-exported here);
+a node that answers but cannot do what is asked raises ``HostError``."""
 
 from __future__ import annotations
 
@@ -10,7 +13,10 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from sparkdeploy.hosts import Host
+from sparkdeploy.hosts import Host, HostError, NodeUnreachable
+
+__all__ = ["ARCH", "SCRIPTS", "HostError", "NodeUnreachable", "docker", "inspect_image",
+           "listed_tags", "node_arch", "shell", "stage", "stage_script"]
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 STAGE_DIR = "/tmp/sparkdeploy-stage"
@@ -26,8 +32,6 @@ def docker(host: Host, *args: str) -> list[str]:
 def inspect_image(host: Host, ref: str) -> dict[str, Any] | None:
     """``docker image inspect`` as a dict, or None when the node does not have the image."""
     r = host.run(docker(host, "image", "inspect", "--format", "{{json .}}", ref), change=False)
-    if r.unreachable:
-        raise NodeUnreachable(host.name, r.one_line_error())
     if r.exit_code != 0:
         return None
     return json.loads(r.stdout)
@@ -41,8 +45,8 @@ def listed_tags(host: Host) -> set[str]:
 
 def node_arch(host: Host) -> str:
     r = host.run(["uname", "-m"], change=False)
-    if r.unreachable:
-        raise NodeUnreachable(host.name, r.one_line_error())
+    if not r.ok:
+        raise HostError(f"{host.name}: uname -m failed: {r.one_line_error()}")
     return ARCH.get(r.stdout.strip(), r.stdout.strip())
 
 
@@ -60,7 +64,7 @@ def stage(host: Host, name: str, content: str) -> str:
     encoded = base64.b64encode(content.encode()).decode()
     r = host.run(["sh", "-c", script, "sh", path, encoded], change=False)
     if not r.ok:
-        raise NodeUnreachable(host.name, f"cannot stage {name}: {r.one_line_error()}")
+        raise HostError(f"{host.name}: cannot stage {name}: {r.one_line_error()}")
     return path
 
 
@@ -72,9 +76,3 @@ def shell(*argvs: list[str]) -> str:
     """A shell pipeline of argv lists, every word quoted."""
     return " | ".join(shlex.join(a) for a in argvs)
 
-
-class NodeUnreachable(Exception):
-    def __init__(self, node: str, why: str):
-        super().__init__(f"{node}: {why}")
-        self.node = node
-        self.why = why

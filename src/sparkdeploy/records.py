@@ -27,10 +27,20 @@ class Written:
 
 
 def _atomic(path: Path, text: str) -> Path:
+    """Write ``text`` to a temp file beside ``path``, fsync it, rename it over ``path``: a
+    reader sees the old record or the new one, never half of one, and a failed write leaves
+    no temp file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -64,7 +64,9 @@ def worker_as_lab_up_left_it(dep):
 def test_probe_rejects_old_sglang_needs_layer_for_scitrera_accepts_vllm(state):
     r = inv(state, "image.probe")
     assert r.returncode == 0, r.stdout + r.stderr
-    rec = json.loads((state / "decisions" / "image-probe.json").read_text())
+    envelope = json.loads((state / "decisions" / "image-probe.json").read_text())
+    assert envelope["step"] == "image.probe" and envelope["profile"].endswith("-lab")
+    rec = envelope["data"]
     verdicts = {c["image"]: c for c in rec["candidates"]}
     assert verdicts[SGLANG_OLD]["verdict"] == "rejected"
     assert "sglang lacks sglang/srt/models/qwen3_5.py" in verdicts[SGLANG_OLD]["why"]

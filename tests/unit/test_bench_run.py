@@ -96,14 +96,17 @@ def test_no_endpoint_no_url_is_a_clear_exit(tmp_path):
         bench_tasks.run(c)
 
 
-def test_unreachable_endpoint_is_one_line(tmp_path):
+def test_unreachable_endpoint_is_one_line(tmp_path, capsys):
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(Exit, match="cannot reach"):
+    with pytest.raises(Exit) as e:
         bench_tasks.run(ctx(tmp_path), url=f"http://127.0.0.1:{port}", requests=1)
+    assert e.value.code == 1
+    [line] = capsys.readouterr().out.splitlines()
+    assert f"failed   bench.run          -        cannot reach http://127.0.0.1:{port}" in line
     with pytest.raises(BenchError):
         run_sweep("ftp://x", Settings())
 

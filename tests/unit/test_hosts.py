@@ -1,9 +1,10 @@
 import shlex
 
+import pytest
 from invoke import Config, Context, Result
 
 from sparkdeploy.config import Link, Node, SshSettings
-from sparkdeploy.hosts import Host, elide
+from sparkdeploy.hosts import Host, NodeUnreachable, elide
 
 NODE = Node(name="spark1", role="head", ssh="spark1", link=Link(interface="e0", address="10.0.0.1"),
             privilege="sudo")
@@ -39,7 +40,7 @@ def test_a_command_exiting_255_on_a_live_node_is_not_unreachable():
     ctx = Ctx({"exit255": 255})
     h = Host(NODE, SshSettings(), ctx)
     r = h.run(["exit255"])
-    assert r.exit_code == 255 and not r.unreachable
+    assert r.exit_code == 255 and r.stderr == "boom"
     assert h.run(["echo"]).ok
     assert ctx.seen == ["exit255", "true", "echo"]
 
@@ -47,9 +48,14 @@ def test_a_command_exiting_255_on_a_live_node_is_not_unreachable():
 def test_an_unreachable_node_is_asked_once():
     ctx = Ctx({"a": 255, "true": 255, "b": 0})
     h = Host(NODE, SshSettings(), ctx)
-    assert h.run(["a"]).unreachable
-    assert h.run(["b"]).unreachable
+    with pytest.raises(NodeUnreachable) as first:
+        h.run(["a"])
+    with pytest.raises(NodeUnreachable) as second:
+        h.run(["b"])
     assert ctx.seen == ["a", "true"]
+    # one line, the same both times, naming the node and ssh's own words
+    assert str(first.value) == str(second.value) == "spark1: unreachable: boom"
+    assert first.value.as_result("hosts.check").why == "unreachable: boom"
 
 
 def test_elide_long_arguments():

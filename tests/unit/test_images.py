@@ -145,3 +145,36 @@ def test_ship_pipeline_argv(dep):
 def test_filter_report_is_read_from_stderr():
     err = "progress bytes_in=1 bytes_out=1\n" + json.dumps({"bytes_in": 10, "bytes_out": 4}) + "\n"
     assert ship._report(err) == {"bytes_in": 10, "bytes_out": 4}
+
+
+def test_build_output_goes_to_the_stream_as_log_lines_and_step_progress(dep):
+    from sparkdeploy.events import Log, Progress
+
+    chunks = [{"stream": "Step 1/3 : ARG BASE_IMAGE\n"}, {"stream": "\n"},
+              {"stream": "Step 2/3 : FROM x\n ---> 1234\n"},
+              {"stream": "Step 3/3 : RUN pip install\n"},
+              {"error": "The command returned a non-zero code: 1\n"}]
+    with dep.events.collect() as got:
+        errors, tail = images.follow_build(dep, "spark1", chunks)
+    assert errors == ["The command returned a non-zero code: 1"]
+    assert tail == ["Step 1/3 : ARG BASE_IMAGE", "Step 2/3 : FROM x", " ---> 1234",
+                    "Step 3/3 : RUN pip install"]
+    assert [e.text for e in got if isinstance(e, Log)] == tail
+    assert [(e.done, e.total, e.unit, e.note) for e in got if isinstance(e, Progress)] == [
+        (0, 3, "steps", "ARG BASE_IMAGE"), (1, 3, "steps", "FROM x"),
+        (2, 3, "steps", "RUN pip install")]
+
+
+def test_the_decision_record_carries_who_and_when_and_ship_reads_it(dep):
+    rec = images.decide(dep, "spark1", "arm64", "hub", [
+        images.judge(dep, "hellohal2064/vllm-qwen3.5-gb10", "vllm", "arm64", INFO,
+                     report("vllm", "0.17.1", {"x": True}, "4.57.1", False, True, []), None)])
+    assert ship.default_image(dep) == dep.profile.engines[0].image  # no record yet
+    images.write_record(dep, rec)
+    env = dep.records.read("image-probe")
+    assert (env["name"], env["step"], env["profile"]) == ("image-probe", "image.probe",
+                                                           dep.profile.name)
+    assert env["data"]["chosen"]["serve_image"] == "hellohal2064/vllm-qwen3.5-gb10"
+    assert ship.default_image(dep) == "hellohal2064/vllm-qwen3.5-gb10"
+    md = (dep.state.path / "decisions/image-probe.md").read_text()
+    assert "| hellohal2064/vllm-qwen3.5-gb10 | vllm | 0.17.1 | 4.57.1 | yes | no | linux/arm64 | viable |" in md

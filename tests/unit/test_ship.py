@@ -4,12 +4,14 @@ import json
 import shlex
 
 import pytest
-from invoke import Config, Context, Result
+from invoke import Config, Context
+from invoke import Result as RunResult
 
 from sparkdeploy.config import load_profile
 from sparkdeploy.deployment import Deployment
+from sparkdeploy.events import Progress
 from sparkdeploy.hosts import Host
-from sparkdeploy.results import Status
+from sparkdeploy.results import Result, Status
 from sparkdeploy.state import StateDir
 from sparkdeploy.steps import ship
 from tests.unit.test_profile import SEED
@@ -79,12 +81,17 @@ class Ctx(Context):
             if partial and self.engines[peer].refuse_partial:
                 code, err = 1, "Error processing tar file: unexpected EOF"
             else:
+                if kw.get("err_stream") is not None and partial:
+                    # save_filter's progress, as it arrives (split mid-line on purpose)
+                    for chunk in ("progress bytes_in=1000000000 byt", "es_out=0\n",
+                                  "progress bytes_in=3000000000 bytes_out=1000000000\n"):
+                        kw["err_stream"].write(chunk)
                 self.engines[peer].images["img:1"] = IMG
                 err = json.dumps({"bytes_in": 3_000_000_000,
                                   "bytes_out": 1_000_000_000 if partial else 3_000_000_000})
         else:
             raise AssertionError(argv)
-        return Result(stdout=out, stderr=err, exited=code, command=command)
+        return RunResult(stdout=out, stderr=err, exited=code, command=command)
 
 
 ADDR = {"spark1": "192.168.100.10", "spark2": "192.168.100.11"}
@@ -103,7 +110,13 @@ def make(tmp_path):
 
 def test_peer_with_the_base_gets_only_the_top_layer(make):
     dep, ctx = make(Engine({"base:1": BASE_IMG}))
-    [res] = ship.ship(dep, "spark2", "img:1")
+    with dep.events.collect() as events:
+        [res] = ship.ship(dep, "spark2", "img:1")
+    # progress as the source reads the image, then the result, each once, on the stream
+    assert [e for e in events if isinstance(e, Progress)] == [
+        Progress("image.ship", "spark2", 1_000_000_000, 3_000_000_000, "B", "from spark1"),
+        Progress("image.ship", "spark2", 3_000_000_000, 3_000_000_000, "B", "from spark1")]
+    assert [e for e in events if isinstance(e, Result)] == [res]
     assert res.status is Status.CHANGED, res.why
     assert res.details["mode"] == "partial" and res.details["layers_skipped"] == 2
     [(alias, script)] = ctx.pipelines

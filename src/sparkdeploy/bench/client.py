@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from sparkdeploy.bench.metrics import Timeline, analyse, stats, summarize
+from sparkdeploy.events import EventSink, Progress
 
 
 class BenchError(Exception):
@@ -207,11 +208,28 @@ class _Probe(threading.Thread):
             self.lags.append((time.perf_counter() - t - 0.005) * 1000.0)
 
 
+def _join_reporting(threads: list[threading.Thread], finished: list[int], requests: int,
+                    events: EventSink | None, step: str, note: str) -> None:
+    """Join the workers; meanwhile (every 0.5 s, from this thread, so rendering never runs on
+    a worker) report how many requests finished, and always the final count."""
+    last = -1
+    for th in threads:
+        while th.is_alive():
+            th.join(0.5)
+            if events is not None and finished[0] != last:
+                last = finished[0]
+                events.emit(Progress(step, None, last, requests, "req", note))
+    if events is not None and last != requests:
+        events.emit(Progress(step, None, finished[0], requests, "req", note))
+
+
 def run_level(target: Target, s: Settings, requests: int, concurrency: int | None = None,
-              rate: float | None = None, path: str | None = None, first_index: int = 0) -> dict:
+              rate: float | None = None, path: str | None = None, first_index: int = 0,
+              events: EventSink | None = None, step: str = "bench.run", note: str = "") -> dict:
     """Run ``requests`` requests at a fixed concurrency, or Poisson arrivals at ``rate`` req/s
     (then ``concurrency`` caps the workers, default min(requests, 256)). Returns
-    ``{"summary", "requests", "client"}``."""
+    ``{"summary", "requests", "client"}``. With ``events``, each finished request is a
+    ``Progress(step, None, finished, requests, "req", note)``."""
     if s.model is None:
         raise BenchError("no model")
     path = path or ("/v1/chat/completions" if s.api == "chat" else "/v1/completions")
@@ -233,6 +251,7 @@ def run_level(target: Target, s: Settings, requests: int, concurrency: int | Non
     ready = threading.Barrier(workers + 1)
     t0 = [0.0]
     connect_errors: list[str] = []
+    finished = [0]  # requests done; progress is emitted by the main thread, not the workers
 
     def worker(k: int) -> None:
         conn = None
@@ -266,6 +285,8 @@ def run_level(target: Target, s: Settings, requests: int, concurrency: int | Non
                 tl.error = f"{type(e).__name__}: {e}".rstrip(": ")
             if tl.end is None:
                 tl.end = time.perf_counter()
+            with lock:
+                finished[0] += 1
             prev_end = tl.end if rate is None else 0.0
             if tl.error is not None and conn is not None:
                 conn.close()
@@ -289,8 +310,7 @@ def run_level(target: Target, s: Settings, requests: int, concurrency: int | Non
         cpu0, wall0 = time.process_time(), time.perf_counter()
         probe.start()
         ready.wait()
-        for th in threads:
-            th.join()
+        _join_reporting(threads, finished, requests, events, step, note)
         cpu1, wall1 = time.process_time(), time.perf_counter()
     finally:
         probe.stop.set()

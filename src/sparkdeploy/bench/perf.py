@@ -12,11 +12,11 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from sparkdeploy.bench.client import Settings
 from sparkdeploy.bench.sweep import run_sweep
+from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 TTFT_MS = 100.0
 TOK_S = 27.0
@@ -41,17 +41,23 @@ def start_standin(port: int, ttft_ms: float, tok_s: float, extra: list[str] | No
         [sys.executable, "-m", "sparkdeploy.lab.standins.engine_server", "--host", "127.0.0.1",
          "--port", str(port), "--ttft-ms", str(ttft_ms), "--tok-s", str(tok_s), *(extra or [])],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+
+    def port_open() -> bool:
         if proc.poll() is not None:
-            raise RuntimeError(f"stand-in exited: {proc.stderr.read().decode()[-300:]}")
+            raise Stop(f"stand-in exited: {proc.stderr.read().decode()[-300:]}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return proc
+                return True
         except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("stand-in did not open its port in 20 s")
+            return False
+
+    try:
+        wait_for(port_open, deadline=20, interval=0.05, what="the stand-in to open its port")
+    except (Stop, WaitTimeout) as e:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(str(e)) from None
+    return proc
 
 
 def run() -> dict[str, float]:

@@ -7,6 +7,9 @@ import json
 from pathlib import Path
 
 from sparkdeploy.bench.client import BenchError, Settings, Target, default_model, run_level
+from sparkdeploy.events import EventSink
+
+STEP = "bench.run"
 
 
 def parse_levels(text: str | None, kind=int) -> list:
@@ -27,9 +30,10 @@ def parse_levels(text: str | None, kind=int) -> list:
 
 def run_sweep(url: str, settings: Settings, *, concurrency: list[int] | None = None,
               rates: list[float] | None = None, requests: int = 16, warmup: int = 1,
-              max_concurrency: int | None = None, progress=None) -> dict:
-    """The whole run as the JSON document (``config`` + ``runs``). ``progress(msg)`` is called
-    before each level when given."""
+              max_concurrency: int | None = None, events: EventSink | None = None) -> dict:
+    """The whole run as the JSON document (``config`` + ``runs``). With ``events``, each
+    level's requests are reported as ``Progress("bench.run", None, done, total, "req", level)``
+    as they finish (warm-up included)."""
     target = Target.parse(url)
     if settings.model is None:
         settings.model = default_model(target)
@@ -49,15 +53,13 @@ def run_sweep(url: str, settings: Settings, *, concurrency: list[int] | None = N
     }
     index = 0
     for conc, rate in levels:
+        name = f"concurrency {conc}" if rate is None else f"rate {rate:g} req/s"
         if warmup:
-            if progress:
-                progress(f"warm-up: {warmup} request(s)")
             run_level(target, settings, warmup, concurrency=min(warmup, conc or 1),
-                      first_index=10_000_000 + index)
-        if progress:
-            progress(f"concurrency {conc}" if rate is None else f"rate {rate:g} req/s")
+                      first_index=10_000_000 + index, events=events, step=STEP,
+                      note=f"{name}: warm-up")
         res = run_level(target, settings, requests, concurrency=conc, rate=rate,
-                        first_index=index)
+                        first_index=index, events=events, step=STEP, note=name)
         index += requests
         doc["runs"].append({"concurrency": conc, "rate": rate, **res})
     return doc

@@ -4,28 +4,36 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.hosts import ssh_base_argv
+from sparkdeploy.hosts import NodeUnreachable, ssh_base_argv
 from sparkdeploy.results import Result, changed, failed, ok, skipped
+from sparkdeploy.steps.registry import step
 
 STEP_CHECK = "hosts.check"
 STEP_TRUST = "hosts.trust"
 
 
+@step(STEP_CHECK)
 def check(dep: Deployment, node: str | None = None) -> list[Result]:
+    """Which nodes answer over ssh (or are this machine)."""
     results = []
     for host in dep.select(node):
-        r = host.run(["true"], change=False, timeout=dep.profile.ssh.connect_timeout + 10)
+        try:
+            r = host.run(["true"], change=False, timeout=dep.profile.ssh.connect_timeout + 10)
+        except NodeUnreachable as e:
+            results.append(dep.report(e.as_result(STEP_CHECK)))
+            continue
         if r.ok:
             how = "this machine" if host.node.local else f"ssh {host.node.ssh}"
-            results.append(ok(STEP_CHECK, f"reachable ({how}, {r.duration * 1000:.0f} ms)",
-                              host.name))
+            res = ok(STEP_CHECK, f"reachable ({how}, {r.duration * 1000:.0f} ms)", host.name)
         else:
-            results.append(failed(STEP_CHECK, f"unreachable: {r.one_line_error()}", host.name))
+            res = failed(STEP_CHECK, f"answers, but `true` failed: {r.one_line_error()}",
+                         host.name)
+        results.append(dep.report(res))
     return results
 
 
@@ -58,38 +66,44 @@ def known_hosts_file(dep: Deployment) -> Path:
     return Path(os.path.expanduser(p or "~/.ssh/known_hosts"))
 
 
-def trust(dep: Deployment, node: str | None, confirm: Callable[[str, str], bool]) -> list[Result]:
-    """Scan each node's host key, show its fingerprint, add it when ``confirm`` says yes."""
+@step(STEP_TRUST)
+def trust(dep: Deployment, node: str | None = None,
+          confirm: Callable[[str, str], bool] | None = None) -> list[Result]:
+    """Scan each node's host key, show its fingerprint, add it when ``confirm`` says yes
+    (without ``confirm``, nothing is added)."""
+    return [dep.report(r) for r in _trust(dep, node, confirm)]
+
+
+def _trust(dep: Deployment, node: str | None,
+           confirm: Callable[[str, str], bool] | None) -> Iterator[Result]:
     kh = known_hosts_file(dep)
-    results = []
     for host in dep.select(node):
         if host.node.local:
-            results.append(ok(STEP_TRUST, "this machine: no host key needed", host.name))
+            yield ok(STEP_TRUST, "this machine: no host key needed", host.name)
             continue
         t = resolve(dep, host.node.ssh or host.name)
         if kh.exists():
             known = subprocess.run(["ssh-keygen", "-F", t.known_hosts_name, "-f", str(kh)],
                                    capture_output=True, text=True, check=False)
             if known.returncode == 0 and known.stdout.strip():
-                results.append(ok(STEP_TRUST, f"{t.known_hosts_name} already in {kh}", host.name))
+                yield ok(STEP_TRUST, f"{t.known_hosts_name} already in {kh}", host.name)
                 continue
         scan = subprocess.run(["ssh-keyscan", "-T", "5", "-p", str(t.port), "-t", "ed25519",
                                t.host], capture_output=True, text=True, check=False)
         keys = [ln for ln in scan.stdout.splitlines() if ln and not ln.startswith("#")]
         if not keys:
-            results.append(failed(STEP_TRUST, f"no host key from {t.known_hosts_name}: "
-                                  f"{scan.stderr.strip() or 'no answer'}", host.name))
+            yield failed(STEP_TRUST, f"no host key from {t.known_hosts_name}: "
+                         f"{scan.stderr.strip() or 'no answer'}", host.name)
             continue
         fp = subprocess.run(["ssh-keygen", "-l", "-f", "-"], input="\n".join(keys) + "\n",
                             capture_output=True, text=True, check=False).stdout.strip()
         if dep.dry:
-            results.append(skipped(STEP_TRUST, f"would ask to add {fp} to {kh}", host.name))
+            yield skipped(STEP_TRUST, f"would ask to add {fp} to {kh}", host.name)
             continue
-        if not confirm(host.name, fp):
-            results.append(skipped(STEP_TRUST, f"not confirmed: {fp}", host.name))
+        if confirm is None or not confirm(host.name, fp):
+            yield skipped(STEP_TRUST, f"not confirmed: {fp}", host.name)
             continue
         kh.parent.mkdir(parents=True, exist_ok=True)
         with open(kh, "a") as f:
             f.write("\n".join(keys) + "\n")
-        results.append(changed(STEP_TRUST, f"added {fp} to {kh}", host.name, fingerprint=fp))
-    return results
+        yield changed(STEP_TRUST, f"added {fp} to {kh}", host.name, fingerprint=fp)

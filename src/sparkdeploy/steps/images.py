@@ -16,35 +16,28 @@ import json
 import re
 import tarfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import (
-    ARCH,
-    SCRIPTS,
-    NodeUnreachable,
-    docker,
-    inspect_image,
-    node_arch,
-    stage,
-    stage_script,
-)
+from sparkdeploy.events import Progress
+from sparkdeploy.hosts import Host, HostError, NodeUnreachable
+from sparkdeploy.nodeops import ARCH, SCRIPTS, docker, inspect_image, node_arch, stage, stage_script
+from sparkdeploy.records import markdown_table
 from sparkdeploy.results import Result, changed, failed, ok, skipped
+from sparkdeploy.steps.registry import step
 
 STEP_PROBE = "image.probe"
 STEP_DECIDE = "image.decide"
 STEP_BUILD = "image.build"
-RECORD = "decisions/image-probe"
+RECORD = "image-probe"
+"""The decision record's name (``<state_dir>/decisions/image-probe.{json,md}``)."""
 LABEL_BASE_ID = "org.sparkdeploy.base.id"
 LABEL_TF = "org.sparkdeploy.transformers.version"
 LABEL_DOCKERFILE = "org.sparkdeploy.dockerfile.sha256"
 ROOT = SCRIPTS.parent
-
-Log = Callable[[str], None]
 
 
 # -- the model's config ------------------------------------------------------------------------
@@ -135,60 +128,81 @@ def image_arch(info: dict) -> str:
     return ARCH.get(a, a)
 
 
-def probe(dep: Deployment, only: str | None = None) -> tuple[list[Result], dict[str, Any]]:
-    """Probe every candidate (or only the image ``only``) on the head and decide."""
+@step(STEP_PROBE, needs=("hosts.check",))
+def probe(dep: Deployment, only: str | None = None) -> list[Result]:
+    """Probe every candidate (or only the image ``only``) on the head, decide, and write the
+    decision record ``image-probe`` (not in a dry run)."""
+    return dep.report_all(_probe(dep, only))
+
+
+def _probe(dep: Deployment, only: str | None) -> Iterator[Result]:
     head = dep.host(dep.profile.head.name)
     candidates = [c for c in dep.profile.images.candidates if only is None or c.ref == only]
     if not candidates:
-        return [failed(STEP_PROBE, f"{only} is not a candidate of the profile", head.name)], {}
+        yield failed(STEP_PROBE, f"{only} is not a candidate of the profile", head.name)
+        return
     try:
         arch = node_arch(head)
         text, source = model_config_text(dep, head)
         config_path = stage(head, "model/config.json", text)
         config_dir = config_path.rsplit("/", 1)[0]
         probe_path = stage_script(head, "probe_image.py")
-    except (NodeUnreachable, ConfigUnavailable) as e:
-        return [failed(STEP_PROBE, str(e), head.name)], {}
+    except NodeUnreachable as e:
+        yield e.as_result(STEP_PROBE)
+        return
+    except (HostError, ConfigUnavailable) as e:
+        yield failed(STEP_PROBE, str(e), head.name)
+        return
     rows: list[dict[str, Any]] = []
-    results: list[Result] = []
-    for cand in candidates:
-        info = inspect_image(head, cand.ref)
-        err = None
-        if info is None:
-            pull = head.run(docker(head, "pull", cand.ref), timeout=1800)
-            if pull.dry:
-                err = "not on the head; would pull it"
-            elif pull.ok:
-                info = inspect_image(head, cand.ref)
-            else:
-                err = f"not on the head, pull failed: {pull.one_line_error()}"
-        report = None
-        if info is not None:
-            r = head.run(probe_argv(dep, head, cand.ref, probe_path, config_dir), change=False,
-                         timeout=300)
-            try:
-                report = json.loads(r.stdout) if r.ok else None
-                err = None if r.ok else r.one_line_error()
-            except json.JSONDecodeError:
-                err = f"probe printed no JSON: {r.stdout.strip()[:120]}"
-        row = judge(dep, cand.ref, cand.engine, arch, info, report, err)
+    for i, cand in enumerate(candidates):
+        dep.events.emit(Progress(STEP_PROBE, head.name, i, len(candidates), "images", cand.ref))
+        try:
+            row = _probe_one(dep, head, cand.ref, cand.engine, arch, probe_path, config_dir)
+        except NodeUnreachable as e:
+            yield e.as_result(STEP_PROBE)
+            return
         rows.append(row)
         status = ok if row["verdict"] in ("viable", "needs-layer") else skipped
-        results.append(status(STEP_PROBE, f"{cand.ref}: {row['verdict']}: {row['why']}",
-                              head.name, **{k: v for k, v in row.items() if k not in ("probe", "why")}))
+        yield status(STEP_PROBE, f"{cand.ref}: {row['verdict']}: {row['why']}", head.name,
+                     **{k: v for k, v in row.items() if k not in ("probe", "why")})
     record = decide(dep, head.name, arch, source, rows)
     if dep.dry:
-        results.append(skipped(STEP_DECIDE, "would write the decision record: "
-                               + record["summary"], head.name))
-    else:
-        write_record(dep, record)
-        status = changed if record["chosen"] else failed
-        results.append(status(STEP_DECIDE, record["summary"] + f" (record: {dep.state.path / RECORD}"
-                              ".md)", head.name, chosen=record["chosen"]))
-    return results, record
+        yield skipped(STEP_DECIDE, "would write the decision record: " + record["summary"],
+                      head.name)
+        return
+    written = write_record(dep, record)
+    status = changed if record["chosen"] else failed
+    yield status(STEP_DECIDE, f"{record['summary']} (record: {written.markdown})", head.name,
+                 chosen=record["chosen"])
+
+
+def _probe_one(dep: Deployment, head: Host, ref: str, engine: str, arch: str, probe_path: str,
+               config_dir: str) -> dict[str, Any]:
+    """Pull the candidate when the head lacks it, run the probe in it, judge it."""
+    info = inspect_image(head, ref)
+    err = None
+    if info is None:
+        pull = head.run(docker(head, "pull", ref), timeout=1800)
+        if pull.dry:
+            err = "not on the head; would pull it"
+        elif pull.ok:
+            info = inspect_image(head, ref)
+        else:
+            err = f"not on the head, pull failed: {pull.one_line_error()}"
+    report = None
+    if info is not None:
+        r = head.run(probe_argv(dep, head, ref, probe_path, config_dir), change=False,
+                     timeout=300)
+        try:
+            report = json.loads(r.stdout) if r.ok else None
+            err = None if r.ok else r.one_line_error()
+        except json.JSONDecodeError:
+            err = f"probe printed no JSON: {r.stdout.strip()[:120]}"
+    return judge(dep, ref, engine, arch, info, report, err)
 
 
 def decide(dep: Deployment, node: str, arch: str, source: str, rows: list[dict]) -> dict[str, Any]:
+    """The decision: per serving engine the first usable candidate, and the one chosen."""
     per_engine: dict[str, Any] = {}
     for eng in dep.profile.engines:
         for row in rows:
@@ -205,25 +219,30 @@ def decide(dep: Deployment, node: str, arch: str, source: str, rows: list[dict])
                    + (" + the transformers layer" if chosen["needs_layer"] else ""))
     else:
         summary = "no viable candidate"
-    return {
-        "profile": dep.profile.name, "node": node, "arch": arch, "config_from": source,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "chosen": chosen, "engines": per_engine, "candidates": rows, "summary": summary,
-    }
+    return {"node": node, "arch": arch, "config_from": source, "chosen": chosen,
+            "engines": per_engine, "candidates": rows, "summary": summary}
 
 
-def write_record(dep: Deployment, record: dict[str, Any]) -> None:
-    dep.state.write_json(RECORD + ".json", record)
-    lines = [f"# Image decision for {record['profile']}", "",
-             f"Probed on {record['node']} ({record['arch']}) at {record['time']}; "
-             f"model config from {record['config_from']}.", "", f"**{record['summary']}**", "",
-             "| image | engine | engine version | transformers | model files | config parses | "
-             "platform | verdict |", "|---|---|---|---|---|---|---|---|"]
-    for r in record["candidates"]:
-        lines.append(f"| `{r['image']}` | {r['engine']} | {r.get('engine_version') or '-'} | "
-                     f"{r.get('transformers') or '-'} | {_yn(r.get('files_ok'))} | "
-                     f"{_yn(r.get('config_ok'))} | {r.get('platform', '-')} | {r['verdict']} |")
-    lines += ["", "## Why", ""]
+PROBE_COLUMNS = ["image", "engine", "engine version", "transformers", "model files",
+                 "config parses", "platform", "verdict"]
+
+
+def probe_rows(record: dict[str, Any]) -> list[list[str]]:
+    """One row per candidate under ``PROBE_COLUMNS`` (the record's Markdown and the task's
+    table)."""
+    def yn(v: Any) -> str:
+        return "-" if v is None else ("yes" if v else "no")
+
+    return [[r["image"], r["engine"], r.get("engine_version") or "-", r.get("transformers") or "-",
+             yn(r.get("files_ok")), yn(r.get("config_ok")),
+             r.get("platform", "-") + ("" if r.get("platform_ok", True) else " (!)"), r["verdict"]]
+            for r in record["candidates"]]
+
+
+def probe_markdown(record: dict[str, Any]) -> str:
+    lines = [f"Probed on {record['node']} ({record['arch']}); model config from "
+             f"{record['config_from']}.", "", f"**{record['summary']}**", "",
+             markdown_table(PROBE_COLUMNS, probe_rows(record)), "", "## Why", ""]
     for r in record["candidates"]:
         lines.append(f"- `{r['image']}` ({r['engine']}): {r['verdict']}: {r['why']}")
     lines += ["", "## Per engine", ""]
@@ -231,12 +250,18 @@ def write_record(dep: Deployment, record: dict[str, Any]) -> None:
         lines.append(f"- {name}: serve `{v['serve_image']}`"
                      + (f" (built from `{v['image']}` + the transformers layer)" if v["needs_layer"]
                         else ""))
-    path = dep.state.path / (RECORD + ".md")
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines)
 
 
-def _yn(v: Any) -> str:
-    return "-" if v is None else ("yes" if v else "no")
+def write_record(dep: Deployment, record: dict[str, Any]):
+    return dep.records.write(RECORD, STEP_PROBE, record, probe_markdown(record),
+                             title=f"Image decision for {dep.profile.name}")
+
+
+def chosen_image(dep: Deployment) -> str | None:
+    """The image the decision record says to serve, if image.probe chose one."""
+    data = dep.records.data(RECORD) or {}
+    return (data.get("chosen") or {}).get("serve_image")
 
 
 # -- build -------------------------------------------------------------------------------------
@@ -308,27 +333,37 @@ def _find_built(head: Host, labels: dict[str, str]) -> str | None:
     return ids[0] if ids else None
 
 
-def build(dep: Deployment, log: Log | None = None) -> list[Result]:
+@step(STEP_BUILD, needs=(STEP_PROBE,), long=True)
+def build(dep: Deployment) -> list[Result]:
+    """Build the transformers layer on the head (ok without building when already built)."""
+    try:
+        res = _build(dep)
+    except NodeUnreachable as e:
+        res = e.as_result(STEP_BUILD)
+    return [dep.report(res)]
+
+
+STEP_LINE = re.compile(r"^Step (\d+)/(\d+) : ")
+
+
+def _build(dep: Deployment) -> Result:
     layer = dep.profile.images.layer
     head = dep.host(dep.profile.head.name)
     if layer is None:
-        return [skipped(STEP_BUILD, "the profile has no images.layer", head.name)]
+        return skipped(STEP_BUILD, "the profile has no images.layer", head.name)
     dockerfile_path = ROOT / layer.dockerfile
     try:
         dockerfile = dockerfile_path.read_text()
     except OSError as e:
-        return [failed(STEP_BUILD, f"{layer.dockerfile}: {e.strerror}", head.name)]
-    try:
-        base = inspect_image(head, layer.base)
-    except NodeUnreachable as e:
-        return [failed(STEP_BUILD, str(e), head.name)]
+        return failed(STEP_BUILD, f"{layer.dockerfile}: {e.strerror}", head.name)
+    base = inspect_image(head, layer.base)
     if base is None:
-        return [failed(STEP_BUILD, f"base image {layer.base} is not on {head.name} "
-                       "(run image.probe, which pulls missing candidates)", head.name)]
+        return failed(STEP_BUILD, f"base image {layer.base} is not on {head.name} "
+                      "(run image.probe, which pulls missing candidates)", head.name)
     try:
         version = resolve_requirement(layer.requirement, layer.index_url)
     except ResolveError as e:
-        return [failed(STEP_BUILD, str(e), head.name)]
+        return failed(STEP_BUILD, str(e), head.name)
     df_sha = hashlib.sha256(dockerfile.encode()).hexdigest()
     labels = {LABEL_BASE_ID: base["Id"], LABEL_DOCKERFILE: df_sha, LABEL_TF: version}
     existing = _find_built(head, labels)
@@ -336,43 +371,54 @@ def build(dep: Deployment, log: Log | None = None) -> list[Result]:
     if existing:
         tagged = inspect_image(head, layer.tag)
         if tagged and tagged["Id"] == existing:
-            return [ok(STEP_BUILD, f"{what} already built ({existing[:19]})", head.name,
-                       image_id=existing, transformers=version)]
+            return ok(STEP_BUILD, f"{what} already built ({existing[:19]})", head.name,
+                      image_id=existing, transformers=version)
         head.run(docker(head, "tag", existing, layer.tag))
-        return [changed(STEP_BUILD, f"tagged the existing build {existing[:19]} as {layer.tag}",
-                        head.name, image_id=existing, transformers=version)]
+        return changed(STEP_BUILD, f"tagged the existing build {existing[:19]} as {layer.tag}",
+                       head.name, image_id=existing, transformers=version)
     if dep.dry:
-        return [skipped(STEP_BUILD, f"would build {what}", head.name, transformers=version)]
+        return skipped(STEP_BUILD, f"would build {what}", head.name, transformers=version)
     try:
         config_text, _ = model_config_text(dep, head)
     except ConfigUnavailable as e:
-        return [failed(STEP_BUILD, str(e), head.name)]
+        return failed(STEP_BUILD, str(e), head.name)
     build_args = {"BASE_IMAGE": layer.base, "BASE_IMAGE_ID": base["Id"],
                   "TRANSFORMERS_VERSION": version, "DOCKERFILE_SHA256": df_sha,
                   "PIP_INDEX_URL": layer.index_url}
     if urlsplit(layer.index_url).scheme == "http":
         build_args["PIP_TRUSTED_HOST"] = urlsplit(layer.index_url).hostname or ""
     context = build_context(dockerfile, config_text)
-    errors: list[str] = []
-    tail: list[str] = []
     started = time.monotonic()
     with head.docker_client(timeout=3600) as client:
-        for chunk in client.api.build(fileobj=io.BytesIO(context), custom_context=True,
-                                      tag=layer.tag, buildargs=build_args, network_mode="host",
-                                      rm=True, forcerm=True, decode=True, pull=False):
-            if "stream" in chunk:
-                for line in chunk["stream"].splitlines():
-                    if line.strip():
-                        tail = (tail + [line])[-20:]
-                        if log:
-                            log(line)
-            if "error" in chunk:
-                errors.append(chunk["error"].strip())
+        chunks = client.api.build(fileobj=io.BytesIO(context), custom_context=True,
+                                  tag=layer.tag, buildargs=build_args, network_mode="host",
+                                  rm=True, forcerm=True, decode=True, pull=False)
+        errors, tail = follow_build(dep, head.name, chunks)
     if errors:
-        return [failed(STEP_BUILD, f"build failed: {errors[-1].splitlines()[-1]}", head.name,
-                       log_tail=tail)]
+        return failed(STEP_BUILD, f"build failed: {errors[-1].splitlines()[-1]}", head.name,
+                      log_tail=tail)
     built = inspect_image(head, layer.tag)
     if not built:
-        return [failed(STEP_BUILD, f"build finished but {layer.tag} is not on {head.name}", head.name)]
-    return [changed(STEP_BUILD, f"built {what} in {time.monotonic() - started:.0f}s "
-                    f"({built['Id'][:19]})", head.name, image_id=built["Id"], transformers=version)]
+        return failed(STEP_BUILD, f"build finished but {layer.tag} is not on {head.name}", head.name)
+    return changed(STEP_BUILD, f"built {what} in {time.monotonic() - started:.0f}s "
+                   f"({built['Id'][:19]})", head.name, image_id=built["Id"], transformers=version)
+
+
+def follow_build(dep: Deployment, node: str, chunks: Iterable[dict]) -> tuple[list[str], list[str]]:
+    """Hand the build's output to the event stream as it comes (``Log`` per line, ``Progress``
+    per ``Step N/M``); returns (errors, the last 20 lines)."""
+    errors: list[str] = []
+    tail: list[str] = []
+    for chunk in chunks:
+        for line in chunk.get("stream", "").splitlines():
+            if not line.strip():
+                continue
+            tail = (tail + [line])[-20:]
+            dep.events.log(STEP_BUILD, node, line)
+            m = STEP_LINE.match(line)
+            if m:
+                dep.events.emit(Progress(STEP_BUILD, node, int(m[1]) - 1, int(m[2]), "steps",
+                                         line[m.end():][:60]))
+        if "error" in chunk:
+            errors.append(chunk["error"].strip())
+    return errors, tail

@@ -39,7 +39,7 @@ def step(name: str, *, needs: tuple[str, ...] = (), long: bool = False) -> Calla
     def deco(fn: StepFn) -> StepFn:
         if name in REGISTRY and REGISTRY[name].fn is not fn:
             raise ValueError(f"step {name!r} registered twice")
-        summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
+        summary = " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())
         REGISTRY[name] = StepSpec(name, fn, tuple(needs), summary, long)
         fn.step_name = name  # type: ignore[attr-defined]
         return fn

@@ -8,11 +8,15 @@ recorded units in reverse order and then forgets them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.hosts import Host
+from sparkdeploy.events import Progress
+from sparkdeploy.hosts import Host, NodeUnreachable
 from sparkdeploy.results import Result, changed, failed, ok, skipped
+from sparkdeploy.steps.registry import step
+from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 STEP_STOP = "services.stop"
 STEP_GPU = "services.gpu-free"
@@ -98,10 +102,10 @@ def _merge(previous: list[str], new: list[str], order: list[str]) -> list[str]:
 
 
 def probe_units(host: Host, units: list[str]) -> tuple[dict[str, str] | None, str]:
-    """{unit: active state} for the units the node knows, or (None, error)."""
+    """{unit: active state} for the units the node knows, or (None, error).
+
+    Raises ``NodeUnreachable`` when the node cannot be reached."""
     r = host.run(list_units_argv(units), change=False)
-    if r.unreachable:
-        return None, f"unreachable: {r.one_line_error()}"
     if r.exit_code != 0:
         return None, f"systemctl list-units failed: {r.one_line_error()}"
     return parse_list_units(r.stdout), ""
@@ -109,46 +113,63 @@ def probe_units(host: Host, units: list[str]) -> tuple[dict[str, str] | None, st
 
 def gpu_processes(host: Host) -> tuple[list[GpuProcess] | None, str]:
     r = host.run(COMPUTE_APPS, change=False)
-    if r.unreachable:
-        return None, f"unreachable: {r.one_line_error()}"
     if r.exit_code != 0:
         return None, f"nvidia-smi failed: {r.one_line_error()}"
     return parse_compute_apps(r.stdout), ""
 
 
 def wait_gpu_free(dep: Deployment, host: Host) -> Result:
+    """Wait until no process is on the node's GPU (a dry run only looks once)."""
     timeout = dep.profile.services.gpu_free_timeout_s
-    poll = dep.profile.services.gpu_poll_s
-    deadline = dep.clock() + timeout
-    while True:
+    would = f"would wait up to {timeout:g}s for a free GPU"
+    on_gpu: list[GpuProcess] = []
+
+    def free() -> bool:
         procs, err = gpu_processes(host)
         if procs is None:
-            if dep.dry:
-                return skipped(STEP_GPU, f"would wait up to {timeout:g}s for a free GPU ({err})",
-                               host.name)
-            return failed(STEP_GPU, err, host.name)
-        if not procs:
-            return ok(STEP_GPU, "no process on the GPU", host.name)
+            raise Stop(err)
+        on_gpu[:] = procs
+        return not procs
+
+    def tick(elapsed: float) -> None:
+        dep.events.emit(Progress(STEP_GPU, host.name, elapsed, timeout, "s",
+                                 "on the GPU: " + ", ".join(map(str, on_gpu))))
+
+    try:
+        wait_for(free, deadline=0 if dep.dry else timeout, interval=dep.profile.services.gpu_poll_s,
+                 what=f"a free GPU on {host.name}", clock=dep.clock, sleep=dep.sleep, tick=tick)
+    except NodeUnreachable as e:
+        return skipped(STEP_GPU, f"{would} (unreachable: {e.why})", host.name) if dep.dry \
+            else e.as_result(STEP_GPU)
+    except Stop as e:
+        return skipped(STEP_GPU, f"{would} ({e})", host.name) if dep.dry \
+            else failed(STEP_GPU, str(e), host.name)
+    except WaitTimeout:
+        busy = ", ".join(map(str, on_gpu))
+        details = {"processes": [p.__dict__ for p in on_gpu]}
         if dep.dry:
-            return skipped(STEP_GPU, f"would wait up to {timeout:g}s for a free GPU; now on it: "
-                           + ", ".join(map(str, procs)), host.name,
-                           processes=[p.__dict__ for p in procs])
-        if dep.clock() >= deadline:
-            return failed(STEP_GPU, f"GPU still busy after {timeout:g}s: "
-                          + ", ".join(map(str, procs)), host.name,
-                          processes=[p.__dict__ for p in procs])
-        dep.sleep(poll)
+            return skipped(STEP_GPU, f"{would}; now on it: {busy}", host.name, **details)
+        return failed(STEP_GPU, f"GPU still busy after {timeout:g}s: {busy}", host.name, **details)
+    return ok(STEP_GPU, "no process on the GPU", host.name)
 
 
-def _stop_node(dep: Deployment, host: Host, units: list[str]) -> list[Result]:
-    states, err = probe_units(host, units)
+def _stop_node(dep: Deployment, host: Host, units: list[str]) -> Iterator[Result]:
+    try:
+        states, err = probe_units(host, units)
+    except NodeUnreachable as e:
+        states, err = None, f"unreachable: {e.why}"
+        if not dep.dry:
+            yield e.as_result(STEP_STOP)
+            return
     if states is None:
         if not dep.dry:
-            return [failed(STEP_STOP, err, host.name)]
+            yield failed(STEP_STOP, err, host.name)
+            return
         for u in units:
             host.run(["systemctl", "stop", u], sudo=True)
-        return [skipped(STEP_STOP, f"{err}; listed what would run", host.name),
-                wait_gpu_free(dep, host)]
+        yield skipped(STEP_STOP, f"{err}; listed what would run", host.name)
+        yield wait_gpu_free(dep, host)
+        return
     active = [u for u in units if states.get(u) == "active"]
     absent = [u for u in units if u not in states]
     record = read_record(dep)
@@ -160,90 +181,98 @@ def _stop_node(dep: Deployment, host: Host, units: list[str]) -> list[Result]:
     for u in active:
         r = host.run(["systemctl", "stop", u], sudo=True)
         if not r.ok:
-            return [failed(STEP_STOP, f"systemctl stop {u}: {r.one_line_error()}", host.name,
-                           stopped=stopped, recorded=merged)]
+            yield failed(STEP_STOP, f"systemctl stop {u}: {r.one_line_error()}", host.name,
+                         stopped=stopped, recorded=merged)
+            return
         stopped.append(u)
     note = f" ({len(absent)} absent: {', '.join(absent)})" if absent else ""
     if active and dep.dry:
-        res = skipped(STEP_STOP, f"would stop {', '.join(active)}{note}", host.name,
+        yield skipped(STEP_STOP, f"would stop {', '.join(active)}{note}", host.name,
                       would_stop=active, absent=absent)
     elif active:
-        res = changed(STEP_STOP, f"stopped {', '.join(active)}{note}", host.name,
+        yield changed(STEP_STOP, f"stopped {', '.join(active)}{note}", host.name,
                       stopped=active, absent=absent, recorded=merged)
     else:
-        res = ok(STEP_STOP, f"{len(units)} unit(s) already inactive or absent{note}", host.name,
+        yield ok(STEP_STOP, f"{len(units)} unit(s) already inactive or absent{note}", host.name,
                  absent=absent, recorded=merged)
-    return [res, wait_gpu_free(dep, host)]
+    yield wait_gpu_free(dep, host)
 
 
+@step(STEP_STOP, needs=("hosts.check",))
 def stop(dep: Deployment, node: str | None = None) -> list[Result]:
     """Stop each node's configured units in order, then wait until its GPU is free."""
+    return dep.report_all(_stop(dep, node))
+
+
+def _stop(dep: Deployment, node: str | None) -> Iterator[Result]:
     plan = dep.profile.services.stop
-    if node:
-        hosts = dep.select(node)
-    else:
-        hosts = [dep.host(n) for n in plan]
+    hosts = dep.select(node) if node else [dep.host(n) for n in plan]
     if not hosts:
-        return [ok(STEP_STOP, "the profile names no services to stop")]
-    results: list[Result] = []
+        yield ok(STEP_STOP, "the profile names no services to stop")
+        return
     for host in hosts:
         units = plan.get(host.name, [])
         if not units:
-            results.append(ok(STEP_STOP, "no services configured for this node", host.name))
-            results.append(wait_gpu_free(dep, host))
+            yield ok(STEP_STOP, "no services configured for this node", host.name)
+            yield wait_gpu_free(dep, host)
             continue
-        results.extend(_stop_node(dep, host, units))
-    return results
+        yield from _stop_node(dep, host, units)
 
 
+@step(STEP_RESTORE)
 def restore(dep: Deployment, node: str | None = None) -> list[Result]:
     """Start exactly the recorded units, in reverse stop order, then forget them."""
     record = read_record(dep)
     names = [h.name for h in dep.select(node)] if node else list(record)
     if not any(record.get(n) for n in names):
-        return [ok(STEP_RESTORE, "nothing recorded to restore")]
+        return [dep.report(ok(STEP_RESTORE, "nothing recorded to restore"))]
     results: list[Result] = []
     for name in names:
         units = record.get(name, [])
         if not units:
-            results.append(ok(STEP_RESTORE, "nothing recorded for this node", name))
+            results.append(dep.report(ok(STEP_RESTORE, "nothing recorded for this node", name)))
             continue
-        host = dep.host(name)
-        states, err = probe_units(host, units)
-        if states is None and not dep.dry:
-            results.append(failed(STEP_RESTORE, err, name, recorded=units))
-            continue
-        states = states or {}
-        to_start = [u for u in reversed(units) if states.get(u) != "active"]
-        started, problems = [], []
-        for u in to_start:
-            r = host.run(["systemctl", "start", u], sudo=True)
-            if r.ok:
-                started.append(u)
-            else:
-                problems.append(f"{u}: {r.one_line_error()}")
-        if dep.dry:
-            results.append(skipped(STEP_RESTORE, "would start " + (", ".join(to_start) or
-                                   "nothing (all active)"), name, would_start=to_start))
-            continue
-        after, err = probe_units(host, units)
-        not_active = [u for u in units if (after or {}).get(u) != "active"]
-        if problems or not_active:
-            record[name] = not_active or units
-            _write_record(dep, record)
-            why = "; ".join(problems) or f"not active after start: {', '.join(not_active)}"
-            results.append(failed(STEP_RESTORE, why, name, started=started))
-            continue
-        record.pop(name, None)
-        _write_record(dep, record)
-        if started:
-            results.append(changed(STEP_RESTORE, f"started {', '.join(started)}", name,
-                                   started=started))
-        else:
-            results.append(ok(STEP_RESTORE, "recorded units already active", name))
+        try:
+            res = _restore_node(dep, dep.host(name), units, record)
+        except NodeUnreachable as e:
+            res = e.as_result(STEP_RESTORE, recorded=units)
+        results.append(dep.report(res))
     return results
 
 
+def _restore_node(dep: Deployment, host: Host, units: list[str],
+                  record: dict[str, list[str]]) -> Result:
+    name = host.name
+    states, err = probe_units(host, units)
+    if states is None and not dep.dry:
+        return failed(STEP_RESTORE, err, name, recorded=units)
+    states = states or {}
+    to_start = [u for u in reversed(units) if states.get(u) != "active"]
+    started, problems = [], []
+    for u in to_start:
+        r = host.run(["systemctl", "start", u], sudo=True)
+        if r.ok:
+            started.append(u)
+        else:
+            problems.append(f"{u}: {r.one_line_error()}")
+    if dep.dry:
+        return skipped(STEP_RESTORE, "would start " + (", ".join(to_start) or
+                       "nothing (all active)"), name, would_start=to_start)
+    after, err = probe_units(host, units)
+    not_active = [u for u in units if (after or {}).get(u) != "active"]
+    if problems or not_active:
+        record[name] = not_active or units
+        _write_record(dep, record)
+        why = "; ".join(problems) or f"not active after start: {', '.join(not_active)}"
+        return failed(STEP_RESTORE, why, name, started=started)
+    record.pop(name, None)
+    _write_record(dep, record)
+    if started:
+        return changed(STEP_RESTORE, f"started {', '.join(started)}", name, started=started)
+    return ok(STEP_RESTORE, "recorded units already active", name)
+
+
+@step(STEP_STATUS)
 def status(dep: Deployment, node: str | None = None) -> list[Result]:
     """Each node's configured and recorded units, and what is on its GPU."""
     record = read_record(dep)
@@ -251,20 +280,26 @@ def status(dep: Deployment, node: str | None = None) -> list[Result]:
     for host in dep.select(node):
         units = list(dict.fromkeys([*dep.profile.services.stop.get(host.name, []),
                                     *record.get(host.name, [])]))
-        parts: list[str] = []
-        details: dict[str, object] = {"recorded": record.get(host.name, [])}
-        if units:
-            states, err = probe_units(host, units)
-            if states is None:
-                results.append(failed(STEP_STATUS, err, host.name))
-                continue
-            details["units"] = {u: states.get(u, "absent") for u in units}
-            parts.append(", ".join(f"{u} {states.get(u, 'absent')}" for u in units))
-        procs, err = gpu_processes(host)
-        if procs is None:
-            results.append(failed(STEP_STATUS, err, host.name, **details))
-            continue
-        details["gpu_processes"] = [p.__dict__ for p in procs]
-        parts.append("GPU free" if not procs else "GPU: " + ", ".join(map(str, procs)))
-        results.append(ok(STEP_STATUS, "; ".join(parts), host.name, **details))
+        try:
+            res = _status_node(host, units, record.get(host.name, []))
+        except NodeUnreachable as e:
+            res = e.as_result(STEP_STATUS)
+        results.append(dep.report(res))
     return results
+
+
+def _status_node(host: Host, units: list[str], recorded: list[str]) -> Result:
+    parts: list[str] = []
+    details: dict[str, object] = {"recorded": recorded}
+    if units:
+        states, err = probe_units(host, units)
+        if states is None:
+            return failed(STEP_STATUS, err, host.name)
+        details["units"] = {u: states.get(u, "absent") for u in units}
+        parts.append(", ".join(f"{u} {states.get(u, 'absent')}" for u in units))
+    procs, err = gpu_processes(host)
+    if procs is None:
+        return failed(STEP_STATUS, err, host.name, **details)
+    details["gpu_processes"] = [p.__dict__ for p in procs]
+    parts.append("GPU free" if not procs else "GPU: " + ", ".join(map(str, procs)))
+    return ok(STEP_STATUS, "; ".join(parts), host.name, **details)

@@ -18,21 +18,20 @@ from __future__ import annotations
 import json
 import shlex
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image, listed_tags, stage, stage_script
+from sparkdeploy.events import Progress
+from sparkdeploy.hosts import Host, HostError, NodeUnreachable
+from sparkdeploy.nodeops import docker, inspect_image, listed_tags, stage, stage_script
 from sparkdeploy.results import Result, changed, failed, ok, skipped
+from sparkdeploy.steps.images import STEP_BUILD, chosen_image
+from sparkdeploy.steps.registry import step
 
 STEP = "image.ship"
 CONTAINERD = "io.containerd.snapshotter.v1"
-
-Progress = Callable[[str, int, int], None]
-"""(peer name, bytes read from docker save, total bytes expected)"""
 
 
 @dataclass
@@ -46,10 +45,8 @@ class Engine:
 
 def engine_facts(host: Host) -> Engine:
     r = host.run(docker(host, "info", "--format", "{{json .}}"), change=False)
-    if r.unreachable:
-        raise NodeUnreachable(host.name, r.one_line_error())
     if not r.ok:
-        raise NodeUnreachable(host.name, f"docker info failed: {r.one_line_error()}")
+        raise HostError(f"{host.name}: docker info failed: {r.one_line_error()}")
     info = json.loads(r.stdout)
     status = info.get("DriverStatus") or []
     containerd = any(CONTAINERD in str(v) for pair in status for v in pair)
@@ -150,12 +147,19 @@ def verify(peer: Host, ref: str, src_info: dict, peer_store_containerd: bool) ->
     return None
 
 
-def ship_one(dep: Deployment, src: Host, peer: Host, ref: str, src_info: dict,
-             progress: Progress | None = None) -> Result:
+def ship_one(dep: Deployment, src: Host, peer: Host, ref: str, src_info: dict) -> Result:
+    """Ship ``ref`` from ``src`` to ``peer``; one result, emitted as soon as it is known."""
     try:
-        facts = engine_facts(peer)
+        res = _ship_one(dep, src, peer, ref, src_info)
     except NodeUnreachable as e:
-        return failed(STEP, str(e), peer.name)
+        res = e.as_result(STEP)
+    except HostError as e:
+        res = failed(STEP, str(e), peer.name)
+    return dep.report(res)
+
+
+def _ship_one(dep: Deployment, src: Host, peer: Host, ref: str, src_info: dict) -> Result:
+    facts = engine_facts(peer)
     layers = src_info["RootFS"]["Layers"]
     if verify(peer, ref, src_info, facts.containerd_store) is None:
         return ok(STEP, f"{peer.name} already has {ref} ({src_info['Id'][:19]})", peer.name)
@@ -181,10 +185,13 @@ def ship_one(dep: Deployment, src: Host, peer: Host, ref: str, src_info: dict,
         layers_file = stage(src, "layers.json", json.dumps(layers))
         have_file = stage(src, "have.json", json.dumps(layers[:prefix]))
 
+    total = int(src_info.get("Size") or 0) or None
+
     def on_line(line: str) -> None:
-        if progress and line.startswith("progress "):
+        if line.startswith("progress "):
             kv = dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
-            progress(peer.name, int(kv.get("bytes_in", 0)), int(src_info.get("Size") or 0))
+            dep.events.emit(Progress(STEP, peer.name, int(kv.get("bytes_in", 0)), total, "B",
+                                     f"from {src.name}"))
 
     r = src.run(pipeline(src, peer, ref, filter_path, layers_file, have_file, compression),
                 on_stderr=on_line, timeout=6 * 3600)
@@ -212,25 +219,26 @@ def ship_one(dep: Deployment, src: Host, peer: Host, ref: str, src_info: dict,
 
 
 def default_image(dep: Deployment) -> str:
-    rec = dep.state.read_json("decisions/image-probe.json", {}) or {}
-    chosen = rec.get("chosen") or {}
-    return chosen.get("serve_image") or dep.profile.engines[0].image
+    """The image image.probe chose to serve, else the first engine's image."""
+    return chosen_image(dep) or dep.profile.engines[0].image
 
 
-def ship(dep: Deployment, to: str, image: str | None = None,
-         progress: Progress | None = None) -> list[Result]:
+@step(STEP, needs=(STEP_BUILD,), long=True)
+def ship(dep: Deployment, to: str = "all", image: str | None = None) -> list[Result]:
+    """Copy an image (default: the chosen one) from the head to peers over the fast link,
+    sending only the layers a peer lacks; peers that have it serve the next ones."""
     ref = image or default_image(dep)
     head = dep.host(dep.profile.head.name)
     peers = [h for h in dep.select(to) if h.name != head.name] if to != "all" else \
         [dep.host(n.name) for n in dep.profile.workers]
     if not peers:
-        return [ok(STEP, "no peer to ship to")]
+        return [dep.report(ok(STEP, "no peer to ship to"))]
     try:
         src_info = inspect_image(head, ref)
     except NodeUnreachable as e:
-        return [failed(STEP, str(e), head.name)]
+        return [dep.report(e.as_result(STEP))]
     if src_info is None:
-        return [failed(STEP, f"{head.name} has no image {ref}", head.name)]
+        return [dep.report(failed(STEP, f"{head.name} has no image {ref}", head.name))]
     sources = [head]
     pending = list(peers)
     results: list[Result] = []
@@ -238,7 +246,7 @@ def ship(dep: Deployment, to: str, image: str | None = None,
         batch, pending = pending[: len(sources)], pending[len(sources):]
         pairs = list(zip(sources, batch, strict=False))
         with ThreadPoolExecutor(max_workers=len(pairs)) as pool:
-            done = list(pool.map(lambda p: ship_one(dep, p[0], p[1], ref, src_info, progress), pairs))
+            done = list(pool.map(lambda p: ship_one(dep, p[0], p[1], ref, src_info), pairs))
         for (_, peer), res in zip(pairs, done, strict=True):
             results.append(res)
             if res.status in ("ok", "changed") and not dep.dry:

@@ -1,19 +1,23 @@
-"""What every task shares: load the deployment (errors become one-line exits), render results."""
+"""What every task shares: load the deployment (errors become one-line exits), run a registered
+step with its event stream rendered as it happens."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from invoke import Context
 from invoke.exceptions import Exit
 
 from sparkdeploy.config import ProfileError
 from sparkdeploy.deployment import Deployment, from_context
-from sparkdeploy.events import describe, rendering
+from sparkdeploy.events import EventSink, describe, rendering
 from sparkdeploy.hosts import HostError
-from sparkdeploy.nodeops import NodeUnreachable
 from sparkdeploy.results import Result
 from sparkdeploy.state import LockHeld
+from sparkdeploy.steps.registry import run_one
+from sparkdeploy.wait import WaitTimeout
 
 
 def load(c: Context, profile: str | None = None) -> Deployment:
@@ -38,22 +42,64 @@ def render(results: Iterable[Result], title: str | None = None) -> None:
     summarize(results)
 
 
-def run_step(c: Context, fn, *args, profile: str | None = None, lock: bool = True, title=None,
-             **kwargs) -> list[Result]:
-    """Load the deployment, hold the lock (unless dry or read-only), run the step with its
-    event stream rendered as it happens (live on a terminal, plain lines otherwise)."""
+def run_step(c: Context, name: str, *, profile: str | None = None, lock: bool = True,
+             show: Callable[[Deployment, list[Result]], None] | None = None,
+             live: bool = True, **options: Any) -> list[Result]:
+    """Run the registered step ``name`` with ``options``: load the deployment, hold the lock
+    (unless dry or read-only), render the event stream as it happens (live on a terminal,
+    plain lines otherwise; ``live=False`` for a step that asks questions), then
+    ``show(dep, results)`` (a table) and exit 1 on a failure.
+
+    A bad profile or node name exits 2; a node that cannot be reached, a held lock or a wait
+    that ran out exits 1; each with one line."""
     dep = load(c, profile)
-    with rendering(dep.events):
+    with rendering(dep.events, live=live):
         try:
             if lock and not dep.dry:
-                with dep.state.lock(title or getattr(fn, "__name__", "step")):
-                    results = fn(dep, *args, **kwargs)
+                with dep.state.lock(name):
+                    results = run_one(dep, name, **options)
             else:
-                results = fn(dep, *args, **kwargs)
-            for r in results:
-                if not dep.events.seen(r):
-                    dep.events.emit(r)
-        except (HostError, LockHeld, ProfileError, NodeUnreachable) as e:
+                results = run_one(dep, name, **options)
+        except ProfileError as e:
+            raise Exit(str(e), code=2) from None
+        except (HostError, LockHeld, WaitTimeout) as e:
             raise Exit(str(e), code=1) from None
+    if show is not None:
+        show(dep, results)
     summarize(results)
     return results
+
+
+def stream(fn: Callable[..., list[Result]], *args: Any,
+           show: Callable[[list[Result]], None] | None = None, live: bool = True,
+           **kwargs: Any) -> list[Result]:
+    """Run ``fn(sink, *args, **kwargs)``, work that needs no deployment, with its event stream
+    rendered as for a step; then ``show(results)`` and exit 1 on a failure."""
+    sink = EventSink()
+    with rendering(sink, live=live):
+        results = fn(sink, *args, **kwargs)
+        for r in results:
+            if not sink.seen(r):
+                sink.emit(r)
+    if show is not None:
+        show(results)
+    summarize(results)
+    return results
+
+
+def table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    """A table after a step's stream: rich on a terminal, tab-separated lines otherwise."""
+    if sys.stdout.isatty():
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=title)
+        for col in header:
+            t.add_column(col)
+        for row in rows:
+            t.add_row(*row)
+        Console().print(t)
+        return
+    print("\t".join(header), flush=True)
+    for row in rows:
+        print("\t".join(row), flush=True)

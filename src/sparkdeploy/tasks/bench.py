@@ -1,8 +1,8 @@
-"""bench.run (default) and bench.compare: thin wrappers over sparkdeploy.bench."""
+"""bench.run (default) and bench.compare: thin wrappers over sparkdeploy.bench and the
+``bench.run`` step."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from invoke import Context, task
@@ -58,12 +58,10 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
         api="chat", json=None, plot=None, timeout=120.0, save=False, check_baseline=False,
         baseline_tolerance="10%", profile=None):
     """Benchmark an endpoint: a concurrency (or rate) sweep, vLLM bench-serve metrics."""
-    from rich.console import Console
-
     from sparkdeploy.bench.compare import parse_pct
-    from sparkdeploy.bench.report import run_table
-    from sparkdeploy.bench.sweep import check_baseline as gate
-    from sparkdeploy.bench.sweep import parse_levels, run_sweep, save_json
+    from sparkdeploy.bench.sweep import parse_levels
+    from sparkdeploy.steps.bench import benchmark
+    from sparkdeploy.tasks._common import stream
 
     bench, endpoint = _profile(c, profile, url)
     url = url or endpoint
@@ -87,39 +85,26 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
         k = bench.warmup if warmup is None else int(warmup)
     except (ValueError, BenchError) as e:
         raise Exit(str(e), code=2) from None
+    stream(benchmark, url, settings, concurrency=levels, rates=rates, requests=n, warmup=k,
+           max_concurrency=int(max_concurrency) if max_concurrency else None,
+           json_path=json, plot_path=plot, save_dir=_state_dir(c) / "bench" if save else None,
+           baseline=bench.baseline_decode_tok_s if check_baseline else None,
+           tolerance=tolerance, show=_tables)
+
+
+def _tables(results) -> None:
+    """Each level's table after the stream (rich renders plain text off a terminal)."""
+    from rich.console import Console
+
+    from sparkdeploy.bench.report import run_table
+
     console = Console()
-    try:
-        doc = run_sweep(url, settings, concurrency=levels, rates=rates, requests=n, warmup=k,
-                        max_concurrency=int(max_concurrency) if max_concurrency else None,
-                        progress=lambda msg: console.print(f"[dim]{msg}[/]"))
-    except BenchError as e:
-        raise Exit(str(e), code=1) from None
-    for r in doc["runs"]:
+    runs = [r.details["run"] for r in results if "run" in r.details]
+    for r in runs:
         console.print(run_table(r))
-    sources = {r["summary"]["output_tokens_source"] for r in doc["runs"]} - {None}
+    sources = {r["summary"]["output_tokens_source"] for r in runs} - {None}
     if sources and sources != {"usage"}:
         console.print("note: some output token counts are chunk counts (no usage from the server)")
-    targets: list[tuple[str, Path]] = []
-    if json:
-        targets.append(("json", Path(json)))
-    if plot:
-        targets.append(("plot", Path(plot)))
-    if save:
-        stem = _state_dir(c) / "bench" / time.strftime("bench-%Y%m%d-%H%M%S")
-        targets += [("json", stem.with_suffix(".json")), ("plot", stem.with_suffix(".png"))]
-    for kind, path in targets:
-        if kind == "json":
-            save_json(doc, path)
-        else:
-            from sparkdeploy.bench.plot import plot as draw
-
-            draw(doc["runs"], path, title=f"{doc['config']['model']} @ {doc['config']['url']}")
-        console.print(f"wrote {path}")
-    if check_baseline:
-        ok, line = gate(doc, bench.baseline_decode_tok_s, tolerance)
-        console.print(line)
-        if not ok:
-            raise Exit("below the baseline decode rate", code=1)
 
 
 @task(help={"base": "the reference results JSON", "new": "the results JSON to judge",

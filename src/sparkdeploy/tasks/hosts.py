@@ -2,14 +2,13 @@
 
 from invoke import Collection, task
 
-from sparkdeploy.steps import hosts as step
 from sparkdeploy.tasks._common import run_step
 
 
 @task(default=True, help={"node": "only this node", "profile": "profile file"})
 def check(c, node=None, profile=None):
     """Report which nodes are reachable."""
-    run_step(c, step.check, node, profile=profile, lock=False, title="hosts.check")
+    run_step(c, "hosts.check", node=node, profile=profile, lock=False)
 
 
 @task(help={"node": "only this node", "yes": "add without asking", "profile": "profile file"})
@@ -22,7 +21,7 @@ def trust(c, node=None, yes=False, profile=None):
         answer = input(f"{name}: {fingerprint}\n  trust this host key? [y/N] ")
         return answer.strip().lower() in ("y", "yes")
 
-    run_step(c, step.trust, node, confirm, profile=profile, title="hosts.trust")
+    run_step(c, "hosts.trust", node=node, confirm=confirm, profile=profile, live=False)
 
 
 ns = Collection("hosts", check, trust)

@@ -1,72 +1,37 @@
 """`inv image.*`: probe the candidate images, build the transformers layer, ship node to node."""
 
-import sys
-
 from invoke import Collection, task
 
 from sparkdeploy.steps import images
-from sparkdeploy.steps import ship as ship_step
-from sparkdeploy.tasks._common import run_step
+from sparkdeploy.tasks._common import run_step, table
 
 
-def _probe_table(record):
-    if not record:
-        return
-    cols = ("image", "engine", "engine ver", "transformers", "files", "config", "platform", "verdict")
-    rows = []
-    for r in record["candidates"]:
-        rows.append((r["image"], r["engine"], r.get("engine_version") or "-",
-                     r.get("transformers") or "-", images._yn(r.get("files_ok")),
-                     images._yn(r.get("config_ok")),
-                     r.get("platform", "-") + ("" if r.get("platform_ok", True) else " (!)"),
-                     r["verdict"]))
-    if sys.stdout.isatty():
-        from rich.console import Console
-        from rich.table import Table
-
-        t = Table(title="image candidates")
-        for c in cols:
-            t.add_column(c)
-        for row in rows:
-            t.add_row(*row)
-        Console().print(t)
-    else:
-        print("\t".join(cols))
-        for row in rows:
-            print("\t".join(row))
+def _probe_table(dep, results) -> None:
+    """The candidates from the record this run wrote (none in a dry run or when it stopped
+    before deciding)."""
+    record = dep.records.data(images.RECORD)
+    decided = any(r.step == images.STEP_DECIDE for r in results) and not dep.dry
+    if record and decided:
+        table("image candidates", images.PROBE_COLUMNS, images.probe_rows(record))
 
 
 @task(default=True, help={"profile": "profile file"})
 def probe(c, profile=None):
     """Probe every candidate image on the head, decide, and write the decision record."""
-
-    def step(dep):
-        results, record = images.probe(dep)
-        _probe_table(record)
-        return results
-
-    run_step(c, step, profile=profile, lock=False, title="image.probe")
+    run_step(c, "image.probe", profile=profile, lock=False, show=_probe_table)
 
 
 @task(help={"profile": "profile file"})
 def build(c, profile=None):
     """Build the transformers layer on the head (ok without building when already built)."""
-    run_step(c, images.build, print, profile=profile, title="image.build")
+    run_step(c, "image.build", profile=profile)
 
 
 @task(help={"to": "peer node(s): NAME[,NAME...] or all", "image": "image (default: the chosen one)",
             "profile": "profile file"})
 def ship(c, to="all", image=None, profile=None):
     """Copy an image node to node over the fast link, sending only the layers a peer lacks."""
-    last = {}
-
-    def progress(peer, done, total):
-        pct = int(100 * done / total) if total else 0
-        if last.get(peer, -10) + 10 <= pct or not total:
-            last[peer] = pct
-            print(f"[{peer}] {done / 1e6:,.0f} MB read of ~{total / 1e6:,.0f} MB ({pct}%)", flush=True)
-
-    run_step(c, ship_step.ship, to, image, progress, profile=profile, title="image.ship")
+    run_step(c, "image.ship", to=to, image=image, profile=profile)
 
 
 ns = Collection("image", probe, build, ship)

@@ -2,7 +2,6 @@
 
 from invoke import Collection, task
 
-from sparkdeploy.steps import services as step
 from sparkdeploy.tasks._common import run_step
 
 
@@ -10,19 +9,19 @@ from sparkdeploy.tasks._common import run_step
                           "profile": "profile file (default: sparkdeploy.profile)"})
 def stop(c, node=None, profile=None):
     """Stop the profile's units in order, then wait until the GPU is free."""
-    run_step(c, step.stop, node, profile=profile, title="services.stop")
+    run_step(c, "services.stop", node=node, profile=profile)
 
 
 @task(help={"node": "only this node", "profile": "profile file"})
 def restore(c, node=None, profile=None):
     """Start the units `stop` recorded, in reverse order, then forget them."""
-    run_step(c, step.restore, node, profile=profile, title="services.restore")
+    run_step(c, "services.restore", node=node, profile=profile)
 
 
 @task(help={"node": "only this node", "profile": "profile file"})
 def status(c, node=None, profile=None):
     """Show each node's units and the processes on its GPU."""
-    run_step(c, step.status, node, profile=profile, lock=False, title="services.status")
+    run_step(c, "services.status", node=node, profile=profile, lock=False)
 
 
 ns = Collection("services", stop, restore, status)

@@ -1,0 +1,96 @@
+"""``bench.run``: benchmark an OpenAI-compatible endpoint, a concurrency (or rate) sweep with
+vLLM bench-serve metrics, each level's requests reported as ``Progress`` while they run.
+
+``benchmark`` is the work itself and needs no deployment (``inv bench.run --url`` works
+without a profile); the registered step fills every option the task did not give from the
+profile (its endpoint and ``bench`` section)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sparkdeploy.bench.client import BenchError, Settings
+from sparkdeploy.bench.report import level_name
+from sparkdeploy.bench.sweep import STEP, check_baseline, run_sweep, save_json
+from sparkdeploy.deployment import Deployment
+from sparkdeploy.events import EventSink
+from sparkdeploy.results import Result, changed, failed, ok
+from sparkdeploy.steps.registry import step
+
+
+def level_line(run: dict[str, Any]) -> str:
+    """One line per level: how many requests succeeded, throughput, decode rate, TTFT."""
+    s = run["summary"]
+
+    def num(v: float | None, digits: int = 1) -> str:
+        return "-" if v is None else f"{v:,.{digits}f}"
+
+    bad = f", {s['failed']} failed" if s["failed"] else ""
+    return (f"{level_name(run)}: {s['completed']}/{s['requests']} ok{bad}, "
+            f"{num(s['output_tok_s'])} output tok/s, decode median "
+            f"{num(s['per_request_output_tok_s']['median'])} tok/s, TTFT median "
+            f"{num(s['ttft_ms']['median'])} ms")
+
+
+def benchmark(events: EventSink, url: str, settings: Settings, *, concurrency: Sequence[int],
+              rates: Sequence[float] = (), requests: int = 16, warmup: int = 1,
+              max_concurrency: int | None = None, json_path: str | Path | None = None,
+              plot_path: str | Path | None = None, save_dir: str | Path | None = None,
+              baseline: float | None = None, tolerance: float = 10.0) -> list[Result]:
+    """Run the sweep; one result per level (``details["run"]`` holds it), one per file
+    written, and the baseline gate's when ``baseline`` is given. Failed requests are counted
+    in a level's summary, not a failure of the step; an endpoint that cannot be benchmarked
+    (unreachable, no model) is."""
+    out: list[Result] = []
+    try:
+        doc = run_sweep(url, settings, concurrency=list(concurrency), rates=list(rates),
+                        requests=requests, warmup=warmup, max_concurrency=max_concurrency,
+                        events=events)
+    except BenchError as e:
+        return [events.result(failed(STEP, str(e)))]
+    for run in doc["runs"]:
+        out.append(events.result(ok(STEP, level_line(run), run=run)))
+    targets: list[tuple[str, Path]] = []
+    if json_path:
+        targets.append(("json", Path(json_path)))
+    if plot_path:
+        targets.append(("plot", Path(plot_path)))
+    if save_dir:
+        stem = Path(save_dir) / time.strftime("bench-%Y%m%d-%H%M%S")
+        targets += [("json", stem.with_suffix(".json")), ("plot", stem.with_suffix(".png"))]
+    for kind, path in targets:
+        if kind == "json":
+            save_json(doc, path)
+        else:
+            from sparkdeploy.bench.plot import plot as draw
+
+            draw(doc["runs"], path, title=f"{doc['config']['model']} @ {doc['config']['url']}")
+        out.append(events.result(changed(STEP, f"wrote {path}", path=str(path))))
+    if baseline is not None:
+        good, line = check_baseline(doc, baseline, tolerance)
+        out.append(events.result((ok if good else failed)(STEP, line)))
+    return out
+
+
+@step(STEP)
+def run(dep: Deployment, url: str | None = None, settings: Settings | None = None,
+        concurrency: Sequence[int] | None = None, rates: Sequence[float] = (),
+        requests: int | None = None, warmup: int | None = None,
+        max_concurrency: int | None = None, json_path: str | None = None,
+        plot_path: str | None = None, save: bool = False, check: bool = False,
+        tolerance: float = 10.0) -> list[Result]:
+    """Benchmark the profile's endpoint (or ``url``) with the profile's bench settings."""
+    b = dep.profile.bench
+    url = url or dep.profile.endpoint
+    if not url:
+        return [dep.report(failed(STEP, "the profile has no endpoint (sparkdeploy.endpoint)"))]
+    settings = settings or Settings(input_tokens=b.input_tokens, output_tokens=b.output_tokens)
+    return benchmark(dep.events, url, settings, concurrency=concurrency or list(b.concurrency),
+                     rates=rates, requests=requests or b.requests,
+                     warmup=b.warmup if warmup is None else warmup,
+                     max_concurrency=max_concurrency, json_path=json_path, plot_path=plot_path,
+                     save_dir=dep.state.path / "bench" if save else None,
+                     baseline=b.baseline_decode_tok_s if check else None, tolerance=tolerance)

@@ -1,0 +1,88 @@
+"""The one deadline loop, on an injected clock."""
+
+import pytest
+
+from sparkdeploy.wait import Stop, WaitTimeout, wait_for
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, s):
+        self.sleeps.append(s)
+        self.now += s
+
+
+def answers(*values):
+    it = iter(values)
+    calls = []
+
+    def probe():
+        calls.append(1)
+        return next(it)
+
+    return probe, calls
+
+
+def test_returns_the_first_truthy_value_ticking_in_between():
+    clock, ticks = Clock(), []
+    probe, calls = answers(None, 0, "", {"ready": True})
+    got = wait_for(probe, deadline=60, interval=2, clock=clock, sleep=clock.sleep,
+                   tick=ticks.append)
+    assert got == {"ready": True}
+    assert len(calls) == 4
+    assert clock.sleeps == [2, 2, 2]
+    assert ticks == [0, 2, 4]
+
+
+def test_timeout_says_what_and_the_last_value():
+    clock = Clock()
+    probe, calls = answers(*[[]] * 100)
+    with pytest.raises(WaitTimeout) as e:
+        wait_for(probe, deadline=5, interval=2, what="a free GPU", clock=clock,
+                 sleep=clock.sleep, describe=lambda v: f"busy: {len(v)} free slots")
+    assert str(e.value) == "timed out after 5s waiting for a free GPU (last: busy: 0 free slots)"
+    assert e.value.last == "busy: 0 free slots" and e.value.waited == 5
+    # probes at 0, 2, 4 and at the deadline itself; the last sleep is cut to the deadline
+    assert len(calls) == 4 and clock.sleeps == [2, 2, 1]
+
+
+def test_timeout_without_a_last_value_is_one_clean_line():
+    clock = Clock()
+    with pytest.raises(WaitTimeout, match=r"^timed out after 3s waiting for the port$"):
+        wait_for(lambda: False, deadline=3, interval=1, what="the port", clock=clock,
+                 sleep=clock.sleep)
+
+
+def test_stop_ends_the_wait_at_once():
+    clock = Clock()
+    seen = []
+
+    def probe():
+        seen.append(clock.now)
+        if len(seen) == 2:
+            raise Stop("the container exited (137)")
+        return None
+
+    with pytest.raises(Stop, match="exited"):
+        wait_for(probe, deadline=600, interval=5, clock=clock, sleep=clock.sleep)
+    assert seen == [0, 5]
+
+
+def test_deadline_zero_probes_exactly_once():
+    clock = Clock()
+    probe, calls = answers(None, True)
+    with pytest.raises(WaitTimeout):
+        wait_for(probe, deadline=0, interval=1, clock=clock, sleep=clock.sleep)
+    assert len(calls) == 1 and clock.sleeps == []
+
+
+@pytest.mark.parametrize("deadline,interval", [(-1, 1), (5, 0)])
+def test_nonsense_arguments_are_refused(deadline, interval):
+    with pytest.raises(ValueError):
+        wait_for(lambda: True, deadline=deadline, interval=interval)
