@@ -301,7 +301,7 @@ def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
 
     monkeypatch.setattr(plans, "_image_id", lambda dep, ref: f"sha256:{ref}" if ref else None)
     dep = dep_for(tmp_path)
-    dep.state.write_json("decisions/image-probe.json", {
+    dep.records.write("image-probe", "image.probe", {
         "chosen": {"engine": "sglang", "image": "base:1", "serve_image": "layer:1", "needs_layer": False},
         "summary": "chosen base:1 for sglang", "candidates": [
             {"image": "base:1", "engine": "sglang", "verdict": "viable", "why": "all there"}]})

@@ -42,11 +42,7 @@ def _section(dep: Deployment, *keys: str) -> dict[str, Any]:
 
 def probe_record(dep: Deployment) -> dict[str, Any]:
     """The image decision (``image.probe``'s record), {} before there is one."""
-    try:
-        rec = dep.records.data("image-probe")
-    except Exception:
-        rec = None
-    return rec or dep.state.read_json("decisions/image-probe.json", {}) or {}
+    return dep.records.data("image-probe") or {}
 
 
 def chosen(dep: Deployment) -> dict[str, Any]:
