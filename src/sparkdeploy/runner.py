@@ -319,8 +319,7 @@ class Runner:
                     n = running.pop(fut)
                     fut.result()
                     r = self.runs[n]
-                    self._state(r, FAILED if any(x.failed for x in r.results) else DONE,
-                                self._summary(r))
+                    self._state(r, self._end_state(r), self._summary(r))
                     ts.done(n)
                 self._save_state()
         finally:
@@ -328,13 +327,22 @@ class Runner:
         self._save_state()
         return Outcome(self.name, self.runs, round(self.clock() - start, 3), self.serial)
 
+    @staticmethod
+    def _end_state(r: StepRun) -> str:
+        if any(x.failed for x in r.results):
+            return FAILED
+        own = [x for x in r.results if x.step == r.name]
+        if own and all(x.status is Status.SKIPPED for x in own):
+            return SKIPPED
+        return DONE
+
     def _long(self, name: str) -> bool:
         spec = registry.REGISTRY.get(name)
         return bool(spec and spec.long)
 
     def _blocked(self, name: str, needs: set[str]) -> str | None:
         bad = [n for n in needs if self.runs[n].state == FAILED or self.runs[n].blocked]
-        if bad:
+        if bad and not self.dep.dry:  # a dry run lists what every step would do regardless
             self.runs[name].blocked = True
             return f"needs {', '.join(sorted(bad))}, which " + (
                 "failed" if len(bad) == 1 and self.runs[bad[0]].state == FAILED else "did not run")

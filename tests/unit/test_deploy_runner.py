@@ -236,9 +236,13 @@ def test_dry_run_writes_no_state_and_runs_steps_dry(tmp_path, calls):
         seen["dry"] = dep.dry
         return [dep.report(ok("t.look", "would"))]
     step("t.look")(look)
+    calls.fake("t.unreachable")
+    calls.fail.add("t.unreachable")
     dep = dep_for(tmp_path, dry=True)
-    Runner(dep, [PlanStep("t.look")], serial=True).run()
-    assert seen["dry"] is True
+    out = Runner(dep, [PlanStep("t.unreachable"), PlanStep("t.look", needs=("t.unreachable",))],
+                 serial=True).run()
+    assert seen["dry"] is True  # what depends on a failed step still shows what it would do
+    assert out.runs["t.unreachable"].state == "failed" and out.runs["t.look"].state == "done"
     assert not (tmp_path / "state").exists()
 
 

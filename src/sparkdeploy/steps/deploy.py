@@ -122,7 +122,10 @@ def need_layer(dep: Deployment, runs: dict[str, StepRun]) -> str | None:
 
 
 def something_changed(dep: Deployment, runs: dict[str, StepRun], forced: bool) -> str | None:
-    if forced or dep.dry:
+    if dep.dry:
+        return (f"would run {SMOKE['requests']} requests at concurrency {SMOKE['concurrency'][0]} "
+                f"against {endpoint_of(runs, dep) or 'the endpoint serve.up reports'}")
+    if forced:
         return None
     if any(r.changed for r in runs.values()):
         return None
