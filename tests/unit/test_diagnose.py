@@ -400,3 +400,40 @@ def test_standin_sglang_two_nodes_stall_is_diagnosed():
     else:
         assert d.cls == "nccl-init-hang"
         assert d.evidence[-1].line_no == max(i for i, line in enumerate(lines, 1) if line.strip())
+
+
+# --- the keys that gate each pattern never hide a match --------------------------------------
+
+def all_pats() -> list[dx.Pat]:
+    pats = [dx.INIT_BEGIN, dx.INIT_END, dx.SPANS_NODES, dx.READY, dx.CRASH, dx.NCCL_WORKS, dx.CONFIG_LOOKUP]
+    for r in dx.RULES:
+        pats += [p for p in (r.pattern, r.context, r.void_after) if p is not None]
+    return pats
+
+
+def every_known_line() -> list[str]:
+    lines = [line for p in DATA.glob("*/*") for f in (sorted(p.iterdir()) if p.is_dir() else [p])
+             for line in f.read_text().splitlines()]
+    return lines + [SG_BEGIN, SG_SPANS, SG_END, NCCL_NO_IB, NCCL_COMPLETE, NO_IFACE, PG_WAIT, OOM, PORT, TORCH_GB10]
+
+
+def test_keys_are_lowercase():
+    for p in all_pats():
+        assert p.keys and all(k == k.lower() for k in p.keys), p
+
+
+def test_a_pattern_matches_no_line_its_keys_miss():
+    for line in every_known_line():
+        low = line.lower()
+        for p in all_pats():
+            if p.regex.search(line):
+                assert any(k in low for k in p.keys), (p.regex.pattern[:60], line)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.text(max_size=80), FRAGMENTS), min_size=1, max_size=4).map(" ".join))
+def test_keys_never_hide_a_match_on_mixed_text(line):
+    low = line.lower()
+    for p in all_pats():
+        if p.regex.search(line):
+            assert any(k in low for k in p.keys), (p.regex.pattern[:60], line)
