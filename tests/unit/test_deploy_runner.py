@@ -315,10 +315,11 @@ def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
         calls.fake(s.name, long=s.name in ("model.download", "image.ship", "model.sync"),
                    work=1.5 if s.name == "model.download" else 0.05,
                    status=ok if s.name != "serve.up" else changed)
-    out = Runner(dep, steps).run()
+    with dep.events.collect() as got:
+        out = Runner(dep, steps).run()
     assert not out.failed, [r.why for r in out.results()]
-    starts = [x for x in calls.log if x.startswith("start")]
-    assert starts[0] == "start model.download"
+    launched = [s for s, st in states(got) if st == "running"]
+    assert launched[:2] == ["model.download", "model.sync"]  # the long step first, its follower next
     assert calls.log.index("start model.sync") < calls.log.index("end model.download")
     assert calls.log.index("start image.ship") < calls.log.index("end model.download"), " ".join(calls.log)
     assert out.runs["image.build"].state == "skipped"
