@@ -81,6 +81,15 @@ class StepRun:
     def changed(self) -> bool:
         return any(r.status is Status.CHANGED for r in self.results)
 
+    def final(self) -> list[Result]:
+        """The last result per (step, node): a later result for the same target supersedes an
+        earlier one (an engine that failed, then the fallback that serves)."""
+        last: dict[tuple[str, str | None], Result] = {}
+        for x in self.results:
+            last.pop((x.step, x.node), None)
+            last[(x.step, x.node)] = x
+        return list(last.values())
+
     def to_dict(self) -> dict[str, Any]:
         return {"state": self.state, "why": self.why, "elapsed": self.elapsed,
                 "changed": self.changed, "fingerprint": self.fingerprint,
@@ -267,10 +276,11 @@ class Runner:
         r.results.extend(self._call(spec.name, options))
 
     def _summary(self, r: StepRun) -> str:
-        own = [x for x in r.results if x.step == r.name] or r.results
-        worst = (next((x for x in own if x.failed), None)
-                 or next((x for x in own if x.status is Status.CHANGED), None)
-                 or (own[-1] if own else None))
+        final = [x for x in r.final() if x.step == r.name] or r.final()
+        every = [x for x in r.results if x.step == r.name] or r.results
+        worst = (next((x for x in final if x.failed), None)
+                 or next((x for x in reversed(every) if x.status is Status.CHANGED), None)
+                 or (final[-1] if final else None))
         return f"{worst.status.value}: {worst.why}" if worst else "no result"
 
     # -- the graph --------------------------------------------------------------------------
@@ -329,9 +339,10 @@ class Runner:
 
     @staticmethod
     def _end_state(r: StepRun) -> str:
-        if any(x.failed for x in r.results):
+        final = r.final()
+        if any(x.failed for x in final):
             return FAILED
-        own = [x for x in r.results if x.step == r.name]
+        own = [x for x in final if x.step == r.name]
         if own and all(x.status is Status.SKIPPED for x in own):
             return SKIPPED
         return DONE

@@ -326,9 +326,18 @@ def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
     assert "needs no layer" in out.runs["image.build"].why
     assert calls.options["model.sync"] == {"to": "spark2"}
     assert calls.options["bench.run"]["concurrency"] == [1]
+    dep.records.write("serve", "serve.up", {"chosen": "vllm-ray", "endpoint": "http://h:8000", "tried": [
+        {"engine": "sglang", "outcome": "hang", "class": "nccl-init-hang", "phase": "init",
+         "why": "no progress for 60s", "fallback_after_s": 61.5,
+         "evidence": [["spark1.log", 41, "CustomAllreduce is disabled because this process group "
+                       "spans across nodes."]]}]})
     written = plans.write_record(dep, out, steps)
     md = written.markdown.read_text()
     assert "serving `layer:1` = `sha256:layer:1`" in md and "| model.download | done |" in md
+    assert "serving with **vllm-ray**" in md
+    assert "sglang was tried first: hang in init, diagnosis `nccl-init-hang`: no progress for 60s" in md
+    assert "evidence: `spark1.log:41`: `CustomAllreduce is disabled" in md
+    assert written.json.exists() and '"chosen": "vllm-ray"' in written.json.read_text()
     # nothing changed the second time (every fake says ok): no bench smoke
     calls.log.clear()
     registry.REGISTRY["serve.up"] = registry.REGISTRY["hosts.check"].__class__(
@@ -350,3 +359,19 @@ def test_longest_chain_counts_after_start_from_the_start():
     took["ship"] = 70.0
     runs = {n: StepRun(n, "done", elapsed=t) for n, t in took.items()}
     assert longest_chain(Outcome("deploy", runs, 80.0, False), plan) == (85.0, ["probe", "ship", "up"])
+
+
+def test_a_later_result_for_the_same_target_supersedes_a_failure(tmp_path, calls):
+    def fallback(dep, **o):
+        return [dep.report(failed("t.up", "sglang hung; class: nccl-init-hang; falling back")),
+                dep.report(changed("t.up", "vllm serves", engine="vllm")),
+                dep.report(ok("t.up", "endpoint: http://x:1", endpoint="http://x:1"))]
+
+    def per_node(dep, **o):
+        return [dep.report(failed("t.ship", "disk full", "spark2")),
+                dep.report(changed("t.ship", "shipped", "spark3"))]
+    step("t.up")(fallback)
+    step("t.ship")(per_node)
+    out = Runner(dep_for(tmp_path), [PlanStep("t.up"), PlanStep("t.ship")]).run()
+    assert out.runs["t.up"].state == "done" and out.runs["t.up"].why == "changed: vllm serves"
+    assert out.runs["t.ship"].state == "failed" and out.runs["t.ship"].why == "failed: disk full"

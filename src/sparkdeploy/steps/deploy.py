@@ -287,23 +287,39 @@ def _bench_summary(runs: dict[str, StepRun]) -> dict[str, Any] | None:
 
 
 def _engine(runs: dict[str, StepRun], dep: Deployment) -> dict[str, Any]:
-    """The engine serve.up chose and why (its results' details; serve's record when there)."""
-    info: dict[str, Any] = {}
+    """The engine serving and why: serve.up's record (each engine tried, its diagnosis class
+    and evidence lines), and what serve.up said in this run."""
+    rec = dep.records.read("serve") or {}
+    data = rec.get("data") or {}
     r = runs.get("serve.up")
-    for x in (r.results if r else []):
-        for k in ("engine", "diagnosis", "class", "evidence", "fallback", "tried"):
-            if k in x.details:
-                info[k] = x.details[k]
-    try:
-        rec = dep.records.data("serve") or dep.records.data("serve-up")
-    except Exception:
-        rec = None
-    if rec:
-        for k, v in rec.items():
-            info.setdefault(k, v)
-    if r:
-        info["why"] = [x.why for x in r.results]
-    return info
+    said = [x.why for x in r.results] if r else []
+    chosen = data.get("chosen") or next(
+        (x.details.get("engine") for x in reversed(r.results if r else []) if x.details.get("engine")), None)
+    tried = [{"engine": a.get("engine"), "outcome": a.get("outcome"), "class": a.get("class"),
+              "phase": a.get("phase"), "why": a.get("why"),
+              "fallback_after_s": a.get("fallback_after_s"),
+              "evidence": [list(e) for e in (a.get("evidence") or [])[:6]]}
+             for a in data.get("tried") or []]
+    return {"chosen": chosen, "tried": tried, "decided": rec.get("time_iso"),
+            "run_dir": data.get("run_dir"), "serve_up": said}
+
+
+def _engine_markdown(engine: dict[str, Any]) -> list[str]:
+    md = [f"- serving with **{engine['chosen'] or 'none'}**"
+          + (f" (decided {engine['decided']})" if engine.get("decided") else "")]
+    if not engine["tried"]:
+        md.append("- why: the profile's first engine, and it came up")
+    for a in engine["tried"]:
+        md.append(f"- {a['engine']} was tried first: {a['outcome']} in {a['phase'] or '?'}, "
+                  f"diagnosis `{a['class']}`: {a['why']}"
+                  + (f"; {a['fallback_after_s']:.1f}s from the hang's start to the fallback"
+                     if a.get("fallback_after_s") is not None else ""))
+        md += [f"  - evidence: `{e[0]}:{e[1]}`: `{e[2]}`" if len(e) >= 3 else f"  - evidence: {e}"
+               for e in a["evidence"]]
+    if engine.get("run_dir"):
+        md.append(f"- engine logs: {engine['run_dir']}")
+    md += [f"- serve.up said: {w}" for w in engine["serve_up"]]
+    return md
 
 
 def write_record(dep: Deployment, out: Outcome, steps: list[PlanStep]) -> Written | None:
@@ -334,9 +350,7 @@ def write_record(dep: Deployment, out: Outcome, steps: list[PlanStep]) -> Writte
             ["image", "engine", "engine version", "transformers", "verdict", "why"],
             [[f"`{r.get('image')}`", r.get("engine"), r.get("engine_version"), r.get("transformers"),
               r.get("verdict"), r.get("why")] for r in image["candidates"]]))
-    md += ["", "## Engine", ""]
-    md += [f"- {k}: {v}" for k, v in engine.items() if k != "why"] or ["- no engine decision recorded"]
-    md += [f"- serve.up: {w}" for w in engine.get("why", [])]
+    md += ["", "## Engine", "", *_engine_markdown(engine)]
     md += ["", "## Steps", "", markdown_table(
         ["step", "state", "seconds", "why"],
         [[n, t["state"], f"{t['elapsed']:.1f}" if t["elapsed"] is not None else "-", t["why"]]
