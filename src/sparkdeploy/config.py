@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from sparkdeploy import checks
 from sparkdeploy.overlays import Merged, ProfileError, load_merged, parse_dotted
 
 
@@ -26,18 +27,24 @@ def _port(v: int) -> int:
 
 
 Port = Annotated[int, AfterValidator(_port)]
+Name = Annotated[str, AfterValidator(checks.name)]
+"""A node or engine name: safe in host names, paths and container names."""
+Url = Annotated[str, AfterValidator(checks.http_url)]
+ImageRef = Annotated[str, AfterValidator(checks.image_ref)]
+AbsPath = Annotated[str, AfterValidator(checks.abs_path)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a string is never taken for a number ("30000") nor a bool for one (true)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class Link(_Strict):
     """A node's end of the fast link (the QSFP cable)."""
 
-    interface: str
+    interface: Annotated[str, AfterValidator(checks.interface)]
     address: str
-    hcas: list[str] = Field(default_factory=list)
+    hcas: list[Annotated[str, AfterValidator(checks.interface)]] = Field(default_factory=list)
 
     @field_validator("address")
     @classmethod
@@ -50,13 +57,13 @@ class Link(_Strict):
 
 
 class Node(_Strict):
-    name: str = Field(min_length=1)
+    name: Name
     role: Literal["head", "worker"]
-    ssh: str | None = None
+    ssh: Annotated[str, AfterValidator(checks.ssh_alias)] | None = None
     """SSH alias or host name; ``None`` means this machine (run locally)."""
     link: Link
     gpus: int = Field(default=1, ge=0)
-    docker_socket: str = "/var/run/docker.sock"
+    docker_socket: AbsPath = "/var/run/docker.sock"
     privilege: Literal["sudo", "none"] = "none"
     arch: Literal["arm64", "amd64"] = "arm64"
 
@@ -77,15 +84,15 @@ class SshSettings(_Strict):
 class Model(_Strict):
     repo: str = Field(pattern=r"^[\w.-]+/[\w.-]+$")
     revision: str = "main"
-    path: str
+    path: AbsPath
     """Where the weights live on every node."""
     allow_patterns: list[str] = Field(default_factory=lambda: ["*"])
-    endpoint: str | None = None
+    endpoint: Url | None = None
     """The model hub (``HF_ENDPOINT``); None means huggingface_hub's default (or $HF_ENDPOINT)."""
 
 
 class Candidate(_Strict):
-    ref: str
+    ref: ImageRef
     engine: Literal["sglang", "vllm"]
 
 
@@ -93,21 +100,12 @@ class Layer(_Strict):
     """The derivative image: a candidate plus a pinned transformers."""
 
     dockerfile: str = "docker/transformers.Dockerfile"
-    base: str
+    base: ImageRef
     requirement: str = "transformers>=5"
-    tag: str
-    index_url: str = "https://pypi.org/simple"
+    tag: ImageRef
+    index_url: Annotated[Url, AfterValidator(checks.no_credentials)] = "https://pypi.org/simple"
     """Where ``requirement`` is resolved and installed from (credential-free: it is recorded in
     the image history)."""
-
-    @field_validator("index_url")
-    @classmethod
-    def _no_credentials(cls, v: str) -> str:
-        from urllib.parse import urlsplit
-
-        if urlsplit(v).password or "@" in urlsplit(v).netloc:
-            raise ValueError("must not carry credentials (they would land in the image history)")
-        return v
 
 
 class EngineRule(_Strict):
@@ -151,10 +149,10 @@ class ServiceSettings(_Strict):
 
 
 class Engine(_Strict):
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$")
+    name: Name
     """Part of the container names (``sparkdeploy-<name>-<role>``)."""
     kind: Literal["sglang", "vllm"]
-    image: str
+    image: ImageRef
     port: Port
     dist_port: Port | None = None
     """SGLang's --dist-init-addr port, or the Ray GCS port for vLLM on Ray."""
@@ -201,7 +199,7 @@ class Profile(_Strict):
     engines: list[Engine] = Field(min_length=1)
     bench: Bench = Field(default_factory=Bench)
     serve: Serve = Field(default_factory=Serve)
-    endpoint: str | None = None
+    endpoint: Url | None = None
     """The deployed OpenAI-compatible endpoint, when known (bench's default target)."""
 
     @property

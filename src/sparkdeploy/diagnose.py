@@ -104,30 +104,44 @@ class Rule:
     void_after: Pat | None = None
 
 
-# Markers of distributed init: begins and ends, as the engines print them.
-INIT_BEGIN = pat(
-    r"Init torch distributed begin"  # SGLang
-    r"|NCCL INFO .*Init START"  # NCCL ncclCommInitRank
-    r"|distributed_init_method=\S+"  # vLLM worker init
-    r"|(?:sglang|vLLM) is using nccl==",  # pynccl starting a communicator
-    "init torch distributed begin", "init start", "distributed_init_method", "is using nccl", icase=False,
-)
-INIT_END = pat(
-    r"Init torch distributed ends"  # SGLang
-    r"|Init COMPLETE"  # NCCL
-    r"|is assigned as DP rank"  # vLLM parallel_state, after init_process_group
-    r"|Load weight begin|Loading weights|Starting to load model|Loading model weights"
+# Distributed init, as the engines print it: stages that begin and must end. A stage ends with its
+# own end marker or with any sign that start-up went on past init (weights, KV cache, graphs, API).
+PAST_INIT = pat(
+    r"Load weight begin|Loading weights|Starting to load model|Loading model weights"
     r"|Model loading took|Loading safetensors checkpoint"
     r"|Memory profiling takes|# GPU blocks|KV cache|Capturing (?:CUDA )?graph|Capture cuda graph"
     r"|Uvicorn running on|Application startup complete|The server is fired up and ready to roll"
     r"|Starting vLLM API server",
-    "init torch distributed ends", "init complete", "assigned as dp rank", "load weight", "loading weights",
-    "load model", "loading model", "model loading", "safetensors", "memory profiling", "gpu blocks", "kv cache",
-    "graph", "uvicorn running", "startup complete", "ready to roll", "api server",
+    "load weight", "loading weights", "load model", "loading model", "model loading", "safetensors",
+    "memory profiling", "gpu blocks", "kv cache", "graph", "uvicorn running", "startup complete", "ready to roll",
+    "api server",
 )
-# SGLang's last line before its cross-node message queue waits (vLLM prints a similar one).
+# SGLang's last line before its cross-node message queue waits (vLLM prints a similar one and goes on).
 SPANS_NODES = pat(r"custom ?allreduce is disabled because this process group spans across nodes",
                   "spans across nodes")
+TORCH_DIST_ENDS = pat(r"Init torch distributed ends", "init torch distributed ends", icase=False)
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    begin: Pat
+    end: Pat
+
+
+INIT_STAGES: tuple[Stage, ...] = (
+    Stage("torch distributed init (SGLang)",
+          pat(r"Init torch distributed begin", "init torch distributed begin", icase=False), TORCH_DIST_ENDS),
+    Stage("NCCL communicator init",
+          pat(r"NCCL INFO .*Init START", "init start", icase=False),
+          pat(r"Init COMPLETE", "init complete", icase=False)),
+    Stage("distributed init (vLLM)",
+          pat(r"distributed_init_method=\S+|(?:sglang|vLLM) is using nccl==", "distributed_init_method",
+              "is using nccl", icase=False),
+          pat(r"is assigned as DP rank|Init torch distributed ends", "assigned as dp rank",
+              "init torch distributed ends", icase=False)),
+    Stage("the cross-node message queue (after CustomAllreduce)", SPANS_NODES, TORCH_DIST_ENDS),
+)
 READY = pat(r"Application startup complete|The server is fired up and ready to roll|Uvicorn running on",
             "startup complete", "ready to roll", "uvicorn running")
 CRASH = pat(
@@ -294,10 +308,17 @@ class Log:
         return _ev(self.label, i, self.lines[i])
 
 
-def _keys(rules: Sequence[Rule]) -> set[str]:
-    pats = [INIT_BEGIN, INIT_END, SPANS_NODES, READY, CRASH, NCCL_WORKS, CONFIG_LOOKUP]
-    for r in rules:
+def patterns(rules: Sequence[Rule] | None = None) -> list[Pat]:
+    """Every pattern the classifier tries (the rules' and the sequence rules' markers)."""
+    pats = [PAST_INIT, READY, CRASH, NCCL_WORKS, CONFIG_LOOKUP]
+    pats += [p for st in INIT_STAGES for p in (st.begin, st.end)]
+    for r in RULES if rules is None else rules:
         pats += [p for p in (r.pattern, r.context, r.void_after) if p is not None]
+    return pats
+
+
+def _keys(rules: Sequence[Rule]) -> set[str]:
+    pats = patterns(rules)
     keys = {k for p in pats for k in p.keys}
     # a key containing another is found by the shorter one: scan for the shorter only
     return {k for k in keys if not any(o != k and o in k for o in keys)}
@@ -338,18 +359,23 @@ def _rule_findings(log: Log) -> list[Finding]:
 
 def _init_hang(log: Log) -> Finding | None:
     """Distributed init began and neither completed nor crashed: the log stops inside init."""
-    begin = None  # the first begin not followed by an end
+    opened: dict[str, int] = {}  # stage -> its first begin not followed by its end
     for i in log.candidates:
-        if log.hit(INIT_END, i):
-            begin = None
-        elif begin is None and (log.hit(INIT_BEGIN, i) or log.hit(SPANS_NODES, i)):
-            begin = i
-    if begin is None:
+        if log.hit(PAST_INIT, i):
+            opened.clear()
+            continue
+        for st in INIT_STAGES:
+            if log.hit(st.end, i):
+                opened.pop(st.name, None)
+            elif st.name not in opened and log.hit(st.begin, i):
+                opened[st.name] = i
+    if not opened:
         return None
+    begin = min(opened.values())
     if log.last(CRASH, begin + 1) is not None:
         return None  # it died there: a crash, not a hang (the crash rules name it if they can)
     evidence = [log.ev(begin)]
-    spans = log.last(SPANS_NODES, begin)
+    spans = opened.get(INIT_STAGES[-1].name)
     if spans is not None and spans != begin:
         evidence.append(log.ev(spans))
     last = next((j for j in range(len(log.lines) - 1, begin, -1) if log.lines[j].strip()), None)
@@ -359,7 +385,8 @@ def _init_hang(log: Log) -> Finding | None:
         why = ("distributed init stopped after 'CustomAllreduce is disabled ... spans across nodes' and never "
                "ended (a rank advertised an address its peer cannot reach, e.g. SGLANG_HOST_IP unset)")
     else:
-        why = "distributed init began and never completed"
+        stage = min(opened, key=opened.get)
+        why = f"distributed init began and never completed: {stage} is still waiting"
     return Finding("nccl-init-hang", 30, why, evidence)
 
 
@@ -406,7 +433,7 @@ def classify(logs: Mapping[str, Sequence[str]]) -> Diagnosis:
                 seen.add((e.label, e.line_no))
                 evidence.append(e)
     evidence.sort(key=lambda e: (order.get(e.label, 0), e.line_no))
-    where = sorted({e.label for e in best[0].evidence}, key=lambda x: order.get(x, 0))
+    where = sorted({e.label for f in best if f.cls == cls for e in f.evidence}, key=lambda x: order.get(x, 0))
     summary = f"{best[0].why} ({', '.join(where)})" if where else best[0].why
     if cls == "nccl-init-hang" and any(
         "Watchdog caught" in e.text for e in evidence

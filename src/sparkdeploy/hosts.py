@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shlex
+import stat
 import subprocess
 import tempfile
 import time
@@ -113,8 +114,23 @@ def default_control_dir() -> str:
     base = tempfile.gettempdir()
     if len(base) > 40:
         base = "/tmp"
-    d = os.path.join(base, f"sparkdeploy-cm-{os.getuid()}")
-    os.makedirs(d, mode=0o700, exist_ok=True)
+    return private_dir(os.path.join(base, f"sparkdeploy-cm-{os.getuid()}"))
+
+
+def private_dir(d: str) -> str:
+    """Create ``d`` (mode 0700) or accept it only when it is a real directory owned by this user
+    with mode 0700: a directory someone else made first in a shared /tmp is refused."""
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise HostError(f"cannot create {d}: {e.strerror}") from None
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o777 != 0o700:
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a directory"
+        raise HostError(f"{d} is not private ({kind}, owner uid {st.st_uid}, mode "
+                        f"{st.st_mode & 0o777:o}; needs uid {os.getuid()}, mode 700): remove it")
     return d
 
 
@@ -165,7 +181,8 @@ class Host:
             argv = ["sudo", "-n", "--", *argv]
         if self.node.local:
             return argv
-        return [*ssh_base_argv(self.ssh), self.node.ssh or "", "--", shlex.join(argv)]
+        # "--" before the destination: nothing after it is read as an ssh option
+        return [*ssh_base_argv(self.ssh), "--", self.node.ssh or "", shlex.join(argv)]
 
     def _say(self, text: str, would: bool = False) -> None:
         self.events.emit(Echo(self.name, text, would))
@@ -271,7 +288,7 @@ class Host:
         fwd = [
             *ssh_base_argv(self.ssh),
             "-N", "-o", "ExitOnForwardFailure=yes", "-o", "ControlMaster=no",
-            "-L", f"{sock}:{self.node.docker_socket}", self.node.ssh or "",
+            "-L", f"{sock}:{self.node.docker_socket}", "--", self.node.ssh or "",
         ]  # fmt: skip
         proc = subprocess.Popen(fwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,9 @@ from typing import Any
 from sparkdeploy.hosts import Host, HostError, NodeUnreachable
 
 __all__ = ["ARCH", "SCRIPTS", "HostError", "NodeUnreachable", "docker", "inspect_image",
-           "listed_tags", "node_arch", "shell", "stage", "stage_script"]
+           "listed_tags", "node_arch", "shell", "stage", "stage_script", "check_staged", "verified"]
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-STAGE_DIR = "/tmp/sparkdeploy-stage"
 
 ARCH = {"aarch64": "arm64", "arm64": "arm64", "x86_64": "amd64", "amd64": "amd64"}
 
@@ -50,26 +50,67 @@ def node_arch(host: Host) -> str:
     return ARCH.get(r.stdout.strip(), r.stdout.strip())
 
 
-def stage(host: Host, name: str, content: str) -> str:
-    """Put ``content`` on the node under a content-addressed path and return that path.
+# The node's stage directory: private to the deploying user (created 0700, then checked: a
+# directory, not a link, owned by us, mode 0700; anything else is refused, never reused).
+# A staged file lives under its full sha256 and is re-checked against it before it is reused.
+_STAGE_SH = r"""set -eu
+umask 077
+d="$4/sparkdeploy-stage-$(id -u)"
+mkdir -m 700 "$d" 2>/dev/null || :
+if [ -L "$d" ] || [ ! -d "$d" ] || [ "$(stat -c '%u %a' "$d")" != "$(id -u) 700" ]; then
+  got=$(stat -c '%u %a' "$d" 2>/dev/null || echo '?')
+  echo "$d is not a private directory (owner uid and mode: $got); remove it" >&2
+  exit 3
+fi
+f="$d/$1/$2"
+if ! { [ -f "$f" ] && printf '%s  %s\n' "$1" "$f" | sha256sum -c --status; }; then
+  mkdir -p "$(dirname "$f")"
+  printf %s "$3" | base64 -d > "$f.part"
+  printf '%s  %s\n' "$1" "$f.part" | sha256sum -c --status || { echo "$2 arrived corrupt" >&2; exit 4; }
+  mv -f "$f.part" "$f"
+fi
+printf '%s\n' "$f"
+"""
+STAGE_BASE = "/tmp"
+_DIGEST_RE = re.compile(r"/([0-9a-f]{64})/")
 
-    Staging is scratch space under /tmp, not deployment state: it runs in dry runs too so that
-    read-only probes can use it."""
-    digest = hashlib.sha256(content.encode()).hexdigest()[:16]
-    path = f"{STAGE_DIR}/{digest}/{name}"
+
+def stage(host: Host, name: str, content: str) -> str:
+    """Put ``content`` on the node in its private stage directory, under the content's sha256,
+    and return the path the node reports.
+
+    Staging is scratch space, not deployment state: it runs in dry runs too so that read-only
+    probes can use it. Run a staged helper through ``verified`` (or ``check_staged``)."""
+    data = content.encode()
+    digest = hashlib.sha256(data).hexdigest()
     # The content travels base64-encoded in argv (scripts and configs are small): invoke feeds
     # a command's stdin one byte per poll, far too slow for files.
-    script = ('test -s "$1" || { mkdir -p "$(dirname "$1")" && printf %s "$2" | base64 -d > "$1.part" '
-              '&& mv "$1.part" "$1"; }')
-    encoded = base64.b64encode(content.encode()).decode()
-    r = host.run(["sh", "-c", script, "sh", path, encoded], change=False)
-    if not r.ok:
+    encoded = base64.b64encode(data).decode()
+    r = host.run(["sh", "-c", _STAGE_SH, "sh", digest, name, encoded, STAGE_BASE], change=False)
+    path = r.stdout.strip()
+    if not r.ok or not path.endswith(f"/{digest}/{name}"):
         raise HostError(f"{host.name}: cannot stage {name}: {r.one_line_error()}")
     return path
 
 
 def stage_script(host: Host, name: str) -> str:
     return stage(host, name, (SCRIPTS / name).read_text())
+
+
+def check_staged(path: str) -> str:
+    """A shell snippet that exits 97 unless the staged file still matches its sha256."""
+    m = _DIGEST_RE.search(path)
+    if not m:
+        raise ValueError(f"not a staged path: {path}")
+    line = f"{m.group(1)}  {path}\\n"
+    return (f"printf {shlex.quote(line)} | sha256sum -c --status || "
+            f"{{ echo {shlex.quote(path + ' differs from its sha256: not run')} >&2; exit 97; }}")
+
+
+def verified(paths: list[str], argv: list[str]) -> list[str]:
+    """``argv`` run only when every staged file in ``paths`` still matches its sha256."""
+    checks = "; ".join(check_staged(p) for p in paths)
+    return ["sh", "-c", f'{checks}; exec "$@"', "sh", *argv]
 
 
 def shell(*argvs: list[str]) -> str:

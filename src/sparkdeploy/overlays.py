@@ -109,7 +109,8 @@ def _read(path: Path, label: str) -> dict[str, Any]:
     except IsADirectoryError:
         raise ProfileError(f"{label}: is a directory, not a profile file") from None
     except UnicodeDecodeError as e:
-        raise ProfileError(f"{label}: not UTF-8 text (byte {e.start})") from None
+        raise ProfileError(f"{label}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                           f"{e.start})") from None
     except OSError as e:
         raise ProfileError(f"{label}: cannot read: {e.strerror}") from None
     try:

@@ -75,8 +75,8 @@ class ScriptedContext(Context):
         self.commands.append(command)
         full = shlex.split(command)
         assert full[0] == "ssh", command
-        alias, remote = full[-3], shlex.split(full[-1])
-        assert full[-2] == "--"
+        alias, remote = full[-2], shlex.split(full[-1])
+        assert full[-3] == "--"
         self.calls.append((alias, remote))
         code, out, err = self.nodes[alias].answer(remote)
         return Result(stdout=out, stderr=err, exited=code, command=command)

@@ -217,11 +217,11 @@ def test_single_node_vllm_needs_no_ray(tmp_path):
 
 
 def test_bad_image_is_one_line(tmp_path):
-    def edit(d):
-        d["engines"][0]["image"] = "--privileged"
-    p = _profile(tmp_path, edit)
+    # the profile refuses such an image at load; the engine module still refuses one given to it
+    p = _profile(tmp_path, lambda d: None)
+    engine = p.engines[0].model_copy(update={"image": "--privileged"})
     with pytest.raises(EngineError, match=r"^engines.sglang.image: '--privileged' is not an image"):
-        launch(p, p.engines[0], FACTS)
+        launch(p, engine, FACTS)
 
 
 @pytest.mark.parametrize("ours,theirs,want", [
@@ -247,5 +247,5 @@ def test_profile_refuses_bad_env_name_and_engine_name(tmp_path):
 
     def bad_name(d):
         d["engines"][0]["name"] = "--rm"
-    with pytest.raises(ProfileError, match=r"engines\[0\]\.name: '--rm' is not of the form"):
+    with pytest.raises(ProfileError, match=r"engines\[0\]\.name: '--rm' is not a safe name"):
         _profile(tmp_path, bad_name)

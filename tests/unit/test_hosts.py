@@ -15,7 +15,7 @@ def test_wrap_uses_the_profile_ssh_files_and_quotes_the_remote_command():
     argv = h.wrap(["sh", "-c", "echo $HOME; rm x", "a b"], sudo=True)
     assert argv[:3] == ["ssh", "-F", "/lab/ssh_config"]
     assert "UserKnownHostsFile=/lab/known_hosts" in argv and "StrictHostKeyChecking=yes" in argv
-    assert argv[-3:] == ["spark1", "--", "sudo -n -- sh -c 'echo $HOME; rm x' 'a b'"]
+    assert argv[-3:] == ["--", "spark1", "sudo -n -- sh -c 'echo $HOME; rm x' 'a b'"]
 
 
 def test_local_node_runs_argv_as_is():
@@ -60,3 +60,48 @@ def test_an_unreachable_node_is_asked_once():
 
 def test_elide_long_arguments():
     assert elide(["sh", "x" * 300]) == ["sh", "<300 bytes>"]
+
+
+def test_control_dir_is_created_private(tmp_path):
+    import os
+
+    from sparkdeploy.hosts import private_dir
+
+    d = str(tmp_path / "cm")
+    assert private_dir(d) == d
+    st = os.stat(d)
+    assert st.st_mode & 0o777 == 0o700 and st.st_uid == os.getuid()
+    assert private_dir(d) == d  # ours already: reused
+
+
+@pytest.mark.parametrize("spoil", ["mode", "owner", "symlink", "file"])
+def test_control_dir_not_private_is_refused(tmp_path, spoil):
+    import os
+
+    from sparkdeploy.hosts import HostError, private_dir
+
+    d = tmp_path / "cm"
+    if spoil == "symlink":
+        (tmp_path / "other").mkdir(mode=0o700)
+        d.symlink_to(tmp_path / "other")
+    elif spoil == "file":
+        d.write_text("")
+    else:
+        d.mkdir(mode=0o700)
+        if spoil == "mode":
+            d.chmod(0o755)
+        elif os.getuid() == 0:
+            os.chown(d, 4242, 4242)
+        else:
+            pytest.skip("chown to another user needs root")
+    with pytest.raises(HostError) as e:
+        private_dir(str(d))
+    assert str(e.value).startswith(f"{d} is not private (")
+    assert str(e.value).endswith(f"needs uid {os.getuid()}, mode 700): remove it")
+
+
+def test_ssh_destination_comes_after_the_end_of_options():
+    h = Host(NODE, SshSettings())
+    argv = h.wrap(["true"])
+    assert argv[-3:] == ["--", "spark1", "true"]
+    assert argv.index("--") == len(argv) - 3

@@ -126,19 +126,30 @@ def test_have_prefix_follows_the_chain():
     assert ship.have_prefix(["a", "b", "c"], {"a", "c"}) == 1
 
 
+S = "/tmp/sparkdeploy-stage-0/" + "a" * 64
+L = "/tmp/sparkdeploy-stage-0/" + "b" * 64
+H = "/tmp/sparkdeploy-stage-0/" + "c" * 64
+
+
 def test_ship_pipeline_argv(dep):
     src, peer = dep.host("spark1"), dep.host("spark2")
-    argv = ship.pipeline(src, peer, "img:1", "/t/save_filter.py", "/t/layers.json", "/t/have.json", "none")
+    argv = ship.pipeline(src, peer, "img:1", f"{S}/save_filter.py", f"{L}/layers.json",
+                         f"{H}/have.json", "none")
     assert argv[:2] == ["bash", "-c"]
-    assert argv[2] == (
-        "set -o pipefail; docker -H unix:///var/run/docker.sock save img:1 | "
-        "python3 /t/save_filter.py --layers-file /t/layers.json --have-file /t/have.json --progress 1 | "
-        "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes 192.168.100.11 "
+    checks = "".join(
+        f"printf '{d * 64}  {p}\\n' | sha256sum -c --status || "
+        f"{{ echo '{p} differs from its sha256: not run' >&2; exit 97; }}; "
+        for d, p in (("a", f"{S}/save_filter.py"), ("b", f"{L}/layers.json"), ("c", f"{H}/have.json")))
+    assert argv[2] == checks + (
+        f"set -o pipefail; docker -H unix:///var/run/docker.sock save img:1 | "
+        f"python3 {S}/save_filter.py --layers-file {L}/layers.json --have-file {H}/have.json "
+        "--progress 1 | "
+        "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes -- 192.168.100.11 "
         "'docker -H unix:///var/run/docker.sock load'")
     full = ship.pipeline(src, peer, "img:1", None, None, None, "zstd")
     assert full[2] == (
         "set -o pipefail; docker -H unix:///var/run/docker.sock save img:1 | zstd -q -T0 -3 -c | "
-        "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes 192.168.100.11 "
+        "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes -- 192.168.100.11 "
         "'zstd -q -d -c | docker -H unix:///var/run/docker.sock load'")
 
 

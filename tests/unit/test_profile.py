@@ -105,6 +105,51 @@ BAD = [
      "sparkdeploy.nodes[1].link.address: 192.168.100.10 is also nodes[0]'s address"),
     ("three-nodes-two-heads", _three_nodes_two_heads,
      "sparkdeploy.nodes[2].role: two or more heads: exactly one node must be 'head'"),
+    # strict types: a string or a bool is never taken for a number
+    ("port-string", _set(["engines", 0, "port"], "30000"),
+     "sparkdeploy.engines[0].port: must be an integer, not '30000'"),
+    ("gpus-bool", _set(["nodes", 0, "gpus"], True),
+     "sparkdeploy.nodes[0].gpus: must be an integer, not True"),
+    ("timeout-string", _set(["services", "gpu_free_timeout_s"], "120"),
+     "sparkdeploy.services.gpu_free_timeout_s: must be a number, not '120'"),
+    ("revision-int", _set(["model", "revision"], 2024),
+     "sparkdeploy.model.revision: must be a string, not 2024"),
+    # names that reach host names, paths and container names
+    ("node-name-shell", _set(["nodes", 0, "name"], "spark1; rm -rf x"),
+     "sparkdeploy.nodes[0].name: 'spark1; rm -rf x' is not a safe name (lower-case letters, "
+     "digits and '-', starting and ending with a letter or digit, at most 63)"),
+    ("engine-name-path", _set(["engines", 1, "name"], "../vllm"),
+     "sparkdeploy.engines[1].name: '../vllm' is not a safe name (lower-case letters, "
+     "digits and '-', starting and ending with a letter or digit, at most 63)"),
+    ("dup-engine", _set(["engines", 1, "name"], "sglang"),
+     "sparkdeploy.engines[1].name: duplicate engine name 'sglang'"),
+    ("dist-port-is-port", _set(["engines", 0, "dist_port"], 30000),
+     "sparkdeploy.engines[0].dist_port: must differ from port"),
+    # URLs
+    ("endpoint-not-url", _set(["endpoint"], "not a url"),
+     "sparkdeploy.endpoint: 'not a url' is not an http(s) URL with a host"),
+    ("endpoint-bad-port", _set(["endpoint"], "http://spark1:99999"),
+     "sparkdeploy.endpoint: 'http://spark1:99999' is not a URL (Port out of range 0-65535)"),
+    ("hub-endpoint-bracket", _set(["model", "endpoint"], "http://[::1"),
+     "sparkdeploy.model.endpoint: 'http://[::1' is not a URL (Invalid IPv6 URL)"),
+    ("index-credentials", _set(["images", "layer", "index_url"], "https://u:secret@pypi.example/simple"),
+     "sparkdeploy.images.layer.index_url: must not carry credentials "
+     "(they would land in the image history)"),
+    ("index-token", _set(["images", "layer", "index_url"], "https://token@pypi.example/simple"),
+     "sparkdeploy.images.layer.index_url: must not carry credentials "
+     "(they would land in the image history)"),
+    # option injection through the ssh destination
+    ("ssh-option", _set(["nodes", 0, "ssh"], "-oProxyCommand=touch /tmp/x/pwned"),
+     "sparkdeploy.nodes[0].ssh: '-oProxyCommand=touch /tmp/x/pwned' starts with '-' "
+     "(ssh would read it as an option)"),
+    ("ssh-space", _set(["nodes", 1, "ssh"], "spark2 -v"),
+     "sparkdeploy.nodes[1].ssh: 'spark2 -v' is not an ssh alias ([user@]host, host-name "
+     "characters only)"),
+    ("image-option", _set(["engines", 0, "image"], "--privileged"),
+     "sparkdeploy.engines[0].image: '--privileged' is not an image reference "
+     "(repo[:tag][@digest], no leading '-')"),
+    ("socket-path", _set(["nodes", 0, "docker_socket"], "/run/docker.sock:/etc"),
+     "sparkdeploy.nodes[0].docker_socket: '/run/docker.sock:/etc' is not a plain absolute path"),
 ]
 
 
@@ -135,6 +180,22 @@ def test_bad_file(tmp_path, text, expected):
         load_profile(p)
     assert str(e.value).startswith(f"{p}: {expected}")
     assert "\n" not in str(e.value)
+
+
+def test_non_utf8_file_is_one_line(tmp_path):
+    p = tmp_path / "x.yaml"
+    p.write_bytes(b"sparkdeploy:\n  name: caf\xe9\n")
+    with pytest.raises(ProfileError) as e:
+        load_profile(p)
+    assert str(e.value) == f"{p}: not UTF-8 text (byte 0xe9 at offset 24)"
+
+
+def test_ssh_alias_forms_accepted(tmp_path):
+    d = seed()
+    d["sparkdeploy"]["nodes"][0]["ssh"] = "admin@spark1.lan"
+    d["sparkdeploy"]["nodes"][1]["ssh"] = "192.168.100.11"
+    p = load_profile(write(tmp_path, d))
+    assert [n.ssh for n in p.nodes] == ["admin@spark1.lan", "192.168.100.11"]
 
 
 def test_missing_file(tmp_path):

@@ -67,7 +67,7 @@ def test_stop_exact_commands_in_profile_order(tmp_path):
     first = shlex.split(ctx.commands[0])
     assert first[:9] == ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
                          "-o", "ConnectTimeout=10", "-o", "ControlMaster=auto"]
-    assert first[-3:] == ["spark1", "--", LIST]
+    assert first[-3:] == ["--", "spark1", LIST]
 
 
 def test_privilege_none_runs_without_sudo(tmp_path):

@@ -41,7 +41,8 @@ class Ctx(Context):
 
     def run(self, command, **kw):
         full = shlex.split(command)
-        alias, argv = full[-3], shlex.split(full[-1])
+        alias, argv = full[-2], shlex.split(full[-1])
+        assert full[-3] == "--"
         e = self.engines[alias]
         out, code, err = "", 0, ""
         if argv[:1] == ["docker"]:
@@ -70,8 +71,9 @@ class Ctx(Context):
             out = "0\n1000000000\n0\n1000000000\n1000000000\n"
         elif argv[:1] == ["df"]:
             out = f"Filesystem 1-blocks Used Available Capacity Mounted\n/dev/x 1 1 {e.free} 1% /\n"
-        elif argv[:2] == ["sh", "-c"]:
-            pass  # staging a script
+        elif argv[:2] == ["sh", "-c"]:  # staging a helper: the node answers with its path
+            digest, name = argv[4], argv[5]
+            out = f"/tmp/sparkdeploy-stage-0/{digest}/{name}\n"
         elif argv[:2] == ["bash", "-c"]:
             script = argv[2]
             self.pipelines.append((alias, script))

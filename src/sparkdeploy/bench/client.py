@@ -230,6 +230,9 @@ def run_level(target: Target, s: Settings, requests: int, concurrency: int | Non
     (then ``concurrency`` caps the workers, default min(requests, 256)). Returns
     ``{"summary", "requests", "client"}``. With ``events``, each finished request is a
     ``Progress(step, None, finished, requests, "req", note)``."""
+    if requests < 1 or (concurrency is not None and concurrency < 1) or (rate is not None and rate <= 0):
+        raise BenchError(f"nothing to run: {requests} request(s), concurrency {concurrency}, "
+                         f"rate {rate}")
     if s.model is None:
         raise BenchError("no model")
     path = path or ("/v1/chat/completions" if s.api == "chat" else "/v1/completions")

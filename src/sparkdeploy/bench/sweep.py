@@ -82,6 +82,9 @@ def load_json(path: str | Path) -> dict:
         raise BenchError(f"{path}: not a benchmark JSON file ({e})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
         raise BenchError(f"{path}: not a benchmark JSON file (no 'runs' list)")
+    for i, run in enumerate(doc["runs"]):
+        if not isinstance(run, dict) or not isinstance(run.get("summary"), dict):
+            raise BenchError(f"{path}: runs[{i}] has no 'summary' (not a benchmark JSON file)")
     return doc
 
 

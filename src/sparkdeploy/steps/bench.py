@@ -17,6 +17,7 @@ from sparkdeploy.bench.report import level_name
 from sparkdeploy.bench.sweep import STEP, check_baseline, run_sweep, save_json
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.events import EventSink
+from sparkdeploy.files import write_atomic
 from sparkdeploy.results import Result, changed, failed, ok
 from sparkdeploy.steps.registry import step
 
@@ -60,14 +61,17 @@ def benchmark(events: EventSink, url: str, settings: Settings, *, concurrency: S
         targets.append(("plot", Path(plot_path)))
     if save_dir:
         stem = Path(save_dir) / time.strftime("bench-%Y%m%d-%H%M%S")
+        stem.parent.mkdir(parents=True, exist_ok=True)  # our own state dir: made, not refused
         targets += [("json", stem.with_suffix(".json")), ("plot", stem.with_suffix(".png"))]
+    title = f"{doc['config']['model']} @ {doc['config']['url']}"
     for kind, path in targets:
+        # whole or not at all: a failure leaves no half-written file
         if kind == "json":
-            save_json(doc, path)
+            write_atomic(path, lambda tmp: save_json(doc, tmp))
         else:
             from sparkdeploy.bench.plot import plot as draw
 
-            draw(doc["runs"], path, title=f"{doc['config']['model']} @ {doc['config']['url']}")
+            write_atomic(path, lambda tmp: draw(doc["runs"], tmp, title=title))
         out.append(events.result(changed(STEP, f"wrote {path}", path=str(path))))
     if baseline is not None:
         good, line = check_baseline(doc, baseline, tolerance)

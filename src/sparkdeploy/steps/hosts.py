@@ -49,7 +49,7 @@ class Target:
 
 def resolve(dep: Deployment, alias: str) -> Target:
     """Where ssh really connects for an alias (``ssh -G`` applies the profile's ssh_config)."""
-    argv = [*ssh_base_argv(dep.profile.ssh), "-G", alias]
+    argv = [*ssh_base_argv(dep.profile.ssh), "-G", "--", alias]
     out = subprocess.run(argv, capture_output=True, text=True, check=False).stdout
     host, port = alias, 22
     for line in out.splitlines():
@@ -89,7 +89,7 @@ def _trust(dep: Deployment, node: str | None,
                 yield ok(STEP_TRUST, f"{t.known_hosts_name} already in {kh}", host.name)
                 continue
         scan = subprocess.run(["ssh-keyscan", "-T", "5", "-p", str(t.port), "-t", "ed25519",
-                               t.host], capture_output=True, text=True, check=False)
+                               "--", t.host], capture_output=True, text=True, check=False)
         keys = [ln for ln in scan.stdout.splitlines() if ln and not ln.startswith("#")]
         if not keys:
             yield failed(STEP_TRUST, f"no host key from {t.known_hosts_name}: "

@@ -24,7 +24,16 @@ from urllib.parse import urlsplit
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.events import Progress
 from sparkdeploy.hosts import Host, HostError, NodeUnreachable
-from sparkdeploy.nodeops import ARCH, SCRIPTS, docker, inspect_image, node_arch, stage, stage_script
+from sparkdeploy.nodeops import (
+    ARCH,
+    SCRIPTS,
+    docker,
+    inspect_image,
+    node_arch,
+    stage,
+    stage_script,
+    verified,
+)
 from sparkdeploy.records import markdown_table
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.registry import step
@@ -145,7 +154,6 @@ def _probe(dep: Deployment, only: str | None) -> Iterator[Result]:
         arch = node_arch(head)
         text, source = model_config_text(dep, head)
         config_path = stage(head, "model/config.json", text)
-        config_dir = config_path.rsplit("/", 1)[0]
         probe_path = stage_script(head, "probe_image.py")
     except NodeUnreachable as e:
         yield e.as_result(STEP_PROBE)
@@ -157,7 +165,7 @@ def _probe(dep: Deployment, only: str | None) -> Iterator[Result]:
     for i, cand in enumerate(candidates):
         dep.events.emit(Progress(STEP_PROBE, head.name, i, len(candidates), "images", cand.ref))
         try:
-            row = _probe_one(dep, head, cand.ref, cand.engine, arch, probe_path, config_dir)
+            row = _probe_one(dep, head, cand.ref, cand.engine, arch, probe_path, config_path)
         except NodeUnreachable as e:
             yield e.as_result(STEP_PROBE)
             return
@@ -177,8 +185,10 @@ def _probe(dep: Deployment, only: str | None) -> Iterator[Result]:
 
 
 def _probe_one(dep: Deployment, head: Host, ref: str, engine: str, arch: str, probe_path: str,
-               config_dir: str) -> dict[str, Any]:
-    """Pull the candidate when the head lacks it, run the probe in it, judge it."""
+               config_path: str) -> dict[str, Any]:
+    """Pull the candidate when the head lacks it, run the probe in it (the staged probe and
+    config checked against their sha256 first), judge it."""
+    config_dir = config_path.rsplit("/", 1)[0]
     info = inspect_image(head, ref)
     err = None
     if info is None:
@@ -191,8 +201,9 @@ def _probe_one(dep: Deployment, head: Host, ref: str, engine: str, arch: str, pr
             err = f"not on the head, pull failed: {pull.one_line_error()}"
     report = None
     if info is not None:
-        r = head.run(probe_argv(dep, head, ref, probe_path, config_dir), change=False,
-                     timeout=300)
+        r = head.run(verified([probe_path, config_path],
+                              probe_argv(dep, head, ref, probe_path, config_dir)),
+                     change=False, timeout=300)
         try:
             report = json.loads(r.stdout) if r.ok else None
             err = None if r.ok else r.one_line_error()

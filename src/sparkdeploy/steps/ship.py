@@ -25,7 +25,7 @@ from typing import Any
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.events import Progress
 from sparkdeploy.hosts import Host, HostError, NodeUnreachable
-from sparkdeploy.nodeops import docker, inspect_image, listed_tags, stage, stage_script
+from sparkdeploy.nodeops import check_staged, docker, inspect_image, listed_tags, stage, stage_script
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.images import STEP_BUILD, chosen_image
 from sparkdeploy.steps.registry import step
@@ -105,7 +105,10 @@ def pipeline(src: Host, peer: Host, ref: str, filter_path: str | None, layers_fi
     """The argv (``bash -c``) the source runs to stream the image into the peer's engine."""
     save = docker(src, "save", ref)
     stages = [save]
+    checks = ""
     if filter_path:
+        # the staged filter and its lists run only as staged (their sha256 checked first)
+        checks = "".join(check_staged(p) + "; " for p in (filter_path, layers_file, have_file) if p)
         stages.append(["python3", filter_path, "--layers-file", layers_file or "",
                        "--have-file", have_file or "", "--progress", "1"])
     load = docker(peer, "load")
@@ -114,8 +117,8 @@ def pipeline(src: Host, peer: Host, ref: str, filter_path: str | None, layers_fi
         stages.append(["zstd", "-q", "-T0", "-3", "-c"])
         remote = f"zstd -q -d -c | {remote}"
     stages.append(["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
-                   peer.node.link.address, remote])
-    script = "set -o pipefail; " + " | ".join(shlex.join(s) for s in stages)
+                   "--", peer.node.link.address, remote])
+    script = checks + "set -o pipefail; " + " | ".join(shlex.join(s) for s in stages)
     return ["bash", "-c", script]
 
 

@@ -17,6 +17,7 @@ from sparkdeploy.hosts import HostError
 from sparkdeploy.results import Result
 from sparkdeploy.state import LockHeld
 from sparkdeploy.steps.registry import run_one
+from sparkdeploy.tasks._flags import node_names
 from sparkdeploy.wait import WaitTimeout
 
 
@@ -50,9 +51,13 @@ def run_step(c: Context, name: str, *, profile: str | None = None, lock: bool = 
     plain lines otherwise; ``live=False`` for a step that asks questions), then
     ``show(dep, results)`` (a table) and exit 1 on a failure.
 
-    A bad profile or node name exits 2; a node that cannot be reached, a held lock or a wait
-    that ran out exits 1; each with one line."""
+    A bad profile or node name (``node=``/``to=`` options, named as their flag) exits 2;
+    a node that cannot be reached, a held lock or a wait that ran out exits 1; each with one
+    line."""
     dep = load(c, profile)
+    for flag in ("node", "to"):  # node-name flags: an unknown name is a usage error
+        if flag in options:
+            node_names(f"--{flag}", options[flag], dep.hosts)
     with rendering(dep.events, live=live):
         try:
             if lock and not dep.dry:

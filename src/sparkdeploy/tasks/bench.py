@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from invoke import Context, task
+from invoke import Context
 from invoke.exceptions import Exit
 
 from sparkdeploy.bench.client import BenchError, Settings
 from sparkdeploy.config import Bench
+from sparkdeploy.tasks import _flags as flags
+from sparkdeploy.tasks._flags import task
 
 _HELP = {
     "url": "OpenAI-compatible endpoint (default: the profile's endpoint)",
@@ -55,7 +57,7 @@ def _state_dir(c: Context) -> Path:
 @task(default=True, help=_HELP)
 def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=None,
         requests=None, input_tokens=None, output_tokens=None, warmup=None, thinking=None,
-        api="chat", json=None, plot=None, timeout=120.0, save=False, check_baseline=False,
+        api="chat", json=None, plot=None, timeout=None, save=False, check_baseline=False,
         baseline_tolerance="10%", profile=None):
     """Benchmark an endpoint: a concurrency (or rate) sweep, vLLM bench-serve metrics."""
     from sparkdeploy.bench.compare import parse_pct
@@ -63,31 +65,35 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
     from sparkdeploy.steps.bench import benchmark
     from sparkdeploy.tasks._common import stream
 
+    # every flag first: a bad one exits 2 before the profile is read or a request is sent
+    url = flags.url("--url", url)
+    flags.choice("--api", api, ("chat", "completions"))
+    flags.choice("--thinking", thinking, ("on", "off"))
+    levels = flags.parsed("--concurrency", concurrency, parse_levels, (BenchError,))
+    rates = flags.parsed("--rate", rate, lambda v: parse_levels(v, float), (BenchError,))
+    cap = flags.integer("--max-concurrency", max_concurrency, min=1)
+    n = flags.integer("--requests", requests, min=1)
+    k = flags.integer("--warmup", warmup, min=0)
+    n_in = flags.integer("--input-tokens", input_tokens, min=1)
+    n_out = flags.integer("--output-tokens", output_tokens, min=2)
+    secs = flags.number("--timeout", timeout, default=120.0, gt=0)
+    tolerance = flags.parsed("--baseline-tolerance", baseline_tolerance, parse_pct)
+    json_path = flags.output_file("--json", json)
+    plot_path = flags.output_file("--plot", plot)
+    if cap is not None and not rates:
+        raise flags.usage("--max-concurrency", "only applies with --rate")
+
     bench, endpoint = _profile(c, profile, url)
     url = url or endpoint
     if not url:
         raise Exit("the profile has no endpoint (sparkdeploy.endpoint): pass --url URL", code=2)
-    if api not in ("chat", "completions"):
-        raise Exit(f"--api must be chat or completions, not {api!r}", code=2)
-    if thinking not in (None, "on", "off"):
-        raise Exit(f"--thinking must be on or off, not {thinking!r}", code=2)
-    try:
-        tolerance = parse_pct(baseline_tolerance)
-        levels = parse_levels(concurrency) or list(bench.concurrency)
-        rates = parse_levels(rate, float)
-        settings = Settings(
-            api=api, model=model,
-            input_tokens=int(input_tokens or bench.input_tokens),
-            output_tokens=int(output_tokens or bench.output_tokens),
-            thinking=None if thinking is None else thinking == "on",
-            timeout=float(timeout))
-        n = int(requests or bench.requests)
-        k = bench.warmup if warmup is None else int(warmup)
-    except (ValueError, BenchError) as e:
-        raise Exit(str(e), code=2) from None
-    stream(benchmark, url, settings, concurrency=levels, rates=rates, requests=n, warmup=k,
-           max_concurrency=int(max_concurrency) if max_concurrency else None,
-           json_path=json, plot_path=plot, save_dir=_state_dir(c) / "bench" if save else None,
+    settings = Settings(api=api, model=model, input_tokens=n_in or bench.input_tokens,
+                        output_tokens=n_out or bench.output_tokens,
+                        thinking=None if thinking is None else thinking == "on", timeout=secs)
+    stream(benchmark, url, settings, concurrency=levels or list(bench.concurrency), rates=rates,
+           requests=n or bench.requests, warmup=bench.warmup if k is None else k,
+           max_concurrency=cap, json_path=json_path, plot_path=plot_path,
+           save_dir=_state_dir(c) / "bench" if save else None,
            baseline=bench.baseline_decode_tok_s if check_baseline else None,
            tolerance=tolerance, show=_tables)
 
@@ -118,10 +124,11 @@ def compare(c, base, new, max_regression="5%"):
     from sparkdeploy.bench.report import comparison_table
     from sparkdeploy.bench.sweep import load_json
 
+    threshold = flags.parsed("--max-regression", max_regression, parse_pct)
     try:
-        threshold = parse_pct(max_regression)
-        result = cmp(load_json(base), load_json(new), threshold)
-    except (ValueError, BenchError) as e:
+        result = cmp(load_json(flags.input_file("BASE", base)),
+                     load_json(flags.input_file("NEW", new)), threshold)
+    except BenchError as e:
         raise Exit(str(e), code=2) from None
     console = Console()
     console.print(comparison_table(result, base, new))

@@ -1,8 +1,9 @@
 """`inv hosts.*`: which nodes answer, and whose host keys we trust."""
 
-from invoke import Collection, task
+from invoke import Collection
 
 from sparkdeploy.tasks._common import run_step
+from sparkdeploy.tasks._flags import task
 
 
 @task(default=True, help={"node": "only this node", "profile": "profile file"})

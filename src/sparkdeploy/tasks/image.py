@@ -1,9 +1,12 @@
 """`inv image.*`: probe the candidate images, build the transformers layer, ship node to node."""
 
-from invoke import Collection, task
+from invoke import Collection
 
+from sparkdeploy import checks
 from sparkdeploy.steps import images
+from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks._common import run_step, table
+from sparkdeploy.tasks._flags import task
 
 
 def _probe_table(dep, results) -> None:
@@ -31,6 +34,7 @@ def build(c, profile=None):
             "profile": "profile file"})
 def ship(c, to="all", image=None, profile=None):
     """Copy an image node to node over the fast link, sending only the layers a peer lacks."""
+    image = flags.parsed("--image", image, checks.image_ref) if image else None
     run_step(c, "image.ship", to=to, image=image, profile=profile)
 
 

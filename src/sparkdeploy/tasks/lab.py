@@ -2,21 +2,24 @@
 
 import sys
 
-from invoke import Collection, task
+from invoke import Collection
 from invoke.exceptions import Exit
 
 from sparkdeploy.lab import layout, lifecycle
+from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks._common import render
+from sparkdeploy.tasks._flags import task
 
 
 @task(help={"nodes": "how many nodes (spark1..sparkN; default 2)",
             "seed_worker": "also give the workers the derivative's base image (delta-ship tests)",
             "engine": "docker26 (default), classic20 (bookworm's 20.10) or containerd "
                       "(Docker 26 on the containerd image store)"})
-def up(c, nodes=2, engine=layout.DEFAULT_ENGINE, seed_worker=False):
+def up(c, nodes=None, engine=layout.DEFAULT_ENGINE, seed_worker=False):
     """Bring the lab up, or check it is up (idempotent; says what changed)."""
+    nodes = flags.integer("--nodes", nodes, default=2, min=1, max=9)
     if engine not in layout.ENGINES:
-        raise Exit(f"--engine: must be one of {', '.join(layout.ENGINES)}, not {engine!r}")
+        raise Exit(f"--engine: must be one of {', '.join(layout.ENGINES)}, not {engine!r}", code=2)
     if not sys.stdout.isatty():
         render(lifecycle.up(nodes=int(nodes), engine_name=engine, seed_worker=seed_worker), "lab.up")
         return

@@ -3,12 +3,13 @@
 import json
 
 import yaml
-from invoke import Collection, task
+from invoke import Collection
 from invoke.exceptions import Exit
 
 from sparkdeploy.config import ProfileError, load_layered
 from sparkdeploy.overlays import REMOVED, UNSET, Merged, dotted
 from sparkdeploy.tasks._common import load
+from sparkdeploy.tasks._flags import task
 
 
 def _short(v) -> str:

@@ -1,7 +1,9 @@
 """`inv serve.*`: bring the model up across the nodes, and say why when it does not come up."""
 
-from invoke import Collection, task
+from invoke import Collection
 from invoke.exceptions import Exit
+
+from sparkdeploy.tasks._flags import task
 
 
 @task(iterable=["log"], help={"log": "an engine log file, one per node (repeat --log for each)"})

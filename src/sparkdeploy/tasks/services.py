@@ -1,8 +1,9 @@
 """`inv services.*`: stop what holds the GPUs, check, and put it back."""
 
-from invoke import Collection, task
+from invoke import Collection
 
 from sparkdeploy.tasks._common import run_step
+from sparkdeploy.tasks._flags import task
 
 
 @task(default=True, help={"node": "only this node (default: every node with services)",

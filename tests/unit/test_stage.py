@@ -1,0 +1,83 @@
+"""Staging a helper on a node: a private directory, content checked before reuse and run."""
+
+import os
+import subprocess
+
+import pytest
+from invoke import Config, Context
+
+from sparkdeploy import nodeops
+from sparkdeploy.config import Link, Node
+from sparkdeploy.hosts import Host, HostError
+
+LOCAL = Node(name="spark1", role="head", link=Link(interface="e0", address="10.0.0.1"))
+HELPER = "#!/usr/bin/env python3\nprint('hello from the helper')\n"
+
+
+@pytest.fixture
+def host(tmp_path, monkeypatch):
+    monkeypatch.setattr(nodeops, "STAGE_BASE", str(tmp_path))
+    return Host(LOCAL, ctx=Context(Config(overrides={"run": {"dry": False}})))
+
+
+def stage_dir(tmp_path):
+    return tmp_path / f"sparkdeploy-stage-{os.getuid()}"
+
+
+def test_stage_creates_a_private_directory_and_a_content_addressed_file(host, tmp_path):
+    path = nodeops.stage(host, "helper.py", HELPER)
+    d = stage_dir(tmp_path)
+    assert oct(d.stat().st_mode & 0o777) == "0o700" and d.stat().st_uid == os.getuid()
+    assert path.startswith(f"{d}/") and path.endswith("/helper.py")
+    assert open(path).read() == HELPER
+    assert not os.path.exists(path + ".part")
+
+
+def test_a_tampered_staged_file_is_replaced_not_reused(host, tmp_path):
+    path = nodeops.stage(host, "helper.py", HELPER)
+    with open(path, "w") as f:
+        f.write("print('owned')\n")
+    assert nodeops.stage(host, "helper.py", HELPER) == path
+    assert open(path).read() == HELPER
+
+
+@pytest.mark.parametrize("spoil", ["mode", "owner", "symlink"])
+def test_a_stage_directory_that_is_not_private_is_refused(host, tmp_path, spoil):
+    d = stage_dir(tmp_path)
+    if spoil == "symlink":
+        other = tmp_path / "elsewhere"
+        other.mkdir(mode=0o700)
+        d.symlink_to(other)
+    else:
+        d.mkdir(mode=0o700)
+        if spoil == "mode":
+            d.chmod(0o777)
+        else:
+            if os.getuid() != 0:
+                pytest.skip("chown to another user needs root")
+            os.chown(d, 4242, 4242)
+    with pytest.raises(HostError) as e:
+        nodeops.stage(host, "helper.py", HELPER)
+    assert str(e.value).startswith(f"spark1: cannot stage helper.py: {d} is not a private directory")
+    assert not any(d.rglob("helper.py"))
+
+
+def run(argv):
+    return subprocess.run(argv, capture_output=True, text=True, check=False)
+
+
+def test_verified_runs_a_matching_helper_and_refuses_a_changed_one(host):
+    path = nodeops.stage(host, "helper.py", HELPER)
+    argv = nodeops.verified([path], ["python3", path])
+    r = run(argv)
+    assert r.returncode == 0 and r.stdout == "hello from the helper\n"
+    with open(path, "a") as f:
+        f.write("print('injected')\n")
+    r = run(argv)
+    assert r.returncode == 97 and r.stdout == ""
+    assert r.stderr.strip() == f"{path} differs from its sha256: not run"
+
+
+def test_check_staged_needs_a_staged_path():
+    with pytest.raises(ValueError):
+        nodeops.check_staged("/tmp/helper.py")

@@ -1,0 +1,121 @@
+"""Every door of every task: a usage or profile error is one line naming the flag or key and
+exits 2, before any work starts; -h is help everywhere."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sparkdeploy.files import write_atomic
+from sparkdeploy.tasks import _flags as flags
+from tests.unit.test_profile import ROOT, SEED
+
+URL = "http://127.0.0.1:9"  # never contacted: the flags are refused first
+
+
+def inv(*args, profile=SEED, cwd=ROOT):
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src"),
+           "INVOKE_SPARKDEPLOY_PROFILE": str(profile)}
+    return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=cwd, capture_output=True,
+                          text=True, env=env, timeout=60)
+
+
+ROWS = [
+    (["bench.run", "--max-concurrency", "abc", "--rate", "2", "--url", URL],
+     "--max-concurrency: must be an integer, not 'abc'"),
+    (["bench.run", "--timeout", "abc"], "--timeout: must be a number, not 'abc'"),
+    (["bench.run", "--timeout", "0", "--url", URL], "--timeout: must be > 0, not 0"),
+    (["bench.run", "--url", "http://[::1"], "--url: 'http://[::1' is not a URL (Invalid IPv6 URL)"),
+    (["bench.run", "--url", "http://host:99999"],
+     "--url: 'http://host:99999' is not a URL (Port out of range 0-65535)"),
+    (["bench.run", "--requests", "-1", "--url", URL], "--requests: must be >= 1, not -1"),
+    (["bench.run", "--warmup", "-1", "--url", URL], "--warmup: must be >= 0, not -1"),
+    (["bench.run", "--concurrency", "1,x", "--url", URL], "--concurrency: not a number: 'x'"),
+    (["bench.run", "--rate", "0", "--url", URL], "--rate: must be positive: '0'"),
+    (["bench.run", "--max-concurrency", "4", "--url", URL],
+     "--max-concurrency: only applies with --rate"),
+    (["bench.run", "--api", "grpc", "--url", URL], "--api: must be chat or completions, not 'grpc'"),
+    (["bench.run", "--json", "/proc/version", "--url", URL],
+     "--json: cannot write in /proc: No such file or directory"),
+    (["bench.run", "--json", "/nonexistent-dir/x/y.json", "--url", URL],
+     "--json: directory /nonexistent-dir/x does not exist (create it first)"),
+    (["bench.run", "--plot", "/", "--url", URL], "--plot: / is a directory"),
+    (["bench.run", "--baseline-tolerance", "lots", "--url", URL],
+     "--baseline-tolerance: not a percentage: 'lots'"),
+    (["image.ship", "--to", "nosuchnode"],
+     "--to: no node named 'nosuchnode' (nodes: spark1, spark2, or all)"),
+    (["image.ship", "--image", "--privileged"],
+     "--image: '--privileged' is not an image reference (repo[:tag][@digest], no leading '-')"),
+    (["services.stop", "--node", "nosuchnode"],
+     "--node: no node named 'nosuchnode' (nodes: spark1, spark2, or all)"),
+    (["services.restore", "--node", "spark1,x"], "--node: no node named 'x' (nodes: spark1, spark2, or all)"),
+    (["services.status", "--node", "x"], "--node: no node named 'x' (nodes: spark1, spark2, or all)"),
+    (["hosts.check", "--node", "x"], "--node: no node named 'x' (nodes: spark1, spark2, or all)"),
+    (["hosts.trust", "--node", "x"], "--node: no node named 'x' (nodes: spark1, spark2, or all)"),
+    (["lab.up", "--nodes", "two"], "--nodes: must be an integer, not 'two'"),
+]
+
+
+@pytest.mark.parametrize("args,line", ROWS, ids=[" ".join(r[0][:3]) for r in ROWS])
+def test_usage_error_is_one_line_and_exit_2(args, line):
+    r = inv(*args)
+    assert (r.returncode, r.stderr, r.stdout) == (2, line + "\n", "")
+
+
+def test_nothing_is_left_behind_for_a_refused_output(tmp_path):
+    r = inv("bench.run", "--json", str(tmp_path / "a" / "b" / "r.json"), "--url", URL)
+    assert r.returncode == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_compare_on_runs_without_summary_is_one_line(tmp_path):
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"runs": [{"concurrency": 1}]}))
+    r = inv("bench.compare", str(base), str(base))
+    assert (r.returncode, r.stderr) == (2, f"{base}: runs[0] has no 'summary' (not a benchmark JSON file)\n")
+    r = inv("bench.compare", str(tmp_path / "nope.json"), str(base))
+    assert (r.returncode, r.stderr) == (2, f"BASE: {tmp_path / 'nope.json'}: no such file\n")
+
+
+def test_non_utf8_profile_is_one_line(tmp_path):
+    p = tmp_path / "x.yaml"
+    p.write_bytes(SEED.read_bytes().replace(b"name: spark2", b"name: spark\xff"))
+    r = inv("services.status", profile=p)
+    assert r.returncode == 2
+    assert r.stderr.startswith(f"{p}: not UTF-8 text (byte 0xff at offset ") and r.stderr.count("\n") == 1
+
+
+def test_dash_h_is_help_for_bench_run():
+    r = inv("bench.run", "-h")
+    assert r.returncode == 0 and r.stdout.startswith("Usage: inv[oke] [--core-opts] bench.run")
+    assert "-k, --check-baseline" in r.stdout
+
+
+def test_no_task_takes_dash_h():
+    from sparkdeploy.tasks import ns
+
+    for name in ns.task_names:
+        t = ns[name]
+        shorts = {n for a in t.get_arguments() for n in a.names if len(n) == 1}
+        assert "h" not in shorts, name
+
+
+def test_output_file_accepts_a_writable_path_and_leaves_no_probe(tmp_path):
+    assert flags.output_file("--json", str(tmp_path / "r.json")) == tmp_path / "r.json"
+    assert os.listdir(tmp_path) == []
+
+
+def test_write_atomic_leaves_nothing_when_the_writer_fails(tmp_path):
+    target = tmp_path / "r.json"
+
+    def boom(tmp):
+        tmp.write_text("half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        write_atomic(target, boom)
+    assert os.listdir(tmp_path) == []
+    write_atomic(target, lambda tmp: tmp.write_text("{}"))
+    assert os.listdir(tmp_path) == ["r.json"] and target.read_text() == "{}"
