@@ -10,6 +10,9 @@ forgotten), then runs the whole plan (bench smoke included), once serial, once p
   the dependencies force).
 - ``deploy.serial_ratio``: serial wall time / pipelined wall time.
 
+Before them, ``deploy.rerun_seconds``: a re-run of the finished deployment (the hub unlimited
+again), which must change nothing (goal <= 10 s).
+
 Needs root and the lab (``inv lab.up``); leaves the lab serving the deployment and the hub at
 the bandwidth it had.
 """
@@ -52,8 +55,8 @@ def fresh(dep: Deployment) -> None:
     dep.state.remove(f"runs/deploy-{dep.profile.name}.json")
 
 
-def deploy(dep: Deployment, serial: bool) -> tuple[Outcome, list]:
-    steps = plans.plan(dep, bench=True)
+def deploy(dep: Deployment, serial: bool, bench: bool = True) -> tuple[Outcome, list]:
+    steps = plans.plan(dep, bench=bench)
     out = Runner(dep, steps, serial=serial).run()
     bad = [f"{n}: {r.why}" for n, r in out.runs.items() if r.state == "failed"]
     if bad:
@@ -84,8 +87,13 @@ def run() -> dict[str, float]:
                      f"(measured around it: {time.monotonic() - t0:.1f} s)")
         finally:
             hub.set_knobs(url, bandwidth_bps=before)
+        again, _ = deploy(dep, False, bench=False)
+        if again.changed:
+            raise RuntimeError("a re-run of the finished deployment changed: " + ", ".join(
+                n for n, r in again.runs.items() if r.changed))
     piped, serial_out = took[False], took[True]
     chain, names = longest_chain(piped, steps)
     _say(f"longest chain {chain:.1f} s: {' -> '.join(names)}; "
          + ", ".join(f"{n} {r.elapsed:.1f}s" for n, r in piped.runs.items() if r.elapsed))
-    return {"pipeline_ratio": piped.wall / chain, "serial_ratio": serial_out.wall / piped.wall}
+    return {"rerun_seconds": again.wall, "pipeline_ratio": piped.wall / chain,
+            "serial_ratio": serial_out.wall / piped.wall}
