@@ -81,14 +81,42 @@ class SshSettings(_Strict):
     connect_timeout: int = Field(default=10, ge=1)
 
 
+class ModelSync(_Strict):
+    """How ``model.sync`` copies the weights node to node over the fast link."""
+
+    transport: Literal["rsyncd", "ssh"] = "rsyncd"
+    """``rsyncd``: an rsync daemon on the receiver bound to its fast-link address only, with a
+    one-time secret handed over SSH, several streams at once (not bound by one SSH cipher
+    stream); ``ssh``: plain ``rsync`` over SSH (the fallback)."""
+    streams: int = Field(default=4, ge=1, le=64)
+    """Files in flight at once per receiving node (and per sending node)."""
+    port: Port = 8730
+    """First port tried for the rsync daemon on the receiver's fast-link address."""
+    stall_timeout_s: int = Field(default=900, ge=10)
+    """Give up when nothing new arrives on the head and no transfer finishes for this long."""
+
+
 class Model(_Strict):
     repo: str = Field(pattern=r"^[\w.-]+/[\w.-]+$")
-    revision: str = "main"
+    revision: str = Field(default="main", pattern=r"^[\w./-]+$")
     path: AbsPath
     """Where the weights live on every node."""
     allow_patterns: list[str] = Field(default_factory=lambda: ["*"])
     endpoint: Url | None = None
     """The model hub (``HF_ENDPOINT``); None means huggingface_hub's default (or $HF_ENDPOINT)."""
+    runtime: Literal["auto", "container", "venv"] = "auto"
+    """Where the downloader runs on the node: ``container`` (an image the node has that carries
+    huggingface_hub), ``venv`` (a virtualenv of sparkdeploy's own on the node), ``auto`` (a
+    container when an image qualifies, else the venv). Never the node's system Python."""
+    venv: str = "~/.local/share/sparkdeploy/hf-venv"
+    """The virtualenv's directory on the node (``~`` is the SSH user's home there)."""
+    index_url: Url = "https://pypi.org/simple"
+    """Where the venv gets huggingface_hub from."""
+    download_workers: int = Field(default=4, ge=1, le=64)
+    """Files downloaded at once (hf_xet parallelises inside a file where the hub offers it)."""
+    disk_margin_mb: int = Field(default=2048, ge=0)
+    """Free space kept beyond the missing bytes (the disk pre-check)."""
+    sync: ModelSync = Field(default_factory=ModelSync)
 
 
 class Candidate(_Strict):
@@ -178,6 +206,8 @@ class Serve(_Strict):
     stall_s: float = Field(default=300, gt=0)
     ready_timeout_s: float = Field(default=1800, gt=0)
     poll_s: float = Field(default=2, gt=0)
+    group_port: Port = 29990
+    """Where the persisted units' supervisors publish their state on the fast link."""
 
 
 class Bench(_Strict):

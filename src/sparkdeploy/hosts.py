@@ -16,6 +16,7 @@ a command that merely fails comes back as a ``CmdResult`` with its exit code.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import shlex
 import stat
@@ -195,10 +196,15 @@ class Host:
         sudo: bool = False,
         timeout: float | None = None,
         on_stderr: Callable[[str], None] | None = None,
+        input: str | None = None,
     ) -> CmdResult:
         """Run ``argv`` on the node. ``change=False`` marks a read-only probe.
 
         ``on_stderr`` receives each stderr line as it arrives (progress of long commands).
+        ``input`` is written to the command's stdin, then stdin is closed: the way a secret
+        reaches a process on a node (never echoed, journaled or put in argv; keep it short,
+        invoke feeds stdin a byte per poll).
+
         Raises ``NodeUnreachable`` when ssh cannot reach the node (asked once per run: later
         commands raise at once)."""
         argv = [str(a) for a in argv]
@@ -225,7 +231,8 @@ class Host:
                 err_stream=_LineStream(on_stderr) if on_stderr else None,
                 pty=False,
                 timeout=timeout,
-                in_stream=False,
+                in_stream=io.StringIO(input) if input is not None else False,
+                echo_stdin=False,
             )
             res = CmdResult(self.name, argv, r.exited, r.stdout, r.stderr,
                             time.monotonic() - start)

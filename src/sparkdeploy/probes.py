@@ -56,8 +56,9 @@ def config(expect: str, config_dir: str | None) -> int:
 def images(image: str | None, profile: str | None) -> int:
     from sparkdeploy.config import ProfileError
     from sparkdeploy.deployment import load
-    from sparkdeploy.nodeops import docker
-    from sparkdeploy.steps import images as step
+    from sparkdeploy.events import rendering
+    from sparkdeploy.nodeops import NodeUnreachable, docker
+    from sparkdeploy.steps.registry import run_one
 
     path = profile or os.environ.get("INVOKE_SPARKDEPLOY_PROFILE") or "configs/qwen3.5-122b-a10b-fp8.yaml"
     try:
@@ -66,17 +67,18 @@ def images(image: str | None, profile: str | None) -> int:
         print(e, file=sys.stderr)
         return 2
     head = dep.host(dep.profile.head.name)
-    r = head.run(docker(head, "info", "--format", "{{.ServerVersion}}"), change=False)
-    if not r.ok:
-        print(f"no docker engine reachable on {head.name} ({r.one_line_error()}): "
-              "image probes not run")
+    try:
+        r = head.run(docker(head, "info", "--format", "{{.ServerVersion}}"), change=False)
+        why = None if r.ok else r.one_line_error()
+    except NodeUnreachable as e:
+        why = str(e)
+    if why is not None:
+        print(f"no docker engine reachable on {head.name} ({why}): image probes not run")
         return 0
-    results, record = step.probe(dep, only=image)
-    for res in results:
-        print(f"{res.status.value:<8} {res.step:<12} {res.why}")
-    if any(res.failed for res in results) or not record.get("chosen"):
-        return 1
-    return 0
+    with rendering(dep.events, live=False):
+        # a decision without a chosen image is a failed image.decide result
+        results = run_one(dep, "image.probe", only=image)
+    return 1 if any(res.failed for res in results) else 0
 
 
 def main(argv: list[str] | None = None) -> int:

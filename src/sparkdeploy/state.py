@@ -91,10 +91,13 @@ class StateDir:
 
     # -- lock -------------------------------------------------------------------------------
     @contextmanager
-    def lock(self, what: str = "sparkdeploy") -> Iterator[None]:
-        """Hold the deployment lock; a second concurrent run fails at once, naming the holder."""
+    def lock(self, what: str = "sparkdeploy", name: str = "lock") -> Iterator[None]:
+        """Hold the deployment lock; a second concurrent run fails at once, naming the holder.
+
+        ``name``: another lock file, for work that may run beside the rest (model.sync runs
+        while model.download does)."""
         self.ensure()
-        p = self.path / "lock"
+        p = self.path / name
         fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             try:

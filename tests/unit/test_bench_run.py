@@ -138,3 +138,33 @@ def test_compare_exit_codes(tmp_path):
     with pytest.raises(Exit) as e:
         bench_tasks.compare(c, str(base), str(other))
     assert e.value.code == 2
+
+
+def test_the_registered_step_benchmarks_the_profiles_endpoint_with_progress(server, tmp_path):
+    from sparkdeploy.deployment import load
+    from sparkdeploy.events import Progress
+    from sparkdeploy.results import Result, Status
+    from sparkdeploy.steps.registry import run_one
+    from tests.unit.test_profile import SEED
+
+    prof = tmp_path / "bench.yaml"
+    prof.write_text(f"extends: {SEED}\nsparkdeploy:\n  endpoint: http://127.0.0.1:{server.port}\n"
+                    "  bench: {concurrency: [1, 2], requests: 4, input_tokens: 4, output_tokens: 4, "
+                    "warmup: 1}\n")
+    dep = load(prof, tmp_path / "state")
+    with dep.events.collect() as got:
+        results = run_one(dep, "bench.run", check=True, save=True)
+    one, two, *files, gate = results
+    assert one.status is Status.OK and one.why.startswith("concurrency 1: 4/4 ok, ")
+    assert two.status is Status.OK and two.why.startswith("concurrency 2: 4/4 ok, ")
+    assert two.details["run"]["summary"]["requests"] == 4
+    assert sorted(p.suffix for p in (tmp_path / "state" / "bench").iterdir()) == [".json", ".png"]
+    assert [f.status for f in files] == [Status.CHANGED, Status.CHANGED]
+    assert gate.status is Status.OK and "baseline 27 tok/s" in gate.why
+    assert [e for e in got if isinstance(e, Result)] == results
+    progress = [e for e in got if isinstance(e, Progress)]
+    assert {(p.step, p.unit) for p in progress} == {("bench.run", "req")}
+    # each warm-up and each level ends with its final count
+    finals = [(p.note, p.done, p.total) for p in progress if p.done == p.total]
+    assert finals == [("concurrency 1: warm-up", 1, 1), ("concurrency 1", 4, 4),
+                      ("concurrency 2: warm-up", 1, 1), ("concurrency 2", 4, 4)]

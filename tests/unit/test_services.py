@@ -5,9 +5,9 @@ import pytest
 
 from sparkdeploy.config import load_profile
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.events import Echo, describe
+from sparkdeploy.events import Echo, Progress, describe
 from sparkdeploy.hosts import Host
-from sparkdeploy.results import Status
+from sparkdeploy.results import Result, Status
 from sparkdeploy.state import StateDir
 from sparkdeploy.steps import services
 from tests.unit.fakes import FakeNode, ScriptedContext
@@ -81,10 +81,18 @@ def test_privilege_none_runs_without_sudo(tmp_path):
 
 def test_gpu_busy_then_free_waits(tmp_path):
     dep, ctx, clock = deployment(tmp_path, {"spark1": glm_node(gpu_lingers=3)})
-    results = services.stop(dep)
+    with dep.events.collect() as events:
+        results = services.stop(dep)
     assert results[-1].status is Status.OK
     assert remote(ctx).count(GPU) == 4
     assert clock.sleeps == [2, 2, 2]
+    # the wait shows progress: seconds waited of the timeout, and who is on the GPU
+    assert [(e.step, e.node, e.done, e.total, e.unit, e.note) for e in events
+            if isinstance(e, Progress)] == [
+        ("services.gpu-free", "spark1", t, 120, "s", "on the GPU: pid 4242 (python3)")
+        for t in (0, 2, 4)]
+    # and each result is on the stream once, in order, the stop before the wait's
+    assert [e for e in events if isinstance(e, Result)] == results
 
 
 def test_gpu_timeout_names_the_processes(tmp_path):
@@ -229,3 +237,45 @@ def test_lock_excludes_a_second_run(tmp_path):
                 pass
     with state.lock("again"):
         pass
+
+
+def test_an_unreachable_node_is_one_failed_line_and_the_others_go_on(tmp_path):
+    dep, ctx, _ = deployment(tmp_path, {"spark1": glm_node(unreachable=True), "spark2": FakeNode()})
+    results = services.status(dep)
+    assert [(r.node, r.status, r.why) for r in results] == [
+        ("spark1", Status.FAILED, "unreachable: ssh: connect to host spark1 port 22: No route to host"),
+        ("spark2", Status.OK, "GPU free")]
+    # spark1 was asked once and checked once, then never again
+    assert [argv[0] for a, argv in ctx.calls if a == "spark1"] == ["systemctl", "true"]
+
+
+@pytest.mark.parametrize("task,argv", [("status", []), ("stop", ["--node", "spark1"])])
+def test_the_task_renders_the_stream_and_exits_1_on_an_unreachable_node(tmp_path, capsys, task,
+                                                                         argv):
+    from invoke.exceptions import Exit
+
+    from sparkdeploy.tasks import services as tasks
+
+    ctx = ScriptedContext({"spark1": glm_node(unreachable=True), "spark2": FakeNode()})
+    ctx.config["sparkdeploy"] = {"profile": str(SEED), "state_dir": str(tmp_path / "state")}
+    with pytest.raises(Exit) as e:
+        getattr(tasks, task)(ctx, node="spark1" if argv else None)
+    assert e.value.code == 1
+    out = capsys.readouterr().out.splitlines()
+    # plain lines (not a terminal), timestamped; the failure is one line
+    assert all(line[:2].isdigit() and line[2] == ":" for line in out)
+    [line] = [ln for ln in out if "unreachable" in ln]
+    assert line[9:] == (f"failed   {'services.' + task:<18} spark1   unreachable: "
+                        "ssh: connect to host spark1 port 22: No route to host")
+
+
+def test_an_unknown_node_is_bad_input_exit_2(tmp_path):
+    from invoke.exceptions import Exit
+
+    from sparkdeploy.tasks import services as tasks
+
+    ctx = ScriptedContext({"spark1": glm_node()})
+    ctx.config["sparkdeploy"] = {"profile": str(SEED), "state_dir": str(tmp_path / "state")}
+    with pytest.raises(Exit, match="no node named 'spark9'") as e:
+        tasks.status(ctx, node="spark9")
+    assert e.value.code == 2

@@ -31,7 +31,8 @@ def index_url(controller: str) -> str:
 def profile_overlay(controller: str) -> str:
     """The profile overlay for a lab whose controller is ``controller``: the only place the lab
     profile gets its hub and index addresses from."""
-    body = {"sparkdeploy": {"model": {"endpoint": hub_url(controller)},
+    body = {"sparkdeploy": {"model": {"endpoint": hub_url(controller),
+                                      "index_url": index_url(controller)},
                             "images": {"layer": {"index_url": index_url(controller)}}}}
     return ("# Written by lab.up for the management network it chose; do not edit.\n"
             + yaml.safe_dump(body, sort_keys=False))

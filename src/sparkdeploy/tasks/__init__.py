@@ -2,9 +2,9 @@
 
 from invoke import Collection
 
-from sparkdeploy.tasks import bench, deploy, hosts, image, lab, profile, serve, services
+from sparkdeploy.tasks import bench, deploy, hosts, image, lab, model, profile, serve, services
 
-ns = Collection(profile, hosts, services, image, lab, bench, serve, deploy)
+ns = Collection(profile, hosts, services, image, model, lab, bench, serve, deploy)
 ns.configure(
     {
         "sparkdeploy": {

@@ -14,7 +14,7 @@ from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks._flags import task
 
 _HELP = {
-    "url": "OpenAI-compatible endpoint (default: the profile's endpoint)",
+    "url": "OpenAI-compatible endpoint (default: the one serve.up recorded, else the profile's)",
     "model": "model name (default: the first one /v1/models lists)",
     "concurrency": "comma-separated sweep, e.g. 1,8,64 (default: the profile's bench.concurrency)",
     "rate": "Poisson arrivals at R req/s instead (comma-separated sweep allowed)",
@@ -41,12 +41,15 @@ def _profile(c: Context, profile: str | None, url: str | None):
     from sparkdeploy.tasks._common import load
 
     try:
-        prof = load(c, profile).profile
+        dep = load(c, profile)
     except Exit:
         if url:
             return Bench(), None
         raise
-    return prof.bench, prof.endpoint
+    from sparkdeploy.endpoint import recorded
+
+    rec = recorded(dep.records) or {}
+    return dep.profile.bench, rec.get("endpoint") or dep.profile.endpoint
 
 
 def _state_dir(c: Context) -> Path:

@@ -1,9 +1,50 @@
-"""`inv serve.*`: bring the model up across the nodes, and say why when it does not come up."""
+"""`inv serve.*`: bring the model up across the nodes, watch it, persist it, take it down, and
+say why when it does not come up."""
 
 from invoke import Collection
 from invoke.exceptions import Exit
 
-from sparkdeploy.tasks._flags import task
+from sparkdeploy.tasks._common import run_step
+from sparkdeploy.tasks._flags import integer, task
+
+_P = {"profile": "profile file (default: sparkdeploy.profile)"}
+
+
+@task(default=True, help={"engine": "start with this engine of the profile (default: the first)", **_P})
+def up(c, engine=None, profile=None):
+    """Preflight, start and wait in phases; on a hang diagnose and fall back to the next engine."""
+    run_step(c, "serve.up", profile=profile, engine=engine)
+
+
+@task(help=_P)
+def down(c, profile=None):
+    """Remove the deployment's engine containers on every node (stopping persisted units)."""
+    run_step(c, "serve.down", profile=profile)
+
+
+@task(help=_P)
+def status(c, profile=None):
+    """Engine containers per node, Ray's nodes, the endpoint's health."""
+    run_step(c, "serve.status", profile=profile, lock=False)
+
+
+@task(help={"node": "only this node (default: every node)", "tail": "only the last N lines", **_P})
+def logs(c, node=None, tail=None, profile=None):
+    """Show the engine containers' logs."""
+    n = integer("--tail", tail, min=1)
+    run_step(c, "serve.logs", profile=profile, lock=False, node=node, tail=n)
+
+
+@task(help={"engine": "the engine to persist (default: the one serve.up chose)", **_P})
+def persist(c, engine=None, profile=None):
+    """Install the deployment as systemd units on every node and hand it over to them."""
+    run_step(c, "serve.persist", profile=profile, engine=engine)
+
+
+@task(help=_P)
+def unpersist(c, profile=None):
+    """Stop, disable and remove the deployment's systemd units on every node."""
+    run_step(c, "serve.unpersist", profile=profile)
 
 
 @task(iterable=["log"], help={"log": "an engine log file, one per node (repeat --log for each)"})
@@ -18,4 +59,4 @@ def diagnose(c, log=None):
         raise Exit(code=code)
 
 
-ns = Collection("serve", diagnose)
+ns = Collection("serve", up, down, status, logs, persist, unpersist, diagnose)

@@ -1,0 +1,549 @@
+"""sparkdeploy's node-side helper for model weights (standard library only at import).
+
+Subcommands (each prints one JSON object on stdout; progress lines on stderr):
+
+  verify  --dir D --spec S [--only P ...] [--quick] [--jobs N]
+      Check every file of the spec (size; sha256 for LFS files, the git blob id for the
+      others). A record of what was verified (size, mtime, hashes) lives in
+      ``D/.sparkdeploy/verified.jsonl``: a file whose size and mtime match its record is not
+      read again. ``--quick`` hashes nothing (files without a matching record are "unchecked").
+      Also says whether a download holds the download lock (``download_running``).
+  fetch   --dir D --spec S [--only P ...] [--workers N] [--endpoint URL]
+      Download what is missing or wrong with huggingface_hub (which must be importable: run it
+      with a container's or a virtualenv's python, never the system's), hash each file as it
+      completes and record it, so ``model.sync`` can send it at once. The token, if any, is the
+      first line of stdin; it is handed to huggingface_hub in memory only.
+  venv    --venv DIR --index-url URL
+      Create (once) a virtualenv of sparkdeploy's own holding huggingface_hub; print its python.
+  serve   --address A --port P --dir D --allow ADDR,... [--max-seconds N]
+      Start an rsync daemon bound to address A only (first free port from P), module ``model``
+      at D, one user whose secret is read from stdin into a 0600 file in a private 0700
+      directory. Prints {"pid", "port", "private"}; the daemon outlives this process.
+  unserve --pid PID --private DIR
+      Stop that daemon (by PID, after checking it is ours) and remove its private directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+META = ".sparkdeploy"
+RECORD = "verified.jsonl"
+LOCK = "download.lock"
+CHUNK = 8 * 1024 * 1024
+HF_META = os.path.join(".cache", "huggingface", "download")
+
+
+_say_lock = threading.Lock()
+
+
+def say(text: str) -> None:
+    with _say_lock:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+
+# --- records -------------------------------------------------------------------------------
+
+def meta_dir(root: str) -> str:
+    d = os.path.join(root, META)
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def load_records(root: str) -> dict[str, dict]:
+    path = os.path.join(root, META, RECORD)
+    out: dict[str, dict] = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a torn last line of a killed writer
+                if isinstance(rec, dict) and "path" in rec:
+                    out[rec["path"]] = rec
+    except FileNotFoundError:
+        pass
+    return out
+
+
+_append_lock = threading.Lock()
+
+
+def append_record(root: str, rec: dict) -> None:
+    path = os.path.join(meta_dir(root), RECORD)
+    line = json.dumps(rec, sort_keys=True) + "\n"
+    with _append_lock, open(path, "a", encoding="utf-8") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(line)
+        f.flush()
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def compact_records(root: str) -> None:
+    """Rewrite the record with the last entry per file (under the same lock as appends)."""
+    path = os.path.join(meta_dir(root), RECORD)
+    try:
+        f = open(path, "r+", encoding="utf-8")
+    except FileNotFoundError:
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        last: dict[str, str] = {}
+        for line in f:
+            try:
+                rec = json.loads(line)
+                last[rec["path"]] = json.dumps(rec, sort_keys=True)
+            except (ValueError, KeyError, TypeError):
+                continue
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as out:
+            out.write("".join(v + "\n" for v in last.values()))
+        os.replace(tmp, path)
+
+
+# --- hashing and checking ------------------------------------------------------------------
+
+def hash_file(path: str, size: int, git: bool) -> dict:
+    sha = hashlib.sha256()
+    blob = None
+    if git:
+        blob = hashlib.sha1()
+        blob.update(b"blob %d\0" % size)
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(CHUNK)
+            if not data:
+                break
+            sha.update(data)
+            if blob is not None:
+                blob.update(data)
+    out = {"sha256": sha.hexdigest()}
+    if blob is not None:
+        out["oid"] = blob.hexdigest()
+    return out
+
+
+def matches(want: dict, got: dict) -> str | None:
+    """None when the digests agree with the hub's metadata, else what differs."""
+    if want.get("sha256"):
+        if got.get("sha256") != want["sha256"]:
+            return "sha256 differs from the hub's"
+        return None
+    if want.get("oid") and got.get("oid") is not None and got.get("oid") != want["oid"]:
+        return "content differs from the hub's (git blob id)"
+    if want.get("oid") and got.get("oid") is None:
+        return "not hashed"
+    return None
+
+
+def check_one(root: str, want: dict, records: dict, quick: bool) -> tuple[str, str, dict | None]:
+    """(state, why, new record): state is ok | missing | differ | unchecked."""
+    rel = want["path"]
+    path = os.path.join(root, rel)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return "missing", "missing", None
+    if st.st_size != want["size"]:
+        return "differ", f"size {st.st_size}, the hub says {want['size']}", None
+    rec = records.get(rel)
+    if rec and rec.get("size") == st.st_size and rec.get("mtime_ns") == st.st_mtime_ns:
+        why = matches(want, rec)
+        if why is None:
+            return "ok", "recorded", None
+        if why != "not hashed":
+            return "differ", why, None
+    if quick:
+        return "unchecked", "not verified yet", None
+    got = hash_file(path, st.st_size, git=not want.get("sha256"))
+    st2 = os.stat(path)
+    new = {"path": rel, "size": st2.st_size, "mtime_ns": st2.st_mtime_ns, **got,
+           "verified_at": time.time()}
+    if st2.st_size != st.st_size or st2.st_mtime_ns != st.st_mtime_ns:
+        return "unchecked", "changed while hashed", None
+    why = matches(want, got)
+    return ("ok", "hashed", new) if why is None else ("differ", why, new)
+
+
+def download_running(root: str) -> bool:
+    path = os.path.join(root, META, LOCK)
+    try:
+        f = open(path)
+    except FileNotFoundError:
+        return False
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False
+
+
+def load_spec(path: str, only: list[str] | None) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        files = json.load(f)["files"]
+    if only:
+        keep = set(only)
+        files = [x for x in files if x["path"] in keep]
+    return files
+
+
+def cmd_verify(a: argparse.Namespace) -> int:
+    root = a.dir
+    files = load_spec(a.spec, a.only)
+    out: dict = {"ok": [], "missing": [], "differ": {}, "unchecked": [], "hashed_bytes": 0,
+                 "reused": 0, "present": os.path.isdir(root)}
+    if not os.path.isdir(root):
+        out["missing"] = [x["path"] for x in files]
+        out["download_running"] = False
+        print(json.dumps(out))
+        return 0
+    records = load_records(root)
+    started = time.monotonic()
+    total = sum(x["size"] for x in files)
+    done = [0]
+    lock = threading.Lock()
+
+    def one(want: dict) -> tuple[dict, tuple]:
+        res = check_one(root, want, records, a.quick)
+        with lock:
+            done[0] += want["size"]
+            if not a.quick:
+                say(f"progress bytes={done[0]} total={total} file={want['path']}")
+        return want, res
+
+    writable = os.access(root, os.W_OK)
+    with cf.ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+        for want, (state, why, new) in pool.map(one, files):
+            if new is not None:
+                out["hashed_bytes"] += want["size"]
+                if writable:
+                    append_record(root, new)
+            elif state == "ok":
+                out["reused"] += 1
+            if state == "ok":
+                out["ok"].append(want["path"])
+            elif state == "differ":
+                out["differ"][want["path"]] = why
+            else:
+                out[state].append(want["path"])
+    if writable and out["hashed_bytes"] and not download_running(root):
+        compact_records(root)
+    out["seconds"] = round(time.monotonic() - started, 3)
+    out["download_running"] = download_running(root)
+    print(json.dumps(out))
+    return 0
+
+
+# --- fetch ---------------------------------------------------------------------------------
+
+def forget(root: str, rel: str) -> None:
+    """Remove a wrong file and huggingface_hub's metadata for it (keep its .incomplete)."""
+    for p in (os.path.join(root, rel), os.path.join(root, HF_META, rel + ".metadata")):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
+def in_flight(root: str) -> int:
+    """Bytes in huggingface_hub's partial files (its resume points)."""
+    n = 0
+    base = os.path.join(root, HF_META)
+    for dirpath, _, names in os.walk(base):
+        for name in names:
+            if name.endswith(".incomplete"):
+                try:
+                    n += os.stat(os.path.join(dirpath, name)).st_size
+                except FileNotFoundError:
+                    pass
+    return n
+
+
+def cmd_fetch(a: argparse.Namespace) -> int:
+    token = sys.stdin.readline().strip() or None
+    sys.stdin.close()
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError as e:
+        say(f"error: huggingface_hub is not importable here ({e})")
+        return 4
+    root = a.dir
+    os.makedirs(root, exist_ok=True)
+    lockf = open(os.path.join(meta_dir(root), LOCK), "w")
+    try:
+        fcntl.flock(lockf, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        say(f"error: another download into {root} is running")
+        return 5
+    with open(a.spec, encoding="utf-8") as f:
+        spec = json.load(f)
+    files = load_spec(a.spec, a.only)
+    # small files first (config and tokenizer are there at once), then shards in order
+    files.sort(key=lambda x: (x["size"] > 50_000_000, x["path"]))
+    records = load_records(root)
+    total = sum(x["size"] for x in files)
+    state = {"complete": 0, "files": 0, "fetched": 0, "present": 0}
+    failures: dict[str, str] = {}
+    lock = threading.Lock()
+    started = time.monotonic()
+    stop = threading.Event()
+
+    def report() -> None:
+        while not stop.wait(1.0):
+            with lock:
+                done = state["complete"]
+                nfiles = state["files"]
+            say(f"progress bytes={done + in_flight(root)} total={total} files={nfiles} "
+                f"of={len(files)}")
+
+    def one(want: dict) -> None:
+        rel = want["path"]
+        st, why, new = check_one(root, want, records, quick=False)
+        if new is not None:
+            append_record(root, new)
+        if st == "ok":
+            with lock:
+                state["complete"] += want["size"]
+                state["files"] += 1
+                state["present"] += 1
+            return
+        forget(root, rel)
+        last = ""
+        for attempt in range(1, a.attempts + 1):
+            try:
+                hf_hub_download(repo_id=spec["repo"], filename=rel, revision=spec["commit"],
+                                local_dir=root, token=token, endpoint=a.endpoint or None)
+            except Exception as e:  # noqa: BLE001 - any failure of one file is reported by name
+                last = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                say(f"retry {rel} (attempt {attempt} of {a.attempts}): {last}")
+                time.sleep(min(2 * attempt, 10))
+                continue
+            st, why, new = check_one(root, want, {}, quick=False)
+            if st == "ok":
+                append_record(root, new)
+                with lock:
+                    state["complete"] += want["size"]
+                    state["files"] += 1
+                    state["fetched"] += want["size"]
+                say(f"complete {rel}")
+                return
+            last = f"downloaded but {why}"
+            forget(root, rel)
+        with lock:
+            failures[rel] = last
+
+    ticker = threading.Thread(target=report, daemon=True)
+    ticker.start()
+    try:
+        with cf.ThreadPoolExecutor(max_workers=max(1, a.workers)) as pool:
+            list(pool.map(one, files))
+    finally:
+        stop.set()
+    compact_records(root)
+    secs = time.monotonic() - started
+    say(f"progress bytes={state['complete']} total={total} files={state['files']} of={len(files)}")
+    print(json.dumps({"fetched_bytes": state["fetched"], "files": state["files"],
+                      "present": state["present"], "failed": failures, "seconds": round(secs, 3),
+                      "total": total}))
+    fcntl.flock(lockf, fcntl.LOCK_UN)
+    lockf.close()
+    return 3 if failures else 0
+
+
+# --- venv ----------------------------------------------------------------------------------
+
+def cmd_venv(a: argparse.Namespace) -> int:
+    venv = os.path.expanduser(a.venv)
+    py = os.path.join(venv, "bin", "python3")
+    probe = [py, "-c", "import huggingface_hub"]
+    if os.path.exists(py) and subprocess.run(probe, capture_output=True).returncode == 0:
+        print(json.dumps({"python": py, "created": False}))
+        return 0
+    os.makedirs(os.path.dirname(venv) or ".", mode=0o700, exist_ok=True)
+    cp = subprocess.run([sys.executable, "-m", "venv", venv], capture_output=True, text=True)
+    if cp.returncode != 0:
+        tail = (cp.stderr or cp.stdout).strip().splitlines()
+        say(f"error: python3 -m venv {venv} failed: {tail[-1] if tail else cp.returncode} "
+            "(install python3-venv)")
+        return 6
+    cp = subprocess.run([py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                         "--index-url", a.index_url, "huggingface_hub"],
+                        capture_output=True, text=True)
+    if cp.returncode != 0:
+        tail = (cp.stderr or cp.stdout).strip().splitlines()
+        say(f"error: pip install huggingface_hub into {venv} failed: "
+            f"{tail[-1] if tail else cp.returncode}")
+        return 6
+    print(json.dumps({"python": py, "created": True}))
+    return 0
+
+
+# --- rsync daemon --------------------------------------------------------------------------
+
+def _free_port(address: str, first: int, tries: int = 50) -> int:
+    for port in range(first, first + tries):
+        s = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
+        try:
+            s.bind((address, port))
+            return port
+        except OSError:
+            continue
+        finally:
+            s.close()
+    raise OSError(f"no free port on {address} in {first}..{first + tries - 1}")
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    secret = sys.stdin.readline().strip()
+    sys.stdin.close()
+    if not secret:
+        say("error: no secret on stdin")
+        return 2
+    if shutil.which("rsync") is None:
+        say("error: rsync is not installed on this node (apt-get install rsync)")
+        return 7
+    os.makedirs(a.dir, exist_ok=True)
+    priv = tempfile.mkdtemp(prefix="sparkdeploy-rsyncd-")  # 0700, ours
+    secrets = os.path.join(priv, "secrets")
+    fd = os.open(secrets, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"sparkdeploy:{secret}\n")
+    st = os.stat(a.dir)
+    allow = " ".join(x for x in a.allow.split(",") if x)
+    conf = os.path.join(priv, "rsyncd.conf")
+    lines = [
+        "use chroot = false",
+        f"max connections = {a.max_connections}",
+        f"lock file = {os.path.join(priv, 'rsyncd.lock')}",
+        "[model]",
+        f"path = {a.dir}",
+        "read only = false",
+        "list = false",
+        "auth users = sparkdeploy",
+        f"secrets file = {secrets}",
+        "strict modes = true",
+        f"hosts allow = {allow}" if allow else "",
+        "hosts deny = *" if allow else "",
+    ]
+    if os.geteuid() == 0:
+        lines += [f"uid = {st.st_uid}", f"gid = {st.st_gid}"]
+    with open(conf, "w") as f:
+        f.write("\n".join(x for x in lines if x) + "\n")
+    port = _free_port(a.address, a.port)
+    argv = ["timeout", "-s", "TERM", str(a.max_seconds), "rsync", "--daemon", "--no-detach",
+            f"--address={a.address}", f"--port={port}", f"--config={conf}",
+            f"--log-file={os.path.join(priv, 'rsyncd.log')}"]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 10
+    while True:
+        if proc.poll() is not None:
+            log = ""
+            try:
+                with open(os.path.join(priv, "rsyncd.log")) as f:
+                    log = f.read().strip().splitlines()[-1]
+            except (OSError, IndexError):
+                pass
+            shutil.rmtree(priv, ignore_errors=True)
+            say(f"error: rsync daemon exited at start: {log or proc.returncode}")
+            return 7
+        try:
+            with socket.create_connection((a.address, port), timeout=1):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                os.killpg(proc.pid, signal.SIGTERM)
+                shutil.rmtree(priv, ignore_errors=True)
+                say(f"error: rsync daemon did not listen on {a.address}:{port}")
+                return 7
+            time.sleep(0.05)
+    print(json.dumps({"pid": proc.pid, "port": port, "private": priv}))
+    return 0
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [x.decode(errors="replace") for x in f.read().split(b"\0") if x]
+    except OSError:
+        return []
+
+
+def cmd_unserve(a: argparse.Namespace) -> int:
+    priv = os.path.realpath(a.private)
+    if not os.path.basename(priv).startswith("sparkdeploy-rsyncd-"):
+        say(f"error: {priv} is not a sparkdeploy rsync daemon directory")
+        return 2
+    cmd = _cmdline(a.pid)
+    stopped = False
+    if cmd and "rsync" in cmd and any(priv in x for x in cmd):
+        try:
+            os.killpg(a.pid, signal.SIGTERM)  # timeout and its rsync share a session of their own
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + 5
+        while _cmdline(a.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _cmdline(a.pid):
+            os.killpg(a.pid, signal.SIGKILL)
+        stopped = True
+    shutil.rmtree(priv, ignore_errors=True)
+    print(json.dumps({"stopped": stopped, "removed": not os.path.exists(priv)}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="model_node.py")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("verify")
+    v.add_argument("--dir", required=True)
+    v.add_argument("--spec", required=True)
+    v.add_argument("--only", nargs="*")
+    v.add_argument("--quick", action="store_true")
+    v.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    f = sub.add_parser("fetch")
+    f.add_argument("--dir", required=True)
+    f.add_argument("--spec", required=True)
+    f.add_argument("--only", nargs="*")
+    f.add_argument("--workers", type=int, default=4)
+    f.add_argument("--attempts", type=int, default=3)
+    f.add_argument("--endpoint", default="")
+    e = sub.add_parser("venv")
+    e.add_argument("--venv", required=True)
+    e.add_argument("--index-url", required=True)
+    s = sub.add_parser("serve")
+    s.add_argument("--address", required=True)
+    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--dir", required=True)
+    s.add_argument("--allow", default="")
+    s.add_argument("--max-connections", type=int, default=16)
+    s.add_argument("--max-seconds", type=int, default=6 * 3600)
+    u = sub.add_parser("unserve")
+    u.add_argument("--pid", type=int, required=True)
+    u.add_argument("--private", required=True)
+    a = p.parse_args(argv)
+    return {"verify": cmd_verify, "fetch": cmd_fetch, "venv": cmd_venv, "serve": cmd_serve,
+            "unserve": cmd_unserve}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""sparkdeploy's supervisor for a persisted deployment (standard library only).
+
+``serve.persist`` puts this file and one spec per engine on every node and a systemd unit
+running ``serve_unit.py run --spec FILE`` (``Restart=on-failure``; ``ExecStop`` runs
+``serve_unit.py stop --spec FILE``). The supervisors of one deployment form a group over the
+fast link, each publishing a small JSON state on ``<own fast-link address>:<group port>``:
+
+    {"node": ..., "epoch": random id of this supervisor run, "stage": highest stage started
+     (-1: ready, nothing started), "following": the head epoch a worker started under}
+
+- Workers before the head: the head starts nothing until every worker answers ``ready``.
+- The head starts its own containers stage by stage and publishes the stage; a worker starts
+  its containers of every stage the head has published; the head waits for them, then for the
+  stage's condition (``dist-port``: the head's init port answers; ``ray-nodes``: Ray lists
+  every node with its GPUs), then goes on.
+- Restarted together: a supervisor whose own container stopped, whose head changed epoch or
+  vanished (a worker), or whose worker vanished or is not following it (the head), removes its
+  containers and exits 1; systemd restarts it, and the group comes up again as a whole.
+  Users of other launchers report a half-cluster left serving nothing after one rank died.
+- SIGTERM (``systemctl stop``) and ``stop`` remove this node's containers.
+
+The spec (JSON): ``docker`` (the docker CLI argv prefix for this node's engine), ``node``,
+``role`` (``head``/``worker``), ``listen`` ([address, port]), ``head`` ([address, port]),
+``workers`` ({node: [address, port]}), ``stages`` ([{"wait": null|"dist-port"|"ray-nodes",
+"containers": [{"node", "name", "run": [docker run args]}]}]), ``wait_addr``
+([address, port] of the init port), ``ray_nodes`` ({address: gpus}), ``ray_probe`` (Python
+source run in the Ray head container), ``ready_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+POLL = 1.0
+GRACE = 5
+"""Polls a peer may miss before the group restarts (a short network blip is not a death)."""
+
+
+def say(msg: str) -> None:
+    print(f"serve_unit: {msg}", flush=True)
+
+
+class Group:
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.state = {"node": spec["node"], "epoch": secrets.token_hex(6), "stage": -1,
+                      "following": None, "accepting": spec["role"] == "head"}
+        self.lock = threading.Lock()
+        self.stopping = False
+
+    # -- the published state ---------------------------------------------------------------
+    def serve(self) -> ThreadingHTTPServer:
+        group = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                with group.lock:
+                    body = json.dumps(group.state).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a) -> None:
+                pass
+
+        addr, port = self.spec["listen"]
+        ThreadingHTTPServer.allow_reuse_address = True
+        srv = ThreadingHTTPServer((addr, int(port)), Handler)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        return srv
+
+    def set(self, **kw) -> None:
+        with self.lock:
+            self.state.update(kw)
+
+    # -- docker ------------------------------------------------------------------------------
+    def docker(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([*self.spec["docker"], *args], capture_output=True, text=True,
+                              timeout=timeout)
+
+    def mine(self) -> list[dict]:
+        return [c for st in self.spec["stages"] for c in st["containers"]
+                if c["node"] == self.spec["node"]]
+
+    def remove_mine(self) -> None:
+        names = [c["name"] for c in self.mine()]
+        if names:
+            self.docker("rm", "--force", "--volumes", *names)
+
+    def start_stage(self, k: int) -> None:
+        for c in self.spec["stages"][k]["containers"]:
+            if c["node"] == self.spec["node"]:
+                r = self.docker(*c["run"], timeout=300)
+                if r.returncode != 0:
+                    raise Restart(f"docker run {c['name']}: {(r.stderr or r.stdout).strip()[-300:]}")
+                say(f"started {c['name']} (stage {k})")
+
+    def check_mine(self, upto: int) -> None:
+        names = [c["name"] for k, st in enumerate(self.spec["stages"]) if k <= upto
+                 for c in st["containers"] if c["node"] == self.spec["node"]]
+        if not names:
+            return
+        r = self.docker("inspect", "--format", "{{.Name}} {{.State.Status}}", *names)
+        running = {ln.split()[0].lstrip("/") for ln in r.stdout.splitlines()
+                   if ln.split()[1:] == ["running"]}
+        for n in names:
+            if n not in running:
+                raise Restart(f"{n} is not running")
+
+
+class Restart(Exception):
+    pass
+
+
+def peer(addr: list) -> dict | None:
+    try:
+        with urllib.request.urlopen(f"http://{addr[0]}:{addr[1]}/", timeout=2) as r:
+            return json.loads(r.read().decode())
+    except (OSError, ValueError):
+        return None
+
+
+def port_open(addr: list) -> bool:
+    try:
+        with socket.create_connection((addr[0], int(addr[1])), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def ray_ready(g: Group) -> bool:
+    rh = g.spec["stages"][0]["containers"][0]["name"]
+    r = g.docker("exec", rh, "python3", "-c", g.spec["ray_probe"], timeout=60)
+    try:
+        seen = json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return False
+    have = {s["ip"]: s["gpus"] for s in seen}
+    return all(have.get(a, 0) >= n for a, n in g.spec["ray_nodes"].items())
+
+
+class Watcher:
+    """Counts consecutive misses per peer."""
+
+    def __init__(self) -> None:
+        self.misses: dict[str, int] = {}
+
+    def seen(self, name: str, ok: bool, why: str) -> None:
+        self.misses[name] = 0 if ok else self.misses.get(name, 0) + 1
+        if self.misses[name] > GRACE:
+            raise Restart(why)
+
+
+def run_head(g: Group) -> None:
+    workers = g.spec["workers"]
+    say(f"epoch {g.state['epoch']}: waiting for {len(workers)} worker(s) to be ready")
+    while True:
+        states = {n: peer(a) for n, a in workers.items()}
+        if all(s is not None and s["stage"] == -1 for s in states.values()):
+            break
+        time.sleep(POLL)
+    epoch = g.state["epoch"]
+    w = Watcher()
+    joined: set[str] = set()
+
+    def watch_workers(upto: int) -> dict[str, dict | None]:
+        states = {n: peer(a) for n, a in workers.items()}
+        for n, s in states.items():
+            w.seen(n, s is not None, f"worker {n} does not answer")
+            if s is None:
+                continue
+            if s["following"] == epoch:
+                joined.add(n)
+            elif n in joined:
+                raise Restart(f"worker {n} restarted")
+            elif s["following"] is not None:
+                raise Restart(f"worker {n} follows another head epoch")
+        if joined == set(workers) and g.state["accepting"]:
+            g.set(accepting=False)
+        g.check_mine(upto)
+        return states
+
+    deadline = time.monotonic() + float(g.spec["ready_timeout_s"])
+    for k, stage in enumerate(g.spec["stages"]):
+        g.start_stage(k)
+        g.set(stage=k)
+        needs = {c["node"] for c in stage["containers"]} - {g.spec["node"]}
+        while True:
+            states = watch_workers(k)
+            if all(states[n] is not None and states[n]["stage"] >= k for n in needs):
+                break
+            if time.monotonic() > deadline:
+                raise Restart(f"workers did not start stage {k} in time")
+            time.sleep(POLL)
+        wait = stage.get("wait")
+        while wait and not (port_open(g.spec["wait_addr"]) if wait == "dist-port" else ray_ready(g)):
+            watch_workers(k)
+            if time.monotonic() > deadline:
+                raise Restart(f"stage {k}: {wait} not reached in time")
+            time.sleep(POLL)
+        say(f"stage {k} up")
+    last = len(g.spec["stages"]) - 1
+    say("all stages up; watching the group")
+    while True:
+        watch_workers(last)
+        time.sleep(POLL)
+
+
+def run_worker(g: Group) -> None:
+    w = Watcher()
+    following = None
+    started = -1
+    say(f"epoch {g.state['epoch']}: ready, waiting for the head")
+    while True:
+        h = peer(g.spec["head"])
+        if following is None:
+            if h is not None and h["stage"] >= 0 and h.get("accepting"):
+                following = h["epoch"]
+                g.set(following=following)
+                say(f"following head epoch {following}")
+        if following is not None:
+            w.seen("head", h is not None, "the head does not answer")
+            if h is not None:
+                if h["epoch"] != following:
+                    raise Restart("the head restarted")
+                while started < h["stage"]:
+                    started += 1
+                    g.start_stage(started)
+                    g.set(stage=started)
+            g.check_mine(started)
+        time.sleep(POLL)
+
+
+def cmd_run(spec: dict) -> int:
+    g = Group(spec)
+
+    def on_term(signum, frame) -> None:
+        g.stopping = True
+        say("stopping: removing this node's containers")
+        g.remove_mine()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    g.remove_mine()
+    srv = g.serve()
+    try:
+        (run_head if spec["role"] == "head" else run_worker)(g)
+    except Restart as e:
+        say(f"restarting the group: {e}")
+        srv.shutdown()
+        g.remove_mine()
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="serve_unit.py")
+    p.add_argument("cmd", choices=["run", "stop"])
+    p.add_argument("--spec", required=True)
+    a = p.parse_args(argv)
+    with open(a.spec) as f:
+        spec = json.load(f)
+    if a.cmd == "stop":
+        Group(spec).remove_mine()
+        return 0
+    return cmd_run(spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

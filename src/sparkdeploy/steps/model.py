@@ -1,0 +1,455 @@
+"""The weights: a verified download on the head, a pipelined fan-out to the workers.
+
+``model.download``: the profile's repo, revision and patterns into ``model.path`` on a node,
+by ``huggingface_hub`` running on the node in an isolated environment of sparkdeploy's choosing
+(a container of an image the node already has, or a virtualenv of its own: never the node's
+system Python). The token (``HF_TOKEN`` or the hub login on the controller) reaches the
+downloader through its stdin only. The node-side helper (``scripts/model_node.py``) hashes each
+file as it completes and appends it to a record in ``<path>/.sparkdeploy/verified.jsonl``:
+that record is how ``model.sync`` knows a file is complete and verified on the head while the
+download still runs, and why a second verify of unchanged files reads nothing.
+
+``model.verify``: every file's size, every LFS file's sha256 (the others' git blob id) against
+the hub's metadata, cached on the controller under the state dir so that a verify works
+offline; ``--repair`` re-fetches (head) or re-sends (workers) only the files that differ.
+
+``model.sync``: see ``sparkdeploy.steps.model_sync``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sparkdeploy.deployment import Deployment
+from sparkdeploy.hosts import Host
+from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image, stage, stage_script, verified
+from sparkdeploy.results import Result, changed, failed, ok, skipped
+from sparkdeploy.steps.registry import step
+
+DOWNLOAD = "model.download"
+VERIFY = "model.verify"
+SCRIPT = "model_node.py"
+CONTAINER = "sparkdeploy-model-download"
+GB = 1e9
+
+
+class ModelError(Exception):
+    """A model step cannot go on; ``str()`` is the one line to show."""
+
+
+# --- the hub's metadata, cached on the controller ------------------------------------------
+
+def cache_path(dep: Deployment) -> str:
+    m = dep.profile.model
+    name = f"{m.repo.replace('/', '--')}@{m.revision.replace('/', '--')}.json"
+    return os.path.join(str(dep.state.path), "model", name)
+
+
+def controller_token() -> str | None:
+    """The token the controller would use: ``HF_TOKEN`` or the hub login (never printed)."""
+    from huggingface_hub import get_token
+
+    return get_token()
+
+
+def endpoint(dep: Deployment) -> str:
+    if dep.profile.model.endpoint:
+        return dep.profile.model.endpoint.rstrip("/")
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT.rstrip("/")
+
+
+def fetch_metadata(dep: Deployment) -> dict[str, Any]:
+    """The repo's files at the profile's revision (allow_patterns applied) from the hub."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import filter_repo_objects
+
+    m = dep.profile.model
+    info = HfApi(endpoint=endpoint(dep), token=controller_token()).model_info(
+        m.repo, revision=m.revision, files_metadata=True)
+    sibs = list(filter_repo_objects(info.siblings or [], allow_patterns=m.allow_patterns,
+                                    key=lambda s: s.rfilename))
+    files = []
+    for s in sorted(sibs, key=lambda s: s.rfilename):
+        lfs = s.lfs
+        sha = (lfs.get("sha256") if isinstance(lfs, dict) else getattr(lfs, "sha256", None)) if lfs else None
+        files.append({"path": s.rfilename, "size": int(s.size or 0), "sha256": sha,
+                      "oid": s.blob_id})
+    return {"repo": m.repo, "revision": m.revision, "commit": info.sha, "files": files,
+            "fetched_at": time.time()}
+
+
+def metadata(dep: Deployment, refresh: bool = True) -> tuple[dict[str, Any], str]:
+    """(metadata, note): fresh from the hub when it answers (and cached), else the cache."""
+    path = cache_path(dep)
+    cached = None
+    try:
+        with open(path) as f:
+            cached = json.load(f)
+    except (OSError, ValueError):
+        cached = None
+    if cached and not refresh:
+        return cached, ""
+    try:
+        meta = fetch_metadata(dep)
+    except Exception as e:  # noqa: BLE001 - any hub failure falls back to the cache
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if cached:
+            when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(cached.get("fetched_at", 0)))
+            return cached, f"hub not reachable ({why}); using its metadata cached {when} UTC"
+        raise ModelError(f"cannot read {dep.profile.model.repo}@{dep.profile.model.revision} "
+                         f"from {endpoint(dep)}: {why}") from None
+    if not meta["files"]:
+        raise ModelError(f"{meta['repo']}@{meta['revision']}: no file matches allow_patterns "
+                         f"{dep.profile.model.allow_patterns}")
+    if not dep.dry:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(meta, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    return meta, ""
+
+
+def total_bytes(meta: dict[str, Any], only: list[str] | None = None) -> int:
+    keep = set(only) if only is not None else None
+    return sum(f["size"] for f in meta["files"] if keep is None or f["path"] in keep)
+
+
+# --- on a node -------------------------------------------------------------------------------
+
+@dataclass
+class Staged:
+    script: str
+    spec: str
+
+    def run(self, argv: list[str]) -> list[str]:
+        """``argv`` run only while both staged files still match their sha256."""
+        return verified([self.script, self.spec], argv)
+
+
+def stage_for(host: Host, meta: dict[str, Any]) -> Staged:
+    spec = {k: meta[k] for k in ("repo", "revision", "commit", "files")}
+    return Staged(stage_script(host, SCRIPT), stage(host, "spec.json", json.dumps(spec, sort_keys=True)))
+
+
+def last_json(text: str) -> dict[str, Any] | None:
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                return None
+    return None
+
+
+def error_line(stderr: str, fallback: str) -> str:
+    errs = [ln[len("error: "):] for ln in stderr.splitlines() if ln.startswith("error: ")]
+    if errs:
+        return errs[-1]
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip() and not ln.startswith("progress ")]
+    return lines[-1] if lines else fallback
+
+
+def helper_json(host: Host, argv: list[str], what: str, **run: Any) -> dict[str, Any]:
+    """Run a node helper that prints one JSON object; ModelError naming ``what`` otherwise."""
+    r = host.run(argv, **run)
+    out = last_json(r.stdout) if r.ok else None
+    if out is None:
+        raise ModelError(f"{host.name}: {what}: {error_line(r.stderr, r.one_line_error())}")
+    return out
+
+
+def parse_progress(line: str) -> dict[str, str] | None:
+    if not line.startswith("progress "):
+        return None
+    return dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
+
+
+def verify_argv(dep: Deployment, st: Staged, only: list[str] | None = None,
+                quick: bool = False) -> list[str]:
+    argv = ["python3", st.script, "verify", "--dir", dep.profile.model.path, "--spec", st.spec]
+    if quick:
+        argv.append("--quick")
+    if only:
+        argv += ["--only", *only]
+    return st.run(argv)
+
+
+def node_state(dep: Deployment, host: Host, st: Staged, only: list[str] | None = None,
+               quick: bool = False, step_name: str = VERIFY) -> dict[str, Any]:
+    """What the node holds, per the helper's verify (``quick``: records only, reads nothing)."""
+    quick = quick or dep.dry  # a dry run neither hashes nor writes records
+
+    def on_line(line: str) -> None:
+        p = parse_progress(line)
+        if p:
+            dep.events.progress(step_name, host.name, int(p.get("bytes", 0)),
+                                int(p.get("total", 0)) or None, "B", "hashing")
+
+    return helper_json(host, verify_argv(dep, st, only, quick), "verify helper failed",
+                       change=False, on_stderr=on_line, timeout=6 * 3600)
+
+
+def free_space(host: Host, path: str) -> tuple[int, str] | None:
+    """(free bytes, mount point) of the filesystem that holds (or will hold) ``path``."""
+    script = 'p="$1"; while [ ! -e "$p" ]; do p=$(dirname "$p"); done; df -P -B1 -- "$p"'
+    r = host.run(["sh", "-c", script, "sh", path], change=False)
+    rows = r.stdout.strip().splitlines() if r.ok else []
+    if len(rows) < 2:
+        return None
+    cols = rows[-1].split()
+    return int(cols[3]), cols[-1]
+
+
+def disk_check(dep: Deployment, host: Host, need: int, step_name: str) -> Result | None:
+    """A failed result naming both numbers when the node lacks room for ``need`` bytes."""
+    margin = dep.profile.model.disk_margin_mb * 1_000_000
+    got = free_space(host, dep.profile.model.path)
+    if got is None:
+        return None
+    free, mount = got
+    if free < need + margin:
+        return failed(step_name, f"{host.name}: {free / GB:.2f} GB free on {mount}, needs "
+                      f"{(need + margin) / GB:.2f} GB ({need / GB:.2f} GB missing + "
+                      f"{margin / GB:.2f} GB margin)", host.name, free=free, need=need + margin)
+    return None
+
+
+# --- the downloader's environment --------------------------------------------------------------
+
+@dataclass
+class Runtime:
+    kind: str  # container | venv
+    image: str | None = None
+    python: str | None = None
+    why: str = ""
+
+
+def candidate_images(dep: Deployment) -> list[str]:
+    refs = [e.image for e in dep.profile.engines] + [c.ref for c in dep.profile.images.candidates]
+    if dep.profile.images.layer:
+        refs.append(dep.profile.images.layer.tag)
+    return list(dict.fromkeys(refs))
+
+
+def choose_runtime(dep: Deployment, host: Host, st: Staged) -> Runtime:
+    want = dep.profile.model.runtime
+    tried = []
+    if want in ("auto", "container"):
+        for ref in candidate_images(dep):
+            if inspect_image(host, ref) is None:
+                continue
+            r = host.run(docker(host, "run", "--rm", "--network", "none", "--entrypoint", "python3",
+                                "--", ref, "-c", "import huggingface_hub as h; print(h.__version__)"),
+                         change=False, timeout=300)
+            if r.ok:
+                return Runtime("container", image=ref,
+                               why=f"{ref} (huggingface_hub {r.stdout.strip()})")
+            tried.append(ref)
+        if want == "container":
+            raise ModelError(f"{host.name}: no image there carries huggingface_hub "
+                             f"(images with none: {', '.join(tried) or 'none of the profile'})")
+    m = dep.profile.model
+    if dep.dry:
+        return Runtime("venv", python=m.venv, why=f"a virtualenv at {m.venv} (would create it)")
+    out = helper_json(host, st.run(["python3", st.script, "venv", "--venv", m.venv, "--index-url",
+                                    m.index_url]), "no environment for the downloader", timeout=1800)
+    return Runtime("venv", python=out["python"],
+                   why=f"the virtualenv {out['python'].rsplit('/bin/', 1)[0]}"
+                   + (" (created)" if out.get("created") else ""))
+
+
+def fetch_argv(dep: Deployment, host: Host, rt: Runtime, st: Staged, owner: str,
+               only: list[str] | None = None) -> list[str]:
+    m = dep.profile.model
+    helper = ["fetch", "--dir", m.path, "--spec", st.spec, "--workers", str(m.download_workers),
+              "--endpoint", endpoint(dep)]
+    if only:
+        helper += ["--only", *only]
+    if rt.kind == "venv":
+        return st.run([rt.python or "python3", st.script, *helper])
+    # -i: the token arrives on stdin; never -e (docker keeps env in the container's config)
+    mounts = ["-v", f"{m.path}:{m.path}"]
+    for d in dict.fromkeys(os.path.dirname(p) for p in (st.script, st.spec)):
+        mounts += ["-v", f"{d}:{d}:ro"]
+    return st.run(docker(host, "run", "--rm", "-i", "--name", CONTAINER, "--network", "host",
+                         "--user", owner, "-e", "HF_HOME=/tmp/hf-home", "-e",
+                         "HF_HUB_DISABLE_TELEMETRY=1", *mounts, "--entrypoint", "python3", "--",
+                         rt.image or "", st.script, *helper))
+
+
+def run_fetch(dep: Deployment, host: Host, rt: Runtime, st: Staged, meta: dict[str, Any],
+              only: list[str] | None, step_name: str) -> tuple[dict[str, Any] | None, str]:
+    """Run the downloader on the node; (its report, the one line of why when it failed)."""
+    m = dep.profile.model
+    mk = host.run(["mkdir", "-p", "--", m.path])
+    if not mk.ok:
+        return None, f"cannot create {m.path}: {mk.one_line_error()}"
+    own = host.run(["stat", "-c", "%u:%g", "--", m.path], change=False)
+    owner = own.stdout.strip() if own.ok else "0:0"
+    started = time.monotonic()
+    retries: list[str] = []
+
+    def on_line(line: str) -> None:
+        p = parse_progress(line)
+        if p:
+            done = int(p.get("bytes", 0))
+            secs = max(time.monotonic() - started, 1e-6)
+            dep.events.progress(step_name, host.name, done, int(p.get("total", 0)) or None, "B",
+                                f"{p.get('files', '?')}/{p.get('of', '?')} files, "
+                                f"{done / secs / 1e6:.0f} MB/s")
+        elif line.startswith("retry "):
+            retries.append(line)
+            dep.events.log(step_name, host.name, line)
+
+    r = host.run(fetch_argv(dep, host, rt, st, owner, only), on_stderr=on_line,
+                 input=(controller_token() or "") + "\n", timeout=24 * 3600)
+    out = last_json(r.stdout)
+    if out is None:
+        if "is already in use" in r.stderr and CONTAINER in r.stderr:
+            return None, f"a download is already running (container {CONTAINER})"
+        return None, error_line(r.stderr, r.one_line_error())
+    if out.get("failed"):
+        name, why = next(iter(out["failed"].items()))
+        more = f" and {len(out['failed']) - 1} more" if len(out["failed"]) > 1 else ""
+        return out, (f"{len(out['failed'])} of {len(meta['files'])} files failed: {name}: {why}"
+                     f"{more}; {out.get('files', 0)} verified files kept, a re-run resumes")
+    return out, ""
+
+
+# --- the steps ------------------------------------------------------------------------------
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.2f} GB"
+
+
+def download(dep: Deployment, node: str | None = None) -> list[Result]:
+    host = dep.host(node or dep.profile.head.name)
+    try:
+        meta, note = metadata(dep)
+    except ModelError as e:
+        return [dep.report(failed(DOWNLOAD, str(e), host.name))]
+    return [dep.report(download_on(dep, host, meta, note))]
+
+
+def download_on(dep: Deployment, host: Host, meta: dict[str, Any], note: str = "",
+                only: list[str] | None = None, step_name: str = DOWNLOAD) -> Result:
+    m = dep.profile.model
+    note = f" ({note})" if note else ""
+    try:
+        st = stage_for(host, meta)
+        have = node_state(dep, host, st, only=only, quick=True, step_name=step_name)
+        todo = have["missing"] + list(have["differ"]) + have["unchecked"]
+        total = total_bytes(meta, only)
+        if not todo:
+            return ok(step_name, f"{host.name}: all {len(have['ok'])} files present and verified "
+                      f"({_gb(total)}) in {m.path}{note}", host.name, bytes=0, total=total)
+        missing = total_bytes(meta, have["missing"] + list(have["differ"]))
+        bad = disk_check(dep, host, missing, step_name)
+        if bad:
+            return bad
+        rt = choose_runtime(dep, host, st)
+        if dep.dry:
+            return skipped(step_name, f"{host.name}: would download {len(todo)} files "
+                           f"(up to {_gb(missing)}) of {m.repo}@{meta['commit'][:12]} into {m.path} "
+                           f"with {rt.why}{note}", host.name)
+        dep.events.log(step_name, host.name, f"downloader: {rt.why}")
+        started = time.monotonic()
+        out, why = run_fetch(dep, host, rt, st, meta, todo, step_name)
+        secs = time.monotonic() - started
+    except (ModelError, NodeUnreachable) as e:
+        return failed(step_name, str(e) if isinstance(e, ModelError) else f"{e}", host.name)
+    if why:
+        return failed(step_name, f"{host.name}: {why}", host.name)
+    assert out is not None
+    got = out.get("fetched_bytes", 0)
+    rate = got / out["seconds"] if out.get("seconds") else 0.0
+    return changed(step_name, f"{host.name}: {m.repo}@{meta['commit'][:12]}: fetched {_gb(got)} "
+                   f"in {secs:.1f}s ({rate / 1e6:.0f} MB/s), {len(meta['files'])} files verified "
+                   f"({len(have['ok'])} were already){note}", host.name, bytes=got, seconds=secs,
+                   rate=rate, runtime=rt.kind)
+
+
+def verify(dep: Deployment, node: str | None = None, repair: bool = False) -> list[Result]:
+    try:
+        meta, note = metadata(dep)
+    except ModelError as e:
+        return [dep.report(failed(VERIFY, str(e)))]
+    out = []
+    for host in dep.select(node):
+        out.append(dep.report(verify_on(dep, host, meta, note, repair)))
+    return out
+
+
+def describe_bad(state: dict[str, Any], limit: int = 3) -> str:
+    bad = [(p, "missing") for p in state["missing"]] + list(state["differ"].items())
+    shown = ", ".join(f"{p} ({why})" for p, why in bad[:limit])
+    more = f" and {len(bad) - limit} more" if len(bad) > limit else ""
+    return f"{len(bad)} files differ: {shown}{more}"
+
+
+def verify_on(dep: Deployment, host: Host, meta: dict[str, Any], note: str = "",
+              repair: bool = False) -> Result:
+    m = dep.profile.model
+    note = f" ({note})" if note else ""
+    try:
+        st = stage_for(host, meta)
+        state = node_state(dep, host, st)
+    except (ModelError, NodeUnreachable) as e:
+        return failed(VERIFY, str(e), host.name)
+    if not state.get("present"):
+        return failed(VERIFY, f"{host.name}: no weights in {m.path} (model.download on the head, "
+                      f"model.sync to workers)", host.name)
+    bad = state["missing"] + list(state["differ"]) + state["unchecked"]
+    total = total_bytes(meta)
+    if not bad:
+        return ok(VERIFY, f"{host.name}: {len(state['ok'])} files verified ({_gb(total)}; hashed "
+                  f"{_gb(state['hashed_bytes'])}, {state['reused']} unchanged since verified) in "
+                  f"{state['seconds']:.1f}s{note}", host.name, hashed=state["hashed_bytes"],
+                  reused=state["reused"], seconds=state["seconds"])
+    if dep.dry and state["unchecked"] and not (state["missing"] or state["differ"]):
+        return skipped(VERIFY, f"{host.name}: would hash {len(state['unchecked'])} files not "
+                       f"verified yet", host.name)
+    what = describe_bad(state)
+    if not repair:
+        return failed(VERIFY, f"{host.name}: {what}; --repair re-fetches only those", host.name,
+                      differ=state["differ"], missing=state["missing"])
+    names = state["missing"] + list(state["differ"])
+    if host.name == dep.profile.head.name:
+        res = download_on(dep, host, meta, only=names, step_name=VERIFY)
+    else:
+        from sparkdeploy.steps.model_sync import sync_files
+
+        res = sync_files(dep, [host], meta, only=names, step_name=VERIFY)
+    if res.failed:
+        return failed(VERIFY, f"{host.name}: {what}; repair failed: {res.why}", host.name)
+    return changed(VERIFY, f"{host.name}: {what}; repaired ({res.why})", host.name,
+                   repaired=names)
+
+
+@step(DOWNLOAD, long=True)
+def download_step(dep: Deployment, **options: Any) -> list[Result]:
+    """Download the weights on the head, verified (resumes; only what is missing)."""
+    return download(dep, options.get("node"))
+
+
+@step("model.sync", long=True)
+def sync_step(dep: Deployment, **options: Any) -> list[Result]:
+    """Copy the weights to the workers over the fast link, file by file as the head completes
+    them (starts while model.download runs: no need on it)."""
+    from sparkdeploy.steps.model_sync import sync
+
+    return sync(dep, options.get("to") or "all")
+
+
+@step(VERIFY, needs=(DOWNLOAD, "model.sync"))
+def verify_step(dep: Deployment, **options: Any) -> list[Result]:
+    """Verify the weights on every node against the hub's metadata (cached for offline use)."""
+    return verify(dep, options.get("node"), bool(options.get("repair")))

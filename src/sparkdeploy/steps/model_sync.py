@@ -1,0 +1,341 @@
+"""``model.sync``: the weights head -> workers over the fast link, file by file, pipelined.
+
+A file is sent as soon as the head's record (``<path>/.sparkdeploy/verified.jsonl``, written by
+the downloader as each file completes and is hashed) says it is complete and verified, so the
+sync may start while ``model.download`` runs and the workers finish shortly after the head.
+Each file is verified on arrival (size and sha256 against the same hub metadata) and recorded on
+the worker; a worker that holds a verified file serves it to the next workers.
+
+Transports (``model.sync.transport``):
+
+- ``rsyncd`` (default): on each receiver an rsync daemon bound to its fast-link address only
+  (``hosts allow`` = the deployment's link addresses), one module at the model path, one user
+  whose one-time secret reaches the daemon (a 0600 file in a private 0700 directory) and each
+  sender (``--password-file=-``) through SSH stdin. Several files in flight per node
+  (``streams``), no SSH cipher in the data path. The daemon is stopped by PID and its directory
+  removed when the sync ends, whatever happened.
+- ``ssh``: plain ``rsync`` over SSH from the sender to the receiver's link address (the
+  fallback; the nodes must trust each other's host keys, as for ``image.ship``).
+
+Interrupted transfers keep their partial data (``--partial-dir``) and a re-run resumes them;
+files already verified on a worker are never sent again.
+"""
+
+from __future__ import annotations
+
+import secrets as pysecrets
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparkdeploy.deployment import Deployment
+from sparkdeploy.hosts import Host
+from sparkdeploy.nodeops import NodeUnreachable
+from sparkdeploy.results import Result, changed, failed, ok, skipped
+from sparkdeploy.steps.model import (
+    GB,
+    SCRIPT,
+    ModelError,
+    Staged,
+    disk_check,
+    error_line,
+    helper_json,
+    metadata,
+    node_state,
+    stage_for,
+    total_bytes,
+)
+from sparkdeploy.wait import Stop, WaitTimeout, wait_for
+
+SYNC = "model.sync"
+PARTIAL = ".sparkdeploy/partial"
+START_GRACE_S = 180.0
+"""How long a sync waits for a download to show up on the head before giving up."""
+DISK_FULL = ("No space left on device", "ENOSPC", "Disk quota exceeded")
+
+
+@dataclass
+class Daemon:
+    host: Host
+    pid: int
+    port: int
+    private: str
+
+
+def rsync_available(host: Host) -> str | None:
+    """None when rsync is on the node, else the one line to show."""
+    r = host.run(["rsync", "--version"], change=False)
+    if r.ok:
+        return None
+    return f"{host.name}: rsync is not installed (install it: apt-get install rsync)"
+
+
+def serve_argv(dep: Deployment, dst: Host, st: Staged, allow: list[str]) -> list[str]:
+    s = dep.profile.model.sync
+    return st.run(["python3", st.script, "serve", "--address", dst.node.link.address, "--port",
+                   str(s.port), "--dir", dep.profile.model.path, "--allow", ",".join(allow),
+                   "--max-connections", str(2 * s.streams + 2)])
+
+
+def start_daemon(dep: Deployment, dst: Host, st: Staged, secret: str, allow: list[str]) -> Daemon:
+    out = helper_json(dst, serve_argv(dep, dst, st, allow),
+                      f"cannot start the rsync daemon on {dst.node.link.address}",
+                      input=secret + "\n", timeout=60)
+    return Daemon(dst, int(out["pid"]), int(out["port"]), out["private"])
+
+
+def stop_daemon(d: Daemon, st: Staged) -> None:
+    d.host.run(st.run(["python3", st.script, "unserve", "--pid", str(d.pid), "--private",
+                       d.private]), timeout=60)
+
+
+def send_argv(dep: Deployment, src: Host, dst: Host, rel: str, port: int | None) -> list[str]:
+    """The rsync the sender runs for one file (layout kept through ``--relative``)."""
+    path = dep.profile.model.path.rstrip("/")
+    argv = ["rsync", "-rlt", "--relative", "--whole-file", f"--partial-dir={PARTIAL}",
+            "--timeout=60"]
+    if port is not None:  # rsyncd
+        return [*argv, "--password-file=-", "--", f"{path}/./{rel}",
+                f"rsync://sparkdeploy@{dst.node.link.address}:{port}/model/"]
+    return [*argv, "-e", "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes", "--",
+            f"{path}/./{rel}", f"{dst.node.link.address}:{path}/"]
+
+
+@dataclass
+class Plan:
+    """Who needs what and who holds what (the scheduling state of one sync)."""
+
+    need: dict[str, list[str]]  # receiver -> files still to receive (in send order)
+    holders: dict[str, list[str]] = field(default_factory=dict)  # file -> nodes holding it verified
+    out_load: dict[str, int] = field(default_factory=dict)
+    in_load: dict[str, int] = field(default_factory=dict)
+    busy: set[tuple[str, str]] = field(default_factory=set)  # (file, receiver) in flight
+    failed: dict[str, str] = field(default_factory=dict)  # receiver -> why it stopped
+
+    def next_transfers(self, streams: int, head: str) -> list[tuple[str, str, str]]:
+        """(file, sender, receiver) to start now: a worker holding a file serves it before the
+        head does, no node sends or receives more than ``streams`` files at once."""
+        out = []
+        for dst, files in self.need.items():
+            if dst in self.failed:
+                continue
+            for f in files:
+                if self.in_load.get(dst, 0) >= streams:
+                    break
+                if (f, dst) in self.busy:
+                    continue
+                srcs = [s for s in self.holders.get(f, []) if s != dst
+                        and self.out_load.get(s, 0) < streams]
+                if not srcs:
+                    continue
+                src = min(srcs, key=lambda s: (s == head, self.out_load.get(s, 0)))
+                self.busy.add((f, dst))
+                self.out_load[src] = self.out_load.get(src, 0) + 1
+                self.in_load[dst] = self.in_load.get(dst, 0) + 1
+                out.append((f, src, dst))
+        return out
+
+    def finished(self, f: str, src: str, dst: str, ok_: bool) -> None:
+        self.busy.discard((f, dst))
+        self.out_load[src] -= 1
+        self.in_load[dst] -= 1
+        if ok_:
+            self.need[dst].remove(f)
+            self.holders.setdefault(f, []).append(dst)
+
+    def done(self) -> bool:
+        return all(not files or dst in self.failed for dst, files in self.need.items())
+
+
+def sync(dep: Deployment, to: str = "all") -> list[Result]:
+    head = dep.profile.head.name
+    targets = [h for h in (dep.select(to) if to != "all" else
+                           [dep.host(n.name) for n in dep.profile.workers]) if h.name != head]
+    if not targets:
+        return [dep.report(ok(SYNC, "no worker to sync to"))]
+    try:
+        meta, note = metadata(dep)
+    except ModelError as e:
+        return [dep.report(failed(SYNC, str(e)))]
+    res = sync_files(dep, targets, meta, note=note)
+    return [dep.report(res)]
+
+
+def sync_files(dep: Deployment, targets: list[Host], meta: dict[str, Any],
+               only: list[str] | None = None, step_name: str = SYNC, note: str = "") -> Result:
+    m = dep.profile.model
+    s = m.sync
+    head = dep.host(dep.profile.head.name)
+    order = [f["path"] for f in meta["files"] if only is None or f["path"] in set(only)]
+    sizes = {f["path"]: f["size"] for f in meta["files"]}
+    note = f" ({note})" if note else ""
+    staged: dict[str, Staged] = {}
+    daemons: list[Daemon] = []
+    try:
+        for h in [head, *targets]:
+            staged[h.name] = stage_for(h, meta)
+        need: dict[str, list[str]] = {}
+        for dst in targets:
+            state = node_state(dep, dst, staged[dst.name], only=order, quick=True, step_name=step_name)
+            if state["unchecked"] and not dep.dry:  # present, right size, not yet verified here
+                state = node_state(dep, dst, staged[dst.name], only=order, step_name=step_name)
+            have = set(state["ok"])
+            need[dst.name] = [f for f in order if f not in have]
+        if not any(need.values()):
+            names = ", ".join(t.name for t in targets)
+            return ok(step_name, f"{names}: all {len(order)} files already there and verified "
+                      f"({total_bytes(meta, order) / GB:.2f} GB){note}", ",".join(need))
+        for dst in targets:
+            if need[dst.name]:
+                bad = disk_check(dep, dst, total_bytes(meta, need[dst.name]), step_name)
+                if bad:
+                    return bad
+        for h in [head, *targets]:
+            why = rsync_available(h)
+            if why:
+                return failed(step_name, why, h.name)
+        if dep.dry:
+            parts = [f"{len(v)} files ({total_bytes(meta, v) / GB:.2f} GB) to {k}"
+                     for k, v in need.items() if v]
+            return skipped(step_name, f"would send {', '.join(parts)} over {s.transport}{note}")
+        plan = Plan(need={k: v for k, v in need.items() if v})
+        secret = None
+        ports: dict[str, int | None] = {t.name: None for t in targets}
+        if s.transport == "rsyncd":
+            secret = pysecrets.token_urlsafe(32)
+            allow = [n.link.address for n in dep.profile.nodes]
+            for dst in targets:
+                if dst.name in plan.need:
+                    d = start_daemon(dep, dst, staged[dst.name], secret, allow)
+                    daemons.append(d)
+                    ports[dst.name] = d.port
+        return _run(dep, head, targets, plan, meta, staged, ports, secret, sizes, order,
+                    step_name, note)
+    except (ModelError, NodeUnreachable) as e:
+        return failed(step_name, str(e), getattr(e, "node", None))
+    finally:
+        for d in daemons:
+            stop_daemon(d, staged[d.host.name])
+
+
+def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan, meta: dict[str, Any],
+         staged: dict[str, Staged], ports: dict[str, int | None], secret: str | None,
+         sizes: dict[str, int], order: list[str], step_name: str, note: str) -> Result:
+    s = dep.profile.model.sync
+    hosts = {h.name: h for h in [head, *targets]}
+    totals = {k: sum(sizes[f] for f in v) for k, v in plan.need.items()}
+    moved = dict.fromkeys(plan.need, 0)
+    started = time.monotonic()
+    first_seen = time.monotonic()
+    last_head_poll = 0.0
+    head_running = True
+    futures: dict[Future, tuple[str, str, str]] = {}
+    errors: dict[str, str] = {}
+
+    def send(f: str, src: str, dst: str) -> str | None:
+        try:
+            return send_one(f, src, dst)
+        except (ModelError, NodeUnreachable) as e:
+            return str(e)
+
+    def send_one(f: str, src: str, dst: str) -> str | None:
+        r = hosts[src].run(send_argv(dep, hosts[src], hosts[dst], f, ports[dst]),
+                           input=(secret + "\n") if secret else None, timeout=24 * 3600)
+        if not r.ok:
+            text = r.stderr
+            if any(k in text for k in DISK_FULL):
+                return (f"disk full on {dst} ({dep.profile.model.path}) while receiving {f}")
+            return f"sending {f} {src} -> {dst} failed: {error_line(text, r.one_line_error())}"
+        got = node_state(dep, hosts[dst], staged[dst], only=[f], step_name=step_name)
+        if f not in got["ok"]:
+            why = got["differ"].get(f) or ("missing" if f in got["missing"] else "not verified")
+            return f"{f} arrived on {dst} but {why}"
+        return None
+
+    def refresh_head() -> None:
+        nonlocal last_head_poll, head_running
+        last_head_poll = time.monotonic()
+        waiting = [f for f in order if head.name not in plan.holders.get(f, [])
+                   and any(f in v for v in plan.need.values())]
+        if not waiting:
+            return
+        state = node_state(dep, head, staged[head.name], only=waiting, quick=True, step_name=step_name)
+        for f in state["ok"]:
+            plan.holders.setdefault(f, []).insert(0, head.name)
+        head_running = bool(state.get("download_running"))
+        still = [f for f in waiting if f not in state["ok"]]
+        if still and not head_running and time.monotonic() - first_seen > START_GRACE_S:
+            raise Stop(f"{head.name} lacks {len(still)} files (e.g. {still[0]}) and no "
+                       f"download is running there (run model.download)")
+
+    pool = ThreadPoolExecutor(max_workers=max(1, s.streams * len(targets)))
+
+    def probe() -> bool:
+        progressed = False
+        for fut in [f for f in futures if f.done()]:
+            f, src, dst = futures.pop(fut)
+            err = fut.result()
+            plan.finished(f, src, dst, err is None)
+            progressed = True
+            if err is None:
+                moved[dst] += sizes[f]
+                dep.events.progress(step_name, dst, moved[dst], totals[dst], "B",
+                                    f"{len(order) - len(plan.need[dst])}/{len(order)} files")
+            else:
+                errors.setdefault(dst, err)
+                plan.failed.setdefault(dst, err)
+        if plan.done() and not futures:
+            return True
+        if time.monotonic() - last_head_poll >= 1.0:
+            before = sum(len(v) for v in plan.holders.values())
+            refresh_head()
+            progressed = progressed or sum(len(v) for v in plan.holders.values()) > before
+        for f, src, dst in plan.next_transfers(s.streams, head.name):
+            futures[pool.submit(send, f, src, dst)] = (f, src, dst)
+        return progressed
+
+    try:
+        while not (plan.done() and not futures):
+            wait_for(probe, deadline=s.stall_timeout_s, interval=0.25,
+                     what="a file to become ready on the head or to arrive on a worker",
+                     clock=dep.clock, sleep=dep.sleep)
+    except Stop as e:
+        _drain(futures)
+        return failed(step_name, f"{e}; {_kept(plan, targets, order)}", head.name)
+    except WaitTimeout as e:
+        _drain(futures)
+        return failed(step_name, f"stalled: {e}; {_kept(plan, targets, order)}")
+    finally:
+        pool.shutdown(wait=True)
+    secs = time.monotonic() - started
+    if errors:
+        dst, why = next(iter(errors.items()))
+        return failed(step_name, f"{why}; {_kept(plan, targets, order)}, a re-run resumes", dst)
+    total = sum(moved.values())
+    names = ", ".join(t.name for t in targets if t.name in totals)
+    return changed(step_name, f"{names}: sent {sum(1 for _ in _sent(plan))} files "
+                   f"({total / GB:.2f} GB) over {s.transport} in {secs:.1f}s "
+                   f"({total / max(secs, 1e-6) / 1e6:.0f} MB/s), verified on arrival{note}",
+                   ",".join(totals), bytes=total, seconds=secs, transport=s.transport)
+
+
+def _sent(plan: Plan):
+    for f, nodes in plan.holders.items():
+        for n in nodes:
+            if n in plan.need:
+                yield f, n
+
+
+def _drain(futures: dict[Future, Any]) -> None:
+    for fut in list(futures):
+        fut.result()
+
+
+def _kept(plan: Plan, targets: list[Host], order: list[str]) -> str:
+    parts = [f"{t.name} has {len(order) - len(plan.need.get(t.name, []))}/{len(order)} files "
+             f"verified" for t in targets]
+    return "; ".join(parts)
+
+
+__all__ = ["SYNC", "Plan", "send_argv", "serve_argv", "sync", "sync_files", "SCRIPT"]

@@ -1,0 +1,469 @@
+"""Serving the model across the nodes: ``serve.up``, ``serve.down``, ``serve.status``,
+``serve.logs``.
+
+``serve.up`` tries the profile's engines in order (``--engine NAME`` starts with that one).
+For each: preflight on every node (nothing is started when anything is wrong), the image put
+on nodes that lack it (``image.ship``), then the engine's stages started and waited on in
+phases, each bounded: containers running (one that exits fails the engine at once, with its
+last lines), the SGLang head's init port / Ray listing every node with its GPU, the HTTP port
+open, ``/health``, ``/v1/models`` listing the model, one streamed chat completion returning
+tokens. A phase with no new log line and no readiness step for ``serve.stall_s`` is a hang.
+
+An engine that fails after starting is diagnosed from every container's log
+(``sparkdeploy.diagnose.classify``), its logs are saved under the run's directory
+(``<state_dir>/runs/<time>-serve.up/``), its containers are removed on every node, and the
+next engine is tried. The decision (engines tried, class, evidence, engine chosen, how long
+from the hang's start to the fallback's start) goes into the ``serve`` record; the endpoint
+into the ``endpoint`` record, where ``serve.status`` and ``bench.run`` find it. The last line
+of a success is ``endpoint: http://<address>:<port>``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from sparkdeploy import endpoint as ep
+from sparkdeploy.config import Engine, ProfileError
+from sparkdeploy.deployment import Deployment
+from sparkdeploy.engines import EngineError, Launch, launch
+from sparkdeploy.engines.base import API_KEY_ENV, LABEL_DEPLOYMENT, LABEL_ENGINE, run_args, secret_lines
+from sparkdeploy.hosts import Host
+from sparkdeploy.nodeops import NodeUnreachable, docker, stage_script, verified
+from sparkdeploy.records import markdown_table
+from sparkdeploy.results import Result, changed, failed, ok, skipped
+from sparkdeploy.steps import serve_preflight
+from sparkdeploy.steps.registry import step
+from sparkdeploy.steps.serve_watch import EngineFailed, Stalled, StartFailed, Watch, full_log
+
+STEP_UP = "serve.up"
+STEP_DOWN = "serve.down"
+STEP_STATUS = "serve.status"
+STEP_LOGS = "serve.logs"
+RECORD = "serve"
+
+RAY_PROBE = (
+    "import json, ray\n"
+    "ray.init(address='auto', logging_level='ERROR', log_to_driver=False)\n"
+    "print(json.dumps([{'ip': n['NodeManagerAddress'], 'gpus': n['Resources'].get('GPU', 0)}\n"
+    "                  for n in ray.nodes() if n['Alive']]))\n"
+)
+
+
+# --- containers of this deployment --------------------------------------------------------
+
+
+def ours(host: Host, deployment: str, engine: str | None = None) -> list[dict[str, str]]:
+    """This deployment's containers on a node: [{name, state, engine, role}]."""
+    args = ["ps", "-a", "--filter", f"label={LABEL_DEPLOYMENT}={deployment}"]
+    if engine:
+        args += ["--filter", f"label={LABEL_ENGINE}={engine}"]
+    fmt = '{{.Names}}|{{.State}}|{{.Label "sparkdeploy.engine"}}|{{.Label "sparkdeploy.role"}}'
+    r = host.run(docker(host, *args, "--format", fmt), change=False)
+    out = []
+    for line in r.stdout.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) == 4:
+            out.append(dict(zip(("name", "state", "engine", "role"), parts, strict=True)))
+    return out
+
+
+def remove(dep: Deployment, hosts: list[Host], engine: str | None = None) -> dict[str, list[str]]:
+    """Remove this deployment's containers (of one engine, or all) on the nodes; {node: names}."""
+    gone: dict[str, list[str]] = {}
+    for h in hosts:
+        names = [c["name"] for c in ours(h, dep.profile.name, engine)]
+        if names:
+            h.run(docker(h, "rm", "--force", "--volumes", *names), timeout=120)
+            gone[h.name] = names
+    return gone
+
+
+# --- one engine ---------------------------------------------------------------------------
+
+
+class Run:
+    """One ``serve.up``: its directory under the state dir, secrets, the attempts so far."""
+
+    def __init__(self, dep: Deployment):
+        self.dep = dep
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        self.dir = dep.state.path / "runs" / f"{stamp}-serve.up"
+        key = ep.api_key()
+        self.secrets = {"VLLM_API_KEY": key, API_KEY_ENV: key} if key else {}
+        self.attempts: list[dict[str, Any]] = []
+
+    def save_logs(self, engine: str, logs: dict[str, list[str]]) -> Path:
+        d = self.dir / engine
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for label, lines in logs.items():
+            (d / label).write_text("\n".join(lines) + ("\n" if lines else ""))
+        return d
+
+
+def start(dep: Deployment, host: Host, spec: Any, secrets: dict[str, str]) -> None:
+    lines = secret_lines(spec, secrets)
+    argv = docker(host, *run_args(spec, env_file="/dev/stdin" if lines else None))
+    r = host.run(argv, input=lines if lines else None, timeout=300)
+    if not r.ok:
+        raise StartFailed(f"{host.name}: docker run {spec.name}: {r.one_line_error()}", "start")
+
+
+def _dist_port_open(dep: Deployment, lau: Launch) -> bool:
+    """The head's init port answers, seen from the first worker over the fast link."""
+    worker = next(c.node for c in lau.containers if c.node != lau.head)
+    w = dep.host(worker)
+    script = stage_script(w, serve_preflight.HELPER)
+    head_addr = dep.profile.node(lau.head).link.address
+    r = w.run(verified([script], ["python3", script, "connect", "--addr", head_addr, "--port",
+                                  str(lau.wait_port), "--source",
+                                  dep.profile.node(worker).link.address]), change=False, timeout=30)
+    try:
+        return bool(r.ok and json.loads(r.stdout.strip().splitlines()[-1]).get("open"))
+    except (ValueError, IndexError):
+        return False
+
+
+def _ray_nodes(dep: Deployment, lau: Launch, watch: Watch) -> bool:
+    head = dep.host(lau.head)
+    ray_head = lau.stages[0].containers[0].name
+    r = head.run(docker(head, "exec", ray_head, "python3", "-c", RAY_PROBE), change=False, timeout=60)
+    try:
+        seen = json.loads(r.stdout.strip().splitlines()[-1]) if r.ok else []
+    except (ValueError, IndexError):
+        seen = []
+    want = {n.link.address: n.gpus for n in dep.profile.nodes}
+    have = {s["ip"]: s["gpus"] for s in seen if s.get("ip") in want}
+    if len(have) > watch.__dict__.setdefault("_ray_seen", 0):
+        watch.__dict__["_ray_seen"] = len(have)
+        watch.progress(f"Ray lists {len(have)} of {len(want)} node(s)")
+    return all(have.get(a, 0) >= g for a, g in want.items())
+
+
+def bring_up(dep: Deployment, lau: Launch, run: Run, watch: Watch) -> str:
+    """Start the stages and wait through the phases; the endpoint URL, or EngineFailed."""
+    s = dep.profile.serve
+    end = dep.clock() + s.ready_timeout_s
+
+    def left() -> float:
+        return end - dep.clock()
+
+    for stage in lau.stages:
+        for spec in stage.containers:
+            host = dep.host(spec.node)
+            start(dep, host, spec, run.secrets)
+            watch.add(host, spec)
+        names = ", ".join(c.name for c in stage.containers)
+        watch.phase(f"{names} running", lambda: True, left())
+        if stage.wait == "dist-port":
+            addr = f"{dep.profile.node(lau.head).link.address}:{lau.wait_port}"
+            watch.phase(f"the head's init port {addr}", lambda: _dist_port_open(dep, lau), left())
+        elif stage.wait == "ray-nodes":
+            watch.phase("Ray listing every node with its GPU",
+                        lambda: _ray_nodes(dep, lau, watch), left())
+    addr = ep.controller_address(dep.profile.node(lau.head), dep.profile.ssh.config)
+    url = f"http://{addr}:{lau.port}"
+    http = ep.session()
+    watch.phase(f"port {addr}:{lau.port} open", lambda: ep.port_open(addr, lau.port), left())
+    watch.phase(f"{url}/health", lambda: ep.health(http, url), left())
+    watch.phase(f"/v1/models listing {lau.served_model}",
+                lambda: lau.served_model in ep.models(http, url), left())
+    watch.phase("a streamed chat completion", lambda: ep.stream_chat(http, url, lau.served_model),
+                left())
+    return url
+
+
+def try_engine(dep: Deployment, engine: Engine, run: Run) -> tuple[str | None, list[Result]]:
+    """Preflight, ship, bring up one engine: (url or None, results). Raises EngineFailed."""
+    try:
+        draft = launch(dep.profile, engine, {}, bool(run.secrets))
+    except EngineError as e:
+        return None, [dep.report(failed(STEP_UP, str(e)))]
+    pf = serve_preflight.run(dep, engine, draft)
+    if pf.problems:
+        for p in pf.problems:
+            dep.report(p)
+        return None, pf.problems
+    results: list[Result] = []
+    if pf.ship_to:
+        from sparkdeploy.steps import ship
+
+        shipped = ship.ship(dep, ",".join(pf.ship_to), engine.image)
+        results += [dep.report(r) if not dep.events.seen(r) else r for r in shipped]
+        if any(r.failed for r in shipped):
+            return None, results
+    lau = launch(dep.profile, engine, pf.facts, bool(run.secrets))
+    if dep.dry:
+        for c in lau.containers:
+            start(dep, dep.host(c.node), c, run.secrets)
+        results.append(dep.report(skipped(STEP_UP, f"would start {engine.name}: "
+                                          + ", ".join(f"{c.name}@{c.node}" for c in lau.containers))))
+        return None, results
+    watch = Watch(dep, STEP_UP, dep.profile.serve.stall_s, dep.profile.serve.poll_s)
+    try:
+        url = bring_up(dep, lau, run, watch)
+    except EngineFailed as e:
+        e.watch = watch  # type: ignore[attr-defined]
+        e.launch = lau  # type: ignore[attr-defined]
+        raise
+    return url, results
+
+
+def _diagnose(logs: dict[str, list[str]]) -> Any:
+    from sparkdeploy.diagnose import classify
+
+    return classify(logs)
+
+
+def give_up(dep: Deployment, engine: Engine, err: EngineFailed, run: Run) -> dict[str, Any]:
+    """Diagnose from every container's log, save the logs, remove the containers everywhere."""
+    watch: Watch | None = getattr(err, "watch", None)
+    logs = watch.logs() if watch else {}
+    logdir = run.save_logs(engine.name, logs)
+    diag = _diagnose(logs)
+    hosts = [dep.host(n.name) for n in dep.profile.nodes]
+    removed = remove(dep, hosts, engine.name)
+    left = {h.name: [c["name"] for c in ours(h, dep.profile.name, engine.name)] for h in hosts}
+    attempt = {
+        "engine": engine.name, "outcome": err.kind, "phase": err.phase, "why": err.why,
+        "class": diag.cls, "summary": getattr(diag, "summary", ""),
+        "evidence": [[e.label, e.line_no, e.text] for e in diag.evidence],
+        "logs": str(logdir), "removed": removed,
+        "left": {n: c for n, c in left.items() if c},
+    }
+    if isinstance(err, Stalled):
+        attempt["stall_s"] = dep.profile.serve.stall_s
+        attempt["silent_s"] = round(err.silent_s, 1)
+        attempt["hang_start"] = err.hang_start
+    attempt["given_up_at"] = dep.clock()
+    return attempt
+
+
+def write_record(dep: Deployment, run: Run, chosen: str | None, url: str | None) -> None:
+    rows = [[a["engine"], a["outcome"], a.get("class"), a.get("phase"),
+             "; ".join(f"{e[0]}:{e[1]}: {e[2]}" for e in a.get("evidence", [])[:3])]
+            for a in run.attempts]
+    md = markdown_table(["engine", "outcome", "class", "phase", "evidence"], rows) if rows else \
+        "No engine failed."
+    md += f"\n\nChosen: {chosen or 'none'}" + (f", serving at {url}" if url else "") + "\n"
+    for a in run.attempts:
+        if "fallback_after_s" in a:
+            md += (f"\n{a['engine']}: {a['fallback_after_s']:.1f}s from the hang's start (last "
+                   f"output or readiness step) to starting the next engine.\n")
+    dep.records.write(RECORD, STEP_UP, {"tried": run.attempts, "chosen": chosen, "endpoint": url,
+                                        "run_dir": str(run.dir)}, md, title="serve.up: engine")
+
+
+def _order(dep: Deployment, first: str | None) -> list[Engine]:
+    engines = list(dep.profile.engines)
+    if first is None:
+        return engines
+    names = [e.name for e in engines]
+    if first not in names:
+        raise ProfileError(f"--engine: no engine named {first!r} (engines: {', '.join(names)})")
+    return engines[names.index(first):]
+
+
+def already_serving(dep: Deployment, engine: Engine) -> str | None:
+    rec = ep.recorded(dep.records)
+    if not rec or rec.get("engine") != engine.name:
+        return None
+    head = dep.host(dep.profile.head.name)
+    running = [c for c in ours(head, dep.profile.name, engine.name) if c["state"] == "running"]
+    if not running:
+        return None
+    http = ep.session()
+    url = rec["endpoint"]
+    if ep.health(http, url) and dep.profile.model.repo in ep.models(http, url):
+        return url
+    return None
+
+
+def _before(dep: Deployment, engines: list[Engine]) -> Result | None:
+    """Already serving (ok), or run by persisted units (failed); else clear this deployment's
+    old containers. Unreachable nodes are left to the preflight to report."""
+    from sparkdeploy.steps import serve_persist
+
+    for eng in engines:
+        try:
+            url = already_serving(dep, eng)
+        except NodeUnreachable:
+            url = None
+        if url:
+            return dep.report(ok(STEP_UP, f"endpoint: {url}", endpoint=url, engine=eng.name))
+    units: dict[str, list[str]] = {}
+    reachable = []
+    for h in (dep.host(n.name) for n in dep.profile.nodes):
+        try:
+            units[h.name] = serve_persist.active(h, serve_persist.installed(dep, h))
+            reachable.append(h)
+        except NodeUnreachable:
+            continue
+    if any(units.values()):
+        return dep.report(failed(STEP_UP, "the persisted units run this deployment (" + "; ".join(
+            f"{n}: {', '.join(u)}" for n, u in units.items() if u) + "): serve.down or "
+            "serve.unpersist first"))
+    if not dep.dry:
+        stale = remove(dep, reachable)
+        if stale:
+            dep.report(changed(STEP_UP, "removed this deployment's old containers: " + ", ".join(
+                f"{n}: {', '.join(c)}" for n, c in stale.items())))
+    return None
+
+
+@step(STEP_UP, needs=("services.stop", "image.ship"))
+def up(dep: Deployment, engine: str | None = None) -> list[Result]:
+    """Bring the model up across the nodes, falling back to the next engine on a failure."""
+    engines = _order(dep, engine)
+    done = _before(dep, engines)
+    if done is not None:
+        return [done]
+    run = Run(dep)
+    results: list[Result] = []
+    for i, eng in enumerate(engines):
+        try:
+            url, res = try_engine(dep, eng, run)
+        except EngineFailed as e:
+            attempt = give_up(dep, eng, e, run)
+            run.attempts.append(attempt)
+            nxt = engines[i + 1].name if i + 1 < len(engines) else None
+            ev = "; ".join(f"{a}:{b}: {c}" for a, b, c in attempt["evidence"][:2])
+            results.append(dep.report(failed(
+                STEP_UP, f"{eng.name} {e.kind}: {e.why}; class: {attempt['class']}"
+                + (f" ({ev})" if ev else "") + (f"; falling back to {nxt}" if nxt else ""),
+                diagnosis=attempt["class"], evidence=attempt["evidence"], engine=eng.name,
+                logs=attempt["logs"])))
+            if attempt["left"]:
+                results.append(dep.report(failed(STEP_UP, f"containers left after removal: "
+                                                 f"{attempt['left']}")))
+                break
+            if nxt and "hang_start" in attempt:
+                # the fallback starts now: the next engine's preflight
+                attempt["fallback_after_s"] = round(dep.clock() - attempt["hang_start"], 1)
+            continue
+        results += res
+        if url is None:
+            if not dep.dry and run.attempts:
+                write_record(dep, run, None, None)
+            return results
+        write_record(dep, run, eng.name, url)
+        dep.records.write(ep.RECORD, STEP_UP, {"endpoint": url, "url": url, "engine": eng.name,
+                                               "model": dep.profile.model.repo,
+                                               "api_key_env": API_KEY_ENV if run.secrets else None})
+        tried = [a["engine"] for a in run.attempts]
+        note = f" (after {', '.join(tried)} failed)" if tried else ""
+        results.append(dep.report(changed(
+            STEP_UP, f"{eng.name} serves {dep.profile.model.repo}{note}", engine=eng.name,
+            tried=tried, fallback=bool(tried), endpoint=url,
+            diagnosis=run.attempts[-1]["class"] if tried else None)))
+        results.append(dep.report(ok(STEP_UP, f"endpoint: {url}", endpoint=url, engine=eng.name)))
+        return results
+    write_record(dep, run, None, None)
+    return results
+
+
+# --- down, status, logs -------------------------------------------------------------------
+
+
+@step(STEP_DOWN)
+def down(dep: Deployment) -> list[Result]:
+    """Remove this deployment's engine containers on every node."""
+    from sparkdeploy.steps import serve_persist
+
+    results: list[Result] = []
+    for h in (dep.host(n.name) for n in dep.profile.nodes):
+        try:
+            units = serve_persist.stop_units(dep, h)
+            found = ours(h, dep.profile.name)
+        except NodeUnreachable as e:
+            results.append(dep.report(failed(STEP_DOWN, f"unreachable: {e.why}", h.name)))
+            continue
+        if not found and not units:
+            results.append(dep.report(ok(STEP_DOWN, "no engine container", h.name)))
+            continue
+        names = [c["name"] for c in found]
+        if names:
+            h.run(docker(h, "rm", "--force", "--volumes", *names), timeout=120)
+        what = ", ".join([*([f"stopped {', '.join(units)}"] if units else []), *names])
+        if dep.dry:
+            results.append(dep.report(skipped(STEP_DOWN, f"would remove {what}", h.name)))
+            continue
+        left = ours(h, dep.profile.name)
+        if left:
+            results.append(dep.report(failed(STEP_DOWN, "still there: " + ", ".join(
+                c["name"] for c in left), h.name)))
+        else:
+            results.append(dep.report(changed(STEP_DOWN, f"removed {what}", h.name)))
+    return results
+
+
+def _ray_status(dep: Deployment, head: Host, containers: list[dict[str, str]]) -> str | None:
+    rh = next((c["name"] for c in containers if c["role"] == "head" and c["state"] == "running"
+               and c["engine"] in {e.name for e in dep.profile.engines if e.kind == "vllm"}), None)
+    if not rh:
+        return None
+    r = head.run(docker(head, "exec", rh, "python3", "-c", RAY_PROBE), change=False, timeout=60)
+    try:
+        seen = json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return "Ray: no answer"
+    return "Ray: " + ", ".join(f"{s['ip']} ({s['gpus']:g} GPU)" for s in seen)
+
+
+@step(STEP_STATUS)
+def status(dep: Deployment) -> list[Result]:
+    """Engine containers per node, Ray's nodes, and the endpoint's health."""
+    results: list[Result] = []
+    head_containers: list[dict[str, str]] = []
+    for h in (dep.host(n.name) for n in dep.profile.nodes):
+        try:
+            found = ours(h, dep.profile.name)
+        except NodeUnreachable as e:
+            results.append(dep.report(failed(STEP_STATUS, f"unreachable: {e.why}", h.name)))
+            continue
+        if h.name == dep.profile.head.name:
+            head_containers = found
+        text = ", ".join(f"{c['name']} {c['state']}" for c in found) or "no engine container"
+        results.append(dep.report(ok(STEP_STATUS, text, h.name, containers=found)))
+    ray = _ray_status(dep, dep.host(dep.profile.head.name), head_containers)
+    if ray:
+        results.append(dep.report(ok(STEP_STATUS, ray, dep.profile.head.name)))
+    rec = ep.recorded(dep.records)
+    url = (rec or {}).get("endpoint") or dep.profile.endpoint
+    if not url:
+        results.append(dep.report(ok(STEP_STATUS, "no endpoint recorded (serve.up records it)")))
+        return results
+    http = ep.session()
+    listed = ep.models(http, url)
+    if ep.health(http, url) and dep.profile.model.repo in listed:
+        engine = f" ({rec['engine']})" if rec and rec.get("engine") else ""
+        results.append(dep.report(ok(STEP_STATUS, f"endpoint: {url} healthy{engine}, serves "
+                                     f"{dep.profile.model.repo}", endpoint=url)))
+    else:
+        results.append(dep.report(failed(STEP_STATUS, f"endpoint: {url} not healthy", endpoint=url)))
+    return results
+
+
+@step(STEP_LOGS)
+def logs(dep: Deployment, node: str | None = None, tail: int | None = None) -> list[Result]:
+    """Each engine container's log on the nodes, as Log events."""
+    results: list[Result] = []
+    for h in dep.select(node):
+        try:
+            found = ours(h, dep.profile.name)
+        except NodeUnreachable as e:
+            results.append(dep.report(failed(STEP_LOGS, f"unreachable: {e.why}", h.name)))
+            continue
+        if not found:
+            results.append(dep.report(ok(STEP_LOGS, "no engine container", h.name)))
+            continue
+        for c in found:
+            lines = full_log(h, c["name"])
+            for line in lines[-tail:] if tail else lines:
+                dep.events.log(STEP_LOGS, h.name, f"{c['name']}: {line}")
+            results.append(dep.report(ok(STEP_LOGS, f"{c['name']} ({c['state']}): {len(lines)} "
+                                         f"line(s)", h.name)))
+    return results
+

@@ -1,0 +1,159 @@
+"""Before ``serve.up`` starts anything: every node reachable, its fast link up with the
+profile's address, the RoCE GID index readable, the weights there, the GPU free, the engine's
+ports free, the head reaching each worker on the fast link, and one image ID everywhere.
+
+Each problem is one failed result with one line; any problem means nothing is started. The
+facts the engines need (GID index, RDMA devices) come back for the container specs.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparkdeploy.config import Engine
+from sparkdeploy.deployment import Deployment
+from sparkdeploy.engines import Launch, NodeFacts
+from sparkdeploy.hosts import Host, HostError
+from sparkdeploy.nodeops import NodeUnreachable, inspect_image, stage_script, verified
+from sparkdeploy.results import Result, failed, ok
+from sparkdeploy.steps.services import gpu_processes
+
+STEP = "serve.preflight"
+HELPER = "serve_node.py"
+
+
+@dataclass
+class Preflight:
+    facts: dict[str, NodeFacts] = field(default_factory=dict)
+    problems: list[Result] = field(default_factory=list)
+    ship_to: list[str] = field(default_factory=list)
+    """Nodes without the engine's image (``image.ship`` puts it there from the head)."""
+    image_id: str | None = None
+
+    def fail(self, node: str | None, why: str) -> None:
+        self.problems.append(failed(STEP, why, node))
+
+
+def facts_argv(dep: Deployment, script: str, node_name: str, ports: list[int],
+               peers: list[str]) -> list[str]:
+    node = dep.profile.node(node_name)
+    argv = ["python3", script, "facts", "--iface", node.link.interface, "--addr", node.link.address]
+    for h in node.link.hcas:
+        argv += ["--hca", h]
+    for p in ports:
+        argv += ["--port", str(p)]
+    argv += ["--model", dep.profile.model.path]
+    for p in peers:
+        argv += ["--peer", p]
+    return argv
+
+
+def node_facts(dep: Deployment, host: Host, ports: list[int], peers: list[str]) -> dict[str, Any]:
+    host.run(["true"], change=False)  # raises NodeUnreachable first, before staging
+    script = stage_script(host, HELPER)
+    r = host.run(verified([script], facts_argv(dep, script, host.name, ports, peers)),
+                 change=False, timeout=60)
+    try:
+        if r.ok:
+            return json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        pass
+    raise HostError(f"{host.name}: {HELPER} facts failed: {r.one_line_error()}")
+
+
+def _check_node(dep: Deployment, engine: Engine, host: Host, got: dict[str, Any],
+                pf: Preflight) -> None:
+    node = dep.profile.node(host.name)
+    link = node.link
+    iface = got["iface"]
+    if not iface["exists"]:
+        pf.fail(host.name, f"fast link {link.interface} does not exist")
+    elif not iface["up"]:
+        pf.fail(host.name, f"fast link {link.interface} is down")
+    elif link.address not in iface["addrs"]:
+        has = ", ".join(iface["addrs"]) or "none"
+        pf.fail(host.name, f"fast link {link.interface} lacks the profile's address {link.address} "
+                f"(has: {has})")
+    gid = got["gid"]
+    if link.hcas and gid["index"] is None and "NCCL_IB_GID_INDEX" not in engine.env:
+        pf.fail(host.name, f"no RoCE v2 GID for {link.address} on {', '.join(link.hcas)} "
+                f"({gid['why'] or 'none found'}); set engines[].env.NCCL_IB_GID_INDEX to override")
+    for port, st in sorted(got["ports"].items(), key=lambda kv: int(kv[0])):
+        if not st["free"]:
+            owner = f" by {st['owner']}" if st.get("owner") else ""
+            pf.fail(host.name, f"port {port} is already in use{owner}")
+    model = got.get("model") or {}
+    if not model.get("present"):
+        pf.fail(host.name, f"weights missing in {dep.profile.model.path}: {model.get('why')}")
+    for addr, res in got["peers"].items():
+        if not res.get("reachable"):
+            peer = next((n.name for n in dep.profile.nodes if n.link.address == addr), addr)
+            pf.fail(host.name, f"cannot reach {peer} at {addr} on the fast link ({res.get('why')})")
+    pf.facts[host.name] = NodeFacts(gid_index=gid["index"], rdma_devices=bool(got["rdma_devices"]))
+
+
+def _check_gpu(host: Host, pf: Preflight) -> None:
+    procs, err = gpu_processes(host)
+    if procs is None:
+        pf.fail(host.name, err)
+    elif procs:
+        pf.fail(host.name, "GPU busy: " + ", ".join(map(str, procs)))
+
+
+def _check_images(dep: Deployment, ref: str, hosts: list[Host], pf: Preflight) -> None:
+    ids: dict[str, str | None] = {}
+    for h in hosts:
+        info = inspect_image(h, ref)
+        ids[h.name] = info.get("Id") if info else None
+    head = dep.profile.head.name
+    if ids.get(head) is None:
+        pf.fail(head, f"no image {ref} on the head (image.build or a pull first)")
+        return
+    pf.image_id = ids[head]
+    present = {n: i for n, i in ids.items() if i}
+    if len(set(present.values())) > 1:
+        shown = ", ".join(f"{n} {i[:19]}" for n, i in present.items())
+        pf.fail(None, f"image {ref} differs between nodes: {shown}")
+    pf.ship_to = [n for n, i in ids.items() if i is None]
+
+
+def run(dep: Deployment, engine: Engine, lau: Launch) -> Preflight:
+    """Check every node the launch uses; nothing is changed on any node."""
+    pf = Preflight()
+    names = list(dict.fromkeys(c.node for c in lau.containers))
+    hosts = [dep.host(n) for n in names]
+    head = dep.profile.head.name
+    peers = [dep.profile.node(n).link.address for n in names if n != head]
+
+    def one(h: Host) -> tuple[Host, dict[str, Any] | str]:
+        ports = sorted({p for c in lau.on(h.name) for p in c.ports})
+        try:
+            return h, node_facts(dep, h, ports, peers if h.name == head else [])
+        except NodeUnreachable as e:
+            return h, f"unreachable: {e.why}"
+        except HostError as e:
+            return h, str(e).removeprefix(f"{h.name}: ")
+
+    with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
+        gathered = list(pool.map(one, hosts))
+    reachable = []
+    for h, got in gathered:
+        if isinstance(got, str):
+            pf.fail(h.name, got)
+            continue
+        reachable.append(h)
+        _check_node(dep, engine, h, got, pf)
+        _check_gpu(h, pf)
+    if len(reachable) == len(hosts):
+        try:
+            _check_images(dep, engine.image, hosts, pf)
+        except NodeUnreachable as e:
+            pf.fail(e.node, f"unreachable: {e.why}")
+    if not pf.problems:
+        ship = f"; image to ship to {', '.join(pf.ship_to)}" if pf.ship_to else ""
+        pf.problems = []
+        dep.report(ok(STEP, f"{len(hosts)} node(s) ready for {engine.name}{ship}"))
+    return pf

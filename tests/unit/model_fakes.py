@@ -1,0 +1,94 @@
+"""A scripted node for the model steps: the commands sparkdeploy sends run for real on this
+machine (the node helper, mkdir, df, stat), except docker, which is answered from a table of
+images; ``docker run ... IMAGE python3 model_node.py fetch`` runs the helper with this
+interpreter (it has huggingface_hub, as the images do) and the stdin the step gave it."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from invoke import Config, Context, Result
+
+from sparkdeploy.config import load_profile
+from sparkdeploy.deployment import Deployment
+from sparkdeploy.hosts import Host
+from sparkdeploy.state import StateDir
+
+ROOT = Path(__file__).resolve().parents[2]
+LAB = ROOT / "configs" / "lab.yaml"
+
+
+@dataclass
+class Node:
+    images: dict[str, bool] = field(default_factory=dict)  # ref -> carries huggingface_hub
+    free: int | None = None  # what df says is free (None: the real df)
+
+
+class NodesCtx(Context):
+    def __init__(self, nodes: dict[str, Node], dry: bool = False):
+        super().__init__(Config(overrides={"run": {"dry": dry}}))
+        self._set("nodes", nodes)
+        self._set("calls", [])  # (node, argv, stdin text or None)
+
+    def run(self, command, **kw):
+        full = shlex.split(command)
+        alias, argv = full[-2], shlex.split(full[-1])
+        stream = kw.get("in_stream")
+        text = stream.read() if stream not in (None, False) else None
+        self.calls.append((alias, argv, text))
+        node = self.nodes[alias]
+        if argv[:2] == ["sh", "-c"] and "sha256sum -c" in argv[2] and 'exec "$@"' in argv[2]:
+            checked = subprocess.run(argv[:4] + ["true"], capture_output=True, text=True)
+            if checked.returncode != 0:  # a staged file changed: not run, as on a node
+                return Result(stdout="", stderr=checked.stderr, exited=checked.returncode,
+                              command=command)
+            argv = argv[4:]
+        if argv[0] == "docker":
+            return self._docker(node, argv[3:], text, kw, command)
+        if argv[0] == "python3":
+            argv = [sys.executable, *argv[1:]]
+        if argv[0] == "sh" and "df -P" in argv[2] and node.free is not None:
+            out = ("Filesystem 1-blocks Used Available Capacity Mounted on\n"
+                   f"/dev/fake 100000000000 1 {node.free} 1% /srv\n")
+            return Result(stdout=out, stderr="", exited=0, command=command)
+        return self._local(argv, text, kw, command)
+
+    def _local(self, argv, text, kw, command):
+        cp = subprocess.run(argv, input=text, capture_output=True, text=True)
+        cb = kw.get("err_stream")
+        if cb is not None:
+            cb.write(cp.stderr)
+        return Result(stdout=cp.stdout, stderr=cp.stderr, exited=cp.returncode, command=command)
+
+    def _docker(self, node, argv, text, kw, command):
+        if argv[:2] == ["image", "inspect"]:
+            ref = argv[-1]
+            if ref in node.images:
+                return Result(stdout='{"Id": "sha256:x"}', stderr="", exited=0, command=command)
+            return Result(stdout="", stderr=f"Error: No such image: {ref}", exited=1, command=command)
+        if argv[0] == "run":
+            ref = argv[argv.index("--") + 1]
+            rest = argv[argv.index("--") + 2:]
+            if rest[:1] == ["-c"]:
+                if node.images.get(ref):
+                    return Result(stdout="0.36.2\n", stderr="", exited=0, command=command)
+                return Result(stdout="", stderr="ModuleNotFoundError: No module named "
+                              "'huggingface_hub'", exited=1, command=command)
+            return self._local([sys.executable, *rest], text, kw, command)
+        raise AssertionError(f"unexpected docker command {argv}")
+
+
+def deployment(tmp_path: Path, nodes: dict[str, Node], endpoint: str, dry: bool = False,
+               **model) -> tuple[Deployment, NodesCtx]:
+    prof = load_profile(LAB)
+    m = prof.model.model_copy(update={"path": str(tmp_path / "models" / "m"), "endpoint": endpoint,
+                                      "disk_margin_mb": 1, **model})
+    prof = prof.model_copy(update={"model": m})
+    ctx = NodesCtx(nodes, dry=dry)
+    state = StateDir(tmp_path / "state")
+    hosts = {n.name: Host(n, prof.ssh, ctx, state) for n in prof.nodes}
+    return Deployment(prof, str(LAB), state, hosts, dry=dry), ctx

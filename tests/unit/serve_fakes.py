@@ -1,0 +1,205 @@
+"""Scripted nodes for the serve tests: a docker engine with containers that print scripted log
+lines on a fake clock, the node helper's facts, nvidia-smi; the controller's HTTP probes answer
+from the same fake cluster."""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import json
+import shlex
+from dataclasses import dataclass, field
+
+from invoke import Config, Context, Result
+
+BASE = dt.datetime(2026, 12, 2, 17, 0, 0, tzinfo=dt.UTC).timestamp()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += max(s, 0.01)
+
+
+def stamp(t: float) -> str:
+    return dt.datetime.fromtimestamp(BASE + t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%f000Z")
+
+
+@dataclass
+class Script:
+    """What a container does: log lines at offsets from its start, then serve, hang or exit."""
+
+    lines: list[tuple[float, str]] = field(default_factory=list)
+    exit_at: float | None = None
+    exit_code: int = 1
+    opens: dict[int, float] = field(default_factory=dict)
+    """port -> seconds after start when it listens"""
+
+
+@dataclass
+class Container:
+    name: str
+    started: float
+    script: Script
+    labels: dict[str, str]
+    run_argv: list[str]
+
+    def status(self, now: float) -> tuple[str, int]:
+        if self.script.exit_at is not None and now - self.started >= self.script.exit_at:
+            return "exited", self.script.exit_code
+        return "running", 0
+
+    def log(self, now: float) -> list[tuple[str, str]]:
+        return [(stamp(self.started + t), text) for t, text in self.script.lines
+                if now - self.started >= t]
+
+
+@dataclass
+class FakeNode:
+    name: str
+    clock: Clock
+    facts: dict = field(default_factory=dict)
+    images: dict[str, str] = field(default_factory=dict)
+    gpu: list[tuple[int, str]] = field(default_factory=list)
+    unreachable: bool = False
+    scripts: dict[str, Script] = field(default_factory=dict)
+    containers: dict[str, Container] = field(default_factory=dict)
+    removed: list[str] = field(default_factory=list)
+    cluster: FakeCluster | None = None
+    stdin: dict[str, str] = field(default_factory=dict)
+
+    def answer(self, argv: list[str], stdin: str | None) -> tuple[int, str, str]:
+        now = self.clock()
+        if self.unreachable:
+            return 255, "", f"ssh: connect to host {self.name} port 22: No route to host"
+        if argv == ["true"]:
+            return 0, "", ""
+        if argv[:2] == ["sh", "-c"] and argv[2].startswith("set -eu") and "base64 -d" in argv[2]:
+            return 0, f"/tmp/sparkdeploy-stage-0/{argv[4]}/{argv[5]}\n", ""  # staging a helper
+        if argv[:2] == ["sh", "-c"] and argv[2].endswith('exec "$@"'):
+            argv = argv[4:]  # a staged helper, run after its sha256 check
+        if argv[:2] == ["sh", "-c"] and "for f" in argv[2]:
+            return 0, "", ""  # no unit installed
+        if argv[0] == "python3" and argv[2] == "facts":
+            return 0, json.dumps(self.facts) + "\n", ""
+        if argv[0] == "python3" and argv[2] == "connect":
+            port = int(argv[argv.index("--port") + 1])
+            return 0, json.dumps({"open": self.cluster.listening(port)}) + "\n", ""
+        if argv[0] == "nvidia-smi":
+            return 0, "".join(f"{p}, {n}, [N/A]\n" for p, n in self.gpu), ""
+        assert argv[:3] == ["docker", "-H", f"unix:///run/{self.name}.sock"], argv
+        return self.docker(argv[3:], now, stdin)
+
+    def docker(self, a: list[str], now: float, stdin: str | None) -> tuple[int, str, str]:
+        if a[:2] == ["image", "inspect"]:
+            ref = a[-1]
+            if ref not in self.images:
+                return 1, "", f"Error: No such image: {ref}"
+            return 0, json.dumps({"Id": self.images[ref]}) + "\n", ""
+        if a[:2] == ["ps", "-a"]:
+            filters = [a[i + 1] for i, x in enumerate(a) if x == "--filter"]
+            out = []
+            for c in self.containers.values():
+                wanted = [f.removeprefix("label=").split("=", 1) for f in filters]
+                if all(c.labels.get(k) == v for k, v in wanted):
+                    out.append(f"{c.name}|{c.status(now)[0]}|{c.labels['sparkdeploy.engine']}|"
+                               f"{c.labels['sparkdeploy.role']}")
+            return 0, "\n".join(out) + ("\n" if out else ""), ""
+        if a[0] == "run":
+            name = next(x.split("=", 1)[1] for x in a if x.startswith("--name="))
+            labels = dict(x.removeprefix("--label=").split("=", 1) for x in a
+                          if x.startswith("--label="))
+            if name in self.containers:
+                return 125, "", ("docker: Error response from daemon: Conflict. The container "
+                                 f'name "/{name}" is already in use.')
+            if stdin is not None:
+                self.stdin[name] = stdin
+            self.containers[name] = Container(name, now, self.scripts.get(name, Script()), labels, a)
+            return 0, "0123abcd\n", ""
+        if a[0] == "inspect":
+            names = a[3:]
+            out = []
+            for n in names:
+                if n in self.containers:
+                    st, code = self.containers[n].status(now)
+                    out.append(f"/{n}|{st}|{code}")
+            return (0 if len(out) == len(names) else 1), "\n".join(out) + "\n", ""
+        if a[0] == "logs":
+            name = a[-1]
+            if name not in self.containers:
+                return 1, "", f"Error: No such container: {name}"
+            since = a[a.index("--since") + 1] if "--since" in a else None
+            lines = [(ts, t) for ts, t in self.containers[name].log(now) if since is None or ts >= since]
+            return 0, "".join(f"{ts} {t}\n" for ts, t in lines), ""
+        if a[:2] == ["rm", "--force"]:
+            for n in a[3:]:
+                if self.containers.pop(n, None):
+                    self.removed.append(n)
+            return 0, "", ""
+        if a[0] == "exec":
+            return 0, json.dumps(self.cluster.ray_nodes()) + "\n", ""
+        raise AssertionError(f"unexpected docker {a}")
+
+
+class FakeCluster:
+    """The nodes plus what the controller sees over HTTP."""
+
+    def __init__(self, clock: Clock, nodes: dict[str, FakeNode], head: str, controller_addr: str):
+        self.clock = clock
+        self.nodes = nodes
+        self.head = head
+        self.addr = controller_addr
+        self.ray_gpus: dict[str, float] = {}
+        for n in nodes.values():
+            n.cluster = self
+
+    def listening(self, port: int) -> bool:
+        now = self.clock()
+        for c in self.nodes[self.head].containers.values():
+            at = c.script.opens.get(port)
+            if at is not None and now - c.started >= at and c.status(now)[0] == "running":
+                return True
+        return False
+
+    def ray_nodes(self) -> list[dict]:
+        return [{"ip": ip, "gpus": g} for ip, g in self.ray_gpus.items()]
+
+    def probes(self, model: str) -> dict:
+        def port_open(host, port, timeout=2.0):
+            return host == self.addr and self.listening(port)
+
+        def serving(url):
+            return self.listening(int(url.rsplit(":", 1)[1]))
+
+        return {
+            "port_open": port_open,
+            "health": lambda http, url: serving(url),
+            "models": lambda http, url: [model] if serving(url) else [],
+            "stream_chat": lambda http, url, m, **kw: "Hello" if serving(url) else "",
+            "controller_address": lambda node, cfg: self.addr,
+        }
+
+
+class FakeContext(Context):
+    def __init__(self, nodes: dict[str, FakeNode], dry: bool = False):
+        super().__init__(Config(overrides={"run": {"dry": dry}}))
+        self._set("nodes", nodes)
+        self._set("calls", [])
+        self._set("commands", [])
+
+    def run(self, command, **kwargs):
+        self.commands.append(command)
+        full = shlex.split(command)
+        assert full[0] == "ssh", command
+        alias, remote = full[-2], shlex.split(full[-1])
+        assert full[-3] == "--"
+        stream = kwargs.get("in_stream")
+        stdin = stream.getvalue() if isinstance(stream, io.StringIO) else None
+        self.calls.append((alias, remote))
+        code, out, err = self.nodes[alias].answer(remote, stdin)
+        return Result(stdout=out, stderr=err, exited=code, command=command)

@@ -1,0 +1,250 @@
+"""model.download / model.verify against a lab hub on loopback and a scripted node whose
+helper runs for real; model.sync's scheduling and commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from sparkdeploy.lab import hub
+from sparkdeploy.results import Status
+from sparkdeploy.steps import model, model_sync
+from tests.unit.model_fakes import Node, deployment
+
+TOKEN = "hf_UnitTestToken0123456789abcdef"
+IMAGE = "scitrera/dgx-spark-sglang:0.5.10rc0"
+SHARD2 = "model-00002-of-00003.safetensors"
+
+
+@pytest.fixture(scope="module")
+def lab_hub(tmp_path_factory):
+    srv = hub.start_hub(port=0, data_dir=tmp_path_factory.mktemp("hub"), size_mb=48, shards=3)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def token(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    return TOKEN
+
+
+def _dep(tmp_path, lab_hub, images=None, free=None, dry=False, **kw):
+    nodes = {"spark1": Node(images=images if images is not None else {IMAGE: True}, free=free),
+             "spark2": Node()}
+    lab_hub.set_knobs(fault=None, reset_stats=True, bandwidth_bps=None)
+    return deployment(tmp_path, nodes, lab_hub.url, dry=dry, **kw)
+
+
+def _unwrap(argv):
+    """The command a staged-file check (``sh -c 'sha256sum -c ...; exec "$@"'``) runs."""
+    assert argv[:2] == ["sh", "-c"] and "sha256sum -c" in argv[2], argv
+    return argv[4:]
+
+
+def _fetches(ctx):
+    return [(n, _unwrap(a), t) for n, a, t in ctx.calls if "fetch" in a]
+
+
+def test_download_runs_in_a_container_with_the_token_on_stdin_only(tmp_path, lab_hub, token):
+    dep, ctx = _dep(tmp_path, lab_hub)
+    with dep.events.collect() as events:
+        [res] = model.download(dep)
+    assert res.status is Status.CHANGED, res.why
+    [(node, argv, stdin)] = _fetches(ctx)
+    assert node == "spark1" and stdin == TOKEN + "\n"
+    path = dep.profile.model.path
+    sock = dep.profile.head.docker_socket
+    assert argv[:argv.index("--user")] == [
+        "docker", "-H", f"unix://{sock}", "run", "--rm", "-i", "--name", model.CONTAINER,
+        "--network", "host"]
+    assert argv[argv.index("--entrypoint"):argv.index("--entrypoint") + 4] == [
+        "--entrypoint", "python3", "--", IMAGE]
+    assert ["-v", f"{path}:{path}"] == argv[argv.index("-v"):argv.index("-v") + 2]
+    # the staged helper and spec are mounted read only, nothing else of the node
+    mounts = [argv[i + 1] for i, a in enumerate(argv) if a == "-v"]
+    assert len(mounts) == 3 and all(m.endswith(":ro") for m in mounts[1:])
+    env = [argv[i + 1] for i, a in enumerate(argv) if a == "-e"]
+    assert env == ["HF_HOME=/tmp/hf-home", "HF_HUB_DISABLE_TELEMETRY=1"]
+    # the token is in no argv, no journal line, no event, no file of the node
+    assert not any(TOKEN in " ".join(a) for _, a, _ in ctx.calls)
+    assert TOKEN not in dep.state.journal_path.read_text()
+    assert not any(TOKEN in repr(e) for e in events)
+    for dirpath, _, names in os.walk(path):
+        for n in names:
+            assert TOKEN.encode() not in open(os.path.join(dirpath, n), "rb").read()
+    progress = [e for e in events if type(e).__name__ == "Progress"]
+    assert progress and progress[-1].done == progress[-1].total == model.total_bytes(
+        model.metadata(dep, refresh=False)[0])
+    # every file is there, as the hub has it
+    meta, _ = model.metadata(dep, refresh=False)
+    for f in meta["files"]:
+        assert os.path.getsize(os.path.join(path, f["path"])) == f["size"]
+
+
+def test_rerun_fetches_nothing_and_starts_no_container(tmp_path, lab_hub, token):
+    dep, ctx = _dep(tmp_path, lab_hub)
+    model.download(dep)
+    lab_hub.set_knobs(reset_stats=True)
+    ctx.calls.clear()
+    [res] = model.download(dep)
+    assert res.status is Status.OK and "all 10 files present and verified" in res.why
+    assert not _fetches(ctx) and not any(a[0] == "docker" for _, a, _ in ctx.calls)
+    assert not [r for r in lab_hub.stats()["requests"] if "/_lab/lfs/" in r["path"]]
+
+
+def test_resume_after_a_dropped_connection_fetches_only_the_rest(tmp_path, lab_hub, token):
+    dep, ctx = _dep(tmp_path, lab_hub)
+    lab_hub.set_knobs(fault={"file": SHARD2, "after_bytes": 12_000_000})
+    [res] = model.download(dep)
+    assert res.status is Status.CHANGED, res.why
+    st = lab_hub.stats()
+    assert st["faults_fired"] and st["faults_fired"][0]["file"] == SHARD2
+    shard2 = [r for r in st["requests"] if r["path"].endswith(SHARD2) and "/_lab/lfs/" in r["path"]
+              and r["method"] == "GET"]
+    # the second request for the shard resumes from what was kept (huggingface_hub writes
+    # whole 10 MiB chunks), not from zero
+    assert [r["range"] for r in shard2] == [None, "bytes=10485760-"], shard2
+    assert model.verify(dep, "spark1")[0].status is Status.OK
+
+
+def test_disk_precheck_fails_early_with_both_numbers(tmp_path, lab_hub, token):
+    dep, ctx = _dep(tmp_path, lab_hub, free=5_000_000)
+    [res] = model.download(dep)
+    assert res.status is Status.FAILED
+    need = model.total_bytes(model.metadata(dep, refresh=False)[0]) + 1_000_000
+    assert f"0.01 GB free on /srv, needs {need / 1e9:.2f} GB" in res.why
+    assert not _fetches(ctx)
+
+
+def test_no_image_with_huggingface_hub_means_a_venv_never_system_pip(tmp_path, lab_hub, token):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    py = venv / "bin" / "python3"  # a venv that has huggingface_hub
+    py.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    py.chmod(0o755)
+    dep, ctx = _dep(tmp_path, lab_hub, images={IMAGE: False}, runtime="auto", venv=str(venv),
+                    index_url="http://127.0.0.1:9/simple")
+    [res] = model.download(dep)
+    assert res.status is Status.CHANGED, res.why
+    venv_calls = [_unwrap(a) for _, a, _ in ctx.calls if "venv" in a and "--venv" in a]
+    assert venv_calls[0][-4:] == ["--venv", str(venv), "--index-url", "http://127.0.0.1:9/simple"]
+    [(_, argv, stdin)] = _fetches(ctx)
+    assert argv[0] == str(venv / "bin" / "python3") and stdin == TOKEN + "\n"
+    assert not any("--break-system-packages" in a for _, a, _ in ctx.calls)
+    assert not any(a[:3] == ["python3", "-m", "pip"] for _, a, _ in ctx.calls)
+
+
+def test_dry_run_says_what_it_would_download(tmp_path, lab_hub, token):
+    dep, ctx = _dep(tmp_path, lab_hub, dry=True)
+    [res] = model.download(dep)
+    assert res.status is Status.SKIPPED and res.why.startswith("spark1: would download 10 files")
+    assert not _fetches(ctx) and not os.path.exists(dep.profile.model.path)
+
+
+def test_verify_names_a_corrupted_file_and_repair_refetches_only_it(tmp_path, lab_hub, token):
+    dep, ctx = _dep(tmp_path, lab_hub)
+    model.download(dep)
+    first = model.verify(dep, "spark1")[0]
+    assert first.status is Status.OK and first.details["hashed"] == 0  # the download recorded all
+    target = os.path.join(dep.profile.model.path, SHARD2)
+    with open(target, "r+b") as f:
+        f.seek(4096)
+        f.write(b"\xff" * 16)
+    [bad] = model.verify(dep, "spark1")
+    assert bad.status is Status.FAILED
+    assert f"1 files differ: {SHARD2} (sha256 differs from the hub's)" in bad.why
+    lab_hub.set_knobs(reset_stats=True)
+    ctx.calls.clear()
+    [fixed] = model.verify(dep, "spark1", repair=True)
+    assert fixed.status is Status.CHANGED, fixed.why
+    [(_, argv, _)] = _fetches(ctx)
+    assert argv[argv.index("--only") + 1:] == [SHARD2]
+    got = [r["path"] for r in lab_hub.stats()["requests"] if "/_lab/lfs/" in r["path"]
+           and r["method"] == "GET"]
+    assert len(got) == 1 and got[0].endswith(SHARD2)
+    assert model.verify(dep, "spark1")[0].status is Status.OK
+
+
+def test_verify_works_offline_from_the_cached_metadata(tmp_path, lab_hub, token):
+    dep, ctx = _dep(tmp_path, lab_hub)
+    model.download(dep)
+    offline = dep.profile.model.model_copy(update={"endpoint": "http://127.0.0.1:9"})
+    dep.profile = dep.profile.model_copy(update={"model": offline})
+    [res] = model.verify(dep, "spark1")
+    assert res.status is Status.OK and "hub not reachable" in res.why
+
+
+def test_second_verify_of_unchanged_files_reads_nothing(tmp_path, lab_hub, token):
+    dep, ctx = _dep(tmp_path, lab_hub)
+    model.download(dep)
+    os.unlink(os.path.join(dep.profile.model.path, ".sparkdeploy", "verified.jsonl"))
+    one = model.verify(dep, "spark1")[0]
+    two = model.verify(dep, "spark1")[0]
+    total = model.total_bytes(model.metadata(dep, refresh=False)[0])
+    assert one.details["hashed"] == total and one.details["reused"] == 0
+    assert two.details["hashed"] == 0 and two.details["reused"] == 10
+
+
+# --- model.sync -----------------------------------------------------------------------------
+
+def test_plan_sends_ready_files_and_lets_workers_serve_the_next():
+    plan = model_sync.Plan(need={"w1": ["a", "b"], "w2": ["a", "b"]}, holders={"a": ["head"]})
+    first = plan.next_transfers(streams=1, head="head")
+    assert first == [("a", "head", "w1")]  # b is not ready on the head; head sends one at a time
+    plan.finished("a", "head", "w1", True)
+    plan.holders["b"] = ["head"]
+    assert plan.next_transfers(streams=1, head="head") == [("b", "head", "w1"), ("a", "w1", "w2")]
+    plan.finished("b", "head", "w1", True)
+    plan.finished("a", "w1", "w2", True)
+    assert plan.next_transfers(streams=1, head="head") == [("b", "w1", "w2")]
+    plan.finished("b", "w1", "w2", True)
+    assert plan.done()
+
+
+def test_plan_stops_sending_to_a_failed_worker_only():
+    plan = model_sync.Plan(need={"w1": ["a"], "w2": ["a"]}, holders={"a": ["head"]})
+    plan.failed["w1"] = "disk full"
+    assert plan.next_transfers(streams=4, head="head") == [("a", "head", "w2")]
+
+
+def test_send_argv_rsyncd_and_ssh(tmp_path):
+    dep, _ = deployment(tmp_path, {"spark1": Node(), "spark2": Node()}, "http://127.0.0.1:9")
+    head, w = dep.host("spark1"), dep.host("spark2")
+    path = dep.profile.model.path
+    assert model_sync.send_argv(dep, head, w, "sub/x.safetensors", 8731) == [
+        "rsync", "-rlt", "--relative", "--whole-file", "--partial-dir=.sparkdeploy/partial",
+        "--timeout=60", "--password-file=-", "--", f"{path}/./sub/x.safetensors",
+        "rsync://sparkdeploy@10.77.1.2:8731/model/"]
+    assert model_sync.send_argv(dep, head, w, "x", None)[-4:] == [
+        "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes", "--", f"{path}/./x", f"10.77.1.2:{path}/"]
+
+
+def test_the_daemon_binds_the_link_address_and_gets_its_secret_on_stdin(tmp_path):
+    dep, _ = deployment(tmp_path, {"spark1": Node(), "spark2": Node()}, "http://127.0.0.1:9")
+    st = model.Staged(f"/s/{'a' * 64}/model_node.py", f"/s/{'b' * 64}/spec.json")
+    argv = _unwrap(model_sync.serve_argv(dep, dep.host("spark2"), st, ["10.77.1.1", "10.77.1.2"]))
+    assert argv == ["python3", st.script, "serve", "--address", "10.77.1.2", "--port",
+                    "8730", "--dir", dep.profile.model.path, "--allow", "10.77.1.1,10.77.1.2",
+                    "--max-connections", "10"]
+
+
+def test_steps_are_registered_for_the_graph():
+    from sparkdeploy.steps import registry
+
+    specs = registry.load_all()
+    assert specs["model.download"].long and specs["model.sync"].long
+    assert specs["model.sync"].needs == ()  # pipelined: it starts beside the download
+    assert set(specs["model.verify"].needs) == {"model.download", "model.sync"}
+
+
+def test_metadata_is_cached_under_the_state_dir(tmp_path, lab_hub, token):
+    dep, _ = _dep(tmp_path, lab_hub)
+    meta, note = model.metadata(dep)
+    cached = json.loads(open(model.cache_path(dep)).read())
+    assert note == "" and cached["files"] == meta["files"]
+    assert model.cache_path(dep).startswith(str(dep.state.path))
+    assert any(f["sha256"] for f in meta["files"]) and all(f["oid"] for f in meta["files"])

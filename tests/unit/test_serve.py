@@ -1,0 +1,277 @@
+"""serve.up against scripted nodes: preflight lines, phases, exact docker run argv, stall ->
+diagnosis -> fallback, an exited container failing at once, the API key only on stdin."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sparkdeploy import endpoint as ep
+from sparkdeploy.config import ProfileError, load_profile
+from sparkdeploy.deployment import Deployment
+from sparkdeploy.engines import NodeFacts, launch
+from sparkdeploy.engines.base import run_args
+from sparkdeploy.hosts import Host
+from sparkdeploy.results import Status
+from sparkdeploy.state import StateDir
+from sparkdeploy.steps import serve
+from tests.unit.serve_fakes import Clock, FakeCluster, FakeContext, FakeNode, Script
+
+SEED = Path(__file__).resolve().parents[2] / "configs" / "qwen3.5-122b-a10b-fp8.yaml"
+MODEL = "Qwen/Qwen3.5-122B-A10B-FP8"
+SG_IMAGE = "sparkdeploy/sglang-qwen3.5:latest"
+VL_IMAGE = "hellohal2064/vllm-qwen3.5-gb10"
+IMG = "sha256:" + "a" * 64
+HANG = ("[2026-12-02 17:00:03 TP0] CustomAllreduce is disabled because this process group spans "
+        "across nodes.")
+
+
+def facts(addr, ports=(), model=True, up=True, gid=3, peers=()):
+    return {
+        "iface": {"exists": True, "up": up, "addrs": [addr] if up else [], "mtu": 9000},
+        "gid": {"index": gid, "hca": "rocep1s0f0", "all": [], "why": ""},
+        "rdma_devices": False,
+        "ports": {str(p): {"free": True} for p in ports},
+        "peers": {p: {"open": True, "reachable": True} for p in peers},
+        "model": {"present": model, "why": "" if model else "missing or empty: config.json"},
+    }
+
+
+@pytest.fixture
+def lab(tmp_path, monkeypatch):
+    data = yaml.safe_load(SEED.read_text())
+    body = data["sparkdeploy"]
+    body["serve"] = {"stall_s": 30, "poll_s": 1, "ready_timeout_s": 600}
+    for n in body["nodes"]:
+        n["docker_socket"] = f"/run/{n['name']}.sock"
+    prof_path = tmp_path / "p.yaml"
+    prof_path.write_text(yaml.safe_dump(data))
+    prof = load_profile(prof_path)
+    clock = Clock()
+    nodes = {
+        "spark1": FakeNode("spark1", clock, facts("192.168.100.10", peers=["192.168.100.11"]),
+                           {SG_IMAGE: IMG, VL_IMAGE: IMG}),
+        "spark2": FakeNode("spark2", clock, facts("192.168.100.11"), {SG_IMAGE: IMG, VL_IMAGE: IMG}),
+    }
+    cluster = FakeCluster(clock, nodes, "spark1", "10.0.0.1")
+    for k, fn in cluster.probes(MODEL).items():
+        monkeypatch.setattr(ep, k, fn)
+    monkeypatch.delenv("SPARKDEPLOY_API_KEY", raising=False)
+    ctx = FakeContext(nodes)
+    state = StateDir(tmp_path / "state")
+    hosts = {n.name: Host(n, prof.ssh, ctx, state) for n in prof.nodes}
+    dep = Deployment(prof, str(prof_path), state, hosts, sleep=clock.sleep, clock=clock)
+    return dep, ctx, nodes, cluster, clock
+
+
+def healthy_sglang(nodes):
+    nodes["spark1"].scripts["sparkdeploy-sglang-head"] = Script(
+        [(1, "server_args=ServerArgs(...)"), (3, "Init torch distributed ends."),
+         (8, "The server is fired up and ready to roll!")], opens={20000: 2, 30000: 8})
+    nodes["spark2"].scripts["sparkdeploy-sglang-worker"] = Script([(1, "Init torch distributed ends.")])
+
+
+def healthy_vllm(nodes, cluster):
+    nodes["spark1"].scripts["sparkdeploy-vllm-ray-head"] = Script([(1, "Ray runtime started.")])
+    nodes["spark2"].scripts["sparkdeploy-vllm-ray-worker"] = Script([(1, "Ray runtime started.")])
+    nodes["spark1"].scripts["sparkdeploy-vllm-ray-api"] = Script(
+        [(1, "vLLM API server version 0.17.0"), (5, "Starting vLLM API server on http://0.0.0.0:8000")],
+        opens={8000: 5})
+    cluster.ray_gpus.update({"192.168.100.10": 1.0, "192.168.100.11": 1.0})
+
+
+def runs(ctx, alias):
+    return [argv[3:] for a, argv in ctx.calls if a == alias and argv[:1] == ["docker"]
+            and argv[3:4] == ["run"]]
+
+
+def test_sglang_comes_up_with_the_exact_containers_and_records_the_endpoint(lab):
+    dep, ctx, nodes, cluster, clock = lab
+    healthy_sglang(nodes)
+    results = serve.up(dep)
+    assert [r.status for r in results][-1] is Status.OK
+    assert results[-1].why == "endpoint: http://10.0.0.1:30000"
+    want = launch(dep.profile, dep.profile.engines[0],
+                  {"spark1": NodeFacts(3, False), "spark2": NodeFacts(3, False)})
+    assert runs(ctx, "spark1") == [run_args(want.containers[0])]
+    assert runs(ctx, "spark2") == [run_args(want.containers[1])]
+    # the worker started only after the head's init port answered over the fast link
+    order = [(a, argv) for a, argv in ctx.calls if argv[3:4] == ["run"] or "connect" in argv]
+    assert [a for a, _ in order][:2] == ["spark1", "spark2"] and "connect" in order[1][1]
+    assert dep.records.data("endpoint")["endpoint"] == "http://10.0.0.1:30000"
+    assert dep.records.data("serve")["chosen"] == "sglang"
+    # a second serve.up finds it serving and changes nothing
+    before = len(runs(ctx, "spark1"))
+    again = serve.up(dep)
+    assert [(r.status, r.why) for r in again] == [(Status.OK, "endpoint: http://10.0.0.1:30000")]
+    assert len(runs(ctx, "spark1")) == before
+
+
+@pytest.mark.parametrize("case,edit,line", [
+    ("worker unreachable", lambda n: setattr(n["spark2"], "unreachable", True),
+     ("spark2", "unreachable: ssh: connect to host spark2 port 22: No route to host")),
+    ("image differs", lambda n: n["spark2"].images.update({SG_IMAGE: "sha256:" + "b" * 64}),
+     (None, f"image {SG_IMAGE} differs between nodes: spark1 sha256:{'a' * 12}, "
+            f"spark2 sha256:{'b' * 12}")),
+    ("weights missing", lambda n: n["spark2"].facts["model"].update(
+        present=False, why="missing or empty: model-00001-of-00004.safetensors"),
+     ("spark2", "weights missing in /srv/models/Qwen3.5-122B-A10B-FP8: missing or empty: "
+                "model-00001-of-00004.safetensors")),
+    ("port taken", lambda n: n["spark1"].facts["ports"].update(
+        {"30000": {"free": False, "owner": "pid 77 python3"}}),
+     ("spark1", "port 30000 is already in use by pid 77 python3")),
+    ("gpu busy", lambda n: n["spark1"].gpu.append((4242, "python3")),
+     ("spark1", "GPU busy: pid 4242 (python3)")),
+    ("link down", lambda n: n["spark2"].facts.update(
+        iface={"exists": True, "up": False, "addrs": [], "mtu": 9000}),
+     ("spark2", "fast link enp1s0f0np0 is down")),
+    ("worker not reachable on the link", lambda n: n["spark1"].facts["peers"].update(
+        {"192.168.100.11": {"open": False, "reachable": False, "why": "timed out"}}),
+     ("spark1", "cannot reach spark2 at 192.168.100.11 on the fast link (timed out)")),
+    ("no gid", lambda n: n["spark1"].facts["gid"].update(index=None, why="rocep1s0f0: absent"),
+     ("spark1", "no RoCE v2 GID for 192.168.100.10 on rocep1s0f0, roceP2p1s0f0 (rocep1s0f0: "
+                "absent); set engines[].env.NCCL_IB_GID_INDEX to override")),
+])
+def test_preflight_each_problem_is_one_line_and_nothing_starts(lab, case, edit, line):
+    dep, ctx, nodes, cluster, clock = lab
+    healthy_sglang(nodes)
+    edit(nodes)
+    results = serve.up(dep, engine="sglang")
+    bad = [(r.node, r.why) for r in results if r.failed]
+    assert bad == [line]
+    assert all("\n" not in r.why for r in results)
+    assert not runs(ctx, "spark1") and not runs(ctx, "spark2")
+    assert not any(argv[3:5] == ["rm", "--force"] for _, argv in ctx.calls)
+
+
+def test_missing_image_on_the_worker_is_shipped_first(lab, monkeypatch):
+    dep, ctx, nodes, cluster, clock = lab
+    healthy_sglang(nodes)
+    del nodes["spark2"].images[SG_IMAGE]
+    shipped = []
+
+    def fake_ship(d, to, image=None, progress=None):
+        shipped.append((to, image))
+        nodes["spark2"].images[image] = IMG
+        from sparkdeploy.results import changed
+        return [changed("image.ship", "sent", to)]
+
+    from sparkdeploy.steps import ship
+    monkeypatch.setattr(ship, "ship", fake_ship)
+    results = serve.up(dep, engine="sglang")
+    assert shipped == [("spark2", SG_IMAGE)]
+    assert results[-1].why == "endpoint: http://10.0.0.1:30000"
+
+
+def test_hang_is_diagnosed_removed_everywhere_and_falls_back_to_vllm(lab):
+    dep, ctx, nodes, cluster, clock = lab
+    nodes["spark1"].scripts["sparkdeploy-sglang-head"] = Script(
+        [(1, "[2026-12-02 17:00:01] Init torch distributed begin."), (2, HANG)], opens={20000: 1})
+    nodes["spark2"].scripts["sparkdeploy-sglang-worker"] = Script(
+        [(1, "[2026-12-02 17:00:02] Init torch distributed begin."), (2, HANG)])
+    healthy_vllm(nodes, cluster)
+    t0 = clock()
+    results = serve.up(dep)
+    sg_fail = next(r for r in results if r.failed)
+    assert sg_fail.why.startswith("sglang hang: no log output and no readiness step for 30s")
+    assert "class: nccl-init-hang" in sg_fail.why and "falling back to vllm-ray" in sg_fail.why
+    assert results[-1].why == "endpoint: http://10.0.0.1:8000"
+    assert nodes["spark1"].removed == ["sparkdeploy-sglang-head"]
+    assert nodes["spark2"].removed == ["sparkdeploy-sglang-worker"]
+    rec = dep.records.data("serve")
+    [tried] = rec["tried"]
+    assert (tried["engine"], tried["outcome"], tried["class"]) == ("sglang", "hang", "nccl-init-hang")
+    assert any(HANG in e[2] for e in tried["evidence"])
+    assert rec["chosen"] == "vllm-ray"
+    # detected within the stall time + 10 % of the last output
+    assert 30 <= tried["fallback_after_s"] <= 33
+    logs = Path(tried["logs"])
+    assert sorted(p.name for p in logs.iterdir()) == [
+        "spark1-sparkdeploy-sglang-head.log", "spark2-sparkdeploy-sglang-worker.log"]
+    assert HANG in (logs / "spark1-sparkdeploy-sglang-head.log").read_text()
+    assert clock() - t0 < 60
+    assert sorted(nodes["spark1"].containers) == ["sparkdeploy-vllm-ray-api", "sparkdeploy-vllm-ray-head"]
+    assert sorted(nodes["spark2"].containers) == ["sparkdeploy-vllm-ray-worker"]
+
+
+def test_an_exited_container_fails_at_once_with_its_last_lines(lab):
+    dep, ctx, nodes, cluster, clock = lab
+    nodes["spark1"].scripts["sparkdeploy-sglang-head"] = Script(
+        [(1, "loading"), (2, "KeyError: 'qwen3_5_moe'")], exit_at=3)
+    healthy_vllm(nodes, cluster)
+    t0 = clock()
+    results = serve.up(dep, engine="sglang")
+    [bad] = [r for r in results if r.failed]
+    assert bad.why.startswith("sglang exited: spark1: sparkdeploy-sglang-head exited (exit code 1) "
+                              "during the head's init port 192.168.100.10:20000")
+    assert "last lines: loading | KeyError: 'qwen3_5_moe'" in bad.why
+    assert "class: model-config-unrecognized" in bad.why
+    assert not [a for a in runs(ctx, "spark2") if "--name=sparkdeploy-sglang-worker" in a]
+    rec = dep.records.data("serve")
+    assert rec["tried"][0]["outcome"] == "exited" and rec["chosen"] == "vllm-ray"
+    assert "fallback_after_s" not in rec["tried"][0]
+    assert clock() - t0 < 20
+    assert results[-1].why == "endpoint: http://10.0.0.1:8000"
+
+
+def test_ray_missing_worker_gpu_is_a_hang_not_a_success(lab):
+    dep, ctx, nodes, cluster, clock = lab
+    healthy_vllm(nodes, cluster)
+    cluster.ray_gpus.pop("192.168.100.11")
+    results = serve.up(dep, engine="vllm-ray")
+    [bad] = [r for r in results if r.failed]
+    assert bad.why.startswith("vllm-ray hang: no log output and no readiness step for 30s during "
+                              "Ray listing every node with its GPU")
+    assert not nodes["spark1"].containers and not nodes["spark2"].containers
+
+
+def test_api_key_reaches_vllm_on_stdin_only(lab, monkeypatch):
+    dep, ctx, nodes, cluster, clock = lab
+    healthy_vllm(nodes, cluster)
+    monkeypatch.setenv("SPARKDEPLOY_API_KEY", "sk-local-test-9f8e7d")
+    results = serve.up(dep, engine="vllm-ray")
+    assert results[-1].why == "endpoint: http://10.0.0.1:8000"
+    assert nodes["spark1"].stdin == {"sparkdeploy-vllm-ray-api": "VLLM_API_KEY=sk-local-test-9f8e7d\n"}
+    assert not any("sk-local-test" in c for c in ctx.commands)
+    [api] = [a for a in runs(ctx, "spark1") if "--name=sparkdeploy-vllm-ray-api" in a]
+    assert "--env-file=/dev/stdin" in api
+    journal = (dep.state.journal_path).read_text()
+    assert "sk-local-test" not in journal
+
+
+def test_down_removes_every_container_and_status_reports(lab):
+    dep, ctx, nodes, cluster, clock = lab
+    healthy_sglang(nodes)
+    serve.up(dep)
+    st = serve.status(dep)
+    assert [(r.node, r.why) for r in st] == [
+        ("spark1", "sparkdeploy-sglang-head running"), ("spark2", "sparkdeploy-sglang-worker running"),
+        (None, f"endpoint: http://10.0.0.1:30000 healthy (sglang), serves {MODEL}")]
+    down = serve.down(dep)
+    assert [(r.node, r.status, r.why) for r in down] == [
+        ("spark1", Status.CHANGED, "removed sparkdeploy-sglang-head"),
+        ("spark2", Status.CHANGED, "removed sparkdeploy-sglang-worker")]
+    again = serve.down(dep)
+    assert [r.status for r in again] == [Status.OK, Status.OK]
+
+
+def test_unknown_engine_is_one_line(lab):
+    dep, *_ = lab
+    with pytest.raises(ProfileError, match=r"^--engine: no engine named 'tgi' \(engines: sglang, vllm-ray\)$"):
+        serve.up(dep, engine="tgi")
+
+
+def test_serve_node_facts_argv(lab):
+    dep, ctx, nodes, cluster, clock = lab
+    healthy_sglang(nodes)
+    serve.up(dep)
+    [wrapped] = [argv for a, argv in ctx.calls if a == "spark1" and "facts" in argv]
+    # run only after the staged helper's sha256 checks out
+    assert wrapped[:2] == ["sh", "-c"] and "sha256sum -c --status" in wrapped[2]
+    facts = wrapped[4:]
+    assert facts[3:] == ["--iface", "enp1s0f0np0", "--addr", "192.168.100.10", "--hca", "rocep1s0f0",
+                         "--hca", "roceP2p1s0f0", "--port", "20000", "--port", "30000", "--model",
+                         "/srv/models/Qwen3.5-122B-A10B-FP8", "--peer", "192.168.100.11"]
+    assert facts[0] == "python3" and facts[1].endswith("/serve_node.py") and facts[1] in wrapped[2]
