@@ -28,14 +28,21 @@ from dataclasses import dataclass, field
 from graphlib import CycleError, TopologicalSorter
 from typing import TYPE_CHECKING, Any
 
+from sparkdeploy.config import ProfileError
 from sparkdeploy.events import StepState
+from sparkdeploy.hosts import HostError
+from sparkdeploy.nodeops import NodeUnreachable
 from sparkdeploy.results import Result, Status, failed, ok, skipped
+from sparkdeploy.state import LockHeld
 from sparkdeploy.steps import registry
+from sparkdeploy.wait import WaitTimeout
 
 if TYPE_CHECKING:
     from sparkdeploy.deployment import Deployment
 
 PENDING, RUNNING, DONE, FAILED, SKIPPED = "pending", "running", "done", "failed", "skipped"
+EXPECTED = (NodeUnreachable, HostError, ProfileError, WaitTimeout, LockHeld)
+"""What a step may raise that is not a bug: the step fails with the one line it carries."""
 
 
 class PlanError(ValueError):
@@ -231,6 +238,8 @@ class Runner:
             return [self.dep.report(skipped(name, "no such step in this version of sparkdeploy"))]
         try:
             return registry.run_one(self.dep, name, **options)
+        except EXPECTED as e:  # one line, as a task would say it
+            return [self.dep.report(failed(name, str(e), getattr(e, "node", None)))]
         except Exception as e:  # a step must not take the other threads down with it
             where = self._save_traceback(name)
             return [self.dep.report(failed(name, f"{type(e).__name__}: {e}{where}"))]
@@ -246,6 +255,8 @@ class Runner:
     def _execute(self, spec: PlanStep) -> None:
         try:
             self._execute_step(spec)
+        except EXPECTED as e:
+            self.runs[spec.name].results.append(self.dep.report(failed(spec.name, str(e))))
         except Exception as e:  # a fingerprint or a redo that raised: the step failed, the run goes on
             where = self._save_traceback(spec.name)
             self.runs[spec.name].results.append(
@@ -277,7 +288,7 @@ class Runner:
 
     def _summary(self, r: StepRun) -> str:
         final = [x for x in r.final() if x.step == r.name] or r.final()
-        every = [x for x in r.results if x.step == r.name] or r.results
+        every = r.results  # a decision a step reports under its own sub-name counts too
         worst = (next((x for x in final if x.failed), None)
                  or next((x for x in reversed(every) if x.status is Status.CHANGED), None)
                  or (final[-1] if final else None))

@@ -297,13 +297,14 @@ def test_task_bad_step_name_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [
         "--only: no step 'nope' in the plan (steps: model.download, hosts.check, services.stop, "
-        "image.probe, image.build, image.ship, model.sync, serve.up, bench.run)"]
+        "image.probe, image.build, image.ship, model.sync, model.verify, serve.up, bench.run)"]
 
 
 def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
     from sparkdeploy.steps import deploy as plans
 
     monkeypatch.setattr(plans, "_image_id", lambda dep, ref: f"sha256:{ref}" if ref else None)
+    monkeypatch.setattr(plans, "head_image_ids", lambda dep: {})
     dep = dep_for(tmp_path)
     dep.records.write("image-probe", "image.probe", {
         "chosen": {"engine": "sglang", "image": "base:1", "serve_image": "layer:1", "needs_layer": False},

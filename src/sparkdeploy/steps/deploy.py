@@ -2,10 +2,11 @@
 
 The plan (data, run by ``sparkdeploy.runner``)::
 
-    hosts.check -> services.stop (head) -> image.probe -> image.build (when the chosen image
-    needs the layer) -> image.ship (workers)
+    hosts.check -> services.stop (head)
+    hosts.check -> image.probe -> image.build (when the chosen image needs the layer) ->
+    image.ship (workers)
     model.download (head, long: starts first) ~> model.sync (workers; starts once the download
-    has started and follows it file by file)
+    has started and follows it file by file) -> model.verify (every node, from the records)
     all of the above -> serve.up (with fallback) -> bench.run (a smoke: a few requests at
     concurrency 1, when something changed or with --bench) -> serve.persist (with --persist)
 
@@ -30,7 +31,15 @@ from sparkdeploy.steps.registry import step
 
 PURGE = "deploy.purge"
 LABEL_BUILT = "org.sparkdeploy.base.id"
-SMOKE = {"concurrency": [1], "requests": 4, "warmup": 0}
+SMOKE = {"concurrency": [1], "requests": 3, "warmup": 0}
+SMOKE_OUTPUT_TOKENS = 64  # a smoke, not a measurement: a few short answers at concurrency 1
+
+
+def smoke_settings(dep: Deployment, runs: dict[str, StepRun]) -> Any:
+    from sparkdeploy.bench.client import Settings
+
+    b = dep.profile.bench
+    return Settings(input_tokens=b.input_tokens, output_tokens=min(SMOKE_OUTPUT_TOKENS, b.output_tokens))
 
 
 # --- what each step depends on ---------------------------------------------------------------
@@ -68,9 +77,28 @@ def fp_services(dep: Deployment) -> dict[str, Any]:
     return {**_section(dep, "services"), "head": dep.profile.head.name}
 
 
+def head_image_ids(dep: Deployment) -> dict[str, str]:
+    """{repo:tag: image ID} of every tagged image on the head, in one command."""
+    head = dep.host(dep.profile.head.name)
+    try:
+        r = head.run(docker(head, "image", "ls", "--no-trunc", "--format",
+                            "{{.Repository}}:{{.Tag}} {{.ID}}"), change=False)
+    except NodeUnreachable:
+        return {}
+    if not r.ok:
+        return {}
+    return dict(line.split(" ", 1) for line in r.stdout.splitlines() if " " in line)
+
+
+def _tagged(ref: str) -> str:
+    return ref if ":" in ref.rsplit("/", 1)[-1] else f"{ref}:latest"
+
+
 def fp_probe(dep: Deployment) -> dict[str, Any]:
     """The candidates by ID too: a tag that moved is a new candidate."""
-    ids = {f"id[{c.ref}]": _image_id(dep, c.ref) for c in dep.profile.images.candidates}
+    have = head_image_ids(dep)
+    ids = {f"id[{c.ref}]": have.get(_tagged(c.ref)) or _image_id(dep, c.ref)
+           for c in dep.profile.images.candidates}
     return {**_section(dep, "images"), "model.repo": dep.profile.model.repo,
             "model.revision": dep.profile.model.revision, **ids}
 
@@ -159,15 +187,18 @@ def plan(dep: Deployment, *, bench: bool = False, persist: bool = False) -> list
         PlanStep("model.download", {"node": head}, fingerprint=fp_model),
         PlanStep("hosts.check", fingerprint=fp_hosts),
         PlanStep("services.stop", {"node": head}, needs=("hosts.check",), fingerprint=fp_services),
-        PlanStep("image.probe", needs=("services.stop",), fingerprint=fp_probe, reuse=True),
+        # the probe runs CPU-only containers (no GPU, no network): it need not wait for the GPU
+        PlanStep("image.probe", fingerprint=fp_probe, reuse=True),
         PlanStep("image.build", needs=("image.probe",), fingerprint=fp_build, when=need_layer),
         PlanStep("image.ship", {"to": workers}, needs=("image.build", "image.probe"),
                  fingerprint=fp_ship),
         PlanStep("model.sync", {"to": workers}, after_start=("model.download",),
                  fingerprint=fp_sync),
-        PlanStep("serve.up", needs=("services.stop", "image.ship", "model.download", "model.sync"),
+        PlanStep("model.verify", needs=("model.download", "model.sync"), fingerprint=fp_sync),
+        PlanStep("serve.up", needs=("services.stop", "image.ship", "model.verify"),
                  fingerprint=fp_serve, redo="serve.down"),
-        PlanStep("bench.run", {**SMOKE, "url": lambda d, runs: endpoint_of(runs, d)},
+        PlanStep("bench.run", {**SMOKE, "url": lambda d, runs: endpoint_of(runs, d),
+                               "settings": smoke_settings},
                  needs=("serve.up",), fingerprint=fp_bench,
                  when=lambda d, runs: something_changed(d, runs, bench)),
     ]
