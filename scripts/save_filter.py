@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Stream a `docker save` archive from stdin to stdout, leaving out layers the peer already has.
 
-Standard library only; runs on any node's python3 (3.8+ syntax).
+Standard library only; needs Python 3.8 or newer (checked at start: exit 5 on an older one;
+the ship checks the source's python3 before it stages this filter).
 
     docker save IMG | python3 save_filter.py --layers-file L --have-file H --stats S.json \
         | ssh peer docker load
@@ -43,7 +44,8 @@ checks what it dropped against ``manifest.json`` and the config and reports, as 
 in ``--stats FILE``, bytes in/out, the members dropped (with their diff IDs) and any droppable layer
 it could not recognise in stream (``missed``: sent although the peer has it).  Exit status: 0 ok,
 2 bad arguments, 3 the archive is not a tar or is truncated, 4 a dropped member is not a layer of
-the have-prefix according to the archive's own manifest (caller error: the output is unusable).
+the have-prefix according to the archive's own manifest (caller error: the output is unusable),
+5 this Python is older than 3.8.
 """
 
 import argparse
@@ -374,7 +376,8 @@ class Filter:
             while k < len(diff_ids) and diff_ids[k] in self.plan.have:
                 k += 1
             later = set(diff_ids[k:])
-            for i, (path, diff) in enumerate(zip(paths, diff_ids, strict=False)):
+            for i, path in enumerate(paths):  # no zip(strict=): that needs 3.10
+                diff = diff_ids[i]  # same length (checked above)
                 if path in dropped_paths:
                     if i < k and diff not in later:
                         fine.add(path)
@@ -449,7 +452,14 @@ def parse_args(argv):
     return args, Plan(have, layers, drops)
 
 
+MIN_PYTHON = (3, 8)
+
+
 def main(argv=None):
+    if sys.version_info < MIN_PYTHON:
+        sys.stderr.write("save_filter: needs Python {}.{}+, this is {}.{}\n".format(
+            *MIN_PYTHON, *sys.version_info[:2]))
+        return 5
     args, plan = parse_args(sys.argv[1:] if argv is None else argv)
     filt = Filter(plan, sys.stdin.buffer, sys.stdout.buffer, progress=args.progress)
     status = 0

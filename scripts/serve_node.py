@@ -4,8 +4,7 @@ Subcommands (each prints one JSON object on stdout):
 
   facts --iface IF --addr A [--hca H ...] [--port P ...] [--model DIR] [--peer ADDR ...]
       What ``serve.up`` checks before it starts anything on this node:
-      - the fast-link interface: exists, up, its IPv4 addresses, MTU (``/sys/class/net``,
-        ``ip -o -4 addr``);
+      - the fast-link interface: exists, up, its IPv4 addresses, MTU (``ip -j addr``);
       - the RoCE v2 GID index of address A on the HCAs (``/sys/class/infiniband/<hca>/ports/1/
         gids/N`` holding A as an IPv4-mapped GID and ``gid_attrs/types/N`` = ``RoCE v2``),
         and whether ``/dev/infiniband`` exists;
@@ -26,7 +25,6 @@ import errno
 import ipaddress
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -43,22 +41,24 @@ def read(path: str) -> str | None:
 
 
 def iface_facts(iface: str) -> dict:
-    base = f"/sys/class/net/{iface}"
-    if not os.path.isdir(base):
-        return {"exists": False, "up": False, "addrs": [], "mtu": None}
-    oper = read(f"{base}/operstate") or "unknown"
-    flags = int(read(f"{base}/flags") or "0", 16)
-    addrs: list[str] = []
+    """From ``ip -j addr`` (the caller's network namespace; /sys/class/net shows the namespace
+    that mounted /sys, which is not always the caller's)."""
     try:
-        out = subprocess.run(["ip", "-o", "-4", "addr", "show", "dev", iface], capture_output=True,
-                             text=True, timeout=10).stdout
-        addrs = re.findall(r"\binet (\d+\.\d+\.\d+\.\d+)/", out)
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    up = oper == "up" or (oper == "unknown" and bool(flags & 0x1))
-    mtu = read(f"{base}/mtu")
-    return {"exists": True, "up": up, "operstate": oper, "addrs": addrs,
-            "mtu": int(mtu) if mtu and mtu.isdigit() else None}
+        cp = subprocess.run(["ip", "-j", "addr", "show", "dev", iface], capture_output=True,
+                            text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"exists": False, "up": False, "addrs": [], "mtu": None, "why": str(e)}
+    try:
+        info = json.loads(cp.stdout)[0] if cp.returncode == 0 else None
+    except (ValueError, IndexError):
+        info = None
+    if not info:
+        return {"exists": False, "up": False, "addrs": [], "mtu": None}
+    oper = str(info.get("operstate", "UNKNOWN")).lower()
+    flags = info.get("flags") or []
+    up = oper == "up" or (oper == "unknown" and "UP" in flags and "LOWER_UP" in flags)
+    addrs = [a["local"] for a in info.get("addr_info") or [] if a.get("family") == "inet"]
+    return {"exists": True, "up": up, "operstate": oper, "addrs": addrs, "mtu": info.get("mtu")}
 
 
 def gid_facts(hcas: list[str], addr: str, iface: str) -> dict:

@@ -160,7 +160,7 @@ RULES: tuple[Rule, ...] = (
     Rule("port-in-use", 100,
          pat(r"\[Errno 98\]|\berrno:? 98\b|EADDRINUSE|address already in use",
              "errno", "eaddrinuse", "address already in use"),
-         "a port it needs is already in use"),
+         "a port it needs is already in use (another engine, a stale container or a host service holds it)"),
     # -- transformers/the engine does not know the model --
     Rule("model-config-unrecognized", 95,
          pat(r"does not recognize this architecture|Unrecognized model in |Unrecognized configuration class"
@@ -168,9 +168,11 @@ RULES: tuple[Rule, ...] = (
              r"|Unsupported (?:model )?architectures?:? \[?'?[A-Z]\w*(?:For\w+|Model)\b"
              r"|requires you to execute the configuration file in that repo",
              "recognize", "supported", "configuration file"),
-         "the model type or architecture is unknown to this transformers/engine version"),
+         "the model type or architecture is unknown to the image's transformers/engine (a newer transformers "
+         "knows it, e.g. >=5 for qwen3_5_moe)"),
     Rule("model-config-unrecognized", 95, pat(r"\bKeyError: '[A-Za-z][\w.-]*'", "keyerror", icase=False),
-         "transformers has no config class for the model type", context=CONFIG_LOOKUP),
+         "the image's transformers has no config class for the model type (too old for this model)",
+         context=CONFIG_LOOKUP),
     # -- kernels not built for this GPU (GB10 is sm_121) --
     Rule("arch-unsupported", 90,
          pat(r"no kernel image is available for execution|cudaErrorNoKernelImageForDevice"
@@ -179,7 +181,8 @@ RULES: tuple[Rule, ...] = (
              r"|PTX was compiled with an unsupported toolchain"
              r"|Could not load any common_ops library",
              "kernel image", "nokernelimage", "ptxas", "gpu architecture", "toolchain", "common_ops"),
-         "kernels in the image are not built for this GPU architecture"),
+         "kernels in the image are not built for this GPU (GB10 is sm_121): use an image built for sm_121; "
+         "for Triton's ptxas set TRITON_PTXAS_PATH=/usr/local/cuda/bin/ptxas"),
     Rule("arch-unsupported", 90,
          pat(r"(?:fmha|trtllm|flashinfer|cutlass|kernel|sm_?1\d\d|SM ?1\d\d).*Unsupported architecture\b"
              r"|architecture is not supported|(?:sm_?12[01]a?|SM ?12[01]|capability \(?12[.,] ?1\)?)"
@@ -195,7 +198,8 @@ RULES: tuple[Rule, ...] = (
              r"|NV_ERR_NO_MEMORY|Out of memory: Killed process|oom-kill(?:er)?\b|OOM killer"
              r"|node running low on memory",
              "memory", "oom"),
-         "it ran out of (unified) memory"),
+         "it ran out of memory (GB10's memory is unified: lower --gpu-memory-utilization / "
+         "--mem-fraction-static, or free what else holds it)"),
     # -- Ray cluster lacks a node or its GPU --
     Rule("ray-worker-missing", 70,
          pat(r"Waiting for creating a placement group of specs"
@@ -204,12 +208,15 @@ RULES: tuple[Rule, ...] = (
              r"|Tensor parallel size \(\d+\) exceeds available GPUs"
              r"|Current node has no GPU available|Ray does not allocate any GPUs on the driver node"
              r"|No available node types can fulfill resource request"
-             r"|Could not find any running Ray instance|Failed to connect to GCS|Unable to connect to GCS"
+             r"|Could not find any running Ray instance|Failed to connect to GCS at address"
+             r"|Unable to connect to GCS at \S+:\d+|Timed out while waiting for GCS to become available"
+             r"|Couldn't reconnect to GCS server"
              r"|marked dead because the detector has missed too many heartbeats"
              r"|Every node should have a unique IP address",
              "placement group", "gpus", "gpu available", "node types", "ray instance", "gcs", "heartbeats",
              "unique ip"),
-         "the Ray cluster lacks a worker node or its GPU"),
+         "the Ray cluster lacks a worker node or its GPU (see `ray status`; VLLM_HOST_IP must be each node's "
+         "Ray address)"),
     # -- NCCL or Gloo cannot use the fast link --
     Rule("link-misconfigured", 60,
          pat(r"no socket interface found|no NCCL_SOCKET_IFNAME interface found|No usable listening interface"
@@ -221,11 +228,13 @@ RULES: tuple[Rule, ...] = (
              r"|NET/IB.*(?:Unable to open device|No IB device found)"
              r"|gloo.*(?:Connection refused|Connection reset by peer|No route to host|Timed out waiting)",
              "interface", "connect", "af_inet", "ibv_", "net/ib", "unable to find", "gloo"),
-         "NCCL/Gloo cannot reach the peer over the configured link interface"),
+         "NCCL/Gloo cannot use the fast link (check NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME, NCCL_IB_HCA, "
+         "the RoCE GID index, and that each node's address is on the link)"),
     Rule("link-misconfigured", 55,
          pat(r"NET/IB : No device found|NCCL_IB_DISABLE set by environment to 1", "net/ib", "ib_disable",
              icase=False),
-         "NCCL found no RDMA (RoCE) device and fell back to sockets", void_after=NCCL_WORKS),
+         "NCCL found no RDMA (RoCE) device and fell back to sockets (NCCL_IB_HCA, the RoCE devices in the "
+         "container)", void_after=NCCL_WORKS),
     # -- explicit timeouts of distributed init --
     Rule("nccl-init-hang", 40,
          pat(r"Timed out after \d+ seconds waiting for (?:clients|workers)|DistStoreError"
@@ -234,7 +243,7 @@ RULES: tuple[Rule, ...] = (
              r"|client socket has failed to connect to"
              r"|DistNetworkError",
              "timed out", "diststore", "watchdog", "client socket", "distnetwork", icase=False),
-         "the ranks never all joined distributed init (store/collective timeout)"),
+         "distributed init timed out: a rank never joined (c10d store or NCCL collective timeout)"),
     # -- weak hints, used only when nothing else matched --
     Rule("arch-unsupported", 15,
          pat(r"with CUDA capability sm_\d+ is not compatible with the current PyTorch installation"
@@ -357,25 +366,46 @@ def _rule_findings(log: Log) -> list[Finding]:
     return list(found.values())
 
 
+# Who printed a line, when one log carries several ranks, most specific first: NCCL's communicator
+# and rank, SGLang's "TPn" tag, vLLM/Ray's "pid=N" prefix, NCCL's "host:pid:tid" prefix.
+_WHO = (
+    re.compile(r"comm (0x[0-9a-f]+) rank (\d+)"),
+    re.compile(r"[\[ ](TP\d+)\]"),
+    re.compile(r"\bpid=(\d+)"),
+    re.compile(r"^(?:\[\w+\]:)?([\w.-]+:\d+):\d+ "),
+)
+
+
+def _who(line: str) -> str:
+    for rx in _WHO:
+        m = rx.search(line)
+        if m:
+            return ":".join(m.groups())
+    return ""
+
+
 def _init_hang(log: Log) -> Finding | None:
-    """Distributed init began and neither completed nor crashed: the log stops inside init."""
-    opened: dict[str, int] = {}  # stage -> its first begin not followed by its end
+    """Distributed init began and neither completed nor crashed: the log stops inside init.
+    Begins and ends pair per stage and per rank (one log may carry several ranks)."""
+    opened: dict[tuple[str, str], int] = {}  # (stage, who) -> its first begin not followed by its end
     for i in log.candidates:
         if log.hit(PAST_INIT, i):
             opened.clear()
             continue
         for st in INIT_STAGES:
             if log.hit(st.end, i):
-                opened.pop(st.name, None)
-            elif st.name not in opened and log.hit(st.begin, i):
-                opened[st.name] = i
+                who = _who(log.lines[i])
+                for key in [k for k in opened if k[0] == st.name and (not who or k[1] in (who, ""))]:
+                    del opened[key]
+            elif log.hit(st.begin, i):
+                opened.setdefault((st.name, _who(log.lines[i])), i)
     if not opened:
         return None
     begin = min(opened.values())
     if log.last(CRASH, begin + 1) is not None:
         return None  # it died there: a crash, not a hang (the crash rules name it if they can)
     evidence = [log.ev(begin)]
-    spans = opened.get(INIT_STAGES[-1].name)
+    spans = min((i for (name, _), i in opened.items() if name == INIT_STAGES[-1].name), default=None)
     if spans is not None and spans != begin:
         evidence.append(log.ev(spans))
     last = next((j for j in range(len(log.lines) - 1, begin, -1) if log.lines[j].strip()), None)
@@ -385,7 +415,7 @@ def _init_hang(log: Log) -> Finding | None:
         why = ("distributed init stopped after 'CustomAllreduce is disabled ... spans across nodes' and never "
                "ended (a rank advertised an address its peer cannot reach, e.g. SGLANG_HOST_IP unset)")
     else:
-        stage = min(opened, key=opened.get)
+        stage = min(opened, key=opened.get)[0]
         why = f"distributed init began and never completed: {stage} is still waiting"
     return Finding("nccl-init-hang", 30, why, evidence)
 

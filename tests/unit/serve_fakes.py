@@ -72,6 +72,10 @@ class FakeNode:
     removed: list[str] = field(default_factory=list)
     cluster: FakeCluster | None = None
     stdin: dict[str, str] = field(default_factory=dict)
+    verify: dict = field(default_factory=lambda: {
+        "ok": ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"],
+        "missing": [], "differ": {}, "unchecked": [], "hashed_bytes": 0, "reused": 3,
+        "present": True, "seconds": 0.01, "download_running": False})
 
     def answer(self, argv: list[str], stdin: str | None) -> tuple[int, str, str]:
         now = self.clock()
@@ -85,6 +89,9 @@ class FakeNode:
             argv = argv[4:]  # a staged helper, run after its sha256 check
         if argv[:2] == ["sh", "-c"] and "for f" in argv[2]:
             return 0, "", ""  # no unit installed
+        if argv[0] == "python3" and argv[2] == "verify":
+            assert "--quick" in argv
+            return 0, json.dumps(self.verify) + "\n", ""
         if argv[0] == "python3" and argv[2] == "facts":
             return 0, json.dumps(self.facts) + "\n", ""
         if argv[0] == "python3" and argv[2] == "connect":

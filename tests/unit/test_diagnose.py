@@ -49,6 +49,7 @@ EXPECTED: dict[str, dict[str, list[int]]] = {
     "nccl-init-hang/c10d-store-1of2-workers.log": {"": [3]},
     "nccl-init-hang/torch-watchdog-allreduce.log": {"": [2, 3]},
     "arch-unsupported/flashinfer-trtllm-fmha-unsupported-arch.log": {"": [2]},
+    "ray-worker-missing/ray-head-gcs-unreachable.log": {"": [3, 4]},
 }
 
 
@@ -163,6 +164,10 @@ def test_bare_keyerror_is_only_a_weak_hint():
     assert cls_of(a=["KeyError: 'qwen3_5_moe'"]) == "model-config-unrecognized"
     assert cls_of(a=["KeyError: 'qwen3_5_moe'", PG_WAIT]) == "ray-worker-missing"
     assert cls_of(a=["KeyError: 'model.layers.0.mlp.experts.w13_weight'"]) == "unknown"
+
+
+def test_gcs_of_google_cloud_is_not_ray():
+    assert cls_of(a=["ERROR: Unable to connect to GCS bucket 'weights': 403"]) == "unknown"
 
 
 def test_gb10_torch_warning_is_weak():
@@ -389,17 +394,38 @@ def test_standin_port_taken_is_port_in_use():
 
 
 def test_standin_sglang_two_nodes_stall_is_diagnosed(tmp_path):
-    args = ["--model-path", str(tmp_path), "--tp", "2", "--nnodes", "2", "--node-rank", "0",
-            "--dist-init-addr", f"127.0.0.1:{free_port()}", "--port", str(free_port())]
-    lines = standin(args, "sglang_main", env={"SPARKDEPLOY_STANDIN_SGLANG_MULTINODE": ""}, seconds=3)
+    """Two stand-in ranks meet over --dist-init-addr; rank 1 advertises an address that is not
+    its link address (the seed's cause): both stall after CustomAllreduce, named nccl-init-hang."""
+    import os
+    import subprocess
+    import sys
+
+    from sparkdeploy.lab.standins import roce
+
+    model = tmp_path / "m"
+    model.mkdir()
+    roce.write_tree(tmp_path, ["rocep1s0f0", "roceP2p1s0f0"], "lo", roce.gid_table("127.0.0.1", "fe80::1"))
+    dist = free_port()
+    env = {"SPARKDEPLOY_STANDIN_SYSFS_IB": str(tmp_path / "infiniband"), "NCCL_SOCKET_IFNAME": "lo",
+           "SPARKDEPLOY_STANDIN_LAB_DIR": str(tmp_path / "lab")}
+    args = ["--model-path", str(model), "--tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{dist}",
+            "--port", str(free_port())]
+    root = Path(__file__).resolve().parents[2]
+    code = "import sys; from sparkdeploy.lab.standins import engine_server as e; sys.exit(e.sglang_main(sys.argv[1:]))"
+    worker = subprocess.Popen([sys.executable, "-c", code, *args, "--node-rank", "1"],
+                              env={**os.environ, "PYTHONPATH": str(root / "src"), **env,
+                                   "SGLANG_HOST_IP": "10.255.7.7"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        lines = standin([*args, "--node-rank", "0"], "sglang_main",
+                        env={**env, "SGLANG_HOST_IP": "127.0.0.1"}, seconds=5)
+    finally:
+        worker.kill()
+        worker.wait()
+    assert lines[-1].endswith("CustomAllreduce is disabled because this process group spans across nodes.")
     d = dx.classify({"head": lines})
-    # today's stand-in (and any faithful one) stalls either in NCCL with no RDMA device on sockets
-    # (the link) or after SGLang's CustomAllreduce line (the init hang); either way it is named
-    if any("NET/IB : No device found" in line for line in lines):
-        assert d.cls == "link-misconfigured"
-    else:
-        assert d.cls == "nccl-init-hang"
-        assert d.evidence[-1].line_no == max(i for i, line in enumerate(lines, 1) if line.strip())
+    assert d.cls == "nccl-init-hang"
+    assert d.evidence[-1].line_no == max(i for i, line in enumerate(lines, 1) if line.strip())
 
 
 # --- the keys that gate each pattern never hide a match --------------------------------------
@@ -434,3 +460,23 @@ def test_keys_never_hide_a_match_on_mixed_text(line):
     for p in all_pats():
         if p.regex.search(line):
             assert any(k in low for k in p.keys), (p.regex.pattern[:60], line)
+
+
+def test_begins_and_ends_pair_per_rank_in_one_log():
+    # vLLM #58290's shape: some ranks' communicators complete, others never do
+    comm = "node-0:27{r}:27{r} [{r}] NCCL INFO ncclCommInitRank comm 0x1{r} rank {r} nranks 4 cudaDev {r}"
+    start, done = comm + " - Init START", comm + " - Init COMPLETE"
+    lines = [start.format(r=r) for r in range(4)] + [done.format(r=r) for r in (0, 2)]
+    d = dx.classify({"node-0": lines})
+    assert d.cls == "nccl-init-hang"
+    assert d.evidence[0].line_no == 2  # rank 1's start: the first that never completed
+    lines += [done.format(r=r) for r in (1, 3)]
+    assert dx.classify({"node-0": lines}).cls == "unknown"
+
+
+def test_sglang_tp_ranks_pair_by_their_tag():
+    lines = ["[2025-09-01 05:58:12 TP0] Init torch distributed begin.",
+             "[2025-09-01 05:58:12 TP1] Init torch distributed begin.",
+             "[2025-09-01 05:58:13 TP0] Init torch distributed ends. mem usage=0.35 GB"]
+    d = dx.classify({"n": lines})
+    assert (d.cls, [e.line_no for e in d.evidence]) == ("nccl-init-hang", [2, 3])

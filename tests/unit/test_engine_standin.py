@@ -165,15 +165,6 @@ def test_hang_at_init_never_opens_port():
                  port, "Init: waiting")
 
 
-def test_sglang_two_nodes_hangs_in_nccl_init():
-    port = _free_port()
-    argv = ["--model-path", "/models/q", "--tp", "2", "--nnodes", "2", "--node-rank", "0",
-            "--dist-init-addr", "10.0.0.1:20000", "--host", "127.0.0.1", "--port", str(port),
-            "--trust-remote-code", "--mem-fraction-static", "0.8"]
-    _never_opens(f"from sparkdeploy.lab.standins.engine_server import sglang_main; "
-                 f"sglang_main({argv!r})", {}, port, "NCCL INFO")
-
-
 def test_vllm_ray_backend_without_ray_refuses(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
     rc = es.vllm_main(["serve", "/models/q", "--tensor-parallel-size", "2",

@@ -121,9 +121,13 @@ def test_index_url_with_credentials_is_refused(tmp_path):
 
 
 def test_have_prefix_follows_the_chain():
-    assert ship.have_prefix(["a", "b", "c"], {"a", "b"}) == 2
-    assert ship.have_prefix(["a", "b", "c"], {"b", "c"}) == 0
-    assert ship.have_prefix(["a", "b", "c"], {"a", "c"}) == 1
+    assert ship.have_prefix(["a", "b", "c"], [["a", "b"]]) == 2
+    assert ship.have_prefix(["a", "b", "c"], [["b", "c"]]) == 0
+    assert ship.have_prefix(["a", "b", "c"], [["a", "c"]]) == 1
+    # a and b are both there, but not as one chain: only a can be skipped
+    assert ship.have_prefix(["a", "b", "c"], [["a"], ["x", "b"]]) == 1
+    assert ship.have_prefix(["a", "b", "c"], [["a"], ["a", "b", "c", "d"]]) == 3
+    assert ship.have_prefix(["a", "b"], []) == 0
 
 
 S = "/tmp/sparkdeploy-stage-0/" + "a" * 64

@@ -22,7 +22,8 @@ def _argv(eng: str) -> list[str]:
 def test_dockerd_argv_per_engine(monkeypatch):
     monkeypatch.setattr(engine, "storage_driver",
                         lambda e: "overlayfs" if e == "containerd" else "overlay2")
-    common = ["--iptables=false", "--ip-masq=false", "--bridge=none"]
+    common = ["--iptables=false", "--ip-masq=false", "--bridge=none",
+              "--add-runtime", "nvidia=/opt/sparkdeploy-lab/bin/nvidia-container-runtime"]
     assert _argv("docker26") == ENTER + [
         "/var/cache/sparkdeploy/docker26/usr/sbin/dockerd",
         "--config-file", f"{N}/docker/docker26/daemon.json",

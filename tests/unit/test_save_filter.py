@@ -458,3 +458,32 @@ def test_bad_arguments_exit_2(args):
     assert cp.returncode == 2
     assert cp.stderr.startswith(b"usage: save_filter.py")
     assert cp.stdout == b""
+
+
+# -- the Python it needs ----------------------------------------------------------------------
+
+
+def test_runs_on_python_3_8_syntax_and_library():
+    """The node's python3 may be old: 3.8 syntax, and none of the newer calls it once used."""
+    import ast
+
+    tree = ast.parse(SCRIPT.read_text(), feature_version=(3, 8))
+    newer = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            if any(k.arg == "strict" for k in node.keywords):
+                newer.append(f"line {node.lineno}: strict= (3.10)")
+            fn = node.func
+            if isinstance(fn, ast.Attribute) and fn.attr in ("removeprefix", "removesuffix"):
+                newer.append(f"line {node.lineno}: {fn.attr} (3.9)")
+        if isinstance(node, ast.Match if hasattr(ast, "Match") else ()):
+            newer.append(f"line {node.lineno}: match (3.10)")
+    assert newer == []
+    assert sf.MIN_PYTHON == (3, 8)
+    assert "needs Python 3.8 or newer" in SCRIPT.read_text()
+
+
+def test_an_older_python_exits_5_before_reading(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "version_info", (3, 7, 9, "final", 0))
+    assert sf.main(["--have", "sha256:" + "1" * 64]) == 5
+    assert capsys.readouterr().err == "save_filter: needs Python 3.8+, this is 3.7\n"

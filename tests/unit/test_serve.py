@@ -59,6 +59,11 @@ def lab(tmp_path, monkeypatch):
     for k, fn in cluster.probes(MODEL).items():
         monkeypatch.setattr(ep, k, fn)
     monkeypatch.delenv("SPARKDEPLOY_API_KEY", raising=False)
+    meta = {"repo": MODEL, "revision": "main", "commit": "c" * 40, "files": [
+        {"path": p, "size": 10, "sha256": None, "oid": "0" * 40}
+        for p in ("config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")]}
+    from sparkdeploy.steps import model
+    monkeypatch.setattr(model, "metadata", lambda dep, refresh=True: (meta, ""))
     ctx = FakeContext(nodes)
     state = StateDir(tmp_path / "state")
     hosts = {n.name: Host(n, prof.ssh, ctx, state) for n in prof.nodes}
@@ -119,6 +124,16 @@ def test_sglang_comes_up_with_the_exact_containers_and_records_the_endpoint(lab)
         present=False, why="missing or empty: model-00001-of-00004.safetensors"),
      ("spark2", "weights missing in /srv/models/Qwen3.5-122B-A10B-FP8: missing or empty: "
                 "model-00001-of-00004.safetensors")),
+    ("weights not verified", lambda n: n["spark2"].verify.update(
+        ok=[], missing=["model-00002-of-00002.safetensors"],
+        differ={"model-00001-of-00002.safetensors": "size 9 != 10"}),
+     ("spark2", "weights not verified in /srv/models/Qwen3.5-122B-A10B-FP8: 2 files differ: "
+                "model-00002-of-00002.safetensors (missing), model-00001-of-00002.safetensors "
+                "(size 9 != 10) (model.verify, model.sync)")),
+    ("weights never verified", lambda n: n["spark1"].verify.update(
+        ok=["config.json"], unchecked=["model-00001-of-00002.safetensors"]),
+     ("spark1", "weights not verified in /srv/models/Qwen3.5-122B-A10B-FP8: 1 file(s) never "
+                "verified (model.verify --node spark1)")),
     ("port taken", lambda n: n["spark1"].facts["ports"].update(
         {"30000": {"free": False, "owner": "pid 77 python3"}}),
      ("spark1", "port 30000 is already in use by pid 77 python3")),

@@ -1,59 +1,142 @@
-"""image.ship decisions against scripted engines: what is sent, when whole, when nothing."""
+"""image.ship against scripted engines that behave like the real ones where it matters.
 
+The fake node keeps the files staged on it, and a transfer pipeline is carried out the way the
+nodes would: the source's ``docker save`` is a real archive of the image (OCI or legacy layout),
+the staged ``save_filter.py`` runs on it with the staged layers and have files (after their
+sha256 checks), and the peer's ``docker load`` accepts a layer left out of the archive only when
+it holds that layer's whole chain, then tags the image with the config it was given."""
+
+import copy
+import hashlib
+import io
 import json
+import re
 import shlex
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
 
 import pytest
-from invoke import Config, Context
-from invoke import Result as RunResult
+import yaml
+from invoke import Config, Context, Result
 
 from sparkdeploy.config import load_profile
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.events import Progress
 from sparkdeploy.hosts import Host
-from sparkdeploy.results import Result, Status
+from sparkdeploy.results import Status
 from sparkdeploy.state import StateDir
 from sparkdeploy.steps import ship
+from tests.unit import test_save_filter as tsf
 from tests.unit.test_profile import SEED
 
-BASE = ["sha256:" + "1" * 64, "sha256:" + "2" * 64]
-TOP = "sha256:" + "3" * 64
-IMG = {"Id": "sha256:" + "c" * 64, "RootFS": {"Layers": BASE + [TOP]}, "Size": 3_000_000_000,
-       "Architecture": "arm64", "Os": "linux"}
-BASE_IMG = {"Id": "sha256:" + "b" * 64, "RootFS": {"Layers": BASE}, "Size": 2_000_000_000}
+ADDR = {"spark1": "192.168.100.10", "spark2": "192.168.100.11", "spark3": "192.168.100.12",
+        "spark4": "192.168.100.13"}
+SOCK = "unix:///var/run/docker.sock"
+
+
+def _layer(i: int) -> bytes:
+    return tsf.layer_tar(f"layer-{i}", (b"%d" % i) * (2000 + 500 * i))
+
+
+LAYERS = [_layer(i) for i in range(4)]
+DIFF = [tsf.sha(t) for t in LAYERS]
+
+
+def image(diff_ids: list[str], tag: str) -> dict:
+    config = json.dumps({"architecture": "arm64", "os": "linux",
+                         "rootfs": {"type": "layers", "diff_ids": diff_ids}}).encode()
+    return {"Id": tsf.sha(config), "RootFS": {"Layers": list(diff_ids)}, "Size": 1_000_000 * len(diff_ids),
+            "Architecture": "arm64", "Os": "linux", "_config": config, "_tag": tag}
+
+
+BASE_IMG = image(DIFF[:2], "base:1")
+IMG = image(DIFF[:3], "img:1")
+OTHER = image([DIFF[0], DIFF[3], DIFF[2]], "other:1")  # holds DIFF[2], but on another chain
 
 
 class Engine:
-    def __init__(self, images=None, containerd=False, refuse_partial=False, free=10**12):
-        self.images = dict(images or {})
+    def __init__(self, images=(), containerd=False, refuse_partial=False, free=10**12,
+                 layout="oci", python="3.11", load_rewrites_config=False, load_untagged=False):
+        self.images = {img["_tag"]: img for img in images}
         self.containerd = containerd
         self.refuse_partial = refuse_partial
         self.free = free
+        self.layout = layout
+        self.python = python
+        self.load_rewrites_config = load_rewrites_config
+        self.load_untagged = load_untagged
+        self.files: dict[str, bytes] = {}
+        self.loaded: list[str] = []  # archive members each load applied (layer paths)
+
+    def has_chain(self, chain: list[str]) -> bool:
+        return any(img["RootFS"]["Layers"][: len(chain)] == chain for img in self.images.values())
+
+    # -- docker save, as the real engine writes it ---------------------------------------------
+    def save(self, ref: str) -> bytes:
+        img = self.images[ref]
+        diff_ids = img["RootFS"]["Layers"]
+        tars = [LAYERS[DIFF.index(d)] for d in diff_ids]
+        if self.layout == "legacy":
+            (_, raw), _ = tsf.legacy_archive(tars, diff_ids, img["_config"], tag=ref)
+        else:
+            _, raw = tsf.oci_archive(dict(zip(diff_ids, tars, strict=True)), img["_config"],
+                                     ["blobs/sha256/" + d.split(":")[1] for d in diff_ids], tag=ref)
+        return raw
+
+    # -- docker load, with the classic store's chain rule -----------------------------------------
+    def load(self, raw: bytes) -> tuple[int, str]:
+        with tarfile.open(fileobj=io.BytesIO(raw)) as t:
+            members = {m.name.rstrip("/"): m for m in t.getmembers()}
+            manifest = json.loads(t.extractfile("manifest.json").read())[0]
+            config = t.extractfile(manifest["Config"]).read()
+            diff_ids = json.loads(config)["rootfs"]["diff_ids"]
+            missing = [p for p in manifest["Layers"] if p not in members]
+            if missing and (self.refuse_partial or self.containerd):
+                return 1, "Error processing tar file: unexpected EOF"
+            for i, (path, diff) in enumerate(zip(manifest["Layers"], diff_ids, strict=True)):
+                if path in members:
+                    m = members[path]
+                    if m.issym():
+                        m = members[str(Path(path).parent / m.linkname)]
+                    data = t.extractfile(m).read()
+                    assert tsf.sha(data) == diff, f"{path} is not layer {diff}"
+                    self.loaded.append(path)
+                elif not self.has_chain(diff_ids[: i + 1]):
+                    return 1, (f"open /var/lib/docker/tmp/docker-import-1/{path}: "
+                               "no such file or directory")
+        loaded = image(diff_ids, manifest["RepoTags"][0])
+        if self.load_rewrites_config:
+            loaded["Id"] = "sha256:" + "e" * 64
+        if not self.load_untagged:
+            self.images[loaded["_tag"]] = loaded
+        return 0, f"Loaded image: {loaded['_tag']}\n"
 
 
 class Ctx(Context):
-    """Answers docker/df commands per node; a transfer pipeline copies the image to the peer."""
+    """Answers the docker/df/python3 commands per node and carries out staging and pipelines."""
 
-    def __init__(self, engines):
-        super().__init__(Config(overrides={"run": {"dry": False}}))
+    def __init__(self, engines, dry=False):
+        super().__init__(Config(overrides={"run": {"dry": dry}}))
         self._set("engines", engines)
-        self._set("pipelines", [])
+        self._set("pipelines", [])  # (source, peer)
+        self._set("haves", [])  # what each filter run was told the peer has
 
     def run(self, command, **kw):
         full = shlex.split(command)
-        alias, argv = full[-2], shlex.split(full[-1])
         assert full[-3] == "--"
+        alias, argv = full[-2], shlex.split(full[-1])
         e = self.engines[alias]
         out, code, err = "", 0, ""
         if argv[:1] == ["docker"]:
+            assert argv[1:3] == ["-H", SOCK]
             argv = argv[3:]
         if argv[:2] == ["image", "inspect"]:
             ref = argv[-1]
             if argv[3] == "{{json .RootFS.Layers}}":
-                out = "".join(json.dumps(img["RootFS"]["Layers"]) + "\n"
-                              for img in {id(v): v for v in e.images.values()}.values())
+                out = "".join(json.dumps(img["RootFS"]["Layers"]) + "\n" for img in e.images.values())
             elif ref in e.images:
-                info = dict(e.images[ref])
+                info = {k: v for k, v in e.images[ref].items() if not k.startswith("_")}
                 if e.containerd:
                     info["Id"] = "sha256:" + "f" * 64  # the manifest digest, not the config's
                 out = json.dumps(info)
@@ -62,107 +145,203 @@ class Ctx(Context):
         elif argv[:2] == ["image", "ls"] and "-q" in argv:
             out = "\n".join(sorted({v["Id"] for v in e.images.values()}))
         elif argv[:2] == ["image", "ls"]:
-            out = "\n".join(r if ":" in r.rsplit("/", 1)[-1] else r + ":latest" for r in e.images)
+            out = "\n".join(e.images)
         elif argv[:1] == ["info"]:
             status = ([["driver-type", "io.containerd.snapshotter.v1"]] if e.containerd
                       else [["Backing Filesystem", "extfs"]])
             out = json.dumps({"DriverStatus": status, "DockerRootDir": "/var/lib/docker"})
         elif argv[:1] == ["history"]:
-            out = "0\n1000000000\n0\n1000000000\n1000000000\n"
+            out = "".join(f"{1_000_000_000}\n" for _ in e.images[argv[-1]]["RootFS"]["Layers"])
         elif argv[:1] == ["df"]:
             out = f"Filesystem 1-blocks Used Available Capacity Mounted\n/dev/x 1 1 {e.free} 1% /\n"
-        elif argv[:2] == ["sh", "-c"]:  # staging a helper: the node answers with its path
-            digest, name = argv[4], argv[5]
-            out = f"/tmp/sparkdeploy-stage-0/{digest}/{name}\n"
-        elif argv[:2] == ["bash", "-c"]:
-            script = argv[2]
-            self.pipelines.append((alias, script))
-            peer = next(n for n, en in self.engines.items()
-                        if f" {ADDR[n]} " in script)
-            partial = "save_filter.py" in script
-            if partial and self.engines[peer].refuse_partial:
-                code, err = 1, "Error processing tar file: unexpected EOF"
+        elif argv[:1] == ["python3"]:
+            if e.python is None:
+                code, err = 127, "sh: 1: python3: not found"
             else:
-                if kw.get("err_stream") is not None and partial:
-                    # save_filter's progress, as it arrives (split mid-line on purpose)
-                    for chunk in ("progress bytes_in=1000000000 byt", "es_out=0\n",
-                                  "progress bytes_in=3000000000 bytes_out=1000000000\n"):
-                        kw["err_stream"].write(chunk)
-                self.engines[peer].images["img:1"] = IMG
-                err = json.dumps({"bytes_in": 3_000_000_000,
-                                  "bytes_out": 1_000_000_000 if partial else 3_000_000_000})
+                out = e.python + "\n"
+        elif argv[:2] == ["sh", "-c"]:  # staging: the node writes the file and says where
+            digest, name, encoded = argv[4], argv[5], argv[6]
+            import base64
+
+            data = base64.b64decode(encoded)
+            assert hashlib.sha256(data).hexdigest() == digest
+            path = f"/tmp/sparkdeploy-stage-0/{digest}/{name}"
+            e.files[path] = data
+            out = path + "\n"
+        elif argv[:2] == ["bash", "-c"]:
+            code, err = self.pipeline(alias, argv[2])
         else:
             raise AssertionError(argv)
-        return RunResult(stdout=out, stderr=err, exited=code, command=command)
+        return Result(stdout=out, stderr=err, exited=code, command=command)
+
+    def pipeline(self, alias: str, script: str) -> tuple[int, str]:
+        src = self.engines[alias]
+        checks, _, body = script.rpartition("set -o pipefail; ")
+        for digest, path in re.findall(r"printf '([0-9a-f]{64})  (\S+)\\n' \| sha256sum", checks):
+            if hashlib.sha256(src.files.get(path, b"")).hexdigest() != digest:
+                return 97, f"{path} differs from its sha256: not run"
+        lex = shlex.shlex(body, posix=True, punctuation_chars="|")
+        lex.whitespace_split = True
+        stages, cur = [], []
+        for tok in lex:
+            if tok == "|":
+                stages.append(cur)
+                cur = []
+            else:
+                cur.append(tok)
+        stages.append(cur)
+        save, *middle, remote = stages
+        assert save[:3] == ["docker", "-H", SOCK] and save[3] == "save"
+        data = src.save(save[4])
+        stderr = ""
+        for st in middle:
+            if st[0] == "python3":
+                code, data, stderr = self.filter(src, st, data)
+                if code:
+                    return code, stderr
+            else:
+                assert st == ["zstd", "-q", "-T0", "-3", "-c"]
+        assert remote[:6] == ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "--"]
+        peer_name = next(n for n, a in ADDR.items() if a == remote[6])
+        want = "docker -H unix:///var/run/docker.sock load"
+        assert remote[7] in (want, "zstd -q -d -c | " + want)
+        assert ("zstd" in remote[7]) == any(st[0] == "zstd" for st in middle)
+        self.pipelines.append((alias, peer_name))
+        code, out = self.engines[peer_name].load(data)
+        return code, (stderr if code == 0 else out)
+
+    def filter(self, src: Engine, argv: list[str], data: bytes, tmp=None) -> tuple[int, bytes, str]:
+        """Run the staged filter with the staged lists, as the source node would."""
+        import tempfile
+
+        script, rest = argv[1], argv[2:]
+        with tempfile.TemporaryDirectory() as d:
+            local = []
+            for a in rest:
+                if a in src.files:
+                    p = Path(d) / Path(a).name
+                    p.write_bytes(src.files[a])
+                    local.append(str(p))
+                else:
+                    local.append(a)
+            f = Path(d) / "save_filter.py"
+            f.write_bytes(src.files[script])
+            have_file = rest[rest.index("--have-file") + 1]
+            self.haves.append(json.loads(src.files[have_file]))
+            cp = subprocess.run([sys.executable, str(f), *local], input=data, capture_output=True,
+                                timeout=60, check=False)
+        return cp.returncode, cp.stdout, cp.stderr.decode()
 
 
-ADDR = {"spark1": "192.168.100.10", "spark2": "192.168.100.11"}
+def profile_with(tmp_path, n_nodes: int):
+    d = yaml.safe_load(SEED.read_text())
+    nodes = d["sparkdeploy"]["nodes"]
+    for i in range(3, n_nodes + 1):
+        n = copy.deepcopy(nodes[1])
+        n["name"] = f"spark{i}"
+        n["ssh"] = f"spark{i}"
+        n["link"]["address"] = ADDR[f"spark{i}"]
+        nodes.append(n)
+    for e in d["sparkdeploy"]["engines"]:
+        e["tensor_parallel"] = n_nodes
+    p = tmp_path / "p.yaml"
+    p.write_text(yaml.safe_dump(d))
+    return p
 
 
 @pytest.fixture
 def make(tmp_path):
-    def _make(peer_engine):
-        ctx = Ctx({"spark1": Engine({"img:1": IMG, "base:1": BASE_IMG}), "spark2": peer_engine})
-        prof = load_profile(SEED)
-        state = StateDir(tmp_path)
+    def _make(*peers: Engine, source: Engine | None = None, dry: bool = False):
+        engines = {"spark1": source or Engine([IMG, BASE_IMG])}
+        for i, e in enumerate(peers):
+            engines[f"spark{i + 2}"] = e
+        ctx = Ctx(engines, dry=dry)
+        path = profile_with(tmp_path, len(engines)) if len(engines) > 2 else SEED
+        prof = load_profile(path)
+        state = StateDir(tmp_path / "state")
         hosts = {n.name: Host(n, prof.ssh, ctx, state) for n in prof.nodes}
-        return Deployment(prof, str(SEED), state, hosts), ctx
+        return Deployment(prof, str(path), state, hosts, dry=dry), ctx
     return _make
 
 
-def test_peer_with_the_base_gets_only_the_top_layer(make):
-    dep, ctx = make(Engine({"base:1": BASE_IMG}))
-    with dep.events.collect() as events:
-        [res] = ship.ship(dep, "spark2", "img:1")
-    # progress as the source reads the image, then the result, each once, on the stream
-    assert [e for e in events if isinstance(e, Progress)] == [
-        Progress("image.ship", "spark2", 1_000_000_000, 3_000_000_000, "B", "from spark1"),
-        Progress("image.ship", "spark2", 3_000_000_000, 3_000_000_000, "B", "from spark1")]
-    assert [e for e in events if isinstance(e, Result)] == [res]
+@pytest.mark.parametrize("layout", ["oci", "legacy"])
+def test_peer_with_the_base_gets_only_the_top_layer(make, layout):
+    peer = Engine([BASE_IMG])
+    dep, ctx = make(peer, source=Engine([IMG, BASE_IMG], layout=layout))
+    [res] = ship.ship(dep, "spark2", "img:1")
     assert res.status is Status.CHANGED, res.why
     assert res.details["mode"] == "partial" and res.details["layers_skipped"] == 2
-    [(alias, script)] = ctx.pipelines
-    assert alias == "spark1" and "save_filter.py" in script and "--have-file" in script
-    assert "1000 MB of 3000 MB" in res.why
+    assert ctx.haves == [DIFF[:2]]  # the staged have-file the filter read: the present prefix
+    assert ctx.pipelines == [("spark1", "spark2")]
+    assert len(peer.loaded) == 1  # only the top layer crossed
+    assert peer.images["img:1"]["Id"] == IMG["Id"]
+    assert res.details["bytes_out"] < res.details["bytes_in"]
+
+
+def test_a_layer_held_on_another_chain_is_still_sent(make):
+    """The peer holds DIFF[0] and DIFF[2] but not DIFF[1]: only the first layer is skipped."""
+    peer = Engine([OTHER])
+    dep, ctx = make(peer)
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.CHANGED, res.why
+    assert res.details["mode"] == "partial" and res.details["layers_skipped"] == 1
+    assert ctx.haves == [DIFF[:1]]
+    assert len(peer.loaded) == 2
+    assert peer.images["img:1"]["RootFS"]["Layers"] == DIFF[:3]
+
+
+def test_layers_held_but_not_as_one_chain_are_sent(make):
+    """The peer holds DIFF[0] (base image) and DIFF[1] (on another chain): only DIFF[0] is
+    skipped, as docker load needs the chain DIFF[0], DIFF[1] to skip DIFF[1]."""
+    peer = Engine([image(DIFF[:1], "a:1"), image([DIFF[3], DIFF[1]], "b:1")])
+    dep, ctx = make(peer)
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.CHANGED, res.why
+    assert res.details["mode"] == "partial" and res.details["layers_skipped"] == 1
+    assert ctx.haves == [DIFF[:1]] and len(ctx.pipelines) == 1
 
 
 def test_empty_peer_gets_the_whole_image_without_the_filter(make):
-    dep, ctx = make(Engine())
+    peer = Engine()
+    dep, ctx = make(peer)
     [res] = ship.ship(dep, "spark2", "img:1")
-    assert res.details["mode"] == "full"
-    assert "save_filter.py" not in ctx.pipelines[0][1]
+    assert res.status is Status.CHANGED and res.details["mode"] == "full"
+    assert ctx.haves == [] and len(peer.loaded) == 3
     assert "(the peer has none of its layers)" in res.why
 
 
 def test_peer_that_has_the_image_is_ok_and_nothing_is_sent(make):
-    dep, ctx = make(Engine({"img:1": IMG}))
+    dep, ctx = make(Engine([IMG]))
     [res] = ship.ship(dep, "spark2", "img:1")
     assert res.status is Status.OK
     assert ctx.pipelines == []
 
 
 def test_containerd_peer_gets_the_whole_archive(make):
-    dep, ctx = make(Engine({"base:1": BASE_IMG}, containerd=True))
+    peer = Engine([BASE_IMG], containerd=True)
+    dep, ctx = make(peer)
     [res] = ship.ship(dep, "spark2", "img:1")
     assert res.status is Status.CHANGED, res.why
-    assert res.details["mode"] == "full"
-    assert "containerd image store" in res.why
-    assert "save_filter.py" not in ctx.pipelines[0][1]
+    assert res.details["mode"] == "full" and "containerd image store" in res.why
+    assert ctx.haves == []
 
 
 def test_peer_refusing_the_partial_archive_gets_a_full_one(make):
-    dep, ctx = make(Engine({"base:1": BASE_IMG}, refuse_partial=True))
+    peer = Engine([BASE_IMG], refuse_partial=True)
+    dep, ctx = make(peer)
     [res] = ship.ship(dep, "spark2", "img:1")
     assert res.status is Status.CHANGED
-    assert [("save_filter.py" in s) for _, s in ctx.pipelines] == [True, False]
+    assert ctx.haves == [DIFF[:2]] and len(ctx.pipelines) == 2
     assert "the peer refused the partial archive" in res.why and "sent it whole" in res.why
+    assert res.details["mode"] == "full"
 
 
 def test_not_enough_disk_fails_before_sending(make):
-    dep, ctx = make(Engine(free=10**9))
+    dep, ctx = make(Engine([BASE_IMG], free=10**9))
     [res] = ship.ship(dep, "spark2", "img:1")
     assert res.status is Status.FAILED
-    assert res.why.startswith("spark2 has 1.0 GB free in /var/lib/docker, needs about 6.0 GB")
+    # one missing layer of 1 GB: the archive lands in a temp dir, then is applied
+    assert res.why == "spark2 has 1.0 GB free in /var/lib/docker, needs about 2.0 GB for img:1"
     assert ctx.pipelines == []
 
 
@@ -170,3 +349,77 @@ def test_missing_source_image_fails(make):
     dep, _ = make(Engine())
     [res] = ship.ship(dep, "spark2", "nope:1")
     assert res.status is Status.FAILED and res.why == "spark1 has no image nope:1"
+
+
+def test_a_load_with_another_config_fails_the_ship(make):
+    """Same diff IDs, other config digest: only the post-transfer check can tell."""
+    dep, _ = make(Engine([BASE_IMG], load_rewrites_config=True))
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.FAILED
+    assert res.why == (f"after the transfer: config digest differs: source {IMG['Id']}, "
+                       f"spark2 sha256:{'e' * 64}")
+
+
+def test_a_load_that_tags_nothing_fails_the_ship(make):
+    dep, _ = make(Engine([BASE_IMG], load_untagged=True))
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.FAILED and res.why == "after the transfer: spark2 has no img:1"
+
+
+def test_dry_run_sends_nothing(make):
+    peer = Engine([BASE_IMG])
+    dep, ctx = make(peer, dry=True)
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.SKIPPED
+    assert res.why.startswith("would send img:1 from spark1 to spark2: 2 of 3 layers already there")
+    assert ctx.pipelines == [] and peer.files == {} and "img:1" not in peer.images
+
+
+def test_later_peers_ship_from_earlier_ones(make):
+    peers = [Engine(), Engine(), Engine()]
+    dep, ctx = make(*peers)
+    results = ship.ship(dep, "all", "img:1")
+    assert [r.status for r in results] == [Status.CHANGED] * 3
+    # spark2 from the head; then spark3 from the head and spark4 from spark2, at once
+    assert sorted(ctx.pipelines) == [("spark1", "spark2"), ("spark1", "spark3"), ("spark2", "spark4")]
+    assert {r.node: r.details["source"] for r in results} == {
+        "spark2": "spark1", "spark3": "spark1", "spark4": "spark2"}
+    assert all(p.images["img:1"]["Id"] == IMG["Id"] for p in peers)
+
+
+def test_an_old_python_on_the_source_sends_the_image_whole_and_says_why(make):
+    peer = Engine([BASE_IMG])
+    dep, ctx = make(peer, source=Engine([IMG, BASE_IMG], python="3.6"))
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.CHANGED and res.details["mode"] == "full"
+    assert "(spark1 has python3 3.6, save_filter.py needs 3.8+)" in res.why
+    assert ctx.haves == [] and len(peer.loaded) == 3
+
+
+def test_no_python_on_the_source_sends_the_image_whole(make):
+    dep, _ = make(Engine([BASE_IMG]), source=Engine([IMG, BASE_IMG], python=None))
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.details["mode"] == "full" and "(spark1 has no python3, save_filter.py needs 3.8+)" in res.why
+
+
+def test_a_staged_filter_changed_on_the_source_is_not_run(make, monkeypatch):
+    src = Engine([IMG, BASE_IMG])
+    peer = Engine([BASE_IMG])
+    dep, ctx = make(peer, source=src)
+    real_stage = ship.stage_script
+
+    def stage_then_tamper(host, name):
+        path = real_stage(host, name)
+        src.files[path] += b"\nimport os  # someone else's line\n"
+        return path
+
+    monkeypatch.setattr(ship, "stage_script", stage_then_tamper)
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.FAILED and res.node == "spark1"
+    assert res.why.startswith("spark1: /tmp/sparkdeploy-stage-0/")
+    assert res.why.endswith("/save_filter.py differs from its sha256: not run")
+    assert ctx.haves == [] and ctx.pipelines == [] and "img:1" not in peer.images
+
+
+def test_the_ship_checks_the_python_the_filter_states():
+    assert ship.FILTER_PYTHON == tsf.sf.MIN_PYTHON

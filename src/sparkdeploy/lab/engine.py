@@ -18,6 +18,8 @@ DOCKER26_DOCKERD = DOCKER26_DIR / "usr" / "sbin" / "dockerd"
 TRIXIE_APT = layout.CACHE_DIR / "apt-trixie"
 CLASSIC_DOCKERD = "/usr/sbin/dockerd"
 SNAPSHOTTER_DRIVER = "io.containerd.snapshotter.v1"
+NVIDIA_RUNTIME = f"{layout.STANDIN_DIR}/bin/nvidia-container-runtime"
+"""The ``nvidia`` runtime stand-in (inside the node's mount namespace)."""
 
 
 def debian_mirror(sources: Path = Path("/etc/apt/sources.list.d/debian.sources")) -> str:
@@ -134,7 +136,8 @@ def dockerd_argv(node: str, mntns: Path, netns: Path, engine: str) -> list[str]:
             "--pidfile", str(layout.node_dir(node) / "run" / "docker.pid"),
             "-H", f"unix://{layout.docker_socket(node)}",
             "--storage-driver", storage_driver(engine),
-            "--iptables=false", "--ip-masq=false", "--bridge=none"]
+            "--iptables=false", "--ip-masq=false", "--bridge=none",
+            "--add-runtime", f"nvidia={NVIDIA_RUNTIME}"]
     if engine == "containerd":
         argv += ["--containerd", containerd_socket(node, engine)]
     return in_node(mntns, netns, argv)
@@ -164,7 +167,10 @@ def start_dockerd(node: str, mntns: Path, netns: Path, engine: str) -> dict:
 def _env() -> dict[str, str]:
     # bookworm's containerd and runc first (trixie's runc needs a newer glibc)
     env = {k: v for k, v in os.environ.items() if k in ("LANG", "LC_ALL", "TZ")}
-    env["PATH"] = "/usr/bin:/usr/sbin:/bin:/sbin:" + str(DOCKER26_DIR / "usr" / "bin")
+    # the node's stand-ins last: nvidia-container-runtime-hook on dockerd's PATH is what makes
+    # dockerd accept `docker run --gpus ...` (see standins/nvidia-container-runtime-hook)
+    env["PATH"] = ("/usr/bin:/usr/sbin:/bin:/sbin:" + str(DOCKER26_DIR / "usr" / "bin")
+                   + f":{layout.STANDIN_DIR}/bin")
     env["HOME"] = "/root"
     return env
 

@@ -313,7 +313,7 @@ def _before(dep: Deployment, engines: list[Engine]) -> Result | None:
     return None
 
 
-@step(STEP_UP, needs=("services.stop", "image.ship"))
+@step(STEP_UP, needs=("services.stop", "image.ship", "model.verify"))
 def up(dep: Deployment, engine: str | None = None) -> list[Result]:
     """Bring the model up across the nodes, falling back to the next engine on a failure."""
     engines = _order(dep, engine)

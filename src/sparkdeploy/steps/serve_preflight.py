@@ -64,8 +64,40 @@ def node_facts(dep: Deployment, host: Host, ports: list[int], peers: list[str]) 
     raise HostError(f"{host.name}: {HELPER} facts failed: {r.one_line_error()}")
 
 
+def _check_verified(dep: Deployment, host: Host, meta: dict[str, Any], pf: Preflight) -> None:
+    """Every file of the model verified on the node, by ``model.verify``'s records (quick: no
+    hashing here; a file changed since it was verified counts as not verified)."""
+    from sparkdeploy.steps import model
+
+    try:
+        state = model.node_state(dep, host, model.stage_for(host, meta), quick=True,
+                                 step_name=STEP)
+    except model.ModelError as e:
+        pf.fail(host.name, str(e).removeprefix(f"{host.name}: "))
+        return
+    bad = state["missing"] + list(state["differ"])
+    if bad:
+        pf.fail(host.name, f"weights not verified in {dep.profile.model.path}: "
+                f"{model.describe_bad(state)} (model.verify, model.sync)")
+    elif state["unchecked"]:
+        pf.fail(host.name, f"weights not verified in {dep.profile.model.path}: "
+                f"{len(state['unchecked'])} file(s) never verified (model.verify --node {host.name})")
+
+
+def model_metadata(dep: Deployment) -> tuple[dict[str, Any] | None, str]:
+    """The model's file list as ``model.download`` cached it (the hub when nothing is cached);
+    (None, why) when neither answers: then the weights are checked for presence only."""
+    from sparkdeploy.steps import model
+
+    try:
+        meta, _ = model.metadata(dep, refresh=False)
+        return meta, ""
+    except model.ModelError as e:
+        return None, str(e)
+
+
 def _check_node(dep: Deployment, engine: Engine, host: Host, got: dict[str, Any],
-                pf: Preflight) -> None:
+                pf: Preflight, meta: dict[str, Any] | None) -> None:
     node = dep.profile.node(host.name)
     link = node.link
     iface = got["iface"]
@@ -88,6 +120,8 @@ def _check_node(dep: Deployment, engine: Engine, host: Host, got: dict[str, Any]
     model = got.get("model") or {}
     if not model.get("present"):
         pf.fail(host.name, f"weights missing in {dep.profile.model.path}: {model.get('why')}")
+    elif meta is not None:
+        _check_verified(dep, host, meta, pf)
     for addr, res in got["peers"].items():
         if not res.get("reachable"):
             peer = next((n.name for n in dep.profile.nodes if n.link.address == addr), addr)
@@ -139,13 +173,14 @@ def run(dep: Deployment, engine: Engine, lau: Launch) -> Preflight:
 
     with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
         gathered = list(pool.map(one, hosts))
+    meta, why = model_metadata(dep)
     reachable = []
     for h, got in gathered:
         if isinstance(got, str):
             pf.fail(h.name, got)
             continue
         reachable.append(h)
-        _check_node(dep, engine, h, got, pf)
+        _check_node(dep, engine, h, got, pf, meta)
         _check_gpu(h, pf)
     if len(reachable) == len(hosts):
         try:
@@ -154,6 +189,6 @@ def run(dep: Deployment, engine: Engine, lau: Launch) -> Preflight:
             pf.fail(e.node, f"unreachable: {e.why}")
     if not pf.problems:
         ship = f"; image to ship to {', '.join(pf.ship_to)}" if pf.ship_to else ""
-        pf.problems = []
-        dep.report(ok(STEP, f"{len(hosts)} node(s) ready for {engine.name}{ship}"))
+        weights = "weights verified" if meta is not None else f"weights present (not verified: {why})"
+        dep.report(ok(STEP, f"{len(hosts)} node(s) ready for {engine.name}: {weights}{ship}"))
     return pf

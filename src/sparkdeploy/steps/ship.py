@@ -32,6 +32,10 @@ from sparkdeploy.steps.registry import step
 
 STEP = "image.ship"
 CONTAINERD = "io.containerd.snapshotter.v1"
+FILTER_PYTHON = (3, 8)
+"""The oldest python3 scripts/save_filter.py runs on (checked on the source before shipping)."""
+STAGED_CHANGED = 97
+"""Exit status of a pipeline whose staged helper no longer matches its sha256 (not run)."""
 
 
 @dataclass
@@ -40,7 +44,8 @@ class Engine:
 
     containerd_store: bool
     root_dir: str
-    have: set[str] = field(default_factory=set)
+    chains: list[list[str]] = field(default_factory=list)
+    """The layer list (diff IDs, base first) of every image the engine holds."""
 
 
 def engine_facts(host: Host) -> Engine:
@@ -53,20 +58,20 @@ def engine_facts(host: Host) -> Engine:
     return Engine(containerd, info.get("DockerRootDir") or "/var/lib/docker", layers_on(host))
 
 
-def layers_on(host: Host) -> set[str]:
-    """Every diff ID of every image the node's engine holds."""
+def layers_on(host: Host) -> list[list[str]]:
+    """The layer list of every image the node's engine holds."""
     ids = host.run(docker(host, "image", "ls", "-a", "-q", "--no-trunc"), change=False)
     uniq = sorted({x for x in ids.stdout.split() if x}) if ids.ok else []
     if not uniq:
-        return set()
+        return []
     r = host.run(docker(host, "image", "inspect", "--format", "{{json .RootFS.Layers}}", *uniq),
                  change=False)
-    have: set[str] = set()
+    chains: list[list[str]] = []
     for line in r.stdout.splitlines():
         line = line.strip()
         if line and line != "null":
-            have.update(json.loads(line))
-    return have
+            chains.append(json.loads(line))
+    return chains
 
 
 def layer_sizes(host: Host, ref: str, layers: list[str], total: int) -> list[int]:
@@ -89,15 +94,30 @@ def free_bytes(host: Host, path: str) -> int | None:
     return int(rows[-1].split()[3]) if len(rows) >= 2 else None
 
 
-def have_prefix(layers: list[str], have: set[str]) -> int:
-    """How many leading layers the peer has (docker load skips a layer only if its whole chain
-    is there)."""
-    n = 0
-    for d in layers:
-        if d not in have:
-            break
-        n += 1
-    return n
+def python_version(host: Host) -> tuple[int, int] | None:
+    """The node's ``python3`` version, or None when it has none that runs."""
+    r = host.run(["python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                 change=False)
+    try:
+        major, minor = r.stdout.strip().split(".")
+        return (int(major), int(minor)) if r.ok else None
+    except ValueError:
+        return None
+
+
+def have_prefix(layers: list[str], chains: list[list[str]]) -> int:
+    """How many leading layers the peer holds as one chain: docker load skips a layer only when
+    the peer has the layer's whole chain (every layer below it, in order), so the prefix is the
+    longest one an image on the peer shares with ``layers``."""
+    best = 0
+    for chain in chains:
+        n = 0
+        for mine, theirs in zip(layers, chain, strict=False):
+            if mine != theirs:
+                break
+            n += 1
+        best = max(best, n)
+    return best
 
 
 def pipeline(src: Host, peer: Host, ref: str, filter_path: str | None, layers_file: str | None,
@@ -166,7 +186,16 @@ def _ship_one(dep: Deployment, src: Host, peer: Host, ref: str, src_info: dict) 
     layers = src_info["RootFS"]["Layers"]
     if verify(peer, ref, src_info, facts.containerd_store) is None:
         return ok(STEP, f"{peer.name} already has {ref} ({src_info['Id'][:19]})", peer.name)
-    prefix = 0 if facts.containerd_store else have_prefix(layers, facts.have)
+    prefix = 0 if facts.containerd_store else have_prefix(layers, facts.chains)
+    old_python = ""
+    if prefix:
+        # the filter runs on the source: its python3 must be new enough (else: send it whole)
+        py = python_version(src)
+        if py is None or py < FILTER_PYTHON:
+            have = "no python3" if py is None else f"python3 {py[0]}.{py[1]}"
+            old_python = (f"{src.name} has {have}, save_filter.py needs "
+                          f"{FILTER_PYTHON[0]}.{FILTER_PYTHON[1]}+")
+            prefix = 0
     sizes = layer_sizes(src, ref, layers, int(src_info.get("Size") or 0))
     missing = sum(sizes[prefix:])
     free = free_bytes(peer, facts.root_dir)
@@ -175,7 +204,7 @@ def _ship_one(dep: Deployment, src: Host, peer: Host, ref: str, src_info: dict) 
         return failed(STEP, f"{peer.name} has {free / 1e9:.1f} GB free in {facts.root_dir}, needs "
                       f"about {need / 1e9:.1f} GB for {ref}", peer.name)
     why_full = ("the peer uses the containerd image store" if facts.containerd_store
-                else "the peer has none of its layers" if prefix == 0 else "")
+                else old_python or ("the peer has none of its layers" if prefix == 0 else ""))
     if dep.dry:
         return skipped(STEP, f"would send {ref} from {src.name} to {peer.name}: "
                        + (f"{prefix} of {len(layers)} layers already there, ~{missing / 1e6:.0f} MB"
@@ -201,6 +230,8 @@ def _ship_one(dep: Deployment, src: Host, peer: Host, ref: str, src_info: dict) 
     report = _report(r.stderr)
     mode = "partial" if prefix else "full"
     note = ""
+    if r.exit_code == STAGED_CHANGED:
+        return failed(STEP, f"{src.name}: {r.one_line_error()}", src.name)
     if not r.ok and prefix:
         # a peer that refuses the partial archive gets the whole one
         note = f"; the peer refused the partial archive ({r.one_line_error()}), sent it whole"

@@ -5,7 +5,7 @@ import sys
 from invoke import Collection
 from invoke.exceptions import Exit
 
-from sparkdeploy.lab import layout, lifecycle
+from sparkdeploy.lab import faults, layout, lifecycle
 from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks._common import render
 from sparkdeploy.tasks._flags import task
@@ -44,4 +44,13 @@ def down(c):
     render(lifecycle.down(), "lab.down")
 
 
-ns = Collection("lab", up, status, down)
+@task(help={"name": "sglang-hang (SGLang's ranks hang in init even when all is right), "
+                    "or none to clear every fault"})
+def fault(c, name):
+    """Force a failure the lab's stand-ins show until `inv lab.fault none` (lasts across lab.up)."""
+    if name != "none" and name not in faults.FAULTS:
+        raise flags.usage("NAME", f"unknown fault {name!r} (one of none, {', '.join(faults.FAULTS)})")
+    render(faults.set_fault(name), "lab.fault")
+
+
+ns = Collection("lab", up, status, down, fault)

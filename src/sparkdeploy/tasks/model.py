@@ -1,10 +1,11 @@
 """`inv model.*`: download the weights on the head, verify them, sync them to the workers."""
 
-from invoke import Collection, task
+from invoke import Collection
 
 from sparkdeploy.steps import model as model_step
 from sparkdeploy.steps import model_sync
 from sparkdeploy.tasks._common import run_step
+from sparkdeploy.tasks._flags import task
 
 
 def _own_lock(fn, name):

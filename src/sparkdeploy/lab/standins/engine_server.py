@@ -13,9 +13,28 @@ Entry points (what the image shims call)
 ``sglang_main(argv=None)``
     ``python3 -m sglang.launch_server ...``: takes SGLang's flags (``--model-path --tp[-size]
     --nnodes --node-rank --dist-init-addr --host --port --trust-remote-code ...``; unknown flags
-    tolerated). With ``--nnodes`` > 1 it hangs forever in "NCCL init" (NCCL-style log lines, port
-    never opened) unless ``SPARKDEPLOY_STANDIN_SGLANG_MULTINODE=ok``; then rank 0 serves and the
-    other ranks block like SGLang's non-zero ranks. A shim ``sglang/launch_server.py``::
+    tolerated). With ``--nnodes`` > 1 the ranks really meet: rank 0 listens on
+    ``--dist-init-addr`` (the port the head's "init port" probe sees open), the others connect
+    (c10d-style retries and timeouts) and they exchange, per rank, the address it advertises
+    (``SGLANG_HOST_IP``, ``HOST_IP``, the NIC in ``SGLANG_LOCAL_IP_NIC``, else the default
+    route's source address: in the lab, the management address) and its address on the fast
+    link (the local end of its connection to ``--dist-init-addr``). NCCL's choices follow the
+    node and the environment (``nccl_plan``: ``NCCL_SOCKET_IFNAME``, ``NCCL_IB_HCA``,
+    ``NCCL_IB_DISABLE``, ``NCCL_IB_GID_INDEX`` against ``/sys/class/infiniband``). Then:
+
+    - all right: ``Init torch distributed ends``, the model directory's files are read, rank 0
+      serves the API, the other ranks stay (silent); a rank that dies later leaves a
+      half-cluster: rank 0 answers ``/health`` 503 and never answers a request;
+    - a rank advertising an address other than its fast-link one, or the lab fault
+      ``sglang-hang`` (``faults.json`` in the node's lab view): every rank's last line is
+      ``CustomAllreduce is disabled because this process group spans across nodes.``, then
+      silence until killed (SGLang's cross-node message queue never connects);
+    - a misconfigured link: no matching socket interface or a GID index that is not the fast
+      link's RoCE v2 IPv4 entry (NCCL WARN, the rank exits 1, its peers wait silently); no
+      usable RoCE device with sockets on another network (``NET/IB : No device found.``,
+      ``NET/Socket : Using ...``, a connect retry line every 30 s).
+
+    A shim ``sglang/launch_server.py``::
 
         import sys; sys.path.insert(0, "/opt/standin")
         from engine_server import sglang_main
@@ -76,6 +95,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 ENV = "SPARKDEPLOY_STANDIN_"
 FAULT_KINDS = ("http500", "close", "stall")
@@ -247,6 +267,12 @@ class State:
         self.served = 0
         self.faulted: dict[str, int] = {k: 0 for k in FAULT_KINDS}
         self.active = 0
+        self.lost: threading.Event | None = None
+        """Set when a peer rank died (multi-node SGLang): the half-cluster serves nothing."""
+
+    @property
+    def broken(self) -> bool:
+        return self.lost is not None and self.lost.is_set()
 
     def next_request(self) -> tuple[int, FaultRule | None]:
         with self.lock:
@@ -386,7 +412,9 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802
         path = self.path.split("?", 1)[0]
         st = self.server.state
-        if path == "/health":
+        if path == "/health" and st.broken:
+            self._error(503, "scheduler is not responding: a peer rank is gone", "ServiceUnavailable")
+        elif path == "/health":
             self.send_response(200)
             self.send_header("Content-Length", "0")
             self.end_headers()
@@ -437,6 +465,8 @@ class Handler(BaseHTTPRequestHandler):
         if not chat and "prompt" not in body:
             self._error(400, "'prompt' is required")
             return
+        if st.broken:  # a rank died: requests are accepted and never answered
+            _silence()
         _n, rule = st.next_request()
         try:
             self._answer(chat, body, arrival, rule)
@@ -630,17 +660,21 @@ def make_server(cfg: Config) -> StandinServer:
             holder.close()
 
 
-def run_server(cfg: Config) -> int:
-    """Startup (faults, load time), bind, log readiness, serve until interrupted."""
+def run_server(cfg: Config, lost: threading.Event | None = None) -> int:
+    """Startup (faults, load time), bind, log readiness, serve until interrupted. ``lost``: set
+    when a peer rank dies (the server then answers /health 503 and never answers a request)."""
     # many handler threads wake at the same instant (64 streams in lockstep): a short GIL
     # switch interval keeps each one's wait for the interpreter, hence its lateness, small
     sys.setswitchinterval(float(os.environ.get(ENV + "SWITCH_INTERVAL_S", "0.0002")))
+    if cfg.startup_fault != "oom":
+        hold_gpu({"vllm": "VLLM::EngineCore"}.get(cfg.engine, "python3"))
     try:
         _startup(cfg)
         srv = make_server(cfg)
     except StandinError as e:
         print(str(e), file=sys.stderr, flush=True)
         return 1
+    srv.state.lost = lost
     ready = {
         "vllm": f"Starting vLLM API server on http://{cfg.host}:{srv.port}",
         "sglang": "The server is fired up and ready to roll!",
@@ -680,7 +714,354 @@ def main(argv: list[str] | None = None) -> int:
     return run_server(cfg)
 
 
+# --- what a node offers an engine (lab stand-ins of a Spark's network and RoCE devices) --------
+
+LAB_VIEW = os.environ.get(ENV + "LAB_DIR", "/run/sparkdeploy-lab")
+"""What the lab's NVIDIA runtime stand-in mounts into GPU containers: ``faults.json``."""
+SYSFS_IB = os.environ.get(ENV + "SYSFS_IB", "/sys/class/infiniband")
+NCCL_VERSION = "2.27.7"
+SIOCGIFADDR = 0x8915
+
+
+def lab_faults(view: str | None = None) -> set[str]:
+    """The faults the lab forces (``inv lab.fault NAME``), from the node's lab view."""
+    try:
+        data = json.loads(Path(view or LAB_VIEW, "faults.json").read_text())
+    except (OSError, ValueError):
+        return set()
+    return {str(f) for f in data.get("faults", [])} if isinstance(data, dict) else set()
+
+
+def hold_gpu(name: str, view: str | None = None) -> bool:
+    """Say this container's engine now holds the GPU (a CUDA context, weights): the node's
+    nvidia-smi lists the container's main process under ``name`` from then on. Only inside a
+    GPU container of the lab (the runtime hook mounts ``gpu/``); False elsewhere."""
+    d = Path(view or LAB_VIEW, "gpu")
+    if not d.is_dir():
+        return False
+    try:
+        (d / "cuda").write_text(name + "\n")
+    except OSError:
+        return False
+    return True
+
+
+def interfaces() -> list[tuple[str, str | None]]:
+    """(name, IPv4 address or None) of this network namespace's interfaces, in kernel order."""
+    import fcntl  # noqa: PLC0415  (Linux only)
+    import struct  # noqa: PLC0415
+
+    out = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _index, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+                out.append((name, socket.inet_ntoa(raw[20:24])))
+            except OSError:
+                out.append((name, None))
+    return out
+
+
+def ip_by_remote() -> str | None:
+    """The source address of the default route (what SGLang and vLLM get by a UDP connect to
+    a public resolver: no packet is sent); None without a default route."""
+    for host in ("8.8.8.8", "2001:4860:4860::8888"):
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                               socket.SOCK_DGRAM) as s:
+                s.connect((host, 80))
+                return s.getsockname()[0]
+        except OSError:
+            continue
+    return None
+
+
+def sglang_host_ip(env: dict, ifaces: list[tuple[str, str | None]], by_remote) -> str:
+    """The address a rank advertises to its peers, as SGLang picks it (``get_local_ip_auto``):
+    ``SGLANG_HOST_IP``, ``HOST_IP``, the NIC named by ``SGLANG_LOCAL_IP_NIC``, the default
+    route's source address, else ``0.0.0.0``."""
+    ip = env.get("SGLANG_HOST_IP") or env.get("HOST_IP")
+    if ip:
+        return ip
+    nic = env.get("SGLANG_LOCAL_IP_NIC")
+    if nic:
+        for name, addr in ifaces:
+            if name == nic and addr and addr not in ("127.0.0.1", "0.0.0.0"):
+                return addr
+    return by_remote() or "0.0.0.0"
+
+
+def nccl_select(spec: str | None, names: list[str]) -> list[str]:
+    """NCCL's interface/HCA filter: ``a,b`` (prefixes), ``=a,b`` (exact), ``^a`` (exclude);
+    a ``:port`` suffix on an HCA is ignored here (the lab's HCAs have port 1 only)."""
+    if not spec:
+        return list(names)
+    exclude = spec.startswith("^")
+    spec = spec.lstrip("^")
+    exact = spec.startswith("=")
+    wants = [w.split(":", 1)[0] for w in spec.lstrip("=").split(",") if w]
+
+    def hit(n: str) -> bool:
+        return any(n == w if exact else n.startswith(w) for w in wants)
+
+    return [n for n in names if hit(n) != exclude]
+
+
+def read_hcas(root: str | None = None) -> dict[str, dict]:
+    """RoCE devices from sysfs: name -> {state, netdev, gids: {i: gid}, types: {i: type}}."""
+    base = Path(root or SYSFS_IB)
+    out: dict[str, dict] = {}
+    try:
+        names = sorted((p.name for p in base.iterdir()), key=str.lower)  # ibv device order
+    except OSError:
+        return out
+    for name in names:
+        port = base / name / "ports" / "1"
+        info: dict = {"state": "", "netdev": "", "gids": {}, "types": {}}
+        try:
+            info["state"] = (port / "state").read_text().strip()
+        except OSError:
+            pass
+        try:
+            info["netdev"] = sorted(p.name for p in (base / name / "device" / "net").iterdir())[0]
+        except (OSError, IndexError):
+            pass
+        for kind, sub in (("gids", port / "gids"), ("types", port / "gid_attrs" / "types")):
+            try:
+                for f in sub.iterdir():
+                    if f.name.isdigit():
+                        info[kind][int(f.name)] = f.read_text().strip()
+            except OSError:
+                pass
+        out[name] = info
+    return out
+
+
+def v4_mapped_gid(ip: str) -> str:
+    a, b, c, d = (int(x) for x in ip.split("."))
+    return f"0000:0000:0000:0000:0000:ffff:{a << 8 | b:04x}:{c << 8 | d:04x}"
+
+
+@dataclass
+class LinkPlan:
+    """What NCCL would do on this node with this environment (``nccl_plan``)."""
+
+    socket_if: str | None  # NCCL's OOB/bootstrap interface, None: none found
+    socket_ip: str | None
+    net: str  # "IB" | "Socket"
+    hcas: list[str]
+    problem: str = ""  # "" | "no-socket-if" | "gid" | "other-network"
+    detail: str = ""
+
+
+def nccl_plan(env: dict, ifaces: list[tuple[str, str | None]], hcas: dict[str, dict],
+              link_ip: str) -> LinkPlan:
+    """Which interface and transport NCCL picks, and whether that reaches the peer over the
+    fast link (the interface holding ``link_ip``, the rank's address toward --dist-init-addr).
+
+    - ``NCCL_SOCKET_IFNAME`` matching no interface: NCCL fails (``no socket interface found``);
+    - unset: the first interface with an address that is not ``lo``/``docker*`` (as NCCL);
+    - IB: the Up RoCE devices passing ``NCCL_IB_HCA`` unless ``NCCL_IB_DISABLE=1``; none:
+      sockets; with ``NCCL_IB_GID_INDEX`` set, that GID must be RoCE v2 and the fast link's
+      IPv4-mapped address, else queue pairs never connect;
+    - sockets on an interface other than the fast link: the peer is not reached there (the
+      stand-in models the Spark's other networks, LAN and Wi-Fi, as not reaching the peer)."""
+    spec = env.get("NCCL_SOCKET_IFNAME")
+    with_addr = [(n, a) for n, a in ifaces if a]
+    if spec:
+        picked = [(n, a) for n, a in with_addr if n in nccl_select(spec, [x for x, _ in with_addr])]
+    else:
+        picked = [(n, a) for n, a in with_addr if n != "lo" and not n.startswith("docker")]
+    if not picked:
+        return LinkPlan(None, None, "Socket", [], "no-socket-if",
+                        f"NCCL_SOCKET_IFNAME={spec}" if spec else "no interface")
+    sock_if, sock_ip = picked[0]
+    up = [h for h, i in hcas.items() if i["state"].endswith("ACTIVE")]
+    use = [] if env.get("NCCL_IB_DISABLE", "0") == "1" else nccl_select(env.get("NCCL_IB_HCA"), up)
+    if use:
+        gid = env.get("NCCL_IB_GID_INDEX")
+        if gid not in (None, ""):
+            want = v4_mapped_gid(link_ip) if link_ip.count(".") == 3 else ""
+            for h in use:
+                g = int(gid) if gid.lstrip("-").isdigit() else -1
+                typ, val = hcas[h]["types"].get(g, ""), hcas[h]["gids"].get(g, "")
+                if typ != "RoCE v2" or val != want:
+                    return LinkPlan(sock_if, sock_ip, "IB", use, "gid",
+                                    f"{h}:1 GID index {gid} is {typ or 'absent'} {val}".strip())
+        return LinkPlan(sock_if, sock_ip, "IB", use)
+    if sock_ip != link_ip:
+        return LinkPlan(sock_if, sock_ip, "Socket", [], "other-network",
+                        f"sockets on {sock_if} {sock_ip}, the fast link is {link_ip}")
+    return LinkPlan(sock_if, sock_ip, "Socket", [])
+
+
+def sglang_verdict(table: list[dict], faults: set[str]) -> tuple[str, str]:
+    """After NCCL: ("ends", why) or ("hang", why). SGLang's cross-node message queue binds on
+    each rank's advertised address; a rank whose advertised address is not its address on
+    the fast link is not reached by its peers, and every rank waits forever."""
+    if "sglang-hang" in faults:
+        return "hang", "lab fault sglang-hang"
+    wrong = [r for r in table if r["advertised"] != r["link"]]
+    if wrong:
+        return "hang", "; ".join(f"rank {r['rank']} advertises {r['advertised']}, its fast-link "
+                                 f"address is {r['link']}" for r in wrong)
+    return "ends", "every rank advertises its fast-link address"
+
+
+# --- the rendezvous over --dist-init-addr (what torch's TCP store does for SGLang) -------------
+
+
+class DistError(Exception):
+    """A c10d-style failure: ``str()`` is the line printed before exiting 1."""
+
+
+class Rendezvous:
+    """Rank 0 listens on --dist-init-addr; the others connect and every round is an all-gather
+    of one JSON value per rank (newline-delimited JSON over the connections)."""
+
+    def __init__(self, host: str, port: int, rank: int, world: int, timeout: float,
+                 warn=lambda line: None):
+        self.host, self.port, self.rank, self.world = host, port, rank, world
+        self.timeout, self.warn = timeout, warn
+        self.peers: dict[int, tuple[socket.socket, object]] = {}
+        self.conn: tuple[socket.socket, object] | None = None
+        self.link_ip = host
+
+    def start(self) -> None:
+        if self.rank == 0:
+            self._serve()
+        else:
+            self._connect()
+
+    def _serve(self) -> None:
+        try:
+            srv = socket.create_server((self.host, self.port), reuse_port=False)
+        except OSError as e:
+            raise DistError(
+                f"torch.distributed.DistNetworkError: The server socket has failed to listen on "
+                f"any local network address. port: {self.port}, useIpv6: false, code: "
+                f"-{e.errno}, name: {errno_name(e.errno)}, message: {(e.strerror or '').lower()}"
+            ) from None
+        srv.settimeout(1.0)
+        deadline = time.monotonic() + self.timeout
+        while len(self.peers) < self.world - 1:
+            if time.monotonic() > deadline:
+                raise DistError(
+                    f"torch.distributed.DistStoreError: Timed out after {int(self.timeout) + 1} "
+                    f"seconds waiting for clients. {len(self.peers) + 1}/{self.world} clients joined.")
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            conn.settimeout(None)
+            fh = conn.makefile("rwb")
+            try:
+                hello = json.loads(fh.readline() or b"null")
+                r = int(hello["rank"])
+            except (ValueError, TypeError, KeyError):
+                conn.close()
+                continue
+            self.peers[r] = (conn, fh)
+        self.server = srv
+
+    def _connect(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        tries = 0
+        while True:
+            try:
+                s = socket.create_connection((self.host, self.port), timeout=5)
+                break
+            except OSError as e:
+                tries += 1
+                if tries % 10 == 1:
+                    self.warn(f"[W{time.strftime('%m%d %H:%M:%S')}.000000000 socket.cpp:755] [c10d] "
+                              f"The client socket has failed to connect to [{self.host}]:{self.port} "
+                              f"(errno: {e.errno} - {e.strerror}).")
+                if time.monotonic() > deadline:
+                    raise DistError(
+                        f"torch.distributed.DistNetworkError: The client socket has timed out after "
+                        f"{int(self.timeout * 1000)}ms while trying to connect to ({self.host}, "
+                        f"{self.port}).") from None
+                time.sleep(1.0)
+        s.settimeout(None)
+        self.link_ip = s.getsockname()[0]
+        fh = s.makefile("rwb")
+        fh.write(json.dumps({"rank": self.rank}).encode() + b"\n")
+        fh.flush()
+        self.conn = (s, fh)
+
+    def allgather(self, value) -> list:
+        """Every rank's value, by rank. Raises DistError if a peer went away."""
+        if self.rank != 0:
+            s, fh = self.conn
+            try:
+                fh.write(json.dumps(value).encode() + b"\n")
+                fh.flush()
+                line = fh.readline()
+            except OSError:
+                line = b""
+            if not line:
+                raise DistError("torch.distributed.DistNetworkError: Connection reset by peer")
+            return json.loads(line)
+        out = [None] * self.world
+        out[0] = value
+        for r, (_s, fh) in self.peers.items():
+            line = fh.readline()
+            if not line:
+                raise DistError(f"torch.distributed.DistNetworkError: rank {r} closed its connection")
+            out[r] = json.loads(line)
+        data = json.dumps(out).encode() + b"\n"
+        for _s, fh in self.peers.values():
+            fh.write(data)
+            fh.flush()
+        return out
+
+    def wait_lost(self) -> None:
+        """Block until a peer connection closes (a rank died)."""
+        conns = [self.conn[0]] if self.conn else [c for c, _ in self.peers.values()]
+        import selectors  # noqa: PLC0415
+
+        sel = selectors.DefaultSelector()
+        for c in conns:
+            sel.register(c, selectors.EVENT_READ)
+        while True:
+            for key, _ in sel.select():
+                try:
+                    if not key.fileobj.recv(1, socket.MSG_PEEK):
+                        return
+                except OSError:
+                    return
+                time.sleep(0.5)
+
+
+def errno_name(n: int | None) -> str:
+    import errno as _errno  # noqa: PLC0415
+
+    return _errno.errorcode.get(n or 0, "UNKNOWN")
+
+
 # --- SGLang ------------------------------------------------------------------------------
+
+
+class SglangLog:
+    """SGLang's log lines for one rank (``[time TPn] msg``) and NCCL's (``host:pid:tid [0] NCCL``)."""
+
+    def __init__(self, tp_rank: int | None):
+        self.tp = tp_rank
+        self.host = socket.gethostname()
+        self.pid = os.getpid()
+        self.tid = self.pid + 77
+
+    def __call__(self, msg: str) -> None:
+        tag = f" TP{self.tp}" if self.tp is not None else ""
+        print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}{tag}] {msg}", flush=True)
+
+    def nccl(self, msg: str, main: bool = False) -> None:
+        tid = self.pid if main else self.tid
+        print(f"{self.host}:{self.pid}:{tid} [0] NCCL INFO {msg}", flush=True)
+
+    def nccl_warn(self, where: str, msg: str) -> None:
+        print(f"{self.host}:{self.pid}:{self.tid} [0] {where} NCCL WARN {msg}", flush=True)
 
 
 def sglang_main(argv: list[str] | None = None) -> int:
@@ -707,51 +1088,151 @@ def sglang_main(argv: list[str] | None = None) -> int:
         + (f" (ignored flags: {' '.join(unknown)})" if unknown else ""),
         engine="sglang",
     )
-    if ns.nnodes > 1:
-        if ns.dist_init_addr is None:
-            print("ValueError: --dist-init-addr is required when --nnodes > 1", file=sys.stderr)
-            return 1
-        if os.environ.get(ENV + "SGLANG_MULTINODE", "") != "ok":
-            _nccl_hang(ns)  # never returns
-        log(
-            f"Init torch distributed begin. rank={ns.node_rank} dist_init_addr={ns.dist_init_addr}",
-            engine="sglang",
-        )
-        log("Init torch distributed ends.", engine="sglang")
-        if ns.node_rank != 0:
-            log(f"node rank {ns.node_rank}: scheduler ready; the HTTP server runs on rank 0", engine="sglang")
-            while True:
-                time.sleep(3600)
-    return run_server(cfg)
+    if ns.nnodes <= 1:
+        return run_server(cfg)
+    if ns.dist_init_addr is None:
+        print("ValueError: --dist-init-addr is required when --nnodes > 1", file=sys.stderr)
+        return 1
+    if not Path(ns.model_path).is_dir():
+        print(f"OSError: Incorrect path_or_model_id: '{ns.model_path}'. Please provide either the "
+              "path to a local folder or the repo_id of a model on the Hub.", file=sys.stderr, flush=True)
+        return 1
+    try:
+        return _sglang_multinode(ns, cfg, dict(os.environ))
+    except DistError as e:
+        print(str(e), file=sys.stderr, flush=True)
+        print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] Received sigquit from a child process. "
+              "It usually means the child failed.", file=sys.stderr, flush=True)
+        return 1
 
 
-def _nccl_hang(ns) -> None:
-    host = socket.gethostname()
-    pid = os.getpid()
-    iface = os.environ.get("NCCL_SOCKET_IFNAME", "eth0")
-    log(
-        f"Init torch distributed begin. rank={ns.node_rank} dist_init_addr={ns.dist_init_addr}",
-        engine="sglang",
-    )
-    lines = [
-        f"{host}:{pid}:{pid} [0] NCCL INFO Bootstrap : Using {iface}:"
-        f"{(ns.dist_init_addr or '').rsplit(':', 1)[0]}<0>",
-        f"{host}:{pid}:{pid} [0] NCCL INFO NET/Plugin: No plugin found (libnccl-net.so)",
-        f"{host}:{pid}:{pid} [0] NCCL INFO NET/IB : No device found.",
-        f"{host}:{pid}:{pid} [0] NCCL INFO NET/Socket : Using [0]{iface}",
-        f"{host}:{pid}:{pid} [0] NCCL INFO cudaDriverVersion 13000",
-        "NCCL version 2.27.7+cuda13.0",
-        f"{host}:{pid}:{pid} [0] NCCL INFO Channel 00/02 : 0 1",
-        f"{host}:{pid}:{pid} [0] NCCL INFO Connecting to rank 1 via NET/Socket/0 ...",
-    ]
-    for line in lines:
-        print(line, flush=True)
-        time.sleep(0.05)
-    waited = 0
-    while True:  # the seed's failure: NCCL init never finishes, the port never opens
+def _sglang_multinode(ns, cfg: Config, env: dict) -> int:
+    host, _, port = ns.dist_init_addr.rpartition(":")
+    world = ns.nnodes
+    per_node = max(1, ns.tp // ns.nnodes)
+    slog = SglangLog(ns.node_rank * per_node)
+    t0 = time.perf_counter()
+    slog("Init torch distributed begin.")
+    slog(f"world_size={ns.tp} rank={ns.node_rank * per_node} local_rank=0 "
+         f"distributed_init_method=tcp://{ns.dist_init_addr} backend=nccl")
+    timeout = float(env.get(ENV + "DIST_TIMEOUT_S", "600"))
+    rdv = Rendezvous(host.strip("[]"), int(port), ns.node_rank, world, timeout,
+                     warn=lambda line: print(line, file=sys.stderr, flush=True))
+    rdv.start()
+    ifaces = interfaces()
+    me = {"rank": ns.node_rank, "advertised": sglang_host_ip(env, ifaces, ip_by_remote),
+          "link": rdv.link_ip, "host": slog.host}
+    table = rdv.allgather(me)
+    print(f"[Gloo] Rank {ns.node_rank} is connected to {world - 1} peer ranks. Expected number of "
+          f"connected peer ranks is : {world - 1}", flush=True)
+    slog("Found nccl from library libnccl.so.2")
+    slog(f"sglang is using nccl=={NCCL_VERSION}")
+    plan = nccl_plan(env, ifaces, read_hcas(), rdv.link_ip)
+    ok = _nccl_lines(slog, env, plan, ns.node_rank, world)
+    verdicts = rdv.allgather([ok, plan.problem])
+    if not ok:
+        raise DistError(
+            "torch.distributed.DistBackendError: NCCL error in: /pytorch/torch/csrc/distributed/"
+            f"c10d/ProcessGroupNCCL.cpp:3699, unhandled system error (run with NCCL_DEBUG=INFO for "
+            f"details), NCCL version {NCCL_VERSION}\nncclSystemError: System call (e.g. socket, "
+            f"malloc) or external library call failed or device error.\nLast error:\n{plan.detail}")
+    if not all(v[0] for v in verdicts):
+        _silence()  # a peer failed in NCCL init: this rank waits in its collective forever
+    if any(v[1] == "other-network" for v in verdicts):
+        _socket_retry_forever(slog, plan)  # no rank's connection reaches its peer
+    for r in range(world):
+        if r != ns.node_rank:
+            slog.nccl(f"Channel 00/0 : {ns.node_rank}[0] -> {r}[0] [send] via NET/{plan.net}/0")
+    slog.nccl("Connected all rings, use ring PXN 0 GDR 1")
+    slog.nccl(f"ncclCommInitRank comm 0x{abs(hash(slog.host)) % 16**8:08x} rank {ns.node_rank} "
+              f"nranks {world} cudaDev 0 nvmlDev 0 busId f01000 commId 0x{int(port):x} - Init COMPLETE")
+    slog("CustomAllreduce is disabled because this process group spans across nodes.")
+    outcome, _why = sglang_verdict(table, lab_faults())
+    if outcome == "hang":
+        _silence()
+    slog(f"Init torch distributed ends. elapsed={time.perf_counter() - t0:.2f} s, mem usage=0.58 GB")
+    _load_weights(slog, ns.model_path)
+    rdv.allgather("loaded")
+    slog("KV Cache is allocated. #tokens: 262144, K size: 3.00 GB, V size: 3.00 GB")
+    if ns.node_rank != 0:
+        slog("Scheduler ready; the HTTP server runs on node rank 0.")
+        _silence()  # a worker rank: serves through rank 0, stays even if rank 0 dies
+    lost = threading.Event()
+    threading.Thread(target=lambda: (rdv.wait_lost(), lost.set()), daemon=True).start()
+    return run_server(cfg, lost=lost)
+
+
+def _nccl_lines(slog: SglangLog, env: dict, plan: LinkPlan, rank: int, world: int) -> bool:
+    """NCCL's init lines for this plan; False when NCCL fails here (the rank then exits)."""
+    if env.get("NCCL_SOCKET_IFNAME"):
+        slog.nccl(f"NCCL_SOCKET_IFNAME set by environment to {env['NCCL_SOCKET_IFNAME']}", main=True)
+    if plan.problem == "no-socket-if":
+        slog.nccl_warn("misc/socket.cc:484", "Bootstrap : no socket interface found")
+        plan.detail = "Bootstrap : no socket interface found"
+        return False
+    slog.nccl(f"Bootstrap: Using {plan.socket_if}:{plan.socket_ip}<0>", main=True)
+    slog.nccl("cudaDriverVersion 13000", main=True)
+    if rank == 0:
+        print(f"NCCL version {NCCL_VERSION}+cuda13.0", flush=True)
+    slog.nccl("NET/Plugin: Could not find: libnccl-net.so.")
+    if env.get("NCCL_IB_HCA"):
+        slog.nccl(f"NCCL_IB_HCA set to {env['NCCL_IB_HCA']}")
+    oob = f"OOB {plan.socket_if}:{plan.socket_ip}<0>"
+    if plan.net == "IB":
+        devs = " ".join(f"[{i}]{h}:1/RoCE" for i, h in enumerate(plan.hcas))
+        slog.nccl(f"NET/IB : Using {devs} [RO]; {oob}")
+        slog.nccl("Using network IB")
+    else:
+        if env.get("NCCL_IB_DISABLE", "0") != "1":
+            slog.nccl("NET/IB : No device found.")
+        slog.nccl(f"NET/Socket : Using [0]{plan.socket_if}:{plan.socket_ip}<0>")
+        slog.nccl("Using network Socket")
+    slog.nccl(f"ncclCommInitRank comm 0x{abs(hash(slog.host)) % 16**8:08x} rank {rank} nranks {world} "
+              "cudaDev 0 nvmlDev 0 busId f01000 commId 0x5f1e - Init START")
+    slog.nccl(f"Channel 00/02 : {' '.join(str(r) for r in range(world))}")
+    if plan.problem == "gid":
+        slog.nccl_warn("misc/ibvwrap.cc:190",
+                       f"Call to ibv_modify_qp failed with 110 Connection timed out ({plan.detail})")
+        slog.nccl("transport/net_ib.cc:1120 -> 2")
+        return False
+    return True
+
+
+def _silence() -> None:
+    """Wait like a rank parked in a collective: no output, until killed."""
+    while True:
+        time.sleep(3600)
+
+
+def _socket_retry_forever(slog: SglangLog, plan: LinkPlan) -> None:
+    """NCCL over sockets on a network that does not reach the peer: connect retries forever."""
+    while True:
+        slog.nccl(f"Call to connect returned Connection timed out, retrying ({plan.socket_if})")
         time.sleep(30)
-        waited += 30
-        print(f"{host}:{pid}:{pid} [0] NCCL INFO bootstrap: waiting for peer rank 1 ({waited}s)", flush=True)
+
+
+def _load_weights(slog: SglangLog, model_path: str) -> None:
+    """Read every file of the model directory (the weights' bytes really come off the disk)."""
+    files = sorted(p for p in Path(model_path).rglob("*") if p.is_file())
+    shards = [p for p in files if p.suffix == ".safetensors"]
+    hold_gpu("python3")
+    slog("Load weight begin. avail mem=101.72 GB")
+    slog("Using model weights format ['*.safetensors']")
+    total = 0
+    done = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            while chunk := fh.read(8 << 20):
+                total += len(chunk)
+        if f in shards:
+            done += 1
+            pct = int(100 * done / len(shards))
+            print(f"Loading safetensors checkpoint shards: {pct:3d}% Completed | {done}/{len(shards)} "
+                  "[00:00<00:00, 10.00it/s]", flush=True)
+    slog(f"Load weight end. type=Qwen3_5MoeForCausalLM, dtype=torch.bfloat16, avail mem=41.20 GB, "
+         f"mem usage={total / 2**30:.2f} GB.")
+
+
 
 
 # --- vLLM --------------------------------------------------------------------------------

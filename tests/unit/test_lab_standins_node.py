@@ -1,0 +1,136 @@
+"""What the lab gives a node besides the engines: the fault record and its node copies, the
+NVIDIA runtime stand-in (hook and runtime), the GPU-user marker nvidia-smi honours."""
+
+import importlib.machinery
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparkdeploy.lab import faults, layout
+from sparkdeploy.lab.standins import engine_server as es
+from sparkdeploy.lab.standins import nodeinstall as install
+
+STANDINS = Path(install.__file__).parent
+
+
+def _load(name):
+    path = STANDINS / name
+    loader = importlib.machinery.SourceFileLoader(name.replace("-", "_"), str(path))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def lab_dirs(tmp_path, monkeypatch):
+    monkeypatch.setattr(layout, "NODES_DIR", tmp_path / "nodes")
+    monkeypatch.setattr(layout, "LAB_DIR", tmp_path)
+    for n in ("spark1", "spark2"):
+        (tmp_path / "nodes" / n).mkdir(parents=True)
+    return tmp_path
+
+
+def test_fault_set_lasts_and_none_clears_on_every_node(lab_dirs):
+    rec = lab_dirs / "faults.json"
+    [r] = faults.set_fault("sglang-hang", rec)
+    assert r.status == "changed" and faults.current(rec) == ["sglang-hang"]
+    for n in ("spark1", "spark2"):
+        view = faults.view_dir(n)
+        assert view == lab_dirs / "nodes" / n / "standins" / "container"
+        assert es.lab_faults(str(view)) == {"sglang-hang"}
+    [again] = faults.set_fault("sglang-hang", rec)
+    assert again.status == "ok"
+    [cleared] = faults.set_fault("none", rec)
+    assert cleared.status == "changed" and faults.current(rec) == []
+    assert es.lab_faults(str(faults.view_dir("spark2"))) == set()
+
+
+def test_unknown_fault_names_the_argument(lab_dirs):
+    [r] = faults.set_fault("gpu-melt", lab_dirs / "faults.json")
+    assert r.failed and r.why.startswith("NAME: unknown fault 'gpu-melt'")
+    assert not (lab_dirs / "faults.json").exists()
+
+
+def test_lab_fault_task_exits_2_on_a_bad_name():
+    cp = subprocess.run([sys.executable, "-m", "invoke", "lab.fault", "nope"], capture_output=True,
+                        text=True, cwd=Path(__file__).resolve().parents[2],
+                        env={**os.environ, "PYTHONPATH": str(Path(es.__file__).resolve().parents[3])})
+    assert cp.returncode == 2 and "NAME: unknown fault 'nope'" in cp.stderr
+
+
+def test_copy_files_puts_executables_in_bin_and_modules_in_lib(tmp_path):
+    did = install.copy_files(tmp_path)
+    bins = sorted(p.name for p in (tmp_path / "bin").iterdir())
+    assert bins == ["nvidia-container-runtime", "nvidia-container-runtime-hook", "nvidia-smi", "systemctl"]
+    assert all(os.access(tmp_path / "bin" / b, os.X_OK) for b in bins)
+    libs = sorted(p.name for p in (tmp_path / "lib").iterdir())
+    assert "nodeinstall.py" not in libs and "__init__.py" not in libs and "engine_server.py" in libs
+    assert did and install.copy_files(tmp_path) == []
+
+
+def test_default_route_gateway_is_an_unused_management_address():
+    assert install.gateway("10.77.0.0/24") == "10.77.0.254"
+    assert install.global_v6("spark2") == ["fd00:77:1::2"] and install.global_v6("spark1") == []
+
+
+def test_hook_accepts_all_and_the_gpu_refuses_unknown_devices(monkeypatch, tmp_path):
+    hook = _load("nvidia-container-runtime-hook")
+    monkeypatch.setattr(hook, "ROOT", tmp_path)
+    (tmp_path / "gpu-uuid").write_text("GPU-abc\n")
+    assert hook.wanted({}) is None and hook.wanted({"NVIDIA_VISIBLE_DEVICES": "void"}) is None
+    assert hook.wanted({"NVIDIA_VISIBLE_DEVICES": "all"}) == ""
+    assert hook.wanted({"NVIDIA_VISIBLE_DEVICES": "GPU-abc"}) == ""
+    assert hook.wanted({"NVIDIA_VISIBLE_DEVICES": "1"}) == "nvidia-container-cli: device error: 1: unknown device"
+
+
+def test_hook_mounts_smi_roce_and_the_lab_view(monkeypatch, tmp_path):
+    hook = _load("nvidia-container-runtime-hook")
+    lab = tmp_path / "lab"
+    (lab / "bin").mkdir(parents=True)
+    (lab / "bin" / "nvidia-smi").write_text("#!/bin/sh\n")
+    (lab / "sysfs" / "infiniband").mkdir(parents=True)
+    (lab / "container").mkdir()
+    monkeypatch.setattr(hook, "LAB", lab)
+    monkeypatch.setattr(hook, "ROOT", tmp_path / "root")
+    cmds = hook.mounts("/R", "cid1")
+    assert ["mount", "--bind", "-o", "ro", f"{lab}/bin/nvidia-smi", "/R/usr/bin/nvidia-smi"] in cmds
+    assert ["mount", "-t", "overlay", "sparkdeploy-roce", "-o",
+            f"ro,lowerdir={lab}/sysfs:/R/sys/class", "/R/sys/class"] in cmds
+    assert cmds[-2:] == [["mount", "--bind", "-o", "ro", f"{lab}/container", "/R/run/sparkdeploy-lab"],
+                         ["mount", "--bind", f"{tmp_path}/root/gpu-containers/cid1",
+                          "/R/run/sparkdeploy-lab/gpu"]]
+
+
+def test_runtime_adds_the_prestart_hook_once(tmp_path):
+    rt = _load("nvidia-container-runtime")
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"process": {"args": ["sh"]}}))
+    assert rt.bundle_of(["--root", "x", "create", "--bundle", str(tmp_path), "id"]) == tmp_path
+    rt.add_hook(cfg, "/lab/bin/nvidia-container-runtime-hook")
+    rt.add_hook(cfg, "/lab/bin/nvidia-container-runtime-hook")
+    pre = json.loads(cfg.read_text())["hooks"]["prestart"]
+    assert len(pre) == 1 and pre[0]["args"] == ["nvidia-container-runtime-hook", "prestart"]
+
+
+def test_nvidia_smi_lists_a_gpu_container_only_once_its_engine_holds_the_gpu(monkeypatch, tmp_path):
+    smi = _load("nvidia-smi")
+    monkeypatch.setattr(smi, "ROOT", tmp_path)
+    (tmp_path / "gpu-users").mkdir()
+    marker = tmp_path / "gpu-containers" / "c1" / "cuda"
+    marker.parent.mkdir(parents=True)
+    me = os.getpid()
+    start = Path(f"/proc/{me}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    (tmp_path / "gpu-users" / str(me)).write_text(f"python3\n{start}\n{marker}\n")
+    assert smi.gpu_users() == []
+    assert es.hold_gpu("VLLM::EngineCore", str(marker.parent.parent.parent / "view-missing")) is False
+    view = tmp_path / "view"
+    view.mkdir()
+    (view / "gpu").symlink_to(marker.parent)
+    assert es.hold_gpu("VLLM::EngineCore", str(view)) is True
+    assert smi.gpu_users() == [(me, "VLLM::EngineCore")]
