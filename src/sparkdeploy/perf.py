@@ -13,6 +13,7 @@ import sys
 BENCHMARKS: dict[str, str] = {
     "bench": "sparkdeploy.bench.perf:run",
     "ship": "sparkdeploy.lab.perf_ship:run",
+    "model": "sparkdeploy.lab.perf_model:run",
     "deploy": "sparkdeploy.lab.perf_deploy:run",
     "diagnose": "sparkdeploy.diagnose:perf",
 }

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _config_dir(given: str | None) -> str:
     if given:
         return given
-    from sparkdeploy.lab.hub import model_config
+    from sparkdeploy.lab.hub_repo import model_config
 
     d = tempfile.mkdtemp(prefix="sparkdeploy-config-")
     Path(d, "config.json").write_text(json.dumps(model_config(), indent=2))

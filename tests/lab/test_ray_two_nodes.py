@@ -61,7 +61,21 @@ def test_two_node_ray_cluster_and_vllm_tp2_streams_a_chat_completion(cluster):
         time.sleep(1)
     assert seen == {"gpus": 2.0, "nodes": sorted([lab.addr(n) for n in lab.nodes[:2]])}, seen
 
+    # without VLLM_HOST_IP vLLM takes the default route's address (the management network's):
+    # no Ray node has it, the placement group waits, as on a Spark
     lab.ssh(head, ["docker", "exec", "-d", names[head], "sh", "-c",
+                   f"timeout 25 vllm serve /models/m --tensor-parallel-size 2 "
+                   f"--distributed-executor-backend ray --host 0.0.0.0 --port {PORT + 1} "
+                   f"> /tmp/vllm-noip.log 2>&1"])
+    deadline = time.monotonic() + 60
+    log = ""
+    while time.monotonic() < deadline and "Waiting for creating a placement group" not in log:
+        time.sleep(2)
+        log = lab.ssh(head, ["docker", "exec", names[head], "cat", "/tmp/vllm-noip.log"], check=False).stdout
+    assert (f"Waiting for creating a placement group of specs for 10 seconds. "
+            f"specs=[{{'node:{lab.addr(head, 'mgmt')}': 0.001, 'GPU': 1.0}}, {{'GPU': 1.0}}]") in log, log
+
+    lab.ssh(head, ["docker", "exec", "-d", "-e", f"VLLM_HOST_IP={lab.addr(head)}", names[head], "sh", "-c",
                    f"vllm serve /models/m --tensor-parallel-size 2 --distributed-executor-backend ray "
                    f"--host 0.0.0.0 --port {PORT} > /tmp/vllm.log 2>&1"])
     url = f"http://{lab.addr(head, 'mgmt')}:{PORT}"

@@ -173,28 +173,53 @@ def test_vllm_ray_backend_without_ray_refuses(monkeypatch, capsys):
 
 
 class FakeRay:
-    def __init__(self, gpus, nodes):
-        self.gpus, self.n, self.calls = gpus, nodes, []
+    """Ray's API as vLLM's placement uses it: a group is ready once ``ready_after`` waits passed."""
 
-    def init(self, address, **kw):
-        self.calls.append(("init", address))
+    def __init__(self, gpus, ready_after=None):
+        self.gpus, self.ready_after, self.calls, self.waits = gpus, ready_after, [], []
+        self.util = self
 
     def cluster_resources(self):
         return {"GPU": self.gpus, "CPU": 4.0}
 
-    def nodes(self):
-        return [{"Alive": True}] * self.n + [{"Alive": False}]
+    def placement_group(self, specs, strategy):
+        self.calls.append(("placement_group", specs, strategy))
+        return self
 
-    def shutdown(self):
-        self.calls.append(("shutdown",))
+    def ready(self):
+        return "ref"
+
+    def wait(self, refs, timeout):
+        self.waits.append(timeout)
+        self.now += timeout
+        ok = self.ready_after is not None and len(self.waits) > self.ready_after
+        return (refs, []) if ok else ([], refs)
 
 
-def test_ray_check_counts_gpus_and_alive_nodes(monkeypatch):
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    fake = FakeRay(1.0, 1)
-    monkeypatch.setitem(sys.modules, "ray", fake)
-    with pytest.raises(es.StandinError, match="1 GPUs on 1 alive node"):
-        es.check_ray_cluster(2)
-    assert fake.calls == [("init", "auto"), ("shutdown",)]
-    monkeypatch.setitem(sys.modules, "ray", FakeRay(2.0, 2))
-    assert "2 GPUs on 2 alive nodes" in es.check_ray_cluster(2)
+def test_vllm_placement_group_specs_and_waiting_lines():
+    fake = FakeRay(1.0, ready_after=3)
+    fake.now = 0.0
+    said = []
+    pg = es.ray_placement(fake, 2, "10.77.1.1", said.append, clock=lambda: fake.now)
+    assert pg is fake
+    assert fake.calls == [("placement_group", [{"node:10.77.1.1": 0.001, "GPU": 1.0}, {"GPU": 1.0}], "PACK")]
+    assert fake.waits == [10, 20, 40, 80]
+    assert said[0].startswith("WARNING [ray_utils.py:352] Tensor parallel size (2) exceeds available GPUs (1).")
+    waiting = [m for m in said if "Waiting for creating a placement group" in m]
+    assert [m.split(" seconds.")[0].rsplit(" ", 1)[1] for m in waiting] == ["10", "30", "70"]
+    assert "specs=[{'node:10.77.1.1': 0.001, 'GPU': 1.0}, {'GPU': 1.0}]" in waiting[0]
+    assert "same as VLLM_HOST_IP environment variable" in waiting[0]
+
+
+def test_vllm_placement_gives_up_after_the_timeout():
+    fake = FakeRay(2.0)
+    fake.now = 0.0
+    with pytest.raises(es.StandinError, match="Cannot provide a placement group of placement_group_specs="):
+        es.ray_placement(fake, 2, "10.77.0.11", lambda m: None, timeout=100, clock=lambda: fake.now)
+    assert fake.waits == [10, 20, 40, 80]
+
+
+def test_vllm_driver_address_order():
+    assert es.vllm_host_ip({"VLLM_HOST_IP": "10.77.1.1"}, lambda: "10.77.0.11") == "10.77.1.1"
+    assert es.vllm_host_ip({}, lambda: "10.77.0.11") == "10.77.0.11"
+    assert es.vllm_host_ip({}, lambda: None) == "0.0.0.0"

@@ -194,32 +194,49 @@ def test_second_verify_of_unchanged_files_reads_nothing(tmp_path, lab_hub, token
 def test_plan_sends_ready_files_and_lets_workers_serve_the_next():
     plan = model_sync.Plan(need={"w1": ["a", "b"], "w2": ["a", "b"]}, holders={"a": ["head"]})
     first = plan.next_transfers(streams=1, head="head")
-    assert first == [("a", "head", "w1")]  # b is not ready on the head; head sends one at a time
-    plan.finished("a", "head", "w1", True)
+    assert first == [(("a",), "head", "w1")]  # b is not ready; the head sends one stream
+    plan.finished(first[0], ["a"])
     plan.holders["b"] = ["head"]
-    assert plan.next_transfers(streams=1, head="head") == [("b", "head", "w1"), ("a", "w1", "w2")]
-    plan.finished("b", "head", "w1", True)
-    plan.finished("a", "w1", "w2", True)
-    assert plan.next_transfers(streams=1, head="head") == [("b", "w1", "w2")]
-    plan.finished("b", "w1", "w2", True)
+    second = plan.next_transfers(streams=1, head="head")
+    assert second == [(("b",), "head", "w1"), (("a",), "w1", "w2")]  # w1 serves w2
+    for b in second:
+        plan.finished(b, list(b[0]))
+    third = plan.next_transfers(streams=1, head="head")
+    assert third == [(("b",), "w1", "w2")]
+    plan.finished(third[0], ["b"])
     assert plan.done()
+
+
+def test_plan_spreads_ready_files_over_the_free_streams():
+    plan = model_sync.Plan(need={"w1": ["a", "b", "c", "d", "e"]},
+                           holders={f: ["head"] for f in "abcde"})
+    assert plan.next_transfers(streams=2, head="head") == [
+        (("a", "c", "e"), "head", "w1"), (("b", "d"), "head", "w1")]
+    assert plan.next_transfers(streams=2, head="head") == []  # both streams busy
+
+
+def test_a_file_that_failed_to_verify_is_sent_again():
+    plan = model_sync.Plan(need={"w1": ["a", "b"]}, holders={"a": ["head"], "b": ["head"]})
+    [batch] = plan.next_transfers(streams=1, head="head")
+    plan.finished(batch, ["a"])
+    assert plan.need["w1"] == ["b"] and plan.next_transfers(1, "head") == [(("b",), "head", "w1")]
 
 
 def test_plan_stops_sending_to_a_failed_worker_only():
     plan = model_sync.Plan(need={"w1": ["a"], "w2": ["a"]}, holders={"a": ["head"]})
     plan.failed["w1"] = "disk full"
-    assert plan.next_transfers(streams=4, head="head") == [("a", "head", "w2")]
+    assert plan.next_transfers(streams=4, head="head") == [(("a",), "head", "w2")]
 
 
 def test_send_argv_rsyncd_and_ssh(tmp_path):
     dep, _ = deployment(tmp_path, {"spark1": Node(), "spark2": Node()}, "http://127.0.0.1:9")
     head, w = dep.host("spark1"), dep.host("spark2")
     path = dep.profile.model.path
-    assert model_sync.send_argv(dep, head, w, "sub/x.safetensors", 8731) == [
+    assert model_sync.send_argv(dep, head, w, ["sub/x.safetensors", "y"], 8731) == [
         "rsync", "-rlt", "--relative", "--whole-file", "--partial-dir=.sparkdeploy/partial",
-        "--timeout=60", "--password-file=-", "--", f"{path}/./sub/x.safetensors",
+        "--timeout=60", "--password-file=-", "--", f"{path}/./sub/x.safetensors", f"{path}/./y",
         "rsync://sparkdeploy@10.77.1.2:8731/model/"]
-    assert model_sync.send_argv(dep, head, w, "x", None)[-4:] == [
+    assert model_sync.send_argv(dep, head, w, ["x"], None)[-4:] == [
         "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes", "--", f"{path}/./x", f"10.77.1.2:{path}/"]
 
 

@@ -47,7 +47,7 @@ def _run(dep: Deployment, node: str, argv: list[str]) -> None:
 
 
 def forget(dep: Deployment, node: str, *refs: str) -> None:
-    """Make the node's engine hold none of ``refs`` nor their layers."""
+    """Make the node's dockerd hold none of ``refs`` nor their layers."""
     h = dep.host(node)
     h.run(docker(h, "image", "rm", "-f", *refs))
     h.run(docker(h, "image", "prune", "-a", "-f"))
@@ -79,7 +79,7 @@ def run() -> dict[str, float]:
     if why:
         raise SystemExit(f"perf ship needs the lab: {why}")
     _say("lab.up")
-    bad = [r for r in lifecycle.up(nodes=2, engine_name=layout.DEFAULT_ENGINE) if r.failed]
+    bad = [r for r in lifecycle.up(nodes=2, flavor=layout.DEFAULT_DOCKERD) if r.failed]
     if bad:
         raise SystemExit("lab.up failed: " + "; ".join(r.why for r in bad))
     dep = load(PROFILE, ROOT / ".sparkdeploy" / "perf")

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,8 +112,8 @@ def metadata(dep: Deployment, refresh: bool = True) -> tuple[dict[str, Any], str
                          f"{dep.profile.model.allow_patterns}")
     if not dep.dry:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".meta-")
+        with os.fdopen(fd, "w") as f:
             json.dump(meta, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
     return meta, ""
@@ -183,13 +186,13 @@ def verify_argv(dep: Deployment, st: Staged, only: list[str] | None = None,
 
 
 def node_state(dep: Deployment, host: Host, st: Staged, only: list[str] | None = None,
-               quick: bool = False, step_name: str = VERIFY) -> dict[str, Any]:
+               quick: bool = False, step_name: str = VERIFY, progress: bool = True) -> dict[str, Any]:
     """What the node holds, per the helper's verify (``quick``: records only, reads nothing)."""
     quick = quick or dep.dry  # a dry run neither hashes nor writes records
 
     def on_line(line: str) -> None:
         p = parse_progress(line)
-        if p:
+        if p and progress:
             dep.events.progress(step_name, host.name, int(p.get("bytes", 0)),
                                 int(p.get("total", 0)) or None, "B", "hashing")
 
@@ -434,10 +437,22 @@ def verify_on(dep: Deployment, host: Host, meta: dict[str, Any], note: str = "",
                    repaired=names)
 
 
+@contextmanager
+def own_lock(dep: Deployment, name: str) -> Iterator[None]:
+    """model.download and model.sync run side by side (the sync is pipelined behind the
+    download): each holds a lock of its own, so a second download (or sync) fails at once."""
+    if dep.dry:
+        yield
+        return
+    with dep.state.lock(name, name=f"{name}.lock"):
+        yield
+
+
 @step(DOWNLOAD, long=True)
 def download_step(dep: Deployment, **options: Any) -> list[Result]:
     """Download the weights on the head, verified (resumes; only what is missing)."""
-    return download(dep, options.get("node"))
+    with own_lock(dep, DOWNLOAD):
+        return download(dep, options.get("node"))
 
 
 @step("model.sync", long=True)
@@ -446,7 +461,8 @@ def sync_step(dep: Deployment, **options: Any) -> list[Result]:
     them (starts while model.download runs: no need on it)."""
     from sparkdeploy.steps.model_sync import sync
 
-    return sync(dep, options.get("to") or "all")
+    with own_lock(dep, "model.sync"):
+        return sync(dep, options.get("to") or "all")
 
 
 @step(VERIFY, needs=(DOWNLOAD, "model.sync"))

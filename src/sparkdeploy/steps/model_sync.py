@@ -90,16 +90,21 @@ def stop_daemon(d: Daemon, st: Staged) -> None:
                        d.private]), timeout=60)
 
 
-def send_argv(dep: Deployment, src: Host, dst: Host, rel: str, port: int | None) -> list[str]:
-    """The rsync the sender runs for one file (layout kept through ``--relative``)."""
+def send_argv(dep: Deployment, src: Host, dst: Host, files: list[str], port: int | None) -> list[str]:
+    """The rsync the sender runs for a batch of files (layout kept through ``--relative``)."""
     path = dep.profile.model.path.rstrip("/")
     argv = ["rsync", "-rlt", "--relative", "--whole-file", f"--partial-dir={PARTIAL}",
             "--timeout=60"]
+    srcs = [f"{path}/./{rel}" for rel in files]
     if port is not None:  # rsyncd
-        return [*argv, "--password-file=-", "--", f"{path}/./{rel}",
+        return [*argv, "--password-file=-", "--", *srcs,
                 f"rsync://sparkdeploy@{dst.node.link.address}:{port}/model/"]
-    return [*argv, "-e", "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes", "--",
-            f"{path}/./{rel}", f"{dst.node.link.address}:{path}/"]
+    return [*argv, "-e", "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes", "--", *srcs,
+            f"{dst.node.link.address}:{path}/"]
+
+
+Batch = tuple[tuple[str, ...], str, str]
+"""(files, sender, receiver): one rsync stream."""
 
 
 @dataclass
@@ -108,41 +113,46 @@ class Plan:
 
     need: dict[str, list[str]]  # receiver -> files still to receive (in send order)
     holders: dict[str, list[str]] = field(default_factory=dict)  # file -> nodes holding it verified
-    out_load: dict[str, int] = field(default_factory=dict)
-    in_load: dict[str, int] = field(default_factory=dict)
+    out_load: dict[str, int] = field(default_factory=dict)  # streams a node sends
+    in_load: dict[str, int] = field(default_factory=dict)  # streams a node receives
     busy: set[tuple[str, str]] = field(default_factory=set)  # (file, receiver) in flight
     failed: dict[str, str] = field(default_factory=dict)  # receiver -> why it stopped
 
-    def next_transfers(self, streams: int, head: str) -> list[tuple[str, str, str]]:
-        """(file, sender, receiver) to start now: a worker holding a file serves it before the
-        head does, no node sends or receives more than ``streams`` files at once."""
-        out = []
+    def next_transfers(self, streams: int, head: str) -> list[Batch]:
+        """Batches to start now. A worker holding a file serves it before the head does; no node
+        sends or receives more than ``streams`` streams at once; the files ready for a receiver
+        are spread over its free streams (one file per stream while they trickle in)."""
+        out: list[Batch] = []
         for dst, files in self.need.items():
             if dst in self.failed:
                 continue
-            for f in files:
-                if self.in_load.get(dst, 0) >= streams:
-                    break
-                if (f, dst) in self.busy:
+            avail = [f for f in files if (f, dst) not in self.busy
+                     and any(h != dst for h in self.holders.get(f, []))]
+            srcs = {h for f in avail for h in self.holders[f] if h != dst}
+            for src in sorted(srcs, key=lambda s: (s == head, self.out_load.get(s, 0), s)):
+                k = min(streams - self.in_load.get(dst, 0), streams - self.out_load.get(src, 0))
+                mine = [f for f in avail if src in self.holders[f] and (f, dst) not in self.busy]
+                if k <= 0 or not mine:
                     continue
-                srcs = [s for s in self.holders.get(f, []) if s != dst
-                        and self.out_load.get(s, 0) < streams]
-                if not srcs:
-                    continue
-                src = min(srcs, key=lambda s: (s == head, self.out_load.get(s, 0)))
-                self.busy.add((f, dst))
-                self.out_load[src] = self.out_load.get(src, 0) + 1
-                self.in_load[dst] = self.in_load.get(dst, 0) + 1
-                out.append((f, src, dst))
+                chunks: list[list[str]] = [[] for _ in range(min(k, len(mine)))]
+                for n, f in enumerate(mine):
+                    chunks[n % len(chunks)].append(f)
+                for c in chunks:
+                    self.busy.update((f, dst) for f in c)
+                    out.append((tuple(c), src, dst))
+                self.out_load[src] = self.out_load.get(src, 0) + len(chunks)
+                self.in_load[dst] = self.in_load.get(dst, 0) + len(chunks)
         return out
 
-    def finished(self, f: str, src: str, dst: str, ok_: bool) -> None:
-        self.busy.discard((f, dst))
+    def finished(self, batch: Batch, verified: list[str]) -> None:
+        files, src, dst = batch
+        self.busy.difference_update((f, dst) for f in files)
         self.out_load[src] -= 1
         self.in_load[dst] -= 1
-        if ok_:
-            self.need[dst].remove(f)
-            self.holders.setdefault(f, []).append(dst)
+        for f in verified:
+            if f in self.need[dst]:
+                self.need[dst].remove(f)
+                self.holders.setdefault(f, []).append(dst)
 
     def done(self) -> bool:
         return all(not files or dst in self.failed for dst, files in self.need.items())
@@ -230,28 +240,32 @@ def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan, meta: dic
     first_seen = time.monotonic()
     last_head_poll = 0.0
     head_running = True
-    futures: dict[Future, tuple[str, str, str]] = {}
+    futures: dict[Future, Batch] = {}
     errors: dict[str, str] = {}
 
-    def send(f: str, src: str, dst: str) -> str | None:
+    def send(batch: Batch) -> tuple[list[str], str | None]:
         try:
-            return send_one(f, src, dst)
+            return send_one(batch)
         except (ModelError, NodeUnreachable) as e:
-            return str(e)
+            return [], str(e)
 
-    def send_one(f: str, src: str, dst: str) -> str | None:
-        r = hosts[src].run(send_argv(dep, hosts[src], hosts[dst], f, ports[dst]),
+    def send_one(batch: Batch) -> tuple[list[str], str | None]:
+        files, src, dst = batch
+        r = hosts[src].run(send_argv(dep, hosts[src], hosts[dst], list(files), ports[dst]),
                            input=(secret + "\n") if secret else None, timeout=24 * 3600)
+        got = node_state(dep, hosts[dst], staged[dst], only=list(files), step_name=step_name,
+                         progress=False)
         if not r.ok:
             text = r.stderr
             if any(k in text for k in DISK_FULL):
-                return (f"disk full on {dst} ({dep.profile.model.path}) while receiving {f}")
-            return f"sending {f} {src} -> {dst} failed: {error_line(text, r.one_line_error())}"
-        got = node_state(dep, hosts[dst], staged[dst], only=[f], step_name=step_name)
-        if f not in got["ok"]:
-            why = got["differ"].get(f) or ("missing" if f in got["missing"] else "not verified")
-            return f"{f} arrived on {dst} but {why}"
-        return None
+                return got["ok"], f"disk full on {dst} ({dep.profile.model.path})"
+            return got["ok"], (f"sending {len(files)} files {src} -> {dst} failed: "
+                               f"{error_line(text, r.one_line_error())}")
+        bad = [f for f in files if f not in got["ok"]]
+        if bad:
+            why = got["differ"].get(bad[0]) or ("missing" if bad[0] in got["missing"] else "not verified")
+            return got["ok"], f"{bad[0]} arrived on {dst} but {why}"
+        return got["ok"], None
 
     def refresh_head() -> None:
         nonlocal last_head_poll, head_running
@@ -274,25 +288,25 @@ def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan, meta: dic
     def probe() -> bool:
         progressed = False
         for fut in [f for f in futures if f.done()]:
-            f, src, dst = futures.pop(fut)
-            err = fut.result()
-            plan.finished(f, src, dst, err is None)
+            batch = futures.pop(fut)
+            dst = batch[2]
+            good, err = fut.result()
+            plan.finished(batch, good)
             progressed = True
-            if err is None:
-                moved[dst] += sizes[f]
-                dep.events.progress(step_name, dst, moved[dst], totals[dst], "B",
-                                    f"{len(order) - len(plan.need[dst])}/{len(order)} files")
-            else:
+            moved[dst] += sum(sizes[f] for f in good)
+            dep.events.progress(step_name, dst, moved[dst], totals[dst], "B",
+                                f"{len(order) - len(plan.need[dst])}/{len(order)} files")
+            if err is not None:
                 errors.setdefault(dst, err)
                 plan.failed.setdefault(dst, err)
         if plan.done() and not futures:
             return True
-        if time.monotonic() - last_head_poll >= 1.0:
+        if time.monotonic() - last_head_poll >= 0.5:
             before = sum(len(v) for v in plan.holders.values())
             refresh_head()
             progressed = progressed or sum(len(v) for v in plan.holders.values()) > before
-        for f, src, dst in plan.next_transfers(s.streams, head.name):
-            futures[pool.submit(send, f, src, dst)] = (f, src, dst)
+        for batch in plan.next_transfers(s.streams, head.name):
+            futures[pool.submit(send, batch)] = batch
         return progressed
 
     try:

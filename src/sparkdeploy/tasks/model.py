@@ -1,24 +1,12 @@
-"""`inv model.*`: download the weights on the head, verify them, sync them to the workers."""
+"""`inv model.*`: download the weights on the head, verify them, sync them to the workers.
+
+model.download and model.sync each hold a lock of their own (not the deployment's), so the
+sync can run beside the download and send each file as soon as the head has verified it."""
 
 from invoke import Collection
 
-from sparkdeploy.steps import model as model_step
-from sparkdeploy.steps import model_sync
 from sparkdeploy.tasks._common import run_step
 from sparkdeploy.tasks._flags import task
-
-
-def _own_lock(fn, name):
-    """model.download and model.sync run side by side (the sync is pipelined behind the
-    download): each holds a lock of its own rather than the deployment's."""
-
-    def locked(dep, *args):
-        if dep.dry:
-            return fn(dep, *args)
-        with dep.state.lock(name, name=f"{name}.lock"):
-            return fn(dep, *args)
-
-    return locked
 
 
 @task(default=True, help={"node": "the node to download on (default: the head)",
@@ -26,8 +14,7 @@ def _own_lock(fn, name):
 def download(c, node=None, profile=None):
     """Download the profile's weights on the head, verified; a re-run fetches only what is
     missing. The token comes from HF_TOKEN or the hub login and reaches the node by stdin."""
-    run_step(c, _own_lock(model_step.download, "model.download"), node, profile=profile, lock=False,
-             title="model.download")
+    run_step(c, "model.download", node=node, profile=profile, lock=False)
 
 
 @task(help={"node": "node(s): NAME[,NAME...] or all (default: all)",
@@ -35,14 +22,13 @@ def download(c, node=None, profile=None):
             "profile": "profile file"})
 def verify(c, node=None, repair=False, profile=None):
     """Check every file's size and sha256 against the hub's metadata (cached for offline use)."""
-    run_step(c, model_step.verify, node, repair, profile=profile, lock=repair, title="model.verify")
+    run_step(c, "model.verify", node=node, repair=repair, profile=profile, lock=repair)
 
 
 @task(help={"to": "worker(s): NAME[,NAME...] or all", "profile": "profile file"})
 def sync(c, to="all", profile=None):
     """Copy the weights to the workers over the fast link as the head completes each file."""
-    run_step(c, _own_lock(model_sync.sync, "model.sync"), to, profile=profile, lock=False,
-             title="model.sync")
+    run_step(c, "model.sync", to=to, profile=profile, lock=False)
 
 
 ns = Collection("model", download, verify, sync)

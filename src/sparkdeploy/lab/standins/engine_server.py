@@ -46,7 +46,12 @@ Entry points (what the image shims call)
     --pipeline-parallel-size P --distributed-executor-backend ray --host H --port P ...``
     (unknown flags tolerated). With ``--distributed-executor-backend ray`` it joins the real Ray
     cluster (``ray.init(address="auto")``, ``ray`` imported lazily: it exists only in the lab's
-    vLLM image) and refuses to start unless the cluster has >= N*P GPUs and >= N*P alive nodes.
+    vLLM image) and asks Ray for vLLM's placement group: N*P bundles of one GPU, the first on
+    the Ray node whose address is the driver's (``VLLM_HOST_IP``, else the default route's
+    source address). Until Ray can place it (a worker that never joined, a GPU missing, a
+    ``VLLM_HOST_IP`` that is no Ray node's address) it prints vLLM's ``Waiting for creating a
+    placement group of specs for N seconds ...`` lines (10, 30, 70, 150, 310 s ...) and gives up
+    after 1800 s like vLLM; once placed, one GPU actor per bundle holds each node's GPU.
 ``run_server(config)`` / ``start_in_thread(config)``
     In-process use (tests): build a ``Config``, serve forever, or start in a daemon thread and get
     the ``StandinServer`` back (``.port``, ``.shutdown()``).
@@ -191,6 +196,7 @@ class Config:
     faults: list[FaultRule] = field(default_factory=list)
     engine: str = "standin"
     log_requests: bool = False
+    workers: list = field(default_factory=list)
 
 
 def _env(name: str, default=None):
@@ -1238,8 +1244,79 @@ def _load_weights(slog: SglangLog, model_path: str) -> None:
 # --- vLLM --------------------------------------------------------------------------------
 
 
-def check_ray_cluster(world_size: int) -> str:
-    """Join the running Ray cluster; StandinError unless it has ``world_size`` GPUs and nodes."""
+PG_WAIT_TIMEOUT = 1800
+"""vLLM's placement-group timeout (seconds)."""
+
+
+def vllm_host_ip(env: dict, by_remote) -> str:
+    """The driver's address as vLLM picks it: ``VLLM_HOST_IP``, else the default route's
+    source address, else 0.0.0.0."""
+    return env.get("VLLM_HOST_IP") or by_remote() or "0.0.0.0"
+
+
+def pg_specs(world_size: int, driver_ip: str) -> list[dict]:
+    """vLLM's placement group: one GPU per rank, the first bundle on the driver's Ray node."""
+    return [{f"node:{driver_ip}": 0.001, "GPU": 1.0}] + [{"GPU": 1.0} for _ in range(world_size - 1)]
+
+
+class _RayWorker:
+    """One per placement-group bundle (vLLM's RayWorkerWrapper): holds its node's GPU."""
+
+    def start(self) -> str:
+        hold_gpu("ray::RayWorkerWrapper")
+        return socket.gethostname()
+
+
+def ray_placement(ray, world_size: int, driver_ip: str, say, timeout: float = PG_WAIT_TIMEOUT,
+                  clock=time.monotonic):
+    """Reserve the GPUs through a real Ray placement group, waiting (and saying so) as vLLM
+    does: lines at about 10, 30, 70, 150, 310 s... until ``timeout``, then StandinError.
+    Returns the placement group. A ``VLLM_HOST_IP`` that no Ray node has (``node:<ip>``), a
+    worker that never joined, a node without its GPU: the group is never ready."""
+    gpus = float(ray.cluster_resources().get("GPU", 0))
+    if gpus < world_size:
+        say(f"WARNING [ray_utils.py:352] Tensor parallel size ({world_size}) exceeds available GPUs "
+            f"({gpus:g}). This may result in Ray placement group allocation failures. Consider "
+            f"reducing tensor_parallel_size to {gpus:g} or less, or ensure your Ray cluster has "
+            f"{world_size} GPUs available.")
+    specs = pg_specs(world_size, driver_ip)
+    pg = ray.util.placement_group(specs, strategy="PACK")
+    ref = pg.ready()
+    t0 = clock()
+    interval = 10
+    while clock() - t0 < timeout:
+        ready, _ = ray.wait([ref], timeout=interval)
+        if ready:
+            return pg
+        interval *= 2
+        say(f"INFO [ray_utils.py:464] Waiting for creating a placement group of specs for "
+            f"{int(clock() - t0)} seconds. specs={specs}. Check `ray status` and `ray list nodes` "
+            "to see if you have enough resources, and make sure the IP addresses used by ray "
+            "cluster are the same as VLLM_HOST_IP environment variable specified in each node if "
+            "you are running on a multi-node.")
+    raise StandinError(
+        f"ValueError: Cannot provide a placement group of placement_group_specs={specs} within "
+        f"{int(timeout)} seconds. See `ray status` and `ray list nodes` to make sure the cluster "
+        "has enough resources.")
+
+
+def start_ray_workers(ray, pg, world_size: int) -> list:
+    """One GPU actor per bundle, each holding its node's GPU; the handles keep them alive."""
+    try:
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    except Exception:  # noqa: BLE001 - older Ray, or __main__: pickled by value anyway
+        pass
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
+
+    cls = ray.remote(num_gpus=1, num_cpus=0)(_RayWorker)
+    actors = [cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=i)).remote() for i in range(world_size)]
+    ray.get([a.start.remote() for a in actors], timeout=120)
+    return actors
+
+
+def join_ray(env: dict):
+    """``ray.init`` on the running cluster (vLLM's ``--distributed-executor-backend ray``)."""
     try:
         import ray  # noqa: PLC0415  (only inside the lab's vLLM image)
     except ImportError:
@@ -1247,24 +1324,15 @@ def check_ray_cluster(world_size: int) -> str:
             "ValueError: Ray is required for --distributed-executor-backend ray, "
             "but it is not installed (pip install ray)"
         ) from None
+    address = env.get("RAY_ADDRESS", "auto")
     try:
-        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
+        ray.init(address=address, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}})
     except Exception as e:  # ConnectionError and friends, whatever Ray version
         raise StandinError(
-            f"ConnectionError: could not connect to a running Ray cluster (ray.init(address='auto')): {e}"
+            f"ConnectionError: could not connect to a running Ray cluster (ray.init(address={address!r})): {e}"
         ) from None
-    try:
-        gpus = float(ray.cluster_resources().get("GPU", 0))
-        alive = [n for n in ray.nodes() if n.get("Alive")]
-    finally:
-        ray.shutdown()
-    if gpus < world_size or len(alive) < world_size:
-        raise StandinError(
-            f"ValueError: The number of required GPUs exceeds the total number of available GPUs "
-            f"in the placement group: tensor_parallel_size x pipeline_parallel_size = "
-            f"{world_size}, Ray cluster has {gpus:g} GPUs on {len(alive)} alive node(s)"
-        )
-    return f"Ray cluster: {gpus:g} GPUs on {len(alive)} alive nodes"
+    return ray
 
 
 def vllm_main(argv: list[str] | None = None) -> int:
@@ -1306,9 +1374,16 @@ def vllm_main(argv: list[str] | None = None) -> int:
         + (f" (ignored flags: {' '.join(unknown)})" if unknown else ""),
         engine="vllm",
     )
+    actors: list = []
     try:
         if ns.distributed_executor_backend == "ray":
-            log(check_ray_cluster(world), engine="vllm")
+            env = dict(os.environ)
+            ray = join_ray(env)
+            driver_ip = vllm_host_ip(env, ip_by_remote)
+            pg = ray_placement(ray, world, driver_ip, lambda m: log(m, engine="vllm"),
+                               timeout=float(env.get(ENV + "PG_TIMEOUT_S", PG_WAIT_TIMEOUT)))
+            actors = start_ray_workers(ray, pg, world)
+            log(f"Ray placement group ready: {world} GPU workers, driver on {driver_ip}", engine="vllm")
         elif world > int(os.environ.get(ENV + "GPUS", "1")):
             raise StandinError(
                 f"ValueError: tensor_parallel_size x pipeline_parallel_size = {world} exceeds the "
@@ -1317,6 +1392,7 @@ def vllm_main(argv: list[str] | None = None) -> int:
     except StandinError as e:
         print(str(e), file=sys.stderr, flush=True)
         return 1
+    cfg.workers = actors  # keep the GPU actors while serving
     return run_server(cfg)
 
 
