@@ -120,6 +120,9 @@ PAST_INIT = pat(
 SPANS_NODES = pat(r"custom ?allreduce is disabled because this process group spans across nodes",
                   "spans across nodes")
 TORCH_DIST_ENDS = pat(r"Init torch distributed ends", "init torch distributed ends", icase=False)
+# SGLang's end, or vLLM's line at the end of initialize_model_parallel
+DIST_ENDS = pat(r"Init torch distributed ends|is assigned as DP rank", "init torch distributed ends",
+                "assigned as dp rank", icase=False)
 
 
 @dataclass(frozen=True)
@@ -137,10 +140,8 @@ INIT_STAGES: tuple[Stage, ...] = (
           pat(r"Init COMPLETE", "init complete", icase=False)),
     Stage("distributed init (vLLM)",
           pat(r"distributed_init_method=\S+|(?:sglang|vLLM) is using nccl==", "distributed_init_method",
-              "is using nccl", icase=False),
-          pat(r"is assigned as DP rank|Init torch distributed ends", "assigned as dp rank",
-              "init torch distributed ends", icase=False)),
-    Stage("the cross-node message queue (after CustomAllreduce)", SPANS_NODES, TORCH_DIST_ENDS),
+              "is using nccl", icase=False), DIST_ENDS),
+    Stage("the cross-node message queue (after CustomAllreduce)", SPANS_NODES, DIST_ENDS),
 )
 READY = pat(r"Application startup complete|The server is fired up and ready to roll|Uvicorn running on",
             "startup complete", "ready to roll", "uvicorn running")
@@ -225,9 +226,11 @@ RULES: tuple[Rule, ...] = (
              r"|(?:NCCL|WARN|gloo).*\bconnect\w*\b.*\b(?:failed|returned)\b.*(?:refused|timed out|No route to host"
              r"|unreachable|connection abort)"
              r"|is neither AF_INET\(2\) nor AF_INET6|ibv_modify_qp failed|NET/IB : Got async event"
+             r"|NET/IBP? ?: ?Got completion (?:from peer \S+ )?with (?:error |status=)\d+"
+             r"|\[c10d\].*failed to connect.*(?:No route to host|Network is unreachable)"
              r"|NET/IB.*(?:Unable to open device|No IB device found)"
              r"|gloo.*(?:Connection refused|Connection reset by peer|No route to host|Timed out waiting)",
-             "interface", "connect", "af_inet", "ibv_", "net/ib", "unable to find", "gloo"),
+             "interface", "connect", "af_inet", "ibv_", "net/ib", "unable to find", "gloo", "got completion"),
          "NCCL/Gloo cannot use the fast link (check NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME, NCCL_IB_HCA, "
          "the RoCE GID index, and that each node's address is on the link)"),
     Rule("link-misconfigured", 55,

@@ -50,6 +50,7 @@ EXPECTED: dict[str, dict[str, list[int]]] = {
     "nccl-init-hang/torch-watchdog-allreduce.log": {"": [2, 3]},
     "arch-unsupported/flashinfer-trtllm-fmha-unsupported-arch.log": {"": [2]},
     "ray-worker-missing/ray-head-gcs-unreachable.log": {"": [3, 4]},
+    "link-misconfigured/nccl-roce-completion-error-gid.log": {"": [2]},
 }
 
 
@@ -164,6 +165,14 @@ def test_bare_keyerror_is_only_a_weak_hint():
     assert cls_of(a=["KeyError: 'qwen3_5_moe'"]) == "model-config-unrecognized"
     assert cls_of(a=["KeyError: 'qwen3_5_moe'", PG_WAIT]) == "ray-worker-missing"
     assert cls_of(a=["KeyError: 'model.layers.0.mlp.experts.w13_weight'"]) == "unknown"
+
+
+def test_c10d_client_no_route_is_the_link_refused_is_waiting():
+    base = "[W1202 10:00:00.000000000 socket.cpp:755] [c10d] The client socket has failed to connect to "
+    assert cls_of(a=[SG_BEGIN, base + "[192.168.100.1]:5757 (errno: 113 - No route to host)."]) == \
+        "link-misconfigured"
+    assert cls_of(a=[SG_BEGIN, base + "[192.168.100.1]:5757 (errno: 111 - Connection refused)."]) == \
+        "nccl-init-hang"
 
 
 def test_gcs_of_google_cloud_is_not_ray():
@@ -480,3 +489,12 @@ def test_sglang_tp_ranks_pair_by_their_tag():
              "[2025-09-01 05:58:13 TP0] Init torch distributed ends. mem usage=0.35 GB"]
     d = dx.classify({"n": lines})
     assert (d.cls, [e.line_no for e in d.evidence]) == ("nccl-init-hang", [2, 3])
+
+
+def test_vllm_goes_on_after_its_custom_allreduce_line():
+    lines = ["(RayWorkerWrapper pid=248, ip=10.1.160.68) WARNING 09-12 23:40:48 custom_all_reduce.py:122] "
+             "Custom allreduce is disabled because this process group spans across nodes.",
+             "(RayWorkerWrapper pid=248, ip=10.1.160.68) INFO 09-12 23:40:48 parallel_state.py:1004] rank 1 in "
+             "world size 2 is assigned as DP rank 0, PP rank 0, TP rank 1"]
+    assert cls_of(head=lines) == "unknown"
+    assert cls_of(head=lines[:1]) == "nccl-init-hang"
