@@ -56,6 +56,19 @@ def perf(session: nox.Session) -> None:
     session.run("python", "-m", "sparkdeploy.perf", *session.posargs)
 
 
+@nox.session(default=False)
+def mutants(session: nox.Session) -> None:
+    """Mutation testing (mutmut, settings in pyproject.toml) of the decision code: steps/ship.py,
+    scripts/save_filter.py, config.py, bench/metrics.py against their unit tests; then the
+    survivors. Slow: two workers (`MUTMUT_CHILDREN=N` for more); `-- NAME...` reruns mutants."""
+    import os
+
+    session.install("-e", ".[dev]", "mutmut>=3.3")
+    children = os.environ.get("MUTMUT_CHILDREN", "2")
+    session.run("mutmut", "run", "--max-children", children, *session.posargs)
+    session.run("mutmut", "results")
+
+
 # transformers versions -> what they must do with the model's config (qwen3_5_moe)
 CONFIG_MATRIX = {"transformers==4.57.1": "fail", "transformers==5.2.0": "parse", "transformers>=5": "parse"}
 
