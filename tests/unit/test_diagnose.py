@@ -498,3 +498,56 @@ def test_vllm_goes_on_after_its_custom_allreduce_line():
              "world size 2 is assigned as DP rank 0, PP rank 0, TP rank 1"]
     assert cls_of(head=lines) == "unknown"
     assert cls_of(head=lines[:1]) == "nccl-init-hang"
+
+
+def two_ranks(tmp_path, env: dict, seconds: float = 8) -> dict[str, list[str]]:
+    """Run the SGLang stand-in as two ranks meeting over loopback; their output, cut after ``seconds``."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "ib").mkdir()
+    dist = f"127.0.0.1:{free_port()}"
+    code = "import sys; from sparkdeploy.lab.standins import engine_server as e; sys.exit(e.sglang_main(sys.argv[1:]))"
+    base = {**os.environ, "PYTHONPATH": str(root / "src"), "NCCL_SOCKET_IFNAME": "lo",
+            "SPARKDEPLOY_STANDIN_SYSFS_IB": str(tmp_path / "ib"), "SPARKDEPLOY_STANDIN_LAB_DIR": str(tmp_path),
+            "SPARKDEPLOY_STANDIN_DIST_TIMEOUT_S": "30", **env}
+    procs = {
+        name: subprocess.Popen([sys.executable, "-u", "-c", code, "--model-path", str(tmp_path / "model"), "--tp",
+                                "2", "--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", dist,
+                                "--host", "127.0.0.1", "--port", str(free_port())],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=base)
+        for rank, name in enumerate(("head", "worker"))
+    }
+    out = {}
+    for name, p in procs.items():
+        try:
+            text, _ = p.communicate(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            text, _ = p.communicate()
+        out[name] = text.splitlines()
+    return out
+
+
+def test_standin_sglang_lab_fault_hang_is_an_init_hang(tmp_path):
+    import json
+
+    (tmp_path / "faults.json").write_text(json.dumps({"faults": ["sglang-hang"]}))
+    logs = two_ranks(tmp_path, {"SGLANG_HOST_IP": "127.0.0.1"})
+    d = dx.classify(logs)
+    assert d.cls == "nccl-init-hang", (d, logs)
+    for name, lines in logs.items():
+        last = max(i for i, line in enumerate(lines, 1) if line.strip())
+        assert "CustomAllreduce is disabled" in lines[last - 1]
+        assert (name, last) in {(e.label, e.line_no) for e in d.evidence}
+
+
+def test_standin_sglang_without_host_ip_hangs_unless_loopback_is_the_default(tmp_path):
+    logs = two_ranks(tmp_path, {"SGLANG_HOST_IP": "", "HOST_IP": ""})
+    d = dx.classify(logs)
+    served = any("fired up" in line for line in logs["head"])
+    assert d.cls == ("unknown" if served else "nccl-init-hang"), (d, logs)

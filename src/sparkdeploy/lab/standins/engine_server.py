@@ -959,14 +959,15 @@ class Rendezvous:
                 conn, _ = srv.accept()
             except TimeoutError:
                 continue
-            conn.settimeout(None)
+            conn.settimeout(5.0)  # a port probe (connect, close) or a silent client: dropped
             fh = conn.makefile("rwb")
             try:
                 hello = json.loads(fh.readline() or b"null")
                 r = int(hello["rank"])
-            except (ValueError, TypeError, KeyError):
+            except (OSError, ValueError, TypeError, KeyError):
                 conn.close()
                 continue
+            conn.settimeout(None)
             self.peers[r] = (conn, fh)
         self.server = srv
 
