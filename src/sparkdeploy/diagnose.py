@@ -304,10 +304,11 @@ class Log:
     @classmethod
     def of(cls, label: str, raw: str | Iterable[str]) -> Log:
         lines: list[str] = []
-        for item in [raw] if isinstance(raw, str) else raw:
-            # tolerate a label mapped to one big string, or lines with embedded newlines
-            lines += [_clean(piece) for piece in str(item).split("\n")]
-        if isinstance(raw, str) and lines and not lines[-1]:
+        for item in [raw] if isinstance(raw, (str, bytes)) else raw:
+            # tolerate a label mapped to one big string (or bytes), or lines with embedded newlines
+            text = item.decode("utf-8", errors="replace") if isinstance(item, bytes) else str(item)
+            lines += [_clean(piece) for piece in text.split("\n")]
+        if isinstance(raw, (str, bytes)) and lines and not lines[-1]:
             lines.pop()  # the text's final newline ends the last line, it opens none
         lows = [line.lower() for line in lines]
         keep = sorted(_candidates(lows, _keys(RULES)))

@@ -196,6 +196,11 @@ def test_a_label_may_map_to_one_string():
     assert (d.cls, [e.line_no for e in d.evidence]) == ("port-in-use", [2])
 
 
+def test_bytes_are_read_as_text():
+    d = dx.classify({"node": [b"line one", PORT.encode()], "other": b"x\n" + OOM.encode() + b"\n"})
+    assert d.cls == "port-in-use" and [(e.label, e.line_no) for e in d.evidence] == [("node", 2)]
+
+
 def test_nothing_at_all_is_unknown():
     d = dx.classify({})
     assert d == dx.Diagnosis("unknown", [], d.summary) and d.summary
