@@ -120,6 +120,9 @@ PAST_INIT = pat(
 SPANS_NODES = pat(r"custom ?allreduce is disabled because this process group spans across nodes",
                   "spans across nodes")
 TORCH_DIST_ENDS = pat(r"Init torch distributed ends", "init torch distributed ends", icase=False)
+# SGLang's end, or vLLM's line at the end of initialize_model_parallel
+DIST_ENDS = pat(r"Init torch distributed ends|is assigned as DP rank", "init torch distributed ends",
+                "assigned as dp rank", icase=False)
 
 
 @dataclass(frozen=True)
@@ -137,10 +140,8 @@ INIT_STAGES: tuple[Stage, ...] = (
           pat(r"Init COMPLETE", "init complete", icase=False)),
     Stage("distributed init (vLLM)",
           pat(r"distributed_init_method=\S+|(?:sglang|vLLM) is using nccl==", "distributed_init_method",
-              "is using nccl", icase=False),
-          pat(r"is assigned as DP rank|Init torch distributed ends", "assigned as dp rank",
-              "init torch distributed ends", icase=False)),
-    Stage("the cross-node message queue (after CustomAllreduce)", SPANS_NODES, TORCH_DIST_ENDS),
+              "is using nccl", icase=False), DIST_ENDS),
+    Stage("the cross-node message queue (after CustomAllreduce)", SPANS_NODES, DIST_ENDS),
 )
 READY = pat(r"Application startup complete|The server is fired up and ready to roll|Uvicorn running on",
             "startup complete", "ready to roll", "uvicorn running")
@@ -150,6 +151,10 @@ CRASH = pat(
     "traceback", "terminate called", "error", "exception", "core dumped", "segmentation fault", "exited with code",
     icase=False,
 )
+# A crash that is the hang's end, not its cause: a watchdog killing the wedged process (SGLang's
+# scheduler watchdog kills it after ~300 s: "Rank 0 scheduler died (exit code: -9)").
+KILLED = pat(r"exit code:? -9\b|signal 9\b|SIGKILL|watchdog timeout|killed by (?:the )?watchdog",
+             "exit code", "signal 9", "sigkill", "watchdog", icase=False)
 NCCL_WORKS = pat(r"Init COMPLETE|Connected all rings|Init torch distributed ends",
                  "init complete", "connected all rings", "init torch distributed ends", icase=False)
 CONFIG_LOOKUP = pat(r"configuration_auto|CONFIG_MAPPING|AutoConfig|model_type|config_dict\[",
@@ -225,9 +230,13 @@ RULES: tuple[Rule, ...] = (
              r"|(?:NCCL|WARN|gloo).*\bconnect\w*\b.*\b(?:failed|returned)\b.*(?:refused|timed out|No route to host"
              r"|unreachable|connection abort)"
              r"|is neither AF_INET\(2\) nor AF_INET6|ibv_modify_qp failed|NET/IB : Got async event"
+             r"|NET/IBP? ?: ?Got completion (?:from peer \S+ )?with (?:error |status=)\d+"
+             r"|\[c10d\].*failed to connect.*(?:No route to host|Network is unreachable)"
+             r"|Failed to execute operation Connect from rank|operation=Connect, res=\d+"
              r"|NET/IB.*(?:Unable to open device|No IB device found)"
              r"|gloo.*(?:Connection refused|Connection reset by peer|No route to host|Timed out waiting)",
-             "interface", "connect", "af_inet", "ibv_", "net/ib", "unable to find", "gloo"),
+             "interface", "connect", "af_inet", "ibv_", "net/ib", "unable to find", "gloo", "got completion",
+             "operation"),
          "NCCL/Gloo cannot use the fast link (check NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME, NCCL_IB_HCA, "
          "the RoCE GID index, and that each node's address is on the link)"),
     Rule("link-misconfigured", 55,
@@ -295,10 +304,11 @@ class Log:
     @classmethod
     def of(cls, label: str, raw: str | Iterable[str]) -> Log:
         lines: list[str] = []
-        for item in [raw] if isinstance(raw, str) else raw:
-            # tolerate a label mapped to one big string, or lines with embedded newlines
-            lines += [_clean(piece) for piece in str(item).split("\n")]
-        if isinstance(raw, str) and lines and not lines[-1]:
+        for item in [raw] if isinstance(raw, (str, bytes)) else raw:
+            # tolerate a label mapped to one big string (or bytes), or lines with embedded newlines
+            text = item.decode("utf-8", errors="replace") if isinstance(item, bytes) else str(item)
+            lines += [_clean(piece) for piece in text.split("\n")]
+        if isinstance(raw, (str, bytes)) and lines and not lines[-1]:
             lines.pop()  # the text's final newline ends the last line, it opens none
         lows = [line.lower() for line in lines]
         keep = sorted(_candidates(lows, _keys(RULES)))
@@ -319,7 +329,7 @@ class Log:
 
 def patterns(rules: Sequence[Rule] | None = None) -> list[Pat]:
     """Every pattern the classifier tries (the rules' and the sequence rules' markers)."""
-    pats = [PAST_INIT, READY, CRASH, NCCL_WORKS, CONFIG_LOOKUP]
+    pats = [PAST_INIT, READY, CRASH, KILLED, NCCL_WORKS, CONFIG_LOOKUP]
     pats += [p for st in INIT_STAGES for p in (st.begin, st.end)]
     for r in RULES if rules is None else rules:
         pats += [p for p in (r.pattern, r.context, r.void_after) if p is not None]
@@ -402,7 +412,7 @@ def _init_hang(log: Log) -> Finding | None:
     if not opened:
         return None
     begin = min(opened.values())
-    if log.last(CRASH, begin + 1) is not None:
+    if log.last(CRASH, begin + 1) is not None and log.last(KILLED, begin + 1) is None:
         return None  # it died there: a crash, not a hang (the crash rules name it if they can)
     evidence = [log.ev(begin)]
     spans = min((i for (name, _), i in opened.items() if name == INIT_STAGES[-1].name), default=None)
@@ -413,7 +423,8 @@ def _init_hang(log: Log) -> Finding | None:
         evidence.append(log.ev(last))
     if spans is not None:
         why = ("distributed init stopped after 'CustomAllreduce is disabled ... spans across nodes' and never "
-               "ended (a rank advertised an address its peer cannot reach, e.g. SGLANG_HOST_IP unset)")
+               "ended: the cross-node message queue never connected (on two Sparks usually SGLANG_HOST_IP "
+               "unset, so a rank advertised another interface's address)")
     else:
         stage = min(opened, key=opened.get)[0]
         why = f"distributed init began and never completed: {stage} is still waiting"

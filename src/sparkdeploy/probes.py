@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _config_dir(given: str | None) -> str:
     if given:
         return given
-    from sparkdeploy.lab.hub import model_config
+    from sparkdeploy.lab.hub_repo import model_config
 
     d = tempfile.mkdtemp(prefix="sparkdeploy-config-")
     Path(d, "config.json").write_text(json.dumps(model_config(), indent=2))
@@ -73,7 +73,7 @@ def images(image: str | None, profile: str | None) -> int:
     except NodeUnreachable as e:
         why = str(e)
     if why is not None:
-        print(f"no docker engine reachable on {head.name} ({why}): image probes not run")
+        print(f"no Docker daemon reachable on {head.name} ({why}): image probes not run")
         return 0
     with rendering(dep.events, live=False):
         # a decision without a chosen image is a failed image.decide result

@@ -51,7 +51,7 @@ def lab() -> Lab:
     why = lifecycle.preflight()
     if why:
         pytest.skip(why)
-    results = lifecycle.up(nodes=2, engine_name=layout.DEFAULT_ENGINE)
+    results = lifecycle.up(nodes=2, flavor=layout.DEFAULT_DOCKERD)
     bad = [r for r in results if r.failed]
     if bad:
         pytest.fail("lab.up failed: " + "; ".join(f"{r.step} {r.node or ''}: {r.why}"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sparkdeploy.lab import images, layout
-from sparkdeploy.lab.engine import docker
+from sparkdeploy.lab.dockerd import docker
 from sparkdeploy.results import Status
 
 pytestmark = pytest.mark.lab

@@ -1,4 +1,4 @@
-"""Lab part 1: the simulated nodes have their own network, files, SSH and Docker engine."""
+"""Lab part 1: the simulated nodes have their own network, files, SSH and dockerd."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_nodes_have_no_default_route(lab):
         assert [r for r in routes if r["dst"] == "default"] == []
 
 
-def test_each_engine_runs_the_base_image_with_its_own_model_dir(lab):
+def test_each_dockerd_runs_the_base_image_with_its_own_model_dir(lab):
     for node in lab.nodes:
         marker = f"{node}-{uuid.uuid4().hex}"
         lab.ssh(node, f"echo {marker} > {layout.MODEL_DIR}/.lab-marker")
@@ -75,7 +75,7 @@ def test_a_file_in_the_heads_model_dir_is_absent_on_the_worker(lab):
     assert not (Path(layout.MODEL_DIR) / name).exists()  # nor on the controller
 
 
-def test_each_node_talks_to_its_own_engine(lab):
+def test_each_node_talks_to_its_own_dockerd(lab):
     ids = set()
     for node in lab.nodes:
         info = json.loads(lab.ssh(node, ["docker", "info", "--format", "{{json .}}"]).stdout)
@@ -102,7 +102,7 @@ def test_the_glm_units_run_on_the_head_and_hold_its_gpu(lab):
 
 
 def test_lab_up_again_changes_nothing(lab):
-    results = lifecycle.up(nodes=len(lab.nodes), engine_name=lab.state["engine"])
+    results = lifecycle.up(nodes=len(lab.nodes), flavor=lab.state["dockerd"])
     assert [(r.step, r.node, r.why) for r in results if r.status is not Status.OK] == []
 
 
@@ -147,8 +147,8 @@ def test_lab_up_restarts_daemons_that_died(lab):
     procs = lab_state.load()["nodes"][node]["procs"]
     assert proc.stop(procs["sshd"]) and proc.stop(procs["dockerd"])
     assert lab.ssh(node, "true", check=False).returncode == 255
-    results = lifecycle.up(nodes=len(lab.nodes), engine_name=lab.state["engine"])
+    results = lifecycle.up(nodes=len(lab.nodes), flavor=lab.state["dockerd"])
     redone = {(r.step, r.node) for r in results if r.status is Status.CHANGED}
-    assert {("sshd", node), ("engine", node)} <= redone
+    assert {("sshd", node), ("dockerd", node)} <= redone
     assert not [r for r in results if r.failed]
     assert lab.ssh(node, ["docker", "image", "inspect", layout.BASE_IMAGE]).returncode == 0

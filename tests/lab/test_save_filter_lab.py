@@ -1,7 +1,7 @@
 """A filtered `docker save` archive loads on a peer that already has the base image (real engines).
 
 Needs from the `lab` fixture: two nodes whose engines both hold ``layout.BASE_IMAGE`` with the
-same layers, each engine reachable from the controller (``sparkdeploy.lab.engine.docker``) and the
+same layers, each engine reachable from the controller (``sparkdeploy.lab.dockerd.docker``) and the
 peer's `docker load` reachable over ``lab.ssh_argv`` (its sessions' DOCKER_HOST names its engine).
 The peer must use the classic image store (the containerd store gets whole archives: FACTS).
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from sparkdeploy.lab import layout
-from sparkdeploy.lab.engine import docker
+from sparkdeploy.lab.dockerd import docker
 
 pytestmark = pytest.mark.lab
 

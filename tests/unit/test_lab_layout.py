@@ -55,3 +55,29 @@ def test_interface_names_fit_the_kernel_limit():
     for n in layout.node_names(9):
         assert len(layout.root_veth(n)) <= 15 and len(layout.fast_peer_veth(n)) <= 15
     assert len(layout.FAST_IF) <= 15
+
+
+def test_fallback_is_forced_even_when_the_default_is_free_and_recorded():
+    plan, why = plan_addresses(MACHINE, recorded="10.77.0.0/24", want="fallback")
+    assert plan.mgmt_net == layout.MGMT_CANDIDATES[1]
+    assert "asked for the fallback" in why and "moved from 10.77.0.0/24" in why
+
+
+def test_fallback_skips_a_clashing_fallback():
+    plan, _ = plan_addresses(MACHINE + [{"dst": layout.MGMT_CANDIDATES[1], "dev": "wg0"}],
+                             want="fallback")
+    assert plan.mgmt_net == layout.MGMT_CANDIDATES[2]
+
+
+def test_asking_for_the_default_moves_a_lab_back():
+    plan, why = plan_addresses(MACHINE, recorded=layout.MGMT_CANDIDATES[1],
+                               want=layout.MGMT_CANDIDATES[0])
+    assert plan.mgmt_net == layout.MGMT_CANDIDATES[0]
+    assert why == f"management network 10.77.0.0/24 (default) (moved from {layout.MGMT_CANDIDATES[1]})"
+
+
+@pytest.mark.parametrize("want,match", [("10.0.0.0/24", "must be 'fallback' or one of"),
+                                        ("10.77.0.0/24", "clashes with this machine's route")])
+def test_a_bad_or_clashing_choice_is_one_line(want, match):
+    with pytest.raises(ValueError, match=match):
+        plan_addresses(MACHINE + [{"dst": "10.77.0.0/24", "dev": "wg0"}], want=want)

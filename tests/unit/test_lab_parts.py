@@ -6,7 +6,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from sparkdeploy.lab import engine, keys, layout, proc
+from sparkdeploy.lab import dockerd, keys, layout, proc
 from sparkdeploy.lab.layout import AddressPlan
 
 N = "/var/lib/sparkdeploy/lab/nodes/spark2"
@@ -14,13 +14,13 @@ ENTER = ["nsenter", "--mount=/var/lib/sparkdeploy/lab/ns/spark2.mnt",
          "--net=/var/run/netns/lab-spark2"]
 
 
-def _argv(eng: str) -> list[str]:
-    return engine.dockerd_argv("spark2", layout.mntns_path("spark2"), layout.netns_path("spark2"),
-                               eng)
+def _argv(flavor: str) -> list[str]:
+    return dockerd.dockerd_argv("spark2", layout.mntns_path("spark2"), layout.netns_path("spark2"),
+                               flavor)
 
 
-def test_dockerd_argv_per_engine(monkeypatch):
-    monkeypatch.setattr(engine, "storage_driver",
+def test_dockerd_argv_per_flavor(monkeypatch):
+    monkeypatch.setattr(dockerd, "storage_driver",
                         lambda e: "overlayfs" if e == "containerd" else "overlay2")
     common = ["--iptables=false", "--ip-masq=false", "--bridge=none",
               "--add-runtime", "nvidia=/opt/sparkdeploy-lab/bin/nvidia-container-runtime"]
@@ -72,4 +72,30 @@ def test_debian_mirror_is_read_from_the_machines_sources(tmp_path):
                  "Suites: bookworm-security\nComponents: main\n\n"
                  "Types: deb\nURIs: http://mirror.example/debian/\nSuites: bookworm\n"
                  "Components: main\n")
-    assert engine.debian_mirror(f) == "http://mirror.example/debian"
+    assert dockerd.debian_mirror(f) == "http://mirror.example/debian"
+
+
+def test_heartbeat_speaks_only_after_a_quiet_spell_inside_a_phase():
+    from sparkdeploy.events import EventSink, Progress
+    from sparkdeploy.lab.heartbeat import Heartbeat
+
+    now = [0.0]
+    sink = EventSink()
+    beat = Heartbeat(sink, every=10, clock=lambda: now[0])
+    with sink.collect() as got:
+        sink.listeners.append(beat._heard)
+        assert beat.beat() is False  # no phase: nothing to say
+        with beat.phase("wheels", note="pip download"):
+            now[0] = 9
+            assert beat.beat() is False
+            now[0] = 12
+            assert beat.beat() is True
+            assert beat.beat() is False  # its own line counts as heard
+            with beat.phase("wheels", "spark1", note="inner"):
+                now[0] = 23
+                assert beat.beat() is True
+            sink.log("x", None, "something said")
+            now[0] = 30
+            assert beat.beat() is False
+    assert got[0] == Progress("wheels", None, 12, None, "s", "elapsed, pip download")
+    assert got[1] == Progress("wheels", "spark1", 11, None, "s", "elapsed, inner")

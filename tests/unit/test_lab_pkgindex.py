@@ -177,8 +177,8 @@ def test_pip_installs_a_cached_wheel_from_the_index(tmp_path):
         out = subprocess.run([str(py), "-c", "import six, json; print(json.dumps(six.__file__))"],
                              capture_output=True, text=True, check=True).stdout
         assert json.loads(out).startswith(str(tmp_path / "venv"))
-        assert ("GET", "/simple/six/", 200) in server.requests
-        assert any(p.startswith("/files/six-") for _, p, _ in server.requests)
+        assert ("GET", "/simple/six/", 200, "127.0.0.1") in server.requests
+        assert any(p.startswith("/files/six-") for _, p, _, _ in server.requests)
     finally:
         server.stop()
 
@@ -197,3 +197,16 @@ def test_cli_serves_and_reports_ready(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_stats_name_each_request_and_its_client(tmp_path):
+    from sparkdeploy.lab import pkgindex
+
+    server = pkgindex.start_index(port=0, wheel_dir=tmp_path)
+    try:
+        assert requests.get(server.index_url).status_code == 200
+        assert requests.get(server.url + "/_lab/health").status_code == 200
+        got = requests.get(server.url + "/_lab/stats").json()["requests"]
+    finally:
+        server.stop()
+    assert got == [{"method": "GET", "path": "/simple/", "status": 200, "client": "127.0.0.1"}]

@@ -289,3 +289,40 @@ def test_concurrent_starts_make_one_process(node):
             if str(node.root).encode() in cmdline and b"--standin-supervise" in cmdline:
                 groups.add(os.getpgid(int(entry)))
     assert groups == {pgid}
+
+
+def test_exec_start_pre_post_and_stop_post_run_around_each_start(node, tmp_path):
+    trail = tmp_path / "trail"
+    rec = f'/bin/sh -c "echo $0 >> {trail}"'
+    node.unit("s.service", service(
+        "Sup", unit="Requires=docker.service\nAfter=docker.service network-online.target",
+        extra=(f"ExecStartPre=-/bin/false\nExecStartPre={rec.replace('$0', 'pre')}\n"
+               f"ExecStartPost={rec.replace('$0', 'post')}\nExecStopPost={rec.replace('$0', 'stoppost')}\n")))
+    r = node.systemctl("start", "s.service")
+    assert r.returncode == 0, r.stderr  # docker.service is the lab's own dockerd: active
+    assert node.systemctl("is-active", "docker.service").stdout == "active\n"
+    wait_for(lambda: trail.exists() and trail.read_text().split() == ["pre", "post"], "pre, post")
+    assert node.systemctl("stop", "s.service").returncode == 0
+    wait_for(lambda: trail.read_text().split() == ["pre", "post", "stoppost"], "stop post")
+
+
+def test_a_failing_exec_start_pre_fails_the_unit_and_restarts_it(node, tmp_path):
+    count = tmp_path / "count"
+    node.unit("f.service", service(
+        "Fails", extra=f'ExecStartPre=/bin/sh -c "echo x >> {count}; exit 3"\nRestart=on-failure\nRestartSec=0.2\n'))
+    node.systemctl("start", "f.service")
+    wait_for(lambda: count.exists() and len(count.read_text().split()) >= 2, "a restart")
+    node.systemctl("stop", "f.service")
+
+
+def test_boot_starts_enabled_units_in_order(node):
+    node.unit("w.service", service("Worker"))
+    node.unit("h.service", service("Head", unit="After=w.service\nRequires=w.service"))
+    node.unit("off.service", service("Not enabled"))
+    assert node.systemctl("enable", "w.service", "h.service").returncode == 0
+    r = node.systemctl("--standin-boot")
+    assert r.returncode == 0, r.stderr
+    assert node.systemctl("is-active", "h.service", "w.service").stdout == "active\nactive\n"
+    assert node.systemctl("is-active", "off.service").stdout == "inactive\n"
+    assert node.main_record("w.service")["started"] <= node.main_record("h.service")["started"]
+    node.systemctl("stop", "h.service", "w.service")

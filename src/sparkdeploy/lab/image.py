@@ -1,5 +1,5 @@
 """The lab base image: a debootstrap'd bookworm with Python 3, cached as a tarball,
-imported once and loaded into every node's engine (same image ID everywhere)."""
+imported once and loaded into every node's dockerd (same image ID everywhere)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import subprocess
 
 from sparkdeploy.lab import layout
-from sparkdeploy.lab.engine import debian_mirror, docker
+from sparkdeploy.lab.dockerd import debian_mirror, docker
 from sparkdeploy.lab.proc import LabError, clean_stale_tmp, remove_tree, run
 
 BASE_TAR = layout.CACHE_DIR / "base-bookworm.tar"
@@ -54,7 +54,7 @@ def listed(node: str, ref: str = layout.BASE_IMAGE) -> bool:
 
 
 def import_into(node: str) -> str:
-    """``docker import`` the cached tarball into one node's engine; return the image ID."""
+    """``docker import`` the cached tarball into one node's dockerd; return the image ID."""
     with open(BASE_TAR, "rb") as fh:
         cp = subprocess.run(
             docker(node, "import", "-c", f"LABEL {layout.STANDIN_LABEL}=true",
@@ -71,7 +71,7 @@ def import_into(node: str) -> str:
 
 
 def copy_image(src: str, dst: str, ref: str = layout.BASE_IMAGE) -> None:
-    """``docker save`` on one node's engine piped into ``docker load`` on another's."""
+    """``docker save`` on one node's dockerd piped into ``docker load`` on another's dockerd."""
     save = subprocess.Popen(docker(src, "save", ref), stdout=subprocess.PIPE)
     load = subprocess.run(docker(dst, "load", "-q"), stdin=save.stdout, capture_output=True,
                           text=True, timeout=600)

@@ -12,7 +12,8 @@ import subprocess
 
 import yaml
 
-from sparkdeploy.lab import hub, images, layout, pkgindex
+from sparkdeploy.lab import daemons, hub, images, layout, pkgindex
+from sparkdeploy.lab.dockerd import docker, url
 from sparkdeploy.lab.proc import LabError
 from sparkdeploy.results import Result, changed, ok
 
@@ -52,41 +53,36 @@ def prefetch() -> tuple[bool, str]:
 
 
 def ensure_servers(st: dict, controller: str) -> list[Result]:
-    from sparkdeploy.lab.lifecycle import ensure_controller_daemon, set_env
-
     hurl, iurl = hub_url(controller), index_url(controller)
     out = [
-        ensure_controller_daemon(st, "hub", hub.cli_argv(controller),
+        daemons.ensure_daemon(st, "hub", hub.cli_argv(controller),
                                  lambda: hub.wait_ready(hurl, timeout=0.5)),
-        ensure_controller_daemon(st, "index", pkgindex.cli_argv(controller),
+        daemons.ensure_daemon(st, "index", pkgindex.cli_argv(controller),
                                  lambda: pkgindex.wait_ready(iurl, timeout=0.5)),
     ]
     env = {"HF_ENDPOINT": hurl, **pkgindex.pip_env(iurl)}
-    wrote = set_env(st, **env)
+    wrote = daemons.set_env(st, **env)
     out.append((changed if wrote else ok)("env", " ".join(f"{k}={v}" for k, v in env.items())))
     return out
 
 
 def ensure_community_images(head: str) -> list[Result]:
-    return images.build_community_images(f"unix://{layout.docker_socket(head)}", layout.BASE_IMAGE,
+    return images.build_community_images(url(head), layout.BASE_IMAGE,
                                          node=head)
 
 
 def seed_worker(head: str, worker: str, ref: str = "scitrera/dgx-spark-sglang:0.5.10rc0") -> Result:
     """Give a worker the derivative's base image (for delta-shipping tests)."""
-    def dk(x: str, *args: str) -> list[str]:
-        return ["docker", "-H", f"unix://{layout.docker_socket(x)}", *args]
-
-    have = subprocess.run(dk(worker, "image", "inspect", "--format", "{{.Id}}", ref),
+    have = subprocess.run(docker(worker, "image", "inspect", "--format", "{{.Id}}", ref),
                           capture_output=True, text=True)
-    want = subprocess.run(dk(head, "image", "inspect", "--format", "{{.Id}}", ref),
+    want = subprocess.run(docker(head, "image", "inspect", "--format", "{{.Id}}", ref),
                           capture_output=True, text=True)
     if want.returncode != 0:
         raise LabError(f"{head} has no {ref} to seed {worker} with")
     if have.returncode == 0 and have.stdout == want.stdout:
         return ok("seed-worker", f"{ref} present", worker)
-    save = subprocess.Popen(dk(head, "save", ref), stdout=subprocess.PIPE)
-    load = subprocess.run(dk(worker, "load", "-q"), stdin=save.stdout, capture_output=True, text=True)
+    save = subprocess.Popen(docker(head, "save", ref), stdout=subprocess.PIPE)
+    load = subprocess.run(docker(worker, "load", "-q"), stdin=save.stdout, capture_output=True, text=True)
     save.stdout.close()  # type: ignore[union-attr]
     if save.wait() != 0 or load.returncode != 0:
         raise LabError(f"seeding {worker} with {ref} failed: {load.stderr.strip()}")

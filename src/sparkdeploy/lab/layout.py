@@ -56,8 +56,9 @@ MGMT_CANDIDATES = ["10.77.0.0/24", "172.31.77.0/24", "192.168.177.0/24", "10.177
 FAST_NET = "10.77.1.0/24"
 """The fast link lives only inside node namespaces; its addresses are in configs/lab.yaml."""
 
-ENGINES = ("docker26", "classic20", "containerd")
-DEFAULT_ENGINE = "docker26"
+DOCKERDS = ("docker26", "classic20", "containerd")
+"""The flavors of a node's Docker daemon (``lab.up --dockerd``)."""
+DEFAULT_DOCKERD = "docker26"
 BASE_IMAGE = "sparkdeploy-lab/base:bookworm"
 STANDIN_LABEL = "org.sparkdeploy.lab.standin"
 
@@ -146,26 +147,40 @@ def _clashes(net: str, routes: list[dict], own_devs: set[str]) -> list[str]:
     return hits
 
 
-def plan_addresses(routes: list[dict], recorded: str | None = None) -> tuple[AddressPlan, str]:
-    """Pick the management /24 (the recorded one if the lab is up); say why in one line.
+def plan_addresses(routes: list[dict], recorded: str | None = None,
+                   want: str | None = None) -> tuple[AddressPlan, str]:
+    """Pick the management /24; say why in one line.
 
-    Routes on the lab's own bridge do not count as clashes. Raises ``ValueError`` when every
-    candidate clashes, or when the fast-link range does.
+    ``want``: None keeps the ``recorded`` one (the lab is up) or picks the first candidate that
+    does not clash; ``"fallback"`` picks the first candidate after the default that does not
+    clash (as if the default clashed); a candidate CIDR picks that one. Routes on the lab's own
+    bridge do not count as clashes. Raises ``ValueError`` when nothing fits, or when the
+    fast-link range clashes.
     """
     own = {MGMT_BRIDGE}
     fast_hits = _clashes(FAST_NET, routes, own)
     if fast_hits:
         raise ValueError(f"the fast-link range {FAST_NET} (named in configs/lab.yaml) clashes "
                          f"with this machine's route {fast_hits[0]}")
-    if recorded:
+    if want is None and recorded:
         return AddressPlan(recorded, FAST_NET), f"management network {recorded} (recorded)"
-    for i, net in enumerate(MGMT_CANDIDATES):
+    if want not in (None, "fallback") and want not in MGMT_CANDIDATES:
+        raise ValueError(f"--mgmt-net: must be 'fallback' or one of {', '.join(MGMT_CANDIDATES)}, "
+                         f"not {want!r}")
+    pool = MGMT_CANDIDATES[1:] if want == "fallback" else [want] if want else MGMT_CANDIDATES
+    for net in pool:
         hits = _clashes(net, routes, own) + _clashes(net, [{"dst": FAST_NET}], set())
-        if not hits:
-            if i == 0:
-                return AddressPlan(net, FAST_NET), f"management network {net} (default)"
-            return AddressPlan(net, FAST_NET), (
-                f"management network {net}: the default {MGMT_CANDIDATES[0]} clashes with "
-                f"this machine's routes; ssh aliases hide the difference")
+        if hits:
+            if want not in (None, "fallback"):
+                raise ValueError(f"--mgmt-net {net} clashes with this machine's route {hits[0]}")
+            continue
+        move = f" (moved from {recorded})" if recorded and recorded != net else ""
+        if net == MGMT_CANDIDATES[0]:
+            return AddressPlan(net, FAST_NET), f"management network {net} (default){move}"
+        reason = ("asked for the fallback" if want == "fallback" else f"asked for {net}" if want
+                  else f"the default {MGMT_CANDIDATES[0]} clashes with this machine's routes")
+        return AddressPlan(net, FAST_NET), (
+            f"management network {net}: {reason}; ssh aliases and the profile overlay hide the "
+            f"difference{move}")
     raise ValueError("every candidate management network clashes with this machine's routes: "
-                     + ", ".join(MGMT_CANDIDATES))
+                     + ", ".join(pool))

@@ -1,4 +1,5 @@
-"""``up``, ``down`` and ``status`` for the lab. Each returns Results and never prints."""
+"""``up``, ``down`` and ``status`` for the lab. Each returns Results and never prints; given an
+``EventSink`` it also emits every Result as it happens, and a heartbeat during long phases."""
 
 from __future__ import annotations
 
@@ -8,27 +9,18 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from sparkdeploy.lab import engine, image, internet, keys, layout, node, packages, proc, standins_install
+from sparkdeploy.events import EventSink
+from sparkdeploy.lab import dockerd, image, internet, keys, layout, node, packages, proc, standins_install
 from sparkdeploy.lab import state as lab_state
+from sparkdeploy.lab.heartbeat import Heartbeat
 from sparkdeploy.lab.layout import AddressPlan
 from sparkdeploy.lab.proc import LabError
 from sparkdeploy.results import Result, changed, failed, ok, skipped
-
-
-class _Run:
-    """Collects results; a component that raises LabError fails and stops the run."""
-
-    def __init__(self) -> None:
-        self.results: list[Result] = []
-
-    def add(self, r: Result) -> Result:
-        self.results.append(r)
-        return r
+from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 
 def preflight() -> str | None:
@@ -40,202 +32,218 @@ def preflight() -> str | None:
     return None
 
 
-def up(nodes: int = 2, engine_name: str = layout.DEFAULT_ENGINE,
-       progress: Callable[[Result], None] | None = None, seed_worker: bool = False) -> list[Result]:
-    """Bring the lab up (idempotent). ``progress`` is called with each result as it lands."""
+class _Run:
+    """What one ``lab.up`` needs while it works: the results so far (each emitted as it lands),
+    the state, the heartbeat naming the phase, and the slow cache builds started early."""
+
+    def __init__(self, events: EventSink, beat: Heartbeat, st: dict, names: list[str],
+                 flavor: str, jobs: dict[str, Future]):
+        self.events, self.beat, self.st, self.names = events, beat, st, names
+        self.flavor, self.jobs = flavor, jobs
+        self.results: list[Result] = []
+        self.plan: AddressPlan | None = None
+
+    def add(self, r: Result) -> Result:
+        self.results.append(r)
+        return self.events.result(r)
+
+    def save(self) -> None:
+        lab_state.save(self.st)
+
+    def join(self, name: str, step: str) -> None:
+        """Wait for a background job (heartbeat lines while it runs) and add its result."""
+        with self.beat.phase(step, note=f"waiting for {name}"):
+            did, why = self.jobs[name].result()
+        self.add((changed if did else ok)(step, why))
+
+
+def up(nodes: int = 2, flavor: str = layout.DEFAULT_DOCKERD, seed_worker: bool = False,
+       mgmt_net: str | None = None, events: EventSink | None = None) -> list[Result]:
+    """Bring the lab up (idempotent). ``mgmt_net``: None keeps the recorded management /24
+    (or picks the first that does not clash), ``"fallback"`` forces the first fallback, a
+    candidate CIDR picks that one; a lab on another /24 is moved in place."""
+    events = events or EventSink()
     why = preflight()
     if why:
-        return [failed("lab.up", why)]
-    if engine_name not in layout.ENGINES:
-        return [failed("lab.up", f"unknown engine {engine_name!r} (one of {', '.join(layout.ENGINES)})")]
+        return [events.result(failed("lab.up", why))]
+    if flavor not in layout.DOCKERDS:
+        return [events.result(failed(
+            "lab.up", f"--dockerd: must be one of {', '.join(layout.DOCKERDS)}, not {flavor!r}"))]
     if nodes < 1 or nodes > 9:
-        return [failed("lab.up", f"--nodes must be 1..9, not {nodes}")]
-    run = _Run()
-    emit = progress or (lambda r: None)
-
-    def add(r: Result) -> Result:
-        emit(r)
-        return run.add(r)
-
+        return [events.result(failed("lab.up", f"--nodes must be 1..9, not {nodes}"))]
+    events.log("lab.up", None, f"{nodes} node(s), dockerd {flavor}; state in {layout.LAB_DIR}")
     t0 = time.monotonic()
-    try:
-        with lab_state.locked():
-            _up(add, nodes, engine_name, seed_worker)
-    except LabError as e:
-        add(failed("lab.up", str(e)))
-    else:
-        add(ok("lab.up", f"done in {time.monotonic() - t0:.0f}s",
-               seconds=round(time.monotonic() - t0, 1)))
+    pool = ThreadPoolExecutor(max_workers=4)
+    with Heartbeat(events) as beat:
+        run = _Run(events, beat, {}, layout.node_names(nodes), flavor, {})
+        try:
+            with lab_state.locked():
+                run.st = lab_state.load()
+                layout.LAB_DIR.mkdir(parents=True, exist_ok=True)
+                _packages(run)
+                # start the slow cache builds now; each is joined before it is needed
+                run.jobs["debootstrap"] = pool.submit(image.ensure_base_tarball)
+                if flavor != "classic20":
+                    run.jobs["docker26"] = pool.submit(dockerd.ensure_docker26)
+                run.jobs["wheels"] = pool.submit(internet.prefetch)
+                _up(run, mgmt_net, seed_worker)
+        except LabError as e:
+            run.add(failed("lab.up", str(e)))
+        else:
+            run.add(ok("lab.up", f"done in {time.monotonic() - t0:.0f}s",
+                       seconds=round(time.monotonic() - t0, 1)))
+        finally:
+            with beat.phase("lab.up", note="waiting for background jobs to end"):
+                pool.shutdown(wait=True, cancel_futures=True)
     return run.results
 
 
-def _up(add: Callable[[Result], Result], n: int, engine_name: str, seed_worker: bool = False) -> None:
-    names = layout.node_names(n)
-    st = lab_state.load()
-    layout.LAB_DIR.mkdir(parents=True, exist_ok=True)
+def _packages(run: _Run) -> None:
+    with run.beat.phase("packages", note="apt-get"):
+        got = packages.ensure()
+    run.add(changed("packages", "installed " + " ".join(got)) if got
+            else ok("packages", "all present"))
 
-    # 1. packages
-    got = packages.ensure()
-    add(changed("packages", "installed " + " ".join(got)) if got
-        else ok("packages", "all present"))
 
-    # start the slow cache builds now; join before they are needed
-    pool = ThreadPoolExecutor(max_workers=4)
-    base_job = pool.submit(image.ensure_base_tarball)
-    d26_job = pool.submit(engine.ensure_docker26) if engine_name != "classic20" else None
-    wheels_job = pool.submit(internet.prefetch)
+def _up(run: _Run, mgmt_net: str | None, seed_worker: bool) -> None:
+    _addresses(run, mgmt_net)
+    _drop_extra_nodes(run)
+    made = keys.ensure_keys(run.names)
+    run.add(changed("keys", "generated " + ", ".join(made)) if made else ok("keys", "present"))
+    _networks(run)
+    _ssh_and_daemons(run)
+    _images(run)
+    run.add(_ensure_glm(run.names[0]))
+    _internet(run, seed_worker)
+    # the proof: controller -> every node over ssh with host key checking on
+    for x in run.names:
+        run.add(_check_ssh(x))
 
+
+def _addresses(run: _Run, mgmt_net: str | None) -> None:
+    st = run.st
     try:
-        # 2. addresses
-        try:
-            plan, why = layout.plan_addresses(layout.machine_routes(), st.get("mgmt_net"))
-        except ValueError as e:
-            raise LabError(str(e)) from None
-        node.check_no_clash_with_root(plan)
-        first = st.get("mgmt_net") is None
-        st.update(mgmt_net=plan.mgmt_net, fast_net=plan.fast_net, controller=plan.controller)
-        lab_state.save(st)
-        add((changed if first else ok)("addresses", why, mgmt=plan.mgmt_net, fast=plan.fast_net))
-        wrote = keys.write_if_changed(layout.PROFILE_OVERLAY, internet.profile_overlay(plan.controller))
-        add((changed if wrote else ok)("profile.overlay", f"{layout.PROFILE_OVERLAY}: hub and "
-                                       f"index on {plan.controller}"))
+        plan, why = layout.plan_addresses(layout.machine_routes(), st.get("mgmt_net"), mgmt_net)
+    except ValueError as e:
+        raise LabError(str(e)) from None
+    node.check_no_clash_with_root(plan)
+    moved = st.get("mgmt_net") not in (None, plan.mgmt_net)
+    first = st.get("mgmt_net") is None
+    st.update(mgmt_net=plan.mgmt_net, fast_net=plan.fast_net, controller=plan.controller)
+    run.save()
+    run.plan = plan
+    run.add((changed if first or moved else ok)("addresses", why, mgmt=plan.mgmt_net,
+                                                fast=plan.fast_net))
+    wrote = keys.write_if_changed(layout.PROFILE_OVERLAY, internet.profile_overlay(plan.controller))
+    run.add((changed if wrote else ok)(
+        "profile.overlay", f"{layout.PROFILE_OVERLAY}: hub and index on {plan.controller}"))
 
-        # nodes beyond --nodes from an earlier run go away first
-        extra = [x for x in st["nodes"] if x not in names]
-        for x in extra:
-            _down_node(x, st)
-            proc.remove_tree(layout.node_dir(x))
-            st["nodes"].pop(x, None)
-            lab_state.save(st)
-            add(changed("node", "removed (beyond --nodes)", x))
 
-        # 3. keys
-        made = keys.ensure_keys(names)
-        add(changed("keys", "generated " + ", ".join(made)) if made else ok("keys", "present"))
+def _drop_extra_nodes(run: _Run) -> None:
+    """Nodes beyond --nodes from an earlier run go away first."""
+    st = run.st
+    for x in [x for x in st["nodes"] if x not in run.names]:
+        _down_node(x, st)
+        proc.remove_tree(layout.node_dir(x))
+        st["nodes"].pop(x, None)
+        run.save()
+        run.add(changed("node", "removed (beyond --nodes)", x))
 
-        # 4. management bridge
-        add((changed if node.ensure_mgmt_bridge(plan) else ok)(
-            "network.mgmt", f"{layout.MGMT_BRIDGE} {plan.controller}/{plan.prefix}"))
 
-        # 5. per node namespaces, mounts, mgmt link
-        for x in names:
-            rec = st["nodes"].setdefault(x, {"procs": {}})
-            rec.update(netns=layout.netns_name(x), mntns=str(layout.mntns_path(x)),
-                       mgmt_if=layout.MGMT_IF, mgmt_addr=plan.mgmt_addr(x),
-                       fast_if=layout.FAST_IF, fast_addr=plan.fast_addr(x),
-                       docker_socket=layout.docker_socket(x), dir=str(layout.node_dir(x)))
-            lab_state.save(st)
-            what = []
-            if not rec["procs"]:
-                # no record of this node's daemons (state lost, or an older lab): whatever runs
-                # in its namespaces was started by a lab, and would hold its ports
-                n_old = _sweep_node(x)
-                if n_old:
-                    what.append(f"ended {n_old} unrecorded process(es) in it")
-            if node.ensure_netns(layout.netns_name(x)):
-                what.append("made netns")
-            if node.ensure_mntns(x, st["created_paths"]):
-                what.append("made mount ns")
-            mounts = node.ensure_private_mounts(x, st["created_paths"])
-            if mounts:
-                what.append("mounted " + " ".join(mounts))
-            if node.ensure_mgmt_link(x, plan):
-                what.append(f"linked {layout.MGMT_IF} {plan.mgmt_addr(x)}")
-            st["created_paths"] = sorted(set(st["created_paths"]))
-            lab_state.save(st)
-            add(changed("node", ", ".join(what), x) if what
-                else ok("node", f"namespaces, mounts, {layout.MGMT_IF} {plan.mgmt_addr(x)}", x))
+def _networks(run: _Run) -> None:
+    plan, st = run.plan, run.st
+    assert plan is not None
+    run.add((changed if node.ensure_mgmt_bridge(plan) else ok)(
+        "network.mgmt", f"{layout.MGMT_BRIDGE} {plan.controller}/{plan.prefix}"))
+    for x in run.names:
+        run.add(_ensure_node(x, st, plan))
+    topo = node.fast_topology(len(run.names))
+    fast_changed = node.ensure_fast(run.names, plan)
+    st["fast_topology"] = topo
+    run.save()
+    desc = f"{topo}: " + ", ".join(f"{x} {layout.FAST_IF} {plan.fast_addr(x)}" for x in run.names)
+    run.add((changed if fast_changed else ok)("network.fast", f"{desc} mtu {layout.FAST_MTU}"))
 
-        # 6. fast link
-        topo = node.fast_topology(len(names))
-        fast_changed = node.ensure_fast(names, plan)
-        st["fast_topology"] = topo
-        lab_state.save(st)
-        desc = f"{topo}: " + ", ".join(f"{x} {layout.FAST_IF} {plan.fast_addr(x)}" for x in names)
-        add((changed if fast_changed else ok)("network.fast", f"{desc} mtu {layout.FAST_MTU}"))
 
-        # 7. ssh files (controller and nodes)
-        files = keys.write_ssh_files(names, plan, fast=topo != "none",
-                                     env_extra=st.get("env_extra"))
-        add(changed("ssh.files", f"wrote {len(files)}: " + ", ".join(files[:4])
+def _ensure_node(x: str, st: dict, plan: AddressPlan) -> Result:
+    """A node's namespaces, private mounts and management link."""
+    rec = st["nodes"].setdefault(x, {"procs": {}})
+    rec.update(netns=layout.netns_name(x), mntns=str(layout.mntns_path(x)),
+               mgmt_if=layout.MGMT_IF, mgmt_addr=plan.mgmt_addr(x),
+               fast_if=layout.FAST_IF, fast_addr=plan.fast_addr(x),
+               docker_socket=layout.docker_socket(x), dir=str(layout.node_dir(x)))
+    lab_state.save(st)
+    what = []
+    if not rec["procs"]:
+        # no record of this node's daemons (state lost, or an older lab): whatever runs
+        # in its namespaces was started by a lab, and would hold its ports
+        n_old = _sweep_node(x)
+        if n_old:
+            what.append(f"ended {n_old} unrecorded process(es) in it")
+    if node.ensure_netns(layout.netns_name(x)):
+        what.append("made netns")
+    if node.ensure_mntns(x, st["created_paths"]):
+        what.append("made mount ns")
+    mounts = node.ensure_private_mounts(x, st["created_paths"])
+    if mounts:
+        what.append("mounted " + " ".join(mounts))
+    if node.ensure_mgmt_link(x, plan):
+        what.append(f"linked {layout.MGMT_IF} {plan.mgmt_addr(x)}")
+    st["created_paths"] = sorted(set(st["created_paths"]))
+    lab_state.save(st)
+    return (changed("node", ", ".join(what), x) if what
+            else ok("node", f"namespaces, mounts, {layout.MGMT_IF} {plan.mgmt_addr(x)}", x))
+
+
+def _ssh_and_daemons(run: _Run) -> None:
+    plan, st, names = run.plan, run.st, run.names
+    assert plan is not None
+    files = keys.write_ssh_files(names, plan, fast=st["fast_topology"] != "none",
+                                 env_extra=st.get("env_extra"))
+    run.add(changed("ssh.files", f"wrote {len(files)}: " + ", ".join(files[:4])
                     + (" ..." if len(files) > 4 else ""), files=files) if files
             else ok("ssh.files", f"{layout.SSH_CONFIG}, known_hosts, node keys unchanged"))
-
-        # 8. stand-ins on each node's PATH
-        for x in names:
-            did = standins_install.install(x)
-            add(changed("standins", did, x) if did else ok("standins", "up to date", x))
-
-        # 9. sshd per node
-        for x in names:
-            add(_ensure_sshd(x, st, plan))
-
-        # 10. engines
-        if d26_job is not None:
-            did, why = d26_job.result()
-            add((changed if did else ok)("docker26", why))
-        for x in names:
-            add(_ensure_engine(x, st, engine_name))
-        st["engine"] = engine_name
-        lab_state.save(st)
-
-        # 11. base image
-        did, why = base_job.result()
-        add((changed if did else ok)("base.tarball", why))
-        per = image.ensure_base_image(names)
-        for x in names:
-            msg = per[x]
-            add((ok if msg == "ok" else changed)("base.image", f"{layout.BASE_IMAGE}"
-                                                 + ("" if msg == "ok" else f" {msg}"), x))
-
-        # 12. GLM units on the head
-        add(_ensure_glm(names[0]))
-
-        # 13. part 2: the closed internet (hub, package index) and the community images
-        did, why = wheels_job.result()
-        add((changed if did else ok)("wheels", why))
-        for r in internet.ensure_servers(st, plan.controller):
-            add(r)
-        for r in internet.ensure_community_images(names[0]):
-            add(r)
-        if seed_worker:
-            for x in names[1:]:
-                add(internet.seed_worker(names[0], x))
-
-        # 14. the proof: controller -> every node over ssh with host key checking on
-        for x in names:
-            add(_check_ssh(x))
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+    for x in names:
+        did = standins_install.install(x)
+        run.add(changed("standins", did, x) if did else ok("standins", "up to date", x))
+    for x in names:
+        with run.beat.phase("sshd", x):
+            run.add(_ensure_sshd(x, st, plan))
+    if "docker26" in run.jobs:
+        run.join("docker26", "docker26")
+    for x in names:
+        with run.beat.phase("dockerd", x):
+            run.add(_ensure_dockerd(x, st, run.flavor))
+    st["dockerd"] = run.flavor
+    st.pop("engine", None)
+    run.save()
 
 
-def ensure_controller_daemon(st: dict, name: str, argv: list[str],
-                             ready: Callable[[], bool], timeout: float = 30) -> Result:
-    """A lab daemon in the root namespace (part 2: the model hub and the package index on the
-    controller's management address). Recorded under ``controller_procs`` so ``lab.down``
-    stops it by PID; restarted when its argv changed or it died."""
-    procs = st.setdefault("controller_procs", {})
-    cur = procs.get(name)
-    if proc.alive(cur) and cur.get("argv") == argv and ready():
-        return ok(name, f"running (pid {cur['pid']})")
-    was = proc.stop(cur)
-    rec = proc.spawn(argv, layout.LAB_DIR / "log" / f"{name}.log")
-    procs[name] = rec
-    lab_state.save(st)
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if time.monotonic() > deadline or not proc.alive(rec):
-            raise LabError(f"{name} did not get ready (see {rec['log']})")
-        time.sleep(0.2)
-    return changed(name, f"{'restarted' if was else 'started'} (pid {rec['pid']})")
+def _images(run: _Run) -> None:
+    run.join("debootstrap", "base.tarball")
+    with run.beat.phase("base.image", note="docker import / save | load"):
+        per = image.ensure_base_image(run.names)
+    for x in run.names:
+        msg = per[x]
+        run.add((ok if msg == "ok" else changed)(
+            "base.image", layout.BASE_IMAGE + ("" if msg == "ok" else f" {msg}"), x))
 
 
-def set_env(st: dict, **values: str) -> bool:
-    """Add variables to the lab's ``env`` file (part 2: HF_ENDPOINT, PIP_INDEX_URL)."""
-    extra = {**st.get("env_extra", {}), **values}
-    st["env_extra"] = extra
-    lab_state.save(st)
-    return keys.write_if_changed(layout.ENV_FILE, keys.env_text(extra))
+def _internet(run: _Run, seed_worker: bool) -> None:
+    """The closed internet (hub, package index) and the community images on the head."""
+    plan, head = run.plan, run.names[0]
+    assert plan is not None
+    run.join("wheels", "wheels")
+    with run.beat.phase("servers", note="model hub and package index"):
+        for r in internet.ensure_servers(run.st, plan.controller):
+            run.add(r)
+    with run.beat.phase("community.images", head, note="docker build"):
+        for r in internet.ensure_community_images(head):
+            run.add(r)
+    if seed_worker:
+        for x in run.names[1:]:
+            with run.beat.phase("seed-worker", x, note="docker save | docker load"):
+                run.add(internet.seed_worker(head, x))
 
 
 def _hash(text: str) -> str:
@@ -259,12 +267,19 @@ def _ensure_sshd(x: str, st: dict, plan: AddressPlan) -> Result:
     rec["config"] = h
     procs["sshd"] = rec
     lab_state.save(st)
-    deadline = time.monotonic() + 30
-    while not _port_open(plan.mgmt_addr(x), 22):
-        if time.monotonic() > deadline or not proc.alive(rec):
-            raise LabError(f"{x}: sshd did not listen on {plan.mgmt_addr(x)}:22 "
-                           f"(see {rec['log']})")
-        time.sleep(0.1)
+
+    def listening() -> bool:
+        if _port_open(plan.mgmt_addr(x), 22):
+            return True
+        if not proc.alive(rec):
+            raise Stop
+        return False
+
+    try:
+        wait_for(listening, deadline=30, interval=0.1, what=f"{x}: sshd on port 22")
+    except (WaitTimeout, Stop):
+        raise LabError(f"{x}: sshd did not listen on {plan.mgmt_addr(x)}:22 "
+                       f"(see {rec['log']})") from None
     return changed("sshd", f"{'restarted' if restarted else 'started'} (pid {rec['pid']})", x)
 
 
@@ -276,30 +291,30 @@ def _port_open(addr: str, port: int) -> bool:
         return False
 
 
-def _ensure_engine(x: str, st: dict, engine_name: str) -> Result:
+def _ensure_dockerd(x: str, st: dict, flavor: str) -> Result:
     procs = st["nodes"][x]["procs"]
     mnt, net = layout.mntns_path(x), layout.netns_path(x)
     cur, ccur = procs.get("dockerd"), procs.get("containerd")
-    want_c = engine_name == "containerd"
-    if (proc.alive(cur) and cur.get("argv") == engine.dockerd_argv(x, mnt, net, engine_name)
+    want_c = flavor == "containerd"
+    if (proc.alive(cur) and cur.get("argv") == dockerd.dockerd_argv(x, mnt, net, flavor)
             and (not want_c or (proc.alive(ccur) and ccur.get("argv")
-                                == engine.containerd_argv(x, mnt, net, engine_name)))
+                                == dockerd.containerd_argv(x, mnt, net, flavor)))
             and (want_c or ccur is None)
-            and engine.engine_info(x) is not None):
-        return ok("engine", f"{engine_name} dockerd running (pid {cur['pid']})", x)
+            and dockerd.info(x) is not None):
+        return ok("dockerd", f"{flavor} running (pid {cur['pid']})", x)
     was = proc.stop(cur)
     proc.stop(ccur)
     procs.pop("containerd", None)
     lab_state.save(st)
     if want_c:
-        procs["containerd"] = engine.start_containerd(x, mnt, net, engine_name)
+        procs["containerd"] = dockerd.start_containerd(x, mnt, net, flavor)
         lab_state.save(st)
-    rec = engine.start_dockerd(x, mnt, net, engine_name)
+    rec = dockerd.start_dockerd(x, mnt, net, flavor)
     procs["dockerd"] = rec
     lab_state.save(st)
-    info = engine.engine_info(x) or {}
+    info = dockerd.info(x) or {}
     store = dict(info.get("DriverStatus") or []).get("driver-type", "classic store")
-    return changed("engine", f"{'restarted' if was else 'started'} {engine_name}: Docker "
+    return changed("dockerd", f"{'restarted' if was else 'started'} {flavor}: Docker "
                    f"{info.get('ServerVersion', '?')}, {info.get('Driver', '?')}, {store} "
                    f"(pid {rec['pid']})", x)
 
@@ -396,22 +411,26 @@ def _sweep_node(x: str) -> int:
     return len(proc.kill_pids(sorted(pids))) if pids else 0
 
 
-def down() -> list[Result]:
+def down(events: EventSink | None = None) -> list[Result]:
+    events = events or EventSink()
     why = preflight()
     if why:
-        return [failed("lab.down", why)]
+        return [events.result(failed("lab.down", why))]
     results: list[Result] = []
+
+    def add(r: Result) -> None:
+        results.append(events.result(r))
+
     try:
-        with lab_state.locked():
+        with lab_state.locked(), Heartbeat(events) as beat, beat.phase("lab.down"):
             st = lab_state.load()
             names = _known_nodes(st)
             for name, rec in sorted(st.get("controller_procs", {}).items()):
                 if proc.stop(rec):
-                    results.append(changed(name, f"stopped (pid {rec['pid']})"))
+                    add(changed(name, f"stopped (pid {rec['pid']})"))
             for x in names:
                 done = _down_node(x, st)
-                results.append(changed("node", "; ".join(done), x) if done
-                               else ok("node", "nothing left", x))
+                add(changed("node", "; ".join(done), x) if done else ok("node", "nothing left", x))
             what = []
             if node.netns_exists(layout.FAST_NETNS) or Path(
                     f"/var/run/netns/{layout.FAST_NETNS}").exists():
@@ -419,8 +438,8 @@ def down() -> list[Result]:
                 what.append(layout.FAST_NETNS)
             if node.remove_mgmt_bridge():
                 what.append(layout.MGMT_BRIDGE)
-            results.append(changed("network", "removed " + ", ".join(what)) if what
-                           else ok("network", "nothing left"))
+            add(changed("network", "removed " + ", ".join(what)) if what
+                else ok("network", "nothing left"))
             removed = []
             for p in sorted(st.get("created_paths", []), key=len, reverse=True):
                 try:
@@ -434,17 +453,24 @@ def down() -> list[Result]:
             if layout.LAB_DIR.exists():
                 shutil.rmtree(layout.LAB_DIR)
                 removed.append(str(layout.LAB_DIR))
-            results.append(changed("data", "removed " + ", ".join(removed)) if removed
-                           else ok("data", "nothing left"))
+            add(changed("data", "removed " + ", ".join(removed)) if removed
+                else ok("data", "nothing left"))
     except LabError as e:
-        results.append(failed("lab.down", str(e)))
+        add(failed("lab.down", str(e)))
     return results
 
 
 # --- status ------------------------------------------------------------------------------
 
 
-def status() -> list[Result]:
+def status(events: EventSink | None = None) -> list[Result]:
+    out = _status()
+    for r in out:
+        (events or EventSink()).result(r)
+    return out
+
+
+def _status() -> list[Result]:
     why = preflight()
     if why:
         return [failed("lab.status", why)]
@@ -454,7 +480,7 @@ def status() -> list[Result]:
         return [failed("lab.status", str(e))]
     if not st["nodes"]:
         return [skipped("lab", "not up (no state in " + str(layout.STATE_FILE) + ")")]
-    out = [ok("lab", f"engine {st.get('engine')}, management {st.get('mgmt_net')} "
+    out = [ok("lab", f"dockerd {_flavor(st)}, management {st.get('mgmt_net')} "
               f"(controller {st.get('controller')}), fast link {st.get('fast_topology')} "
               f"{st.get('fast_net')}; ssh -F {layout.SSH_CONFIG}")]
     for name, p in sorted(st.get("controller_procs", {}).items()):
@@ -470,9 +496,13 @@ def status() -> list[Result]:
             out.append((ok if live else failed)(
                 name, f"{'alive' if live else 'dead'} (pid {p.get('pid')})", x))
         imgs = image.images(x)
-        out.append(ok("images", "; ".join(imgs) if imgs else "none (or engine down)", x,
+        out.append(ok("images", "; ".join(imgs) if imgs else "none (or dockerd down)", x,
                       images=imgs))
     return out
+
+
+def _flavor(st: dict) -> str | None:
+    return st.get("dockerd") or st.get("engine")  # "engine": what labs before the rename recorded
 
 
 def lab_facts() -> dict[str, Any]:
@@ -483,6 +513,6 @@ def lab_facts() -> dict[str, Any]:
         "ssh_config": str(layout.SSH_CONFIG),
         "known_hosts": str(layout.KNOWN_HOSTS),
         "controller": st.get("controller"),
-        "engine": st.get("engine"),
+        "dockerd": _flavor(st),
         "node": st["nodes"],
     }

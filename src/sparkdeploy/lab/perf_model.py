@@ -62,7 +62,7 @@ def run() -> dict[str, float]:
     if why:
         raise SystemExit(f"perf model needs the lab: {why}")
     _say("lab.up")
-    bad = [r for r in lifecycle.up(nodes=2, engine_name=layout.DEFAULT_ENGINE) if r.failed]
+    bad = [r for r in lifecycle.up(nodes=2, flavor=layout.DEFAULT_DOCKERD) if r.failed]
     if bad:
         raise SystemExit("lab.up failed: " + "; ".join(r.why for r in bad))
     dep = load(PROFILE, ROOT / ".sparkdeploy" / "perf-model")

@@ -65,14 +65,15 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
-from sparkdeploy.lab.hub import LabServer, serve_until_stopped
-from sparkdeploy.lab.hub import wait_ready as wait_health
+from sparkdeploy.lab.server import LabServer, serve_until_stopped
+from sparkdeploy.lab.server import wait_ready as wait_health
 
 DEFAULT_PORT = 8901
 DEFAULT_WHEEL_DIR = Path("/var/cache/sparkdeploy/wheels")
 # One pip resolution per inner list: the two transformers lines conflict with each other.
 DEFAULT_REQUIREMENTS: tuple[tuple[str, ...], ...] = (
     ("transformers>=5",),
+    ("transformers==5.3.0",),  # what SGLang 0.5.10rc0 declares: the layer image.build resolves
     ("transformers==4.57.1",),
 )
 TARGET_PYTHON = "3.11"  # Debian bookworm's python3
@@ -303,7 +304,9 @@ class IndexHandler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
-        self.server.record(self.command, self.path, status)  # type: ignore[attr-defined]
+        if not self.path.startswith("/_lab/"):
+            self.server.record(self.command, self.path, status,  # type: ignore[attr-defined]
+                               self.client_address[0])
 
     def _not_found(self, what: str) -> None:
         self._send(404, f"not found: {what}\n".encode(), "text/plain; charset=utf-8")
@@ -320,6 +323,9 @@ class IndexHandler(BaseHTTPRequestHandler):
         path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
         if path == "/_lab/health":
             return self._send(200, b'{"ok": true}', "application/json")
+        if path == "/_lab/stats":
+            return self._send(200, json.dumps(self.server.stats()).encode(),  # type: ignore[attr-defined]
+                              "application/json")
         if path in ("/", "/simple"):
             return self._send(301, b"", "text/plain", {"Location": "/simple/"})
         if path == "/simple/":
@@ -386,7 +392,8 @@ class IndexHandler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             with open(path, "rb") as f:
                 shutil.copyfileobj(f, self.wfile, 1 << 16)
-        self.server.record(self.command, self.path, 200)  # type: ignore[attr-defined]
+        self.server.record(self.command, self.path, 200,  # type: ignore[attr-defined]
+                           self.client_address[0])
 
 
 class IndexServer(LabServer):
@@ -395,13 +402,19 @@ class IndexServer(LabServer):
     def __init__(self, addr: tuple[str, int], wheel_dir: Path | str):
         super().__init__(addr, IndexHandler)
         self.wheels = WheelDir(wheel_dir)
-        self.requests: list[tuple[str, str, int]] = []
+        self.requests: list[tuple[str, str, int, str]] = []
         self._lock = threading.Lock()
 
-    def record(self, method: str, path: str, status: int) -> None:
+    def record(self, method: str, path: str, status: int, client: str = "") -> None:
         with self._lock:
-            self.requests.append((method, path, status))
+            self.requests.append((method, path, status, client))
             del self.requests[:-2000]
+
+    def stats(self) -> dict[str, Any]:
+        """What ``GET /_lab/stats`` answers: the last requests (method, path, status, client)."""
+        with self._lock:
+            return {"requests": [{"method": m, "path": p, "status": s, "client": c}
+                                 for m, p, s, c in self.requests]}
 
     @property
     def index_url(self) -> str:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from sparkdeploy.wait import WaitTimeout, wait_for
 
 
 class LabError(Exception):
@@ -124,15 +125,7 @@ def spawn(argv: Sequence[str], log: Path, env: dict[str, str] | None = None) -> 
         p = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=fh, stderr=fh,
                              start_new_session=True, env=env, close_fds=True)
     # nsenter may not have exec'd yet; wait until the command name changes from nsenter
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        try:
-            comm = Path(f"/proc/{p.pid}/comm").read_text().strip()
-        except OSError:
-            break
-        if comm != "nsenter":
-            break
-        time.sleep(0.02)
+    _quietly(lambda: _comm(p.pid) != "nsenter", 5, 0.02)
     rec = record(p.pid, argv=list(argv), log=str(log))
     _children_reaper(p)
     return rec
@@ -158,19 +151,26 @@ def stop(rec: dict | None, timeout: float = 15) -> bool:
         return False
     pid = int(rec["pid"])
     _signal(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        reap_exited()
-        if not alive(rec):
-            return True
-        time.sleep(0.1)
+    if _quietly(lambda: reap_exited() or not alive(rec), timeout, 0.1):
+        return True
     _signal(pid, signal.SIGKILL)
-    for _ in range(50):
-        reap_exited()
-        if not alive(rec):
-            break
-        time.sleep(0.1)
+    _quietly(lambda: reap_exited() or not alive(rec), 5, 0.1)
     return True
+
+
+def _comm(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+
+
+def _quietly(probe, deadline: float, interval: float) -> bool:
+    """``wait_for`` that answers False on timeout instead of raising."""
+    try:
+        return bool(wait_for(probe, deadline=deadline, interval=interval))
+    except WaitTimeout:
+        return False
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -207,13 +207,9 @@ def kill_pids(pids: Sequence[int], timeout: float = 10) -> list[int]:
     recs = [r for r in (record(p) for p in pids) if r["start"] is not None]
     for r in recs:
         _signal(r["pid"], signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(alive(r) for r in recs):
-        time.sleep(0.1)
+    _quietly(lambda: not any(alive(r) for r in recs), timeout, 0.1)
     for r in recs:
         if alive(r):
             _signal(r["pid"], signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(alive(r) for r in recs):
-        time.sleep(0.1)
+    _quietly(lambda: not any(alive(r) for r in recs), 5, 0.1)
     return [r["pid"] for r in recs]

@@ -29,13 +29,14 @@ from sparkdeploy import endpoint as ep
 from sparkdeploy.config import Engine, ProfileError
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import EngineError, Launch, launch
-from sparkdeploy.engines.base import API_KEY_ENV, LABEL_DEPLOYMENT, LABEL_ENGINE, run_args, secret_lines
+from sparkdeploy.engines.base import API_KEY_ENV, run_args, secret_lines
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import NodeUnreachable, docker, stage_script, verified
 from sparkdeploy.records import markdown_table
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps import serve_preflight
 from sparkdeploy.steps.registry import step
+from sparkdeploy.steps.serve_containers import RAY_PROBE, ours, remove
 from sparkdeploy.steps.serve_watch import EngineFailed, Stalled, StartFailed, Watch, full_log
 
 STEP_UP = "serve.up"
@@ -43,43 +44,6 @@ STEP_DOWN = "serve.down"
 STEP_STATUS = "serve.status"
 STEP_LOGS = "serve.logs"
 RECORD = "serve"
-
-RAY_PROBE = (
-    "import json, ray\n"
-    "ray.init(address='auto', logging_level='ERROR', log_to_driver=False)\n"
-    "print(json.dumps([{'ip': n['NodeManagerAddress'], 'gpus': n['Resources'].get('GPU', 0)}\n"
-    "                  for n in ray.nodes() if n['Alive']]))\n"
-)
-
-
-# --- containers of this deployment --------------------------------------------------------
-
-
-def ours(host: Host, deployment: str, engine: str | None = None) -> list[dict[str, str]]:
-    """This deployment's containers on a node: [{name, state, engine, role}]."""
-    args = ["ps", "-a", "--filter", f"label={LABEL_DEPLOYMENT}={deployment}"]
-    if engine:
-        args += ["--filter", f"label={LABEL_ENGINE}={engine}"]
-    fmt = '{{.Names}}|{{.State}}|{{.Label "sparkdeploy.engine"}}|{{.Label "sparkdeploy.role"}}'
-    r = host.run(docker(host, *args, "--format", fmt), change=False)
-    out = []
-    for line in r.stdout.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) == 4:
-            out.append(dict(zip(("name", "state", "engine", "role"), parts, strict=True)))
-    return out
-
-
-def remove(dep: Deployment, hosts: list[Host], engine: str | None = None) -> dict[str, list[str]]:
-    """Remove this deployment's containers (of one engine, or all) on the nodes; {node: names}."""
-    gone: dict[str, list[str]] = {}
-    for h in hosts:
-        names = [c["name"] for c in ours(h, dep.profile.name, engine)]
-        if names:
-            h.run(docker(h, "rm", "--force", "--volumes", *names), timeout=120)
-            gone[h.name] = names
-    return gone
-
 
 # --- one engine ---------------------------------------------------------------------------
 

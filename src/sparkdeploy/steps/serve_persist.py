@@ -32,6 +32,7 @@ from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import SCRIPTS, NodeUnreachable, docker
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.registry import step
+from sparkdeploy.steps.serve_containers import RAY_PROBE, ours, remove
 from sparkdeploy.wait import WaitTimeout, wait_for
 
 STEP_PERSIST = "serve.persist"
@@ -68,7 +69,6 @@ def unit_text(dep: Deployment, engine: Engine, host: Host, roles: list[str]) -> 
 
 
 def group_spec(dep: Deployment, lau: Launch, host: Host) -> dict[str, Any]:
-    from sparkdeploy.steps.serve import RAY_PROBE
 
     prof = dep.profile
     port = prof.serve.group_port
@@ -165,7 +165,6 @@ def persist(dep: Deployment, engine: str | None = None) -> list[Result]:
     if eng is None:
         return [dep.report(failed(STEP_PERSIST, "no engine to persist: serve.up first, or "
                                   "--engine NAME"))]
-    from sparkdeploy.steps.serve import ours, remove
     from sparkdeploy.steps.serve_preflight import node_facts
 
     hosts = [dep.host(n.name) for n in dep.profile.nodes]

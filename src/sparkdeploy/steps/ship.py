@@ -129,8 +129,10 @@ def pipeline(src: Host, peer: Host, ref: str, filter_path: str | None, layers_fi
     if filter_path:
         # the staged filter and its lists run only as staged (their sha256 checked first)
         checks = "".join(check_staged(p) + "; " for p in (filter_path, layers_file, have_file) if p)
-        stages.append(["python3", filter_path, "--layers-file", layers_file or "",
-                       "--have-file", have_file or "", "--progress", "1"])
+        lists = [*(["--layers-file", layers_file] if layers_file else []),
+                 *(["--have-file", have_file] if have_file else [])]
+        # without lists the filter drops nothing: a byte-for-byte pass-through that counts
+        stages.append(["python3", filter_path, *lists, "--progress", "1"])
     load = docker(peer, "load")
     remote = shlex.join(load)
     if compression == "zstd":
@@ -187,15 +189,16 @@ def _ship_one(dep: Deployment, src: Host, peer: Host, ref: str, src_info: dict) 
     if verify(peer, ref, src_info, facts.containerd_store) is None:
         return ok(STEP, f"{peer.name} already has {ref} ({src_info['Id'][:19]})", peer.name)
     prefix = 0 if facts.containerd_store else have_prefix(layers, facts.chains)
+    # the filter runs on the source: its python3 must be new enough (else: send it whole, and
+    # without the filter's byte count)
+    py = python_version(src)
+    filter_runs = py is not None and py >= FILTER_PYTHON
     old_python = ""
-    if prefix:
-        # the filter runs on the source: its python3 must be new enough (else: send it whole)
-        py = python_version(src)
-        if py is None or py < FILTER_PYTHON:
-            have = "no python3" if py is None else f"python3 {py[0]}.{py[1]}"
-            old_python = (f"{src.name} has {have}, save_filter.py needs "
-                          f"{FILTER_PYTHON[0]}.{FILTER_PYTHON[1]}+")
-            prefix = 0
+    if prefix and not filter_runs:
+        have = "no python3" if py is None else f"python3 {py[0]}.{py[1]}"
+        old_python = (f"{src.name} has {have}, save_filter.py needs "
+                      f"{FILTER_PYTHON[0]}.{FILTER_PYTHON[1]}+")
+        prefix = 0
     sizes = layer_sizes(src, ref, layers, int(src_info.get("Size") or 0))
     missing = sum(sizes[prefix:])
     free = free_bytes(peer, facts.root_dir)
@@ -205,25 +208,30 @@ def _ship_one(dep: Deployment, src: Host, peer: Host, ref: str, src_info: dict) 
                       f"about {need / 1e9:.1f} GB for {ref}", peer.name)
     why_full = ("the peer uses the containerd image store" if facts.containerd_store
                 else old_python or ("the peer has none of its layers" if prefix == 0 else ""))
+    what = (f"{prefix} of {len(layers)} layers already there, ~{missing / 1e6:.0f} MB" if prefix
+            else f"whole ({why_full}), ~{missing / 1e6:.0f} MB")
     if dep.dry:
-        return skipped(STEP, f"would send {ref} from {src.name} to {peer.name}: "
-                       + (f"{prefix} of {len(layers)} layers already there, ~{missing / 1e6:.0f} MB"
-                          if prefix else f"whole ({why_full}), ~{missing / 1e6:.0f} MB"), peer.name)
+        return skipped(STEP, f"would send {ref} from {src.name} to {peer.name}: {what}", peer.name)
     compression = dep.profile.images.ship_compression
     started = time.monotonic()
-    filter_path = layers_file = have_file = None
+    dep.events.log(STEP, peer.name, f"sending {ref} from {src.name}: {what}")
+    # the filter runs on full ships too, as a pass-through, so that every ship shows progress
+    filter_path = stage_script(src, "save_filter.py") if filter_runs else None
+    layers_file = have_file = None
     if prefix:
-        filter_path = stage_script(src, "save_filter.py")
         layers_file = stage(src, "layers.json", json.dumps(layers))
         have_file = stage(src, "have.json", json.dumps(layers[:prefix]))
-
-    total = int(src_info.get("Size") or 0) or None
+    estimate = int(src_info.get("Size") or 0)
+    read = [0]
 
     def on_line(line: str) -> None:
         if line.startswith("progress "):
             kv = dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
-            dep.events.emit(Progress(STEP, peer.name, int(kv.get("bytes_in", 0)), total, "B",
-                                     f"from {src.name}"))
+            read[0] = int(kv.get("bytes_in", 0))
+            # the image's size is an estimate of the archive's (tar headers add a little): past
+            # it, the total is unknown until the archive ends
+            total = estimate if read[0] < estimate else None
+            dep.events.emit(Progress(STEP, peer.name, read[0], total, "B", f"from {src.name}"))
 
     r = src.run(pipeline(src, peer, ref, filter_path, layers_file, have_file, compression),
                 on_stderr=on_line, timeout=6 * 3600)
@@ -239,6 +247,10 @@ def _ship_one(dep: Deployment, src: Host, peer: Host, ref: str, src_info: dict) 
         mode, report = "full", {}
     if not r.ok:
         return failed(STEP, f"transfer to {peer.name} failed: {r.one_line_error()}{note}", peer.name)
+    if read[0]:
+        done = int(report.get("bytes_in") or read[0])
+        dep.events.emit(Progress(STEP, peer.name, done, done, "B", f"from {src.name}"))
+    dep.events.log(STEP, peer.name, f"checking {ref} on {peer.name}")
     problem = verify(peer, ref, src_info, facts.containerd_store)
     if problem:
         return failed(STEP, f"after the transfer: {problem}{note}", peer.name)

@@ -1,47 +1,44 @@
 """`inv lab.*`: the rehearsal lab (Linux, root): simulated Spark nodes on this machine."""
 
-import sys
-
 from invoke import Collection
 from invoke.exceptions import Exit
 
 from sparkdeploy.lab import faults, layout, lifecycle
 from sparkdeploy.tasks import _flags as flags
-from sparkdeploy.tasks._common import render
+from sparkdeploy.tasks._common import render, stream
 from sparkdeploy.tasks._flags import task
 
 
 @task(help={"nodes": "how many nodes (spark1..sparkN; default 2)",
             "seed_worker": "also give the workers the derivative's base image (delta-ship tests)",
-            "engine": "docker26 (default), classic20 (bookworm's 20.10) or containerd "
-                      "(Docker 26 on the containerd image store)"})
-def up(c, nodes=None, engine=layout.DEFAULT_ENGINE, seed_worker=False):
-    """Bring the lab up, or check it is up (idempotent; says what changed)."""
-    nodes = flags.integer("--nodes", nodes, default=2, min=1, max=9)
-    if engine not in layout.ENGINES:
-        raise Exit(f"--engine: must be one of {', '.join(layout.ENGINES)}, not {engine!r}", code=2)
-    if not sys.stdout.isatty():
-        render(lifecycle.up(nodes=int(nodes), engine_name=engine, seed_worker=seed_worker), "lab.up")
-        return
-    from rich.console import Console
-
-    with Console().status("lab.up: starting") as board:
-        results = lifecycle.up(nodes=int(nodes), engine_name=engine, seed_worker=seed_worker,
-                               progress=lambda r: board.update(
-            f"lab.up: {r.step} {r.node or ''} {r.status}: {r.why[:60]}"))
-    render(results, "lab.up")
+            "dockerd": "each node's Docker daemon: docker26 (default), classic20 (bookworm's "
+                       "20.10) or containerd (Docker 26 on the containerd image store)",
+            "mgmt_net": "the management /24: 'fallback' forces the first fallback, or one of "
+                        + ", ".join(layout.MGMT_CANDIDATES)
+                        + " (default: the recorded one; a lab on another is moved in place)"})
+def up(c, nodes=None, dockerd=layout.DEFAULT_DOCKERD, seed_worker=False, mgmt_net=None):
+    """Bring the lab up, or check it is up (idempotent; says what changed as it goes)."""
+    n = flags.integer("--nodes", nodes, default=2, min=1, max=9)
+    if dockerd not in layout.DOCKERDS:
+        raise Exit(f"--dockerd: must be one of {', '.join(layout.DOCKERDS)}, not {dockerd!r}",
+                   code=2)
+    if mgmt_net not in (None, "fallback", *layout.MGMT_CANDIDATES):
+        raise Exit(f"--mgmt-net: must be 'fallback' or one of {', '.join(layout.MGMT_CANDIDATES)}, "
+                   f"not {mgmt_net!r}", code=2)
+    stream(lambda sink: lifecycle.up(nodes=n, flavor=dockerd, seed_worker=seed_worker,
+                                     mgmt_net=mgmt_net, events=sink))
 
 
 @task(default=True)
 def status(c):
     """Show the lab's nodes, addresses, daemons and images per node."""
-    render(lifecycle.status(), "lab.status")
+    stream(lambda sink: lifecycle.status(events=sink))
 
 
 @task
 def down(c):
     """Stop what the lab started and remove its namespaces, links, mounts and data (keeps caches)."""
-    render(lifecycle.down(), "lab.down")
+    stream(lambda sink: lifecycle.down(events=sink))
 
 
 @task(help={"name": "sglang-hang (SGLang's ranks hang in init even when all is right), "

@@ -1,5 +1,6 @@
-"""Each node's Docker engine: Docker 26 from Debian trixie (default), bookworm's 20.10, or
-Docker 26 on the containerd image store with its own containerd daemon."""
+"""Each node's Docker daemon (``dockerd``), in one of three flavors: Docker 26 from Debian
+trixie (default), bookworm's 20.10, or Docker 26 on the containerd image store with its own
+containerd daemon. ``docker(node, ...)`` is the lab's one docker CLI helper."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import json
 import os
 import re
 import socket
-import time
 from pathlib import Path
 
 from sparkdeploy.lab import layout
 from sparkdeploy.lab.proc import LabError, clean_stale_tmp, in_node, remove_tree, run, spawn
+from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 DOCKER26_DIR = layout.CACHE_DIR / "docker26"
 DOCKER26_DOCKERD = DOCKER26_DIR / "usr" / "sbin" / "dockerd"
@@ -77,7 +78,7 @@ def ensure_docker26() -> tuple[bool, str]:
     return True, f"unpacked {debs[-1].name} ({ver})"
 
 
-def storage_driver(engine: str) -> str:
+def storage_driver(flavor: str) -> str:
     """overlay2 works inside a node's mount namespace on this machine's ext4 (measured:
     vfs would copy every layer fully); fall back to vfs where overlay is unavailable. With the
     containerd image store the flag names a containerd snapshotter (overlayfs, native)."""
@@ -85,22 +86,22 @@ def storage_driver(engine: str) -> str:
         overlay = "overlay" in Path("/proc/filesystems").read_text()
     except OSError:
         overlay = False
-    if engine == "containerd":
+    if flavor == "containerd":
         return "overlayfs" if overlay else "native"
     return "overlay2" if overlay else "vfs"
 
 
-def engine_dir(node: str, engine: str) -> Path:
-    return layout.node_dir(node) / "docker" / engine
+def flavor_dir(node: str, flavor: str) -> Path:
+    return layout.node_dir(node) / "docker" / flavor
 
 
-def containerd_argv(node: str, mntns: Path, netns: Path, engine: str) -> list[str]:
-    d = engine_dir(node, engine) / "containerd"
+def containerd_argv(node: str, mntns: Path, netns: Path, flavor: str) -> list[str]:
+    d = flavor_dir(node, flavor) / "containerd"
     return in_node(mntns, netns, ["containerd", "--config", str(d / "config.toml")])
 
 
-def start_containerd(node: str, mntns: Path, netns: Path, engine: str) -> dict:
-    d = engine_dir(node, engine) / "containerd"
+def start_containerd(node: str, mntns: Path, netns: Path, flavor: str) -> dict:
+    d = flavor_dir(node, flavor) / "containerd"
     (d / "root").mkdir(parents=True, exist_ok=True)
     (d / "state").mkdir(parents=True, exist_ok=True)
     sock = d / "containerd.sock"
@@ -116,35 +117,35 @@ def start_containerd(node: str, mntns: Path, netns: Path, engine: str) -> dict:
         "[debug]\n"
         f'  address = "{d / "debug.sock"}"\n'
     )
-    rec = spawn(containerd_argv(node, mntns, netns, engine),
+    rec = spawn(containerd_argv(node, mntns, netns, flavor),
                 layout.node_dir(node) / "log" / "containerd.log", env=_env())
     rec["socket"] = str(sock)
     _wait_for_socket(sock, "containerd", node, rec)
     return rec
 
 
-def containerd_socket(node: str, engine: str) -> str:
-    return str(engine_dir(node, engine) / "containerd" / "containerd.sock")
+def containerd_socket(node: str, flavor: str) -> str:
+    return str(flavor_dir(node, flavor) / "containerd" / "containerd.sock")
 
 
-def dockerd_argv(node: str, mntns: Path, netns: Path, engine: str) -> list[str]:
+def dockerd_argv(node: str, mntns: Path, netns: Path, flavor: str) -> list[str]:
     """The exact command a node's dockerd runs with (compared with the recorded one)."""
-    d = engine_dir(node, engine)
-    binary = CLASSIC_DOCKERD if engine == "classic20" else str(DOCKER26_DOCKERD)
+    d = flavor_dir(node, flavor)
+    binary = CLASSIC_DOCKERD if flavor == "classic20" else str(DOCKER26_DOCKERD)
     argv = [binary, "--config-file", str(d / "daemon.json"), "--data-root", str(d / "data"),
             "--exec-root", str(d / "exec"),
             "--pidfile", str(layout.node_dir(node) / "run" / "docker.pid"),
             "-H", f"unix://{layout.docker_socket(node)}",
-            "--storage-driver", storage_driver(engine),
+            "--storage-driver", storage_driver(flavor),
             "--iptables=false", "--ip-masq=false", "--bridge=none",
             "--add-runtime", f"nvidia={NVIDIA_RUNTIME}"]
-    if engine == "containerd":
-        argv += ["--containerd", containerd_socket(node, engine)]
+    if flavor == "containerd":
+        argv += ["--containerd", containerd_socket(node, flavor)]
     return in_node(mntns, netns, argv)
 
 
-def start_dockerd(node: str, mntns: Path, netns: Path, engine: str) -> dict:
-    d = engine_dir(node, engine)
+def start_dockerd(node: str, mntns: Path, netns: Path, flavor: str) -> dict:
+    d = flavor_dir(node, flavor)
     for sub in ("data", "exec"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     (layout.node_dir(node) / "run").mkdir(parents=True, exist_ok=True)
@@ -152,14 +153,14 @@ def start_dockerd(node: str, mntns: Path, netns: Path, engine: str) -> dict:
     # zombie or a recycled PID, which dockerd would take for a running daemon
     (layout.node_dir(node) / "run" / "docker.pid").unlink(missing_ok=True)
     cfg: dict = {}
-    if engine == "containerd":
+    if flavor == "containerd":
         cfg["features"] = {"containerd-snapshotter": True}
     (d / "daemon.json").write_text(json.dumps(cfg, indent=2) + "\n")
     sock = layout.docker_socket(node)
-    rec = spawn(dockerd_argv(node, mntns, netns, engine),
+    rec = spawn(dockerd_argv(node, mntns, netns, flavor),
                 layout.node_dir(node) / "log" / "dockerd.log", env=_env())
     rec["socket"] = sock
-    rec["engine"] = engine
+    rec["flavor"] = flavor
     _wait_for_socket(Path(sock), "dockerd", node, rec, timeout=60)
     return rec
 
@@ -175,23 +176,34 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _socket_answers(sock: Path) -> bool:
+    if not sock.exists():
+        return False
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(str(sock))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
 def _wait_for_socket(sock: Path, what: str, node: str, rec: dict, timeout: float = 30) -> None:
     from sparkdeploy.lab.proc import alive
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if sock.exists():
-            s = socket.socket(socket.AF_UNIX)
-            try:
-                s.connect(str(sock))
-                return
-            except OSError:
-                pass
-            finally:
-                s.close()
+    def probe() -> bool:
+        if _socket_answers(sock):
+            return True
         if not alive(rec):
-            break
-        time.sleep(0.2)
+            raise Stop
+        return False
+
+    try:
+        wait_for(probe, deadline=timeout, interval=0.2, what=f"{what} on {sock}")
+        return
+    except (WaitTimeout, Stop):
+        pass
     tail = ""
     try:
         tail = Path(rec["log"]).read_text().strip().splitlines()[-1][:200]
@@ -200,12 +212,17 @@ def _wait_for_socket(sock: Path, what: str, node: str, rec: dict, timeout: float
     raise LabError(f"{node}: {what} did not come up on {sock}: {tail}")
 
 
+def url(node: str) -> str:
+    """A node's dockerd for the docker CLI's ``-H`` and the docker SDK's ``base_url``."""
+    return f"unix://{layout.docker_socket(node)}"
+
+
 def docker(node: str, *args: str) -> list[str]:
-    """argv for the docker CLI against a node's engine (from the controller)."""
-    return ["docker", "-H", f"unix://{layout.docker_socket(node)}", *args]
+    """argv for the docker CLI against a node's dockerd (from the controller)."""
+    return ["docker", "-H", url(node), *args]
 
 
-def engine_info(node: str) -> dict | None:
+def info(node: str) -> dict | None:
     cp = run(docker(node, "info", "--format", "{{json .}}"), check=False, timeout=30)
     if cp.returncode != 0:
         return None
