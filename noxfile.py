@@ -21,25 +21,16 @@ def lint(session: nox.Session) -> None:
 
 
 LAB_ENV = {"INVOKE_SPARKDEPLOY_PROFILE": "configs/lab.yaml"}
-REHEARSAL = [
-    # the main job, as far as it exists, against the simulated Spark pair
-    ["hosts.check"],
-    ["services.stop"],
-    ["services.status"],
-    ["image.probe"],
-    ["image.build"],
-    ["image.ship", "--to", "all"],
-    ["services.restore"],
-]
 
 
 @nox.session(default=False)
 def rehearse(session: nox.Session) -> None:
-    """Bring up the lab (root, Linux) and run the deployment chain against it."""
+    """Bring up the lab (root, Linux; installs what it needs) and deploy on it with `inv
+    deploy.all`: ends with `endpoint:` and `record:` and leaves the lab serving (`inv lab.down`
+    to finish). Arguments after -- go to lab.up."""
     session.install("-e", ".")
     session.run("inv", "lab.up", *session.posargs)
-    for argv in REHEARSAL:
-        session.run("inv", *argv, env=LAB_ENV)
+    session.run("inv", "deploy.all", env=LAB_ENV)
 
 
 @nox.session(default=False)
@@ -63,6 +54,19 @@ def perf(session: nox.Session) -> None:
     (registry: src/sparkdeploy/perf.py)."""
     session.install("-e", ".[bench]")
     session.run("python", "-m", "sparkdeploy.perf", *session.posargs)
+
+
+@nox.session(default=False)
+def mutants(session: nox.Session) -> None:
+    """Mutation testing (mutmut, settings in pyproject.toml) of the decision code: steps/ship.py,
+    scripts/save_filter.py, config.py, bench/metrics.py against their unit tests; then the
+    survivors. Slow: two workers (`MUTMUT_CHILDREN=N` for more); `-- NAME...` reruns mutants."""
+    import os
+
+    session.install("-e", ".[dev]", "mutmut>=3.3")
+    children = os.environ.get("MUTMUT_CHILDREN", "2")
+    session.run("mutmut", "run", "--max-children", children, *session.posargs)
+    session.run("mutmut", "results")
 
 
 # transformers versions -> what they must do with the model's config (qwen3_5_moe)

@@ -2,11 +2,14 @@
 #
 # Build context: a directory holding probe_image.py (scripts/probe_image.py) and model/config.json
 # (the model's small config files).  The build task resolves `transformers>=5` to a concrete
-# version from the package index first, and computes the sha256 of this file:
+# version from the package index first (the newest one that also satisfies what the base image's
+# engine declares), and computes the sha256 of this file:
 #
 #   docker build -f docker/transformers.Dockerfile \
 #     --build-arg BASE_IMAGE=scitrera/dgx-spark-sglang:0.5.10rc0 \
-#     --build-arg BASE_IMAGE_ID=sha256:... --build-arg TRANSFORMERS_VERSION=5.23.0 \
+#     --build-arg BASE_IMAGE_ID=sha256:... --build-arg TRANSFORMERS_VERSION=5.3.0 \
+#     --build-arg TRANSFORMERS_REQUIREMENT='transformers>=5' \
+#     --build-arg ENGINE_REQUIRES='sglang 0.5.10rc0: transformers==5.3.0' \
 #     --build-arg DOCKERFILE_SHA256=... [--build-arg PIP_INDEX_URL=http://index.lab/simple] \
 #     [--secret id=pipconf,src=pip.conf] [--secret id=pip_ca,src=ca.pem] -t TAG CONTEXT
 #
@@ -43,8 +46,9 @@ ARG PIP_TRUSTED_HOST=""
 # (Debian/Ubuntu system python); inside an image build that environment IS the application's
 # environment, so overriding the guard is correct here, for this one command only (it is not an
 # ENV, so it does not persist in the image).  Never do this on a node's system python.
-# pip reports that the engine pins an older transformers (sglang pins 4.57.1): expected, the point
-# of this layer; the probe below checks what matters.
+# The version is resolved by the build task together with what the base image's engine declares
+# of transformers (SGLang 0.5.10rc0 declares transformers==5.3.0), so pip has no conflict to report
+# unless the profile overrides that declaration (images.layer.override_engine_requirement).
 RUN --mount=type=secret,id=pipconf \
     --mount=type=secret,id=pip_ca \
     set -eu; \
@@ -77,9 +81,13 @@ FROM transformers
 ARG BASE_IMAGE
 ARG BASE_IMAGE_ID=""
 ARG TRANSFORMERS_VERSION
+ARG TRANSFORMERS_REQUIREMENT=""
+ARG ENGINE_REQUIRES=""
 ARG DOCKERFILE_SHA256=""
 COPY --from=probe /tmp/sparkdeploy-probe/probe.json /usr/share/sparkdeploy/probe.json
 LABEL org.opencontainers.image.base.name="${BASE_IMAGE}" \
       org.sparkdeploy.base.id="${BASE_IMAGE_ID}" \
       org.sparkdeploy.transformers.version="${TRANSFORMERS_VERSION}" \
+      org.sparkdeploy.transformers.requirement="${TRANSFORMERS_REQUIREMENT}" \
+      org.sparkdeploy.engine.requires="${ENGINE_REQUIRES}" \
       org.sparkdeploy.dockerfile.sha256="${DOCKERFILE_SHA256}"

@@ -6,14 +6,15 @@ Standard library only, Python 3.8+ syntax.  Prints one JSON object and exits 0 w
 
     python3 probe_image.py [--model-dir DIR] [--model-file ENGINE=RELPATH ...]
                            [--min-version ENGINE=VERSION ...] [--require-config ENGINE ...]
-                           [--timeout SECONDS]
+                           [--engine ENGINE ...] [--timeout SECONDS]
 
 Package versions come from installed metadata (importlib.metadata over sys.path), model files
 from the installed package's directory as the metadata locates it: the engines are never imported
 (they need a GPU stack).  The config parse runs ``AutoConfig.from_pretrained(DIR)`` in a child
 python3 with a timeout, offline.  An engine is ``ok`` when it is installed, at least its minimum
 version, every expected file is present and, for engines named by ``--require-config`` only, the
-config parses; ``reasons`` lists every reason it is not.
+config parses; ``reasons`` lists every reason it is not.  ``requires`` is what the engine's own
+metadata declares of transformers (its version specifier), so a layer can honour it.
 """
 
 import argparse
@@ -118,6 +119,27 @@ def package_version(name):
     if dist is None:
         return None
     return dist.metadata["Version"] or dist.version
+
+
+_REQ_RE = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*\(?([^;()]*)\)?\s*(?:;(.*))?$")
+
+
+def declared_requirements(name, wanted=("transformers",)):
+    """What package NAME's metadata requires of each package in WANTED: its version specifier
+    (``"==5.3.0"``, ``""`` for any version); requirements of optional extras are left out."""
+    dist = _distribution(name)
+    out = {}
+    for line in (dist.requires or []) if dist is not None else []:
+        m = _REQ_RE.match(line)
+        if not m:
+            continue
+        req, spec, marker = m.group(1), m.group(2).strip(), m.group(3) or ""
+        if "extra" in marker:
+            continue
+        key = req.lower().replace("_", "-")
+        if key in wanted:
+            out[key] = ",".join(x.strip() for x in spec.split(",") if x.strip())
+    return out
 
 
 def file_present(name, relpath):
@@ -239,6 +261,13 @@ def parse_args(argv):
         help="the engine's minimum version (repeatable)",
     )
     p.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="ENGINE",
+        help="also report this engine (repeatable)",
+    )
+    p.add_argument(
         "--require-config",
         action="append",
         default=[],
@@ -265,7 +294,7 @@ def probe(args):
     for engine, _ in args.model_file + args.min_version:
         if engine not in engines:
             engines.append(engine)
-    for engine in args.require_config:
+    for engine in args.require_config + args.engine:
         if engine not in engines:
             engines.append(engine)
     if not engines:
@@ -306,6 +335,7 @@ def probe(args):
             "installed": version is not None,
             "version": version,
             "model_files": files,
+            "requires": declared_requirements(engine) if version is not None else {},
             "ok": not reasons,
             "reasons": reasons,
         }

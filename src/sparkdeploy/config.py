@@ -134,6 +134,10 @@ class Layer(_Strict):
     index_url: Annotated[Url, AfterValidator(checks.no_credentials)] = "https://pypi.org/simple"
     """Where ``requirement`` is resolved and installed from (credential-free: it is recorded in
     the image history)."""
+    override_engine_requirement: bool = False
+    """``image.build`` resolves ``requirement`` together with what the base image's engine
+    declares of transformers (the newest release satisfying both) and fails when none does;
+    true resolves ``requirement`` alone (the engine's declaration is still recorded)."""
 
 
 class EngineRule(_Strict):

@@ -62,6 +62,8 @@ class StepState:
     step: str
     state: str
     why: str = ""
+    elapsed: float | None = None
+    """Seconds the step ran (done, failed; skipped after it started)."""
 
 
 Event = Result | Progress | Echo | Log | StepState
@@ -152,8 +154,9 @@ def describe(ev: Event) -> str:
     if isinstance(ev, Log):
         return f"[{ev.node or ev.step}] {ev.text}"
     if isinstance(ev, StepState):
+        took = f" ({ev.elapsed:.1f}s)" if ev.elapsed is not None else ""
         why = f": {ev.why}" if ev.why else ""
-        return f"{ev.state:<8} {ev.step}{why}"
+        return f"{'step ' + ev.state:<13} {ev.step}{took}{why}"
     return str(ev)
 
 
@@ -191,28 +194,83 @@ _STYLE = {Status.OK: "green", Status.CHANGED: "yellow", Status.SKIPPED: "cyan",
           Status.FAILED: "bold red"}
 
 
-class LiveRenderer:
-    """A rich live view on a terminal: results and echo scroll above, a progress line per
-    (step, node) below, updated in place."""
+_MARK = {"pending": "·", "running": "▸", "done": "✓", "failed": "✗", "skipped": "-"}
 
-    def __init__(self, console: Any = None):
+
+class Board:
+    """A plan as a checklist, fed from ``StepState`` and ``Progress`` events: one line per step
+    (mark, name, state, elapsed, last word), the progress of its running long work below it.
+    ``lines()`` is what the live view draws; elapsed time of a running step ticks."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.steps: dict[str, StepState] = {}
+        self.started: dict[str, float] = {}
+        self.progress: dict[tuple[str, str | None], Progress] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.steps)
+
+    def feed(self, ev: Event) -> bool:
+        """Take an event; True when it is the board's (a step state, or progress of a step
+        on the board)."""
+        if isinstance(ev, StepState):
+            if ev.state == "running":
+                self.started[ev.step] = self.clock()
+            if ev.state != "running":
+                self.progress = {k: v for k, v in self.progress.items() if k[0] != ev.step}
+            self.steps[ev.step] = ev
+            return True
+        if isinstance(ev, Progress) and ev.step in self.steps:
+            key = (ev.step, ev.node)
+            if ev.total is not None and ev.done >= ev.total:
+                self.progress.pop(key, None)
+            else:
+                self.progress[key] = ev
+            return True
+        return False
+
+    def lines(self) -> list[str]:
+        out = []
+        for name, st in self.steps.items():
+            if st.state == "running":
+                took = f"{self.clock() - self.started.get(name, self.clock()):5.0f}s"
+            else:
+                took = f"{st.elapsed:5.1f}s" if st.elapsed is not None else " " * 6
+            why = f"  {st.why}" if st.why and st.state != "running" else ""
+            out.append(f"{_MARK.get(st.state, '?')} {name:<18} {st.state:<8} {took}{why}"[:160])
+            for (step, _node), p in self.progress.items():
+                if step == name:
+                    out.append("    " + describe(p).split(None, 2)[-1])
+        return out
+
+
+class LiveRenderer:
+    """A rich live view on a terminal: results and echo scroll above; below, the plan's board
+    when a plan runs (else a progress line per (step, node)), redrawn in place."""
+
+    def __init__(self, console: Any = None, clock: Callable[[], float] = time.monotonic):
         from rich.console import Console
         from rich.live import Live
 
         self.console = console or Console()
+        self.board = Board(clock)
         self._bars: dict[tuple[str, str | None], Progress] = {}
-        self._live = Live(self._render(), console=self.console, refresh_per_second=8,
-                          transient=True)
+        self._live = Live(self, console=self.console, refresh_per_second=4, transient=True)
         self._live.start()
 
-    def _render(self) -> Any:
+    def __rich__(self) -> Any:
         from rich.text import Text
 
-        lines = [describe(p) for p in self._bars.values()]
+        lines = self.board.lines() + [describe(p) for p in self._bars.values()]
         return Text("\n".join(lines))
 
     def __call__(self, ev: Event) -> None:
-        if isinstance(ev, Progress):
+        from rich.markup import escape
+
+        if self.board.feed(ev):
+            pass
+        elif isinstance(ev, Progress):
             key = (ev.step, ev.node)
             if ev.total is not None and ev.done >= ev.total:
                 self._bars.pop(key, None)
@@ -221,14 +279,16 @@ class LiveRenderer:
         elif isinstance(ev, Result):
             self._bars = {k: v for k, v in self._bars.items() if k[0] != ev.step or k[1] != ev.node}
             self.console.print(f"[{_STYLE[ev.status]}]{ev.status.value:<8}[/] "
-                               f"{ev.step:<18} {ev.node or '-':<8} {ev.why}", highlight=False,
-                               markup=True)
+                               f"{escape(ev.step):<18} {escape(ev.node or '-'):<8} {escape(ev.why)}",
+                               highlight=False, markup=True)
         else:
             self.console.print(describe(ev), highlight=False, markup=False)
-        self._live.update(self._render())
+        self._live.refresh()
 
     def close(self) -> None:
         self._live.stop()
+        if self.board:  # the final checklist stays on the screen
+            self.console.print("\n".join(self.board.lines()), highlight=False, markup=False)
 
 
 def renderer_for(out: TextIO | None = None, live: bool = True) -> PlainRenderer | LiveRenderer:

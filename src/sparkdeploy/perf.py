@@ -14,6 +14,7 @@ BENCHMARKS: dict[str, str] = {
     "bench": "sparkdeploy.bench.perf:run",
     "ship": "sparkdeploy.lab.perf_ship:run",
     "model": "sparkdeploy.lab.perf_model:run",
+    "deploy": "sparkdeploy.lab.perf_deploy:run",
     "diagnose": "sparkdeploy.diagnose:perf",
 }
 

@@ -73,7 +73,7 @@ def images(image: str | None, profile: str | None) -> int:
     except NodeUnreachable as e:
         why = str(e)
     if why is not None:
-        print(f"no docker engine reachable on {head.name} ({why}): image probes not run")
+        print(f"no Docker daemon reachable on {head.name} ({why}): image probes not run")
         return 0
     with rendering(dep.events, live=False):
         # a decision without a chosen image is a failed image.decide result

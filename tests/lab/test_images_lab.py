@@ -91,7 +91,13 @@ def test_build_makes_a_derivative_whose_config_parses_and_rebuild_is_ok(state, d
     info = inspect_image(head, DERIVED)
     labels = info["Config"]["Labels"]
     tf = labels["org.sparkdeploy.transformers.version"]
-    assert int(tf.split(".")[0]) >= 5
+    # transformers>=5 resolved together with what sglang 0.5.10rc0 declares (==5.3.0), not
+    # the newest 5.x on the index: pip installs it without a dependency conflict
+    assert tf == "5.3.0"
+    assert labels["org.sparkdeploy.transformers.requirement"] == "transformers>=5"
+    assert labels["org.sparkdeploy.engine.requires"] == "sglang 0.5.10rc0: transformers==5.3.0"
+    assert "transformers-5.3.0" in first.stdout  # the build log is streamed
+    assert "dependency conflicts" not in first.stdout and "incompatible" not in first.stdout
     assert labels["org.opencontainers.image.base.name"] == SGLANG
     assert labels["org.sparkdeploy.base.id"] == inspect_image(head, SGLANG)["Id"]
     # the probe in the derivative: transformers parses the config, sglang is ok

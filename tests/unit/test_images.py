@@ -193,3 +193,102 @@ def test_the_decision_record_carries_who_and_when_and_ship_reads_it(dep):
     assert ship.default_image(dep) == "hellohal2064/vllm-qwen3.5-gb10"
     md = (dep.state.path / "decisions/image-probe.md").read_text()
     assert "| hellohal2064/vllm-qwen3.5-gb10 | vllm | 0.17.1 | 4.57.1 | yes | no | linux/arm64 | viable |" in md
+
+
+PAGE_53 = PAGE.replace("transformers-5.2.0-", "transformers-5.3.0-")
+
+
+def test_resolve_requirement_together_with_the_engine_declaration():
+    get = lambda u: PAGE_53  # noqa: E731
+    assert images.resolve_requirement("transformers>=5", "http://i/simple", get=get,
+                                      constraint="==5.3.0") == "5.3.0"
+    assert images.resolve_requirement("transformers>=5", "http://i/simple", get=get,
+                                      constraint=">=4.51,<5.10") == "5.3.0"
+    with pytest.raises(images.ResolveError) as e:
+        images.resolve_requirement("transformers>=5", "http://i/simple", get=get, constraint="==4.57.1")
+    assert str(e.value) == ("no release of transformers on http://i/simple satisfies transformers>=5 "
+                            "and transformers==4.57.1")
+
+
+class BuildCtx(__import__("invoke").Context):
+    """A head for image.build in a dry run: the base image, staging, the probe's answer."""
+
+    def __init__(self, declares):
+        from invoke import Config
+
+        super().__init__(Config(overrides={"run": {"dry": True}}))
+        self._set("declares", declares)
+        self._set("probes", [])
+
+    def run(self, command, **kw):
+        from invoke import Result
+
+        argv = shlex.split(shlex.split(command)[-1])
+        out = ""
+        if argv[:2] == ["sh", "-c"] and len(argv) > 6 and argv[4] != "docker":
+            out = f"/tmp/sparkdeploy-stage-0/{argv[4]}/{argv[5]}\n"  # staging
+        elif argv[:2] == ["sh", "-c"]:  # the probe, behind its sha256 check
+            run = argv[argv.index("run"):]
+            self.probes.append(run)
+            spec = {} if self.declares is None else {"transformers": self.declares}
+            out = json.dumps({"engines": {"sglang": {"installed": True, "version": "0.5.10rc0",
+                                                     "requires": spec}}})
+        elif "inspect" in argv:
+            out = json.dumps({"Id": "sha256:" + "b" * 64, "RootFS": {"Layers": []}})
+        elif "ls" in argv:
+            out = ""
+        else:
+            raise AssertionError(argv)
+        return Result(stdout=out, stderr="", exited=0, command=command)
+
+
+@pytest.fixture
+def build_dep(tmp_path, monkeypatch):
+    import functools
+
+    monkeypatch.setattr(images, "resolve_requirement",
+                        functools.partial(images.resolve_requirement, get=lambda u: PAGE_53))
+
+    def make(declares, override=False):
+        prof = load_profile(SEED)
+        if override:
+            layer = prof.images.layer.model_copy(update={"override_engine_requirement": True})
+            prof = prof.model_copy(update={"images": prof.images.model_copy(update={"layer": layer})})
+        ctx = BuildCtx(declares)
+        state = StateDir(tmp_path / "state")
+        hosts = {n.name: Host(n, prof.ssh, ctx, state) for n in prof.nodes}
+        return Deployment(prof, str(SEED), state, hosts, dry=True), ctx
+    return make
+
+
+def test_build_picks_what_the_base_engine_declares(build_dep):
+    dep, ctx = build_dep("==5.3.0")
+    [res] = images.build(dep)
+    assert res.why == ("would build sparkdeploy/sglang-qwen3.5:latest = "
+                       "scitrera/dgx-spark-sglang:0.5.10rc0 + transformers==5.3.0 "
+                       "(sglang 0.5.10rc0: transformers==5.3.0)")
+    assert ctx.probes[0][-3:] == ["/sparkdeploy/probe_image.py", "--engine", "sglang"]
+    assert "--network" in ctx.probes[0] and "none" in ctx.probes[0]
+
+
+def test_build_fails_in_one_line_when_nothing_satisfies_both(build_dep):
+    dep, _ = build_dep("==4.57.1")
+    [res] = images.build(dep)
+    assert res.status.value == "failed"
+    assert res.why == ("no release of transformers on https://pypi.org/simple satisfies "
+                       "transformers>=5 and transformers==4.57.1, which sglang 0.5.10rc0 in "
+                       "scitrera/dgx-spark-sglang:0.5.10rc0 declares "
+                       "(images.layer.override_engine_requirement: true builds anyway)")
+
+
+def test_build_override_resolves_the_requirement_alone_and_says_so(build_dep):
+    dep, _ = build_dep("==4.57.1", override=True)
+    [res] = images.build(dep)
+    assert res.why.endswith("+ transformers==5.23.0 (sglang 0.5.10rc0: transformers==4.57.1 "
+                            "(overridden by images.layer.override_engine_requirement))")
+
+
+def test_build_without_a_declaration_resolves_the_requirement(build_dep):
+    dep, _ = build_dep(None)
+    [res] = images.build(dep)
+    assert res.why.endswith("+ transformers==5.23.0 (none declared)")

@@ -265,7 +265,7 @@ def test_missing_base_image_fails_each_image_in_one_line(fake_engine):
     api, build, _ = fake_engine
     res = build("nope:1")
     assert [r.status for r in res] == [Status.FAILED] * 3
-    assert "base image nope:1 not on this engine" in res[0].why and api.builds == []
+    assert "base image nope:1 not on this dockerd" in res[0].why and api.builds == []
 
 
 def test_a_failed_build_is_one_line_and_the_others_still_build(fake_engine, monkeypatch):

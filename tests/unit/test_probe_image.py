@@ -136,6 +136,7 @@ def test_seed_image_needs_newer_transformers(tmp_path):
                 "installed": True,
                 "version": "0.5.10rc0",
                 "model_files": {SGLANG_FILES[0]: True, SGLANG_FILES[1]: True},
+                "requires": {},
                 "ok": False,
                 "reasons": ["transformers 4.57.1 cannot parse model_type qwen3_5_moe"],
             }
@@ -192,6 +193,7 @@ def test_config_rule_only_for_engines_that_require_it(tmp_path):
             "installed": True,
             "version": "0.17.1",
             "model_files": {"vllm/model_executor/models/qwen3_5.py": True},
+            "requires": {},
             "ok": True,
             "reasons": [],
         }
@@ -208,6 +210,7 @@ def test_engine_not_installed(tmp_path):
         "installed": False,
         "version": None,
         "model_files": {SGLANG_FILES[0]: False},
+        "requires": {},
         "ok": False,
         "reasons": ["sglang is not installed"],
     }
@@ -320,3 +323,35 @@ def test_version_equal(a, b):
 def test_version_rejects_garbage():
     with pytest.raises(ValueError):
         _load().version_key("latest")
+
+
+def test_reports_what_the_engine_declares_of_transformers(tmp_path):
+    site = tmp_path / "site"
+    fake_sglang(site, "0.5.10rc0")
+    meta = site / "sglang-0.5.10rc0.dist-info" / "METADATA"
+    meta.write_text(meta.read_text() + "Requires-Dist: aiohttp\n"
+                    "Requires-Dist: transformers==5.3.0\n"
+                    "Requires-Dist: transformers<4; extra == \"legacy\"\n")
+    out = probe_json(site, "--engine", "sglang")
+    assert out["engines"]["sglang"]["requires"] == {"transformers": "==5.3.0"}
+
+
+@pytest.mark.parametrize("line,want", [
+    ("transformers==5.3.0", "==5.3.0"),
+    ("transformers (>=4.51, <5)", ">=4.51,<5"),
+    ("Transformers[torch] >=5 ; python_version >= '3.8'", ">=5"),
+    ("transformers", ""),
+    ("transformers>=4; extra == 'dev'", None),
+    ("transformers-stream-generator==0.0.5", None),
+])
+def test_declared_requirement_forms(monkeypatch, line, want):
+    spec = importlib.util.spec_from_file_location("probe_image", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    class Dist:
+        requires = [line]
+
+    monkeypatch.setattr(mod, "_distribution", lambda name: Dist)
+    got = mod.declared_requirements("sglang")
+    assert got == ({} if want is None else {"transformers": want})

@@ -217,3 +217,27 @@ def test_missing_model_dir_fails_before_distributed_init(tmp_path):
 def test_module_is_standard_library_only():
     src = Path(es.__file__).read_text()
     assert "import sparkdeploy" not in src and "from sparkdeploy" not in src
+
+
+def test_a_port_probe_on_the_init_port_does_not_disturb_the_rendezvous(pair, tmp_path):
+    _start, tmp = pair
+    dist, port = _free_port(), _free_port()
+    env = {"SGLANG_HOST_IP": "127.0.0.1"}
+    procs = [_rank(0, dist, port, tmp / "model", env, tmp)]
+    try:
+        deadline = time.monotonic() + 20
+        while True:  # serve.up's wait for the head's init port: connect, close
+            try:
+                socket.create_connection(("127.0.0.1", dist), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        silent = socket.create_connection(("127.0.0.1", dist), timeout=1)  # and one that says nothing
+        procs.append(_rank(1, dist, port, tmp / "model", env, tmp))
+        assert _health(port, 30) == 200, (tmp / "rank0.log").read_text()
+        silent.close()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -1,6 +1,6 @@
 """The community images of the seed, rebuilt for the lab with real packages and engine stand-ins.
 
-On one node's Docker engine (spark1 in the lab), from the lab base image (debootstrap bookworm
+On one node's dockerd (spark1 in the lab), from the lab base image (debootstrap bookworm
 with python3), three images tagged with the real names:
 
 - ``lmsysorg/sglang:spark``: sglang 0.5.4 (the real wheel, ``--no-deps``) + transformers 4.57.1;
@@ -402,7 +402,7 @@ def build_community_images(
     node: str | None = None,
     log: Callable[[str], None] | None = None,
 ) -> list[Result]:
-    """Make each community image present on the engine at ``docker_base_url``: one Result per
+    """Make each community image present on the dockerd at ``docker_base_url``: one Result per
     image. ``ok``: already tagged with the same recipe hash. ``changed``: loaded from the
     controller's archive of that recipe (``archive_dir``; a fresh lab with warm caches), or
     built (then archived). ``failed``: one line of why; the other images still go ahead."""
@@ -412,7 +412,7 @@ def build_community_images(
     try:
         base = api.inspect_image(base_image)
     except docker.errors.ImageNotFound:
-        return [failed(STEP, f"{r.tag}: base image {base_image} not on this engine", node,
+        return [failed(STEP, f"{r.tag}: base image {base_image} not on this dockerd", node,
                        image=r.tag) for r in recipes]
     # the base's layers, not its ID: re-importing the same rootfs tarball gives a new image ID
     # (a new creation time) but the same layer diff IDs

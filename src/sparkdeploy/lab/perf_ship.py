@@ -4,8 +4,11 @@
   derivative image (the transformers layer) to a peer that has its base, divided by the size of
   the layers the peer lacked (their uncompressed tars, as ``docker save`` writes them).
 - ``ship.full_vs_naive``: wall time of sparkdeploy's full ship to an empty peer divided by plain
-  ``docker save | ssh peer docker load`` of the same image, alternating in one run (median of
-  ``REPS`` each).
+  ``docker save | ssh peer docker load`` of the same image, alternating in one run (``REPS`` of
+  each, the order flipped every round): the median of the per-round ratios, printed next to their
+  spread (``full_vs_naive_min``/``_max``) and each side's spread ((max - min) / median). Every run
+  is checked: ours must report a full ship that changed the peer (a ship that found the image
+  already there does not count), and after the plain pipeline the peer must hold the image.
 
 Needs root and the lab (it brings it up if needed) with the derivative built (it builds it).
 """
@@ -27,7 +30,7 @@ from sparkdeploy.steps import images, ship
 
 ROOT = Path(__file__).resolve().parents[3]
 PROFILE = ROOT / "configs" / "lab.yaml"
-REPS = 2
+REPS = 5
 
 
 def _say(msg: str) -> None:
@@ -130,16 +133,27 @@ def run() -> dict[str, float]:
             if kind == "naive":
                 _run(dep, head, naive)
                 naive_t.append(time.monotonic() - t0)
+                got = images.inspect_image(dep.host(peer), layer.tag)
+                if not got or got["Id"] != src["Id"]:
+                    raise SystemExit(f"round {i + 1}: the plain pipeline left no {layer.tag} on {peer}")
             else:
                 res = ship.ship(dep, peer, layer.tag)
-                if res[0].failed:
-                    raise SystemExit(res[0].why)
-                ours_t.append(time.monotonic() - t0)
+                took = time.monotonic() - t0
+                if res[0].status != "changed" or res[0].details.get("mode") != "full":
+                    raise SystemExit(f"round {i + 1}: not a full ship, does not count: "
+                                     f"{res[0].status}: {res[0].why}")
+                ours_t.append(took)
             _say(f"{kind}: {time.monotonic() - t0:.1f}s")
     # leave the worker as lab.up left it: the lab base image, no community image
     forget(dep, peer, layer.tag, layer.base)
     ship.ship(dep, peer, layout.BASE_IMAGE)
-    figures["full_vs_naive"] = statistics.median(ours_t) / statistics.median(naive_t)
+    ratios = [o / n for o, n in zip(ours_t, naive_t, strict=True)]
+    figures["full_vs_naive"] = statistics.median(ratios)
+    figures["full_vs_naive_min"] = min(ratios)
+    figures["full_vs_naive_max"] = max(ratios)
     figures["full_s"] = statistics.median(ours_t)
+    figures["full_s_spread"] = (max(ours_t) - min(ours_t)) / statistics.median(ours_t)
     figures["naive_s"] = statistics.median(naive_t)
+    figures["naive_s_spread"] = (max(naive_t) - min(naive_t)) / statistics.median(naive_t)
+    figures["rounds"] = float(REPS)
     return figures

@@ -73,6 +73,7 @@ DEFAULT_WHEEL_DIR = Path("/var/cache/sparkdeploy/wheels")
 # One pip resolution per inner list: the two transformers lines conflict with each other.
 DEFAULT_REQUIREMENTS: tuple[tuple[str, ...], ...] = (
     ("transformers>=5",),
+    ("transformers==5.3.0",),  # what SGLang 0.5.10rc0 declares: the layer image.build resolves
     ("transformers==4.57.1",),
 )
 TARGET_PYTHON = "3.11"  # Debian bookworm's python3

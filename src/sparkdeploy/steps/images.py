@@ -46,6 +46,8 @@ RECORD = "image-probe"
 LABEL_BASE_ID = "org.sparkdeploy.base.id"
 LABEL_TF = "org.sparkdeploy.transformers.version"
 LABEL_DOCKERFILE = "org.sparkdeploy.dockerfile.sha256"
+LABEL_REQUIREMENT = "org.sparkdeploy.transformers.requirement"
+LABEL_ENGINE_REQUIRES = "org.sparkdeploy.engine.requires"
 ROOT = SCRIPTS.parent
 
 
@@ -282,13 +284,20 @@ class ResolveError(Exception):
     pass
 
 
-def resolve_requirement(requirement: str, index_url: str, get: Callable | None = None) -> str:
-    """The newest final release on the index that satisfies ``requirement`` (PEP 503 page)."""
+def resolve_requirement(requirement: str, index_url: str, get: Callable | None = None,
+                        constraint: str = "") -> str:
+    """The newest final release on the index that satisfies ``requirement`` and the extra
+    specifier ``constraint`` (what the base image's engine declares) (PEP 503 page)."""
     from packaging.requirements import Requirement
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
     from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
     from packaging.version import InvalidVersion
 
     req = Requirement(requirement)
+    try:
+        spec = req.specifier & SpecifierSet(constraint)
+    except InvalidSpecifier:
+        raise ResolveError(f"cannot read the version specifier {constraint!r}") from None
     url = f"{index_url.rstrip('/')}/{canonicalize_name(req.name)}/"
     if get is None:
         import requests
@@ -311,10 +320,35 @@ def resolve_requirement(requirement: str, index_url: str, get: Callable | None =
                 versions.add(parse_sdist_filename(name)[1])
         except (InvalidVersion, ValueError):
             continue
-    good = sorted(v for v in versions if not v.is_prerelease and req.specifier.contains(v))
+    good = sorted(v for v in versions if not v.is_prerelease and spec.contains(v))
     if not good:
-        raise ResolveError(f"no release of {req.name} on {index_url} satisfies {requirement}")
+        raise ResolveError(f"no release of {req.name} on {index_url} satisfies {requirement}"
+                           + (f" and {req.name}{constraint}" if constraint else ""))
     return str(good[-1])
+
+
+def engine_requires(dep: Deployment, head: Host, ref: str) -> tuple[str, str, str] | None:
+    """(engine, its version, its declared transformers specifier) in the image ``ref``, read
+    from the engine's own metadata by the probe (staged, checked, run offline in the image);
+    None when the profile names no engine for ``ref`` or the engine declares nothing."""
+    kind = next((c.engine for c in dep.profile.images.candidates if c.ref == ref), None)
+    if kind is None:
+        return None
+    probe_path = stage_script(head, "probe_image.py")
+    argv = docker(head, "run", "--rm", "--network", "none",
+                  "-v", f"{probe_path}:/sparkdeploy/probe_image.py:ro",
+                  "--entrypoint", "python3", ref, "/sparkdeploy/probe_image.py", "--engine", kind)
+    r = head.run(verified([probe_path], argv), change=False, timeout=300)
+    try:
+        eng = json.loads(r.stdout)["engines"][kind] if r.ok else None
+    except (json.JSONDecodeError, KeyError, TypeError):
+        eng = None
+    if eng is None:
+        raise ResolveError(f"cannot read what {kind} in {ref} requires: {r.one_line_error()}")
+    spec = (eng.get("requires") or {}).get("transformers")
+    if not eng.get("installed") or spec is None:
+        return None
+    return kind, str(eng.get("version")), spec
 
 
 def legacy_dockerfile(text: str) -> str:
@@ -372,13 +406,30 @@ def _build(dep: Deployment) -> Result:
         return failed(STEP_BUILD, f"base image {layer.base} is not on {head.name} "
                       "(run image.probe, which pulls missing candidates)", head.name)
     try:
-        version = resolve_requirement(layer.requirement, layer.index_url)
+        declared = engine_requires(dep, head, layer.base)
+        engine_note = "none declared"
+        constraint = ""
+        if declared:
+            kind, kind_version, spec = declared
+            engine_note = f"{kind} {kind_version}: transformers{spec}"
+            if layer.override_engine_requirement:
+                engine_note += " (overridden by images.layer.override_engine_requirement)"
+            else:
+                constraint = spec
+        try:
+            version = resolve_requirement(layer.requirement, layer.index_url, constraint=constraint)
+        except ResolveError as e:
+            if not constraint:
+                raise
+            raise ResolveError(f"{e}, which {engine_note.split(':')[0]} in {layer.base} declares "
+                               "(images.layer.override_engine_requirement: true builds anyway)"
+                               ) from None
     except ResolveError as e:
         return failed(STEP_BUILD, str(e), head.name)
     df_sha = hashlib.sha256(dockerfile.encode()).hexdigest()
     labels = {LABEL_BASE_ID: base["Id"], LABEL_DOCKERFILE: df_sha, LABEL_TF: version}
     existing = _find_built(head, labels)
-    what = f"{layer.tag} = {layer.base} + transformers=={version}"
+    what = f"{layer.tag} = {layer.base} + transformers=={version} ({engine_note})"
     if existing:
         tagged = inspect_image(head, layer.tag)
         if tagged and tagged["Id"] == existing:
@@ -395,6 +446,7 @@ def _build(dep: Deployment) -> Result:
         return failed(STEP_BUILD, str(e), head.name)
     build_args = {"BASE_IMAGE": layer.base, "BASE_IMAGE_ID": base["Id"],
                   "TRANSFORMERS_VERSION": version, "DOCKERFILE_SHA256": df_sha,
+                  "TRANSFORMERS_REQUIREMENT": layer.requirement, "ENGINE_REQUIRES": engine_note,
                   "PIP_INDEX_URL": layer.index_url}
     if urlsplit(layer.index_url).scheme == "http":
         build_args["PIP_TRUSTED_HOST"] = urlsplit(layer.index_url).hostname or ""

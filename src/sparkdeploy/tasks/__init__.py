@@ -2,9 +2,9 @@
 
 from invoke import Collection
 
-from sparkdeploy.tasks import bench, hosts, image, lab, model, profile, serve, services
+from sparkdeploy.tasks import bench, deploy, hosts, image, lab, model, profile, serve, services
 
-ns = Collection(profile, hosts, services, image, model, lab, bench, serve)
+ns = Collection(profile, hosts, services, image, model, lab, bench, serve, deploy)
 ns.configure(
     {
         "sparkdeploy": {

@@ -1,0 +1,99 @@
+"""``nox -s perf -- deploy``: how well ``deploy.all`` overlaps its steps, measured on the lab.
+
+The lab hub's bandwidth is set so that the download takes about ``DOWNLOAD_S`` seconds (the
+longest step, as on a real pair). Each run starts from the same place (``deploy.rollback
+--purge``: no engine, no weights on any node, no built or shipped image; the run's resume state
+forgotten), then runs the whole plan (bench smoke included), once serial, once pipelined.
+
+- ``deploy.pipeline_ratio``: pipelined wall time / the longest chain of dependent steps, each
+  step's time taken from the same pipelined run (goal <= 1.15: the runner adds little to what
+  the dependencies force).
+- ``deploy.serial_ratio``: serial wall time / pipelined wall time.
+
+Before them, ``deploy.rerun_seconds``: a re-run of the finished deployment (the hub unlimited
+again), which must change nothing (goal <= 10 s).
+
+Needs root and the lab (``inv lab.up``); leaves the lab serving the deployment and the hub at
+the bandwidth it had.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from sparkdeploy.deployment import Deployment, load
+from sparkdeploy.events import PlainRenderer
+from sparkdeploy.lab import hub
+from sparkdeploy.runner import Outcome, Runner, longest_chain
+from sparkdeploy.steps import deploy as plans
+
+ROOT = Path(__file__).resolve().parents[3]
+PROFILE = ROOT / "configs" / "lab.yaml"
+STATE = ROOT / ".sparkdeploy" / "perf-deploy"
+DOWNLOAD_S = 45.0
+
+
+def _say(msg: str) -> None:
+    print(f"[perf deploy] {msg}", file=sys.stderr, flush=True)
+
+
+def repo_bytes(url: str, repo: str) -> int:
+    from huggingface_hub import HfApi
+
+    info = HfApi(endpoint=url).model_info(repo, files_metadata=True)
+    return sum(s.size or 0 for s in info.siblings or [])
+
+
+def fresh(dep: Deployment) -> None:
+    """Back to before the deployment, weights and images included; forget the last run."""
+    out = Runner(dep, plans.rollback_plan(dep, purge=True), name="rollback", serial=True).run()
+    bad = [f"{n}: {r.why}" for n, r in out.runs.items() if r.state == "failed"]
+    if bad:
+        raise RuntimeError("rollback --purge failed: " + "; ".join(bad))
+    dep.state.remove(f"runs/deploy-{dep.profile.name}.json")
+
+
+def deploy(dep: Deployment, serial: bool, bench: bool = True) -> tuple[Outcome, list]:
+    steps = plans.plan(dep, bench=bench)
+    out = Runner(dep, steps, serial=serial).run()
+    bad = [f"{n}: {r.why}" for n, r in out.runs.items() if r.state == "failed"]
+    if bad:
+        raise RuntimeError(f"deploy.all{' --serial' if serial else ''} failed: " + "; ".join(bad))
+    return out, steps
+
+
+def run() -> dict[str, float]:
+    dep = load(PROFILE, STATE)
+    url = dep.profile.model.endpoint
+    if not url:
+        raise RuntimeError(f"{PROFILE}: model.endpoint (the lab hub) is not set")
+    with dep.events.listening(PlainRenderer(sys.stderr, progress_every=10)):
+        before = hub.set_knobs(url).get("bandwidth_bps")
+        size = repo_bytes(url, dep.profile.model.repo)
+        rate = int(size / DOWNLOAD_S)
+        _say(f"repo {size / 1e6:.0f} MB; hub limited to {rate / 1e6:.1f} MB/s "
+             f"(download ~{DOWNLOAD_S:.0f} s)")
+        hub.set_knobs(url, bandwidth_bps=rate)
+        try:
+            took = {}
+            for serial in (True, False):
+                fresh(dep)
+                t0 = time.monotonic()
+                out, steps = deploy(dep, serial)
+                took[serial] = out
+                _say(f"{'serial' if serial else 'pipelined'}: {out.wall:.1f} s "
+                     f"(measured around it: {time.monotonic() - t0:.1f} s)")
+        finally:
+            hub.set_knobs(url, bandwidth_bps=before)
+        again, _ = deploy(dep, False, bench=False)
+        if again.changed:
+            raise RuntimeError("a re-run of the finished deployment changed: " + ", ".join(
+                n for n, r in again.runs.items() if r.changed))
+    piped, serial_out = took[False], took[True]
+    chain, names = longest_chain(piped, steps)
+    _say(f"longest chain {chain:.1f} s: {' -> '.join(names)}; "
+         + ", ".join(f"{n} {r.elapsed:.1f}s" for n, r in piped.runs.items() if r.elapsed))
+    return {"rerun_seconds": again.wall, "pipeline_ratio": piped.wall / chain,
+            "serial_ratio": serial_out.wall / piped.wall}

@@ -1,0 +1,404 @@
+"""Run a plan of registered steps as a graph: independent steps at once, long ones first.
+
+A plan is data: ``PlanStep(name, options, needs)`` over the step registry. The runner orders it
+with ``graphlib.TopologicalSorter`` (a step's needs are the plan's own plus the registry's, as
+far as they are in the plan), starts every ready step in a thread pool (long steps first, then
+plan order; ``serial`` runs one at a time), and emits a ``StepState`` for every change
+(pending, running, done, failed, skipped, with elapsed seconds) through ``dep.events``.
+
+A step may also say it starts only once another step has *started* (``after_start``): the
+weights' sync follows the download file by file, so it needs the download running, not done.
+
+Resuming: the runner keeps, per plan step, what happened last time and a fingerprint of the
+profile slice the step depends on (``<state_dir>/runs/<plan>-<profile>.json``). A step runs
+again on every run (steps probe before they act and report ``ok``), except a ``reuse`` step (a
+pure decision, e.g. the image probe) whose fingerprint is unchanged since it last finished. A
+changed fingerprint is named (which keys) and, for a step with ``redo``, that step runs first
+(the serving engine is taken down before it comes up with new arguments).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from graphlib import CycleError, TopologicalSorter
+from typing import TYPE_CHECKING, Any
+
+from sparkdeploy.config import ProfileError
+from sparkdeploy.events import StepState
+from sparkdeploy.hosts import HostError
+from sparkdeploy.nodeops import NodeUnreachable
+from sparkdeploy.results import Result, Status, failed, ok, skipped
+from sparkdeploy.state import LockHeld
+from sparkdeploy.steps import registry
+from sparkdeploy.wait import WaitTimeout
+
+if TYPE_CHECKING:
+    from sparkdeploy.deployment import Deployment
+
+PENDING, RUNNING, DONE, FAILED, SKIPPED = "pending", "running", "done", "failed", "skipped"
+EXPECTED = (NodeUnreachable, HostError, ProfileError, WaitTimeout, LockHeld)
+"""What a step may raise that is not a bug: the step fails with the one line it carries."""
+
+
+class PlanError(ValueError):
+    """A plan or a selection that cannot run (bad step name, cycle): one line, exit 2."""
+
+
+@dataclass(frozen=True)
+class PlanStep:
+    name: str
+    """The registered step (``model.download``)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    needs: tuple[str, ...] = ()
+    """Plan steps that must have finished (and not failed) first, besides the registry's."""
+    after_start: tuple[str, ...] = ()
+    """Plan steps that must have started first (they may still be running)."""
+    fingerprint: Callable[[Deployment], dict[str, Any]] | None = None
+    """The profile slice (and facts) the step's outcome depends on, as flat ``{key: value}``."""
+    reuse: bool = False
+    """A decision with no effect on the nodes: an unchanged fingerprint reuses the last outcome."""
+    redo: str | None = None
+    """A step to run first when the fingerprint changed since the step last finished."""
+    when: Callable[[Deployment, dict[str, StepRun]], str | None] | None = None
+    """Returns why to skip the step this time (None: run it); sees the run so far. An option
+    value that is callable is called the same way when the step starts (a URL known only then)."""
+
+
+@dataclass
+class StepRun:
+    """What one plan step did in this run."""
+
+    name: str
+    state: str = PENDING
+    why: str = ""
+    results: list[Result] = field(default_factory=list)
+    started: float | None = None
+    elapsed: float | None = None
+    fingerprint: dict[str, Any] | None = None
+    reused: bool = False
+    blocked: bool = False
+    """Skipped because a step it needs failed (its own dependents are skipped too)."""
+
+    @property
+    def changed(self) -> bool:
+        return any(r.status is Status.CHANGED for r in self.results)
+
+    def final(self) -> list[Result]:
+        """The last result per (step, node): a later result for the same target supersedes an
+        earlier one (an engine that failed, then the fallback that serves)."""
+        last: dict[tuple[str, str | None], Result] = {}
+        for x in self.results:
+            last.pop((x.step, x.node), None)
+            last[(x.step, x.node)] = x
+        return list(last.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"state": self.state, "why": self.why, "elapsed": self.elapsed,
+                "changed": self.changed, "fingerprint": self.fingerprint,
+                "results": [r.to_dict() for r in self.results]}
+
+
+@dataclass
+class Outcome:
+    plan: str
+    runs: dict[str, StepRun]
+    wall: float
+    serial: bool
+
+    @property
+    def failed(self) -> bool:
+        return any(r.state == FAILED for r in self.runs.values())
+
+    @property
+    def changed(self) -> bool:
+        return any(r.changed for r in self.runs.values())
+
+    def results(self) -> list[Result]:
+        return [res for r in self.runs.values() for res in r.results]
+
+
+def diff_keys(old: dict[str, Any] | None, new: dict[str, Any] | None) -> list[str]:
+    """Keys whose value differs between two fingerprints (added and removed keys too)."""
+    old, new = old or {}, new or {}
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
+def flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping/list as ``{"a.b[0].c": leaf}`` (JSON-comparable leaves)."""
+    out: dict[str, Any] = {}
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out.update(flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            out.update(flat(v, f"{prefix}[{i}]"))
+        if not value:
+            out[prefix] = []
+    else:
+        out[prefix] = value if isinstance(value, str | int | float | bool | None) else str(value)
+    return out
+
+
+def select(plan: Iterable[PlanStep], only: Iterable[str] = (), skip: Iterable[str] = ()) -> tuple[
+        list[PlanStep], dict[str, str]]:
+    """The steps to run and {step: why} for those left out by ``only``/``skip``."""
+    plan = list(plan)
+    names = [s.name for s in plan]
+    only, skip = [s for s in only if s], [s for s in skip if s]
+    for flag, picked in (("--only", only), ("--skip", skip)):
+        bad = [n for n in picked if n not in names]
+        if bad:
+            raise PlanError(f"{flag}: no step {', '.join(repr(b) for b in bad)} in the plan "
+                            f"(steps: {', '.join(names)})")
+    left: dict[str, str] = {}
+    for n in names:
+        if only and n not in only:
+            left[n] = "not in --only"
+        elif n in skip:
+            left[n] = "--skip"
+    return [s for s in plan if s.name not in left], left
+
+
+def _needs(spec: PlanStep, in_plan: set[str]) -> set[str]:
+    reg = registry.REGISTRY.get(spec.name)
+    declared = set(spec.needs) | (set(reg.needs) if reg else set())
+    return {n for n in declared if n in in_plan and n != spec.name}
+
+
+def check(plan: list[PlanStep]) -> None:
+    names = [s.name for s in plan]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise PlanError(f"plan names a step twice: {', '.join(sorted(dup))}")
+    for s in plan:
+        for n in (*s.needs, *s.after_start):
+            if n not in names:
+                raise PlanError(f"plan: {s.name} needs {n!r}, which is not in the plan")
+    try:
+        TopologicalSorter({s.name: _needs(s, set(names)) for s in plan}).prepare()
+    except CycleError as e:
+        raise PlanError(f"plan has a cycle: {' -> '.join(e.args[1])}") from None
+
+
+class Runner:
+    """Runs one plan on one deployment; ``run()`` returns the ``Outcome``."""
+
+    def __init__(self, dep: Deployment, plan: list[PlanStep], *, name: str = "deploy",
+                 serial: bool = False, left_out: dict[str, str] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        registry.load_all()
+        check(plan)
+        self.dep, self.plan, self.name, self.serial = dep, plan, name, serial
+        self.left_out = left_out or {}
+        self.clock = clock
+        self.by_name = {s.name: s for s in plan}
+        self.runs = {s.name: StepRun(s.name) for s in plan}
+        self.previous = self._load_state()
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def state_name(self) -> str:
+        return f"runs/{self.name}-{self.dep.profile.name}.json"
+
+    def _load_state(self) -> dict[str, Any]:
+        try:
+            return self.dep.state.read_json(self.state_name, {}) or {}
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return {}
+
+    def _save_state(self) -> None:
+        if self.dep.dry:
+            return
+        steps = dict(self.previous.get("steps", {}))
+        for n, r in self.runs.items():
+            if r.state in (DONE, FAILED) and not r.reused:
+                steps[n] = {"state": r.state, "why": r.why, "elapsed": r.elapsed,
+                            "fingerprint": r.fingerprint, "time": time.time()}
+        self.previous = {"steps": steps}
+        self.dep.state.write_json(self.state_name, self.previous)
+
+    def last(self, name: str) -> dict[str, Any]:
+        return (self.previous.get("steps") or {}).get(name) or {}
+
+    # -- events -----------------------------------------------------------------------------
+    def _state(self, r: StepRun, state: str, why: str = "") -> None:
+        r.state, r.why = state, why
+        if state in (DONE, FAILED, SKIPPED) and r.started is not None:
+            r.elapsed = round(self.clock() - r.started, 3)
+        self.dep.events.emit(StepState(r.name, state, why, r.elapsed))
+
+    # -- one step ---------------------------------------------------------------------------
+    def _call(self, name: str, options: dict[str, Any]) -> list[Result]:
+        if name not in registry.REGISTRY:
+            return [self.dep.report(skipped(name, "no such step in this version of sparkdeploy"))]
+        try:
+            return registry.run_one(self.dep, name, **options)
+        except EXPECTED as e:  # one line, as a task would say it
+            return [self.dep.report(failed(name, str(e), getattr(e, "node", None)))]
+        except Exception as e:  # a step must not take the other threads down with it
+            where = self._save_traceback(name)
+            return [self.dep.report(failed(name, f"{type(e).__name__}: {e}{where}"))]
+
+    def _save_traceback(self, name: str) -> str:
+        if self.dep.dry:
+            return ""
+        p = self.dep.state.ensure() / "runs" / f"{name}.traceback"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(traceback.format_exc())
+        return f" (traceback: {p})"
+
+    def _execute(self, spec: PlanStep) -> None:
+        try:
+            self._execute_step(spec)
+        except EXPECTED as e:
+            self.runs[spec.name].results.append(self.dep.report(failed(spec.name, str(e))))
+        except Exception as e:  # a fingerprint or a redo that raised: the step failed, the run goes on
+            where = self._save_traceback(spec.name)
+            self.runs[spec.name].results.append(
+                self.dep.report(failed(spec.name, f"{type(e).__name__}: {e}{where}")))
+
+    def _execute_step(self, spec: PlanStep) -> None:
+        r = self.runs[spec.name]
+        fp = spec.fingerprint(self.dep) if spec.fingerprint else {}
+        r.fingerprint = fp
+        before = self.last(spec.name)
+        changed_keys = diff_keys(before.get("fingerprint"), fp) if before else []
+        if spec.reuse and before.get("state") == DONE and not changed_keys:
+            r.reused = True
+            r.results = [self.dep.report(ok(spec.name, f"unchanged since the last run: {before.get('why')}"))]
+            return
+        if changed_keys and before.get("state") == DONE:
+            shown = ", ".join(changed_keys[:4]) + (" ..." if len(changed_keys) > 4 else "")
+            if spec.redo:
+                self.dep.report(ok(spec.name, f"changed since the last run ({shown}): {spec.redo} "
+                                   f"first, then {spec.name} again"))
+                pre = self._call(spec.redo, {})
+                r.results.extend(pre)
+                if any(x.failed for x in pre):
+                    return
+            else:
+                self.dep.report(ok(spec.name, f"changed since the last run ({shown}): running it again"))
+        options = {k: (v(self.dep, self.runs) if callable(v) else v) for k, v in spec.options.items()}
+        r.results.extend(self._call(spec.name, options))
+
+    def _summary(self, r: StepRun) -> str:
+        final = [x for x in r.final() if x.step == r.name] or r.final()
+        every = r.results  # a decision a step reports under its own sub-name counts too
+        worst = (next((x for x in final if x.failed), None)
+                 or next((x for x in reversed(every) if x.status is Status.CHANGED), None)
+                 or (final[-1] if final else None))
+        return f"{worst.status.value}: {worst.why}" if worst else "no result"
+
+    # -- the graph --------------------------------------------------------------------------
+    def run(self) -> Outcome:
+        start = self.clock()
+        for r in self.runs.values():
+            self._state(r, PENDING)
+        for n, why in self.left_out.items():
+            self.dep.events.emit(StepState(n, SKIPPED, why))
+        names = set(self.by_name)
+        graph = {s.name: _needs(s, names) for s in self.plan}
+        ts = TopologicalSorter(graph)
+        ts.prepare()
+        order = {s.name: i for i, s in enumerate(self.plan)}
+        ready: list[str] = []
+        running: dict[Future, str] = {}
+        pool = ThreadPoolExecutor(max_workers=1 if self.serial else max(1, len(self.plan)))
+        try:
+            while ts.is_active():
+                ready.extend(ts.get_ready())
+                ready.sort(key=lambda n: (not self._long(n), order[n]))
+                settled = False
+                for n in list(ready):
+                    why = self._blocked(n, graph[n])
+                    if why is not None:
+                        ready.remove(n)
+                        self._state(self.runs[n], SKIPPED, why)
+                        ts.done(n)
+                        settled = True
+                        continue
+                    if self.serial and running:
+                        break
+                    if not self._started_enough(n, running):
+                        continue
+                    ready.remove(n)
+                    self._launch(n, pool, running)
+                if settled:  # a skip may have made more steps ready
+                    continue
+                if not running:
+                    if ready:  # waiting on a step that will never start: let them go
+                        self._launch(ready.pop(0), pool, running)
+                        continue
+                    break
+                finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    n = running.pop(fut)
+                    fut.result()
+                    r = self.runs[n]
+                    self._state(r, self._end_state(r), self._summary(r))
+                    ts.done(n)
+                self._save_state()
+        finally:
+            pool.shutdown(wait=True)
+        self._save_state()
+        return Outcome(self.name, self.runs, round(self.clock() - start, 3), self.serial)
+
+    @staticmethod
+    def _end_state(r: StepRun) -> str:
+        final = r.final()
+        if any(x.failed for x in final):
+            return FAILED
+        own = [x for x in final if x.step == r.name]
+        if own and all(x.status is Status.SKIPPED for x in own):
+            return SKIPPED
+        return DONE
+
+    def _long(self, name: str) -> bool:
+        spec = registry.REGISTRY.get(name)
+        return bool(spec and spec.long)
+
+    def _blocked(self, name: str, needs: set[str]) -> str | None:
+        bad = [n for n in needs if self.runs[n].state == FAILED or self.runs[n].blocked]
+        if bad and not self.dep.dry:  # a dry run lists what every step would do regardless
+            self.runs[name].blocked = True
+            return f"needs {', '.join(sorted(bad))}, which " + (
+                "failed" if len(bad) == 1 and self.runs[bad[0]].state == FAILED else "did not run")
+        spec = self.by_name[name]
+        if spec.when is not None:
+            return spec.when(self.dep, self.runs)
+        return None
+
+    def _started_enough(self, name: str, running: dict[Future, str]) -> bool:
+        for n in self.by_name[name].after_start:
+            if self.runs[n].state == PENDING:
+                return False
+        return True
+
+    def _launch(self, name: str, pool: ThreadPoolExecutor, running: dict[Future, str]) -> None:
+        r = self.runs[name]
+        r.started = self.clock()
+        self._state(r, RUNNING)
+        running[pool.submit(self._execute, self.by_name[name])] = name
+
+
+def longest_chain(out: Outcome, plan: list[PlanStep]) -> tuple[float, list[str]]:
+    """The longest chain of dependent steps, by the seconds each took in ``out``: a step ends a
+    chain of its own time plus the longest chain of its needs; an ``after_start`` step adds to
+    the chain up to the *start* of the step it follows. Returns (seconds, the chain's steps)."""
+    names = {s.name for s in plan}
+    took = {n: (r.elapsed or 0.0) for n, r in out.runs.items()}
+    best: dict[str, tuple[float, list[str]]] = {}
+    graph = {s.name: _needs(s, names) for s in plan}
+    for name in TopologicalSorter({**graph, **{s.name: graph[s.name] | set(s.after_start)
+                                               for s in plan}}).static_order():
+        spec = next(s for s in plan if s.name == name)
+        before = [best[n] for n in graph[name]]
+        before += [(best[a][0] - took.get(a, 0.0), best[a][1][:-1]) for a in spec.after_start]
+        base = max(before, default=(0.0, []), key=lambda x: x[0])
+        best[name] = (base[0] + took.get(name, 0.0), [*base[1], name])
+    return max(best.values(), default=(0.0, []), key=lambda x: x[0])

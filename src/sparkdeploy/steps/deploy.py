@@ -1,0 +1,397 @@
+"""``deploy.all``: the whole chain as one plan over the step registry, and its rollback.
+
+The plan (data, run by ``sparkdeploy.runner``)::
+
+    hosts.check -> services.stop (head)
+    hosts.check -> image.probe -> image.build (when the chosen image needs the layer) ->
+    image.ship (workers)
+    model.download (head, long: starts first) ~> model.sync (workers; starts once the download
+    has started and follows it file by file) -> model.verify (every node, from the records)
+    all of the above -> serve.up (with fallback) -> bench.run (a smoke: a few requests at
+    concurrency 1, when something changed or with --bench) -> serve.persist (with --persist)
+
+Each step carries a fingerprint of the profile slice it depends on, so a re-run after a profile
+change redoes what the change touches and says which keys changed. The run ends with one
+decision record (Markdown + JSON): the image by tag and ID and why, the engine and why, every
+step's timing, the endpoint, the bench summary.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from sparkdeploy.deployment import Deployment
+from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image
+from sparkdeploy.records import Written, markdown_table
+from sparkdeploy.results import Result, changed, failed, ok, skipped
+from sparkdeploy.runner import Outcome, PlanStep, StepRun, flat
+from sparkdeploy.steps.registry import step
+
+PURGE = "deploy.purge"
+LABEL_BUILT = "org.sparkdeploy.base.id"
+SMOKE = {"concurrency": [1], "requests": 3, "warmup": 0}
+SMOKE_OUTPUT_TOKENS = 64  # a smoke, not a measurement: a few short answers at concurrency 1
+
+
+def smoke_settings(dep: Deployment, runs: dict[str, StepRun]) -> Any:
+    from sparkdeploy.bench.client import Settings
+
+    b = dep.profile.bench
+    return Settings(input_tokens=b.input_tokens, output_tokens=min(SMOKE_OUTPUT_TOKENS, b.output_tokens))
+
+
+# --- what each step depends on ---------------------------------------------------------------
+
+def _section(dep: Deployment, *keys: str) -> dict[str, Any]:
+    data = dep.profile.model_dump(mode="json")
+    return flat({k: data.get(k) for k in keys})
+
+
+def probe_record(dep: Deployment) -> dict[str, Any]:
+    """The image decision (``image.probe``'s record), {} before there is one."""
+    return dep.records.data("image-probe") or {}
+
+
+def chosen(dep: Deployment) -> dict[str, Any]:
+    return probe_record(dep).get("chosen") or {}
+
+
+def _image_id(dep: Deployment, ref: str | None) -> str | None:
+    if not ref:
+        return None
+    head = dep.host(dep.profile.head.name)
+    try:
+        info = inspect_image(head, ref)
+    except NodeUnreachable:
+        return None
+    return info.get("Id") if info else None
+
+
+def fp_hosts(dep: Deployment) -> dict[str, Any]:
+    return _section(dep, "nodes", "ssh")
+
+
+def fp_services(dep: Deployment) -> dict[str, Any]:
+    return {**_section(dep, "services"), "head": dep.profile.head.name}
+
+
+def head_image_ids(dep: Deployment) -> dict[str, str]:
+    """{repo:tag: image ID} of every tagged image on the head, in one command."""
+    head = dep.host(dep.profile.head.name)
+    try:
+        r = head.run(docker(head, "image", "ls", "--no-trunc", "--format",
+                            "{{.Repository}}:{{.Tag}} {{.ID}}"), change=False)
+    except NodeUnreachable:
+        return {}
+    if not r.ok:
+        return {}
+    return dict(line.split(" ", 1) for line in r.stdout.splitlines() if " " in line)
+
+
+def _tagged(ref: str) -> str:
+    return ref if ":" in ref.rsplit("/", 1)[-1] else f"{ref}:latest"
+
+
+def fp_probe(dep: Deployment) -> dict[str, Any]:
+    """The candidates by ID too: a tag that moved is a new candidate."""
+    have = head_image_ids(dep)
+    ids = {f"id[{c.ref}]": have.get(_tagged(c.ref)) or _image_id(dep, c.ref)
+           for c in dep.profile.images.candidates}
+    return {**_section(dep, "images"), "model.repo": dep.profile.model.repo,
+            "model.revision": dep.profile.model.revision, **ids}
+
+
+def fp_build(dep: Deployment) -> dict[str, Any]:
+    return {**flat({"layer": dep.profile.model_dump(mode="json")["images"].get("layer")}),
+            **flat({"chosen": chosen(dep)})}
+
+
+def fp_ship(dep: Deployment) -> dict[str, Any]:
+    ref = chosen(dep).get("serve_image")
+    return {"image": ref, "image_id": _image_id(dep, ref),
+            "workers": [n.name for n in dep.profile.workers]}
+
+
+def fp_model(dep: Deployment) -> dict[str, Any]:
+    return {**_section(dep, "model"), "head": dep.profile.head.name}
+
+
+def fp_sync(dep: Deployment) -> dict[str, Any]:
+    return {**_section(dep, "model"), "workers": [n.name for n in dep.profile.workers]}
+
+
+def fp_serve(dep: Deployment) -> dict[str, Any]:
+    """Engines (args, env, images, ports), the nodes, the model path and the image chosen (by
+    ID): a change to any of these redeploys the engine."""
+    ref = chosen(dep).get("serve_image")
+    return {**_section(dep, "engines", "nodes"), "model.path": dep.profile.model.path,
+            "model.repo": dep.profile.model.repo, "image": ref, "image_id": _image_id(dep, ref)}
+
+
+def fp_bench(dep: Deployment) -> dict[str, Any]:
+    return _section(dep, "bench")
+
+
+def fp_persist(dep: Deployment) -> dict[str, Any]:
+    return _section(dep, "engines", "nodes")
+
+
+# --- when a step runs ------------------------------------------------------------------------
+
+def need_layer(dep: Deployment, runs: dict[str, StepRun]) -> str | None:
+    c = chosen(dep)
+    if dep.profile.images.layer is None:
+        return "the profile has no images.layer"
+    if c and not c.get("needs_layer"):
+        return f"the chosen image {c.get('image')} needs no layer"
+    return None
+
+
+def something_changed(dep: Deployment, runs: dict[str, StepRun], forced: bool) -> str | None:
+    if dep.dry:
+        return (f"would run {SMOKE['requests']} requests at concurrency {SMOKE['concurrency'][0]} "
+                f"against {endpoint_of(runs, dep) or 'the endpoint serve.up reports'}")
+    if forced:
+        return None
+    if any(r.changed for r in runs.values()):
+        return None
+    return "nothing changed in this run (--bench runs it anyway)"
+
+
+def endpoint_of(runs: dict[str, StepRun], dep: Deployment) -> str | None:
+    """The endpoint serve.up reported (details or its ``endpoint:`` line), else the profile's."""
+    for r in reversed(runs.get("serve.up", StepRun("serve.up")).results):
+        url = r.details.get("endpoint") or r.details.get("url")
+        if url:
+            return str(url)
+        if r.why.startswith("endpoint: "):
+            return r.why.split(" ", 1)[1].strip()
+    rec = None
+    try:
+        rec = dep.records.data("serve") or dep.records.data("endpoint")
+    except Exception:
+        rec = None
+    if rec and rec.get("endpoint"):
+        return str(rec["endpoint"])
+    return dep.profile.endpoint
+
+
+# --- the plan --------------------------------------------------------------------------------
+
+def plan(dep: Deployment, *, bench: bool = False, persist: bool = False) -> list[PlanStep]:
+    head = dep.profile.head.name
+    workers = ",".join(n.name for n in dep.profile.workers) or "all"
+    steps = [
+        PlanStep("model.download", {"node": head}, fingerprint=fp_model),
+        PlanStep("hosts.check", fingerprint=fp_hosts),
+        PlanStep("services.stop", {"node": head}, needs=("hosts.check",), fingerprint=fp_services),
+        # the probe runs CPU-only containers (no GPU, no network): it need not wait for the GPU
+        PlanStep("image.probe", fingerprint=fp_probe, reuse=True),
+        PlanStep("image.build", needs=("image.probe",), fingerprint=fp_build, when=need_layer),
+        PlanStep("image.ship", {"to": workers}, needs=("image.build", "image.probe"),
+                 fingerprint=fp_ship),
+        PlanStep("model.sync", {"to": workers}, after_start=("model.download",),
+                 fingerprint=fp_sync),
+        PlanStep("model.verify", needs=("model.download", "model.sync"), fingerprint=fp_sync),
+        PlanStep("serve.up", needs=("services.stop", "image.ship", "model.verify"),
+                 fingerprint=fp_serve, redo="serve.down"),
+        PlanStep("bench.run", {**SMOKE, "url": lambda d, runs: endpoint_of(runs, d),
+                               "settings": smoke_settings},
+                 needs=("serve.up",), fingerprint=fp_bench,
+                 when=lambda d, runs: something_changed(d, runs, bench)),
+    ]
+    if persist:
+        steps.append(PlanStep("serve.persist", needs=("serve.up", "bench.run"),
+                              fingerprint=fp_persist))
+    return steps
+
+
+def rollback_plan(dep: Deployment, *, purge: bool = False) -> list[PlanStep]:
+    steps = [
+        PlanStep("serve.unpersist"),
+        PlanStep("serve.down", needs=("serve.unpersist",)),
+        PlanStep("services.restore", needs=("serve.down",)),
+    ]
+    if purge:
+        steps.append(PlanStep(PURGE, needs=("serve.down",)))
+    return steps
+
+
+def describe_plan(steps: list[PlanStep], left_out: dict[str, str] | None = None) -> list[str]:
+    """The plan as lines: each step, what it needs, its options (for --dry and the record)."""
+    from sparkdeploy.runner import _needs
+    from sparkdeploy.steps import registry
+
+    registry.load_all()
+    names = {s.name for s in steps}
+    out = []
+    for i, s in enumerate(steps, 1):
+        needs = sorted(_needs(s, names))
+        opts = ", ".join(f"{k}={'(at run time)' if callable(v) else v}" for k, v in s.options.items())
+        bits = [f"needs {', '.join(needs)}" if needs else "needs nothing"]
+        if s.after_start:
+            bits.append(f"starts once {', '.join(s.after_start)} started")
+        spec = registry.REGISTRY.get(s.name)
+        if spec is None:
+            bits.append("not available in this version")
+        elif spec.long:
+            bits.append("long")
+        if s.when is not None:
+            bits.append("conditional")
+        out.append(f"{i:>2}. {s.name}" + (f" ({opts})" if opts else "") + ": " + "; ".join(bits))
+    for n, why in (left_out or {}).items():
+        out.append(f" -. {n}: left out ({why})")
+    return out
+
+
+# --- purge (rollback --purge) ----------------------------------------------------------------
+
+def safe_model_path(path: str) -> str | None:
+    """The model path when it is safe to delete recursively, else None."""
+    norm = os.path.normpath(path)
+    if not os.path.isabs(norm) or norm != path.rstrip("/") or norm.count("/") < 2:
+        return None
+    if norm in {"/srv", "/home", "/root", "/var", "/usr", "/etc", "/opt", "/tmp", "/var/lib"}:
+        return None
+    return norm
+
+
+def purge_targets(dep: Deployment) -> list[str]:
+    """What ``--purge`` removes, one line each (shown before asking)."""
+    out = [f"{n.name}: the weights in {dep.profile.model.path}" for n in dep.profile.nodes]
+    out += [f"{n.name}: images built by sparkdeploy (label {LABEL_BUILT})" for n in dep.profile.nodes]
+    refs = _shipped_refs(dep)
+    out += [f"{n.name}: {', '.join(refs)} (shipped there by sparkdeploy)" for n in dep.profile.workers]
+    return out
+
+
+def _shipped_refs(dep: Deployment) -> list[str]:
+    refs = [e.image for e in dep.profile.engines]
+    c = chosen(dep)
+    refs += [v for v in (c.get("serve_image"), c.get("image")) if v]
+    return list(dict.fromkeys(refs))
+
+
+@step(PURGE)
+def purge(dep: Deployment, **_: Any) -> list[Result]:
+    """Remove the weights and sparkdeploy's images (built on any node, shipped to workers)."""
+    out: list[Result] = []
+    path = safe_model_path(dep.profile.model.path)
+    workers = {n.name for n in dep.profile.workers}
+    for node in dep.profile.nodes:
+        host = dep.host(node.name)
+        if path is None:
+            out.append(dep.report(failed(PURGE, f"model.path {dep.profile.model.path!r} is not a "
+                                         "path I delete recursively", host.name)))
+        else:
+            r = host.run(["rm", "-rf", "--", path], sudo=True)
+            out.append(dep.report((skipped if r.dry else changed if r.ok else failed)(
+                PURGE, f"removed {path}" if r.ok else f"rm {path}: {r.one_line_error()}", host.name)))
+        ls = host.run(docker(host, "image", "ls", "-q", "--filter", f"label={LABEL_BUILT}"), change=False)
+        ids = sorted(set(ls.stdout.split())) if ls.ok else []
+        refs = [ref for ref in _shipped_refs(dep) if host.name in workers and inspect_image(host, ref)]
+        gone = ids + refs
+        if not gone:
+            out.append(dep.report(ok(PURGE, "no sparkdeploy image here", host.name)))
+            continue
+        r = host.run(docker(host, "image", "rm", "--force", "--", *gone))
+        out.append(dep.report((skipped if r.dry else changed if r.ok else failed)(
+            PURGE, (f"removed images {', '.join(x[:19] for x in gone)}" if r.ok
+                    else f"docker image rm: {r.one_line_error()}"), host.name)))
+    return out
+
+
+# --- the record ------------------------------------------------------------------------------
+
+def _bench_summary(runs: dict[str, StepRun]) -> dict[str, Any] | None:
+    r = runs.get("bench.run")
+    if r is None:
+        return None
+    levels = [x.details["run"] for x in r.results if isinstance(x.details.get("run"), dict)]
+    if not levels:
+        return {"state": r.state, "why": r.why}
+    keep = ("concurrency", "rate", "requests", "completed", "failed", "output_tok_s",
+            "request_per_s", "ttft_ms", "tpot_ms", "decode_tok_s")
+    return {"state": r.state, "levels": [{k: v for k, v in lv.items() if k in keep} for lv in levels]}
+
+
+def _engine(runs: dict[str, StepRun], dep: Deployment) -> dict[str, Any]:
+    """The engine serving and why: serve.up's record (each engine tried, its diagnosis class
+    and evidence lines), and what serve.up said in this run."""
+    rec = dep.records.read("serve") or {}
+    data = rec.get("data") or {}
+    r = runs.get("serve.up")
+    said = [x.why for x in r.results] if r else []
+    chosen = data.get("chosen") or next(
+        (x.details.get("engine") for x in reversed(r.results if r else []) if x.details.get("engine")), None)
+    tried = [{"engine": a.get("engine"), "outcome": a.get("outcome"), "class": a.get("class"),
+              "phase": a.get("phase"), "why": a.get("why"),
+              "fallback_after_s": a.get("fallback_after_s"),
+              "evidence": [list(e) for e in (a.get("evidence") or [])[:6]]}
+             for a in data.get("tried") or []]
+    return {"chosen": chosen, "tried": tried, "decided": rec.get("time_iso"),
+            "run_dir": data.get("run_dir"), "serve_up": said}
+
+
+def _engine_markdown(engine: dict[str, Any]) -> list[str]:
+    md = [f"- serving with **{engine['chosen'] or 'none'}**"
+          + (f" (decided {engine['decided']})" if engine.get("decided") else "")]
+    if not engine["tried"]:
+        md.append("- why: the profile's first engine, and it came up")
+    for a in engine["tried"]:
+        md.append(f"- {a['engine']} was tried first: {a['outcome']} in {a['phase'] or '?'}, "
+                  f"diagnosis `{a['class']}`: {a['why']}"
+                  + (f"; {a['fallback_after_s']:.1f}s from the hang's start to the fallback"
+                     if a.get("fallback_after_s") is not None else ""))
+        md += [f"  - evidence: `{e[0]}:{e[1]}`: `{e[2]}`" if len(e) >= 3 else f"  - evidence: {e}"
+               for e in a["evidence"]]
+    if engine.get("run_dir"):
+        md.append(f"- engine logs: {engine['run_dir']}")
+    md += [f"- serve.up said: {w}" for w in engine["serve_up"]]
+    return md
+
+
+def write_record(dep: Deployment, out: Outcome, steps: list[PlanStep]) -> Written | None:
+    if dep.dry:
+        return None
+    rec = probe_record(dep)
+    c = rec.get("chosen") or {}
+    serve_image = c.get("serve_image")
+    image = {"tag": serve_image, "id": _image_id(dep, serve_image), "base": c.get("image"),
+             "base_id": _image_id(dep, c.get("image")), "engine": c.get("engine"),
+             "needs_layer": c.get("needs_layer"), "summary": rec.get("summary"),
+             "candidates": rec.get("candidates") or []}
+    engine = _engine(out.runs, dep)
+    endpoint = endpoint_of(out.runs, dep)
+    timing = {n: {"state": r.state, "elapsed": r.elapsed, "why": r.why} for n, r in out.runs.items()}
+    data = {"plan": describe_plan(steps), "serial": out.serial, "wall_s": out.wall,
+            "failed": out.failed, "changed": out.changed, "image": image, "engine": engine,
+            "endpoint": endpoint, "steps": timing, "bench": _bench_summary(out.runs)}
+    md = [f"**{'failed' if out.failed else 'deployed'}** in {out.wall:.1f} s"
+          f"{' (serial)' if out.serial else ''}; endpoint: {endpoint or '-'}", "",
+          "## Image", "",
+          f"- serving `{image['tag']}` = `{image['id'] or '?'}`"
+          + (f", built from `{image['base']}` = `{image['base_id'] or '?'}` + the transformers layer"
+             if image["needs_layer"] else ""),
+          f"- why: {image['summary'] or 'no image decision recorded'}", ""]
+    if image["candidates"]:
+        md.append(markdown_table(
+            ["image", "engine", "engine version", "transformers", "verdict", "why"],
+            [[f"`{r.get('image')}`", r.get("engine"), r.get("engine_version"), r.get("transformers"),
+              r.get("verdict"), r.get("why")] for r in image["candidates"]]))
+    md += ["", "## Engine", "", *_engine_markdown(engine)]
+    md += ["", "## Steps", "", markdown_table(
+        ["step", "state", "seconds", "why"],
+        [[n, t["state"], f"{t['elapsed']:.1f}" if t["elapsed"] is not None else "-", t["why"]]
+         for n, t in timing.items()])]
+    bench = data["bench"]
+    md += ["", "## Bench (smoke)", ""]
+    if bench and bench.get("levels"):
+        md.append(markdown_table(list(bench["levels"][0]), [list(lv.values()) for lv in bench["levels"]]))
+    else:
+        md.append(f"- {bench['why'] if bench else 'not run'}")
+    name = time.strftime("deploy-%Y%m%d-%H%M%S")
+    return dep.records.write(name, "deploy.all", data, "\n".join(md), title=f"Deployment of {dep.profile.name}")
+

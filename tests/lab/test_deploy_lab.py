@@ -1,0 +1,166 @@
+"""deploy.all on the lab, end to end, through the real `inv` (tests run in file order): a full
+deployment, a re-run that changes nothing, a run interrupted during the sync and resumed, and
+the rollback that gives the head back its original units."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from sparkdeploy import deployment
+from sparkdeploy.lab import hub
+from sparkdeploy.nodeops import docker
+
+pytestmark = pytest.mark.lab
+
+ROOT = Path(__file__).resolve().parents[2]
+PROFILE = "configs/lab.yaml"
+GLM_UNITS = ["vllm-cluster.service", "vllm-proxy.service", "vllm-embeddings.service",
+             "vllm-reranker.service"]
+
+
+@pytest.fixture(scope="module")
+def state_dir(lab, tmp_path_factory):
+    return tmp_path_factory.mktemp("deploy-state")
+
+
+def inv_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "invoke", *args]
+
+
+def inv_env(state_dir: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT / "src"),
+            "INVOKE_SPARKDEPLOY_PROFILE": PROFILE, "INVOKE_SPARKDEPLOY_STATE_DIR": str(state_dir)}
+
+
+def inv(state_dir: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(inv_argv(*args), cwd=ROOT, env=inv_env(state_dir), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def dep_for(state_dir: Path):
+    return deployment.load(ROOT / PROFILE, state_dir)
+
+
+def remove_weights(dep, *nodes: str) -> None:
+    for n in nodes:
+        r = dep.host(n).run(["rm", "-rf", "--", dep.profile.model.path])
+        assert r.ok, r.stderr
+
+
+def containers(dep, node: str) -> list[str]:
+    h = dep.host(node)
+    r = h.run(docker(h, "ps", "-a", "--format", "{{.Names}}"), change=False)
+    assert r.ok, r.stderr
+    return [c for c in r.stdout.split() if c.startswith("sparkdeploy")]
+
+
+def step_lines(out: str, state: str) -> list[str]:
+    return [ln for ln in out.splitlines() if f" step {state} " in f" {ln.split(' ', 1)[-1]}"]
+
+
+def test_deploy_all_serves_and_records(lab, state_dir):
+    dep = dep_for(state_dir)
+    remove_weights(dep, *[n.name for n in dep.profile.nodes])
+    r = inv(state_dir, "deploy.all")
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    last = r.stdout.strip().splitlines()[-2:]
+    assert last[0].startswith("endpoint: http://") and last[1].startswith("record: ")
+    url, record = last[0].split(" ", 1)[1], Path(last[1].split(" ", 1)[1])
+    models = requests.get(url.rstrip("/") + "/v1/models", timeout=10).json()
+    assert dep.profile.model.repo in [m["id"] for m in models["data"]]
+    md = record.read_text()
+    data = json.loads(record.with_suffix(".json").read_text())["data"]
+    assert data["image"]["tag"] and data["image"]["id"].startswith("sha256:")
+    assert f"`{data['image']['tag']}` = `{data['image']['id']}`" in md
+    assert data["engine"]["chosen"] and "## Engine" in md
+    assert data["endpoint"] == url
+    assert data["bench"]["levels"] and data["bench"]["levels"][0]["concurrency"] == 1
+    assert {s["state"] for s in data["steps"].values()} <= {"done", "skipped"}
+
+
+def test_second_run_changes_nothing(lab, state_dir):
+    r = inv(state_dir, "deploy.all")
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    changed = [ln for ln in r.stdout.splitlines() if ln.split(" ", 1)[-1].startswith("changed ")]
+    assert changed == []
+    assert any("bench.run: nothing changed in this run" in ln for ln in step_lines(r.stdout, "skipped"))
+    took = [ln for ln in r.stdout.splitlines() if ln.startswith("took: ")]
+    print(took)
+
+
+VERIFIED = """import json, sys
+seen = {}
+try:
+    for line in open(sys.argv[1] + "/.sparkdeploy/verified.jsonl"):
+        try:
+            rec = json.loads(line)
+            seen[rec["path"]] = rec.get("size", 0)
+        except (ValueError, KeyError, TypeError):
+            pass
+except FileNotFoundError:
+    pass
+print(json.dumps(seen))"""
+
+
+def verified(lab, dep, node: str) -> dict[str, int]:
+    """{file: size} the node's weights record says are complete and verified."""
+    cp = lab.ssh(node, ["python3", "-c", VERIFIED, dep.profile.model.path])
+    return json.loads(cp.stdout)
+
+
+def test_killed_during_sync_resumes_without_resending(lab, state_dir):
+    dep = dep_for(state_dir)
+    remove_weights(dep, *[n.name for n in dep.profile.nodes])
+    url = dep.profile.model.endpoint
+    before = hub.set_knobs(url).get("bandwidth_bps")
+    hub.set_knobs(url, bandwidth_bps=8_000_000)  # ~40 s for the lab repo: time to interrupt
+    try:
+        p = subprocess.Popen(inv_argv("deploy.all"), cwd=ROOT, env=inv_env(state_dir),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+        seen = []
+        deadline = time.monotonic() + 300
+        for line in p.stdout:
+            seen.append(line)
+            if " model.sync " in line and "[spark2]" in line and " of " in line:
+                break  # the sync has moved a file to the worker
+            assert time.monotonic() < deadline, "".join(seen[-20:])
+        os.killpg(p.pid, signal.SIGINT)  # Ctrl-C
+        p.communicate(timeout=120)
+        assert p.returncode != 0
+    finally:
+        hub.set_knobs(url, bandwidth_bps=before)
+    head_had, worker_had = verified(lab, dep, "spark1"), verified(lab, dep, "spark2")
+    assert worker_had, "".join(seen[-20:])
+    hub.set_knobs(url, reset_stats=True)
+    r = inv(state_dir, "deploy.all")
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    head_has, worker_has = verified(lab, dep, "spark1"), verified(lab, dep, "spark2")
+    assert head_has == worker_has and set(head_had) <= set(head_has)
+    fetched = sum(q.get("bytes") or 0 for q in hub.get_stats(url)["requests"])
+    missing = sum(size for f, size in head_has.items() if f not in head_had)
+    assert fetched <= missing + 1_000_000  # what the head had complete was not fetched again
+    state = json.loads((state_dir / f"runs/deploy-{dep.profile.name}.json").read_text())
+    why = state["steps"]["model.sync"]["why"]
+    sent = int(why.split(" sent ", 1)[1].split()[0]) if " sent " in why else 0
+    assert sent <= len(worker_has) - len(worker_had), why  # nor sent again to the worker
+
+
+def test_rollback_gives_the_head_its_units_back(lab, state_dir):
+    r = inv(state_dir, "deploy.rollback")
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    dep = dep_for(state_dir)
+    for unit in GLM_UNITS:
+        cp = lab.ssh("spark1", ["systemctl", "is-active", unit], check=False)
+        assert cp.stdout.strip() == "active", (unit, cp.stdout, cp.stderr)
+    for n in dep.profile.nodes:
+        assert containers(dep, n.name) == [], n.name

@@ -1,0 +1,378 @@
+"""The graph runner behind deploy.all, with fake steps in the real registry: order, concurrency,
+--serial, --only/--skip, failure and resume, fingerprints, dry run, the events it emits."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from invoke import Config, Context
+
+from sparkdeploy import deployment
+from sparkdeploy.events import PlainRenderer, StepState
+from sparkdeploy.results import changed, failed, ok
+from sparkdeploy.runner import PlanError, PlanStep, Runner, diff_keys, flat, select
+from sparkdeploy.steps import registry
+from sparkdeploy.steps.registry import step
+
+ROOT = Path(__file__).resolve().parents[2]
+SEED = ROOT / "configs" / "qwen3.5-122b-a10b-fp8.yaml"
+
+
+class Calls:
+    """What the fake steps did: start/end order, how many ran at once, options they got."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.log: list[str] = []
+        self.now = 0
+        self.peak = 0
+        self.options: dict[str, dict] = {}
+        self.fail: set[str] = set()
+        self.events: dict[str, threading.Event] = {}
+
+    def enter(self, name, options):
+        with self.lock:
+            self.log.append(f"start {name}")
+            self.options[name] = options
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+
+    def leave(self, name):
+        with self.lock:
+            self.log.append(f"end {name}")
+            self.now -= 1
+
+    def count(self, name):
+        return self.log.count(f"start {name}")
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    registry.load_all()
+    saved = dict(registry.REGISTRY)
+    c = Calls()
+
+    def fake(name, *, needs=(), long=False, work=0.05, waits_for=None, sets=None, status=changed):
+        def fn(dep, **options):
+            c.enter(name, options)
+            try:
+                if sets:
+                    c.events.setdefault(sets, threading.Event()).set()
+                if waits_for:
+                    got = c.events.setdefault(waits_for, threading.Event()).wait(3)
+                    if not got:
+                        return [dep.report(failed(name, f"{waits_for} never came"))]
+                time.sleep(work)
+                if name in c.fail:
+                    return [dep.report(failed(name, "broke"))]
+                return [dep.report(status(name, "did it"))]
+            finally:
+                c.leave(name)
+
+        step(name, needs=needs, long=long)(fn)
+
+    c.fake = fake
+    yield c
+    registry.REGISTRY.clear()
+    registry.REGISTRY.update(saved)
+
+
+def dep_for(tmp_path, dry=False):
+    ctx = Context(Config(overrides={"run": {"dry": dry}}))
+    return deployment.load(SEED, tmp_path / "state", ctx)
+
+
+def states(events):
+    return [(e.step, e.state) for e in events if isinstance(e, StepState)]
+
+
+def test_needs_order_and_long_steps_first(tmp_path, calls):
+    calls.fake("t.a")
+    calls.fake("t.b", needs=("t.a",))
+    calls.fake("t.long", long=True)
+    calls.fake("t.c")
+    plan = [PlanStep("t.a"), PlanStep("t.b"), PlanStep("t.c", needs=("t.b",)), PlanStep("t.long")]
+    dep = dep_for(tmp_path)
+    out = Runner(dep, plan, serial=True).run()
+    assert not out.failed
+    starts = [x for x in calls.log if x.startswith("start")]
+    # serial: the long step first, then plan order as needs allow; t.b after t.a (registry need)
+    assert starts == ["start t.long", "start t.a", "start t.b", "start t.c"]
+    assert calls.peak == 1
+
+
+def test_independent_steps_run_at_once(tmp_path, calls):
+    barrier = threading.Barrier(3, timeout=3)
+
+    def together(name):
+        def fn(dep, **options):
+            calls.enter(name, options)
+            try:
+                barrier.wait()  # breaks (raises) unless all three run at the same time
+                return [dep.report(ok(name, "met"))]
+            finally:
+                calls.leave(name)
+        step(name)(fn)
+
+    for n in ("t.x", "t.y", "t.z"):
+        together(n)
+    dep = dep_for(tmp_path)
+    with dep.events.collect() as got:
+        out = Runner(dep, [PlanStep("t.x"), PlanStep("t.y"), PlanStep("t.z")]).run()
+    assert not out.failed, [r.why for r in out.results()]
+    assert calls.peak == 3
+    assert {s for s, st in states(got) if st == "done"} == {"t.x", "t.y", "t.z"}
+
+
+def test_serial_runs_one_at_a_time_and_the_same_plan_concurrently_overlaps(tmp_path, calls):
+    for n in ("t.p", "t.q", "t.r"):
+        calls.fake(n, work=0.2)
+    plan = [PlanStep("t.p"), PlanStep("t.q"), PlanStep("t.r")]
+    serial = Runner(dep_for(tmp_path), plan, serial=True).run()
+    assert calls.peak == 1
+    calls.peak = 0
+    piped = Runner(dep_for(tmp_path / "2"), plan).run()
+    assert calls.peak == 3
+    assert piped.wall < serial.wall * 0.7
+
+
+def test_after_start_overlaps_a_running_step(tmp_path, calls):
+    # the sync needs the download running (it sets "started" and then waits for the sync)
+    calls.fake("t.download", long=True, sets="dl", waits_for="sync")
+    calls.fake("t.sync", waits_for="dl", sets="sync")
+    calls.fake("t.serve")
+    plan = [PlanStep("t.download"), PlanStep("t.sync", after_start=("t.download",)),
+            PlanStep("t.serve", needs=("t.download", "t.sync"))]
+    dep = dep_for(tmp_path)
+    with dep.events.collect() as got:
+        out = Runner(dep, plan).run()
+    assert not out.failed, [r.why for r in out.results()]
+    seq = states(got)
+    assert seq.index(("t.sync", "running")) < seq.index(("t.download", "done"))
+    assert seq.index(("t.serve", "running")) > seq.index(("t.sync", "done"))
+
+
+def test_a_failure_skips_what_needs_it_and_nothing_else(tmp_path, calls):
+    for n in ("t.a", "t.b", "t.c", "t.other"):
+        calls.fake(n)
+    calls.fail.add("t.a")
+    plan = [PlanStep("t.a"), PlanStep("t.b", needs=("t.a",)), PlanStep("t.c", needs=("t.b",)),
+            PlanStep("t.other")]
+    dep = dep_for(tmp_path)
+    with dep.events.collect() as got:
+        out = Runner(dep, plan).run()
+    assert out.failed
+    assert out.runs["t.a"].state == "failed"
+    assert out.runs["t.b"].state == "skipped" and "t.a, which failed" in out.runs["t.b"].why
+    assert out.runs["t.c"].state == "skipped" and "t.b" in out.runs["t.c"].why
+    assert out.runs["t.other"].state == "done"
+    assert calls.count("t.b") == 0 and calls.count("t.c") == 0
+    ends = [e for e in got if isinstance(e, StepState) and e.state in ("done", "failed")]
+    assert all(e.elapsed is not None and e.elapsed >= 0.04 for e in ends)
+
+
+def test_a_step_that_raises_fails_alone(tmp_path, calls):
+    def boom(dep, **options):
+        raise RuntimeError("kaput")
+    step("t.boom")(boom)
+    calls.fake("t.fine")
+    out = Runner(dep_for(tmp_path), [PlanStep("t.boom"), PlanStep("t.fine")]).run()
+    assert out.runs["t.boom"].state == "failed"
+    assert "RuntimeError: kaput" in out.runs["t.boom"].why
+    assert out.runs["t.fine"].state == "done"
+
+
+def test_resume_after_a_failure_reruns_from_the_failed_step(tmp_path, calls):
+    for n in ("t.a", "t.b", "t.c"):
+        calls.fake(n)
+    calls.fake("t.decide")
+    plan = [PlanStep("t.decide", reuse=True, fingerprint=lambda d: {"x": 1}), PlanStep("t.a"),
+            PlanStep("t.b", needs=("t.a",)), PlanStep("t.c", needs=("t.b",))]
+    calls.fail.add("t.b")
+    first = Runner(dep_for(tmp_path), plan).run()
+    assert first.runs["t.b"].state == "failed" and first.runs["t.c"].state == "skipped"
+    calls.fail.clear()
+    second = Runner(dep_for(tmp_path), plan).run()
+    assert not second.failed
+    assert calls.count("t.decide") == 1  # a decision unchanged since it finished is reused
+    assert second.runs["t.decide"].reused
+    assert calls.count("t.b") == 2 and calls.count("t.c") == 1
+    state = dep_for(tmp_path).state.read_json("runs/deploy-qwen3.5-122b-a10b-fp8.json")
+    assert {n: s["state"] for n, s in state["steps"].items()} == {
+        "t.decide": "done", "t.a": "done", "t.b": "done", "t.c": "done"}
+
+
+def test_profile_change_redoes_the_step_and_names_the_keys(tmp_path, calls):
+    calls.fake("t.up")
+    calls.fake("t.down")
+    calls.fake("t.decide")
+    fp = {"engines[0].args[0]": "--x", "model.path": "/m"}
+    plan = [PlanStep("t.decide", reuse=True, fingerprint=lambda d: {"images": fp["model.path"]}),
+            PlanStep("t.up", fingerprint=lambda d: dict(fp), redo="t.down")]
+    Runner(dep_for(tmp_path), plan).run()
+    assert calls.count("t.down") == 0
+    Runner(dep_for(tmp_path), plan).run()  # unchanged: no redo
+    assert calls.count("t.down") == 0 and calls.count("t.up") == 2 and calls.count("t.decide") == 1
+    fp["engines[0].args[0]"] = "--y"
+    dep = dep_for(tmp_path)
+    with dep.events.collect() as got:
+        Runner(dep, plan).run()
+    assert calls.count("t.down") == 1 and calls.count("t.up") == 3 and calls.count("t.decide") == 1
+    assert calls.log.index("start t.down") < len(calls.log) - 1 - calls.log[::-1].index("start t.up")
+    said = [e.why for e in got if getattr(e, "step", None) == "t.up" and hasattr(e, "status")]
+    assert any("changed since the last run (engines[0].args[0]): t.down first" in w for w in said)
+
+
+def test_dry_run_writes_no_state_and_runs_steps_dry(tmp_path, calls):
+    seen = {}
+
+    def look(dep, **options):
+        seen["dry"] = dep.dry
+        return [dep.report(ok("t.look", "would"))]
+    step("t.look")(look)
+    calls.fake("t.unreachable")
+    calls.fail.add("t.unreachable")
+    dep = dep_for(tmp_path, dry=True)
+    out = Runner(dep, [PlanStep("t.unreachable"), PlanStep("t.look", needs=("t.unreachable",))],
+                 serial=True).run()
+    assert seen["dry"] is True  # what depends on a failed step still shows what it would do
+    assert out.runs["t.unreachable"].state == "failed" and out.runs["t.look"].state == "done"
+    assert not (tmp_path / "state").exists()
+
+
+def test_only_and_skip_and_bad_names():
+    plan = [PlanStep("a"), PlanStep("b"), PlanStep("c")]
+    steps, left = select(plan, ["b"], [])
+    assert [s.name for s in steps] == ["b"] and left == {"a": "not in --only", "c": "not in --only"}
+    steps, left = select(plan, [], ["a", "c"])
+    assert [s.name for s in steps] == ["b"] and left == {"a": "--skip", "c": "--skip"}
+    with pytest.raises(PlanError, match=r"^--only: no step 'nope' in the plan \(steps: a, b, c\)$"):
+        select(plan, ["nope"], [])
+    with pytest.raises(PlanError, match="--skip: no step 'x'"):
+        select(plan, [], ["x"])
+
+
+def test_option_values_resolved_when_the_step_starts_and_when_skips(tmp_path, calls):
+    calls.fake("t.up")
+    calls.fake("t.bench")
+    plan = [PlanStep("t.up"),
+            PlanStep("t.bench", {"url": lambda d, runs: f"from {runs['t.up'].state}", "n": 4},
+                     needs=("t.up",)),
+            PlanStep("t.never", when=lambda d, runs: "not needed")]
+    out = Runner(dep_for(tmp_path), plan).run()
+    assert calls.options["t.bench"] == {"url": "from done", "n": 4}
+    assert out.runs["t.never"].state == "skipped" and out.runs["t.never"].why == "not needed"
+
+
+def test_plan_errors():
+    with pytest.raises(PlanError, match="needs 'zz', which is not in the plan"):
+        from sparkdeploy.runner import check
+        check([PlanStep("a", needs=("zz",))])
+    with pytest.raises(PlanError, match="cycle"):
+        check([PlanStep("a", needs=("b",)), PlanStep("b", needs=("a",))])
+
+
+def test_fingerprint_helpers():
+    assert flat({"a": {"b": [1, {"c": 2}]}, "d": []}) == {"a.b[0]": 1, "a.b[1].c": 2, "d": []}
+    assert diff_keys({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 0}) == ["b", "c"]
+
+
+def test_plain_lines_carry_state_and_elapsed():
+    buf = io.StringIO()
+    PlainRenderer(buf, stamp=lambda: "12:00:00")(StepState("model.sync", "done", "changed: sent", 12.34))
+    assert buf.getvalue() == "12:00:00 step done     model.sync (12.3s): changed: sent\n"
+
+
+def test_task_bad_step_name_is_one_line_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "invoke", "deploy.all", "--only", "nope,serve.up"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src"),
+                            "INVOKE_SPARKDEPLOY_STATE_DIR": str(tmp_path)})
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "--only: no step 'nope' in the plan (steps: model.download, hosts.check, services.stop, "
+        "image.probe, image.build, image.ship, model.sync, model.verify, serve.up, bench.run)"]
+
+
+def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
+    from sparkdeploy.steps import deploy as plans
+
+    monkeypatch.setattr(plans, "_image_id", lambda dep, ref: f"sha256:{ref}" if ref else None)
+    monkeypatch.setattr(plans, "head_image_ids", lambda dep: {})
+    dep = dep_for(tmp_path)
+    dep.records.write("image-probe", "image.probe", {
+        "chosen": {"engine": "sglang", "image": "base:1", "serve_image": "layer:1", "needs_layer": False},
+        "summary": "chosen base:1 for sglang", "candidates": [
+            {"image": "base:1", "engine": "sglang", "verdict": "viable", "why": "all there"}]})
+    steps = plans.plan(dep)
+    registry.REGISTRY.clear()
+    for s in steps:
+        calls.fake(s.name, long=s.name in ("model.download", "image.ship", "model.sync"),
+                   work=1.5 if s.name == "model.download" else 0.05,
+                   status=ok if s.name != "serve.up" else changed)
+    with dep.events.collect() as got:
+        out = Runner(dep, steps).run()
+    assert not out.failed, [r.why for r in out.results()]
+    launched = [s for s, st in states(got) if st == "running"]
+    assert launched[:2] == ["model.download", "model.sync"]  # the long step first, its follower next
+    assert calls.log.index("start model.sync") < calls.log.index("end model.download")
+    assert calls.log.index("start image.ship") < calls.log.index("end model.download"), " ".join(calls.log)
+    assert out.runs["image.build"].state == "skipped"
+    assert "needs no layer" in out.runs["image.build"].why
+    assert calls.options["model.sync"] == {"to": "spark2"}
+    assert calls.options["bench.run"]["concurrency"] == [1]
+    dep.records.write("serve", "serve.up", {"chosen": "vllm-ray", "endpoint": "http://h:8000", "tried": [
+        {"engine": "sglang", "outcome": "hang", "class": "nccl-init-hang", "phase": "init",
+         "why": "no progress for 60s", "fallback_after_s": 61.5,
+         "evidence": [["spark1.log", 41, "CustomAllreduce is disabled because this process group "
+                       "spans across nodes."]]}]})
+    written = plans.write_record(dep, out, steps)
+    md = written.markdown.read_text()
+    assert "serving `layer:1` = `sha256:layer:1`" in md and "| model.download | done |" in md
+    assert "serving with **vllm-ray**" in md
+    assert "sglang was tried first: hang in init, diagnosis `nccl-init-hang`: no progress for 60s" in md
+    assert "evidence: `spark1.log:41`: `CustomAllreduce is disabled" in md
+    assert written.json.exists() and '"chosen": "vllm-ray"' in written.json.read_text()
+    # nothing changed the second time (every fake says ok): no bench smoke
+    calls.log.clear()
+    registry.REGISTRY["serve.up"] = registry.REGISTRY["hosts.check"].__class__(
+        "serve.up", lambda d, **o: [d.report(ok("serve.up", "already serving"))])
+    again = Runner(dep_for(tmp_path), plans.plan(dep)).run()
+    assert again.runs["bench.run"].state == "skipped"
+    assert again.runs["bench.run"].why.startswith("nothing changed")
+
+
+def test_longest_chain_counts_after_start_from_the_start():
+    from sparkdeploy.runner import Outcome, StepRun, longest_chain
+
+    plan = [PlanStep("dl"), PlanStep("sync", after_start=("dl",)), PlanStep("probe"),
+            PlanStep("ship", needs=("probe",)), PlanStep("up", needs=("dl", "sync", "ship"))]
+    took = {"dl": 60.0, "sync": 63.0, "probe": 5.0, "ship": 20.0, "up": 10.0}
+    runs = {n: StepRun(n, "done", elapsed=t) for n, t in took.items()}
+    secs, chain = longest_chain(Outcome("deploy", runs, 80.0, False), plan)
+    assert (secs, chain) == (73.0, ["sync", "up"])
+    took["ship"] = 70.0
+    runs = {n: StepRun(n, "done", elapsed=t) for n, t in took.items()}
+    assert longest_chain(Outcome("deploy", runs, 80.0, False), plan) == (85.0, ["probe", "ship", "up"])
+
+
+def test_a_later_result_for_the_same_target_supersedes_a_failure(tmp_path, calls):
+    def fallback(dep, **o):
+        return [dep.report(failed("t.up", "sglang hung; class: nccl-init-hang; falling back")),
+                dep.report(changed("t.up", "vllm serves", engine="vllm")),
+                dep.report(ok("t.up", "endpoint: http://x:1", endpoint="http://x:1"))]
+
+    def per_node(dep, **o):
+        return [dep.report(failed("t.ship", "disk full", "spark2")),
+                dep.report(changed("t.ship", "shipped", "spark3"))]
+    step("t.up")(fallback)
+    step("t.ship")(per_node)
+    out = Runner(dep_for(tmp_path), [PlanStep("t.up"), PlanStep("t.ship")]).run()
+    assert out.runs["t.up"].state == "done" and out.runs["t.up"].why == "changed: vllm serves"
+    assert out.runs["t.ship"].state == "failed" and out.runs["t.ship"].why == "failed: disk full"
