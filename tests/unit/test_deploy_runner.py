@@ -304,7 +304,7 @@ def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
     from sparkdeploy.steps import deploy as plans
 
     monkeypatch.setattr(plans, "_image_id", lambda dep, ref: f"sha256:{ref}" if ref else None)
-    monkeypatch.setattr(plans, "head_image_ids", lambda dep: {})
+    monkeypatch.setattr(plans, "head_image_ids", lambda dep, node=None: {})
     dep = dep_for(tmp_path)
     dep.records.write("image-probe", "image.probe", {
         "chosen": {"engine": "sglang", "image": "base:1", "serve_image": "layer:1", "needs_layer": False},
