@@ -51,6 +51,7 @@ EXPECTED: dict[str, dict[str, list[int]]] = {
     "arch-unsupported/flashinfer-trtllm-fmha-unsupported-arch.log": {"": [2]},
     "ray-worker-missing/ray-head-gcs-unreachable.log": {"": [3, 4]},
     "link-misconfigured/nccl-roce-completion-error-gid.log": {"": [2]},
+    "nccl-init-hang/sglang-ipv6-tp16-custom-allreduce-last.log": {"": [3, 12, 13]},
 }
 
 
@@ -193,6 +194,11 @@ def test_ansi_colours_and_carriage_returns_do_not_hide_a_line():
 def test_a_label_may_map_to_one_string():
     d = dx.classify({"node": "line one\n" + PORT + "\n"})
     assert (d.cls, [e.line_no for e in d.evidence]) == ("port-in-use", [2])
+
+
+def test_bytes_are_read_as_text():
+    d = dx.classify({"node": [b"line one", PORT.encode()], "other": b"x\n" + OOM.encode() + b"\n"})
+    assert d.cls == "port-in-use" and [(e.label, e.line_no) for e in d.evidence] == [("node", 2)]
 
 
 def test_nothing_at_all_is_unknown():
@@ -551,3 +557,18 @@ def test_standin_sglang_without_host_ip_hangs_unless_loopback_is_the_default(tmp
     d = dx.classify(logs)
     served = any("fired up" in line for line in logs["head"])
     assert d.cls == ("unknown" if served else "nccl-init-hang"), (d, logs)
+
+
+def test_a_hang_ended_by_a_watchdog_kill_is_still_the_hang():
+    # MiaAI-Lab/Qwen3.8-Flash-Next-Dual-DGX-Sparks#3: SGLang's watchdog SIGKILLs the wedged scheduler
+    lines = [SG_BEGIN, SG_SPANS, "[2026-08-27 10:17:03] Rank 0 scheduler died (exit code: -9)",
+             "Traceback (most recent call last):", "RuntimeError: Rank 0 scheduler died"]
+    d = dx.classify({"head": lines})
+    assert d.cls == "nccl-init-hang"
+    assert [e.line_no for e in d.evidence][:2] == [1, 2]
+
+
+def test_nccl_proxy_connect_failure_is_the_link():
+    line = ("ubuntu:39964:40075 [0] proxy.cc:1519 NCCL WARN [Proxy Service 0] Failed to execute operation Connect "
+            "from rank 0, retcode 2")
+    assert cls_of(a=[SG_BEGIN, line]) == "link-misconfigured"
