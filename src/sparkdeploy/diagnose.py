@@ -151,6 +151,10 @@ CRASH = pat(
     "traceback", "terminate called", "error", "exception", "core dumped", "segmentation fault", "exited with code",
     icase=False,
 )
+# A crash that is the hang's end, not its cause: a watchdog killing the wedged process (SGLang's
+# scheduler watchdog kills it after ~300 s: "Rank 0 scheduler died (exit code: -9)").
+KILLED = pat(r"exit code:? -9\b|signal 9\b|SIGKILL|watchdog timeout|killed by (?:the )?watchdog",
+             "exit code", "signal 9", "sigkill", "watchdog", icase=False)
 NCCL_WORKS = pat(r"Init COMPLETE|Connected all rings|Init torch distributed ends",
                  "init complete", "connected all rings", "init torch distributed ends", icase=False)
 CONFIG_LOOKUP = pat(r"configuration_auto|CONFIG_MAPPING|AutoConfig|model_type|config_dict\[",
@@ -228,9 +232,11 @@ RULES: tuple[Rule, ...] = (
              r"|is neither AF_INET\(2\) nor AF_INET6|ibv_modify_qp failed|NET/IB : Got async event"
              r"|NET/IBP? ?: ?Got completion (?:from peer \S+ )?with (?:error |status=)\d+"
              r"|\[c10d\].*failed to connect.*(?:No route to host|Network is unreachable)"
+             r"|Failed to execute operation Connect from rank|operation=Connect, res=\d+"
              r"|NET/IB.*(?:Unable to open device|No IB device found)"
              r"|gloo.*(?:Connection refused|Connection reset by peer|No route to host|Timed out waiting)",
-             "interface", "connect", "af_inet", "ibv_", "net/ib", "unable to find", "gloo", "got completion"),
+             "interface", "connect", "af_inet", "ibv_", "net/ib", "unable to find", "gloo", "got completion",
+             "operation"),
          "NCCL/Gloo cannot use the fast link (check NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME, NCCL_IB_HCA, "
          "the RoCE GID index, and that each node's address is on the link)"),
     Rule("link-misconfigured", 55,
@@ -298,10 +304,11 @@ class Log:
     @classmethod
     def of(cls, label: str, raw: str | Iterable[str]) -> Log:
         lines: list[str] = []
-        for item in [raw] if isinstance(raw, str) else raw:
-            # tolerate a label mapped to one big string, or lines with embedded newlines
-            lines += [_clean(piece) for piece in str(item).split("\n")]
-        if isinstance(raw, str) and lines and not lines[-1]:
+        for item in [raw] if isinstance(raw, (str, bytes)) else raw:
+            # tolerate a label mapped to one big string (or bytes), or lines with embedded newlines
+            text = item.decode("utf-8", errors="replace") if isinstance(item, bytes) else str(item)
+            lines += [_clean(piece) for piece in text.split("\n")]
+        if isinstance(raw, (str, bytes)) and lines and not lines[-1]:
             lines.pop()  # the text's final newline ends the last line, it opens none
         lows = [line.lower() for line in lines]
         keep = sorted(_candidates(lows, _keys(RULES)))
@@ -322,7 +329,7 @@ class Log:
 
 def patterns(rules: Sequence[Rule] | None = None) -> list[Pat]:
     """Every pattern the classifier tries (the rules' and the sequence rules' markers)."""
-    pats = [PAST_INIT, READY, CRASH, NCCL_WORKS, CONFIG_LOOKUP]
+    pats = [PAST_INIT, READY, CRASH, KILLED, NCCL_WORKS, CONFIG_LOOKUP]
     pats += [p for st in INIT_STAGES for p in (st.begin, st.end)]
     for r in RULES if rules is None else rules:
         pats += [p for p in (r.pattern, r.context, r.void_after) if p is not None]
@@ -405,7 +412,7 @@ def _init_hang(log: Log) -> Finding | None:
     if not opened:
         return None
     begin = min(opened.values())
-    if log.last(CRASH, begin + 1) is not None:
+    if log.last(CRASH, begin + 1) is not None and log.last(KILLED, begin + 1) is None:
         return None  # it died there: a crash, not a hang (the crash rules name it if they can)
     evidence = [log.ev(begin)]
     spans = min((i for (name, _), i in opened.items() if name == INIT_STAGES[-1].name), default=None)
@@ -416,7 +423,8 @@ def _init_hang(log: Log) -> Finding | None:
         evidence.append(log.ev(last))
     if spans is not None:
         why = ("distributed init stopped after 'CustomAllreduce is disabled ... spans across nodes' and never "
-               "ended (a rank advertised an address its peer cannot reach, e.g. SGLANG_HOST_IP unset)")
+               "ended: the cross-node message queue never connected (on two Sparks usually SGLANG_HOST_IP "
+               "unset, so a rank advertised another interface's address)")
     else:
         stage = min(opened, key=opened.get)[0]
         why = f"distributed init began and never completed: {stage} is still waiting"

@@ -29,7 +29,7 @@ def cluster(lab, tmp_path_factory):
     head, worker = lab.nodes[0], lab.nodes[1]
     head_ip, worker_ip = lab.addr(head), lab.addr(worker)
     env = ["-e", "RAY_USAGE_STATS_ENABLED=0", "-e", "RAY_memory_monitor_refresh_ms=0"]
-    run = ["docker", "run", "-d", "--network", "host", "--ipc", "host", "--shm-size", "1g", *env]
+    run = ["docker", "run", "-d", "--network", "host", "--ipc", "host", "--shm-size", "1g", "--gpus", "all", *env]
     names = {head: "sd-test-ray-head", worker: "sd-test-ray-worker"}
     for node, name in names.items():
         lab.ssh(node, ["docker", "rm", "-f", name], check=False)
@@ -103,3 +103,9 @@ def test_two_node_ray_cluster_and_vllm_tp2_streams_a_chat_completion(cluster):
     text = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
     assert any(d.get("content") or d.get("reasoning_content") for d in text)
     assert chunks[-1]["usage"]["completion_tokens"] == 8
+    # vLLM's GPU workers (one Ray actor per bundle) hold each node's GPU: nvidia-smi lists the
+    # Ray container's process on both nodes
+    for node in lab.nodes[:2]:
+        apps = lab.ssh(node, ["nvidia-smi", "--query-compute-apps=pid,process_name",
+                              "--format=csv,noheader"]).stdout
+        assert "ray::RayWorkerWrapper" in apps, (node, apps)

@@ -51,6 +51,7 @@ EXPECTED: dict[str, dict[str, list[int]]] = {
     "arch-unsupported/flashinfer-trtllm-fmha-unsupported-arch.log": {"": [2]},
     "ray-worker-missing/ray-head-gcs-unreachable.log": {"": [3, 4]},
     "link-misconfigured/nccl-roce-completion-error-gid.log": {"": [2]},
+    "nccl-init-hang/sglang-ipv6-tp16-custom-allreduce-last.log": {"": [3, 12, 13]},
 }
 
 
@@ -193,6 +194,11 @@ def test_ansi_colours_and_carriage_returns_do_not_hide_a_line():
 def test_a_label_may_map_to_one_string():
     d = dx.classify({"node": "line one\n" + PORT + "\n"})
     assert (d.cls, [e.line_no for e in d.evidence]) == ("port-in-use", [2])
+
+
+def test_bytes_are_read_as_text():
+    d = dx.classify({"node": [b"line one", PORT.encode()], "other": b"x\n" + OOM.encode() + b"\n"})
+    assert d.cls == "port-in-use" and [(e.label, e.line_no) for e in d.evidence] == [("node", 2)]
 
 
 def test_nothing_at_all_is_unknown():
@@ -498,3 +504,71 @@ def test_vllm_goes_on_after_its_custom_allreduce_line():
              "world size 2 is assigned as DP rank 0, PP rank 0, TP rank 1"]
     assert cls_of(head=lines) == "unknown"
     assert cls_of(head=lines[:1]) == "nccl-init-hang"
+
+
+def two_ranks(tmp_path, env: dict, seconds: float = 8) -> dict[str, list[str]]:
+    """Run the SGLang stand-in as two ranks meeting over loopback; their output, cut after ``seconds``."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "ib").mkdir()
+    dist = f"127.0.0.1:{free_port()}"
+    code = "import sys; from sparkdeploy.lab.standins import engine_server as e; sys.exit(e.sglang_main(sys.argv[1:]))"
+    base = {**os.environ, "PYTHONPATH": str(root / "src"), "NCCL_SOCKET_IFNAME": "lo",
+            "SPARKDEPLOY_STANDIN_SYSFS_IB": str(tmp_path / "ib"), "SPARKDEPLOY_STANDIN_LAB_DIR": str(tmp_path),
+            "SPARKDEPLOY_STANDIN_DIST_TIMEOUT_S": "30", **env}
+    procs = {
+        name: subprocess.Popen([sys.executable, "-u", "-c", code, "--model-path", str(tmp_path / "model"), "--tp",
+                                "2", "--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", dist,
+                                "--host", "127.0.0.1", "--port", str(free_port())],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=base)
+        for rank, name in enumerate(("head", "worker"))
+    }
+    out = {}
+    for name, p in procs.items():
+        try:
+            text, _ = p.communicate(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            text, _ = p.communicate()
+        out[name] = text.splitlines()
+    return out
+
+
+def test_standin_sglang_lab_fault_hang_is_an_init_hang(tmp_path):
+    import json
+
+    (tmp_path / "faults.json").write_text(json.dumps({"faults": ["sglang-hang"]}))
+    logs = two_ranks(tmp_path, {"SGLANG_HOST_IP": "127.0.0.1"})
+    d = dx.classify(logs)
+    assert d.cls == "nccl-init-hang", (d, logs)
+    for name, lines in logs.items():
+        last = max(i for i, line in enumerate(lines, 1) if line.strip())
+        assert "CustomAllreduce is disabled" in lines[last - 1]
+        assert (name, last) in {(e.label, e.line_no) for e in d.evidence}
+
+
+def test_standin_sglang_without_host_ip_hangs_unless_loopback_is_the_default(tmp_path):
+    logs = two_ranks(tmp_path, {"SGLANG_HOST_IP": "", "HOST_IP": ""})
+    d = dx.classify(logs)
+    served = any("fired up" in line for line in logs["head"])
+    assert d.cls == ("unknown" if served else "nccl-init-hang"), (d, logs)
+
+
+def test_a_hang_ended_by_a_watchdog_kill_is_still_the_hang():
+    # MiaAI-Lab/Qwen3.8-Flash-Next-Dual-DGX-Sparks#3: SGLang's watchdog SIGKILLs the wedged scheduler
+    lines = [SG_BEGIN, SG_SPANS, "[2026-08-27 10:17:03] Rank 0 scheduler died (exit code: -9)",
+             "Traceback (most recent call last):", "RuntimeError: Rank 0 scheduler died"]
+    d = dx.classify({"head": lines})
+    assert d.cls == "nccl-init-hang"
+    assert [e.line_no for e in d.evidence][:2] == [1, 2]
+
+
+def test_nccl_proxy_connect_failure_is_the_link():
+    line = ("ubuntu:39964:40075 [0] proxy.cc:1519 NCCL WARN [Proxy Service 0] Failed to execute operation Connect "
+            "from rank 0, retcode 2")
+    assert cls_of(a=[SG_BEGIN, line]) == "link-misconfigured"

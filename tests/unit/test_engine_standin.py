@@ -223,3 +223,25 @@ def test_vllm_driver_address_order():
     assert es.vllm_host_ip({"VLLM_HOST_IP": "10.77.1.1"}, lambda: "10.77.0.11") == "10.77.1.1"
     assert es.vllm_host_ip({}, lambda: "10.77.0.11") == "10.77.0.11"
     assert es.vllm_host_ip({}, lambda: None) == "0.0.0.0"
+
+
+def test_an_api_key_guards_v1_but_not_health():
+    srv = es.start_in_thread(es.Config(port=0, ttft_ms=1, gap_ms=1, api_key="k3y"))
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=5)
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        r.read()
+        assert r.status == 200
+        conn.request("GET", "/v1/models")
+        r = conn.getresponse()
+        assert (r.status, json.loads(r.read())) == (401, {"error": "Unauthorized"})
+        conn.request("GET", "/v1/models", headers={"Authorization": "Bearer k3y"})
+        r = conn.getresponse()
+        r.read()
+        assert r.status == 200
+        resp, _ = post(conn, "/v1/chat/completions", CHAT)
+        assert resp.status == 401
+    finally:
+        srv.shutdown()
+        srv.server_close()

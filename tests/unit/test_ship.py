@@ -45,6 +45,17 @@ LAYERS = [_layer(i) for i in range(4)]
 DIFF = [tsf.sha(t) for t in LAYERS]
 
 
+_WORD = re.compile(r"(?:[^\s'\"]+|'[^']*'|\"[^\"]*\")+")
+_PART = re.compile(r"[^'\"]+|'[^']*'|\"[^\"]*\"")
+
+
+def split(command: str) -> list[str]:
+    """``shlex.split`` for what ``shlex.join`` writes, at regex speed: a staged helper travels
+    in argv, and under a mutation tester it is a large file."""
+    return ["".join(p[1:-1] if p[0] in "'\"" else p for p in _PART.findall(w))
+            for w in _WORD.findall(command)]
+
+
 def image(diff_ids: list[str], tag: str) -> dict:
     config = json.dumps({"architecture": "arm64", "os": "linux",
                          "rootfs": {"type": "layers", "diff_ids": diff_ids}}).encode()
@@ -126,9 +137,9 @@ class Ctx(Context):
         self._set("filters", [])  # the options of each filter run
 
     def run(self, command, **kw):
-        full = shlex.split(command)
+        full = split(command)
         assert full[-3] == "--"
-        alias, argv = full[-2], shlex.split(full[-1])
+        alias, argv = full[-2], split(full[-1])
         e = self.engines[alias]
         out, code, err = "", 0, ""
         if argv[:1] == ["docker"]:
@@ -323,9 +334,9 @@ def test_empty_peer_gets_the_whole_image_through_the_filter_as_a_counter(make):
                                                  res.details["bytes_in"], "B", "from spark1")
 
 
-@pytest.mark.parametrize("peer", [Engine(), Engine([BASE_IMG])], ids=["full", "partial"])
-def test_a_ship_reports_progress_phases_and_its_result_once(make, peer):
-    dep, _ = make(peer)
+@pytest.mark.parametrize("held", [[], [BASE_IMG]], ids=["full", "partial"])
+def test_a_ship_reports_progress_phases_and_its_result_once(make, held):
+    dep, _ = make(Engine(held))  # a fresh peer each run (a shared one would already have it)
     with dep.events.collect() as events:
         [res] = ship.ship(dep, "spark2", "img:1")
     assert res.status is Status.CHANGED, res.why

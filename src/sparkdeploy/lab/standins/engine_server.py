@@ -197,6 +197,8 @@ class Config:
     engine: str = "standin"
     log_requests: bool = False
     workers: list = field(default_factory=list)
+    api_key: str | None = None
+    """``--api-key`` (SGLang, vLLM) or ``VLLM_API_KEY``: /v1/* then need ``Authorization: Bearer``."""
 
 
 def _env(name: str, default=None):
@@ -415,9 +417,22 @@ class Handler(BaseHTTPRequestHandler):
 
     # -- routes --
 
+    def _authorized(self, path: str) -> bool:
+        """With an API key, /v1/* needs ``Authorization: Bearer <key>`` (401 otherwise, as vLLM
+        and SGLang answer); /health stays open."""
+        key = self.server.state.cfg.api_key
+        if not key or not path.startswith("/v1/"):
+            return True
+        if self.headers.get("Authorization", "") == f"Bearer {key}":
+            return True
+        self._json(401, {"error": "Unauthorized"})
+        return False
+
     def do_GET(self):  # noqa: N802
         path = self.path.split("?", 1)[0]
         st = self.server.state
+        if not self._authorized(path):
+            return
         if path == "/health" and st.broken:
             self._error(503, "scheduler is not responding: a peer rank is gone", "ServiceUnavailable")
         elif path == "/health":
@@ -449,7 +464,7 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         arrival = self.arrival
         body = self._body()
-        if body is None:
+        if body is None or not self._authorized(path):
             return
         if path == "/_control":
             try:
@@ -1083,11 +1098,12 @@ def sglang_main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--api-key")
     add_timing_flags(p)
     ns, unknown = p.parse_known_args(argv)
     model = ns.served_model_name or ns.model_path
     ns.model = model
-    cfg = config_from_args(ns, engine="sglang")
+    cfg = config_from_args(ns, engine="sglang", api_key=ns.api_key)
     log(
         f"server_args=ServerArgs(model_path={ns.model_path!r}, tp_size={ns.tp}, "
         f"nnodes={ns.nnodes}, node_rank={ns.node_rank}, dist_init_addr={ns.dist_init_addr!r}, "
@@ -1358,6 +1374,7 @@ def vllm_main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"))
     add_timing_flags(p)
     ns, unknown = p.parse_known_args(argv[1:])
     model_path = ns.model_tag or ns.model
@@ -1365,7 +1382,7 @@ def vllm_main(argv: list[str] | None = None) -> int:
         print("vllm serve: error: the model is required", file=sys.stderr)
         return 2
     ns.model = ns.served_model_name[0] if ns.served_model_name else model_path
-    cfg = config_from_args(ns, engine="vllm")
+    cfg = config_from_args(ns, engine="vllm", api_key=ns.api_key)
     world = ns.tensor_parallel_size * ns.pipeline_parallel_size
     log(
         f"vLLM API server version 0.17.0+standin; model={model_path!r} "
