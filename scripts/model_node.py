@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -85,13 +86,17 @@ _append_lock = threading.Lock()
 
 
 def append_record(root: str, rec: dict) -> None:
-    path = os.path.join(meta_dir(root), RECORD)
+    """Append one line; a full disk only costs the record (the file is re-hashed next time)."""
     line = json.dumps(rec, sort_keys=True) + "\n"
-    with _append_lock, open(path, "a", encoding="utf-8") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        f.write(line)
-        f.flush()
-        fcntl.flock(f, fcntl.LOCK_UN)
+    try:
+        path = os.path.join(meta_dir(root), RECORD)
+        with _append_lock, open(path, "a", encoding="utf-8") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.write(line)
+            f.flush()
+            fcntl.flock(f, fcntl.LOCK_UN)
+    except OSError as e:
+        say(f"warning: cannot record {rec.get('path')}: {e}")
 
 
 def compact_records(root: str) -> None:
@@ -111,9 +116,13 @@ def compact_records(root: str) -> None:
             except (ValueError, KeyError, TypeError):
                 continue
         tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as out:
-            out.write("".join(v + "\n" for v in last.values()))
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as out:
+                out.write("".join(v + "\n" for v in last.values()))
+            os.replace(tmp, path)
+        except OSError:  # a full disk: keep the appended record as it is
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 # --- hashing and checking ------------------------------------------------------------------
@@ -337,26 +346,38 @@ def cmd_fetch(a: argparse.Namespace) -> int:
                 say(f"retry {rel} (attempt {attempt} of {a.attempts}): {last}")
                 time.sleep(min(2 * attempt, 10))
                 continue
-            st, why, new = check_one(root, want, {}, quick=False)
-            if st == "ok":
-                append_record(root, new)
-                with lock:
-                    state["complete"] += want["size"]
-                    state["files"] += 1
-                    state["fetched"] += want["size"]
-                say(f"complete {rel}")
-                return
-            last = f"downloaded but {why}"
-            forget(root, rel)
+            # hashed beside the next download, so the hub's bandwidth stays in use
+            hashing.append(hasher.submit(finish, want))
+            return
         with lock:
             failures[rel] = last
 
+    def finish(want: dict) -> None:
+        rel = want["path"]
+        st, why, new = check_one(root, want, {}, quick=False)
+        if st == "ok":
+            append_record(root, new)
+            with lock:
+                state["complete"] += want["size"]
+                state["files"] += 1
+                state["fetched"] += want["size"]
+            say(f"complete {rel}")
+            return
+        forget(root, rel)
+        with lock:
+            failures[rel] = f"downloaded but {why} (a re-run fetches it again)"
+
     ticker = threading.Thread(target=report, daemon=True)
     ticker.start()
+    hasher = cf.ThreadPoolExecutor(max_workers=2)
+    hashing: list[cf.Future] = []
     try:
         with cf.ThreadPoolExecutor(max_workers=max(1, a.workers)) as pool:
             list(pool.map(one, files))
+        for fut in hashing:
+            fut.result()
     finally:
+        hasher.shutdown(wait=True)
         stop.set()
     compact_records(root)
     secs = time.monotonic() - started

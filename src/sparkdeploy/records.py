@@ -9,12 +9,12 @@ a killed run never leaves half a record.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sparkdeploy.files import write_atomic
 from sparkdeploy.state import StateDir, redact
 
 DIR = "decisions"
@@ -27,20 +27,10 @@ class Written:
 
 
 def _atomic(path: Path, text: str) -> Path:
-    """Write ``text`` to a temp file beside ``path``, fsync it, rename it over ``path``: a
-    reader sees the old record or the new one, never half of one, and a failed write leaves
+    """A reader sees the old record or the new one, never half of one; a failed write leaves
     no temp file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomic(path, lambda tmp: tmp.write_text(text))
     return path
 
 

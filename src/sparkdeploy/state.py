@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from sparkdeploy.files import write_atomic
+
 _SECRET_VALUE = re.compile(r"\bhf_[A-Za-z0-9]{8,}\b")
 _SECRET_KEY = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY)", re.IGNORECASE)
 REDACTED = "***"
@@ -81,9 +83,8 @@ class StateDir:
         """Write atomically (temp file + rename), so a killed run never leaves half a record."""
         p = self.path / name
         p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(p.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, p)
+        text = json.dumps(data, indent=2, sort_keys=True) + "\n"
+        write_atomic(p, lambda tmp: tmp.write_text(text))
         return p
 
     def remove(self, name: str) -> None:
