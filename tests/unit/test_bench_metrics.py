@@ -97,3 +97,22 @@ def test_summary_counts_failures_and_aggregates():
     assert s["ttft_ms"]["median"] == pytest.approx(100.0)
     assert s["itl_ms"]["mean"] == pytest.approx(100.0 / 3)  # pooled: 30, 40, 30 twice
     assert s["per_request_output_tok_s"]["median"] == pytest.approx(20.0)
+
+
+def test_stats_are_numpys_linear_percentiles_under_their_names():
+    from sparkdeploy.bench import metrics
+
+    got = metrics.stats([float(x) for x in (10, 1, 9, 2, 8, 3, 7, 4, 6, 5)])
+    assert got == pytest.approx({"mean": 5.5, "median": 5.5, "p90": 9.1, "p99": 9.91})
+    assert metrics.stats([]) == {"mean": None, "median": None, "p90": None, "p99": None}
+    with pytest.raises(ValueError, match="^no values$"):
+        metrics.percentile([], 50)
+
+
+def test_text_of_a_chunk_counts_every_reasoning_field_and_nothing_else():
+    from sparkdeploy.bench import metrics
+
+    assert metrics._text({"choices": [{"delta": {"reasoning": "r"}}]}) == "r"
+    assert metrics._text({"choices": [{"delta": {"reasoning_content": "a", "content": "b"}}]}) == "ba"
+    assert metrics._text({"choices": [{"index": 0}]}) == ""
+    assert metrics._text({"choices": []}) == ""
