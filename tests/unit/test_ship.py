@@ -166,9 +166,9 @@ class Ctx(Context):
             out = json.dumps({"DriverStatus": status, "DockerRootDir": "/var/lib/docker"})
         elif argv[:5] == ["history", "--no-trunc", "--human=false", "--format", "{{.Size}}"]:
             out = "".join(f"{1_000_000_000}\n" for _ in e.images[argv[-1]]["RootFS"]["Layers"])
-        elif argv[:1] == ["df"]:
+        elif argv == ["df", "-P", "-B1", "/var/lib/docker"]:
             out = f"Filesystem 1-blocks Used Available Capacity Mounted\n/dev/x 1 1 {e.free} 1% /\n"
-        elif argv[:1] == ["python3"]:
+        elif argv == ["python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"]:
             if e.python is None:
                 code, err = 127, "sh: 1: python3: not found"
             else:
@@ -388,6 +388,12 @@ def test_not_enough_disk_fails_before_sending(make):
     # one missing layer of 1 GB: the archive lands in a temp dir, then is applied
     assert res.why == "spark2 has 1.0 GB free in /var/lib/docker, needs about 2.0 GB for img:1"
     assert ctx.pipelines == []
+
+
+def test_not_enough_disk_fails_in_a_dry_run_too(make):
+    dep, ctx = make(Engine([BASE_IMG], free=10**9), dry=True)
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.FAILED and res.why.startswith("spark2 has 1.0 GB free")
 
 
 def test_missing_source_image_fails(make):
