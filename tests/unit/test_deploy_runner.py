@@ -399,3 +399,21 @@ def test_the_board_is_the_plan_as_a_checklist():
     b.feed(StepState("model.download", "failed", "failed: disk full", 14.0))
     assert b.lines()[0] == "✗ model.download     failed    14.0s  failed: disk full"
     assert len(b.lines()) == 3  # the progress of a finished step is gone
+
+
+def test_a_reuse_step_keeps_the_fingerprint_it_left_behind(tmp_path, calls):
+    node = {"units": "active"}
+
+    def stop(dep, **o):
+        calls.enter("t.stop", o)
+        node["units"] = "inactive"
+        calls.leave("t.stop")
+        return [dep.report(changed("t.stop", "stopped"))]
+    step("t.stop")(stop)
+    plan = [PlanStep("t.stop", fingerprint=lambda d: dict(node), reuse=True)]
+    Runner(dep_for(tmp_path), plan).run()
+    again = Runner(dep_for(tmp_path), plan).run()
+    assert calls.count("t.stop") == 1 and again.runs["t.stop"].reused
+    node["units"] = "active"  # someone started them again: the step runs again
+    Runner(dep_for(tmp_path), plan).run()
+    assert calls.count("t.stop") == 2

@@ -74,7 +74,17 @@ def fp_hosts(dep: Deployment) -> dict[str, Any]:
 
 
 def fp_services(dep: Deployment) -> dict[str, Any]:
-    return {**_section(dep, "services"), "head": dep.profile.head.name}
+    """The units to stop and their state now: unchanged since a finished stop means they are
+    still stopped (the GPU is then busy with this deployment's own engine, not theirs)."""
+    from sparkdeploy.steps.services import probe_units
+
+    head = dep.profile.head.name
+    units = dep.profile.services.stop.get(head) or []
+    try:
+        states, _ = probe_units(dep.host(head), units) if units else ({}, "")
+    except NodeUnreachable:
+        states = None
+    return {**_section(dep, "services"), "head": head, **flat({"units_now": states})}
 
 
 def head_image_ids(dep: Deployment, node: str | None = None) -> dict[str, str]:
@@ -190,7 +200,8 @@ def plan(dep: Deployment, *, bench: bool = False, persist: bool = False) -> list
     steps = [
         PlanStep("model.download", {"node": head}, fingerprint=fp_model),
         PlanStep("hosts.check", fingerprint=fp_hosts),
-        PlanStep("services.stop", {"node": head}, needs=("hosts.check",), fingerprint=fp_services),
+        PlanStep("services.stop", {"node": head}, needs=("hosts.check",), fingerprint=fp_services,
+                 reuse=True),
         # the probe runs CPU-only containers (no GPU, no network): it need not wait for the GPU
         PlanStep("image.probe", fingerprint=fp_probe, reuse=True),
         PlanStep("image.build", needs=("image.probe",), fingerprint=fp_build, when=need_layer),
