@@ -285,6 +285,9 @@ class Runner:
                 self.dep.report(ok(spec.name, f"changed since the last run ({shown}): running it again"))
         options = {k: (v(self.dep, self.runs) if callable(v) else v) for k, v in spec.options.items()}
         r.results.extend(self._call(spec.name, options))
+        if spec.reuse and spec.fingerprint and not self.dep.dry and not any(x.failed for x in r.results):
+            # what a reuse step's fingerprint probes is what the step made so: keep it as it is now
+            r.fingerprint = spec.fingerprint(self.dep)
 
     def _summary(self, r: StepRun) -> str:
         final = [x for x in r.final() if x.step == r.name] or r.final()

@@ -136,13 +136,18 @@ def test_sglang_launch_server_runs_the_standin(head_images):
         assert out.strip().splitlines()[-1] == "sglang"
 
 
-def test_sglang_two_nodes_hangs_in_nccl_init(head_images):
+def test_sglang_two_ranks_hang_when_one_advertises_another_address(head_images):
     head, _ = head_images
+    rank = ("NCCL_SOCKET_IFNAME=lo SGLANG_HOST_IP={ip} timeout 8 python3 -m sglang.launch_server "
+            "--model-path /tmp/m --tp 2 --nnodes 2 --node-rank {r} --dist-init-addr 127.0.0.1:20000 "
+            "--port 30000 >/tmp/r{r}.log 2>&1")
     out = run_in(head, "scitrera/dgx-spark-sglang:0.5.10rc0",
-                 "timeout 4 python3 -m sglang.launch_server --model-path /models/m --tp 2 "
-                 "--nnodes 2 --node-rank 0 --dist-init-addr 10.0.0.1:20000 --port 30000 2>&1; "
-                 "echo rc=$?")
-    assert "NCCL INFO" in out and out.strip().endswith("rc=124")
+                 "mkdir -p /tmp/m && echo '{}' >/tmp/m/config.json; "
+                 + rank.format(ip="127.0.0.1", r=0) + " & "
+                 + rank.format(ip="10.9.9.9", r=1) + "; echo rc=$?; wait; tail -n 1 /tmp/r0.log")
+    lines = out.strip().splitlines()
+    assert "rc=124" in lines
+    assert lines[-1].endswith("CustomAllreduce is disabled because this process group spans across nodes.")
 
 
 def test_vllm_serve_runs_the_standin_and_checks_the_real_ray_cluster(head_images):
@@ -150,12 +155,16 @@ def test_vllm_serve_runs_the_standin_and_checks_the_real_ray_cluster(head_images
     check = MODELS.format(port=8000)
     out = run_in(head, "hellohal2064/vllm-qwen3.5-gb10",
                  "ray start --head --port 6379 --node-ip-address 127.0.0.1 --num-gpus 1 "
-                 "--disable-usage-stats >/dev/null 2>&1 || exit 3; "
-                 "vllm serve /models/m --tensor-parallel-size 2 --distributed-executor-backend ray "
-                 "--port 8000 2>&1; echo rc=$?; "
+                 "--disable-usage-stats >/dev/null 2>&1 || exit 3; export VLLM_HOST_IP=127.0.0.1; "
+                 "SPARKDEPLOY_STANDIN_PG_TIMEOUT_S=5 vllm serve /models/m --tensor-parallel-size 2 "
+                 "--distributed-executor-backend ray --port 8000 2>&1; echo rc=$?; "
                  "vllm serve /models/m --tensor-parallel-size 1 --distributed-executor-backend ray "
                  "--port 8000 >/tmp/log 2>&1 & " + WAIT.format(check=check) + "; " + check,
                  timeout=180)
     lines = out.strip().splitlines()
-    assert "Ray cluster has 1 GPUs on 1 alive node(s)" in out
+    # two GPUs asked of a one-GPU cluster: Ray cannot place the group, vLLM waits and gives up
+    assert "Tensor parallel size (2) exceeds available GPUs (1)" in out
+    assert ("Waiting for creating a placement group of specs for 10 seconds. "
+            "specs=[{'node:127.0.0.1': 0.001, 'GPU': 1.0}, {'GPU': 1.0}]") in out
+    assert "Cannot provide a placement group of placement_group_specs=" in out
     assert "rc=1" in lines and lines[-1] == "vllm"

@@ -103,9 +103,12 @@ def test_two_node_ray_cluster_and_vllm_tp2_streams_a_chat_completion(cluster):
     text = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
     assert any(d.get("content") or d.get("reasoning_content") for d in text)
     assert chunks[-1]["usage"]["completion_tokens"] == 8
-    # vLLM's GPU workers (one Ray actor per bundle) hold each node's GPU: nvidia-smi lists the
-    # Ray container's process on both nodes
+    # vLLM's GPU workers (one Ray actor per bundle) hold each node's GPU: nvidia-smi lists each
+    # Ray container's main process (on the head, where `vllm serve` runs in the same container,
+    # under the engine's name)
     for node in lab.nodes[:2]:
+        pid = lab.ssh(node, ["docker", "inspect", "-f", "{{.State.Pid}}", names[node]]).stdout.strip()
         apps = lab.ssh(node, ["nvidia-smi", "--query-compute-apps=pid,process_name",
                               "--format=csv,noheader"]).stdout
-        assert "ray::RayWorkerWrapper" in apps, (node, apps)
+        want = "VLLM::EngineCore" if node == head else "ray::RayWorkerWrapper"
+        assert f"{pid}, {want}" in apps.splitlines(), (node, pid, apps)

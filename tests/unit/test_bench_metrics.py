@@ -97,3 +97,76 @@ def test_summary_counts_failures_and_aggregates():
     assert s["ttft_ms"]["median"] == pytest.approx(100.0)
     assert s["itl_ms"]["mean"] == pytest.approx(100.0 / 3)  # pooled: 30, 40, 30 twice
     assert s["per_request_output_tok_s"]["median"] == pytest.approx(20.0)
+
+
+def test_stats_are_numpys_linear_percentiles_under_their_names():
+    from sparkdeploy.bench import metrics
+
+    got = metrics.stats([float(x) for x in (10, 1, 9, 2, 8, 3, 7, 4, 6, 5)])
+    assert got == pytest.approx({"mean": 5.5, "median": 5.5, "p90": 9.1, "p99": 9.91})
+    assert metrics.stats([]) == {"mean": None, "median": None, "p90": None, "p99": None}
+    with pytest.raises(ValueError, match="^no values$"):
+        metrics.percentile([], 50)
+
+
+def test_text_of_a_chunk_counts_every_reasoning_field_and_nothing_else():
+    from sparkdeploy.bench import metrics
+
+    assert metrics._text({"choices": [{"delta": {"reasoning": "r"}}]}) == "r"
+    assert metrics._text({"choices": [{"delta": {"reasoning_content": "a", "content": "b"}}]}) == "ba"
+    assert metrics._text({"choices": [{"index": 0}]}) == ""
+    assert metrics._text({"choices": []}) == ""
+
+
+def _tl(*payloads, start=0.0, end=None):
+    from sparkdeploy.bench.metrics import Timeline
+
+    return Timeline(start=start, events=[(0.1 * (i + 1), p) for i, p in enumerate(payloads)],
+                    end=end)
+
+
+def _chunk(text="", **extra):
+    import json
+
+    return json.dumps({"choices": [{"delta": {"content": text}}], **extra}).encode()
+
+
+def test_analyse_failures_each_say_what_went_wrong():
+    from sparkdeploy.bench.metrics import analyse
+
+    bad = analyse(_tl(_chunk("a"), b"{not json", b"[DONE]"))
+    assert bad.error == "bad SSE payload: b'{not json'" and bad.ttft_ms is None and bad.itl_ms == []
+    ev = analyse(_tl(_chunk("a"), b'{"error": {"message": "overloaded"}}', b"[DONE]"))
+    assert ev.error == "error event: overloaded"
+    assert analyse(_tl(b'{"error": "plain"}', b"[DONE]")).error == "error event: plain"
+    empty = analyse(_tl(_chunk(""), b'{"usage": {"prompt_tokens": 7}}', b"[DONE]"))
+    assert empty.error == "no content in the stream" and empty.input_tokens == 7
+    cut = analyse(_tl(_chunk("a")))
+    assert cut.error == "stream ended before [DONE]"
+
+
+def test_analyse_and_summarize_a_run_exactly():
+    from sparkdeploy.bench.metrics import analyse, summarize
+
+    one = analyse(_tl(_chunk(""), _chunk("a"), _chunk("b"), _chunk("c"),
+                      b'{"usage": {"completion_tokens": 3, "prompt_tokens": 5}}', b"[DONE]",
+                      start=0.0, end=1.0))
+    # TTFT at the first text chunk (0.2 s), E2EL at the usage chunk (0.5 s)
+    assert one.ttft_ms == pytest.approx(200.0) and one.e2el_ms == pytest.approx(500.0)
+    assert one.itl_ms == pytest.approx([100.0, 100.0]) and one.output_tokens == 3
+    assert one.tpot_ms == pytest.approx(150.0) and one.decode_tok_s == pytest.approx(1000 / 150)
+    single = analyse(_tl(_chunk("a"), b"[DONE]", start=0.0, end=0.5))
+    assert single.output_tokens == 1 and single.tokens_source == "chunks"
+    assert single.tpot_ms is None and single.decode_tok_s is None
+    failed = analyse(_tl(b"{bad", start=0.0, end=2.0))
+    s = summarize([one, single, failed])
+    assert s["requests"] == 3 and s["completed"] == 2 and s["failed"] == 1
+    assert s["duration_s"] == pytest.approx(2.0)
+    assert s["total_output_tokens"] == 4 and s["total_input_tokens"] == 5
+    assert s["output_tok_s"] == pytest.approx(2.0) and s["requests_s"] == pytest.approx(1.0)
+    assert s["output_tokens_source"] == "chunks+usage"
+    assert s["tpot_ms"]["mean"] == pytest.approx(150.0)
+    assert s["e2el_ms"]["mean"] == pytest.approx(300.0)
+    assert s["errors"] == {"bad SSE payload: b'{bad'": 1}
+    assert summarize([]) == {**summarize([]), "duration_s": 0.0, "output_tok_s": 0.0,
+                             "requests_s": 0.0, "output_tokens_source": None}

@@ -304,7 +304,7 @@ def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
     from sparkdeploy.steps import deploy as plans
 
     monkeypatch.setattr(plans, "_image_id", lambda dep, ref: f"sha256:{ref}" if ref else None)
-    monkeypatch.setattr(plans, "head_image_ids", lambda dep: {})
+    monkeypatch.setattr(plans, "head_image_ids", lambda dep, node=None: {})
     dep = dep_for(tmp_path)
     dep.records.write("image-probe", "image.probe", {
         "chosen": {"engine": "sglang", "image": "base:1", "serve_image": "layer:1", "needs_layer": False},
@@ -376,3 +376,44 @@ def test_a_later_result_for_the_same_target_supersedes_a_failure(tmp_path, calls
     out = Runner(dep_for(tmp_path), [PlanStep("t.up"), PlanStep("t.ship")]).run()
     assert out.runs["t.up"].state == "done" and out.runs["t.up"].why == "changed: vllm serves"
     assert out.runs["t.ship"].state == "failed" and out.runs["t.ship"].why == "failed: disk full"
+
+
+def test_the_board_is_the_plan_as_a_checklist():
+    from sparkdeploy.events import Board, Progress
+
+    now = [100.0]
+    b = Board(clock=lambda: now[0])
+    for n in ("model.download", "image.probe", "serve.up"):
+        b.feed(StepState(n, "pending"))
+    b.feed(StepState("model.download", "running"))
+    b.feed(StepState("image.probe", "done", "changed: chosen X", 3.25))
+    assert b.feed(Progress("model.download", "spark1", 1.5e9, 3e9, "B", "4/15 files"))
+    assert not b.feed(Progress("elsewhere", None, 1, 2))
+    now[0] = 112.0
+    assert b.lines() == [
+        "▸ model.download     running     12s",
+        "    [spark1] 1.5 GB of 3.0 GB (50%) 4/15 files",
+        "✓ image.probe        done       3.2s  changed: chosen X",
+        "· serve.up           pending        ",
+    ]
+    b.feed(StepState("model.download", "failed", "failed: disk full", 14.0))
+    assert b.lines()[0] == "✗ model.download     failed    14.0s  failed: disk full"
+    assert len(b.lines()) == 3  # the progress of a finished step is gone
+
+
+def test_a_reuse_step_keeps_the_fingerprint_it_left_behind(tmp_path, calls):
+    node = {"units": "active"}
+
+    def stop(dep, **o):
+        calls.enter("t.stop", o)
+        node["units"] = "inactive"
+        calls.leave("t.stop")
+        return [dep.report(changed("t.stop", "stopped"))]
+    step("t.stop")(stop)
+    plan = [PlanStep("t.stop", fingerprint=lambda d: dict(node), reuse=True)]
+    Runner(dep_for(tmp_path), plan).run()
+    again = Runner(dep_for(tmp_path), plan).run()
+    assert calls.count("t.stop") == 1 and again.runs["t.stop"].reused
+    node["units"] = "active"  # someone started them again: the step runs again
+    Runner(dep_for(tmp_path), plan).run()
+    assert calls.count("t.stop") == 2

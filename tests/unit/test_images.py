@@ -292,3 +292,8 @@ def test_build_without_a_declaration_resolves_the_requirement(build_dep):
     dep, _ = build_dep(None)
     [res] = images.build(dep)
     assert res.why.endswith("+ transformers==5.23.0 (none declared)")
+
+
+def test_filter_report_skips_a_broken_json_line_after_it():
+    assert ship._report('{"bytes_in": 10}\n{"cut off\n') == {"bytes_in": 10}
+    assert ship._report("no report\n") == {}

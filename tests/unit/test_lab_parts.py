@@ -23,7 +23,8 @@ def test_dockerd_argv_per_flavor(monkeypatch):
     monkeypatch.setattr(dockerd, "storage_driver",
                         lambda e: "overlayfs" if e == "containerd" else "overlay2")
     common = ["--iptables=false", "--ip-masq=false", "--bridge=none",
-              "--add-runtime", "nvidia=/opt/sparkdeploy-lab/bin/nvidia-container-runtime"]
+              "--add-runtime", "nvidia=/opt/sparkdeploy-lab/bin/nvidia-container-runtime",
+              "--add-runtime", "lab-runc=/opt/sparkdeploy-lab/runtime/runc"]
     assert _argv("docker26") == ENTER + [
         "/var/cache/sparkdeploy/docker26/usr/sbin/dockerd",
         "--config-file", f"{N}/docker/docker26/daemon.json",

@@ -68,6 +68,7 @@ def test_copy_files_puts_executables_in_bin_and_modules_in_lib(tmp_path):
     did = install.copy_files(tmp_path)
     bins = sorted(p.name for p in (tmp_path / "bin").iterdir())
     assert bins == ["nvidia-container-runtime", "nvidia-container-runtime-hook", "nvidia-smi", "systemctl"]
+    assert [p.name for p in (tmp_path / "runtime").iterdir()] == ["runc"]  # alone: first on dockerd's PATH
     assert all(os.access(tmp_path / "bin" / b, os.X_OK) for b in bins)
     libs = sorted(p.name for p in (tmp_path / "lib").iterdir())
     assert "nodeinstall.py" not in libs and "__init__.py" not in libs and "engine_server.py" in libs
@@ -134,3 +135,18 @@ def test_nvidia_smi_lists_a_gpu_container_only_once_its_engine_holds_the_gpu(mon
     (view / "gpu").symlink_to(marker.parent)
     assert es.hold_gpu("VLLM::EngineCore", str(view)) is True
     assert smi.gpu_users() == [(me, "VLLM::EngineCore")]
+
+
+def test_runc_standin_lowers_rlimits_to_what_the_machine_allows_and_finds_the_real_runc():
+    rc = _load("runc")
+    rl = [{"type": "RLIMIT_MEMLOCK", "hard": 2**64 - 1, "soft": 2**64 - 1},
+          {"type": "RLIMIT_STACK", "hard": 67108864, "soft": 67108864},
+          {"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}]
+    caps = {"RLIMIT_MEMLOCK": 8388608, "RLIMIT_STACK": 2**64 - 1, "RLIMIT_NOFILE": 4096}
+    assert rc.clamp(rl, caps.get) is True
+    assert rl == [{"type": "RLIMIT_MEMLOCK", "hard": 8388608, "soft": 8388608},
+                  {"type": "RLIMIT_STACK", "hard": 67108864, "soft": 67108864},
+                  {"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}]
+    assert rc.clamp(rl, caps.get) is False
+    real = rc.real_runc()
+    assert real is None or Path(real).resolve() != (STANDINS / "runc").resolve()

@@ -233,7 +233,8 @@ def test_send_argv_rsyncd_and_ssh(tmp_path):
     head, w = dep.host("spark1"), dep.host("spark2")
     path = dep.profile.model.path
     assert model_sync.send_argv(dep, head, w, ["sub/x.safetensors", "y"], 8731) == [
-        "rsync", "-rlt", "--relative", "--whole-file", "--partial-dir=.sparkdeploy/partial",
+        "rsync", "-rlt", "--ignore-times", "--relative", "--whole-file",
+        "--partial-dir=.sparkdeploy/partial",
         "--timeout=60", "--password-file=-", "--", f"{path}/./sub/x.safetensors", f"{path}/./y",
         "rsync://sparkdeploy@10.77.1.2:8731/model/"]
     assert model_sync.send_argv(dep, head, w, ["x"], None)[-4:] == [

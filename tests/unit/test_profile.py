@@ -148,6 +148,12 @@ BAD = [
     ("image-option", _set(["engines", 0, "image"], "--privileged"),
      "sparkdeploy.engines[0].image: '--privileged' is not an image reference "
      "(repo[:tag][@digest], no leading '-')"),
+    ("link-not-mapping", _set(["nodes", 0, "link"], 3), "sparkdeploy.nodes[0].link: must be a mapping"),
+    ("timeout-zero", _set(["services", "gpu_free_timeout_s"], 0),
+     "sparkdeploy.services.gpu_free_timeout_s: 0 is out of range (must be > 0.0)"),
+    ("requests-zero", _set(["bench", "requests"], 0),
+     "sparkdeploy.bench.requests: 0 is out of range (must be >= 1)"),
+    ("gpus-float", _set(["nodes", 0, "gpus"], 1.5), "sparkdeploy.nodes[0].gpus: must be an integer, not 1.5"),
     ("socket-path", _set(["nodes", 0, "docker_socket"], "/run/docker.sock:/etc"),
      "sparkdeploy.nodes[0].docker_socket: '/run/docker.sock:/etc' is not a plain absolute path"),
 ]

@@ -23,7 +23,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "save_filter.py"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("save_filter", SCRIPT)
+    spec = importlib.util.spec_from_file_location("scripts.save_filter", SCRIPT)  # as mutmut names it
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

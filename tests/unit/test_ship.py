@@ -164,11 +164,11 @@ class Ctx(Context):
             status = ([["driver-type", "io.containerd.snapshotter.v1"]] if e.containerd
                       else [["Backing Filesystem", "extfs"]])
             out = json.dumps({"DriverStatus": status, "DockerRootDir": "/var/lib/docker"})
-        elif argv[:1] == ["history"]:
+        elif argv[:5] == ["history", "--no-trunc", "--human=false", "--format", "{{.Size}}"]:
             out = "".join(f"{1_000_000_000}\n" for _ in e.images[argv[-1]]["RootFS"]["Layers"])
-        elif argv[:1] == ["df"]:
+        elif argv == ["df", "-P", "-B1", "/var/lib/docker"]:
             out = f"Filesystem 1-blocks Used Available Capacity Mounted\n/dev/x 1 1 {e.free} 1% /\n"
-        elif argv[:1] == ["python3"]:
+        elif argv == ["python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"]:
             if e.python is None:
                 code, err = 127, "sh: 1: python3: not found"
             else:
@@ -334,9 +334,9 @@ def test_empty_peer_gets_the_whole_image_through_the_filter_as_a_counter(make):
                                                  res.details["bytes_in"], "B", "from spark1")
 
 
-@pytest.mark.parametrize("peer", [Engine(), Engine([BASE_IMG])], ids=["full", "partial"])
-def test_a_ship_reports_progress_phases_and_its_result_once(make, peer):
-    dep, _ = make(peer)
+@pytest.mark.parametrize("held", [[], [BASE_IMG]], ids=["full", "partial"])
+def test_a_ship_reports_progress_phases_and_its_result_once(make, held):
+    dep, _ = make(Engine(held))  # a fresh peer each run (a shared one would already have it)
     with dep.events.collect() as events:
         [res] = ship.ship(dep, "spark2", "img:1")
     assert res.status is Status.CHANGED, res.why
@@ -390,6 +390,12 @@ def test_not_enough_disk_fails_before_sending(make):
     assert ctx.pipelines == []
 
 
+def test_not_enough_disk_fails_in_a_dry_run_too(make):
+    dep, ctx = make(Engine([BASE_IMG], free=10**9), dry=True)
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.FAILED and res.why.startswith("spark2 has 1.0 GB free")
+
+
 def test_missing_source_image_fails(make):
     dep, _ = make(Engine())
     [res] = ship.ship(dep, "spark2", "nope:1")
@@ -416,7 +422,8 @@ def test_dry_run_sends_nothing(make):
     dep, ctx = make(peer, dry=True)
     [res] = ship.ship(dep, "spark2", "img:1")
     assert res.status is Status.SKIPPED
-    assert res.why.startswith("would send img:1 from spark1 to spark2: 2 of 3 layers already there")
+    # the size comes from the layer history (1 GB per layer here), read in the dry run too
+    assert res.why == "would send img:1 from spark1 to spark2: 2 of 3 layers already there, ~1000 MB"
     assert ctx.pipelines == [] and peer.files == {} and "img:1" not in peer.images
 
 

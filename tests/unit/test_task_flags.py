@@ -55,6 +55,11 @@ ROWS = [
     (["hosts.check", "--node", "x"], "--node: no node named 'x' (nodes: spark1, spark2, or all)"),
     (["hosts.trust", "--node", "x"], "--node: no node named 'x' (nodes: spark1, spark2, or all)"),
     (["lab.up", "--nodes", "two"], "--nodes: must be an integer, not 'two'"),
+    (["model.sync", "--to", "x"], "--to: no node named 'x' (nodes: spark1, spark2, or all)"),
+    (["model.verify", "--node", "x"], "--node: no node named 'x' (nodes: spark1, spark2, or all)"),
+    (["serve.logs", "--node", "x"], "--node: no node named 'x' (nodes: spark1, spark2, or all)"),
+    (["serve.logs", "--tail", "-3"], "--tail: must be >= 1, not -3"),
+    (["serve.up", "--engine", "x"], "--engine: no engine named 'x' (engines: sglang, vllm-ray)"),
 ]
 
 

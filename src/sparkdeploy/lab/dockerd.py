@@ -20,6 +20,9 @@ TRIXIE_APT = layout.CACHE_DIR / "apt-trixie"
 CLASSIC_DOCKERD = "/usr/sbin/dockerd"
 SNAPSHOTTER_DRIVER = "io.containerd.snapshotter.v1"
 NVIDIA_RUNTIME = f"{layout.STANDIN_DIR}/bin/nvidia-container-runtime"
+RUNC_STANDIN = f"{layout.STANDIN_DIR}/runtime/runc"
+"""runc behind the rlimit stand-in (standins/runc): first on dockerd's PATH, so every container
+goes through it; also registered as ``lab-runc``, which names it in the recorded argv."""
 """The ``nvidia`` runtime stand-in (inside the node's mount namespace)."""
 
 
@@ -138,7 +141,7 @@ def dockerd_argv(node: str, mntns: Path, netns: Path, flavor: str) -> list[str]:
             "-H", f"unix://{layout.docker_socket(node)}",
             "--storage-driver", storage_driver(flavor),
             "--iptables=false", "--ip-masq=false", "--bridge=none",
-            "--add-runtime", f"nvidia={NVIDIA_RUNTIME}"]
+            "--add-runtime", f"nvidia={NVIDIA_RUNTIME}", "--add-runtime", f"lab-runc={RUNC_STANDIN}"]
     if flavor == "containerd":
         argv += ["--containerd", containerd_socket(node, flavor)]
     return in_node(mntns, netns, argv)
@@ -170,8 +173,10 @@ def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k in ("LANG", "LC_ALL", "TZ")}
     # the node's stand-ins last: nvidia-container-runtime-hook on dockerd's PATH is what makes
     # dockerd accept `docker run --gpus ...` (see standins/nvidia-container-runtime-hook)
-    env["PATH"] = ("/usr/bin:/usr/sbin:/bin:/sbin:" + str(DOCKER26_DIR / "usr" / "bin")
-                   + f":{layout.STANDIN_DIR}/bin")
+    # and the rlimit stand-in's runc first (a Spark's dockerd may raise rlimits; this machine's
+    # may not: see standins/runc)
+    env["PATH"] = (f"{layout.STANDIN_DIR}/runtime:/usr/bin:/usr/sbin:/bin:/sbin:"
+                   + str(DOCKER26_DIR / "usr" / "bin") + f":{layout.STANDIN_DIR}/bin")
     env["HOME"] = "/root"
     return env
 

@@ -1,9 +1,9 @@
 """``nox -s perf -- deploy``: how well ``deploy.all`` overlaps its steps, measured on the lab.
 
 The lab hub's bandwidth is set so that the download takes about ``DOWNLOAD_S`` seconds (the
-longest step, as on a real pair). Each run starts from the same place (``deploy.rollback
---purge``: no engine, no weights on any node, no built or shipped image; the run's resume state
-forgotten), then runs the whole plan (bench smoke included), once serial, once pipelined.
+longest step, as on a real pair). Each run starts from the same place (``serve.down``, the
+weights removed from every node, the run's resume state forgotten; images stay, so their steps
+only probe), then runs the whole plan (bench smoke included), once serial, once pipelined.
 
 - ``deploy.pipeline_ratio``: pipelined wall time / the longest chain of dependent steps, each
   step's time taken from the same pipelined run (goal <= 1.15: the runner adds little to what
@@ -47,11 +47,20 @@ def repo_bytes(url: str, repo: str) -> int:
 
 
 def fresh(dep: Deployment) -> None:
-    """Back to before the deployment, weights and images included; forget the last run."""
-    out = Runner(dep, plans.rollback_plan(dep, purge=True), name="rollback", serial=True).run()
-    bad = [f"{n}: {r.why}" for n, r in out.runs.items() if r.state == "failed"]
+    """No engine and no weights on any node, the run's resume state forgotten. Images stay
+    (built and shipped ones are cached artifacts; their steps then only probe)."""
+    from sparkdeploy.steps.registry import run_one
+
+    bad = [r.why for r in run_one(dep, "serve.down") if r.failed]
+    path = plans.safe_model_path(dep.profile.model.path)
+    if path is None:
+        raise RuntimeError(f"model.path {dep.profile.model.path!r} is not safe to remove")
+    for n in dep.profile.nodes:
+        r = dep.host(n.name).run(["rm", "-rf", "--", path], sudo=True)
+        if not r.ok:
+            bad.append(f"{n.name}: rm {path}: {r.one_line_error()}")
     if bad:
-        raise RuntimeError("rollback --purge failed: " + "; ".join(bad))
+        raise RuntimeError("could not start from scratch: " + "; ".join(bad))
     dep.state.remove(f"runs/deploy-{dep.profile.name}.json")
 
 

@@ -74,12 +74,22 @@ def fp_hosts(dep: Deployment) -> dict[str, Any]:
 
 
 def fp_services(dep: Deployment) -> dict[str, Any]:
-    return {**_section(dep, "services"), "head": dep.profile.head.name}
+    """The units to stop and their state now: unchanged since a finished stop means they are
+    still stopped (the GPU is then busy with this deployment's own engine, not theirs)."""
+    from sparkdeploy.steps.services import probe_units
+
+    head = dep.profile.head.name
+    units = dep.profile.services.stop.get(head) or []
+    try:
+        states, _ = probe_units(dep.host(head), units) if units else ({}, "")
+    except NodeUnreachable:
+        states = None
+    return {**_section(dep, "services"), "head": head, **flat({"units_now": states})}
 
 
-def head_image_ids(dep: Deployment) -> dict[str, str]:
-    """{repo:tag: image ID} of every tagged image on the head, in one command."""
-    head = dep.host(dep.profile.head.name)
+def head_image_ids(dep: Deployment, node: str | None = None) -> dict[str, str]:
+    """{repo:tag: image ID} of every tagged image on the head (or ``node``), in one command."""
+    head = dep.host(node or dep.profile.head.name)
     try:
         r = head.run(docker(head, "image", "ls", "--no-trunc", "--format",
                             "{{.Repository}}:{{.Tag}} {{.ID}}"), change=False)
@@ -109,9 +119,13 @@ def fp_build(dep: Deployment) -> dict[str, Any]:
 
 
 def fp_ship(dep: Deployment) -> dict[str, Any]:
+    """The image by ID on the head and on every worker: unchanged since a finished ship means
+    every worker still holds what the head serves."""
     ref = chosen(dep).get("serve_image")
-    return {"image": ref, "image_id": _image_id(dep, ref),
-            "workers": [n.name for n in dep.profile.workers]}
+    fp: dict[str, Any] = {"image": ref, "image_id": _image_id(dep, ref)}
+    for n in dep.profile.workers:
+        fp[f"on[{n.name}]"] = head_image_ids(dep, n.name).get(_tagged(ref)) if ref else None
+    return fp
 
 
 def fp_model(dep: Deployment) -> dict[str, Any]:
@@ -186,12 +200,13 @@ def plan(dep: Deployment, *, bench: bool = False, persist: bool = False) -> list
     steps = [
         PlanStep("model.download", {"node": head}, fingerprint=fp_model),
         PlanStep("hosts.check", fingerprint=fp_hosts),
-        PlanStep("services.stop", {"node": head}, needs=("hosts.check",), fingerprint=fp_services),
+        PlanStep("services.stop", {"node": head}, needs=("hosts.check",), fingerprint=fp_services,
+                 reuse=True),
         # the probe runs CPU-only containers (no GPU, no network): it need not wait for the GPU
         PlanStep("image.probe", fingerprint=fp_probe, reuse=True),
         PlanStep("image.build", needs=("image.probe",), fingerprint=fp_build, when=need_layer),
         PlanStep("image.ship", {"to": workers}, needs=("image.build", "image.probe"),
-                 fingerprint=fp_ship),
+                 fingerprint=fp_ship, reuse=True),
         PlanStep("model.sync", {"to": workers}, after_start=("model.download",),
                  fingerprint=fp_sync),
         PlanStep("model.verify", needs=("model.download", "model.sync"), fingerprint=fp_sync),

@@ -93,7 +93,8 @@ def stop_daemon(d: Daemon, st: Staged) -> None:
 def send_argv(dep: Deployment, src: Host, dst: Host, files: list[str], port: int | None) -> list[str]:
     """The rsync the sender runs for a batch of files (layout kept through ``--relative``)."""
     path = dep.profile.model.path.rstrip("/")
-    argv = ["rsync", "-rlt", "--relative", "--whole-file", f"--partial-dir={PARTIAL}",
+    # --ignore-times: a file is sent because it is not verified there, whatever its size and time
+    argv = ["rsync", "-rlt", "--ignore-times", "--relative", "--whole-file", f"--partial-dir={PARTIAL}",
             "--timeout=60"]
     srcs = [f"{path}/./{rel}" for rel in files]
     if port is not None:  # rsyncd

@@ -17,7 +17,7 @@ from sparkdeploy.hosts import HostError
 from sparkdeploy.results import Result
 from sparkdeploy.state import LockHeld
 from sparkdeploy.steps.registry import run_one
-from sparkdeploy.tasks._flags import node_names
+from sparkdeploy.tasks._flags import node_names, usage
 from sparkdeploy.wait import WaitTimeout
 
 
@@ -58,6 +58,9 @@ def run_step(c: Context, name: str, *, profile: str | None = None, lock: bool = 
     for flag in ("node", "to"):  # node-name flags: an unknown name is a usage error
         if flag in options:
             node_names(f"--{flag}", options[flag], dep.hosts)
+    engines = [e.name for e in dep.profile.engines]
+    if options.get("engine") is not None and options["engine"] not in engines:
+        raise usage("--engine", f"no engine named {options['engine']!r} (engines: {', '.join(engines)})")
     with rendering(dep.events, live=live):
         try:
             if lock and not dep.dry:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from invoke import Collection, task
+from invoke import Collection
 from invoke.exceptions import Exit
 
 from sparkdeploy.config import ProfileError
@@ -15,6 +15,7 @@ from sparkdeploy.runner import Outcome, PlanError, Runner, select
 from sparkdeploy.state import LockHeld
 from sparkdeploy.steps import deploy as plans
 from sparkdeploy.tasks._common import load
+from sparkdeploy.tasks._flags import task
 
 
 def _names(text: str | None) -> list[str]:

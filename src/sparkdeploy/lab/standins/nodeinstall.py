@@ -54,7 +54,11 @@ def copy_files(root: Path) -> list[str]:
     for f in sorted(SRC.iterdir()):
         if not f.is_file() or f.name.startswith((".", "_")) or f.name in CONTROLLER_ONLY:
             continue
-        if not f.suffix and _copy(f, root / "bin" / f.name, 0o755):
+        if f.name == "runc":  # alone in its directory, first on dockerd's PATH
+            (root / "runtime").mkdir(parents=True, exist_ok=True)
+            if _copy(f, root / "runtime" / "runc", 0o755):
+                did.append("runtime/runc")
+        elif not f.suffix and _copy(f, root / "bin" / f.name, 0o755):
             did.append(f.name)
         elif f.suffix == ".py" and _copy(f, root / "lib" / f.name, 0o644):
             did.append(f"lib/{f.name}")
