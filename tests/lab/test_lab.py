@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import subprocess
@@ -46,10 +47,23 @@ def test_fast_link_is_named_like_a_spark_with_jumbo_frames(lab):
         assert n.link.address == lab.addr(n.name)
 
 
-def test_nodes_have_no_default_route(lab):
+def test_nodes_default_route_leads_nowhere(lab):
+    # a Spark has a default route (LAN or Wi-Fi) and the engines take its source address; the
+    # lab's goes via the management /24's last address, which no one holds: nothing leaves
+    mgmt = ipaddress.ip_network(lab.state["mgmt_net"])
+    gateway = str(mgmt[-2])
+    held = {lab.state["controller"]} | {lab.state["node"][n]["mgmt_addr"] for n in lab.nodes}
+    assert gateway not in held
     for node in lab.nodes:
         routes = json.loads(lab.ssh(node, ["ip", "-j", "route"]).stdout)
-        assert [r for r in routes if r["dst"] == "default"] == []
+        default = [r for r in routes if r["dst"] == "default"]
+        assert [(r["gateway"], r["dev"]) for r in default] == [(gateway, layout.MGMT_IF)]
+        # an address outside the lab is unreachable: the next hop never answers ARP
+        probe = lab.ssh(node, ["python3", "-c",
+                               "import socket; socket.create_connection(('192.0.2.1', 80), 5)"],
+                        check=False)
+        assert probe.returncode != 0
+        assert "Errno" in probe.stderr or "timed out" in probe.stderr
 
 
 def test_each_dockerd_runs_the_base_image_with_its_own_model_dir(lab):

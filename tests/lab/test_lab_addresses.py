@@ -153,8 +153,22 @@ def test_probe_and_build_on_the_fallback_reach_only_the_labs_hub_and_index(lab, 
     controller = on_fallback["controller"]
     hub_url, index_url = f"http://{controller}:8900", f"http://{controller}:8901"
     head_addr = on_fallback["nodes"][lab.nodes[0]]["mgmt_addr"]
-    # the head loses the derived image, so image.build really builds (pip on the head)
+    # the head loses the derived image, so image.build really builds (pip on the head), and a
+    # downloaded model's config.json is set aside, so the probe asks the hub for it
     subprocess.run(docker(lab.nodes[0], "image", "rm", "-f", DERIVED), capture_output=True)
+    profile, _ = load_layered(PROFILE)
+    config = f"{profile.model.path.rstrip('/')}/config.json"
+    lab.ssh(lab.nodes[0], f"if [ -e {config} ]; then mv {config} {config}.aside; fi")
+    try:
+        _probe_and_build_reach_only_the_lab(lab, on_fallback, tmp_path, hub_url=hub_url,
+                                            index_url=index_url, head_addr=head_addr)
+    finally:
+        lab.ssh(lab.nodes[0], f"if [ -e {config}.aside ]; then mv {config}.aside {config}; fi")
+
+
+def _probe_and_build_reach_only_the_lab(lab, on_fallback, tmp_path, *, hub_url, index_url,
+                                        head_addr):
+    controller = on_fallback["controller"]
     hub.set_knobs(hub_url, reset_stats=True)
     index_before = len(requests.get(index_url + "/_lab/stats", timeout=10).json()["requests"])
     log = tmp_path / "audit.jsonl"

@@ -51,8 +51,11 @@ def test_docker_build_on_the_head_installs_a_wheel_from_the_lab_index(lab, six_i
         out = lab.ssh(head, ["docker", "run", "--rm", "--network", "none", tag, "/opt/v/bin/python3", "-c",
                              "import six, json; print(json.dumps(six.__file__))"]).stdout
         assert json.loads(out.strip().splitlines()[-1]).startswith("/opt/v/lib/python3")
-        assert ("GET", "/simple/six/", 200) in six_index.requests
-        assert any(p.startswith("/files/six-") for _, p, _ in six_index.requests)
+        # (method, path, status, client): the head's own address asked, over the management net
+        head_addr = lab.state["node"][head]["mgmt_addr"]
+        assert ("GET", "/simple/six/", 200, head_addr) in six_index.requests
+        assert any(p.startswith("/files/six-") and s == 200 and c == head_addr
+                   for _, p, s, c in six_index.requests)
     finally:
         lab.ssh(head, ["docker", "rmi", "-f", tag], check=False)
 

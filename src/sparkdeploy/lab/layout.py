@@ -28,12 +28,16 @@ UNIT_DIR = "/etc/systemd/system"
 STANDIN_DIR = "/opt/sparkdeploy-lab"
 """The stand-ins' home on a node: ``bin/`` (first on PATH) and the stand-ins' own state."""
 NODE_STATE_DIR = "/var/lib/sparkdeploy-node"
+ROOT_HOME = "/root"
+"""root's home on a node is its own: a Spark's root has no pyenv or cargo of this machine's, so
+``python3`` on a node is the distribution's (PEP 668) and a node's caches stay on the node."""
 ROOT_SSH_DIR = "/root/.ssh"
-PRIVATE_MOUNTS: dict[str, str] = {
+PRIVATE_MOUNTS: dict[str, str] = {  # parents before children: /root before /root/.ssh
     MODEL_DIR: "models",
     UNIT_DIR: "systemd-system",
     STANDIN_DIR: "standins",
     NODE_STATE_DIR: "node-state",
+    ROOT_HOME: "home",
     ROOT_SSH_DIR: "ssh",
 }
 

@@ -513,6 +513,7 @@ def lab_facts() -> dict[str, Any]:
         "ssh_config": str(layout.SSH_CONFIG),
         "known_hosts": str(layout.KNOWN_HOSTS),
         "controller": st.get("controller"),
+        "mgmt_net": st.get("mgmt_net"),
         "dockerd": _flavor(st),
         "node": st["nodes"],
     }

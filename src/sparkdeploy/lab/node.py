@@ -57,13 +57,19 @@ def ensure_private_mounts(node: str, created: list[str]) -> list[str]:
         src.mkdir(parents=True, exist_ok=True)
         if name == "ssh":
             os.chmod(src, 0o700)
+        if target == layout.ROOT_HOME:
+            os.chmod(src, 0o700)
+            # the mount point of the .ssh bind inside the node's own /root
+            (src / Path(layout.ROOT_SSH_DIR).name).mkdir(mode=0o700, exist_ok=True)
         tp = Path(target)
         if not tp.exists():
             tp.mkdir(parents=True)
             created.append(target)
         # mountinfo's root is the path inside the source filesystem: a suffix of ``src``
         root = have.get(target, "/")
-        if root != "/" and str(src).endswith(root) and root.endswith(f"/{node}/{name}"):
+        shadowed = any(target.startswith(m.rstrip("/") + "/") for m in made)
+        if (root != "/" and str(src).endswith(root) and root.endswith(f"/{node}/{name}")
+                and not shadowed):
             continue
         run(["nsenter", f"--mount={f}", "mount", "--bind", str(src), target])
         made.append(target)
