@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 
 META = ".sparkdeploy"
 RECORD = "verified.jsonl"
@@ -406,9 +407,12 @@ def cmd_venv(a: argparse.Namespace) -> int:
         say(f"error: python3 -m venv {venv} failed: {tail[-1] if tail else cp.returncode} "
             "(install python3-venv)")
         return 6
-    cp = subprocess.run([py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                         "--index-url", a.index_url, "huggingface_hub"],
-                        capture_output=True, text=True)
+    pip = [py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+           "--index-url", a.index_url]
+    parts = urllib.parse.urlsplit(a.index_url)
+    if parts.scheme == "http" and parts.hostname:  # the profile chose a plain-HTTP index
+        pip += ["--trusted-host", parts.hostname]
+    cp = subprocess.run([*pip, "huggingface_hub"], capture_output=True, text=True)
     if cp.returncode != 0:
         tail = (cp.stderr or cp.stdout).strip().splitlines()
         say(f"error: pip install huggingface_hub into {venv} failed: "

@@ -94,6 +94,9 @@ class ModelSync(_Strict):
     """First port tried for the rsync daemon on the receiver's fast-link address."""
     stall_timeout_s: int = Field(default=900, ge=10)
     """Give up when nothing new arrives on the head and no transfer finishes for this long."""
+    bwlimit_mb_s: float | None = Field(default=None, gt=0)
+    """Cap each stream at this many MB/s (``rsync --bwlimit``), to leave the link to others;
+    None: no cap."""
 
 
 class Model(_Strict):

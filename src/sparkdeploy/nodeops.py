@@ -65,9 +65,10 @@ fi
 f="$d/$1/$2"
 if ! { [ -f "$f" ] && printf '%s  %s\n' "$1" "$f" | sha256sum -c --status; }; then
   mkdir -p "$(dirname "$f")"
-  printf %s "$3" | base64 -d > "$f.part"
-  printf '%s  %s\n' "$1" "$f.part" | sha256sum -c --status || { echo "$2 arrived corrupt" >&2; exit 4; }
-  mv -f "$f.part" "$f"
+  t="$f.part.$$"  # this writer's own: two steps may stage the same helper at once
+  printf %s "$3" | base64 -d > "$t"
+  printf '%s  %s\n' "$1" "$t" | sha256sum -c --status || { rm -f "$t"; echo "$2 arrived corrupt" >&2; exit 4; }
+  mv -f "$t" "$f"
 fi
 printf '%s\n' "$f"
 """

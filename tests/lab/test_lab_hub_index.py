@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -69,20 +70,27 @@ def test_snapshot_download_on_the_head_through_hf_endpoint(lab, tmp_path):
         repo = server.state.repos[hub.REPO_ID]
         shard = sorted(p for p, f in repo.files.items() if f.lfs)[0]
         server.set_knobs(fault={"file": shard, "after_bytes": 11 * 1024 * 1024})
-        target = f"{layout.MODEL_DIR}/lab-hub-test-{uuid.uuid4().hex[:8]}"
+        name = f"lab-hub-test-{uuid.uuid4().hex[:8]}"
+        target = f"{layout.MODEL_DIR}/{name}"
+        # the controller's interpreter in the head's network namespace (the node's own root has no
+        # huggingface_hub), writing to what backs the head's model dir
+        local = layout.node_dir(lab.nodes[0]) / layout.PRIVATE_MOUNTS[layout.MODEL_DIR] / name
         script = (
             "import hashlib, json, os\n"
             "from huggingface_hub import snapshot_download\n"
-            f"p = snapshot_download({hub.REPO_ID!r}, local_dir={target!r})\n"
+            f"p = snapshot_download({hub.REPO_ID!r}, local_dir={str(local)!r})\n"
             "print(json.dumps({f: hashlib.sha256(open(os.path.join(p, f), 'rb').read())"
             ".hexdigest() for f in os.listdir(p) if os.path.isfile(os.path.join(p, f))}))\n"
         )
-        env = (f"HF_ENDPOINT={server.url} HF_HUB_DISABLE_TELEMETRY=1 "
-               f"HF_HUB_DISABLE_PROGRESS_BARS=1 HF_HOME={target}/.hf_home")
-        # the controller's interpreter (the node shares the root filesystem, not the model dir)
-        cmd = f"env {env} {shlex.quote(sys.executable)} -c {shlex.quote(script)}"
-        out = lab.ssh(lab.nodes[0], cmd,
-                      timeout=300).stdout
+        env = {**os.environ, "HF_ENDPOINT": server.url, "HF_HUB_DISABLE_TELEMETRY": "1",
+               "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HOME": f"{local}/.hf_home"}
+        done = subprocess.run(["ip", "netns", "exec", layout.netns_name(lab.nodes[0]),
+                               sys.executable, "-c", script], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        out = done.stdout
+        # it went out from the head's management address
+        assert {r["client"] for r in server.stats()["requests"]} == {lab.addr(lab.nodes[0], "mgmt")}
         got = json.loads(out.strip().splitlines()[-1])
         assert got == {p: hashlib.sha256((repo.root / p).read_bytes()).hexdigest()
                        for p in repo.files}

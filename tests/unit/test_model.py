@@ -239,6 +239,14 @@ def test_send_argv_rsyncd_and_ssh(tmp_path):
         "rsync://sparkdeploy@10.77.1.2:8731/model/"]
     assert model_sync.send_argv(dep, head, w, ["x"], None)[-4:] == [
         "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes", "--", f"{path}/./x", f"10.77.1.2:{path}/"]
+    # a per-stream cap in MB/s becomes rsync's KiB/s, before the files
+    m = dep.profile.model
+    dep.profile = dep.profile.model_copy(update={"model": m.model_copy(update={
+        "sync": m.sync.model_copy(update={"bwlimit_mb_s": 20.0})})})
+    argv = model_sync.send_argv(dep, head, w, ["x"], 8731)
+    assert argv[:8] == ["rsync", "-rlt", "--ignore-times", "--relative", "--whole-file",
+                        "--partial-dir=.sparkdeploy/partial", "--timeout=60", "--bwlimit=19531"]
+    assert argv.index("--bwlimit=19531") < argv.index("--")
 
 
 def test_the_daemon_binds_the_link_address_and_gets_its_secret_on_stdin(tmp_path):

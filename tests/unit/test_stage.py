@@ -30,7 +30,22 @@ def test_stage_creates_a_private_directory_and_a_content_addressed_file(host, tm
     assert oct(d.stat().st_mode & 0o777) == "0o700" and d.stat().st_uid == os.getuid()
     assert path.startswith(f"{d}/") and path.endswith("/helper.py")
     assert open(path).read() == HELPER
-    assert not os.path.exists(path + ".part")
+    assert os.listdir(os.path.dirname(path)) == ["helper.py"]  # no temporary left behind
+
+
+def test_steps_staging_the_same_helper_at_once_all_get_it(host, tmp_path):
+    # download and sync start together and stage the same helper on the head
+    from concurrent.futures import ThreadPoolExecutor
+
+    big = HELPER + "#" * 60_000 + "\n"  # long enough for the writes to overlap
+    for _ in range(3):
+        for d in stage_dir(tmp_path).glob("*"):
+            for f in d.iterdir():
+                f.unlink()
+        with ThreadPoolExecutor(6) as pool:
+            paths = list(pool.map(lambda _: nodeops.stage(host, "helper.py", big), range(6)))
+        assert len(set(paths)) == 1 and open(paths[0]).read() == big
+        assert os.listdir(os.path.dirname(paths[0])) == ["helper.py"]
 
 
 def test_a_tampered_staged_file_is_replaced_not_reused(host, tmp_path):

@@ -75,6 +75,7 @@ DEFAULT_REQUIREMENTS: tuple[tuple[str, ...], ...] = (
     ("transformers>=5",),
     ("transformers==5.3.0",),  # what SGLang 0.5.10rc0 declares: the layer image.build resolves
     ("transformers==4.57.1",),
+    ("huggingface_hub",),  # model.download's own virtualenv on a node whose pip is refused
 )
 TARGET_PYTHON = "3.11"  # Debian bookworm's python3
 TARGET_GLIBC_MINOR = 36  # Debian bookworm's glibc 2.36

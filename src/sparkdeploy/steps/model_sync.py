@@ -96,6 +96,9 @@ def send_argv(dep: Deployment, src: Host, dst: Host, files: list[str], port: int
     # --ignore-times: a file is sent because it is not verified there, whatever its size and time
     argv = ["rsync", "-rlt", "--ignore-times", "--relative", "--whole-file", f"--partial-dir={PARTIAL}",
             "--timeout=60"]
+    cap = dep.profile.model.sync.bwlimit_mb_s
+    if cap is not None:  # rsync counts in KiB/s
+        argv.append(f"--bwlimit={max(1, round(cap * 1e6 / 1024))}")
     srcs = [f"{path}/./{rel}" for rel in files]
     if port is not None:  # rsyncd
         return [*argv, "--password-file=-", "--", *srcs,
