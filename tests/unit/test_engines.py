@@ -123,7 +123,7 @@ def test_vllm_ray_seed_profile_exact_argv_and_env():
         "hellohal2064/vllm-qwen3.5-gb10", *ray_worker("192.168.100.11")]
     assert run_args(api) == [
         *common("sparkdeploy-vllm-ray-api", "vllm-ray", "api"),
-        "--volumes-from=sparkdeploy-vllm-ray-head",
+        "--volumes-from=sparkdeploy-vllm-ray-head", "--pid=container:sparkdeploy-vllm-ray-head",
         *envs([*link("enp1s0f0np0", 3, "192.168.100.10"), ("VLLM_HOST_IP", "192.168.100.10"), *ray,
                ("RAY_ADDRESS", "192.168.100.10:6379")]),
         "hellohal2064/vllm-qwen3.5-gb10", *vllm_serve(2)]

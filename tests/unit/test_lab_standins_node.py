@@ -150,3 +150,25 @@ def test_runc_standin_lowers_rlimits_to_what_the_machine_allows_and_finds_the_re
     assert rc.clamp(rl, caps.get) is False
     real = rc.real_runc()
     assert real is None or Path(real).resolve() != (STANDINS / "runc").resolve()
+
+
+def test_runc_standin_lowers_the_rlimits_of_an_exec_process_too(tmp_path, monkeypatch):
+    # `docker exec` into a container run with --ulimit memlock=-1 hands runc the same rlimits
+    rc = _load("runc")
+    monkeypatch.setattr(rc, "machine_hard", {"RLIMIT_MEMLOCK": 8388608}.get)
+    proc = tmp_path / "process.json"
+    proc.write_text(json.dumps({"args": ["python3"], "rlimits": [
+        {"type": "RLIMIT_MEMLOCK", "hard": 2**64 - 1, "soft": 2**64 - 1}]}))
+    args = ["--root", "/r", "exec", "--process", str(proc), "--detach", "cid"]
+    assert rc.process_of(args) == proc
+    assert rc.process_of(["exec", f"--process={proc}", "cid"]) == proc
+    assert rc.process_of(["create", "--bundle", "/b", "cid"]) is None
+    rc.lower(proc, inner=False)
+    assert json.loads(proc.read_text()) == {"args": ["python3"], "rlimits": [
+        {"type": "RLIMIT_MEMLOCK", "hard": 8388608, "soft": 8388608}]}
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"process": {"rlimits": [
+        {"type": "RLIMIT_MEMLOCK", "hard": 2**64 - 1, "soft": 0}]}}))
+    rc.lower(cfg, inner=True)
+    assert json.loads(cfg.read_text())["process"]["rlimits"][0] == {
+        "type": "RLIMIT_MEMLOCK", "hard": 8388608, "soft": 0}

@@ -90,6 +90,8 @@ class ContainerSpec:
     volumes: tuple[str, ...] = ()
     """Anonymous volumes (container paths), shared with ``volumes_from`` containers."""
     volumes_from: str | None = None
+    pid_from: str | None = None
+    """A container whose process namespace this one joins (``--pid=container:NAME``)."""
     secret_env: tuple[str, ...] = ()
     """Variables whose values come from the controller's secrets when the container starts."""
     deployment: str = ""
@@ -241,6 +243,8 @@ def run_args(spec: ContainerSpec, *, detach: bool = True, remove: bool = False,
     argv += [f"--volume={v}" for v in spec.volumes]
     if spec.volumes_from:
         argv.append(f"--volumes-from={spec.volumes_from}")
+    if spec.pid_from:
+        argv.append(f"--pid=container:{spec.pid_from}")
     if env_file and spec.secret_env:
         argv.append(f"--env-file={env_file}")
     argv += [f"--env={k}={v}" for k, v in spec.env]

@@ -5,8 +5,10 @@ A Ray head container on the head (``ray start --head --port <dist_port> --node-i
 <head fast-link ip>:<dist_port> --node-ip-address <own fast-link ip> --block``), each declaring
 its GPUs. Once Ray lists every node alive, at its fast-link address, with its GPUs, ``vllm
 serve`` runs on the head in its own container (``api``) that shares the Ray head's ``/tmp/ray``
-(``--volumes-from``: the driver reaches the local raylet through its sockets there) and names
-the cluster in ``RAY_ADDRESS``. Its own container gives it its own log and exit status, and lets
+(``--volumes-from``: the driver reaches the local raylet through its sockets there) and its
+process namespace (``--pid=container:``: a Ray 2.x driver finds its node's raylet by looking for
+the raylet process, and waits for one forever when it sees none), and names the cluster in
+``RAY_ADDRESS``. Its own container gives it its own log and exit status, and lets
 systemd see it die.
 
 One node needs no Ray: a single container runs ``vllm serve`` (multiprocessing executor).
@@ -84,7 +86,7 @@ def build(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
                              "--node-ip-address", node.link.address, "--num-gpus", str(node.gpus),
                              "--disable-usage-stats", "--block"], ()))
     api = spec(head, "api", 0, serve_argv(profile, engine, "ray"), (engine.port,),
-               volumes_from=ray_head.name, secret_env=secret,
+               volumes_from=ray_head.name, pid_from=ray_head.name, secret_env=secret,
                extra_env={"RAY_ADDRESS": f"{head.link.address}:{ray_port}"})
     stages = (Stage((ray_head,)), Stage(tuple(workers), wait="ray-nodes"), Stage((api,)))
     return Launch(engine, stages, head.name, engine.port, profile.model.repo)
