@@ -105,6 +105,17 @@ def ssh_base_argv(ssh: SshSettings, control_dir: str | None = None) -> list[str]
     return argv
 
 
+def forward_argv(ssh: SshSettings, local: str, remote: str, dest: str) -> list[str]:
+    """An ssh of its own that forwards the unix socket ``remote`` to ``local`` until it ends.
+
+    Not through the shared master: a multiplexed client hands the forward to the master and
+    exits at once, leaving the forward (and its socket) to live as long as the master does.
+    ssh keeps the first value given for an option, so these come before the shared ones."""
+    base = ssh_base_argv(ssh)
+    return [base[0], "-o", "ControlMaster=no", "-o", "ControlPath=none", *base[1:],
+            "-N", "-o", "ExitOnForwardFailure=yes", "-L", f"{local}:{remote}", "--", dest]
+
+
 def settings_tag(ssh: SshSettings) -> str:
     key = f"{ssh.config}\0{ssh.known_hosts}".encode()
     return hashlib.sha256(key).hexdigest()[:8]
@@ -292,11 +303,7 @@ class Host:
             return
         tmp = Path(tempfile.mkdtemp(prefix="sd-docker-", dir=default_control_dir()))
         sock = tmp / "d.sock"
-        fwd = [
-            *ssh_base_argv(self.ssh),
-            "-N", "-o", "ExitOnForwardFailure=yes", "-o", "ControlMaster=no",
-            "-L", f"{sock}:{self.node.docker_socket}", "--", self.node.ssh or "",
-        ]  # fmt: skip
+        fwd = forward_argv(self.ssh, str(sock), self.node.docker_socket, self.node.ssh or "")
         proc = subprocess.Popen(fwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)
         try:

@@ -4,7 +4,7 @@ import pytest
 from invoke import Config, Context, Result
 
 from sparkdeploy.config import Link, Node, SshSettings
-from sparkdeploy.hosts import Host, NodeUnreachable, elide
+from sparkdeploy.hosts import Host, NodeUnreachable, elide, forward_argv, ssh_base_argv
 
 NODE = Node(name="spark1", role="head", ssh="spark1", link=Link(interface="e0", address="10.0.0.1"),
             privilege="sudo")
@@ -16,6 +16,19 @@ def test_wrap_uses_the_profile_ssh_files_and_quotes_the_remote_command():
     assert argv[:3] == ["ssh", "-F", "/lab/ssh_config"]
     assert "UserKnownHostsFile=/lab/known_hosts" in argv and "StrictHostKeyChecking=yes" in argv
     assert argv[-3:] == ["--", "spark1", "sudo -n -- sh -c 'echo $HOME; rm x' 'a b'"]
+
+
+def test_the_docker_socket_forward_has_its_own_connection_not_the_shared_master():
+    ssh = SshSettings(config="/lab/ssh_config", known_hosts="/lab/known_hosts")
+    argv = forward_argv(ssh, "/tmp/cm/f/d.sock", "/run/docker.sock", "spark1")
+    base = ssh_base_argv(ssh)
+    assert argv == ["ssh", "-o", "ControlMaster=no", "-o", "ControlPath=none", *base[1:], "-N",
+                    "-o", "ExitOnForwardFailure=yes", "-L", "/tmp/cm/f/d.sock:/run/docker.sock",
+                    "--", "spark1"]
+    # ssh keeps the first value of an option: the shared ones come later and lose
+    opts = [argv[i + 1] for i, a in enumerate(argv) if a == "-o"]
+    assert [o for o in opts if o.startswith("ControlPath=")][0] == "ControlPath=none"
+    assert [o for o in opts if o.startswith("ControlMaster=")][0] == "ControlMaster=no"
 
 
 def test_local_node_runs_argv_as_is():

@@ -14,7 +14,7 @@ from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import NodeFacts, launch
 from sparkdeploy.engines.base import run_args
 from sparkdeploy.hosts import Host
-from sparkdeploy.results import Status
+from sparkdeploy.results import Result, Status
 from sparkdeploy.state import StateDir
 from sparkdeploy.steps import serve
 from tests.unit.serve_fakes import Clock, FakeCluster, FakeContext, FakeNode, Script
@@ -188,8 +188,12 @@ def test_hang_is_diagnosed_removed_everywhere_and_falls_back_to_vllm(lab):
         [(1, "[2026-12-02 17:00:02] Init torch distributed begin."), (2, HANG)])
     healthy_vllm(nodes, cluster)
     t0 = clock()
-    results = serve.up(dep)
-    sg_fail = next(r for r in results if r.failed)
+    with dep.events.collect() as events:
+        results = serve.up(dep)
+    # vLLM served: the step succeeded (exit 0); the replaced engine is in the stream and record
+    assert [r for r in results if r.failed] == []
+    assert [r.status for r in results[-2:]] == [Status.CHANGED, Status.OK]
+    sg_fail = next(e for e in events if isinstance(e, Result) and e.failed)
     assert sg_fail.why.startswith("sglang hang: no log output and no readiness step for 30s")
     assert "class: nccl-init-hang" in sg_fail.why and "falling back to vllm-ray" in sg_fail.why
     assert results[-1].why == "endpoint: http://10.0.0.1:8000"
@@ -217,8 +221,10 @@ def test_an_exited_container_fails_at_once_with_its_last_lines(lab):
         [(1, "loading"), (2, "KeyError: 'qwen3_5_moe'")], exit_at=3)
     healthy_vllm(nodes, cluster)
     t0 = clock()
-    results = serve.up(dep, engine="sglang")
-    [bad] = [r for r in results if r.failed]
+    with dep.events.collect() as events:
+        results = serve.up(dep, engine="sglang")
+    assert [r for r in results if r.failed] == []
+    [bad] = [e for e in events if isinstance(e, Result) and e.failed]
     assert bad.why.startswith("sglang exited: spark1: sparkdeploy-sglang-head exited (exit code 1) "
                               "during the head's init port 192.168.100.10:20000")
     assert "last lines: loading | KeyError: 'qwen3_5_moe'" in bad.why
