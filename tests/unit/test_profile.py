@@ -156,6 +156,14 @@ BAD = [
     ("gpus-float", _set(["nodes", 0, "gpus"], 1.5), "sparkdeploy.nodes[0].gpus: must be an integer, not 1.5"),
     ("socket-path", _set(["nodes", 0, "docker_socket"], "/run/docker.sock:/etc"),
      "sparkdeploy.nodes[0].docker_socket: '/run/docker.sock:/etc' is not a plain absolute path"),
+    ("env-not-mapping", _set(["engines", 0, "env"], ["A=1"]), "sparkdeploy.engines[0].env: must be a mapping"),
+    ("streams-above-max", _set(["model", "sync"], {"streams": 65}),
+     "sparkdeploy.model.sync.streams: 65 is out of range (must be <= 64)"),
+    # a kind with no wording of its own keeps pydantic's
+    ("bool-string", _set(["images", "layer", "override_engine_requirement"], "yes"),
+     "sparkdeploy.images.layer.override_engine_requirement: Input should be a valid boolean"),
+    ("two-errors", lambda d: (_set(["nodes", 0, "gpus"], "x")(d), _set(["nodes", 1, "gpus"], "y")(d)),
+     "sparkdeploy.nodes[0].gpus: must be an integer, not 'x' (and 1 more)"),
 ]
 
 

@@ -2,7 +2,9 @@
 
 The archives mimic what Docker 20.10 (legacy) and Docker 26 (OCI) write: members in lexical name
 order (manifest.json and index.json after the layers), v1 IDs computed as Docker does, uncompressed
-layer blobs named by their diff ID.  Tests run the script through pipes as the ship does.
+layer blobs named by their diff ID.  Most tests run the filter's ``main`` in process on byte
+streams: a mutation tester's mutants of the script run only there.  The pipe tests (the same
+result as in process, bounded memory, progress lines) run it as the ship does.
 """
 
 import gzip
@@ -158,12 +160,40 @@ def build(members):
     return arc, raw
 
 
-def run_filter(raw: bytes, *args, tmp_path=None):
+class _Stream:
+    """What ``main`` uses of ``sys.stdin`` / ``sys.stdout``: their byte ``buffer``."""
+
+    def __init__(self, data: bytes = b""):
+        self.buffer = io.BytesIO(data)
+
+
+def run_in_process(raw: bytes, *args) -> subprocess.CompletedProcess:
+    """``main(args)`` with ``raw`` on stdin, in this process (so that a mutation tester's
+    mutants of the filter are the code that runs); exit status, stdout and stderr as a pipe
+    run gives them (test_pipe_run_is_the_in_process_run checks that they agree)."""
+    stdin, stdout, stderr = _Stream(raw), _Stream(), io.StringIO()
+    saved = sys.stdin, sys.stdout, sys.stderr
+    sys.stdin, sys.stdout, sys.stderr = stdin, stdout, stderr
+    try:
+        try:
+            code = sf.main(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code
+    finally:
+        sys.stdin, sys.stdout, sys.stderr = saved
+    return subprocess.CompletedProcess(list(args), code, stdout.buffer.getvalue(), stderr.getvalue().encode())
+
+
+def run_piped(raw: bytes, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], input=raw, capture_output=True, timeout=120)
+
+
+def run_filter(raw: bytes, *args, tmp_path=None, run=run_in_process):
     stats = None
     if tmp_path is not None:
         stats = tmp_path / "stats.json"
         args = (*args, "--stats", str(stats))
-    cp = subprocess.run([sys.executable, str(SCRIPT), *args], input=raw, capture_output=True, timeout=120)
+    cp = run(raw, *args)
     report = json.loads(cp.stderr.decode().strip().splitlines()[-1]) if cp.stderr else None
     if stats is not None and stats.exists():
         assert json.loads(stats.read_text()) == report
@@ -425,6 +455,24 @@ def test_progress_lines(tmp_path):
     assert cp.stderr.decode().splitlines() == [f"progress bytes_in={len(raw)} bytes_out={len(raw)}"]
 
 
+@pytest.mark.parametrize("layout", ["oci", "legacy"])
+def test_pipe_run_is_the_in_process_run(tmp_path, layout):
+    """The in-process harness stands for the script run through pipes: same bytes, same
+    report, same exit status."""
+    layers, diff_ids, config = image(3)
+    if layout == "legacy":
+        (_, raw), _ = legacy_archive(layers, diff_ids, config)
+    else:
+        _, raw = oci_archive(dict(zip(diff_ids, layers, strict=True)), config,
+                             ["blobs/sha256/" + d.split(":")[1] for d in diff_ids])
+    args = ("--layers", ",".join(diff_ids), *_haves(diff_ids[:2]))
+    piped, piped_report = run_filter(raw, *args, run=run_piped)
+    inproc, inproc_report = run_filter(raw, *args)
+    assert piped.returncode == inproc.returncode == 0
+    assert piped.stdout == inproc.stdout and len(inproc.stdout) < len(raw)
+    assert piped_report == inproc_report and inproc_report["members_dropped"] == 2
+
+
 def test_truncated_archive_fails():
     layers, diff_ids, config = image(2)
     arc, raw = oci_archive(
@@ -454,7 +502,7 @@ def test_not_a_tar_fails():
     ],
 )
 def test_bad_arguments_exit_2(args):
-    cp = subprocess.run([sys.executable, str(SCRIPT), *args], input=b"", capture_output=True)
+    cp = run_in_process(b"", *args)
     assert cp.returncode == 2
     assert cp.stderr.startswith(b"usage: save_filter.py")
     assert cp.stdout == b""
