@@ -203,3 +203,10 @@ def test_a_request_whose_usage_counts_no_tokens_adds_none():
     zero = analyse(_tl(_chunk("a", usage={"completion_tokens": 0}), b"[DONE]", end=1.0))
     assert zero.output_tokens == 0 and zero.tpot_ms is None
     assert summarize([zero])["total_output_tokens"] == 0
+
+
+def test_request_json_carries_the_metrics_under_their_names():
+    m = analyse(timeline())
+    assert m.as_json() == pytest.approx({
+        "ttft_ms": 100.0, "e2el_ms": 250.0, "output_tokens": 4, "input_tokens": 7, "tpot_ms": 50.0,
+        "decode_tok_s": 20.0, "tokens_source": "usage", "error": None})

@@ -76,12 +76,14 @@ def tagged(ref: str) -> str:
 class Engine:
     def __init__(self, images=(), containerd=False, refuse_partial=False, free=10**12,
                  layout="oci", python="3.11", load_rewrites_config=False, load_untagged=False,
-                 root_dir="/var/lib/docker", history=None, info_fails=False, unreachable=False):
+                 root_dir="/var/lib/docker", history=None, info_fails=False, unreachable=False,
+                 load_error=None):
         self.images = {img["_tag"]: img for img in images}
         self.root_dir = root_dir
         self.history = history  # `docker history` sizes, newest first (default: 1 GB a layer)
         self.info_fails = info_fails
         self.unreachable = unreachable
+        self.load_error = load_error
         self.containerd = containerd
         self.refuse_partial = refuse_partial
         self.free = free
@@ -110,6 +112,8 @@ class Engine:
 
     # -- docker load, with the classic store's chain rule -----------------------------------------
     def load(self, raw: bytes) -> tuple[int, str]:
+        if self.load_error:
+            return 1, self.load_error
         with tarfile.open(fileobj=io.BytesIO(raw)) as t:
             members = {m.name.rstrip("/"): m for m in t.getmembers()}
             manifest = json.loads(t.extractfile("manifest.json").read())[0]
@@ -446,7 +450,8 @@ def test_a_load_with_another_config_fails_the_ship(make):
 def test_a_load_that_tags_nothing_fails_the_ship(make):
     dep, _ = make(Engine([BASE_IMG], load_untagged=True))
     [res] = ship.ship(dep, "spark2", "img:1")
-    assert res.status is Status.FAILED and res.why == "after the transfer: spark2 has no img:1"
+    assert (res.step, res.status, res.node) == ("image.ship", Status.FAILED, "spark2")
+    assert res.why == "after the transfer: spark2 has no img:1"
 
 
 def test_dry_run_sends_nothing(make):
@@ -612,3 +617,33 @@ def test_an_unreachable_peer_is_one_failed_result(make):
     [res] = ship.ship(dep, "spark2", "img:1")
     assert (res.step, res.status, res.node) == ("image.ship", Status.FAILED, "spark2")
     assert res.why == "unreachable: ssh: connect to host spark2 port 22: No route to host"
+
+
+def test_a_partial_ship_says_what_crossed(make):
+    dep, _ = make(Engine([BASE_IMG]))
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert (res.step, res.status, res.node) == ("image.ship", Status.CHANGED, "spark2")
+    assert re.fullmatch(r"sent img:1 spark1 -> spark2: partial, 0 MB of 0 MB, 2/3 layers already "
+                        r"there, \d+\.\ds", res.why), res.why
+    assert 0 <= res.details["seconds"] < 60
+
+
+def test_a_refused_partial_archive_is_reported_once(make):
+    dep, _ = make(Engine([BASE_IMG], refuse_partial=True))
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert re.fullmatch(r"sent img:1 spark1 -> spark2: full, whole, 2/3 layers already there, "
+                        r"\d+\.\ds; the peer refused the partial archive \(Error processing tar "
+                        r"file: unexpected EOF\), sent it whole", res.why), res.why
+
+
+def test_the_whole_archive_after_a_refusal_is_compressed_too(make):
+    dep, ctx = make(Engine([BASE_IMG], refuse_partial=True), compression="zstd")
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.CHANGED and ctx.compressed == [True, True]
+
+
+def test_a_failed_load_fails_the_ship(make):
+    dep, _ = make(Engine(load_error="write /var/lib/docker/tmp/x: no space left on device"))
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert (res.step, res.status, res.node) == ("image.ship", Status.FAILED, "spark2")
+    assert res.why == "transfer to spark2 failed: write /var/lib/docker/tmp/x: no space left on device"
