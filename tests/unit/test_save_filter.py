@@ -167,20 +167,20 @@ class _Stream:
         self.buffer = io.BytesIO(data)
 
 
-def run_in_process(raw: bytes, *args) -> subprocess.CompletedProcess:
-    """``main(args)`` with ``raw`` on stdin, in this process (so that a mutation tester's
-    mutants of the filter are the code that runs); exit status, stdout and stderr as a pipe
-    run gives them (test_pipe_run_is_the_in_process_run checks that they agree)."""
-    stdin, stdout, stderr = _Stream(raw), _Stream(), io.StringIO()
-    saved = sys.stdin, sys.stdout, sys.stderr
-    sys.stdin, sys.stdout, sys.stderr = stdin, stdout, stderr
+def run_in_process(raw: bytes, *args, stdout=None) -> subprocess.CompletedProcess:
+    """``main()`` with ``args`` in ``sys.argv`` and ``raw`` on stdin, in this process (so that a
+    mutation tester's mutants of the filter are the code that runs); exit status, stdout and
+    stderr as a pipe run gives them (test_pipe_run_is_the_in_process_run checks that they agree)."""
+    stdin, stdout, stderr = _Stream(raw), stdout or _Stream(), io.StringIO()
+    saved = sys.stdin, sys.stdout, sys.stderr, sys.argv
+    sys.stdin, sys.stdout, sys.stderr, sys.argv = stdin, stdout, stderr, ["save_filter.py", *args]
     try:
         try:
-            code = sf.main(list(args))
+            code = sf.main()
         except SystemExit as e:  # argparse's usage errors
             code = e.code
     finally:
-        sys.stdin, sys.stdout, sys.stderr = saved
+        sys.stdin, sys.stdout, sys.stderr, sys.argv = saved
     return subprocess.CompletedProcess(list(args), code, stdout.buffer.getvalue(), stderr.getvalue().encode())
 
 
@@ -482,7 +482,8 @@ def test_truncated_archive_fails():
     cp, report = run_filter(raw[: len(raw) // 2])
     assert cp.returncode == 3
     assert report["status"] == 3
-    assert b"truncated" in cp.stderr
+    assert cp.stderr.decode().splitlines()[0] == "save_filter: archive truncated inside a member"
+    assert report["errors"] == ["stream failed", "no readable manifest.json in the archive"]
 
 
 def test_not_a_tar_fails():
@@ -491,21 +492,149 @@ def test_not_a_tar_fails():
 
 
 @pytest.mark.parametrize(
-    "args",
+    "args,error",
     [
-        ["--have", "sha256:short"],
-        ["--have", "md5:" + "0" * 64],
-        ["--layers", "sha256:" + "0" * 64 + ",nope"],
-        ["--progress", "0"],
-        ["--bogus"],
-        ["--have-file", "/nonexistent/have.txt"],
+        (["--have", "sha256:short"], "argument --have: not a diff ID (sha256:<64 hex>): 'sha256:short'"),
+        (["--have", "md5:" + "0" * 64], "argument --have: not a diff ID (sha256:<64 hex>): 'md5:" + "0" * 64 + "'"),
+        (["--layers", "sha256:" + "0" * 64 + ",nope"], "not a diff ID (sha256:<64 hex>): 'nope'"),
+        (["--progress", "0"], "--progress must be > 0"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--have-file", "/nonexistent/have.txt"], "[Errno 2] No such file or directory: '/nonexistent/have.txt'"),
+        (["--layers", "sha256:" + "0" * 64, "--layers-file", "/dev/null"], "give --layers or --layers-file, not both"),
     ],
 )
-def test_bad_arguments_exit_2(args):
+def test_bad_arguments_exit_2(args, error):
     cp = run_in_process(b"", *args)
     assert cp.returncode == 2
     assert cp.stderr.startswith(b"usage: save_filter.py")
+    assert cp.stderr.decode().splitlines()[-1] == "save_filter.py: error: " + error
     assert cp.stdout == b""
+
+
+def test_a_progress_period_below_one_second_is_fine():
+    layers, diff_ids, config = image(1)
+    _, raw = oci_archive(dict(zip(diff_ids, layers, strict=True)), config,
+                         ["blobs/sha256/" + diff_ids[0].split(":")[1]])
+    assert run_in_process(raw, "--progress", "0.5", "--quiet").returncode == 0
+
+
+def _oci(n=2):
+    layers, diff_ids, config = image(n)
+    paths = ["blobs/sha256/" + d.split(":")[1] for d in diff_ids]
+    arc, raw = oci_archive(dict(zip(diff_ids, layers, strict=True)), config, paths)
+    return arc, raw, diff_ids, paths
+
+
+def _progress(raw: bytes, period: float) -> tuple[list[str], "sf.Filter"]:
+    err = io.StringIO()
+    f = sf.Filter(sf.Plan([], None, []), io.BytesIO(raw), io.BytesIO(), progress=period, err=err)
+    f.run()
+    return err.getvalue().splitlines(), f
+
+
+def test_progress_every_period_and_always_the_final_count():
+    _, raw, _, _ = _oci()
+    lines, f = _progress(raw, 1000)
+    assert lines == [f"progress bytes_in={len(raw)} bytes_out={len(raw)}"]
+    lines, f = _progress(raw, 1e-9)  # a line at each write, counts only growing
+    counts = [tuple(int(kv.split("=")[1]) for kv in ln.split()[1:]) for ln in lines]
+    assert len(lines) > 5 and all(ln.startswith("progress bytes_in=") for ln in lines)
+    assert counts == sorted(counts) and counts[-1] == (len(raw), len(raw))
+
+
+def test_closed_output_exits_3_and_says_so():
+    class Closed(_Stream):
+        def __init__(self):
+            super().__init__()
+            self.buffer.write = self._write
+
+        @staticmethod
+        def _write(data):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    _, raw, _, _ = _oci()
+    cp = run_in_process(raw, stdout=Closed())
+    assert cp.returncode == 3
+    lines = cp.stderr.decode().splitlines()
+    assert lines[0] == "save_filter: output closed"
+    assert json.loads(lines[-1])["errors"][0] == "stream failed"
+
+
+def test_lists_from_files_with_commas_and_comments(tmp_path):
+    """A list file: JSON, or IDs split by commas or blanks, with '#' comments."""
+    layers, diff_ids, config = image(3)
+    (arc, raw), v1 = legacy_archive(layers, diff_ids, config)
+    have = tmp_path / "have.txt"
+    have.write_text(f"{diff_ids[0]}, {diff_ids[1]}  # the base # and its first layer\n\n")
+    lfile = tmp_path / "layers.txt"
+    lfile.write_text(" ".join(diff_ids) + "\n")
+    cp, report = run_filter(raw, "--layers-file", str(lfile), "--have-file", str(have))
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stdout == arc.without(raw, {v1[0] + "/layer.tar", v1[1] + "/layer.tar"})
+
+
+def test_drop_paths_from_a_file(tmp_path):
+    """gzip layer blobs (digest != diff ID) left out by the paths a file lists."""
+    layers, diff_ids, config = image(2)
+    gz = [gzip.compress(t, mtime=0) for t in layers]
+    paths = ["blobs/sha256/" + sha(g).split(":")[1] for g in gz]
+    arc, raw = oci_archive({sha(g): g for g in gz}, config, paths)
+    drops = tmp_path / "drop.txt"
+    drops.write_text(paths[0] + "\n")
+    cp, report = run_filter(raw, "--layers", ",".join(diff_ids), "--have", diff_ids[0], "--drop-file", str(drops))
+    assert cp.returncode == 0 and cp.stdout == arc.without(raw, {paths[0]})
+    assert report["dropped"] == [{"path": paths[0], "size": len(gz[0]), "diff_id": diff_ids[0]}]
+
+
+def test_dropping_a_member_that_is_no_layer_is_flagged():
+    arc, raw, _, _ = _oci()
+    cp, report = run_filter(raw, "--drop", "repositories")
+    assert cp.returncode == 4 and report["unsafe"] is True
+    assert report["dropped"] == [{"path": "repositories", "size": 2, "diff_id": None}]
+    assert report["errors"] == ["dropped repositories which no manifest names as a layer"]
+
+
+def test_member_names_with_a_dot_slash_prefix():
+    """`tar -C dir .` writes ./name: the same members, the same decisions."""
+    layers, diff_ids, config = image(2)
+    cfg = sha(config).split(":")[1]
+    arc = Archive()
+    for d, t in sorted(zip(diff_ids, layers, strict=True)):
+        arc.add("./blobs/sha256/" + d.split(":")[1], t)
+    arc.add("./blobs/sha256/" + cfg, config)
+    manifest = [{"Config": "blobs/sha256/" + cfg, "Layers": ["blobs/sha256/" + d.split(":")[1] for d in diff_ids]}]
+    arc.add("./manifest.json", json.dumps(manifest).encode())
+    arc.add("./oci-layout", b"{}")
+    raw = arc.close()
+    cp, report = run_filter(raw, "--layers", ",".join(diff_ids), "--have", diff_ids[0])
+    dropped = "blobs/sha256/" + diff_ids[0].split(":")[1]
+    assert cp.returncode == 0 and cp.stdout == arc.without(raw, {"./" + dropped})
+    assert report["dropped"][0]["path"] == dropped and report["errors"] == [] and report["layout"] == "oci"
+
+
+def test_a_config_larger_than_a_read_chunk_still_maps_the_layers():
+    layers, diff_ids, _ = image(2)
+    config = json.dumps({"rootfs": {"type": "layers", "diff_ids": diff_ids},
+                         "history": [{"created_by": "x" * (sf.CHUNK + 4000)}]}).encode()
+    paths = ["blobs/sha256/" + d.split(":")[1] for d in diff_ids]
+    arc, raw = oci_archive(dict(zip(diff_ids, layers, strict=True)), config, paths)
+    cp, report = run_filter(raw, "--layers", ",".join(diff_ids), "--have", diff_ids[0])
+    assert cp.returncode == 0 and report["errors"] == [] and report["missed"] == []
+    assert report["dropped"] == [{"path": paths[0], "size": len(layers[0]), "diff_id": diff_ids[0]}]
+
+
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT], ids=["pax", "gnu"])
+def test_a_long_name_from_an_extended_header_can_be_dropped(fmt):
+    """The name is in the pax or GNU long-name header: the member and that header go."""
+    arc = Archive(fmt=fmt)
+    long = "blobs/sha256/" + "c" * 64 + "/" + "y" * 120
+    arc.add("a.txt", b"first")
+    arc.add(long, b"dropped by its long name")
+    arc.add("z.txt", b"last")
+    raw = arc.close()
+    cp, report = run_filter(raw, "--drop", long)
+    assert cp.stdout == arc.without(raw, {long})
+    assert [d["path"] for d in report["dropped"]] == [long]
 
 
 # -- the Python it needs ----------------------------------------------------------------------
