@@ -512,10 +512,10 @@ def test_bad_arguments_exit_2(args, error):
 
 
 def test_a_progress_period_below_one_second_is_fine():
-    layers, diff_ids, config = image(1)
-    _, raw = oci_archive(dict(zip(diff_ids, layers, strict=True)), config,
-                         ["blobs/sha256/" + diff_ids[0].split(":")[1]])
-    assert run_in_process(raw, "--progress", "0.5", "--quiet").returncode == 0
+    # (parse_args alone: in process, main's filter would print progress to the stderr the
+    # script was loaded with, not to the harness's)
+    args, _ = sf.parse_args(["--progress", "0.5"])
+    assert args.progress == 0.5
 
 
 def _oci(n=2):
