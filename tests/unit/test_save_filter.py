@@ -340,7 +340,7 @@ def test_oci_without_layers_list_drops_named_blobs():
     )  # fmt: skip
     cp, report = run_filter(raw, "--have", diff_ids[0])
     assert cp.stdout == arc.without(raw, {"blobs/sha256/" + diff_ids[0].split(":")[1]})
-    assert report["status"] == 0
+    assert report["status"] == 0 and report["prefix_layers"] is None
 
 
 def test_oci_compressed_blobs_need_drop_paths(tmp_path):
@@ -484,6 +484,120 @@ def test_truncated_archive_fails():
     assert report["status"] == 3
     assert cp.stderr.decode().splitlines()[0] == "save_filter: archive truncated inside a member"
     assert report["errors"] == ["stream failed", "no readable manifest.json in the archive"]
+    assert report["layout"] == "unknown"
+
+
+@pytest.mark.parametrize("cut,error", [
+    (lambda raw, first: raw[:first], "archive ended without an end-of-archive marker"),
+    (lambda raw, first: raw[:first + 100], "archive truncated inside a header"),
+], ids=["at-a-header", "inside-a-header"])
+def test_where_an_archive_ends_early_is_said(cut, error):
+    arc, raw, _, _ = _oci()
+    first = min(e for _, e in arc.spans.values())  # the end of the first member
+    cp, report = run_filter(cut(raw, first))
+    assert cp.returncode == 3 and cp.stderr.decode().splitlines()[0] == "save_filter: " + error
+
+
+class _Trickle(io.RawIOBase):
+    """A pipe's reads: at most a few bytes each, whatever was asked."""
+
+    def __init__(self, data: bytes, step: int = 7):
+        self.data, self.pos, self.step = data, 0, step
+
+    def readable(self):
+        return True
+
+    def read(self, n=-1):
+        n = self.step if n is None or n < 0 else min(n, self.step)
+        out = self.data[self.pos:self.pos + n]
+        self.pos += len(out)
+        return out
+
+
+def test_short_reads_give_the_same_output():
+    arc, raw, diff_ids, paths = _oci()
+    plan = sf.Plan(diff_ids[:1], diff_ids, [])
+    out = io.BytesIO()
+    f = sf.Filter(plan, _Trickle(raw), out, err=io.StringIO())
+    f.run()
+    assert out.getvalue() == arc.without(raw, {paths[0]})
+    assert f.check()["errors"] == [] and f.bytes_in == len(raw)
+
+
+def test_a_dropped_or_large_kept_member_is_not_held_in_memory():
+    import tracemalloc
+
+    big = 24 << 20
+    arc = Archive()
+    arc.add("blobs/sha256/" + "a" * 64, b"\1" * big)  # dropped
+    arc.add("blobs/sha256/" + "b" * 64, b"\2" * big)  # kept, above the metadata limit
+    raw = arc.close()
+
+    class Sink:
+        n = 0
+
+        def write(self, data):
+            self.n += len(data)
+
+        def flush(self):
+            pass
+
+    src, sink = io.BytesIO(raw), Sink()
+    f = sf.Filter(sf.Plan(["sha256:" + "a" * 64], None, []), src, sink, err=io.StringIO())
+    tracemalloc.start()
+    try:
+        f.run()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert sink.n == len(raw) - (512 + big) and peak < 8 << 20
+
+
+def test_a_global_pax_header_is_kept():
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT, pax_headers={"comment": "g"}) as t:
+        start = t.offset
+        for name, data in (("blobs/sha256/" + "a" * 64, b"dropped"), ("keep.txt", b"kept")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+            if name != "keep.txt":
+                end = t.offset
+    raw = buf.getvalue()
+    cp, report = run_filter(raw, "--have", "sha256:" + "a" * 64)
+    assert raw[156:157] == tarfile.XGLTYPE  # the archive opens with the global header
+    assert cp.returncode == 0 and cp.stdout == raw[:start] + raw[end:]
+
+
+def test_a_pax_path_after_other_records_and_with_an_equals_sign():
+    arc = Archive(fmt=tarfile.PAX_FORMAT)
+    long = "blobs/sha256/" + "c" * 64 + "/x=1/" + "y" * 120
+    info_headers = {"comment": "first record", "uname": "second record"}
+    start = arc.tar.offset
+    info = tarfile.TarInfo(long)
+    info.size, info.pax_headers = 4, info_headers
+    arc.tar.addfile(info, io.BytesIO(b"data"))
+    arc.spans[long] = (start, arc.tar.offset)
+    arc.add("z.txt", b"last")
+    raw = arc.close()
+    cp, report = run_filter(raw, "--drop", long)
+    assert cp.stdout == arc.without(raw, {long})
+    assert [d["path"] for d in report["dropped"]] == [long]
+
+
+def test_a_config_the_archive_lacks_cannot_vouch_for_a_drop():
+    layers, diff_ids, config = image(2)
+    paths = ["blobs/sha256/" + d.split(":")[1] for d in diff_ids]
+    arc = Archive()
+    for p, t in sorted(zip(paths, layers, strict=True)):
+        arc.add(p, t)
+    cfg = "blobs/sha256/" + "f" * 64
+    arc.add("manifest.json", json.dumps([{"Config": cfg, "Layers": paths}]).encode())
+    raw = arc.close()
+    cp, report = run_filter(raw, "--layers", ",".join(diff_ids), "--have", diff_ids[0])
+    assert cp.returncode == 4
+    assert report["errors"] == [f"config of {cfg}: cannot map layers",
+                                f"dropped {paths[0]} which no manifest names as a layer"]
 
 
 def test_not_a_tar_fails():
@@ -604,7 +718,7 @@ def test_member_names_with_a_dot_slash_prefix():
     arc.add("./blobs/sha256/" + cfg, config)
     manifest = [{"Config": "blobs/sha256/" + cfg, "Layers": ["blobs/sha256/" + d.split(":")[1] for d in diff_ids]}]
     arc.add("./manifest.json", json.dumps(manifest).encode())
-    arc.add("./oci-layout", b"{}")
+    arc.add("./index.json", b"{}")  # (the OCI layout told by index.json alone)
     raw = arc.close()
     cp, report = run_filter(raw, "--layers", ",".join(diff_ids), "--have", diff_ids[0])
     dropped = "blobs/sha256/" + diff_ids[0].split(":")[1]
@@ -615,7 +729,7 @@ def test_member_names_with_a_dot_slash_prefix():
 def test_a_config_larger_than_a_read_chunk_still_maps_the_layers():
     layers, diff_ids, _ = image(2)
     config = json.dumps({"rootfs": {"type": "layers", "diff_ids": diff_ids},
-                         "history": [{"created_by": "x" * (sf.CHUNK + 4000)}]}).encode()
+                         "pad": [1234567] * (sf.CHUNK // 8)}).encode()  # read in two chunks
     paths = ["blobs/sha256/" + d.split(":")[1] for d in diff_ids]
     arc, raw = oci_archive(dict(zip(diff_ids, layers, strict=True)), config, paths)
     cp, report = run_filter(raw, "--layers", ",".join(diff_ids), "--have", diff_ids[0])
