@@ -585,13 +585,16 @@ def test_a_pax_path_after_other_records_and_with_an_equals_sign():
     assert [d["path"] for d in report["dropped"]] == [long]
 
 
-def test_a_config_the_archive_lacks_cannot_vouch_for_a_drop():
-    layers, diff_ids, config = image(2)
+@pytest.mark.parametrize("config", [None, b"{not json"], ids=["missing", "unreadable"])
+def test_a_config_the_archive_lacks_cannot_vouch_for_a_drop(config):
+    layers, diff_ids, _ = image(2)
     paths = ["blobs/sha256/" + d.split(":")[1] for d in diff_ids]
     arc = Archive()
     for p, t in sorted(zip(paths, layers, strict=True)):
         arc.add(p, t)
     cfg = "blobs/sha256/" + "f" * 64
+    if config is not None:
+        arc.add(cfg, config)
     arc.add("manifest.json", json.dumps([{"Config": cfg, "Layers": paths}]).encode())
     raw = arc.close()
     cp, report = run_filter(raw, "--layers", ",".join(diff_ids), "--have", diff_ids[0])
@@ -603,6 +606,7 @@ def test_a_config_the_archive_lacks_cannot_vouch_for_a_drop():
 def test_not_a_tar_fails():
     cp, report = run_filter(b"this is not a tar archive".ljust(4096, b"!"))
     assert cp.returncode == 3
+    assert cp.stderr.decode().splitlines()[0].startswith("save_filter: not a tar header (")
 
 
 @pytest.mark.parametrize(
@@ -741,7 +745,7 @@ def test_a_config_larger_than_a_read_chunk_still_maps_the_layers():
 def test_a_long_name_from_an_extended_header_can_be_dropped(fmt):
     """The name is in the pax or GNU long-name header: the member and that header go."""
     arc = Archive(fmt=fmt)
-    long = "blobs/sha256/" + "c" * 64 + "/" + "y" * 120
+    long = "blobs/sha256/" + "c" * 64 + "/" + "y" * 120 + "X"
     arc.add("a.txt", b"first")
     arc.add(long, b"dropped by its long name")
     arc.add("z.txt", b"last")

@@ -41,7 +41,7 @@ def _layer(i: int) -> bytes:
     return tsf.layer_tar(f"layer-{i}", (b"%d" % i) * (2000 + 500 * i))
 
 
-LAYERS = [_layer(i) for i in range(4)]
+LAYERS = [_layer(i) for i in range(4)] + [tsf.layer_tar("layer-big", b"B" * 3_000_000)]
 DIFF = [tsf.sha(t) for t in LAYERS]
 
 
@@ -647,3 +647,22 @@ def test_a_failed_load_fails_the_ship(make):
     [res] = ship.ship(dep, "spark2", "img:1")
     assert (res.step, res.status, res.node) == ("image.ship", Status.FAILED, "spark2")
     assert res.why == "transfer to spark2 failed: write /var/lib/docker/tmp/x: no space left on device"
+
+
+def test_a_ship_of_megabytes_says_how_many_crossed(make):
+    big = image([DIFF[0], DIFF[4]], "big:1")
+    dep, _ = make(Engine([BASE_IMG]), source=Engine([big, BASE_IMG]))
+    [res] = ship.ship(dep, "spark2", "big:1")
+    assert re.fullmatch(r"sent big:1 spark1 -> spark2: partial, 3 MB of 3 MB, 1/2 layers already "
+                        r"there, \d+\.\ds", res.why), res.why
+
+
+def test_past_the_image_size_the_total_is_unknown_until_the_end(make):
+    small = dict(IMG, Size=1000)  # an estimate below the archive's size
+    dep, _ = make(Engine(), source=Engine([small]))
+    with dep.events.collect() as events:
+        [res] = ship.ship(dep, "spark2", "img:1")
+    progress = [e for e in events if isinstance(e, Progress)]
+    assert res.status is Status.CHANGED and len(progress) >= 2
+    assert {p.total for p in progress[:-1]} == {None}
+    assert progress[-1].total == progress[-1].done == res.details["bytes_in"]
