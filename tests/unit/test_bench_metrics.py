@@ -170,3 +170,43 @@ def test_analyse_and_summarize_a_run_exactly():
     assert s["errors"] == {"bad SSE payload: b'{bad'": 1}
     assert summarize([]) == {**summarize([]), "duration_s": 0.0, "output_tok_s": 0.0,
                              "requests_s": 0.0, "output_tokens_source": None}
+
+
+def test_a_payload_that_is_not_an_object_is_skipped():
+    m = analyse(_tl(_chunk("a"), b"[1, 2]", b'"keep-alive"', _chunk("b"), b"[DONE]"))
+    assert m.error is None and m.output_tokens == 2 and m.itl_ms == pytest.approx([300.0])
+
+
+def test_a_usage_object_without_a_field_keeps_the_earlier_value():
+    """Servers that send usage on every chunk: a later object naming only one count."""
+    no_prompt = analyse(_tl(_chunk("a", usage={"prompt_tokens": 5, "completion_tokens": 1}),
+                            _chunk("b", usage={"completion_tokens": 3}), b"[DONE]"))
+    assert (no_prompt.input_tokens, no_prompt.output_tokens) == (5, 3)
+    no_completion = analyse(_tl(_chunk("a", usage={"prompt_tokens": 5, "completion_tokens": 3}),
+                                _chunk("b", usage={"prompt_tokens": 5}), b"[DONE]"))
+    assert (no_completion.output_tokens, no_completion.tokens_source) == (3, "usage")
+
+
+def test_rates_over_a_sub_second_run():
+    one = analyse(_tl(_chunk("a"), _chunk("b"), _chunk("c"), b"[DONE]", start=0.0, end=0.5))
+    s = summarize([one])
+    assert s["duration_s"] == pytest.approx(0.5)
+    assert s["output_tok_s"] == pytest.approx(6.0) and s["requests_s"] == pytest.approx(2.0)
+
+
+def test_requests_without_an_end_give_no_duration():
+    s = summarize([analyse(_tl(_chunk("a"), b"[DONE]", end=None))])
+    assert s["completed"] == 1 and s["duration_s"] == 0.0 and s["output_tok_s"] == 0.0
+
+
+def test_a_request_whose_usage_counts_no_tokens_adds_none():
+    zero = analyse(_tl(_chunk("a", usage={"completion_tokens": 0}), b"[DONE]", end=1.0))
+    assert zero.output_tokens == 0 and zero.tpot_ms is None
+    assert summarize([zero])["total_output_tokens"] == 0
+
+
+def test_request_json_carries_the_metrics_under_their_names():
+    m = analyse(timeline())
+    assert m.as_json() == pytest.approx({
+        "ttft_ms": 100.0, "e2el_ms": 250.0, "output_tokens": 4, "input_tokens": 7, "tpot_ms": 50.0,
+        "decode_tok_s": 20.0, "tokens_source": "usage", "error": None})

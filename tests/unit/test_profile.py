@@ -156,6 +156,14 @@ BAD = [
     ("gpus-float", _set(["nodes", 0, "gpus"], 1.5), "sparkdeploy.nodes[0].gpus: must be an integer, not 1.5"),
     ("socket-path", _set(["nodes", 0, "docker_socket"], "/run/docker.sock:/etc"),
      "sparkdeploy.nodes[0].docker_socket: '/run/docker.sock:/etc' is not a plain absolute path"),
+    ("env-not-mapping", _set(["engines", 0, "env"], ["A=1"]), "sparkdeploy.engines[0].env: must be a mapping"),
+    ("streams-above-max", _set(["model", "sync"], {"streams": 65}),
+     "sparkdeploy.model.sync.streams: 65 is out of range (must be <= 64)"),
+    # a kind with no wording of its own keeps pydantic's
+    ("bool-string", _set(["images", "layer", "override_engine_requirement"], "yes"),
+     "sparkdeploy.images.layer.override_engine_requirement: Input should be a valid boolean"),
+    ("two-errors", lambda d: (_set(["nodes", 0, "gpus"], "x")(d), _set(["nodes", 1, "gpus"], "y")(d)),
+     "sparkdeploy.nodes[0].gpus: must be an integer, not 'x' (and 1 more)"),
 ]
 
 
@@ -241,3 +249,30 @@ def test_inv_profile_check_prints_resolved_profile():
     body = yaml.safe_load(r.stdout)
     assert body["sparkdeploy"]["nodes"][0]["docker_socket"] == "/var/run/docker.sock"
     assert body["sparkdeploy"]["services"]["gpu_free_timeout_s"] == 120
+
+
+def test_ports_at_the_ends_of_the_range(tmp_path):
+    def ends(d):
+        d["engines"][0]["port"] = 65535
+        d["engines"][0]["dist_port"] = 1
+    p = load_profile(write(tmp_path, mutate(ends)))
+    assert (p.engines[0].port, p.engines[0].dist_port) == (65535, 1)
+    with pytest.raises(ProfileError, match=r"engines\[0\]\.port: 65536 is out of range \(1\.\.65535\)$"):
+        load_profile(write(tmp_path, mutate(_set(["engines", 0, "port"], 65536))))
+
+
+def test_engine_rules_default_when_the_profile_names_none(tmp_path):
+    p = load_profile(write(tmp_path, mutate(_del(["images", "rules"]))))
+    sglang, vllm = p.images.rules["sglang"], p.images.rules["vllm"]
+    assert (sglang.min_version, sglang.require_config) == ("0.5.9", True)
+    assert sglang.model_files == ["sglang/srt/models/qwen3_5.py", "sglang/srt/models/qwen3_5_mtp.py"]
+    assert (vllm.min_version, vllm.require_config) == ("0.17.0", False)
+    assert vllm.model_files == ["vllm/model_executor/models/qwen3_5.py",
+                                "vllm/model_executor/models/qwen3_5_mtp.py"]
+
+
+def test_node_by_name():
+    p = load_profile(SEED)
+    assert p.node("spark2").role == "worker"
+    with pytest.raises(ProfileError, match=r"^no node named 'spark9' \(nodes: spark1, spark2\)$"):
+        p.node("spark9")

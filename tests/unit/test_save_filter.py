@@ -2,7 +2,9 @@
 
 The archives mimic what Docker 20.10 (legacy) and Docker 26 (OCI) write: members in lexical name
 order (manifest.json and index.json after the layers), v1 IDs computed as Docker does, uncompressed
-layer blobs named by their diff ID.  Tests run the script through pipes as the ship does.
+layer blobs named by their diff ID.  Most tests run the filter's ``main`` in process on byte
+streams: a mutation tester's mutants of the script run only there.  The pipe tests (the same
+result as in process, bounded memory, progress lines) run it as the ship does.
 """
 
 import gzip
@@ -158,12 +160,40 @@ def build(members):
     return arc, raw
 
 
-def run_filter(raw: bytes, *args, tmp_path=None):
+class _Stream:
+    """What ``main`` uses of ``sys.stdin`` / ``sys.stdout``: their byte ``buffer``."""
+
+    def __init__(self, data: bytes = b""):
+        self.buffer = io.BytesIO(data)
+
+
+def run_in_process(raw: bytes, *args, stdout=None) -> subprocess.CompletedProcess:
+    """``main()`` with ``args`` in ``sys.argv`` and ``raw`` on stdin, in this process (so that a
+    mutation tester's mutants of the filter are the code that runs); exit status, stdout and
+    stderr as a pipe run gives them (test_pipe_run_is_the_in_process_run checks that they agree)."""
+    stdin, stdout, stderr = _Stream(raw), stdout or _Stream(), io.StringIO()
+    saved = sys.stdin, sys.stdout, sys.stderr, sys.argv
+    sys.stdin, sys.stdout, sys.stderr, sys.argv = stdin, stdout, stderr, ["save_filter.py", *args]
+    try:
+        try:
+            code = sf.main()
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code
+    finally:
+        sys.stdin, sys.stdout, sys.stderr, sys.argv = saved
+    return subprocess.CompletedProcess(list(args), code, stdout.buffer.getvalue(), stderr.getvalue().encode())
+
+
+def run_piped(raw: bytes, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], input=raw, capture_output=True, timeout=120)
+
+
+def run_filter(raw: bytes, *args, tmp_path=None, run=run_in_process):
     stats = None
     if tmp_path is not None:
         stats = tmp_path / "stats.json"
         args = (*args, "--stats", str(stats))
-    cp = subprocess.run([sys.executable, str(SCRIPT), *args], input=raw, capture_output=True, timeout=120)
+    cp = run(raw, *args)
     report = json.loads(cp.stderr.decode().strip().splitlines()[-1]) if cp.stderr else None
     if stats is not None and stats.exists():
         assert json.loads(stats.read_text()) == report
@@ -310,7 +340,7 @@ def test_oci_without_layers_list_drops_named_blobs():
     )  # fmt: skip
     cp, report = run_filter(raw, "--have", diff_ids[0])
     assert cp.stdout == arc.without(raw, {"blobs/sha256/" + diff_ids[0].split(":")[1]})
-    assert report["status"] == 0
+    assert report["status"] == 0 and report["prefix_layers"] is None
 
 
 def test_oci_compressed_blobs_need_drop_paths(tmp_path):
@@ -425,6 +455,24 @@ def test_progress_lines(tmp_path):
     assert cp.stderr.decode().splitlines() == [f"progress bytes_in={len(raw)} bytes_out={len(raw)}"]
 
 
+@pytest.mark.parametrize("layout", ["oci", "legacy"])
+def test_pipe_run_is_the_in_process_run(tmp_path, layout):
+    """The in-process harness stands for the script run through pipes: same bytes, same
+    report, same exit status."""
+    layers, diff_ids, config = image(3)
+    if layout == "legacy":
+        (_, raw), _ = legacy_archive(layers, diff_ids, config)
+    else:
+        _, raw = oci_archive(dict(zip(diff_ids, layers, strict=True)), config,
+                             ["blobs/sha256/" + d.split(":")[1] for d in diff_ids])
+    args = ("--layers", ",".join(diff_ids), *_haves(diff_ids[:2]))
+    piped, piped_report = run_filter(raw, *args, run=run_piped)
+    inproc, inproc_report = run_filter(raw, *args)
+    assert piped.returncode == inproc.returncode == 0
+    assert piped.stdout == inproc.stdout and len(inproc.stdout) < len(raw)
+    assert piped_report == inproc_report and inproc_report["members_dropped"] == 2
+
+
 def test_truncated_archive_fails():
     layers, diff_ids, config = image(2)
     arc, raw = oci_archive(
@@ -434,30 +482,277 @@ def test_truncated_archive_fails():
     cp, report = run_filter(raw[: len(raw) // 2])
     assert cp.returncode == 3
     assert report["status"] == 3
-    assert b"truncated" in cp.stderr
+    assert cp.stderr.decode().splitlines()[0] == "save_filter: archive truncated inside a member"
+    assert report["errors"] == ["stream failed", "no readable manifest.json in the archive"]
+    assert report["layout"] == "unknown"
+
+
+@pytest.mark.parametrize("cut,error", [
+    (lambda raw, first: raw[:first], "archive ended without an end-of-archive marker"),
+    (lambda raw, first: raw[:first + 100], "archive truncated inside a header"),
+], ids=["at-a-header", "inside-a-header"])
+def test_where_an_archive_ends_early_is_said(cut, error):
+    arc, raw, _, _ = _oci()
+    first = min(e for _, e in arc.spans.values())  # the end of the first member
+    cp, report = run_filter(cut(raw, first))
+    assert cp.returncode == 3 and cp.stderr.decode().splitlines()[0] == "save_filter: " + error
+
+
+class _Trickle(io.RawIOBase):
+    """A pipe's reads: at most a few bytes each, whatever was asked."""
+
+    def __init__(self, data: bytes, step: int = 7):
+        self.data, self.pos, self.step = data, 0, step
+
+    def readable(self):
+        return True
+
+    def read(self, n=-1):
+        n = self.step if n is None or n < 0 else min(n, self.step)
+        out = self.data[self.pos:self.pos + n]
+        self.pos += len(out)
+        return out
+
+
+def test_short_reads_give_the_same_output():
+    arc, raw, diff_ids, paths = _oci()
+    plan = sf.Plan(diff_ids[:1], diff_ids, [])
+    out = io.BytesIO()
+    f = sf.Filter(plan, _Trickle(raw), out, err=io.StringIO())
+    f.run()
+    assert out.getvalue() == arc.without(raw, {paths[0]})
+    assert f.check()["errors"] == [] and f.bytes_in == len(raw)
+
+
+def test_a_dropped_or_large_kept_member_is_not_held_in_memory():
+    import tracemalloc
+
+    big = 24 << 20
+    arc = Archive()
+    arc.add("blobs/sha256/" + "a" * 64, b"\1" * big)  # dropped
+    arc.add("blobs/sha256/" + "b" * 64, b"\2" * big)  # kept, above the metadata limit
+    raw = arc.close()
+
+    class Sink:
+        n = 0
+
+        def write(self, data):
+            self.n += len(data)
+
+        def flush(self):
+            pass
+
+    src, sink = io.BytesIO(raw), Sink()
+    f = sf.Filter(sf.Plan(["sha256:" + "a" * 64], None, []), src, sink, err=io.StringIO())
+    tracemalloc.start()
+    try:
+        f.run()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert sink.n == len(raw) - (512 + big) and peak < 8 << 20
+
+
+def test_a_global_pax_header_is_kept():
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT, pax_headers={"comment": "g"}) as t:
+        start = t.offset
+        for name, data in (("blobs/sha256/" + "a" * 64, b"dropped"), ("keep.txt", b"kept")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+            if name != "keep.txt":
+                end = t.offset
+    raw = buf.getvalue()
+    cp, report = run_filter(raw, "--have", "sha256:" + "a" * 64)
+    assert raw[156:157] == tarfile.XGLTYPE  # the archive opens with the global header
+    assert cp.returncode == 0 and cp.stdout == raw[:start] + raw[end:]
+
+
+def test_a_pax_path_after_other_records_and_with_an_equals_sign():
+    arc = Archive(fmt=tarfile.PAX_FORMAT)
+    long = "blobs/sha256/" + "c" * 64 + "/x=1/" + "y" * 120
+    info_headers = {"comment": "first record", "uname": "second record"}
+    start = arc.tar.offset
+    info = tarfile.TarInfo(long)
+    info.size, info.pax_headers = 4, info_headers
+    arc.tar.addfile(info, io.BytesIO(b"data"))
+    arc.spans[long] = (start, arc.tar.offset)
+    arc.add("z.txt", b"last")
+    raw = arc.close()
+    cp, report = run_filter(raw, "--drop", long)
+    assert cp.stdout == arc.without(raw, {long})
+    assert [d["path"] for d in report["dropped"]] == [long]
+
+
+@pytest.mark.parametrize("config", [None, b"{not json"], ids=["missing", "unreadable"])
+def test_a_config_the_archive_lacks_cannot_vouch_for_a_drop(config):
+    layers, diff_ids, _ = image(2)
+    paths = ["blobs/sha256/" + d.split(":")[1] for d in diff_ids]
+    arc = Archive()
+    for p, t in sorted(zip(paths, layers, strict=True)):
+        arc.add(p, t)
+    cfg = "blobs/sha256/" + "f" * 64
+    if config is not None:
+        arc.add(cfg, config)
+    arc.add("manifest.json", json.dumps([{"Config": cfg, "Layers": paths}]).encode())
+    raw = arc.close()
+    cp, report = run_filter(raw, "--layers", ",".join(diff_ids), "--have", diff_ids[0])
+    assert cp.returncode == 4
+    assert report["errors"] == [f"config of {cfg}: cannot map layers",
+                                f"dropped {paths[0]} which no manifest names as a layer"]
 
 
 def test_not_a_tar_fails():
     cp, report = run_filter(b"this is not a tar archive".ljust(4096, b"!"))
     assert cp.returncode == 3
+    assert cp.stderr.decode().splitlines()[0].startswith("save_filter: not a tar header (")
 
 
 @pytest.mark.parametrize(
-    "args",
+    "args,error",
     [
-        ["--have", "sha256:short"],
-        ["--have", "md5:" + "0" * 64],
-        ["--layers", "sha256:" + "0" * 64 + ",nope"],
-        ["--progress", "0"],
-        ["--bogus"],
-        ["--have-file", "/nonexistent/have.txt"],
+        (["--have", "sha256:short"], "argument --have: not a diff ID (sha256:<64 hex>): 'sha256:short'"),
+        (["--have", "md5:" + "0" * 64], "argument --have: not a diff ID (sha256:<64 hex>): 'md5:" + "0" * 64 + "'"),
+        (["--layers", "sha256:" + "0" * 64 + ",nope"], "not a diff ID (sha256:<64 hex>): 'nope'"),
+        (["--progress", "0"], "--progress must be > 0"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--have-file", "/nonexistent/have.txt"], "[Errno 2] No such file or directory: '/nonexistent/have.txt'"),
+        (["--layers", "sha256:" + "0" * 64, "--layers-file", "/dev/null"], "give --layers or --layers-file, not both"),
     ],
 )
-def test_bad_arguments_exit_2(args):
-    cp = subprocess.run([sys.executable, str(SCRIPT), *args], input=b"", capture_output=True)
+def test_bad_arguments_exit_2(args, error):
+    cp = run_in_process(b"", *args)
     assert cp.returncode == 2
     assert cp.stderr.startswith(b"usage: save_filter.py")
+    assert cp.stderr.decode().splitlines()[-1] == "save_filter.py: error: " + error
     assert cp.stdout == b""
+
+
+def test_a_progress_period_below_one_second_is_fine():
+    # (parse_args alone: in process, main's filter would print progress to the stderr the
+    # script was loaded with, not to the harness's)
+    args, _ = sf.parse_args(["--progress", "0.5"])
+    assert args.progress == 0.5
+
+
+def _oci(n=2):
+    layers, diff_ids, config = image(n)
+    paths = ["blobs/sha256/" + d.split(":")[1] for d in diff_ids]
+    arc, raw = oci_archive(dict(zip(diff_ids, layers, strict=True)), config, paths)
+    return arc, raw, diff_ids, paths
+
+
+def _progress(raw: bytes, period: float) -> tuple[list[str], "sf.Filter"]:
+    err = io.StringIO()
+    f = sf.Filter(sf.Plan([], None, []), io.BytesIO(raw), io.BytesIO(), progress=period, err=err)
+    f.run()
+    return err.getvalue().splitlines(), f
+
+
+def test_progress_every_period_and_always_the_final_count():
+    _, raw, _, _ = _oci()
+    lines, f = _progress(raw, 1000)
+    assert lines == [f"progress bytes_in={len(raw)} bytes_out={len(raw)}"]
+    lines, f = _progress(raw, 1e-9)  # a line at each write, counts only growing
+    counts = [tuple(int(kv.split("=")[1]) for kv in ln.split()[1:]) for ln in lines]
+    assert len(lines) > 5 and all(ln.startswith("progress bytes_in=") for ln in lines)
+    assert counts == sorted(counts) and counts[-1] == (len(raw), len(raw))
+
+
+def test_closed_output_exits_3_and_says_so():
+    class Closed(_Stream):
+        def __init__(self):
+            super().__init__()
+            self.buffer.write = self._write
+
+        @staticmethod
+        def _write(data):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    _, raw, _, _ = _oci()
+    cp = run_in_process(raw, stdout=Closed())
+    assert cp.returncode == 3
+    lines = cp.stderr.decode().splitlines()
+    assert lines[0] == "save_filter: output closed"
+    assert json.loads(lines[-1])["errors"][0] == "stream failed"
+
+
+def test_lists_from_files_with_commas_and_comments(tmp_path):
+    """A list file: JSON, or IDs split by commas or blanks, with '#' comments."""
+    layers, diff_ids, config = image(3)
+    (arc, raw), v1 = legacy_archive(layers, diff_ids, config)
+    have = tmp_path / "have.txt"
+    have.write_text(f"{diff_ids[0]}, {diff_ids[1]}  # the base # and its first layer\n\n")
+    lfile = tmp_path / "layers.txt"
+    lfile.write_text(" ".join(diff_ids) + "\n")
+    cp, report = run_filter(raw, "--layers-file", str(lfile), "--have-file", str(have))
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stdout == arc.without(raw, {v1[0] + "/layer.tar", v1[1] + "/layer.tar"})
+
+
+def test_drop_paths_from_a_file(tmp_path):
+    """gzip layer blobs (digest != diff ID) left out by the paths a file lists."""
+    layers, diff_ids, config = image(2)
+    gz = [gzip.compress(t, mtime=0) for t in layers]
+    paths = ["blobs/sha256/" + sha(g).split(":")[1] for g in gz]
+    arc, raw = oci_archive({sha(g): g for g in gz}, config, paths)
+    drops = tmp_path / "drop.txt"
+    drops.write_text(paths[0] + "\n")
+    cp, report = run_filter(raw, "--layers", ",".join(diff_ids), "--have", diff_ids[0], "--drop-file", str(drops))
+    assert cp.returncode == 0 and cp.stdout == arc.without(raw, {paths[0]})
+    assert report["dropped"] == [{"path": paths[0], "size": len(gz[0]), "diff_id": diff_ids[0]}]
+
+
+def test_dropping_a_member_that_is_no_layer_is_flagged():
+    arc, raw, _, _ = _oci()
+    cp, report = run_filter(raw, "--drop", "repositories")
+    assert cp.returncode == 4 and report["unsafe"] is True
+    assert report["dropped"] == [{"path": "repositories", "size": 2, "diff_id": None}]
+    assert report["errors"] == ["dropped repositories which no manifest names as a layer"]
+
+
+def test_member_names_with_a_dot_slash_prefix():
+    """`tar -C dir .` writes ./name: the same members, the same decisions."""
+    layers, diff_ids, config = image(2)
+    cfg = sha(config).split(":")[1]
+    arc = Archive()
+    for d, t in sorted(zip(diff_ids, layers, strict=True)):
+        arc.add("./blobs/sha256/" + d.split(":")[1], t)
+    arc.add("./blobs/sha256/" + cfg, config)
+    manifest = [{"Config": "blobs/sha256/" + cfg, "Layers": ["blobs/sha256/" + d.split(":")[1] for d in diff_ids]}]
+    arc.add("./manifest.json", json.dumps(manifest).encode())
+    arc.add("./index.json", b"{}")  # (the OCI layout told by index.json alone)
+    raw = arc.close()
+    cp, report = run_filter(raw, "--layers", ",".join(diff_ids), "--have", diff_ids[0])
+    dropped = "blobs/sha256/" + diff_ids[0].split(":")[1]
+    assert cp.returncode == 0 and cp.stdout == arc.without(raw, {"./" + dropped})
+    assert report["dropped"][0]["path"] == dropped and report["errors"] == [] and report["layout"] == "oci"
+
+
+def test_a_config_larger_than_a_read_chunk_still_maps_the_layers():
+    layers, diff_ids, _ = image(2)
+    config = json.dumps({"rootfs": {"type": "layers", "diff_ids": diff_ids},
+                         "pad": [1234567] * (sf.CHUNK // 8)}).encode()  # read in two chunks
+    paths = ["blobs/sha256/" + d.split(":")[1] for d in diff_ids]
+    arc, raw = oci_archive(dict(zip(diff_ids, layers, strict=True)), config, paths)
+    cp, report = run_filter(raw, "--layers", ",".join(diff_ids), "--have", diff_ids[0])
+    assert cp.returncode == 0 and report["errors"] == [] and report["missed"] == []
+    assert report["dropped"] == [{"path": paths[0], "size": len(layers[0]), "diff_id": diff_ids[0]}]
+
+
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT], ids=["pax", "gnu"])
+def test_a_long_name_from_an_extended_header_can_be_dropped(fmt):
+    """The name is in the pax or GNU long-name header: the member and that header go."""
+    arc = Archive(fmt=fmt)
+    long = "blobs/sha256/" + "c" * 64 + "/" + "y" * 120 + "X"
+    arc.add("a.txt", b"first")
+    arc.add(long, b"dropped by its long name")
+    arc.add("z.txt", b"last")
+    raw = arc.close()
+    cp, report = run_filter(raw, "--drop", long)
+    assert cp.stdout == arc.without(raw, {long})
+    assert [d["path"] for d in report["dropped"]] == [long]
 
 
 # -- the Python it needs ----------------------------------------------------------------------

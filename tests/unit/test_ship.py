@@ -41,7 +41,7 @@ def _layer(i: int) -> bytes:
     return tsf.layer_tar(f"layer-{i}", (b"%d" % i) * (2000 + 500 * i))
 
 
-LAYERS = [_layer(i) for i in range(4)]
+LAYERS = [_layer(i) for i in range(4)] + [tsf.layer_tar("layer-big", b"B" * 3_000_000)]
 DIFF = [tsf.sha(t) for t in LAYERS]
 
 
@@ -68,10 +68,22 @@ IMG = image(DIFF[:3], "img:1")
 OTHER = image([DIFF[0], DIFF[3], DIFF[2]], "other:1")  # holds DIFF[2], but on another chain
 
 
+def tagged(ref: str) -> str:
+    """The name docker lists a reference under (``:latest`` when it names no tag)."""
+    return ref if ":" in ref.rsplit("/", 1)[-1] else ref + ":latest"
+
+
 class Engine:
     def __init__(self, images=(), containerd=False, refuse_partial=False, free=10**12,
-                 layout="oci", python="3.11", load_rewrites_config=False, load_untagged=False):
+                 layout="oci", python="3.11", load_rewrites_config=False, load_untagged=False,
+                 root_dir="/var/lib/docker", history=None, info_fails=False, unreachable=False,
+                 load_error=None):
         self.images = {img["_tag"]: img for img in images}
+        self.root_dir = root_dir
+        self.history = history  # `docker history` sizes, newest first (default: 1 GB a layer)
+        self.info_fails = info_fails
+        self.unreachable = unreachable
+        self.load_error = load_error
         self.containerd = containerd
         self.refuse_partial = refuse_partial
         self.free = free
@@ -87,18 +99,21 @@ class Engine:
 
     # -- docker save, as the real engine writes it ---------------------------------------------
     def save(self, ref: str) -> bytes:
-        img = self.images[ref]
+        img = self.images[tagged(ref)]
         diff_ids = img["RootFS"]["Layers"]
         tars = [LAYERS[DIFF.index(d)] for d in diff_ids]
         if self.layout == "legacy":
-            (_, raw), _ = tsf.legacy_archive(tars, diff_ids, img["_config"], tag=ref)
+            (_, raw), _ = tsf.legacy_archive(tars, diff_ids, img["_config"], tag=tagged(ref))
         else:
             _, raw = tsf.oci_archive(dict(zip(diff_ids, tars, strict=True)), img["_config"],
-                                     ["blobs/sha256/" + d.split(":")[1] for d in diff_ids], tag=ref)
+                                     ["blobs/sha256/" + d.split(":")[1] for d in diff_ids],
+                                     tag=tagged(ref))
         return raw
 
     # -- docker load, with the classic store's chain rule -----------------------------------------
     def load(self, raw: bytes) -> tuple[int, str]:
+        if self.load_error:
+            return 1, self.load_error
         with tarfile.open(fileobj=io.BytesIO(raw)) as t:
             members = {m.name.rstrip("/"): m for m in t.getmembers()}
             manifest = json.loads(t.extractfile("manifest.json").read())[0]
@@ -135,6 +150,7 @@ class Ctx(Context):
         self._set("pipelines", [])  # (source, peer)
         self._set("haves", [])  # what each filter run was told the peer has
         self._set("filters", [])  # the options of each filter run
+        self._set("compressed", [])  # whether each pipeline compressed the archive
 
     def run(self, command, **kw):
         full = split(command)
@@ -142,31 +158,41 @@ class Ctx(Context):
         alias, argv = full[-2], split(full[-1])
         e = self.engines[alias]
         out, code, err = "", 0, ""
+        if e.unreachable:  # ssh itself fails, for every command (the reachability check too)
+            return RunResult(stdout="", stderr=f"ssh: connect to host {alias} port 22: No route to host",
+                             exited=255, command=command)
         if argv[:1] == ["docker"]:
             assert argv[1:3] == ["-H", SOCK]
             argv = argv[3:]
-        if argv[:2] == ["image", "inspect"]:
-            ref = argv[-1]
-            if argv[3] == "{{json .RootFS.Layers}}":
-                out = "".join(json.dumps(img["RootFS"]["Layers"]) + "\n" for img in e.images.values())
-            elif ref in e.images:
+        ids = sorted({v["Id"] for v in e.images.values()})
+        if argv[:4] == ["image", "inspect", "--format", "{{json .RootFS.Layers}}"]:
+            assert argv[4:] == ids and ids  # every image the engine holds, by full ID
+            out = "".join(json.dumps(img["RootFS"]["Layers"]) + "\n" for img in e.images.values())
+        elif argv[:4] == ["image", "inspect", "--format", "{{json .}}"] and len(argv) == 5:
+            ref = tagged(argv[4])
+            if ref in e.images:
                 info = {k: v for k, v in e.images[ref].items() if not k.startswith("_")}
                 if e.containerd:
                     info["Id"] = "sha256:" + "f" * 64  # the manifest digest, not the config's
                 out = json.dumps(info)
             else:
-                code, err = 1, f"Error: No such image: {ref}"
-        elif argv[:2] == ["image", "ls"] and "-q" in argv:
-            out = "\n".join(sorted({v["Id"] for v in e.images.values()}))
-        elif argv[:2] == ["image", "ls"]:
+                code, err = 1, f"Error: No such image: {argv[4]}"
+        elif argv == ["image", "ls", "-a", "-q", "--no-trunc"]:
+            out = "\n".join(ids)
+        elif argv == ["image", "ls", "--format", "{{.Repository}}:{{.Tag}}"]:
             out = "\n".join(e.images)
-        elif argv[:1] == ["info"]:
+        elif argv == ["info", "--format", "{{json .}}"]:
             status = ([["driver-type", "io.containerd.snapshotter.v1"]] if e.containerd
                       else [["Backing Filesystem", "extfs"]])
-            out = json.dumps({"DriverStatus": status, "DockerRootDir": "/var/lib/docker"})
-        elif argv[:5] == ["history", "--no-trunc", "--human=false", "--format", "{{.Size}}"]:
-            out = "".join(f"{1_000_000_000}\n" for _ in e.images[argv[-1]]["RootFS"]["Layers"])
-        elif argv == ["df", "-P", "-B1", "/var/lib/docker"]:
+            out = json.dumps({"DriverStatus": status, "DockerRootDir": e.root_dir})
+            if e.info_fails:
+                out, code, err = "", 1, "Cannot connect to the Docker daemon. Is the docker daemon running?"
+        elif argv[:5] == ["history", "--no-trunc", "--human=false", "--format", "{{.Size}}"] and len(argv) == 6:
+            if e.history is not None:
+                out = "".join(f"{x}\n" for x in e.history)
+            else:
+                out = "".join(f"{1_000_000_000}\n" for _ in e.images[tagged(argv[-1])]["RootFS"]["Layers"])
+        elif argv == ["df", "-P", "-B1", e.root_dir]:
             out = f"Filesystem 1-blocks Used Available Capacity Mounted\n/dev/x 1 1 {e.free} 1% /\n"
         elif argv == ["python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"]:
             if e.python is None:
@@ -223,6 +249,7 @@ class Ctx(Context):
         assert remote[7] in (want, "zstd -q -d -c | " + want)
         assert ("zstd" in remote[7]) == any(st[0] == "zstd" for st in middle)
         self.pipelines.append((alias, peer_name))
+        self.compressed.append("zstd" in remote[7])
         code, out = self.engines[peer_name].load(data)
         return code, (stderr if code == 0 else out)
 
@@ -250,8 +277,10 @@ class Ctx(Context):
         return cp.returncode, cp.stdout, cp.stderr.decode()
 
 
-def profile_with(tmp_path, n_nodes: int):
+def profile_with(tmp_path, n_nodes: int, compression: str | None = None):
     d = yaml.safe_load(SEED.read_text())
+    if compression is not None:
+        d["sparkdeploy"]["images"]["ship_compression"] = compression
     nodes = d["sparkdeploy"]["nodes"]
     for i in range(3, n_nodes + 1):
         n = copy.deepcopy(nodes[1])
@@ -268,12 +297,14 @@ def profile_with(tmp_path, n_nodes: int):
 
 @pytest.fixture
 def make(tmp_path):
-    def _make(*peers: Engine, source: Engine | None = None, dry: bool = False):
+    def _make(*peers: Engine, source: Engine | None = None, dry: bool = False,
+              compression: str | None = None):
         engines = {"spark1": source or Engine([IMG, BASE_IMG])}
         for i, e in enumerate(peers):
             engines[f"spark{i + 2}"] = e
         ctx = Ctx(engines, dry=dry)
-        path = profile_with(tmp_path, len(engines)) if len(engines) > 2 else SEED
+        path = (profile_with(tmp_path, len(engines), compression)
+                if len(engines) > 2 or compression else SEED)
         prof = load_profile(path)
         state = StateDir(tmp_path / "state")
         hosts = {n.name: Host(n, prof.ssh, ctx, state) for n in prof.nodes}
@@ -289,7 +320,8 @@ def test_peer_with_the_base_gets_only_the_top_layer(make, layout):
     assert res.status is Status.CHANGED, res.why
     assert res.details["mode"] == "partial" and res.details["layers_skipped"] == 2
     assert ctx.haves == [DIFF[:2]]  # the staged have-file the filter read: the present prefix
-    assert ctx.pipelines == [("spark1", "spark2")]
+    assert ctx.filters == [["--layers-file", "layers.json", "--have-file", "have.json", "--progress", "1"]]
+    assert ctx.pipelines == [("spark1", "spark2")] and ctx.compressed == [False]
     assert len(peer.loaded) == 1  # only the top layer crossed
     assert peer.images["img:1"]["Id"] == IMG["Id"]
     assert res.details["bytes_out"] < res.details["bytes_in"]
@@ -341,11 +373,14 @@ def test_a_ship_reports_progress_phases_and_its_result_once(make, held):
         [res] = ship.ship(dep, "spark2", "img:1")
     assert res.status is Status.CHANGED, res.why
     assert [e for e in events if isinstance(e, Result)] == [res]
+    assert {(e.step, e.node) for e in events if isinstance(e, Log)} == {("image.ship", "spark2")}
     logs = [e.text for e in events if isinstance(e, Log)]
     assert len(logs) == 2 and logs[0].startswith("sending img:1 from spark1: ")
     assert logs[1] == "checking img:1 on spark2"
     progress = [e for e in events if isinstance(e, Progress)]
-    assert {(p.step, p.node, p.unit) for p in progress} == {("image.ship", "spark2", "B")}
+    assert {(p.step, p.node, p.unit, p.note) for p in progress} == {("image.ship", "spark2", "B", "from spark1")}
+    # while fewer bytes than the image's size were read, the size is the expected total
+    assert progress[:-1] and {p.total for p in progress[:-1]} == {IMG["Size"]}
     # bytes read only grow; the last one is complete (the renderers always show it)
     assert [p.done for p in progress] == sorted(p.done for p in progress)
     assert progress[-1].done == progress[-1].total == res.details["bytes_in"]
@@ -358,7 +393,8 @@ def test_a_ship_reports_progress_phases_and_its_result_once(make, held):
 def test_peer_that_has_the_image_is_ok_and_nothing_is_sent(make):
     dep, ctx = make(Engine([IMG]))
     [res] = ship.ship(dep, "spark2", "img:1")
-    assert res.status is Status.OK
+    assert (res.step, res.status, res.node) == ("image.ship", Status.OK, "spark2")
+    assert res.why == f"spark2 already has img:1 ({IMG['Id'][:19]})"
     assert ctx.pipelines == []
 
 
@@ -367,7 +403,7 @@ def test_containerd_peer_gets_the_whole_archive(make):
     dep, ctx = make(peer)
     [res] = ship.ship(dep, "spark2", "img:1")
     assert res.status is Status.CHANGED, res.why
-    assert res.details["mode"] == "full" and "containerd image store" in res.why
+    assert res.details["mode"] == "full" and "(the peer uses the containerd image store)" in res.why
     assert ctx.haves == [] and ctx.filters == [["--progress", "1"]]
 
 
@@ -384,7 +420,7 @@ def test_peer_refusing_the_partial_archive_gets_a_full_one(make):
 def test_not_enough_disk_fails_before_sending(make):
     dep, ctx = make(Engine([BASE_IMG], free=10**9))
     [res] = ship.ship(dep, "spark2", "img:1")
-    assert res.status is Status.FAILED
+    assert (res.step, res.status, res.node) == ("image.ship", Status.FAILED, "spark2")
     # one missing layer of 1 GB: the archive lands in a temp dir, then is applied
     assert res.why == "spark2 has 1.0 GB free in /var/lib/docker, needs about 2.0 GB for img:1"
     assert ctx.pipelines == []
@@ -414,14 +450,15 @@ def test_a_load_with_another_config_fails_the_ship(make):
 def test_a_load_that_tags_nothing_fails_the_ship(make):
     dep, _ = make(Engine([BASE_IMG], load_untagged=True))
     [res] = ship.ship(dep, "spark2", "img:1")
-    assert res.status is Status.FAILED and res.why == "after the transfer: spark2 has no img:1"
+    assert (res.step, res.status, res.node) == ("image.ship", Status.FAILED, "spark2")
+    assert res.why == "after the transfer: spark2 has no img:1"
 
 
 def test_dry_run_sends_nothing(make):
     peer = Engine([BASE_IMG])
     dep, ctx = make(peer, dry=True)
     [res] = ship.ship(dep, "spark2", "img:1")
-    assert res.status is Status.SKIPPED
+    assert (res.step, res.status, res.node) == ("image.ship", Status.SKIPPED, "spark2")
     # the size comes from the layer history (1 GB per layer here), read in the dry run too
     assert res.why == "would send img:1 from spark1 to spark2: 2 of 3 layers already there, ~1000 MB"
     assert ctx.pipelines == [] and peer.files == {} and "img:1" not in peer.images
@@ -445,6 +482,7 @@ def test_an_old_python_on_the_source_sends_the_image_whole_and_says_why(make):
     [res] = ship.ship(dep, "spark2", "img:1")
     assert res.status is Status.CHANGED and res.details["mode"] == "full"
     assert "(spark1 has python3 3.6, save_filter.py needs 3.8+)" in res.why
+    assert res.details["layers_skipped"] == 0 and ", 0/3 layers already there, " in res.why
     assert ctx.haves == [] and ctx.filters == [] and len(peer.loaded) == 3
 
 
@@ -467,7 +505,7 @@ def test_a_staged_filter_changed_on_the_source_is_not_run(make, monkeypatch):
 
     monkeypatch.setattr(ship, "stage_script", stage_then_tamper)
     [res] = ship.ship(dep, "spark2", "img:1")
-    assert res.status is Status.FAILED and res.node == "spark1"
+    assert (res.step, res.status, res.node) == ("image.ship", Status.FAILED, "spark1")
     assert res.why.startswith("spark1: /tmp/sparkdeploy-stage-0/")
     assert res.why.endswith("/save_filter.py differs from its sha256: not run")
     assert ctx.haves == [] and ctx.pipelines == [] and "img:1" not in peer.images
@@ -475,3 +513,156 @@ def test_a_staged_filter_changed_on_the_source_is_not_run(make, monkeypatch):
 
 def test_the_ship_checks_the_python_the_filter_states():
     assert ship.FILTER_PYTHON == tsf.sf.MIN_PYTHON
+
+
+def test_an_old_python_ship_reports_no_byte_count(make):
+    """Without the filter nothing counts the bytes: no progress is made up."""
+    dep, _ = make(Engine([BASE_IMG]), source=Engine([IMG, BASE_IMG], python="3.6"))
+    with dep.events.collect() as events:
+        [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.CHANGED
+    assert [e for e in events if isinstance(e, Progress)] == []
+
+
+def test_python_3_8_on_the_source_runs_the_filter(make):
+    dep, ctx = make(Engine([BASE_IMG]), source=Engine([IMG, BASE_IMG], python="3.8"))
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.details["mode"] == "partial" and ctx.haves == [DIFF[:2]]
+
+
+def test_a_containerd_peer_that_has_the_image_is_ok(make):
+    """On the containerd store the image ID is the manifest's digest: not compared."""
+    dep, ctx = make(Engine([IMG], containerd=True))
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.OK and ctx.pipelines == []
+
+
+def test_zstd_compression_from_the_profile(make):
+    peer = Engine([BASE_IMG])
+    dep, ctx = make(peer, compression="zstd")
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.CHANGED, res.why
+    assert ctx.compressed == [True] and peer.images["img:1"]["Id"] == IMG["Id"]
+
+
+def test_the_disk_check_reads_the_engines_own_data_root(make):
+    dep, _ = make(Engine([BASE_IMG], free=10**9, root_dir="/data/docker"))
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.why == "spark2 has 1.0 GB free in /data/docker, needs about 2.0 GB for img:1"
+
+
+def test_a_dry_run_to_an_empty_peer_says_whole_and_why(make):
+    dep, _ = make(Engine(), dry=True)
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.why == ("would send img:1 from spark1 to spark2: whole (the peer has none of its "
+                       "layers), ~3000 MB")
+
+
+def test_layer_sizes_skip_the_empty_history_entries(make):
+    """`docker history` lists metadata steps (0 B) too: only the sized ones are layers."""
+    src = Engine([IMG, BASE_IMG], history=[0, 5_000_000, 0, 0, 2_000_000, 1_000_000, 0])
+    dep, _ = make(Engine([BASE_IMG]), source=src, dry=True)
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.why.endswith(": 2 of 3 layers already there, ~5 MB")  # the top layer's 5 MB
+
+
+@pytest.mark.parametrize("history", [[], [7, 8]], ids=["none", "not-one-per-layer"])
+def test_layer_sizes_guessed_from_the_image_size_when_history_does_not_fit(make, history):
+    src = Engine([IMG, BASE_IMG], history=history)
+    dep, _ = make(Engine([BASE_IMG]), source=src, dry=True)
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.why.endswith(": 2 of 3 layers already there, ~1 MB")  # 3 MB image / 3 layers
+
+
+def test_a_one_layer_image_without_history_is_sized_whole(make):
+    one = image(DIFF[:1], "one:1")
+    dep, _ = make(Engine(), source=Engine([one], history=[]), dry=True)
+    [res] = ship.ship(dep, "spark2", "one:1")
+    assert res.why.endswith(": whole (the peer has none of its layers), ~1 MB")
+
+
+def test_a_peer_image_without_layers_is_no_chain(make):
+    """`docker image inspect` prints null for an image with no layers."""
+    empty = image([], "empty:1")
+    empty["RootFS"]["Layers"] = None
+    peer = Engine([BASE_IMG, empty])
+    dep, ctx = make(peer)
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.CHANGED, res.why
+    assert res.details["layers_skipped"] == 2 and ctx.haves == [DIFF[:2]]
+
+
+def test_an_untagged_reference_is_checked_as_latest(make):
+    """The post-transfer check looks for the name docker lists, also behind a registry port."""
+    ref = "registry.local:5000/img"
+    src_img, base = image(DIFF[:3], ref + ":latest"), image(DIFF[:2], "base:1")
+    peer = Engine([base])
+    dep, _ = make(peer, source=Engine([src_img, base]))
+    [res] = ship.ship(dep, "spark2", ref)
+    assert res.status is Status.CHANGED, res.why
+    assert ref + ":latest" in peer.images
+
+
+def test_a_peer_whose_docker_fails_is_one_failed_result(make):
+    dep, ctx = make(Engine([BASE_IMG], info_fails=True))
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert (res.step, res.status, res.node) == ("image.ship", Status.FAILED, "spark2")
+    assert res.why == ("spark2: docker info failed: Cannot connect to the Docker daemon. "
+                       "Is the docker daemon running?")
+    assert ctx.pipelines == []
+
+
+def test_an_unreachable_peer_is_one_failed_result(make):
+    dep, ctx = make(Engine(unreachable=True))
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert (res.step, res.status, res.node) == ("image.ship", Status.FAILED, "spark2")
+    assert res.why == "unreachable: ssh: connect to host spark2 port 22: No route to host"
+
+
+def test_a_partial_ship_says_what_crossed(make):
+    dep, _ = make(Engine([BASE_IMG]))
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert (res.step, res.status, res.node) == ("image.ship", Status.CHANGED, "spark2")
+    assert re.fullmatch(r"sent img:1 spark1 -> spark2: partial, 0 MB of 0 MB, 2/3 layers already "
+                        r"there, \d+\.\ds", res.why), res.why
+    assert 0 <= res.details["seconds"] < 60
+
+
+def test_a_refused_partial_archive_is_reported_once(make):
+    dep, _ = make(Engine([BASE_IMG], refuse_partial=True))
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert re.fullmatch(r"sent img:1 spark1 -> spark2: full, whole, 2/3 layers already there, "
+                        r"\d+\.\ds; the peer refused the partial archive \(Error processing tar "
+                        r"file: unexpected EOF\), sent it whole", res.why), res.why
+
+
+def test_the_whole_archive_after_a_refusal_is_compressed_too(make):
+    dep, ctx = make(Engine([BASE_IMG], refuse_partial=True), compression="zstd")
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.CHANGED and ctx.compressed == [True, True]
+
+
+def test_a_failed_load_fails_the_ship(make):
+    dep, _ = make(Engine(load_error="write /var/lib/docker/tmp/x: no space left on device"))
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert (res.step, res.status, res.node) == ("image.ship", Status.FAILED, "spark2")
+    assert res.why == "transfer to spark2 failed: write /var/lib/docker/tmp/x: no space left on device"
+
+
+def test_a_ship_of_megabytes_says_how_many_crossed(make):
+    big = image([DIFF[0], DIFF[4]], "big:1")
+    dep, _ = make(Engine([BASE_IMG]), source=Engine([big, BASE_IMG]))
+    [res] = ship.ship(dep, "spark2", "big:1")
+    assert re.fullmatch(r"sent big:1 spark1 -> spark2: partial, 3 MB of 3 MB, 1/2 layers already "
+                        r"there, \d+\.\ds", res.why), res.why
+
+
+def test_past_the_image_size_the_total_is_unknown_until_the_end(make):
+    small = dict(IMG, Size=1000)  # an estimate below the archive's size
+    dep, _ = make(Engine(), source=Engine([small]))
+    with dep.events.collect() as events:
+        [res] = ship.ship(dep, "spark2", "img:1")
+    progress = [e for e in events if isinstance(e, Progress)]
+    assert res.status is Status.CHANGED and len(progress) >= 2
+    assert {p.total for p in progress[:-1]} == {None}
+    assert progress[-1].total == progress[-1].done == res.details["bytes_in"]
