@@ -297,3 +297,18 @@ def test_build_without_a_declaration_resolves_the_requirement(build_dep):
 def test_filter_report_skips_a_broken_json_line_after_it():
     assert ship._report('{"bytes_in": 10}\n{"cut off\n') == {"bytes_in": 10}
     assert ship._report("no report\n") == {}
+
+
+def test_build_no_cache_says_so_and_looks_for_no_earlier_build(build_dep):
+    dep, ctx = build_dep("==5.3.0")
+    looked = []
+    orig = images._find_built
+    images._find_built = lambda *a: looked.append(a) or orig(*a)
+    try:
+        [res] = images.build(dep, no_cache=True)
+        assert looked == []
+        assert res.why.endswith("(sglang 0.5.10rc0: transformers==5.3.0) without docker's cache")
+        [again] = images.build(dep)
+        assert len(looked) == 1 and again.why.endswith("transformers==5.3.0)")
+    finally:
+        images._find_built = orig

@@ -379,10 +379,11 @@ def _find_built(head: Host, labels: dict[str, str]) -> str | None:
 
 
 @step(STEP_BUILD, needs=(STEP_PROBE,), long=True)
-def build(dep: Deployment) -> list[Result]:
-    """Build the transformers layer on the head (ok without building when already built)."""
+def build(dep: Deployment, no_cache: bool = False) -> list[Result]:
+    """Build the transformers layer on the head (ok without building when already built;
+    ``no_cache``: build again from the base, docker's layer cache unused)."""
     try:
-        res = _build(dep)
+        res = _build(dep, no_cache)
     except NodeUnreachable as e:
         res = e.as_result(STEP_BUILD)
     return [dep.report(res)]
@@ -391,7 +392,7 @@ def build(dep: Deployment) -> list[Result]:
 STEP_LINE = re.compile(r"^Step (\d+)/(\d+) : ")
 
 
-def _build(dep: Deployment) -> Result:
+def _build(dep: Deployment, no_cache: bool = False) -> Result:
     layer = dep.profile.images.layer
     head = dep.host(dep.profile.head.name)
     if layer is None:
@@ -428,7 +429,7 @@ def _build(dep: Deployment) -> Result:
         return failed(STEP_BUILD, str(e), head.name)
     df_sha = hashlib.sha256(dockerfile.encode()).hexdigest()
     labels = {LABEL_BASE_ID: base["Id"], LABEL_DOCKERFILE: df_sha, LABEL_TF: version}
-    existing = _find_built(head, labels)
+    existing = None if no_cache else _find_built(head, labels)
     what = f"{layer.tag} = {layer.base} + transformers=={version} ({engine_note})"
     if existing:
         tagged = inspect_image(head, layer.tag)
@@ -439,7 +440,8 @@ def _build(dep: Deployment) -> Result:
         return changed(STEP_BUILD, f"tagged the existing build {existing[:19]} as {layer.tag}",
                        head.name, image_id=existing, transformers=version)
     if dep.dry:
-        return skipped(STEP_BUILD, f"would build {what}", head.name, transformers=version)
+        return skipped(STEP_BUILD, f"would build {what}" + (" without docker's cache" if no_cache
+                                                           else ""), head.name, transformers=version)
     try:
         config_text, _ = model_config_text(dep, head)
     except ConfigUnavailable as e:
@@ -455,7 +457,8 @@ def _build(dep: Deployment) -> Result:
     with head.docker_client(timeout=3600) as client:
         chunks = client.api.build(fileobj=io.BytesIO(context), custom_context=True,
                                   tag=layer.tag, buildargs=build_args, network_mode="host",
-                                  rm=True, forcerm=True, decode=True, pull=False)
+                                  rm=True, forcerm=True, decode=True, pull=False,
+                                  nocache=no_cache)
         errors, tail = follow_build(dep, head.name, chunks)
     if errors:
         return failed(STEP_BUILD, f"build failed: {errors[-1].splitlines()[-1]}", head.name,

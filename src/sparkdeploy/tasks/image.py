@@ -24,10 +24,11 @@ def probe(c, profile=None):
     run_step(c, "image.probe", profile=profile, lock=False, show=_probe_table)
 
 
-@task(help={"profile": "profile file"})
-def build(c, profile=None):
+@task(help={"no-cache": "build again from the base, without docker's layer cache",
+            "profile": "profile file"})
+def build(c, no_cache=False, profile=None):
     """Build the transformers layer on the head (ok without building when already built)."""
-    run_step(c, "image.build", profile=profile)
+    run_step(c, "image.build", profile=profile, **({"no_cache": True} if no_cache else {}))
 
 
 @task(help={"to": "peer node(s): NAME[,NAME...] or all", "image": "image (default: the chosen one)",
