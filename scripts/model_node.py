@@ -457,6 +457,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     conf = os.path.join(priv, "rsyncd.conf")
     lines = [
         "use chroot = false",
+        # access is by address only; a PTR lookup of the peer's link address can wait out the
+        # resolver's timeout on every connection where no DNS answers for it
+        "reverse lookup = no",
         f"max connections = {a.max_connections}",
         f"lock file = {os.path.join(priv, 'rsyncd.lock')}",
         "[model]",
@@ -513,6 +516,21 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            out.append(int(d))
+    return out
+
+
 def cmd_unserve(a: argparse.Namespace) -> int:
     priv = os.path.realpath(a.private)
     if not os.path.basename(priv).startswith("sparkdeploy-rsyncd-"):
@@ -522,12 +540,19 @@ def cmd_unserve(a: argparse.Namespace) -> int:
     stopped = False
     if cmd and "rsync" in cmd and any(priv in x for x in cmd):
         try:
-            os.killpg(a.pid, signal.SIGTERM)  # timeout and its rsync share a session of their own
+            # timeout, the listener and any connection's rsync share a session of their own;
+            # TERM lets a connection's rsync keep its partial file
+            os.killpg(a.pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
+        for child in _children(a.pid):  # the listener: on TERM rsync sleeps 400 ms before it
+            try:  # exits, its socket still open; it holds no file, so it need not wait
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         deadline = time.monotonic() + 5
         while _cmdline(a.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(0.01)
         if _cmdline(a.pid):
             os.killpg(a.pid, signal.SIGKILL)
         stopped = True

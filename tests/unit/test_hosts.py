@@ -118,3 +118,18 @@ def test_ssh_destination_comes_after_the_end_of_options():
     argv = h.wrap(["true"])
     assert argv[-3:] == ["--", "spark1", "true"]
     assert argv.index("--") == len(argv) - 3
+
+
+def test_input_reaches_the_command_in_one_write(monkeypatch):
+    """Invoke feeds a non-terminal stdin one byte per 10 ms poll unless handed it whole: every
+    rsync of model.sync waited 0.44 s for its 44-byte secret."""
+    from invoke.runners import Local
+
+    writes = []
+    real = Local.write_proc_stdin
+    monkeypatch.setattr(Local, "write_proc_stdin",
+                        lambda self, data: (writes.append(data), real(self, data))[1])
+    local = NODE.model_copy(update={"ssh": None, "privilege": "none"})
+    secret = "s" * 43 + "\n"
+    r = Host(local).run(["cat"], input=secret)
+    assert r.stdout == secret and writes == [secret]

@@ -207,12 +207,34 @@ def test_plan_sends_ready_files_and_lets_workers_serve_the_next():
     assert plan.done()
 
 
-def test_plan_spreads_ready_files_over_the_free_streams():
+def test_plan_gives_each_free_stream_the_next_file():
     plan = model_sync.Plan(need={"w1": ["a", "b", "c", "d", "e"]},
                            holders={f: ["head"] for f in "abcde"})
-    assert plan.next_transfers(streams=2, head="head") == [
-        (("a", "c", "e"), "head", "w1"), (("b", "d"), "head", "w1")]
+    first = plan.next_transfers(streams=2, head="head")
+    assert first == [(("a",), "head", "w1"), (("b",), "head", "w1")]
     assert plan.next_transfers(streams=2, head="head") == []  # both streams busy
+    plan.sent(first[1])  # b's rsync ended; b is being verified, its stream is free
+    assert plan.next_transfers(streams=2, head="head") == [(("c",), "head", "w1")]
+    plan.verified(first[1], [])  # b failed its check: it is sent again
+    plan.sent(first[0])
+    assert plan.next_transfers(streams=2, head="head") == [(("b",), "head", "w1")]
+
+
+def test_plan_sends_small_files_together_and_large_ones_alone():
+    big, small = model_sync.GROUP_BELOW, model_sync.GROUP_BELOW // 3
+    sizes = {"cfg": 100, "tok": small, "s1": big, "s2": big * 4, "vocab": small, "merges": small}
+    order = ["cfg", "tok", "s1", "s2", "vocab", "merges"]
+    plan = model_sync.Plan(need={"w1": list(order)}, holders={f: ["head"] for f in order},
+                           sizes=sizes)
+    assert plan.next_transfers(streams=4, head="head") == [
+        (("s1",), "head", "w1"), (("s2",), "head", "w1"),
+        (("cfg", "tok", "vocab", "merges"), "head", "w1")]
+    half = model_sync.GROUP_BELOW // 2
+    plan = model_sync.Plan(need={"w1": list(order)}, holders={f: ["head"] for f in order},
+                           sizes={**sizes, "cfg": half, "tok": half})
+    # two small files reach the size of a large one and close their batch
+    assert plan.next_transfers(streams=2, head="head") == [
+        (("cfg", "tok"), "head", "w1"), (("s1",), "head", "w1")]
 
 
 def test_a_file_that_failed_to_verify_is_sent_again():
@@ -256,6 +278,39 @@ def test_the_daemon_binds_the_link_address_and_gets_its_secret_on_stdin(tmp_path
     assert argv == ["python3", st.script, "serve", "--address", "10.77.1.2", "--port",
                     "8730", "--dir", dep.profile.model.path, "--allow", "10.77.1.1,10.77.1.2",
                     "--max-connections", "10"]
+
+
+def test_the_daemon_answers_by_address_only_and_is_gone_after_unserve(tmp_path):
+    """The real helper starts a real rsync daemon on loopback. Its config never looks up the
+    peer's name: with no DNS answering for a link address, each connection waited out the
+    resolver (model.sync took 3x plain rsync over SSH in the lab until this was set)."""
+    import socket
+    import subprocess
+
+    script = os.path.join(os.path.dirname(model.__file__), "..", "..", "..", "scripts",
+                          "model_node.py")
+    data = tmp_path / "weights"
+    cp = subprocess.run([sys.executable, script, "serve", "--address", "127.0.0.1", "--port",
+                         "18730", "--dir", str(data), "--allow", "127.0.0.1"],
+                        input="s3cret\n", capture_output=True, text=True, timeout=30)
+    assert cp.returncode == 0, cp.stderr
+    out = json.loads(cp.stdout)
+    conf = open(os.path.join(out["private"], "rsyncd.conf")).read().splitlines()
+    assert "reverse lookup = no" in conf
+    assert "hosts allow = 127.0.0.1" in conf and "hosts deny = *" in conf
+    assert oct(os.stat(out["private"]).st_mode & 0o777) == "0o700"
+    secrets = os.path.join(out["private"], "secrets")
+    assert oct(os.stat(secrets).st_mode & 0o777) == "0o600"
+    cp = subprocess.run([sys.executable, script, "unserve", "--pid", str(out["pid"]),
+                         "--private", out["private"]], capture_output=True, text=True, timeout=30)
+    assert json.loads(cp.stdout) == {"stopped": True, "removed": True}
+    try:  # gone, or a zombie until its new parent (init here) reaps it
+        state = open(f"/proc/{out['pid']}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z")
+    with pytest.raises(ConnectionRefusedError):  # nothing listens any more
+        socket.create_connection(("127.0.0.1", out["port"]), timeout=5)
 
 
 def test_steps_are_registered_for_the_graph():

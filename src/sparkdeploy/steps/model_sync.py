@@ -111,21 +111,52 @@ Batch = tuple[tuple[str, ...], str, str]
 """(files, sender, receiver): one rsync stream."""
 
 
+GROUP_BELOW = 32 * 1024 * 1024
+"""Files smaller than this travel together in one rsync; larger ones one per stream, so the
+streams stay balanced and each file is verified while the next is on the wire."""
+
+
 @dataclass
 class Plan:
-    """Who needs what and who holds what (the scheduling state of one sync)."""
+    """Who needs what and who holds what (the scheduling state of one sync).
+
+    A batch occupies a stream of its sender and of its receiver while rsync runs (``sent``
+    frees them) and stays in flight until the receiver has verified it (``verified``)."""
 
     need: dict[str, list[str]]  # receiver -> files still to receive (in send order)
     holders: dict[str, list[str]] = field(default_factory=dict)  # file -> nodes holding it verified
+    sizes: dict[str, int] = field(default_factory=dict)  # file -> bytes (unknown: sent alone)
     out_load: dict[str, int] = field(default_factory=dict)  # streams a node sends
     in_load: dict[str, int] = field(default_factory=dict)  # streams a node receives
     busy: set[tuple[str, str]] = field(default_factory=set)  # (file, receiver) in flight
     failed: dict[str, str] = field(default_factory=dict)  # receiver -> why it stopped
 
+    def _batches(self, files: list[str], k: int) -> list[tuple[str, ...]]:
+        """Up to ``k`` batches from the head of ``files``: a large file alone, or a run of small
+        ones together."""
+        out: list[tuple[str, ...]] = []
+        cur: list[str] = []
+        cur_bytes = 0
+        for f in files:
+            if len(out) == k:
+                break
+            size = self.sizes.get(f, GROUP_BELOW)
+            if size >= GROUP_BELOW:
+                out.append((f,))
+                continue
+            cur.append(f)
+            cur_bytes += size
+            if cur_bytes >= GROUP_BELOW:
+                out.append(tuple(cur))
+                cur, cur_bytes = [], 0
+        if cur and len(out) < k:
+            out.append(tuple(cur))
+        return out
+
     def next_transfers(self, streams: int, head: str) -> list[Batch]:
         """Batches to start now. A worker holding a file serves it before the head does; no node
-        sends or receives more than ``streams`` streams at once; the files ready for a receiver
-        are spread over its free streams (one file per stream while they trickle in)."""
+        sends or receives more than ``streams`` streams at once; each free stream takes the next
+        file ready for its receiver (a run of small files counts as one)."""
         out: list[Batch] = []
         for dst, files in self.need.items():
             if dst in self.failed:
@@ -138,25 +169,30 @@ class Plan:
                 mine = [f for f in avail if src in self.holders[f] and (f, dst) not in self.busy]
                 if k <= 0 or not mine:
                     continue
-                chunks: list[list[str]] = [[] for _ in range(min(k, len(mine)))]
-                for n, f in enumerate(mine):
-                    chunks[n % len(chunks)].append(f)
-                for c in chunks:
-                    self.busy.update((f, dst) for f in c)
-                    out.append((tuple(c), src, dst))
-                self.out_load[src] = self.out_load.get(src, 0) + len(chunks)
-                self.in_load[dst] = self.in_load.get(dst, 0) + len(chunks)
+                for b in self._batches(mine, k):
+                    self.busy.update((f, dst) for f in b)
+                    out.append((b, src, dst))
+                    self.out_load[src] = self.out_load.get(src, 0) + 1
+                    self.in_load[dst] = self.in_load.get(dst, 0) + 1
         return out
 
-    def finished(self, batch: Batch, verified: list[str]) -> None:
-        files, src, dst = batch
-        self.busy.difference_update((f, dst) for f in files)
+    def sent(self, batch: Batch) -> None:
+        """rsync of ``batch`` ended: its streams are free; its files await verification."""
+        _, src, dst = batch
         self.out_load[src] -= 1
         self.in_load[dst] -= 1
-        for f in verified:
+
+    def verified(self, batch: Batch, good: list[str]) -> None:
+        files, _, dst = batch
+        self.busy.difference_update((f, dst) for f in files)
+        for f in good:
             if f in self.need[dst]:
                 self.need[dst].remove(f)
                 self.holders.setdefault(f, []).append(dst)
+
+    def finished(self, batch: Batch, good: list[str]) -> None:
+        self.sent(batch)
+        self.verified(batch, good)
 
     def done(self) -> bool:
         return all(not files or dst in self.failed for dst, files in self.need.items())
@@ -187,50 +223,75 @@ def sync_files(dep: Deployment, targets: list[Host], meta: dict[str, Any],
     staged: dict[str, Staged] = {}
     daemons: list[Daemon] = []
     try:
-        for h in [head, *targets]:
-            staged[h.name] = stage_for(h, meta)
-        need: dict[str, list[str]] = {}
-        for dst in targets:
+        # every node's setup at once: the round trips, not the bytes, are what a sync of
+        # weights already in place costs
+        nodes = [head, *targets]
+        staged.update(zip([h.name for h in nodes], each(lambda h: stage_for(h, meta), nodes),
+                          strict=True))
+
+        def needs(dst: Host) -> list[str]:
             state = node_state(dep, dst, staged[dst.name], only=order, quick=True, step_name=step_name)
             if state["unchecked"] and not dep.dry:  # present, right size, not yet verified here
                 state = node_state(dep, dst, staged[dst.name], only=order, step_name=step_name)
             have = set(state["ok"])
-            need[dst.name] = [f for f in order if f not in have]
+            return [f for f in order if f not in have]
+
+        need = dict(zip([t.name for t in targets], each(needs, targets), strict=True))
         if not any(need.values()):
             names = ", ".join(t.name for t in targets)
             return ok(step_name, f"{names}: all {len(order)} files already there and verified "
                       f"({total_bytes(meta, order) / GB:.2f} GB){note}", ",".join(need))
-        for dst in targets:
-            if need[dst.name]:
-                bad = disk_check(dep, dst, total_bytes(meta, need[dst.name]), step_name)
-                if bad:
-                    return bad
-        for h in [head, *targets]:
-            why = rsync_available(h)
+        short = [r for r in each(lambda d: disk_check(dep, d, total_bytes(meta, need[d.name]), step_name),
+                                 [t for t in targets if need[t.name]]) if r is not None]
+        if short:
+            return short[0]
+        for h, why in zip(nodes, each(rsync_available, nodes), strict=True):
             if why:
                 return failed(step_name, why, h.name)
         if dep.dry:
             parts = [f"{len(v)} files ({total_bytes(meta, v) / GB:.2f} GB) to {k}"
                      for k, v in need.items() if v]
             return skipped(step_name, f"would send {', '.join(parts)} over {s.transport}{note}")
-        plan = Plan(need={k: v for k, v in need.items() if v})
+        plan = Plan(need={k: v for k, v in need.items() if v}, sizes=sizes)
         secret = None
         ports: dict[str, int | None] = {t.name: None for t in targets}
         if s.transport == "rsyncd":
             secret = pysecrets.token_urlsafe(32)
             allow = [n.link.address for n in dep.profile.nodes]
-            for dst in targets:
-                if dst.name in plan.need:
-                    d = start_daemon(dep, dst, staged[dst.name], secret, allow)
-                    daemons.append(d)
-                    ports[dst.name] = d.port
+            receivers = [t for t in targets if t.name in plan.need]
+            started = each(lambda d: _try(start_daemon, dep, d, staged[d.name], secret, allow),
+                           receivers)
+            daemons.extend(d for d in started if isinstance(d, Daemon))
+            for d in started:
+                if not isinstance(d, Daemon):
+                    raise d
+            for d in daemons:
+                ports[d.host.name] = d.port
         return _run(dep, head, targets, plan, meta, staged, ports, secret, sizes, order,
                     step_name, note)
     except (ModelError, NodeUnreachable) as e:
         return failed(step_name, str(e), getattr(e, "node", None))
     finally:
-        for d in daemons:
-            stop_daemon(d, staged[d.host.name])
+        each(lambda d: stop_daemon(d, staged[d.host.name]), daemons)
+
+
+def each(fn, items: list) -> list:
+    """``fn`` over ``items`` at once (one thread each), results in order; the first exception
+    is raised once all have ended."""
+    if len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=len(items)) as pool:
+        futs = [pool.submit(fn, x) for x in items]
+        return [f.result() for f in futs]
+
+
+def _try(fn, *args):
+    """``fn(*args)``, or the ModelError/NodeUnreachable it raised (so that every daemon that
+    did start is known, and stopped, even when another failed)."""
+    try:
+        return fn(*args)
+    except (ModelError, NodeUnreachable) as e:
+        return e
 
 
 def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan, meta: dict[str, Any],
@@ -244,27 +305,36 @@ def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan, meta: dic
     first_seen = time.monotonic()
     last_head_poll = 0.0
     head_running = True
-    futures: dict[Future, Batch] = {}
+    sending: dict[Future, Batch] = {}  # rsync running
+    futures: dict[Future, Batch] = {}  # sent, being verified on the receiver
     errors: dict[str, str] = {}
 
-    def send(batch: Batch) -> tuple[list[str], str | None]:
-        try:
-            return send_one(batch)
-        except (ModelError, NodeUnreachable) as e:
-            return [], str(e)
-
-    def send_one(batch: Batch) -> tuple[list[str], str | None]:
+    def send(batch: Batch) -> str | None:
+        """rsync one batch; None, or why it failed (what arrived is still verified)."""
         files, src, dst = batch
-        r = hosts[src].run(send_argv(dep, hosts[src], hosts[dst], list(files), ports[dst]),
-                           input=(secret + "\n") if secret else None, timeout=24 * 3600)
-        got = node_state(dep, hosts[dst], staged[dst], only=list(files), step_name=step_name,
-                         progress=False)
-        if not r.ok:
-            text = r.stderr
-            if any(k in text for k in DISK_FULL):
-                return got["ok"], f"disk full on {dst} ({dep.profile.model.path})"
-            return got["ok"], (f"sending {len(files)} files {src} -> {dst} failed: "
-                               f"{error_line(text, r.one_line_error())}")
+        try:
+            r = hosts[src].run(send_argv(dep, hosts[src], hosts[dst], list(files), ports[dst]),
+                               input=(secret + "\n") if secret else None, timeout=24 * 3600)
+        except NodeUnreachable as e:
+            return str(e)
+        if r.ok:
+            return None
+        text = r.stderr
+        if any(k in text for k in DISK_FULL):
+            return f"disk full on {dst} ({dep.profile.model.path})"
+        return (f"sending {len(files)} files {src} -> {dst} failed: "
+                f"{error_line(text, r.one_line_error())}")
+
+    def check(batch: Batch, sent_err: str | None) -> tuple[list[str], str | None]:
+        """Verify on arrival, beside the next batch on the wire: (verified files, error)."""
+        files, _, dst = batch
+        try:
+            got = node_state(dep, hosts[dst], staged[dst], only=list(files), step_name=step_name,
+                             progress=False)
+        except (ModelError, NodeUnreachable) as e:
+            return [], sent_err or str(e)
+        if sent_err is not None:
+            return got["ok"], sent_err
         bad = [f for f in files if f not in got["ok"]]
         if bad:
             why = got["differ"].get(bad[0]) or ("missing" if bad[0] in got["missing"] else "not verified")
@@ -288,14 +358,20 @@ def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan, meta: dic
                        f"download is running there (run model.download)")
 
     pool = ThreadPoolExecutor(max_workers=max(1, s.streams * len(targets)))
+    verifiers = ThreadPoolExecutor(max_workers=max(1, s.streams * len(targets)))
 
     def probe() -> bool:
         progressed = False
+        for fut in [f for f in sending if f.done()]:
+            batch = sending.pop(fut)
+            plan.sent(batch)  # its streams take the next files while it is verified
+            futures[verifiers.submit(check, batch, fut.result())] = batch
+            progressed = True
         for fut in [f for f in futures if f.done()]:
             batch = futures.pop(fut)
             dst = batch[2]
             good, err = fut.result()
-            plan.finished(batch, good)
+            plan.verified(batch, good)
             progressed = True
             moved[dst] += sum(sizes[f] for f in good)
             dep.events.progress(step_name, dst, moved[dst], totals[dst], "B",
@@ -303,29 +379,31 @@ def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan, meta: dic
             if err is not None:
                 errors.setdefault(dst, err)
                 plan.failed.setdefault(dst, err)
-        if plan.done() and not futures:
+        if plan.done() and not futures and not sending:
             return True
         if time.monotonic() - last_head_poll >= 0.5:
             before = sum(len(v) for v in plan.holders.values())
             refresh_head()
             progressed = progressed or sum(len(v) for v in plan.holders.values()) > before
         for batch in plan.next_transfers(s.streams, head.name):
-            futures[pool.submit(send, batch)] = batch
+            sending[pool.submit(send, batch)] = batch
         return progressed
 
     try:
-        while not (plan.done() and not futures):
-            wait_for(probe, deadline=s.stall_timeout_s, interval=0.25,
+        while not (plan.done() and not futures and not sending):
+            # a short interval: a stream idles from its rsync's end to the next probe
+            wait_for(probe, deadline=s.stall_timeout_s, interval=0.02,
                      what="a file to become ready on the head or to arrive on a worker",
                      clock=dep.clock, sleep=dep.sleep)
     except Stop as e:
-        _drain(futures)
+        _drain(sending, futures)
         return failed(step_name, f"{e}; {_kept(plan, targets, order)}", head.name)
     except WaitTimeout as e:
-        _drain(futures)
+        _drain(sending, futures)
         return failed(step_name, f"stalled: {e}; {_kept(plan, targets, order)}")
     finally:
         pool.shutdown(wait=True)
+        verifiers.shutdown(wait=True)
     secs = time.monotonic() - started
     if errors:
         dst, why = next(iter(errors.items()))
@@ -345,9 +423,10 @@ def _sent(plan: Plan):
                 yield f, n
 
 
-def _drain(futures: dict[Future, Any]) -> None:
-    for fut in list(futures):
-        fut.result()
+def _drain(*running: dict[Future, Any]) -> None:
+    for futures in running:
+        for fut in list(futures):
+            fut.result()
 
 
 def _kept(plan: Plan, targets: list[Host], order: list[str]) -> str:
