@@ -45,7 +45,7 @@ import urllib.parse
 META = ".sparkdeploy"
 RECORD = "verified.jsonl"
 LOCK = "download.lock"
-CHUNK = 8 * 1024 * 1024
+CHUNK = 1024 * 1024
 HF_META = os.path.join(".cache", "huggingface", "download")
 
 
@@ -134,14 +134,16 @@ def hash_file(path: str, size: int, git: bool) -> dict:
     if git:
         blob = hashlib.sha1()
         blob.update(b"blob %d\0" % size)
-    with open(path, "rb") as f:
+    buf = bytearray(CHUNK)  # one buffer reused: a fresh 8 MB bytes per read is an mmap, its
+    view = memoryview(buf)  # page faults and an munmap each time
+    with open(path, "rb", buffering=0) as f:
         while True:
-            data = f.read(CHUNK)
-            if not data:
+            n = f.readinto(buf)
+            if not n:
                 break
-            sha.update(data)
+            sha.update(view[:n])
             if blob is not None:
-                blob.update(data)
+                blob.update(view[:n])
     out = {"sha256": sha.hexdigest()}
     if blob is not None:
         out["oid"] = blob.hexdigest()

@@ -325,21 +325,26 @@ def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan, meta: dic
         return (f"sending {len(files)} files {src} -> {dst} failed: "
                 f"{error_line(text, r.one_line_error())}")
 
-    def check(batch: Batch, sent_err: str | None) -> tuple[list[str], str | None]:
-        """Verify on arrival, beside the next batch on the wire: (verified files, error)."""
-        files, _, dst = batch
+    def check(dst: str, arrived: list[tuple[Batch, str | None]]
+              ) -> list[tuple[Batch, list[str], str | None]]:
+        """Verify on arrival, beside the next files on the wire: every batch whose rsync ended
+        since the receiver's last check, in one helper run. Per batch: (verified, error)."""
+        files = [f for batch, _ in arrived for f in batch[0]]
         try:
-            got = node_state(dep, hosts[dst], staged[dst], only=list(files), step_name=step_name,
+            got = node_state(dep, hosts[dst], staged[dst], only=files, step_name=step_name,
                              progress=False)
         except (ModelError, NodeUnreachable) as e:
-            return [], sent_err or str(e)
-        if sent_err is not None:
-            return got["ok"], sent_err
-        bad = [f for f in files if f not in got["ok"]]
-        if bad:
-            why = got["differ"].get(bad[0]) or ("missing" if bad[0] in got["missing"] else "not verified")
-            return got["ok"], f"{bad[0]} arrived on {dst} but {why}"
-        return got["ok"], None
+            return [(batch, [], err or str(e)) for batch, err in arrived]
+        out = []
+        for batch, err in arrived:
+            good = [f for f in batch[0] if f in got["ok"]]
+            bad = [f for f in batch[0] if f not in got["ok"]]
+            if err is None and bad:
+                why = got["differ"].get(bad[0]) or ("missing" if bad[0] in got["missing"]
+                                                    else "not verified")
+                err = f"{bad[0]} arrived on {dst} but {why}"
+            out.append((batch, good, err))
+        return out
 
     def refresh_head() -> None:
         nonlocal last_head_poll, head_running
@@ -358,28 +363,34 @@ def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan, meta: dic
                        f"download is running there (run model.download)")
 
     pool = ThreadPoolExecutor(max_workers=max(1, s.streams * len(targets)))
-    verifiers = ThreadPoolExecutor(max_workers=max(1, s.streams * len(targets)))
+    verifiers = ThreadPoolExecutor(max_workers=max(1, len(targets)))
+
+    arrived: dict[str, list[tuple[Batch, str | None]]] = {}  # receiver -> sent, to check
 
     def probe() -> bool:
         progressed = False
         for fut in [f for f in sending if f.done()]:
             batch = sending.pop(fut)
             plan.sent(batch)  # its streams take the next files while it is verified
-            futures[verifiers.submit(check, batch, fut.result())] = batch
+            arrived.setdefault(batch[2], []).append((batch, fut.result()))
             progressed = True
         for fut in [f for f in futures if f.done()]:
-            batch = futures.pop(fut)
-            dst = batch[2]
-            good, err = fut.result()
-            plan.verified(batch, good)
+            futures.pop(fut)
+            for batch, good, err in fut.result():
+                dst = batch[2]
+                plan.verified(batch, good)
+                moved[dst] += sum(sizes[f] for f in good)
+                dep.events.progress(step_name, dst, moved[dst], totals[dst], "B",
+                                    f"{len(order) - len(plan.need[dst])}/{len(order)} files")
+                if err is not None:
+                    errors.setdefault(dst, err)
+                    plan.failed.setdefault(dst, err)
             progressed = True
-            moved[dst] += sum(sizes[f] for f in good)
-            dep.events.progress(step_name, dst, moved[dst], totals[dst], "B",
-                                f"{len(order) - len(plan.need[dst])}/{len(order)} files")
-            if err is not None:
-                errors.setdefault(dst, err)
-                plan.failed.setdefault(dst, err)
-        if plan.done() and not futures and not sending:
+        checking = {b[2] for b in futures.values()}
+        for dst in [d for d, v in arrived.items() if v and d not in checking]:
+            todo = arrived.pop(dst)  # one check at a time per receiver, of all that arrived
+            futures[verifiers.submit(check, dst, todo)] = todo[0][0]
+        if plan.done() and not futures and not sending and not arrived:
             return True
         if time.monotonic() - last_head_poll >= 0.5:
             before = sum(len(v) for v in plan.holders.values())
@@ -390,7 +401,7 @@ def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan, meta: dic
         return progressed
 
     try:
-        while not (plan.done() and not futures and not sending):
+        while not (plan.done() and not futures and not sending and not arrived):
             # a short interval: a stream idles from its rsync's end to the next probe
             wait_for(probe, deadline=s.stall_timeout_s, interval=0.02,
                      what="a file to become ready on the head or to arrive on a worker",
