@@ -155,6 +155,46 @@ def test_killed_during_sync_resumes_without_resending(lab, state_dir):
     assert sent <= len(worker_has) - len(worker_had), why  # nor sent again to the worker
 
 
+def test_a_hang_ends_on_vllm_with_the_diagnosis_in_the_record(lab, state_dir, tmp_path):
+    """`inv lab.fault sglang-hang`, then deploy.all: SGLang hangs in init, serve.up falls back
+    to vLLM on Ray, and the record names both decisions and the evidence. A profile on top of
+    the lab's shortens the stall (45 s, as in the serve tests) so the test does not wait 300 s."""
+    import yaml
+
+    prof = tmp_path / "lab-hang.yaml"
+    prof.write_text(yaml.safe_dump({"extends": str(ROOT / PROFILE), "sparkdeploy": {
+        "serve": {"stall_s": 45.0, "poll_s": 1, "ready_timeout_s": 300}}}))
+    env = {**inv_env(state_dir), "INVOKE_SPARKDEPLOY_PROFILE": str(prof)}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(inv_argv(*args), cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=1200)
+
+    assert run("serve.down").returncode == 0
+    assert run("lab.fault", "sglang-hang").returncode == 0
+    try:
+        r = run("deploy.all")
+    finally:
+        assert run("lab.fault", "none").returncode == 0
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    last = r.stdout.strip().splitlines()[-2:]
+    assert last[0].startswith("endpoint: http://") and last[1].startswith("record: ")
+    record = Path(last[1].split(" ", 1)[1])
+    data = json.loads(record.with_suffix(".json").read_text())["data"]
+    engine = data["engine"]
+    assert engine["chosen"] == "vllm-ray"
+    [tried] = engine["tried"]
+    assert (tried["engine"], tried["class"]) == ("sglang", "nccl-init-hang")
+    assert tried["evidence"]
+    md = record.read_text()
+    assert "serving with **vllm-ray**" in md and "diagnosis `nccl-init-hang`" in md
+    assert "evidence: `" in md
+    assert data["image"]["tag"] and data["image"]["id"].startswith("sha256:")
+    url = last[0].split(" ", 1)[1]
+    models = requests.get(url.rstrip("/") + "/v1/models", timeout=10).json()
+    assert dep_for(state_dir).profile.model.repo in [m["id"] for m in models["data"]]
+
+
 def test_rollback_gives_the_head_its_units_back(lab, state_dir):
     r = inv(state_dir, "deploy.rollback")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
@@ -164,3 +204,38 @@ def test_rollback_gives_the_head_its_units_back(lab, state_dir):
         assert cp.stdout.strip() == "active", (unit, cp.stdout, cp.stderr)
     for n in dep.profile.nodes:
         assert containers(dep, n.name) == [], n.name
+
+
+def test_rollback_purge_removes_the_weights_and_our_images(lab, state_dir):
+    """After the rollback, --purge --yes removes the weights from both nodes, the images
+    sparkdeploy built, and the images it shipped to the worker. lab.up then loads the lab's
+    images again for the tests that follow."""
+    from sparkdeploy.lab import layout, lifecycle
+
+    dep = dep_for(state_dir)
+    path = dep.profile.model.path
+    refused = inv(state_dir, "deploy.rollback", "--purge")  # not a terminal, no --yes
+    assert refused.returncode != 0 and "--yes" in (refused.stdout + refused.stderr)
+    for n in dep.profile.nodes:
+        assert lab.ssh(n.name, ["test", "-d", path], check=False).returncode == 0, n.name
+    r = inv(state_dir, "deploy.rollback", "--purge", "--yes")
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    try:
+        for n in dep.profile.nodes:
+            assert lab.ssh(n.name, ["test", "-e", path], check=False).returncode == 1, n.name
+            built = lab.ssh(n.name, ["docker", "image", "ls", "-q", "--filter",
+                                     "label=org.sparkdeploy.base.id"]).stdout.split()
+            assert built == [], n.name
+            assert containers(dep, n.name) == [], n.name
+        images = lab.ssh("spark2", ["docker", "image", "ls", "--format",
+                                    "{{.Repository}}"]).stdout.split()
+        for e in dep.profile.engines:
+            assert e.image.split(":")[0] not in images, e.image
+        for unit in GLM_UNITS:
+            cp = lab.ssh("spark1", ["systemctl", "is-active", unit], check=False)
+            assert cp.stdout.strip() == "active", unit
+        again = inv(state_dir, "deploy.rollback", "--purge", "--yes")
+        assert again.returncode == 0 and step_lines(again.stdout, "failed") == []
+    finally:
+        bad = [x for x in lifecycle.up(nodes=2, flavor=layout.DEFAULT_DOCKERD) if x.failed]
+        assert not bad, [x.why for x in bad]

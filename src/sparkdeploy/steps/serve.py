@@ -286,7 +286,7 @@ def up(dep: Deployment, engine: str | None = None) -> list[Result]:
         return [done]
     run = Run(dep)
     results: list[Result] = []
-    given_up: list[Result] = []  # an engine that failed and was replaced: shown, not the outcome
+    replaced: list[Result] = []  # engines that failed: the outcome only when none serves
     for i, eng in enumerate(engines):
         try:
             url, res = try_engine(dep, eng, run)
@@ -295,12 +295,11 @@ def up(dep: Deployment, engine: str | None = None) -> list[Result]:
             run.attempts.append(attempt)
             nxt = engines[i + 1].name if i + 1 < len(engines) else None
             ev = "; ".join(f"{a}:{b}: {c}" for a, b, c in attempt["evidence"][:2])
-            given_up.append(dep.report(failed(
+            replaced.append(dep.report(failed(
                 STEP_UP, f"{eng.name} {e.kind}: {e.why}; class: {attempt['class']}"
                 + (f" ({ev})" if ev else "") + (f"; falling back to {nxt}" if nxt else ""),
                 diagnosis=attempt["class"], evidence=attempt["evidence"], engine=eng.name,
                 logs=attempt["logs"])))
-            results.append(given_up[-1])
             if attempt["left"]:
                 results.append(dep.report(failed(STEP_UP, f"containers left after removal: "
                                                  f"{attempt['left']}")))
@@ -313,7 +312,7 @@ def up(dep: Deployment, engine: str | None = None) -> list[Result]:
         if url is None:
             if not dep.dry and run.attempts:
                 write_record(dep, run, None, None)
-            return results
+            return [*replaced, *results]
         write_record(dep, run, eng.name, url)
         dep.records.write(ep.RECORD, STEP_UP, {"endpoint": url, "url": url, "engine": eng.name,
                                                "model": dep.profile.model.repo,
@@ -326,9 +325,9 @@ def up(dep: Deployment, engine: str | None = None) -> list[Result]:
             diagnosis=run.attempts[-1]["class"] if tried else None)))
         results.append(dep.report(ok(STEP_UP, f"endpoint: {url}", endpoint=url, engine=eng.name)))
         # the step succeeded: the engines it replaced stay in the stream and the record
-        return [r for r in results if not any(r is g for g in given_up)]
+        return results
     write_record(dep, run, None, None)
-    return results
+    return [*replaced, *results]
 
 
 # --- down, status, logs -------------------------------------------------------------------
