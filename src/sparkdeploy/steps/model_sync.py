@@ -52,6 +52,7 @@ SYNC = "model.sync"
 PARTIAL = ".sparkdeploy/partial"
 START_GRACE_S = 180.0
 """How long a sync waits for a download to show up on the head before giving up."""
+CHECKS_PER_RECEIVER = 2
 DISK_FULL = ("No space left on device", "ENOSPC", "Disk quota exceeded")
 
 
@@ -61,6 +62,7 @@ class Daemon:
     pid: int
     port: int
     private: str
+    stopped: bool = False
 
 
 def rsync_available(host: Host) -> str | None:
@@ -86,6 +88,7 @@ def start_daemon(dep: Deployment, dst: Host, st: Staged, secret: str, allow: lis
 
 
 def stop_daemon(d: Daemon, st: Staged) -> None:
+    d.stopped = True
     d.host.run(st.run(["python3", st.script, "unserve", "--pid", str(d.pid), "--private",
                        d.private]), timeout=60)
 
@@ -222,30 +225,44 @@ def sync_files(dep: Deployment, targets: list[Host], meta: dict[str, Any],
     note = f" ({note})" if note else ""
     staged: dict[str, Staged] = {}
     daemons: list[Daemon] = []
+    secret = pysecrets.token_urlsafe(32) if s.transport == "rsyncd" else None
+    allow = [n.link.address for n in dep.profile.nodes]
+
+    def prepare(h: Host) -> dict[str, Any]:
+        """One node's setup, beside the others': the round trips, not the bytes, are what a
+        sync of weights already in place costs."""
+        staged[h.name] = stage_for(h, meta)
+        if h is head:  # what the head holds already (records only); rsync there
+            state = node_state(dep, h, staged[h.name], only=order, quick=True, step_name=step_name)
+            return {"state": state, "rsync": rsync_available(h)}
+        state = node_state(dep, h, staged[h.name], only=order, quick=True, step_name=step_name)
+        if state["unchecked"] and not dep.dry:  # present, right size, not yet verified here
+            state = node_state(dep, h, staged[h.name], only=order, step_name=step_name)
+        have = set(state["ok"])
+        need = [f for f in order if f not in have]
+        out: dict[str, Any] = {"need": need}
+        if not need:
+            return out
+        out["short"] = disk_check(dep, h, total_bytes(meta, need), step_name)
+        out["rsync"] = rsync_available(h)
+        if secret is not None and not dep.dry and out["short"] is None and out["rsync"] is None:
+            d = start_daemon(dep, h, staged[h.name], secret, allow)
+            daemons.append(d)
+        return out
+
     try:
-        # every node's setup at once: the round trips, not the bytes, are what a sync of
-        # weights already in place costs
         nodes = [head, *targets]
-        staged.update(zip([h.name for h in nodes], each(lambda h: stage_for(h, meta), nodes),
-                          strict=True))
-
-        def needs(dst: Host) -> list[str]:
-            state = node_state(dep, dst, staged[dst.name], only=order, quick=True, step_name=step_name)
-            if state["unchecked"] and not dep.dry:  # present, right size, not yet verified here
-                state = node_state(dep, dst, staged[dst.name], only=order, step_name=step_name)
-            have = set(state["ok"])
-            return [f for f in order if f not in have]
-
-        need = dict(zip([t.name for t in targets], each(needs, targets), strict=True))
+        ready = dict(zip([h.name for h in nodes], each(prepare, nodes), strict=True))
+        need = {t.name: ready[t.name]["need"] for t in targets}
         if not any(need.values()):
             names = ", ".join(t.name for t in targets)
             return ok(step_name, f"{names}: all {len(order)} files already there and verified "
                       f"({total_bytes(meta, order) / GB:.2f} GB){note}", ",".join(need))
-        short = [r for r in each(lambda d: disk_check(dep, d, total_bytes(meta, need[d.name]), step_name),
-                                 [t for t in targets if need[t.name]]) if r is not None]
+        short = [ready[t.name]["short"] for t in targets if ready[t.name].get("short")]
         if short:
             return short[0]
-        for h, why in zip(nodes, each(rsync_available, nodes), strict=True):
+        for h in nodes:
+            why = ready[h.name].get("rsync")
             if why:
                 return failed(step_name, why, h.name)
         if dep.dry:
@@ -253,26 +270,18 @@ def sync_files(dep: Deployment, targets: list[Host], meta: dict[str, Any],
                      for k, v in need.items() if v]
             return skipped(step_name, f"would send {', '.join(parts)} over {s.transport}{note}")
         plan = Plan(need={k: v for k, v in need.items() if v}, sizes=sizes)
-        secret = None
+        head_state = ready[head.name]["state"]
+        for f in head_state["ok"]:
+            plan.holders.setdefault(f, []).append(head.name)
         ports: dict[str, int | None] = {t.name: None for t in targets}
-        if s.transport == "rsyncd":
-            secret = pysecrets.token_urlsafe(32)
-            allow = [n.link.address for n in dep.profile.nodes]
-            receivers = [t for t in targets if t.name in plan.need]
-            started = each(lambda d: _try(start_daemon, dep, d, staged[d.name], secret, allow),
-                           receivers)
-            daemons.extend(d for d in started if isinstance(d, Daemon))
-            for d in started:
-                if not isinstance(d, Daemon):
-                    raise d
-            for d in daemons:
-                ports[d.host.name] = d.port
-        return _run(dep, head, targets, plan, meta, staged, ports, secret, sizes, order,
-                    step_name, note)
+        for d in daemons:
+            ports[d.host.name] = d.port
+        return _run(dep, head, targets, plan, staged, ports, secret, sizes, order,
+                    step_name, note, daemons, head_state)
     except (ModelError, NodeUnreachable) as e:
         return failed(step_name, str(e), getattr(e, "node", None))
     finally:
-        each(lambda d: stop_daemon(d, staged[d.host.name]), daemons)
+        each(lambda d: stop_daemon(d, staged[d.host.name]), [d for d in daemons if not d.stopped])
 
 
 def each(fn, items: list) -> list:
@@ -285,26 +294,18 @@ def each(fn, items: list) -> list:
         return [f.result() for f in futs]
 
 
-def _try(fn, *args):
-    """``fn(*args)``, or the ModelError/NodeUnreachable it raised (so that every daemon that
-    did start is known, and stopped, even when another failed)."""
-    try:
-        return fn(*args)
-    except (ModelError, NodeUnreachable) as e:
-        return e
-
-
-def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan, meta: dict[str, Any],
+def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan,
          staged: dict[str, Staged], ports: dict[str, int | None], secret: str | None,
-         sizes: dict[str, int], order: list[str], step_name: str, note: str) -> Result:
+         sizes: dict[str, int], order: list[str], step_name: str, note: str,
+         daemons: list[Daemon], head_state: dict[str, Any]) -> Result:
     s = dep.profile.model.sync
     hosts = {h.name: h for h in [head, *targets]}
     totals = {k: sum(sizes[f] for f in v) for k, v in plan.need.items()}
     moved = dict.fromkeys(plan.need, 0)
     started = time.monotonic()
     first_seen = time.monotonic()
-    last_head_poll = 0.0
-    head_running = True
+    last_head_poll = time.monotonic()  # the head's state came with the setup
+    head_running = bool(head_state.get("download_running"))
     sending: dict[Future, Batch] = {}  # rsync running
     futures: dict[Future, Batch] = {}  # sent, being verified on the receiver
     errors: dict[str, str] = {}
@@ -363,7 +364,7 @@ def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan, meta: dic
                        f"download is running there (run model.download)")
 
     pool = ThreadPoolExecutor(max_workers=max(1, s.streams * len(targets)))
-    verifiers = ThreadPoolExecutor(max_workers=max(1, len(targets)))
+    verifiers = ThreadPoolExecutor(max_workers=max(1, CHECKS_PER_RECEIVER * len(targets)))
 
     arrived: dict[str, list[tuple[Batch, str | None]]] = {}  # receiver -> sent, to check
 
@@ -386,10 +387,20 @@ def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan, meta: dic
                     errors.setdefault(dst, err)
                     plan.failed.setdefault(dst, err)
             progressed = True
-        checking = {b[2] for b in futures.values()}
-        for dst in [d for d, v in arrived.items() if v and d not in checking]:
-            todo = arrived.pop(dst)  # one check at a time per receiver, of all that arrived
-            futures[verifiers.submit(check, dst, todo)] = todo[0][0]
+        for dst in [d for d, v in arrived.items() if v]:
+            # two checks at a time per receiver, each of all that arrived since: the last file
+            # is checked as soon as it lands, and Python starts once per wave, not per file
+            if sum(1 for b in futures.values() if b[2] == dst) < CHECKS_PER_RECEIVER:
+                todo = arrived.pop(dst)
+                futures[verifiers.submit(check, dst, todo)] = todo[0][0]
+        for d in daemons:
+            # nothing left to send to it (a failed check ends that receiver's sync): its
+            # listener goes now, beside the last checks
+            name = d.host.name
+            if not d.stopped and not any(b[2] == name for b in sending.values()) and (
+                    name in plan.failed or all((f, name) in plan.busy for f in plan.need[name])):
+                d.stopped = True
+                pool.submit(stop_daemon, d, staged[name])
         if plan.done() and not futures and not sending and not arrived:
             return True
         if time.monotonic() - last_head_poll >= 0.5:
