@@ -12,13 +12,15 @@ own on both nodes (``PATH``), emptied first. Figures, in this order:
 - ``model.download_rate_fraction``: the downloader's achieved rate (bytes it fetched / its
   seconds) / the hub's limit.
 - ``model.sync_speedup``: bytes / seconds of ``model.sync`` of the downloaded weights to an
-  emptied worker, over the same for ``rsync -a`` over SSH head -> worker's link address.
+  emptied worker, over the same for ``rsync -a`` over SSH head -> worker's link address (the
+  best of three alternating runs each; stderr shows every run and the CPU it kept busy).
 
 Needs root and the lab (brought up if needed).
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 import threading
@@ -47,6 +49,13 @@ def _must(results, what: str):
     if bad:
         raise SystemExit(f"{what} failed: {bad[0].why}")
     return results
+
+
+def busy_cpu() -> float:
+    """Seconds the machine's CPUs have been busy since boot (the lab's nodes share them)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
 
 
 def wipe(dep: Deployment, node: str) -> None:
@@ -148,8 +157,9 @@ def measure(dep: Deployment, srv) -> dict[str, float]:
              "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes", "--", f"{PATH}/",
              f"{addr}:{PATH}/"]
     ours_t, naive_t = [], []
-    for kind in ("naive", "ours", "ours", "naive"):
+    for kind in ("naive", "ours", "ours", "naive", "naive", "ours"):
         wipe(dep, worker)
+        c3 = busy_cpu()
         t3 = time.monotonic()
         if kind == "naive":
             r = dep.host(head).run(naive, timeout=3600)
@@ -159,7 +169,8 @@ def measure(dep: Deployment, srv) -> dict[str, float]:
         else:
             _must(model_sync.sync(dep, worker), "model.sync")
             ours_t.append(time.monotonic() - t3)
-        _say(f"{kind}: {time.monotonic() - t3:.2f}s for {total / 1e9:.2f} GB")
+        _say(f"{kind}: {time.monotonic() - t3:.2f}s for {total / 1e9:.2f} GB "
+             f"(the machine's CPUs busy {busy_cpu() - c3:.2f}s meanwhile, {os.cpu_count()} CPUs)")
     figures["sync_speedup"] = (total / min(ours_t)) / (total / min(naive_t))
     order = ["fanout_lag_ratio", "resync_seconds", "download_rate_fraction", "sync_speedup"]
     return {k: figures[k] for k in order}
