@@ -84,6 +84,9 @@ def test_deploy_all_serves_and_records(lab, state_dir):
     assert data["engine"]["chosen"] and "## Engine" in md
     assert data["endpoint"] == url
     assert data["bench"]["levels"] and data["bench"]["levels"][0]["concurrency"] == 1
+    level = data["bench"]["levels"][0]
+    assert level["completed"] == level["requests"] > 0 and level["decode_tok_s_median"] > 0
+    assert "## Bench (smoke)" in md and "decode_tok_s_median" in md
     assert {s["state"] for s in data["steps"].values()} <= {"done", "skipped"}
 
 

@@ -417,3 +417,30 @@ def test_a_reuse_step_keeps_the_fingerprint_it_left_behind(tmp_path, calls):
     node["units"] = "active"  # someone started them again: the step runs again
     Runner(dep_for(tmp_path), plan).run()
     assert calls.count("t.stop") == 2
+
+
+def test_the_records_bench_summary_has_counts_rates_and_medians_not_raw_requests():
+    from sparkdeploy.bench.metrics import RequestMetrics, summarize
+    from sparkdeploy.records import markdown_table
+    from sparkdeploy.results import ok
+    from sparkdeploy.runner import StepRun
+    from sparkdeploy.steps.deploy import _bench_summary
+
+    def req(ttft, tok_s, start, end, error=None):
+        return RequestMetrics(ttft, (end - start) * 1000, 64, 512, [], 37.0, tok_s, "usage",
+                              error, start, end)
+
+    reqs = [req(120.0, 27.0, 0.0, 2.0), req(130.0, 26.0, 2.0, 4.0), req(None, None, 4.0, 4.5, "HTTP 500")]
+    run = {"concurrency": 1, "rate": None, "summary": summarize(reqs),
+           "requests": [r.as_json() for r in reqs]}
+    sr = StepRun("bench.run", state="done", results=[ok("bench.run", "c1", run=run)])
+    out = _bench_summary({"bench.run": sr})
+    assert out == {"state": "done", "levels": [{
+        "concurrency": 1, "rate": None, "requests": 3, "completed": 2, "failed": 1,
+        "output_tok_s": 28.4, "decode_tok_s_median": 26.5, "ttft_ms_median": 125.0,
+        "tpot_ms_median": 37.0}]}
+    table = markdown_table(list(out["levels"][0]), [list(lv.values()) for lv in out["levels"]])
+    assert "ttft_ms" not in table.splitlines()[2] and "[" not in table
+    assert _bench_summary({}) is None
+    assert _bench_summary({"bench.run": StepRun("bench.run", state="skipped", why="nothing changed")}) == {
+        "state": "skipped", "why": "nothing changed"}

@@ -327,9 +327,24 @@ def _bench_summary(runs: dict[str, StepRun]) -> dict[str, Any] | None:
     levels = [x.details["run"] for x in r.results if isinstance(x.details.get("run"), dict)]
     if not levels:
         return {"state": r.state, "why": r.why}
-    keep = ("concurrency", "rate", "requests", "completed", "failed", "output_tok_s",
-            "request_per_s", "ttft_ms", "tpot_ms", "decode_tok_s")
-    return {"state": r.state, "levels": [{k: v for k, v in lv.items() if k in keep} for lv in levels]}
+    return {"state": r.state, "levels": [_level(lv) for lv in levels]}
+
+
+def _level(run: dict[str, Any]) -> dict[str, Any]:
+    """One bench level for the record: its load, the counts, the rates and the medians."""
+    s = run.get("summary") or {}
+
+    def med(key: str) -> float | None:
+        v = (s.get(key) or {}).get("median")
+        return round(v, 1) if isinstance(v, (int, float)) else None
+
+    tok_s = s.get("output_tok_s")
+    return {"concurrency": run.get("concurrency"), "rate": run.get("rate"),
+            "requests": s.get("requests"), "completed": s.get("completed"),
+            "failed": s.get("failed"),
+            "output_tok_s": round(tok_s, 1) if isinstance(tok_s, (int, float)) else None,
+            "decode_tok_s_median": med("per_request_output_tok_s"),
+            "ttft_ms_median": med("ttft_ms"), "tpot_ms_median": med("tpot_ms")}
 
 
 def _engine(runs: dict[str, StepRun], dep: Deployment) -> dict[str, Any]:
