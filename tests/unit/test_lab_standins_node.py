@@ -40,6 +40,7 @@ def test_fault_set_lasts_and_none_clears_on_every_node(lab_dirs):
     rec = lab_dirs / "faults.json"
     [r] = faults.set_fault("sglang-hang", rec)
     assert r.status == "changed" and faults.current(rec) == ["sglang-hang"]
+    assert "one already serving keeps serving (`inv serve.down` first" in r.why
     for n in ("spark1", "spark2"):
         view = faults.view_dir(n)
         assert view == lab_dirs / "nodes" / n / "standins" / "container"

@@ -78,5 +78,7 @@ def set_fault(name: str, record: Path | None = None) -> list[Result]:
     why = (f"faults now: {what}" + (f" (nodes updated: {', '.join(synced)})" if synced else "")
            + ("" if nodes() else "; no lab nodes yet: lab.up applies it"))
     if name != "none":
-        why += f". {name}: {FAULTS[name]}"
+        why += (f". {name}: {FAULTS[name]}. It shows in engines started from now on; one "
+                "already serving keeps serving (`inv serve.down` first, and the next "
+                "deploy.all starts the engines again)")
     return [(changed if did or synced else ok)("lab.fault", why, faults=want)]
