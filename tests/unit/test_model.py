@@ -329,3 +329,65 @@ def test_metadata_is_cached_under_the_state_dir(tmp_path, lab_hub, token):
     assert note == "" and cached["files"] == meta["files"]
     assert model.cache_path(dep).startswith(str(dep.state.path))
     assert any(f["sha256"] for f in meta["files"]) and all(f["oid"] for f in meta["files"])
+
+
+def test_plan_caps_what_each_node_sends_and_receives():
+    files = ["a", "b", "c"]
+    plan = model_sync.Plan(need={"w1": list(files), "w2": list(files)},
+                           holders={f: ["head"] for f in files})
+    # the head sends two streams in all, not two per receiver
+    assert plan.next_transfers(streams=2, head="head") == [
+        (("a",), "head", "w1"), (("b",), "head", "w1")]
+    # w2 holds nothing yet and the head is busy: nothing more
+    assert plan.next_transfers(streams=2, head="head") == []
+
+
+def test_plan_takes_a_file_only_from_a_node_that_holds_it_and_one_stream_per_receiver():
+    plan = model_sync.Plan(need={"w2": ["a", "c"]}, holders={"a": ["head", "w1"], "c": ["head"]})
+    # one stream into w2: the worker serves a; c waits for the free stream
+    assert plan.next_transfers(streams=1, head="head") == [(("a",), "w1", "w2")]
+    plan = model_sync.Plan(need={"w2": ["a", "c"]}, holders={"a": ["head", "w1"], "c": ["head"]})
+    # two streams into w2: w1 sends only what it holds, the head sends the rest
+    assert plan.next_transfers(streams=2, head="head") == [
+        (("a",), "w1", "w2"), (("c",), "head", "w2")]
+    assert plan.in_load == {"w2": 2} and plan.out_load == {"w1": 1, "head": 1}
+
+
+def test_plan_passes_over_a_busy_worker_to_the_next_source():
+    plan = model_sync.Plan(need={"w2": ["a"], "w3": ["a"]}, holders={"a": ["head", "w1"]},
+                           out_load={"w1": 1})
+    # w1 already sends its one stream; the head serves both
+    assert plan.next_transfers(streams=1, head="head") == [(("a",), "head", "w2")]
+    plan = model_sync.Plan(need={"w2": ["a"]}, holders={"a": ["head", "w1", "w3"]},
+                           out_load={"w1": 1})
+    # of two workers, the less loaded one serves
+    assert plan.next_transfers(streams=2, head="head") == [(("a",), "w3", "w2")]
+    assert plan.out_load == {"w1": 1, "w3": 1} and plan.in_load == {"w2": 1}
+    plan.sent((("a",), "w3", "w2"))
+    assert plan.out_load == {"w1": 1, "w3": 0} and plan.in_load == {"w2": 0}
+
+
+def test_plan_batches_close_at_the_size_of_a_large_file():
+    g = model_sync.GROUP_BELOW
+    sizes = {"x": g // 2, "y": g // 2 - 1, "z": 10, "u": g // 2, "v": g // 2 - 1, "w": 10}
+    order = ["x", "y", "z", "u", "v", "w"]
+    plan = model_sync.Plan(need={"w1": list(order)}, holders={f: ["head"] for f in order},
+                           sizes=sizes)
+    # x + y is one byte short of closing: z closes the first batch, w the second
+    assert plan.next_transfers(streams=3, head="head") == [
+        (("x", "y", "z"), "head", "w1"), (("u", "v", "w"), "head", "w1")]
+    plan = model_sync.Plan(need={"w1": ["s", "big"]}, holders={"s": ["head"], "big": ["head"]},
+                           sizes={"s": 10, "big": g})
+    # one free stream: the large file goes; the small one waits for the next stream
+    assert plan.next_transfers(streams=1, head="head") == [(("big",), "head", "w1")]
+    # small files that never reach the size of a large one still go, together
+    plan = model_sync.Plan(need={"w1": ["cfg", "tok"]}, holders={"cfg": ["head"], "tok": ["head"]},
+                           sizes={"cfg": 10, "tok": 20})
+    assert plan.next_transfers(streams=4, head="head") == [(("cfg", "tok"), "head", "w1")]
+
+
+def test_a_plan_whose_receivers_all_failed_is_done():
+    plan = model_sync.Plan(need={"w1": ["a"], "w2": []})
+    assert not plan.done()
+    plan.failed["w1"] = "disk full"
+    assert plan.done()
