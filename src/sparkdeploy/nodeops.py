@@ -84,8 +84,8 @@ def stage(host: Host, name: str, content: str) -> str:
     probes can use it. Run a staged helper through ``verified`` (or ``check_staged``)."""
     data = content.encode()
     digest = hashlib.sha256(data).hexdigest()
-    # The content travels base64-encoded in argv (scripts and configs are small): invoke feeds
-    # a command's stdin one byte per poll, far too slow for files.
+    # The content travels base64-encoded in argv (scripts and configs are small), so that
+    # staging needs no stdin of its own.
     encoded = base64.b64encode(data).decode()
     r = host.run(["sh", "-c", _STAGE_SH, "sh", digest, name, encoded, STAGE_BASE], change=False)
     path = r.stdout.strip()

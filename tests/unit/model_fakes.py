@@ -17,9 +17,7 @@ from sparkdeploy.config import load_profile
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Host
 from sparkdeploy.state import StateDir
-
-ROOT = Path(__file__).resolve().parents[2]
-LAB = ROOT / "configs" / "lab.yaml"
+from tests.unit.lab_profile import lab_profile_with_overlay
 
 
 @dataclass
@@ -84,11 +82,12 @@ class NodesCtx(Context):
 
 def deployment(tmp_path: Path, nodes: dict[str, Node], endpoint: str, dry: bool = False,
                **model) -> tuple[Deployment, NodesCtx]:
-    prof = load_profile(LAB)
+    lab = lab_profile_with_overlay(tmp_path / "profile")  # not the machine's lab
+    prof = load_profile(lab)
     m = prof.model.model_copy(update={"path": str(tmp_path / "models" / "m"), "endpoint": endpoint,
                                       "disk_margin_mb": 1, **model})
     prof = prof.model_copy(update={"model": m})
     ctx = NodesCtx(nodes, dry=dry)
     state = StateDir(tmp_path / "state")
     hosts = {n.name: Host(n, prof.ssh, ctx, state) for n in prof.nodes}
-    return Deployment(prof, str(LAB), state, hosts, dry=dry), ctx
+    return Deployment(prof, str(lab), state, hosts, dry=dry), ctx

@@ -191,19 +191,25 @@ def test_second_verify_of_unchanged_files_reads_nothing(tmp_path, lab_hub, token
 
 # --- model.sync -----------------------------------------------------------------------------
 
+def finish(plan, batch, good):
+    """The batch's rsync ended and the receiver verified ``good`` of it."""
+    plan.sent(batch)
+    plan.verified(batch, good)
+
+
 def test_plan_sends_ready_files_and_lets_workers_serve_the_next():
     plan = model_sync.Plan(need={"w1": ["a", "b"], "w2": ["a", "b"]}, holders={"a": ["head"]})
     first = plan.next_transfers(streams=1, head="head")
     assert first == [(("a",), "head", "w1")]  # b is not ready; the head sends one stream
-    plan.finished(first[0], ["a"])
+    finish(plan, first[0], ["a"])
     plan.holders["b"] = ["head"]
     second = plan.next_transfers(streams=1, head="head")
     assert second == [(("b",), "head", "w1"), (("a",), "w1", "w2")]  # w1 serves w2
     for b in second:
-        plan.finished(b, list(b[0]))
+        finish(plan, b, list(b[0]))
     third = plan.next_transfers(streams=1, head="head")
     assert third == [(("b",), "w1", "w2")]
-    plan.finished(third[0], ["b"])
+    finish(plan, third[0], ["b"])
     assert plan.done()
 
 
@@ -240,7 +246,7 @@ def test_plan_sends_small_files_together_and_large_ones_alone():
 def test_a_file_that_failed_to_verify_is_sent_again():
     plan = model_sync.Plan(need={"w1": ["a", "b"]}, holders={"a": ["head"], "b": ["head"]})
     [batch] = plan.next_transfers(streams=1, head="head")
-    plan.finished(batch, ["a"])
+    finish(plan, batch, ["a"])
     assert plan.need["w1"] == ["b"] and plan.next_transfers(1, "head") == [(("b",), "head", "w1")]
 
 

@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from sparkdeploy.config import ProfileError, load_layered, load_profile
-from sparkdeploy.lab import internet, layout
+from sparkdeploy.lab import layout
 from sparkdeploy.overlays import REMOVED, UNSET, load_merged, parse_dotted
+from tests.unit.lab_profile import lab_profile_with_overlay
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED = ROOT / "configs" / "qwen3.5-122b-a10b-fp8.yaml"
@@ -220,20 +221,6 @@ def test_parse_dotted_inverts_dotted():
 
 
 # --- the lab profile ----------------------------------------------------------------------
-
-
-def lab_profile_with_overlay(tmp_path: Path, controller: str) -> Path:
-    """configs/lab.yaml as shipped, its generated parent swapped for one lab.up would write."""
-    overlay = tmp_path / "lab" / "profile.yaml"
-    overlay.parent.mkdir()
-    overlay.write_text(internet.profile_overlay(controller))
-    cfg = tmp_path / "configs"
-    cfg.mkdir()
-    (cfg / SEED.name).write_text(SEED.read_text())
-    text = (ROOT / "configs" / "lab.yaml").read_text()
-    assert str(layout.PROFILE_OVERLAY) in text
-    (cfg / "lab.yaml").write_text(text.replace(str(layout.PROFILE_OVERLAY), str(overlay)))
-    return cfg / "lab.yaml"
 
 
 def test_lab_profile_holds_only_the_labs_differences():

@@ -193,10 +193,6 @@ class Plan:
                 self.need[dst].remove(f)
                 self.holders.setdefault(f, []).append(dst)
 
-    def finished(self, batch: Batch, good: list[str]) -> None:
-        self.sent(batch)
-        self.verified(batch, good)
-
     def done(self) -> bool:
         return all(not files or dst in self.failed for dst, files in self.need.items())
 

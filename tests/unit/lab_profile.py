@@ -1,0 +1,25 @@
+"""configs/lab.yaml for unit tests, without the machine's lab: lab.up writes the profile's
+generated parent (the hub's and the index's addresses); a test gets its own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sparkdeploy.lab import internet, layout
+
+ROOT = Path(__file__).resolve().parents[2]
+SEED = ROOT / "configs" / "qwen3.5-122b-a10b-fp8.yaml"
+
+
+def lab_profile_with_overlay(tmp_path: Path, controller: str = "10.77.0.1") -> Path:
+    """configs/lab.yaml as shipped, its generated parent swapped for one lab.up would write."""
+    overlay = tmp_path / "lab" / "profile.yaml"
+    overlay.parent.mkdir(parents=True)
+    overlay.write_text(internet.profile_overlay(controller))
+    cfg = tmp_path / "configs"
+    cfg.mkdir()
+    (cfg / SEED.name).write_text(SEED.read_text())
+    text = (ROOT / "configs" / "lab.yaml").read_text()
+    assert str(layout.PROFILE_OVERLAY) in text
+    (cfg / "lab.yaml").write_text(text.replace(str(layout.PROFILE_OVERLAY), str(overlay)))
+    return cfg / "lab.yaml"
