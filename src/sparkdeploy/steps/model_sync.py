@@ -62,7 +62,7 @@ class Daemon:
     pid: int
     port: int
     private: str
-    stopped: bool = False
+    stopped: bool = False  # set by _run when it stops the daemon before the sync ends
 
 
 def rsync_available(host: Host) -> str | None:
@@ -88,7 +88,6 @@ def start_daemon(dep: Deployment, dst: Host, st: Staged, secret: str, allow: lis
 
 
 def stop_daemon(d: Daemon, st: Staged) -> None:
-    d.stopped = True
     d.host.run(st.run(["python3", st.script, "unserve", "--pid", str(d.pid), "--private",
                        d.private]), timeout=60)
 
@@ -277,6 +276,7 @@ def sync_files(dep: Deployment, targets: list[Host], meta: dict[str, Any],
     except (ModelError, NodeUnreachable) as e:
         return failed(step_name, str(e), getattr(e, "node", None))
     finally:
+        # the ones _run stopped early (nothing left to send to them) are gone already
         each(lambda d: stop_daemon(d, staged[d.host.name]), [d for d in daemons if not d.stopped])
 
 

@@ -28,7 +28,7 @@ def probe(c, profile=None):
             "profile": "profile file"})
 def build(c, no_cache=False, profile=None):
     """Build the transformers layer on the head (ok without building when already built)."""
-    run_step(c, "image.build", profile=profile, **({"no_cache": True} if no_cache else {}))
+    run_step(c, "image.build", profile=profile, no_cache=no_cache)
 
 
 @task(help={"to": "peer node(s): NAME[,NAME...] or all", "image": "image (default: the chosen one)",
