@@ -15,12 +15,13 @@ Subcommands (each prints one JSON object on stdout; progress lines on stderr):
       first line of stdin; it is handed to huggingface_hub in memory only.
   venv    --venv DIR --index-url URL
       Create (once) a virtualenv of sparkdeploy's own holding huggingface_hub; print its python.
-  serve   --address A --port P --dir D --allow ADDR,... [--max-seconds N]
-      Start an rsync daemon bound to address A only (first free port from P), module ``model``
-      at D, one user whose secret is read from stdin into a 0600 file in a private 0700
-      directory. Prints {"pid", "port", "private"}; the daemon outlives this process.
-  unserve --pid PID --private DIR
-      Stop that daemon (by PID, after checking it is ours) and remove its private directory.
+  receive --dir D --spec S [--address A --port P --allow ADDR,...] [--jobs N]
+      The receiving side of one ``model.sync``, for as long as its stdin stays open. With
+      --address: an rsync daemon bound to A only (first free port from P), module ``model`` at
+      D, one user whose secret (stdin's first line) goes to a 0600 file in a private 0700
+      directory; the daemon stops and the directory goes when stdin ends. Each expected file
+      (stdin's next line, a JSON list) is hashed as soon as it lands and reported on stderr as
+      ``file {"path", "state", "why"}``; ``ready {"port"}`` comes first.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import fcntl
 import hashlib
 import json
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -439,15 +441,14 @@ def _free_port(address: str, first: int, tries: int = 50) -> int:
     raise OSError(f"no free port on {address} in {first}..{first + tries - 1}")
 
 
-def cmd_serve(a: argparse.Namespace) -> int:
-    secret = sys.stdin.readline().strip()
-    sys.stdin.close()
-    if not secret:
-        say("error: no secret on stdin")
-        return 2
+class DaemonError(Exception):
+    pass
+
+
+def start_rsyncd(a: argparse.Namespace, secret: str) -> tuple[subprocess.Popen, int, str]:
+    """An rsync daemon bound to ``a.address`` only: (process, port, private directory)."""
     if shutil.which("rsync") is None:
-        say("error: rsync is not installed on this node (apt-get install rsync)")
-        return 7
+        raise DaemonError("rsync is not installed on this node (apt-get install rsync)")
     os.makedirs(a.dir, exist_ok=True)
     priv = tempfile.mkdtemp(prefix="sparkdeploy-rsyncd-")  # 0700, ours
     secrets = os.path.join(priv, "secrets")
@@ -494,28 +495,15 @@ def cmd_serve(a: argparse.Namespace) -> int:
             except (OSError, IndexError):
                 pass
             shutil.rmtree(priv, ignore_errors=True)
-            say(f"error: rsync daemon exited at start: {log or proc.returncode}")
-            return 7
+            raise DaemonError(f"rsync daemon exited at start: {log or proc.returncode}")
         try:
             with socket.create_connection((a.address, port), timeout=1):
-                break
+                return proc, port, priv
         except OSError:
             if time.monotonic() > deadline:
-                os.killpg(proc.pid, signal.SIGTERM)
-                shutil.rmtree(priv, ignore_errors=True)
-                say(f"error: rsync daemon did not listen on {a.address}:{port}")
-                return 7
-            time.sleep(0.05)
-    print(json.dumps({"pid": proc.pid, "port": port, "private": priv}))
-    return 0
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [x.decode(errors="replace") for x in f.read().split(b"\0") if x]
-    except OSError:
-        return []
+                stop_rsyncd(proc, priv)
+                raise DaemonError(f"rsync daemon did not listen on {a.address}:{port}") from None
+            time.sleep(0.02)
 
 
 def _children(pid: int) -> list[int]:
@@ -533,33 +521,134 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def cmd_unserve(a: argparse.Namespace) -> int:
-    priv = os.path.realpath(a.private)
-    if not os.path.basename(priv).startswith("sparkdeploy-rsyncd-"):
-        say(f"error: {priv} is not a sparkdeploy rsync daemon directory")
-        return 2
-    cmd = _cmdline(a.pid)
-    stopped = False
-    if cmd and "rsync" in cmd and any(priv in x for x in cmd):
-        try:
+def stop_rsyncd(proc: subprocess.Popen, priv: str) -> None:
+    """Stop the daemon and remove its private directory."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
             # timeout, the listener and any connection's rsync share a session of their own;
             # TERM lets a connection's rsync keep its partial file
-            os.killpg(a.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        for child in _children(a.pid):  # the listener: on TERM rsync sleeps 400 ms before it
-            try:  # exits, its socket still open; it holds no file, so it need not wait
-                os.kill(child, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 5
-        while _cmdline(a.pid) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if _cmdline(a.pid):
-            os.killpg(a.pid, signal.SIGKILL)
-        stopped = True
+            os.killpg(proc.pid, signal.SIGTERM)
+        for child in _children(proc.pid):  # the listener: on TERM rsync sleeps 400 ms before
+            with contextlib.suppress(ProcessLookupError):  # it exits, its socket still open;
+                os.kill(child, signal.SIGKILL)  # it holds no file, so it need not wait
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     shutil.rmtree(priv, ignore_errors=True)
-    print(json.dumps({"stopped": stopped, "removed": not os.path.exists(priv)}))
+
+
+def _ident(path: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _commands(out: queue.SimpleQueue[str | None]) -> None:
+    for line in sys.stdin:
+        out.put(line.strip())
+    out.put(None)  # EOF: the sender is done (or gone)
+
+
+def cmd_receive(a: argparse.Namespace) -> int:
+    """The receiving side of one sync, until stdin ends.
+
+    stdin: the daemon's secret (with --address), then a JSON list of the files to expect, then
+    ``settle <JSON list>`` for each batch whose transfer ended. A file counts as landed once it
+    has its size and another inode or mtime than when this began (rsync renames a finished file
+    into place); it is then hashed at once, beside the transfers still running, and reported
+    (``file {...}`` on stderr). A settled file that has not landed is reported missing. On EOF
+    the daemon stops, what landed is still checked, and the rest is reported missing."""
+    secret = sys.stdin.readline().strip() if a.address else ""
+    if a.address and not secret:
+        say("error: no secret on stdin")
+        return 2
+    try:
+        expect = json.loads(sys.stdin.readline() or "[]")
+    except ValueError:
+        say("error: the second line of stdin is not a JSON list of files")
+        return 2
+    root = a.dir
+    files = {x["path"]: x for x in load_spec(a.spec, expect)} if expect else {}
+    base = {rel: _ident(os.path.join(root, rel)) for rel in files}
+    daemon, port = None, None
+    if a.address:
+        try:
+            proc, port, priv = start_rsyncd(a, secret)
+        except (DaemonError, OSError) as e:
+            say(f"error: {e}")
+            return 7
+        daemon = (proc, priv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    cmds: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+    threading.Thread(target=_commands, args=(cmds,), daemon=True).start()
+    pending, settled, ending = set(files), set(), False
+    hashing: dict[cf.Future, str] = {}
+    counts = {"ok": 0, "differ": 0, "missing": 0, "hashed_bytes": 0}
+
+    def resolved(rel: str, state: str, why: str) -> None:
+        counts[state] += 1
+        say("file " + json.dumps({"path": rel, "state": state, "why": why}))
+
+    deadline = time.monotonic() + a.max_seconds
+    try:
+        say("ready " + json.dumps({"port": port}))
+        with cf.ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+            while pending or hashing or not ending:
+                busy = False
+                while True:
+                    try:
+                        cmd = cmds.get_nowait()
+                    except queue.Empty:
+                        break
+                    busy = True
+                    if cmd is None:
+                        ending = True
+                        if daemon is not None:  # nothing more comes: the listener goes now
+                            stop_rsyncd(*daemon)
+                            daemon = None
+                    elif cmd.startswith("settle "):
+                        settled.update(json.loads(cmd[7:]))
+                for rel in sorted(pending):
+                    want = files[rel]
+                    now = _ident(os.path.join(root, rel))
+                    if now is not None and now[2] == want["size"] and now != base[rel]:
+                        pending.discard(rel)
+                        hashing[pool.submit(check_one, root, want, {}, False)] = rel
+                        busy = True
+                    elif rel in settled or ending:
+                        pending.discard(rel)
+                        if now is None or now == base[rel]:
+                            resolved(rel, "missing", "not received")
+                        else:
+                            resolved(rel, "differ", f"size {now[2]}, the hub says {want['size']}")
+                for fut in [f for f in hashing if f.done()]:
+                    rel = hashing.pop(fut)
+                    state, why, new = fut.result()
+                    busy = True
+                    if new is not None:
+                        counts["hashed_bytes"] += new["size"]
+                        append_record(root, new)
+                    if state == "unchecked":  # changed while hashed: hash it again once it is still
+                        base[rel] = None
+                        pending.add(rel)
+                        continue
+                    resolved(rel, state, why)
+                if time.monotonic() > deadline:
+                    say(f"error: still receiving after {a.max_seconds}s")
+                    return 8
+                if not busy:
+                    time.sleep(0.02)
+    finally:
+        if daemon is not None:
+            stop_rsyncd(*daemon)
+    if counts["hashed_bytes"] and not download_running(root):
+        compact_records(root)
+    print(json.dumps(counts))
     return 0
 
 
@@ -582,19 +671,18 @@ def main(argv: list[str] | None = None) -> int:
     e = sub.add_parser("venv")
     e.add_argument("--venv", required=True)
     e.add_argument("--index-url", required=True)
-    s = sub.add_parser("serve")
-    s.add_argument("--address", required=True)
-    s.add_argument("--port", type=int, required=True)
-    s.add_argument("--dir", required=True)
-    s.add_argument("--allow", default="")
-    s.add_argument("--max-connections", type=int, default=16)
-    s.add_argument("--max-seconds", type=int, default=6 * 3600)
-    u = sub.add_parser("unserve")
-    u.add_argument("--pid", type=int, required=True)
-    u.add_argument("--private", required=True)
+    r = sub.add_parser("receive")
+    r.add_argument("--dir", required=True)
+    r.add_argument("--spec", required=True)
+    r.add_argument("--address", default="")
+    r.add_argument("--port", type=int, default=8730)
+    r.add_argument("--allow", default="")
+    r.add_argument("--max-connections", type=int, default=16)
+    r.add_argument("--max-seconds", type=int, default=24 * 3600)
+    r.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     a = p.parse_args(argv)
-    return {"verify": cmd_verify, "fetch": cmd_fetch, "venv": cmd_venv, "serve": cmd_serve,
-            "unserve": cmd_unserve}[a.cmd](a)
+    return {"verify": cmd_verify, "fetch": cmd_fetch, "venv": cmd_venv,
+            "receive": cmd_receive}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import shlex
 import stat
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -154,6 +155,38 @@ class _WholeInput(io.StringIO):
         return super().read(-1)
 
 
+class Feed:
+    """stdin for a command that reads while it runs: ``send`` hands it text, ``close`` ends it
+    (EOF). Invoke polls it (``read`` gives what was sent since, ``None`` while nothing was,
+    ``""`` once closed)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buf = ""
+        self._closed = False
+
+    def send(self, text: str) -> None:
+        with self._lock:
+            if self._closed:
+                raise ValueError("send on a closed Feed")
+            self._buf += text
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def read(self, size: int | None = -1) -> str | None:
+        with self._lock:
+            out, self._buf = self._buf, ""
+        if out:
+            return out
+        return "" if self._closed else None
+
+
 class _LineStream:
     """A write-only stream handing complete lines to a callback (for invoke's err_stream)."""
 
@@ -215,13 +248,14 @@ class Host:
         sudo: bool = False,
         timeout: float | None = None,
         on_stderr: Callable[[str], None] | None = None,
-        input: str | None = None,
+        input: str | Feed | None = None,
     ) -> CmdResult:
         """Run ``argv`` on the node. ``change=False`` marks a read-only probe.
 
         ``on_stderr`` receives each stderr line as it arrives (progress of long commands).
         ``input`` is written to the command's stdin, then stdin is closed: the way a secret
-        reaches a process on a node (never echoed, journaled or put in argv).
+        reaches a process on a node (never echoed, journaled or put in argv). A ``Feed`` keeps
+        stdin open while the command runs, for commands sent to it as it works.
 
         Raises ``NodeUnreachable`` when ssh cannot reach the node (asked once per run: later
         commands raise at once)."""
@@ -249,7 +283,8 @@ class Host:
                 err_stream=_LineStream(on_stderr) if on_stderr else None,
                 pty=False,
                 timeout=timeout,
-                in_stream=_WholeInput(input) if input is not None else False,
+                in_stream=(_WholeInput(input) if isinstance(input, str) else
+                           input if input is not None else False),
                 echo_stdin=False,
             )
             res = CmdResult(self.name, argv, r.exited, r.stdout, r.stderr,

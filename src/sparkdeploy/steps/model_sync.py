@@ -23,14 +23,17 @@ files already verified on a worker are never sent again.
 
 from __future__ import annotations
 
+import json
+import queue
 import secrets as pysecrets
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.hosts import Host
+from sparkdeploy.hosts import Feed, Host
 from sparkdeploy.nodeops import NodeUnreachable
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.model import (
@@ -40,7 +43,6 @@ from sparkdeploy.steps.model import (
     Staged,
     disk_check,
     error_line,
-    helper_json,
     metadata,
     node_state,
     stage_for,
@@ -52,17 +54,7 @@ SYNC = "model.sync"
 PARTIAL = ".sparkdeploy/partial"
 START_GRACE_S = 180.0
 """How long a sync waits for a download to show up on the head before giving up."""
-CHECKS_PER_RECEIVER = 2
 DISK_FULL = ("No space left on device", "ENOSPC", "Disk quota exceeded")
-
-
-@dataclass
-class Daemon:
-    host: Host
-    pid: int
-    port: int
-    private: str
-    stopped: bool = False  # set by _run when it stops the daemon before the sync ends
 
 
 def rsync_available(host: Host) -> str | None:
@@ -73,23 +65,94 @@ def rsync_available(host: Host) -> str | None:
     return f"{host.name}: rsync is not installed (install it: apt-get install rsync)"
 
 
-def serve_argv(dep: Deployment, dst: Host, st: Staged, allow: list[str]) -> list[str]:
-    s = dep.profile.model.sync
-    return st.run(["python3", st.script, "serve", "--address", dst.node.link.address, "--port",
-                   str(s.port), "--dir", dep.profile.model.path, "--allow", ",".join(allow),
-                   "--max-connections", str(2 * s.streams + 2)])
+def receive_argv(dep: Deployment, dst: Host, st: Staged, allow: list[str] | None) -> list[str]:
+    """The helper that receives on ``dst``; ``allow`` (rsyncd): the addresses its daemon admits."""
+    m = dep.profile.model
+    argv = ["python3", st.script, "receive", "--dir", m.path, "--spec", st.spec]
+    if allow is not None:
+        argv += ["--address", dst.node.link.address, "--port", str(m.sync.port),
+                 "--allow", ",".join(allow), "--max-connections", str(2 * m.sync.streams + 2)]
+    return st.run(argv)
 
 
-def start_daemon(dep: Deployment, dst: Host, st: Staged, secret: str, allow: list[str]) -> Daemon:
-    out = helper_json(dst, serve_argv(dep, dst, st, allow),
-                      f"cannot start the rsync daemon on {dst.node.link.address}",
-                      input=secret + "\n", timeout=60)
-    return Daemon(dst, int(out["pid"]), int(out["port"]), out["private"])
+class Receiver:
+    """The helper on one receiver for as long as a sync sends to it: its rsync daemon (rsyncd)
+    and the check of each file as it lands, beside the transfers still running.
 
+    It hears on stdin (a ``Feed``) which batches have ended, and stdin's end tells it nothing
+    more comes: its daemon stops, and it reports what is left and exits. Its reports come
+    back as stderr lines while it runs."""
 
-def stop_daemon(d: Daemon, st: Staged) -> None:
-    d.host.run(st.run(["python3", st.script, "unserve", "--pid", str(d.pid), "--private",
-                       d.private]), timeout=60)
+    def __init__(self, dep: Deployment, host: Host, st: Staged, expect: list[str],
+                 secret: str | None, allow: list[str]):
+        self.host = host
+        self.port: int | None = None
+        self.error: str | None = None
+        self.ready = threading.Event()
+        self.finished = threading.Event()
+        self._reports: queue.SimpleQueue[tuple[str, str, str]] = queue.SimpleQueue()
+        self._lines: list[str] = []
+        self.ending = False  # end() was called
+        self._feed = Feed()
+        self._feed.send((secret + "\n" if secret else "") + json.dumps(expect) + "\n")
+        argv = receive_argv(dep, host, st, allow if secret else None)
+        self._thread = threading.Thread(target=self._run, args=(argv,), daemon=True)
+        self._thread.start()
+
+    def _on_line(self, line: str) -> None:
+        kind, _, rest = line.partition(" ")
+        if kind == "file":
+            d = json.loads(rest)
+            self._reports.put((d["path"], d["state"], d["why"]))
+        elif kind == "ready":
+            self.port = json.loads(rest)["port"]
+            self.ready.set()
+        else:
+            self._lines.append(line)
+
+    def _run(self, argv: list[str]) -> None:
+        try:
+            r = self.host.run(argv, input=self._feed, on_stderr=self._on_line, timeout=24 * 3600)
+            if not r.ok:
+                self.error = (f"{self.host.name}: receiving failed: "
+                              f"{error_line(chr(10).join(self._lines), r.one_line_error())}")
+        except NodeUnreachable as e:
+            self.error = str(e)
+        finally:
+            self._feed.close()
+            self.finished.set()
+            self.ready.set()
+
+    def wait_ready(self, timeout: float = 60) -> int | None:
+        """The daemon's port (None without one); ModelError when the helper did not start."""
+        if not self.ready.wait(timeout):
+            self.end()
+            raise ModelError(f"{self.host.name}: the receiving helper did not start in {timeout:.0f}s")
+        if self.error is not None or self.finished.is_set():
+            raise ModelError(self.error or f"{self.host.name}: the receiving helper ended at start")
+        return self.port
+
+    def settle(self, files: list[str]) -> None:
+        """The transfer of ``files`` ended: each is reported, landed or not."""
+        if not self._feed.closed:
+            self._feed.send("settle " + json.dumps(files) + "\n")
+
+    def end(self) -> None:
+        """Nothing more comes: the daemon stops; what is left is reported."""
+        self.ending = True
+        self._feed.close()
+
+    def reports(self) -> list[tuple[str, str, str]]:
+        out = []
+        while True:
+            try:
+                out.append(self._reports.get_nowait())
+            except queue.Empty:
+                return out
+
+    def join(self, timeout: float = 60) -> None:
+        self.end()
+        self._thread.join(timeout)
 
 
 def send_argv(dep: Deployment, src: Host, dst: Host, files: list[str], port: int | None) -> list[str]:
@@ -113,52 +176,40 @@ Batch = tuple[tuple[str, ...], str, str]
 """(files, sender, receiver): one rsync stream."""
 
 
-GROUP_BELOW = 32 * 1024 * 1024
-"""Files smaller than this travel together in one rsync; larger ones one per stream, so the
-streams stay balanced and each file is verified while the next is on the wire."""
-
-
 @dataclass
 class Plan:
     """Who needs what and who holds what (the scheduling state of one sync).
 
     A batch occupies a stream of its sender and of its receiver while rsync runs (``sent``
-    frees them) and stays in flight until the receiver has verified it (``verified``)."""
+    frees them); each of its files stays in flight until the receiver has checked it
+    (``resolved``)."""
 
     need: dict[str, list[str]]  # receiver -> files still to receive (in send order)
     holders: dict[str, list[str]] = field(default_factory=dict)  # file -> nodes holding it verified
-    sizes: dict[str, int] = field(default_factory=dict)  # file -> bytes (unknown: sent alone)
+    sizes: dict[str, int] = field(default_factory=dict)  # file -> bytes
     out_load: dict[str, int] = field(default_factory=dict)  # streams a node sends
     in_load: dict[str, int] = field(default_factory=dict)  # streams a node receives
     busy: set[tuple[str, str]] = field(default_factory=set)  # (file, receiver) in flight
     failed: dict[str, str] = field(default_factory=dict)  # receiver -> why it stopped
 
     def _batches(self, files: list[str], k: int) -> list[tuple[str, ...]]:
-        """Up to ``k`` batches from the head of ``files``: a large file alone, or a run of small
-        ones together."""
-        out: list[tuple[str, ...]] = []
-        cur: list[str] = []
-        cur_bytes = 0
-        for f in files:
-            if len(out) == k:
-                break
-            size = self.sizes.get(f, GROUP_BELOW)
-            if size >= GROUP_BELOW:
-                out.append((f,))
-                continue
-            cur.append(f)
-            cur_bytes += size
-            if cur_bytes >= GROUP_BELOW:
-                out.append(tuple(cur))
-                cur, cur_bytes = [], 0
-        if cur and len(out) < k:
-            out.append(tuple(cur))
-        return out
+        """``files`` over up to ``k`` streams, even in bytes (each file, largest first, onto the
+        stream with the fewest bytes so far); each stream's files in send order. One rsync per
+        stream carries all of its files: the receiver checks each as it lands."""
+        n = min(k, len(files))
+        bins: list[list[str]] = [[] for _ in range(n)]
+        load = [0] * n
+        for f in sorted(files, key=lambda x: -self.sizes.get(x, 0)):
+            i = min(range(n), key=lambda j: (load[j], j))
+            bins[i].append(f)
+            load[i] += self.sizes.get(f, 0)
+        pos = {f: i for i, f in enumerate(files)}
+        return [tuple(sorted(b, key=pos.__getitem__)) for b in bins]
 
     def next_transfers(self, streams: int, head: str) -> list[Batch]:
         """Batches to start now. A worker holding a file serves it before the head does; no node
-        sends or receives more than ``streams`` streams at once; each free stream takes the next
-        file ready for its receiver (a run of small files counts as one)."""
+        sends or receives more than ``streams`` streams at once; the files ready for a receiver
+        are spread over the streams free for it."""
         out: list[Batch] = []
         for dst, files in self.need.items():
             if dst in self.failed:
@@ -179,18 +230,21 @@ class Plan:
         return out
 
     def sent(self, batch: Batch) -> None:
-        """rsync of ``batch`` ended: its streams are free; its files await verification."""
+        """rsync of ``batch`` ended: its streams are free; its files await their check."""
         _, src, dst = batch
         self.out_load[src] -= 1
         self.in_load[dst] -= 1
 
-    def verified(self, batch: Batch, good: list[str]) -> None:
-        files, _, dst = batch
-        self.busy.difference_update((f, dst) for f in files)
-        for f in good:
-            if f in self.need[dst]:
-                self.need[dst].remove(f)
-                self.holders.setdefault(f, []).append(dst)
+    def resolved(self, f: str, dst: str, good: bool) -> None:
+        """``dst`` checked ``f``: verified there (it may serve it now), or not."""
+        self.busy.discard((f, dst))
+        if good and f in self.need[dst]:
+            self.need[dst].remove(f)
+            self.holders.setdefault(f, []).append(dst)
+
+    def waiting_only(self, dst: str) -> bool:
+        """Everything ``dst`` still needs is in flight (or it failed): nothing more goes to it."""
+        return dst in self.failed or all((f, dst) in self.busy for f in self.need[dst])
 
     def done(self) -> bool:
         return all(not files or dst in self.failed for dst, files in self.need.items())
@@ -219,7 +273,7 @@ def sync_files(dep: Deployment, targets: list[Host], meta: dict[str, Any],
     sizes = {f["path"]: f["size"] for f in meta["files"]}
     note = f" ({note})" if note else ""
     staged: dict[str, Staged] = {}
-    daemons: list[Daemon] = []
+    receivers: dict[str, Receiver] = {}
     secret = pysecrets.token_urlsafe(32) if s.transport == "rsyncd" else None
     allow = [n.link.address for n in dep.profile.nodes]
 
@@ -240,9 +294,9 @@ def sync_files(dep: Deployment, targets: list[Host], meta: dict[str, Any],
             return out
         out["short"] = disk_check(dep, h, total_bytes(meta, need), step_name)
         out["rsync"] = rsync_available(h)
-        if secret is not None and not dep.dry and out["short"] is None and out["rsync"] is None:
-            d = start_daemon(dep, h, staged[h.name], secret, allow)
-            daemons.append(d)
+        if not dep.dry and out["short"] is None and out["rsync"] is None:
+            r = receivers[h.name] = Receiver(dep, h, staged[h.name], need, secret, allow)
+            out["port"] = r.wait_ready()
         return out
 
     try:
@@ -268,16 +322,14 @@ def sync_files(dep: Deployment, targets: list[Host], meta: dict[str, Any],
         head_state = ready[head.name]["state"]
         for f in head_state["ok"]:
             plan.holders.setdefault(f, []).append(head.name)
-        ports: dict[str, int | None] = {t.name: None for t in targets}
-        for d in daemons:
-            ports[d.host.name] = d.port
-        return _run(dep, head, targets, plan, staged, ports, secret, sizes, order,
-                    step_name, note, daemons, head_state)
+        ports = {name: ready[name].get("port") for name in plan.need}
+        return _run(dep, head, targets, plan, staged, receivers, ports, secret, order,
+                    step_name, note, head_state)
     except (ModelError, NodeUnreachable) as e:
         return failed(step_name, str(e), getattr(e, "node", None))
     finally:
-        # the ones _run stopped early (nothing left to send to them) are gone already
-        each(lambda d: stop_daemon(d, staged[d.host.name]), [d for d in daemons if not d.stopped])
+        # a receiver's daemon stops when its stdin ends, whatever happened here
+        each(lambda r: r.join(), list(receivers.values()))
 
 
 def each(fn, items: list) -> list:
@@ -291,10 +343,11 @@ def each(fn, items: list) -> list:
 
 
 def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan,
-         staged: dict[str, Staged], ports: dict[str, int | None], secret: str | None,
-         sizes: dict[str, int], order: list[str], step_name: str, note: str,
-         daemons: list[Daemon], head_state: dict[str, Any]) -> Result:
+         staged: dict[str, Staged], receivers: dict[str, Receiver], ports: dict[str, int | None],
+         secret: str | None, order: list[str], step_name: str, note: str,
+         head_state: dict[str, Any]) -> Result:
     s = dep.profile.model.sync
+    sizes = plan.sizes
     hosts = {h.name: h for h in [head, *targets]}
     totals = {k: sum(sizes[f] for f in v) for k, v in plan.need.items()}
     moved = dict.fromkeys(plan.need, 0)
@@ -303,7 +356,6 @@ def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan,
     last_head_poll = time.monotonic()  # the head's state came with the setup
     head_running = bool(head_state.get("download_running"))
     sending: dict[Future, Batch] = {}  # rsync running
-    futures: dict[Future, Batch] = {}  # sent, being verified on the receiver
     errors: dict[str, str] = {}
 
     def send(batch: Batch) -> str | None:
@@ -322,26 +374,9 @@ def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan,
         return (f"sending {len(files)} files {src} -> {dst} failed: "
                 f"{error_line(text, r.one_line_error())}")
 
-    def check(dst: str, arrived: list[tuple[Batch, str | None]]
-              ) -> list[tuple[Batch, list[str], str | None]]:
-        """Verify on arrival, beside the next files on the wire: every batch whose rsync ended
-        since the receiver's last check, in one helper run. Per batch: (verified, error)."""
-        files = [f for batch, _ in arrived for f in batch[0]]
-        try:
-            got = node_state(dep, hosts[dst], staged[dst], only=files, step_name=step_name,
-                             progress=False)
-        except (ModelError, NodeUnreachable) as e:
-            return [(batch, [], err or str(e)) for batch, err in arrived]
-        out = []
-        for batch, err in arrived:
-            good = [f for f in batch[0] if f in got["ok"]]
-            bad = [f for f in batch[0] if f not in got["ok"]]
-            if err is None and bad:
-                why = got["differ"].get(bad[0]) or ("missing" if bad[0] in got["missing"]
-                                                    else "not verified")
-                err = f"{bad[0]} arrived on {dst} but {why}"
-            out.append((batch, good, err))
-        return out
+    def fail(dst: str, why: str) -> None:
+        errors.setdefault(dst, why)
+        plan.failed.setdefault(dst, why)
 
     def refresh_head() -> None:
         nonlocal last_head_poll, head_running
@@ -360,44 +395,37 @@ def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan,
                        f"download is running there (run model.download)")
 
     pool = ThreadPoolExecutor(max_workers=max(1, s.streams * len(targets)))
-    verifiers = ThreadPoolExecutor(max_workers=max(1, CHECKS_PER_RECEIVER * len(targets)))
 
-    arrived: dict[str, list[tuple[Batch, str | None]]] = {}  # receiver -> sent, to check
+    def finished() -> bool:
+        return not sending and all(r.finished.is_set() for r in receivers.values())
 
     def probe() -> bool:
         progressed = False
         for fut in [f for f in sending if f.done()]:
-            batch = sending.pop(fut)
-            plan.sent(batch)  # its streams take the next files while it is verified
-            arrived.setdefault(batch[2], []).append((batch, fut.result()))
+            files, _, dst = batch = sending.pop(fut)
+            plan.sent(batch)  # its streams take the next files while the last ones are checked
+            err = fut.result()
+            if err is not None:
+                fail(dst, err)
+            receivers[dst].settle(list(files))
             progressed = True
-        for fut in [f for f in futures if f.done()]:
-            futures.pop(fut)
-            for batch, good, err in fut.result():
-                dst = batch[2]
-                plan.verified(batch, good)
-                moved[dst] += sum(sizes[f] for f in good)
-                dep.events.progress(step_name, dst, moved[dst], totals[dst], "B",
-                                    f"{len(order) - len(plan.need[dst])}/{len(order)} files")
-                if err is not None:
-                    errors.setdefault(dst, err)
-                    plan.failed.setdefault(dst, err)
-            progressed = True
-        for dst in [d for d, v in arrived.items() if v]:
-            # two checks at a time per receiver, each of all that arrived since: the last file
-            # is checked as soon as it lands, and Python starts once per wave, not per file
-            if sum(1 for b in futures.values() if b[2] == dst) < CHECKS_PER_RECEIVER:
-                todo = arrived.pop(dst)
-                futures[verifiers.submit(check, dst, todo)] = todo[0][0]
-        for d in daemons:
-            # nothing left to send to it (a failed check ends that receiver's sync): its
-            # listener goes now, beside the last checks
-            name = d.host.name
-            if not d.stopped and not any(b[2] == name for b in sending.values()) and (
-                    name in plan.failed or all((f, name) in plan.busy for f in plan.need[name])):
-                d.stopped = True
-                pool.submit(stop_daemon, d, staged[name])
-        if plan.done() and not futures and not sending and not arrived:
+        for dst, rcv in receivers.items():
+            for f, state, why in rcv.reports():
+                progressed = True
+                plan.resolved(f, dst, state == "ok")
+                if state == "ok":
+                    moved[dst] += sizes[f]
+                    dep.events.progress(step_name, dst, moved[dst], totals[dst], "B",
+                                        f"{len(order) - len(plan.need[dst])}/{len(order)} files")
+                elif dst not in plan.failed:
+                    fail(dst, f"{f} arrived on {dst} but {why}" if state == "differ"
+                         else f"{f} did not arrive on {dst}")
+            if rcv.finished.is_set() and not rcv.ending and dst not in plan.failed:
+                fail(dst, rcv.error or f"{dst}: the receiving helper ended early")
+            if not rcv.ending and plan.waiting_only(dst) and not any(
+                    b[2] == dst for b in sending.values()):
+                rcv.end()  # nothing more goes to it: its listener goes now, beside the last checks
+        if finished():
             return True
         if time.monotonic() - last_head_poll >= 0.5:
             before = sum(len(v) for v in plan.holders.values())
@@ -408,21 +436,23 @@ def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan,
         return progressed
 
     try:
-        while not (plan.done() and not futures and not sending and not arrived):
+        while not finished():
             # a short interval: a stream idles from its rsync's end to the next probe
             wait_for(probe, deadline=s.stall_timeout_s, interval=0.02,
                      what="a file to become ready on the head or to arrive on a worker",
                      clock=dep.clock, sleep=dep.sleep)
     except Stop as e:
-        _drain(sending, futures)
+        _drain(sending)
         return failed(step_name, f"{e}; {_kept(plan, targets, order)}", head.name)
     except WaitTimeout as e:
-        _drain(sending, futures)
+        _drain(sending)
         return failed(step_name, f"stalled: {e}; {_kept(plan, targets, order)}")
     finally:
         pool.shutdown(wait=True)
-        verifiers.shutdown(wait=True)
     secs = time.monotonic() - started
+    for dst, rcv in receivers.items():
+        if rcv.error and dst not in errors:  # it ended, but not cleanly
+            errors[dst] = rcv.error
     if errors:
         dst, why = next(iter(errors.items()))
         return failed(step_name, f"{why}; {_kept(plan, targets, order)}, a re-run resumes", dst)
@@ -441,10 +471,9 @@ def _sent(plan: Plan):
                 yield f, n
 
 
-def _drain(*running: dict[Future, Any]) -> None:
-    for futures in running:
-        for fut in list(futures):
-            fut.result()
+def _drain(running: dict[Future, Any]) -> None:
+    for fut in list(running):
+        fut.result()
 
 
 def _kept(plan: Plan, targets: list[Host], order: list[str]) -> str:
@@ -453,4 +482,4 @@ def _kept(plan: Plan, targets: list[Host], order: list[str]) -> str:
     return "; ".join(parts)
 
 
-__all__ = ["SYNC", "Plan", "send_argv", "serve_argv", "sync", "sync_files", "SCRIPT"]
+__all__ = ["SYNC", "Plan", "Receiver", "receive_argv", "send_argv", "sync", "sync_files", "SCRIPT"]
