@@ -21,7 +21,7 @@ Subcommands (each prints one JSON object on stdout; progress lines on stderr):
       D, one user whose secret (stdin's first line) goes to a 0600 file in a private 0700
       directory; the daemon stops and the directory goes when stdin ends. Each expected file
       (stdin's next line, a JSON list) is hashed as soon as it lands and reported on stderr as
-      ``file {"path", "state", "why"}``; ``ready {"port"}`` comes first.
+      ``file {"path", "state", "why"}``; ``ready {"port", "private"}`` comes first.
 """
 
 from __future__ import annotations
@@ -575,7 +575,7 @@ def cmd_receive(a: argparse.Namespace) -> int:
     root = a.dir
     files = {x["path"]: x for x in load_spec(a.spec, expect)} if expect else {}
     base = {rel: _ident(os.path.join(root, rel)) for rel in files}
-    daemon, port = None, None
+    daemon, port, priv = None, None, None
     if a.address:
         try:
             proc, port, priv = start_rsyncd(a, secret)
@@ -596,7 +596,7 @@ def cmd_receive(a: argparse.Namespace) -> int:
 
     deadline = time.monotonic() + a.max_seconds
     try:
-        say("ready " + json.dumps({"port": port}))
+        say("ready " + json.dumps({"port": port, "private": priv}))
         with cf.ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
             while pending or hashing or not ending:
                 busy = False

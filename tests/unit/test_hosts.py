@@ -1,10 +1,11 @@
 import shlex
+import sys
 
 import pytest
 from invoke import Config, Context, Result
 
 from sparkdeploy.config import Link, Node, SshSettings
-from sparkdeploy.hosts import Host, NodeUnreachable, elide, forward_argv, ssh_base_argv
+from sparkdeploy.hosts import Feed, Host, NodeUnreachable, elide, forward_argv, ssh_base_argv
 
 NODE = Node(name="spark1", role="head", ssh="spark1", link=Link(interface="e0", address="10.0.0.1"),
             privilege="sudo")
@@ -133,3 +134,37 @@ def test_input_reaches_the_command_in_one_write(monkeypatch):
     secret = "s" * 43 + "\n"
     r = Host(local).run(["cat"], input=secret)
     assert r.stdout == secret and writes == [secret]
+
+
+def test_a_feed_reaches_a_running_command_and_its_close_ends_stdin():
+    """A command answers each line sent while it runs (its answers come back as they are
+    written), and ends when the feed closes."""
+    import threading
+
+
+    local = NODE.model_copy(update={"ssh": None, "privilege": "none"})
+    feed = Feed()
+    heard: list[str] = []
+    answered = threading.Event()
+
+    def on_line(line: str) -> None:
+        heard.append(line)
+        answered.set()
+
+    echo = ("import sys\nfor line in sys.stdin:\n"
+            "    print('got ' + line.strip(), file=sys.stderr, flush=True)\nprint('eof')")
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault(
+        "r", Host(local).run([sys.executable, "-c", echo], input=feed, on_stderr=on_line)))
+    t.start()
+    feed.send("one\n")
+    assert answered.wait(10) and heard == ["got one"]  # answered while stdin stays open
+    answered.clear()
+    feed.send("two\n")
+    assert answered.wait(10) and heard == ["got one", "got two"]
+    assert t.is_alive()
+    feed.close()
+    t.join(10)
+    assert not t.is_alive() and box["r"].ok and box["r"].stdout == "eof\n"
+    with pytest.raises(ValueError):
+        feed.send("three\n")

@@ -3,6 +3,7 @@ helper runs for real; model.sync's scheduling and commands."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -192,9 +193,10 @@ def test_second_verify_of_unchanged_files_reads_nothing(tmp_path, lab_hub, token
 # --- model.sync -----------------------------------------------------------------------------
 
 def finish(plan, batch, good):
-    """The batch's rsync ended and the receiver verified ``good`` of it."""
+    """The batch's rsync ended and the receiver checked each of its files."""
     plan.sent(batch)
-    plan.verified(batch, good)
+    for f in batch[0]:
+        plan.resolved(f, batch[2], f in good)
 
 
 def test_plan_sends_ready_files_and_lets_workers_serve_the_next():
@@ -213,41 +215,57 @@ def test_plan_sends_ready_files_and_lets_workers_serve_the_next():
     assert plan.done()
 
 
-def test_plan_gives_each_free_stream_the_next_file():
-    plan = model_sync.Plan(need={"w1": ["a", "b", "c", "d", "e"]},
-                           holders={f: ["head"] for f in "abcde"})
+def test_plan_spreads_the_ready_files_over_the_free_streams_even_in_bytes():
+    sizes = {"a": 5, "b": 4, "c": 3, "d": 2, "e": 1}
+    plan = model_sync.Plan(need={"w1": list("abcde")}, holders={f: ["head"] for f in "abcde"},
+                           sizes=sizes)
+    # largest first onto the lighter stream: 5+2+1 and 4+3; each stream's files in send order
     first = plan.next_transfers(streams=2, head="head")
-    assert first == [(("a",), "head", "w1"), (("b",), "head", "w1")]
+    assert first == [(("a", "d", "e"), "head", "w1"), (("b", "c"), "head", "w1")]
     assert plan.next_transfers(streams=2, head="head") == []  # both streams busy
-    plan.sent(first[1])  # b's rsync ended; b is being verified, its stream is free
-    assert plan.next_transfers(streams=2, head="head") == [(("c",), "head", "w1")]
-    plan.verified(first[1], [])  # b failed its check: it is sent again
-    plan.sent(first[0])
+    plan.sent(first[1])  # that rsync ended; its files await their check, its stream is free
+    assert plan.next_transfers(streams=2, head="head") == []  # nothing else to send
+    plan.resolved("b", "w1", False)  # b failed its check: it goes again on the free stream
+    plan.resolved("c", "w1", True)
     assert plan.next_transfers(streams=2, head="head") == [(("b",), "head", "w1")]
+    assert plan.need["w1"] == ["a", "b", "d", "e"] and plan.holders["c"] == ["head", "w1"]
 
 
-def test_plan_sends_small_files_together_and_large_ones_alone():
-    big, small = model_sync.GROUP_BELOW, model_sync.GROUP_BELOW // 3
-    sizes = {"cfg": 100, "tok": small, "s1": big, "s2": big * 4, "vocab": small, "merges": small}
-    order = ["cfg", "tok", "s1", "s2", "vocab", "merges"]
+def test_plan_never_opens_a_stream_without_a_file():
+    plan = model_sync.Plan(need={"w1": ["cfg", "tok"]}, holders={"cfg": ["head"], "tok": ["head"]})
+    # sizes unknown (all 0): still one file per stream, no empty batch
+    assert plan.next_transfers(streams=4, head="head") == [
+        (("cfg",), "head", "w1"), (("tok",), "head", "w1")]
+    sizes = {"cfg": 1, "tok": 2, "s1": 10, "s2": 40, "vocab": 3}
+    order = ["cfg", "tok", "s1", "s2", "vocab"]
     plan = model_sync.Plan(need={"w1": list(order)}, holders={f: ["head"] for f in order},
                            sizes=sizes)
-    assert plan.next_transfers(streams=4, head="head") == [
-        (("s1",), "head", "w1"), (("s2",), "head", "w1"),
-        (("cfg", "tok", "vocab", "merges"), "head", "w1")]
-    half = model_sync.GROUP_BELOW // 2
-    plan = model_sync.Plan(need={"w1": list(order)}, holders={f: ["head"] for f in order},
-                           sizes={**sizes, "cfg": half, "tok": half})
-    # two small files reach the size of a large one and close their batch
+    # one large file fills a stream; the small ones join the other
     assert plan.next_transfers(streams=2, head="head") == [
-        (("cfg", "tok"), "head", "w1"), (("s1",), "head", "w1")]
+        (("s2",), "head", "w1"), (("cfg", "tok", "s1", "vocab"), "head", "w1")]
 
 
 def test_a_file_that_failed_to_verify_is_sent_again():
     plan = model_sync.Plan(need={"w1": ["a", "b"]}, holders={"a": ["head"], "b": ["head"]})
     [batch] = plan.next_transfers(streams=1, head="head")
+    assert batch == (("a", "b"), "head", "w1")  # one stream: one rsync carries both
     finish(plan, batch, ["a"])
     assert plan.need["w1"] == ["b"] and plan.next_transfers(1, "head") == [(("b",), "head", "w1")]
+
+
+def test_a_receiver_is_told_the_end_once_all_it_needs_is_in_flight():
+    plan = model_sync.Plan(need={"w1": ["a", "b"], "w2": ["a"]}, holders={"a": ["head"]})
+    assert not plan.waiting_only("w1") and not plan.waiting_only("w2")
+    plan.next_transfers(streams=1, head="head")  # a to w1; b is not on the head yet
+    assert not plan.waiting_only("w1")
+    plan.failed["w2"] = "disk full"
+    assert plan.waiting_only("w2")
+    plan.holders["b"] = ["head"]
+    plan.next_transfers(streams=2, head="head")
+    assert plan.waiting_only("w1")
+    plan.resolved("a", "w1", True)
+    plan.resolved("b", "w1", True)
+    assert plan.waiting_only("w1") and plan.need["w1"] == []
 
 
 def test_plan_stops_sending_to_a_failed_worker_only():
@@ -277,46 +295,92 @@ def test_send_argv_rsyncd_and_ssh(tmp_path):
     assert argv.index("--bwlimit=19531") < argv.index("--")
 
 
-def test_the_daemon_binds_the_link_address_and_gets_its_secret_on_stdin(tmp_path):
+def test_the_receiver_binds_the_link_address_only_with_rsyncd(tmp_path):
     dep, _ = deployment(tmp_path, {"spark1": Node(), "spark2": Node()}, "http://127.0.0.1:9")
     st = model.Staged(f"/s/{'a' * 64}/model_node.py", f"/s/{'b' * 64}/spec.json")
-    argv = _unwrap(model_sync.serve_argv(dep, dep.host("spark2"), st, ["10.77.1.1", "10.77.1.2"]))
-    assert argv == ["python3", st.script, "serve", "--address", "10.77.1.2", "--port",
-                    "8730", "--dir", dep.profile.model.path, "--allow", "10.77.1.1,10.77.1.2",
-                    "--max-connections", "10"]
+    w, path = dep.host("spark2"), dep.profile.model.path
+    assert _unwrap(model_sync.receive_argv(dep, w, st, ["10.77.1.1", "10.77.1.2"])) == [
+        "python3", st.script, "receive", "--dir", path, "--spec", st.spec, "--address",
+        "10.77.1.2", "--port", "8730", "--allow", "10.77.1.1,10.77.1.2", "--max-connections", "10"]
+    # over ssh: no daemon, the same check of each file as it lands
+    assert _unwrap(model_sync.receive_argv(dep, w, st, None)) == [
+        "python3", st.script, "receive", "--dir", path, "--spec", st.spec]
 
 
-def test_the_daemon_answers_by_address_only_and_is_gone_after_unserve(tmp_path):
-    """The real helper starts a real rsync daemon on loopback. Its config never looks up the
-    peer's name: with no DNS answering for a link address, each connection waited out the
-    resolver (model.sync took 3x plain rsync over SSH in the lab until this was set)."""
+def test_the_receiver_checks_each_file_as_it_lands_and_its_daemon_goes_with_its_stdin(tmp_path):
+    """The real helper with a real rsync daemon on loopback, fed by a real rsync client: each
+    file is checked as soon as it lands (before the sender says its batch ended), a wrong one is
+    named, a settled file that never came is reported missing; when stdin ends the listener and
+    its private directory are gone. The config never looks up the peer's name: with no DNS
+    answering for a link address, each connection waited out the resolver."""
+    import queue
     import socket
     import subprocess
+    import threading
 
     script = os.path.join(os.path.dirname(model.__file__), "..", "..", "..", "scripts",
                           "model_node.py")
-    data = tmp_path / "weights"
-    cp = subprocess.run([sys.executable, script, "serve", "--address", "127.0.0.1", "--port",
-                         "18730", "--dir", str(data), "--allow", "127.0.0.1"],
-                        input="s3cret\n", capture_output=True, text=True, timeout=30)
-    assert cp.returncode == 0, cp.stderr
-    out = json.loads(cp.stdout)
-    conf = open(os.path.join(out["private"], "rsyncd.conf")).read().splitlines()
-    assert "reverse lookup = no" in conf
-    assert "hosts allow = 127.0.0.1" in conf and "hosts deny = *" in conf
-    assert oct(os.stat(out["private"]).st_mode & 0o777) == "0o700"
-    secrets = os.path.join(out["private"], "secrets")
-    assert oct(os.stat(secrets).st_mode & 0o777) == "0o600"
-    cp = subprocess.run([sys.executable, script, "unserve", "--pid", str(out["pid"]),
-                         "--private", out["private"]], capture_output=True, text=True, timeout=30)
-    assert json.loads(cp.stdout) == {"stopped": True, "removed": True}
-    try:  # gone, or a zombie until its new parent (init here) reaps it
-        state = open(f"/proc/{out['pid']}/stat").read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        state = "gone"
-    assert state in ("gone", "Z")
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    good, bad = os.urandom(300_000), os.urandom(1000)
+    (src / "good.bin").write_bytes(good)
+    (src / "bad.bin").write_bytes(bad)
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"files": [
+        {"path": "good.bin", "size": len(good), "sha256": hashlib.sha256(good).hexdigest()},
+        {"path": "bad.bin", "size": len(bad), "sha256": "0" * 64},
+        {"path": "never.bin", "size": 5, "sha256": "1" * 64}]}))
+    p = subprocess.Popen([sys.executable, script, "receive", "--dir", str(dst), "--spec", str(spec),
+                          "--address", "127.0.0.1", "--port", "18730", "--allow", "127.0.0.1"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x.rstrip("\n")) for x in p.stderr], daemon=True).start()
+
+    def next_line() -> str:
+        return lines.get(timeout=30)
+
+    try:
+        p.stdin.write('s3cret\n["good.bin", "bad.bin", "never.bin"]\n')
+        p.stdin.flush()
+        kind, _, rest = next_line().partition(" ")
+        assert kind == "ready", rest
+        ready = json.loads(rest)
+        conf = open(os.path.join(ready["private"], "rsyncd.conf")).read().splitlines()
+        assert "reverse lookup = no" in conf
+        assert "hosts allow = 127.0.0.1" in conf and "hosts deny = *" in conf
+        assert oct(os.stat(ready["private"]).st_mode & 0o777) == "0o700"
+        assert oct(os.stat(os.path.join(ready["private"], "secrets")).st_mode & 0o777) == "0o600"
+
+        def push(name: str) -> None:
+            cp = subprocess.run(["rsync", "-t", "--password-file=-", "--", str(src / name),
+                                 f"rsync://sparkdeploy@127.0.0.1:{ready['port']}/model/"],
+                                input="s3cret\n", capture_output=True, text=True, timeout=60)
+            assert cp.returncode == 0, cp.stderr
+
+        push("good.bin")
+        assert json.loads(next_line().partition(" ")[2]) == {
+            "path": "good.bin", "state": "ok", "why": "hashed"}
+        push("bad.bin")
+        assert json.loads(next_line().partition(" ")[2]) == {
+            "path": "bad.bin", "state": "differ", "why": "sha256 differs from the hub's"}
+        p.stdin.write('settle ["never.bin"]\n')
+        p.stdin.flush()
+        assert json.loads(next_line().partition(" ")[2]) == {
+            "path": "never.bin", "state": "missing", "why": "not received"}
+        assert p.poll() is None  # it runs until its stdin ends
+        p.stdin.close()
+        assert p.wait(30) == 0
+        assert json.loads(p.stdout.read()) == {"ok": 1, "differ": 1, "missing": 1,
+                                                "hashed_bytes": len(good) + len(bad)}
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert not os.path.exists(ready["private"])
     with pytest.raises(ConnectionRefusedError):  # nothing listens any more
-        socket.create_connection(("127.0.0.1", out["port"]), timeout=5)
+        socket.create_connection(("127.0.0.1", ready["port"]), timeout=5)
+    records = [json.loads(x) for x in (dst / ".sparkdeploy" / "verified.jsonl").read_text().splitlines()]
+    assert {r["path"] for r in records} == {"good.bin", "bad.bin"}
 
 
 def test_steps_are_registered_for_the_graph():
@@ -340,10 +404,10 @@ def test_metadata_is_cached_under_the_state_dir(tmp_path, lab_hub, token):
 def test_plan_caps_what_each_node_sends_and_receives():
     files = ["a", "b", "c"]
     plan = model_sync.Plan(need={"w1": list(files), "w2": list(files)},
-                           holders={f: ["head"] for f in files})
+                           holders={f: ["head"] for f in files}, sizes={"a": 3, "b": 2, "c": 1})
     # the head sends two streams in all, not two per receiver
     assert plan.next_transfers(streams=2, head="head") == [
-        (("a",), "head", "w1"), (("b",), "head", "w1")]
+        (("a",), "head", "w1"), (("b", "c"), "head", "w1")]
     # w2 holds nothing yet and the head is busy: nothing more
     assert plan.next_transfers(streams=2, head="head") == []
 
@@ -371,25 +435,6 @@ def test_plan_passes_over_a_busy_worker_to_the_next_source():
     assert plan.out_load == {"w1": 1, "w3": 1} and plan.in_load == {"w2": 1}
     plan.sent((("a",), "w3", "w2"))
     assert plan.out_load == {"w1": 1, "w3": 0} and plan.in_load == {"w2": 0}
-
-
-def test_plan_batches_close_at_the_size_of_a_large_file():
-    g = model_sync.GROUP_BELOW
-    sizes = {"x": g // 2, "y": g // 2 - 1, "z": 10, "u": g // 2, "v": g // 2 - 1, "w": 10}
-    order = ["x", "y", "z", "u", "v", "w"]
-    plan = model_sync.Plan(need={"w1": list(order)}, holders={f: ["head"] for f in order},
-                           sizes=sizes)
-    # x + y is one byte short of closing: z closes the first batch, w the second
-    assert plan.next_transfers(streams=3, head="head") == [
-        (("x", "y", "z"), "head", "w1"), (("u", "v", "w"), "head", "w1")]
-    plan = model_sync.Plan(need={"w1": ["s", "big"]}, holders={"s": ["head"], "big": ["head"]},
-                           sizes={"s": 10, "big": g})
-    # one free stream: the large file goes; the small one waits for the next stream
-    assert plan.next_transfers(streams=1, head="head") == [(("big",), "head", "w1")]
-    # small files that never reach the size of a large one still go, together
-    plan = model_sync.Plan(need={"w1": ["cfg", "tok"]}, holders={"cfg": ["head"], "tok": ["head"]},
-                           sizes={"cfg": 10, "tok": 20})
-    assert plan.next_transfers(streams=4, head="head") == [(("cfg", "tok"), "head", "w1")]
 
 
 def test_a_plan_whose_receivers_all_failed_is_done():

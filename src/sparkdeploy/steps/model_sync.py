@@ -194,13 +194,13 @@ class Plan:
 
     def _batches(self, files: list[str], k: int) -> list[tuple[str, ...]]:
         """``files`` over up to ``k`` streams, even in bytes (each file, largest first, onto the
-        stream with the fewest bytes so far); each stream's files in send order. One rsync per
+        stream with the fewest bytes, then files, so far); each stream's files in send order. One rsync per
         stream carries all of its files: the receiver checks each as it lands."""
         n = min(k, len(files))
         bins: list[list[str]] = [[] for _ in range(n)]
         load = [0] * n
         for f in sorted(files, key=lambda x: -self.sizes.get(x, 0)):
-            i = min(range(n), key=lambda j: (load[j], j))
+            i = min(range(n), key=lambda j: (load[j], len(bins[j]), j))
             bins[i].append(f)
             load[i] += self.sizes.get(f, 0)
         pos = {f: i for i, f in enumerate(files)}
