@@ -218,16 +218,15 @@ def load_spec(path: str, only: list[str] | None) -> list[dict]:
     return files
 
 
-def cmd_verify(a: argparse.Namespace) -> int:
-    root = a.dir
-    files = load_spec(a.spec, a.only)
+def check_files(root: str, files: list[dict], quick: bool, jobs: int) -> dict:
+    """What ``root`` holds of ``files``: ok / missing / differ / unchecked (``quick``: records
+    only, nothing read), recording each file hashed."""
     out: dict = {"ok": [], "missing": [], "differ": {}, "unchecked": [], "hashed_bytes": 0,
                  "reused": 0, "present": os.path.isdir(root)}
     if not os.path.isdir(root):
         out["missing"] = [x["path"] for x in files]
         out["download_running"] = False
-        print(json.dumps(out))
-        return 0
+        return out
     records = load_records(root)
     started = time.monotonic()
     total = sum(x["size"] for x in files)
@@ -235,15 +234,15 @@ def cmd_verify(a: argparse.Namespace) -> int:
     lock = threading.Lock()
 
     def one(want: dict) -> tuple[dict, tuple]:
-        res = check_one(root, want, records, a.quick)
+        res = check_one(root, want, records, quick)
         with lock:
             done[0] += want["size"]
-            if not a.quick:
+            if not quick:
                 say(f"progress bytes={done[0]} total={total} file={want['path']}")
         return want, res
 
     writable = os.access(root, os.W_OK)
-    with cf.ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+    with cf.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         for want, (state, why, new) in pool.map(one, files):
             if new is not None:
                 out["hashed_bytes"] += want["size"]
@@ -261,7 +260,11 @@ def cmd_verify(a: argparse.Namespace) -> int:
         compact_records(root)
     out["seconds"] = round(time.monotonic() - started, 3)
     out["download_running"] = download_running(root)
-    print(json.dumps(out))
+    return out
+
+
+def cmd_verify(a: argparse.Namespace) -> int:
+    print(json.dumps(check_files(a.dir, load_spec(a.spec, a.only), a.quick, a.jobs)))
     return 0
 
 
@@ -554,27 +557,57 @@ def _commands(out: queue.SimpleQueue[str | None]) -> None:
     out.put(None)  # EOF: the sender is done (or gone)
 
 
+def free_space(path: str) -> dict:
+    """What df says of the filesystem that holds (or will hold) ``path``: bytes available to
+    this user and its mount point."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    st = os.statvfs(p)
+    mount = p
+    while not os.path.ismount(mount):
+        mount = os.path.dirname(mount)
+    return {"free": st.f_bavail * st.f_frsize, "mount": mount}
+
+
 def cmd_receive(a: argparse.Namespace) -> int:
     """The receiving side of one sync, until stdin ends.
 
-    stdin: the daemon's secret (with --address), then a JSON list of the files to expect, then
-    ``settle <JSON list>`` for each batch whose transfer ended. A file counts as landed once it
-    has its size and another inode or mtime than when this began (rsync renames a finished file
-    into place); it is then hashed at once, beside the transfers still running, and reported
-    (``file {...}`` on stderr). A settled file that has not landed is reported missing. On EOF
-    the daemon stops, what landed is still checked, and the rest is reported missing."""
+    stdin: the daemon's secret (with --address), then a JSON list of the files the sync covers.
+    First it says what this node holds of them (``state {...}``: as verify, hashing the files
+    present without a record, plus ``free`` and ``mount``), then waits for ``expect <JSON
+    list>``: the files that will be sent. With --address it starts the daemon then, and says
+    ``ready {"port", "private"}``. Then ``settle <JSON list>`` for each batch whose transfer
+    ended. A file counts as landed once it has its size and another inode or mtime than at
+    ``expect`` (rsync renames a finished file into place); it is hashed at once, beside the
+    transfers still running, and reported (``file {"path", "state", "why"}``). A settled file
+    that has not landed is reported missing. When stdin ends the daemon stops, what landed is
+    still checked, and the rest is reported missing."""
     secret = sys.stdin.readline().strip() if a.address else ""
     if a.address and not secret:
         say("error: no secret on stdin")
         return 2
     try:
-        expect = json.loads(sys.stdin.readline() or "[]")
+        scope = json.loads(sys.stdin.readline() or "[]")
     except ValueError:
         say("error: the second line of stdin is not a JSON list of files")
         return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     root = a.dir
-    files = {x["path"]: x for x in load_spec(a.spec, expect)} if expect else {}
+    files = {x["path"]: x for x in load_spec(a.spec, scope)} if scope else {}
+    say("state " + json.dumps({**check_files(root, list(files.values()), False, a.jobs),
+                               **free_space(root)}))
+    cmds: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+    threading.Thread(target=_commands, args=(cmds,), daemon=True).start()
+    first = cmds.get()
+    if first is None or not first.startswith("expect "):
+        print(json.dumps({"ok": 0, "differ": 0, "missing": 0, "hashed_bytes": 0}))
+        return 0
+    files = {rel: files[rel] for rel in json.loads(first[7:]) if rel in files}
     base = {rel: _ident(os.path.join(root, rel)) for rel in files}
+    if shutil.which("rsync") is None:
+        say("error: rsync is not installed on this node (apt-get install rsync)")
+        return 7
     daemon, port, priv = None, None, None
     if a.address:
         try:
@@ -583,9 +616,6 @@ def cmd_receive(a: argparse.Namespace) -> int:
             say(f"error: {e}")
             return 7
         daemon = (proc, priv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    cmds: queue.SimpleQueue[str | None] = queue.SimpleQueue()
-    threading.Thread(target=_commands, args=(cmds,), daemon=True).start()
     pending, settled, ending = set(files), set(), False
     hashing: dict[cf.Future, str] = {}
     counts = {"ok": 0, "differ": 0, "missing": 0, "hashed_bytes": 0}

@@ -325,11 +325,15 @@ def test_the_receiver_checks_each_file_as_it_lands_and_its_daemon_goes_with_its_
     good, bad = os.urandom(300_000), os.urandom(1000)
     (src / "good.bin").write_bytes(good)
     (src / "bad.bin").write_bytes(bad)
+    old = os.urandom(2000)  # on the receiver already, with no record yet
+    dst.mkdir()
+    (dst / "old.bin").write_bytes(old)
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"files": [
         {"path": "good.bin", "size": len(good), "sha256": hashlib.sha256(good).hexdigest()},
         {"path": "bad.bin", "size": len(bad), "sha256": "0" * 64},
-        {"path": "never.bin", "size": 5, "sha256": "1" * 64}]}))
+        {"path": "never.bin", "size": 5, "sha256": "1" * 64},
+        {"path": "old.bin", "size": len(old), "sha256": hashlib.sha256(old).hexdigest()}]}))
     p = subprocess.Popen([sys.executable, script, "receive", "--dir", str(dst), "--spec", str(spec),
                           "--address", "127.0.0.1", "--port", "18730", "--allow", "127.0.0.1"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -337,11 +341,24 @@ def test_the_receiver_checks_each_file_as_it_lands_and_its_daemon_goes_with_its_
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x.rstrip("\n")) for x in p.stderr], daemon=True).start()
 
-    def next_line() -> str:
-        return lines.get(timeout=30)
+    def next_line() -> str:  # the next line that is not the progress of hashing
+        while (line := lines.get(timeout=30)).startswith("progress "):
+            pass
+        return line
 
     try:
-        p.stdin.write('s3cret\n["good.bin", "bad.bin", "never.bin"]\n')
+        p.stdin.write('s3cret\n["good.bin", "bad.bin", "never.bin", "old.bin"]\n')
+        p.stdin.flush()
+        kind, _, rest = next_line().partition(" ")
+        assert kind == "state", rest
+        state = json.loads(rest)  # what is there, hashed if it has no record; the free space
+        assert state["ok"] == ["old.bin"] and state["hashed_bytes"] == len(old)
+        assert state["missing"] == ["good.bin", "bad.bin", "never.bin"]
+        assert state["free"] > 0 and os.path.ismount(state["mount"])
+        assert str(tmp_path).startswith(state["mount"])
+        with pytest.raises(queue.Empty):  # no daemon before it hears what comes
+            lines.get(timeout=0.5)
+        p.stdin.write('expect ["good.bin", "bad.bin", "never.bin"]\n')
         p.stdin.flush()
         kind, _, rest = next_line().partition(" ")
         assert kind == "ready", rest
@@ -380,7 +397,7 @@ def test_the_receiver_checks_each_file_as_it_lands_and_its_daemon_goes_with_its_
     with pytest.raises(ConnectionRefusedError):  # nothing listens any more
         socket.create_connection(("127.0.0.1", ready["port"]), timeout=5)
     records = [json.loads(x) for x in (dst / ".sparkdeploy" / "verified.jsonl").read_text().splitlines()]
-    assert {r["path"] for r in records} == {"good.bin", "bad.bin"}
+    assert {r["path"] for r in records} == {"good.bin", "bad.bin", "old.bin"}
 
 
 def test_steps_are_registered_for_the_graph():

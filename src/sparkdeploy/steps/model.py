@@ -213,11 +213,14 @@ def free_space(host: Host, path: str) -> tuple[int, str] | None:
 
 def disk_check(dep: Deployment, host: Host, need: int, step_name: str) -> Result | None:
     """A failed result naming both numbers when the node lacks room for ``need`` bytes."""
-    margin = dep.profile.model.disk_margin_mb * 1_000_000
     got = free_space(host, dep.profile.model.path)
-    if got is None:
-        return None
-    free, mount = got
+    return None if got is None else short_of(dep, host, need, *got, step_name)
+
+
+def short_of(dep: Deployment, host: Host, need: int, free: int, mount: str,
+             step_name: str) -> Result | None:
+    """``disk_check`` for a node whose free bytes on ``mount`` are known already."""
+    margin = dep.profile.model.disk_margin_mb * 1_000_000
     if free < need + margin:
         return failed(step_name, f"{host.name}: {free / GB:.2f} GB free on {mount}, needs "
                       f"{(need + margin) / GB:.2f} GB ({need / GB:.2f} GB missing + "

@@ -45,6 +45,8 @@ from sparkdeploy.steps.model import (
     error_line,
     metadata,
     node_state,
+    parse_progress,
+    short_of,
     stage_for,
     total_bytes,
 )
@@ -76,25 +78,28 @@ def receive_argv(dep: Deployment, dst: Host, st: Staged, allow: list[str] | None
 
 
 class Receiver:
-    """The helper on one receiver for as long as a sync sends to it: its rsync daemon (rsyncd)
-    and the check of each file as it lands, beside the transfers still running.
+    """The helper on one receiver for as long as a sync concerns it.
 
-    It hears on stdin (a ``Feed``) which batches have ended, and stdin's end tells it nothing
-    more comes: its daemon stops, and it reports what is left and exits. Its reports come
-    back as stderr lines while it runs."""
+    It says what the node holds of the sync's files (``state``), is told which will be sent
+    (``expect``: its rsync daemon starts then, with rsyncd), checks each file as it lands,
+    beside the transfers still running, and hears which batches have ended (``settle``).
+    Commands reach it on stdin (a ``Feed``); stdin's end (``end``) tells it nothing more comes:
+    its daemon stops, and it reports what is left and exits. Its reports come back as stderr
+    lines while it runs."""
 
-    def __init__(self, dep: Deployment, host: Host, st: Staged, expect: list[str],
-                 secret: str | None, allow: list[str]):
-        self.host = host
+    def __init__(self, dep: Deployment, host: Host, st: Staged, scope: list[str],
+                 secret: str | None, allow: list[str], step_name: str):
+        self.dep, self.host, self.step_name = dep, host, step_name
         self.port: int | None = None
         self.error: str | None = None
-        self.ready = threading.Event()
+        self.ending = False  # end() was called
         self.finished = threading.Event()
+        self._state: dict[str, Any] | None = None
+        self._heard = threading.Event()  # state or ready (or the end) came
         self._reports: queue.SimpleQueue[tuple[str, str, str]] = queue.SimpleQueue()
         self._lines: list[str] = []
-        self.ending = False  # end() was called
         self._feed = Feed()
-        self._feed.send((secret + "\n" if secret else "") + json.dumps(expect) + "\n")
+        self._feed.send((secret + "\n" if secret else "") + json.dumps(scope) + "\n")
         argv = receive_argv(dep, host, st, allow if secret else None)
         self._thread = threading.Thread(target=self._run, args=(argv,), daemon=True)
         self._thread.start()
@@ -104,9 +109,15 @@ class Receiver:
         if kind == "file":
             d = json.loads(rest)
             self._reports.put((d["path"], d["state"], d["why"]))
+        elif kind == "state":
+            self._state = json.loads(rest)
+            self._heard.set()
         elif kind == "ready":
             self.port = json.loads(rest)["port"]
-            self.ready.set()
+            self._heard.set()
+        elif (p := parse_progress(line)) is not None:
+            self.dep.events.progress(self.step_name, self.host.name, int(p.get("bytes", 0)),
+                                     int(p.get("total", 0)) or None, "B", "hashing")
         else:
             self._lines.append(line)
 
@@ -121,15 +132,25 @@ class Receiver:
         finally:
             self._feed.close()
             self.finished.set()
-            self.ready.set()
+            self._heard.set()
 
-    def wait_ready(self, timeout: float = 60) -> int | None:
-        """The daemon's port (None without one); ModelError when the helper did not start."""
-        if not self.ready.wait(timeout):
-            self.end()
-            raise ModelError(f"{self.host.name}: the receiving helper did not start in {timeout:.0f}s")
-        if self.error is not None or self.finished.is_set():
-            raise ModelError(self.error or f"{self.host.name}: the receiving helper ended at start")
+    def _hear(self, what: str) -> None:
+        self._heard.wait()
+        self._heard.clear()
+        if self.finished.is_set():
+            raise ModelError(self.error or f"{self.host.name}: the receiving helper ended "
+                             f"before its {what}")
+
+    def state(self) -> dict[str, Any]:
+        """What the node holds of the sync's files (as ``node_state``), and its free space."""
+        self._hear("state")
+        assert self._state is not None
+        return self._state
+
+    def expect(self, files: list[str]) -> int | None:
+        """``files`` will be sent: the daemon's port (None without one)."""
+        self._feed.send("expect " + json.dumps(files) + "\n")
+        self._hear("daemon")
         return self.port
 
     def settle(self, files: list[str]) -> None:
@@ -284,19 +305,23 @@ def sync_files(dep: Deployment, targets: list[Host], meta: dict[str, Any],
         if h is head:  # what the head holds already (records only); rsync there
             state = node_state(dep, h, staged[h.name], only=order, quick=True, step_name=step_name)
             return {"state": state, "rsync": rsync_available(h)}
-        state = node_state(dep, h, staged[h.name], only=order, quick=True, step_name=step_name)
-        if state["unchecked"] and not dep.dry:  # present, right size, not yet verified here
-            state = node_state(dep, h, staged[h.name], only=order, step_name=step_name)
-        have = set(state["ok"])
-        need = [f for f in order if f not in have]
+        if dep.dry:  # records only; nothing starts on the node
+            state = node_state(dep, h, staged[h.name], only=order, quick=True, step_name=step_name)
+            need = [f for f in order if f not in set(state["ok"])]
+            return {"need": need, "short": disk_check(dep, h, total_bytes(meta, need), step_name),
+                    "rsync": rsync_available(h) if need else None}
+        # the receiver hashes what is there without a record, then waits to hear what comes
+        r = receivers[h.name] = Receiver(dep, h, staged[h.name], order, secret, allow, step_name)
+        state = r.state()
+        need = [f for f in order if f not in set(state["ok"])]
         out: dict[str, Any] = {"need": need}
-        if not need:
+        if need:
+            out["short"] = short_of(dep, h, total_bytes(meta, need), state["free"],
+                                    state["mount"], step_name)
+        if not need or out["short"] is not None:
+            r.end()
             return out
-        out["short"] = disk_check(dep, h, total_bytes(meta, need), step_name)
-        out["rsync"] = rsync_available(h)
-        if not dep.dry and out["short"] is None and out["rsync"] is None:
-            r = receivers[h.name] = Receiver(dep, h, staged[h.name], need, secret, allow)
-            out["port"] = r.wait_ready()
+        out["port"] = r.expect(need)
         return out
 
     try:
