@@ -280,7 +280,7 @@ def test_send_argv_rsyncd_and_ssh(tmp_path):
     path = dep.profile.model.path
     assert model_sync.send_argv(dep, head, w, ["sub/x.safetensors", "y"], 8731) == [
         "rsync", "-rlt", "--ignore-times", "--relative", "--whole-file",
-        "--partial-dir=.sparkdeploy/partial",
+        "--checksum-choice=none", "--partial-dir=.sparkdeploy/partial",
         "--timeout=60", "--password-file=-", "--", f"{path}/./sub/x.safetensors", f"{path}/./y",
         "rsync://sparkdeploy@10.77.1.2:8731/model/"]
     assert model_sync.send_argv(dep, head, w, ["x"], None)[-4:] == [
@@ -290,8 +290,9 @@ def test_send_argv_rsyncd_and_ssh(tmp_path):
     dep.profile = dep.profile.model_copy(update={"model": m.model_copy(update={
         "sync": m.sync.model_copy(update={"bwlimit_mb_s": 20.0})})})
     argv = model_sync.send_argv(dep, head, w, ["x"], 8731)
-    assert argv[:8] == ["rsync", "-rlt", "--ignore-times", "--relative", "--whole-file",
-                        "--partial-dir=.sparkdeploy/partial", "--timeout=60", "--bwlimit=19531"]
+    assert argv[:9] == ["rsync", "-rlt", "--ignore-times", "--relative", "--whole-file",
+                        "--checksum-choice=none", "--partial-dir=.sparkdeploy/partial",
+                        "--timeout=60", "--bwlimit=19531"]
     assert argv.index("--bwlimit=19531") < argv.index("--")
 
 

@@ -23,6 +23,7 @@ import os
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -137,8 +138,12 @@ class Staged:
 
 
 def stage_for(host: Host, meta: dict[str, Any]) -> Staged:
+    """The helper and the spec on the node, staged side by side (one round trip, not two)."""
     spec = {k: meta[k] for k in ("repo", "revision", "commit", "files")}
-    return Staged(stage_script(host, SCRIPT), stage(host, "spec.json", json.dumps(spec, sort_keys=True)))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        script = pool.submit(stage_script, host, SCRIPT)
+        spec_path = pool.submit(stage, host, "spec.json", json.dumps(spec, sort_keys=True))
+        return Staged(script.result(), spec_path.result())
 
 
 def last_json(text: str) -> dict[str, Any] | None:

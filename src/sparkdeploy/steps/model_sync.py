@@ -179,9 +179,11 @@ class Receiver:
 def send_argv(dep: Deployment, src: Host, dst: Host, files: list[str], port: int | None) -> list[str]:
     """The rsync the sender runs for a batch of files (layout kept through ``--relative``)."""
     path = dep.profile.model.path.rstrip("/")
-    # --ignore-times: a file is sent because it is not verified there, whatever its size and time
-    argv = ["rsync", "-rlt", "--ignore-times", "--relative", "--whole-file", f"--partial-dir={PARTIAL}",
-            "--timeout=60"]
+    # --ignore-times: a file is sent because it is not verified there, whatever its size and
+    # time; --checksum-choice=none: rsync's own checksum of the data is redundant, the receiver
+    # checks each file's sha256 as it lands (none also implies --whole-file)
+    argv = ["rsync", "-rlt", "--ignore-times", "--relative", "--whole-file",
+            "--checksum-choice=none", f"--partial-dir={PARTIAL}", "--timeout=60"]
     cap = dep.profile.model.sync.bwlimit_mb_s
     if cap is not None:  # rsync counts in KiB/s
         argv.append(f"--bwlimit={max(1, round(cap * 1e6 / 1024))}")
@@ -303,8 +305,11 @@ def sync_files(dep: Deployment, targets: list[Host], meta: dict[str, Any],
         sync of weights already in place costs."""
         staged[h.name] = stage_for(h, meta)
         if h is head:  # what the head holds already (records only); rsync there
-            state = node_state(dep, h, staged[h.name], only=order, quick=True, step_name=step_name)
-            return {"state": state, "rsync": rsync_available(h)}
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                rsync = pool.submit(rsync_available, h)
+                state = node_state(dep, h, staged[h.name], only=order, quick=True,
+                                   step_name=step_name)
+                return {"state": state, "rsync": rsync.result()}
         if dep.dry:  # records only; nothing starts on the node
             state = node_state(dep, h, staged[h.name], only=order, quick=True, step_name=step_name)
             need = [f for f in order if f not in set(state["ok"])]
