@@ -28,6 +28,7 @@ import queue
 import secrets as pysecrets
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,6 +96,7 @@ class Receiver:
         self.ending = False  # end() was called
         self.finished = threading.Event()
         self._state: dict[str, Any] | None = None
+        self._ready = False
         self._heard = threading.Event()  # state or ready (or the end) came
         self._reports: queue.SimpleQueue[tuple[str, str, str]] = queue.SimpleQueue()
         self._lines: list[str] = []
@@ -114,6 +116,7 @@ class Receiver:
             self._heard.set()
         elif kind == "ready":
             self.port = json.loads(rest)["port"]
+            self._ready = True
             self._heard.set()
         elif (p := parse_progress(line)) is not None:
             self.dep.events.progress(self.step_name, self.host.name, int(p.get("bytes", 0)),
@@ -134,23 +137,24 @@ class Receiver:
             self.finished.set()
             self._heard.set()
 
-    def _hear(self, what: str) -> None:
-        self._heard.wait()
-        self._heard.clear()
-        if self.finished.is_set():
-            raise ModelError(self.error or f"{self.host.name}: the receiving helper ended "
-                             f"before its {what}")
+    def _hear(self, came: Callable[[], bool], what: str) -> None:
+        while not came():
+            if self.finished.is_set():
+                raise ModelError(self.error or f"{self.host.name}: the receiving helper ended "
+                                 f"before its {what}")
+            self._heard.wait(1.0)
+            self._heard.clear()
 
     def state(self) -> dict[str, Any]:
         """What the node holds of the sync's files (as ``node_state``), and its free space."""
-        self._hear("state")
+        self._hear(lambda: self._state is not None, "state")
         assert self._state is not None
         return self._state
 
     def expect(self, files: list[str]) -> int | None:
         """``files`` will be sent: the daemon's port (None without one)."""
         self._feed.send("expect " + json.dumps(files) + "\n")
-        self._hear("daemon")
+        self._hear(lambda: self._ready, "daemon")
         return self.port
 
     def settle(self, files: list[str]) -> None:
