@@ -434,6 +434,8 @@ def cmd_venv(a: argparse.Namespace) -> int:
 def _free_port(address: str, first: int, tries: int = 50) -> int:
     for port in range(first, first + tries):
         s = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
+        # as the daemon binds: a port whose last connections wait in TIME_WAIT is free to it
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((address, port))
             return port

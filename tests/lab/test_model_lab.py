@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -195,6 +197,60 @@ def test_a_cut_sync_resumes(lab, dep):
     assert again.details["bytes"] < total
     assert model.verify(dep, "spark2")[0].status is Status.OK
     assert "rsync" not in _listeners("spark2")
+
+
+CHILD = """
+import sys
+from pathlib import Path
+from sparkdeploy.deployment import load
+from sparkdeploy.steps import model_sync
+d = load(Path(sys.argv[1]), Path(sys.argv[2]))
+m = d.profile.model
+sync = m.sync.model_copy(update={"streams": 1, "bwlimit_mb_s": 15.0})
+d.profile = d.profile.model_copy(update={"model": m.model_copy(update={"path": sys.argv[3],
+                                                                       "sync": sync})})
+model_sync.sync(d, "spark2")
+"""
+
+
+def test_a_controller_killed_mid_sync_leaves_no_listener(lab, dep, tmp_path):
+    """The receiver's daemon lives as long as its helper's stdin: when the controller dies
+    mid-sync, its SSH connection ends, and with it the daemon, the directory holding its secret
+    and the helper; a re-run then completes."""
+    assert model.download(dep)[0].status is Status.CHANGED
+    meta, _ = model.metadata(dep)
+    first = sorted(f["path"] for f in meta["files"] if f["path"].endswith(".safetensors"))[0]
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(ROOT / "configs" / "lab.yaml"),
+                              str(tmp_path / "killed"), PATH],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not _on_worker(lab, first) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ps = lab.ssh("spark2", ["ps", "-eo", "pid=,args="]).stdout
+        daemons = [ln.split() for ln in ps.splitlines()
+                   if "rsync --daemon" in ln and "sparkdeploy-rsyncd-" in ln]
+        assert daemons and "rsync" in _listeners("spark2"), ps
+        conf = next(a for a in daemons[0] if a.startswith("--config="))[len("--config="):]
+        private = os.path.dirname(conf)
+        assert lab.ssh("spark2", ["test", "-d", private], check=False).returncode == 0
+    finally:
+        child.kill()  # the controller, as a power cut or kill -9 would end it
+        child.wait()
+
+    def gone() -> bool:
+        ps = lab.ssh("spark2", ["ps", "-eo", "args="]).stdout
+        return ("rsync" not in _listeners("spark2")
+                and not any("receive" in ln and PATH in ln for ln in ps.splitlines())
+                and lab.ssh("spark2", ["test", "-e", private], check=False).returncode != 0)
+
+    deadline = time.monotonic() + 30
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert gone(), _listeners("spark2")
+    [again] = model_sync.sync(dep, "spark2")
+    assert again.status is Status.CHANGED, again.why
+    assert model.verify(dep, "spark2")[0].status is Status.OK
 
 
 def test_a_corrupted_file_on_the_worker_is_named_and_repaired(lab, dep):

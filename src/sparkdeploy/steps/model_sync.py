@@ -1,19 +1,24 @@
-"""``model.sync``: the weights head -> workers over the fast link, file by file, pipelined.
+"""``model.sync``: the weights head -> workers over the fast link, pipelined.
 
 A file is sent as soon as the head's record (``<path>/.sparkdeploy/verified.jsonl``, written by
 the downloader as each file completes and is hashed) says it is complete and verified, so the
 sync may start while ``model.download`` runs and the workers finish shortly after the head.
-Each file is verified on arrival (size and sha256 against the same hub metadata) and recorded on
-the worker; a worker that holds a verified file serves it to the next workers.
+
+On each receiver one helper (``model_node.py receive``, a ``Receiver`` here) lives as long as
+the sync: it says what the node holds and how much room it has, starts the rsync daemon once
+it hears which files will come, and checks each file (size and sha256 against the same hub
+metadata) as soon as rsync renames it into place, beside the transfers still running, then
+records it. So one rsync per stream can carry many files, and a worker that holds a verified
+file serves it to the next workers at once.
 
 Transports (``model.sync.transport``):
 
-- ``rsyncd`` (default): on each receiver an rsync daemon bound to its fast-link address only
+- ``rsyncd`` (default): the receiver's rsync daemon is bound to its fast-link address only
   (``hosts allow`` = the deployment's link addresses), one module at the model path, one user
   whose one-time secret reaches the daemon (a 0600 file in a private 0700 directory) and each
-  sender (``--password-file=-``) through SSH stdin. Several files in flight per node
-  (``streams``), no SSH cipher in the data path. The daemon is stopped by PID and its directory
-  removed when the sync ends, whatever happened.
+  sender (``--password-file=-``) through SSH stdin. Several streams per node (``streams``), no
+  SSH cipher in the data path. The daemon stops and its directory goes when the helper's stdin
+  ends: when the sync ends, whatever happened, or when its SSH connection is gone.
 - ``ssh``: plain ``rsync`` over SSH from the sender to the receiver's link address (the
   fallback; the nodes must trust each other's host keys, as for ``image.ship``).
 
