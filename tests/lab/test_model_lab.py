@@ -199,6 +199,29 @@ def test_a_cut_sync_resumes(lab, dep):
     assert "rsync" not in _listeners("spark2")
 
 
+def test_the_ssh_transport_sends_and_checks_with_no_daemon(lab, dep):
+    assert model.download(dep)[0].status is Status.CHANGED
+    _with(dep, sync=dep.profile.model.sync.model_copy(update={"transport": "ssh"}))
+    seen: list[str] = []
+    stop = threading.Event()
+
+    def watch() -> None:  # anything listening on spark2 while the sync runs
+        while not stop.is_set():
+            seen.append(_listeners("spark2"))
+            time.sleep(0.05)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        [res] = model_sync.sync(dep, "spark2")
+    finally:
+        stop.set()
+        t.join()
+    assert res.status is Status.CHANGED and "over ssh" in res.why, res.why
+    assert not any("rsync" in x for x in seen)
+    assert model.verify(dep, "spark2")[0].status is Status.OK
+
+
 CHILD = """
 import sys
 from pathlib import Path
