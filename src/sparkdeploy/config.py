@@ -89,7 +89,8 @@ class ModelSync(_Strict):
     one-time secret handed over SSH, several streams at once (not bound by one SSH cipher
     stream); ``ssh``: plain ``rsync`` over SSH (the fallback)."""
     streams: int = Field(default=4, ge=1, le=64)
-    """Files in flight at once per receiving node (and per sending node)."""
+    """rsync streams at once per receiving node (and per sending node); the files ready for a
+    receiver are spread over its free streams, evenly in bytes."""
     port: Port = 8730
     """First port tried for the rsync daemon on the receiver's fast-link address."""
     stall_timeout_s: int = Field(default=900, ge=10)
