@@ -28,6 +28,7 @@ files already verified on a worker are never sent again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import secrets as pysecrets
@@ -158,13 +159,14 @@ class Receiver:
 
     def expect(self, files: list[str]) -> int | None:
         """``files`` will be sent: the daemon's port (None without one)."""
-        self._feed.send("expect " + json.dumps(files) + "\n")
+        with contextlib.suppress(ValueError):  # the helper has ended: _hear says how
+            self._feed.send("expect " + json.dumps(files) + "\n")
         self._hear(lambda: self._ready, "daemon")
         return self.port
 
     def settle(self, files: list[str]) -> None:
         """The transfer of ``files`` ended: each is reported, landed or not."""
-        if not self._feed.closed:
+        with contextlib.suppress(ValueError):  # the helper has ended: its end is what counts
             self._feed.send("settle " + json.dumps(files) + "\n")
 
     def end(self) -> None:
