@@ -572,6 +572,63 @@ def free_space(path: str) -> dict:
     return {"free": st.f_bavail * st.f_frsize, "mount": mount}
 
 
+class Arrivals:
+    """The expected files of one sync on this receiver, each checked as soon as it lands: it
+    has its size and another inode or mtime than when it was expected (rsync writes a
+    temporary file and renames it into place)."""
+
+    def __init__(self, root: str, files: dict[str, dict], jobs: int):
+        self.root, self.files = root, files
+        self.base = {rel: _ident(os.path.join(root, rel)) for rel in files}
+        self.pending = set(files)
+        self.settled: set[str] = set()  # their transfer ended, landed or not
+        self.ending = False  # nothing more comes
+        self.hashing: dict[cf.Future, str] = {}
+        self.pool = cf.ThreadPoolExecutor(max_workers=max(1, jobs))
+        self.counts = {"ok": 0, "differ": 0, "missing": 0, "hashed_bytes": 0}
+
+    def done(self) -> bool:
+        return self.ending and not self.pending and not self.hashing
+
+    def _report(self, rel: str, state: str, why: str) -> None:
+        self.counts[state] += 1
+        say("file " + json.dumps({"path": rel, "state": state, "why": why}))
+
+    def step(self) -> bool:
+        """Hash what landed, report what was checked or will not come; True if anything did."""
+        busy = False
+        for rel in sorted(self.pending):
+            want = self.files[rel]
+            now = _ident(os.path.join(self.root, rel))
+            if now is not None and now[2] == want["size"] and now != self.base[rel]:
+                self.pending.discard(rel)
+                self.hashing[self.pool.submit(check_one, self.root, want, {}, False)] = rel
+                busy = True
+            elif rel in self.settled or self.ending:
+                self.pending.discard(rel)
+                busy = True
+                if now is None or now == self.base[rel]:
+                    self._report(rel, "missing", "not received")
+                else:
+                    self._report(rel, "differ", f"size {now[2]}, the hub says {want['size']}")
+        for fut in [f for f in self.hashing if f.done()]:
+            rel = self.hashing.pop(fut)
+            state, why, new = fut.result()
+            busy = True
+            if new is not None:
+                self.counts["hashed_bytes"] += new["size"]
+                append_record(self.root, new)
+            if state == "unchecked":  # changed while hashed: hashed again once it is still
+                self.base[rel] = None
+                self.pending.add(rel)
+            else:
+                self._report(rel, state, why)
+        return busy
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 def cmd_receive(a: argparse.Namespace) -> int:
     """The receiving side of one sync, until stdin ends.
 
@@ -606,7 +663,6 @@ def cmd_receive(a: argparse.Namespace) -> int:
         print(json.dumps({"ok": 0, "differ": 0, "missing": 0, "hashed_bytes": 0}))
         return 0
     files = {rel: files[rel] for rel in json.loads(first[7:]) if rel in files}
-    base = {rel: _ident(os.path.join(root, rel)) for rel in files}
     if shutil.which("rsync") is None:
         say("error: rsync is not installed on this node (apt-get install rsync)")
         return 7
@@ -618,69 +674,38 @@ def cmd_receive(a: argparse.Namespace) -> int:
             say(f"error: {e}")
             return 7
         daemon = (proc, priv)
-    pending, settled, ending = set(files), set(), False
-    hashing: dict[cf.Future, str] = {}
-    counts = {"ok": 0, "differ": 0, "missing": 0, "hashed_bytes": 0}
-
-    def resolved(rel: str, state: str, why: str) -> None:
-        counts[state] += 1
-        say("file " + json.dumps({"path": rel, "state": state, "why": why}))
-
+    arrivals = Arrivals(root, files, a.jobs)
     deadline = time.monotonic() + a.max_seconds
     try:
         say("ready " + json.dumps({"port": port, "private": priv}))
-        with cf.ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
-            while pending or hashing or not ending:
-                busy = False
-                while True:
-                    try:
-                        cmd = cmds.get_nowait()
-                    except queue.Empty:
-                        break
-                    busy = True
-                    if cmd is None:
-                        ending = True
-                        if daemon is not None:  # nothing more comes: the listener goes now
-                            stop_rsyncd(*daemon)
-                            daemon = None
-                    elif cmd.startswith("settle "):
-                        settled.update(json.loads(cmd[7:]))
-                for rel in sorted(pending):
-                    want = files[rel]
-                    now = _ident(os.path.join(root, rel))
-                    if now is not None and now[2] == want["size"] and now != base[rel]:
-                        pending.discard(rel)
-                        hashing[pool.submit(check_one, root, want, {}, False)] = rel
-                        busy = True
-                    elif rel in settled or ending:
-                        pending.discard(rel)
-                        if now is None or now == base[rel]:
-                            resolved(rel, "missing", "not received")
-                        else:
-                            resolved(rel, "differ", f"size {now[2]}, the hub says {want['size']}")
-                for fut in [f for f in hashing if f.done()]:
-                    rel = hashing.pop(fut)
-                    state, why, new = fut.result()
-                    busy = True
-                    if new is not None:
-                        counts["hashed_bytes"] += new["size"]
-                        append_record(root, new)
-                    if state == "unchecked":  # changed while hashed: hash it again once it is still
-                        base[rel] = None
-                        pending.add(rel)
-                        continue
-                    resolved(rel, state, why)
-                if time.monotonic() > deadline:
-                    say(f"error: still receiving after {a.max_seconds}s")
-                    return 8
-                if not busy:
-                    time.sleep(0.02)
+        while not arrivals.done():
+            busy = False
+            while True:
+                try:
+                    cmd = cmds.get_nowait()
+                except queue.Empty:
+                    break
+                busy = True
+                if cmd is None:
+                    arrivals.ending = True
+                    if daemon is not None:  # nothing more comes: the listener goes now
+                        stop_rsyncd(*daemon)
+                        daemon = None
+                elif cmd.startswith("settle "):
+                    arrivals.settled.update(json.loads(cmd[7:]))
+            busy = arrivals.step() or busy
+            if time.monotonic() > deadline:
+                say(f"error: still receiving after {a.max_seconds}s")
+                return 8
+            if not busy:
+                time.sleep(0.02)
     finally:
+        arrivals.close()
         if daemon is not None:
             stop_rsyncd(*daemon)
-    if counts["hashed_bytes"] and not download_running(root):
+    if arrivals.counts["hashed_bytes"] and not download_running(root):
         compact_records(root)
-    print(json.dumps(counts))
+    print(json.dumps(arrivals.counts))
     return 0
 
 
