@@ -175,10 +175,6 @@ class Feed:
         with self._lock:
             self._closed = True
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def read(self, size: int | None = -1) -> str | None:
         with self._lock:
             out, self._buf = self._buf, ""

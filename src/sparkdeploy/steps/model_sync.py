@@ -157,12 +157,11 @@ class Receiver:
         assert self._state is not None
         return self._state
 
-    def expect(self, files: list[str]) -> int | None:
-        """``files`` will be sent: the daemon's port (None without one)."""
+    def expect(self, files: list[str]) -> None:
+        """``files`` will be sent: returns once the daemon listens (``port``; None without one)."""
         with contextlib.suppress(ValueError):  # the helper has ended: _hear says how
             self._feed.send("expect " + json.dumps(files) + "\n")
         self._hear(lambda: self._ready, "daemon")
-        return self.port
 
     def settle(self, files: list[str]) -> None:
         """The transfer of ``files`` ended: each is reported, landed or not."""
@@ -228,8 +227,8 @@ class Plan:
 
     def _batches(self, files: list[str], k: int) -> list[tuple[str, ...]]:
         """``files`` over up to ``k`` streams, even in bytes (each file, largest first, onto the
-        stream with the fewest bytes, then files, so far); each stream's files in send order. One rsync per
-        stream carries all of its files: the receiver checks each as it lands."""
+        stream with the fewest bytes, then files, so far); each stream's files in send order.
+        One rsync per stream carries all of its files: the receiver checks each as it lands."""
         n = min(k, len(files))
         bins: list[list[str]] = [[] for _ in range(n)]
         load = [0] * n
@@ -337,7 +336,7 @@ def sync_files(dep: Deployment, targets: list[Host], meta: dict[str, Any],
         if not need or out["short"] is not None:
             r.end()
             return out
-        out["port"] = r.expect(need)
+        r.expect(need)
         return out
 
     try:
@@ -363,9 +362,8 @@ def sync_files(dep: Deployment, targets: list[Host], meta: dict[str, Any],
         head_state = ready[head.name]["state"]
         for f in head_state["ok"]:
             plan.holders.setdefault(f, []).append(head.name)
-        ports = {name: ready[name].get("port") for name in plan.need}
-        return _run(dep, head, targets, plan, staged, receivers, ports, secret, order,
-                    step_name, note, head_state)
+        return _run(dep, head, targets, plan, staged, receivers, secret, order, step_name,
+                    note, head_state)
     except (ModelError, NodeUnreachable) as e:
         return failed(step_name, str(e), getattr(e, "node", None))
     finally:
@@ -384,9 +382,8 @@ def each(fn, items: list) -> list:
 
 
 def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan,
-         staged: dict[str, Staged], receivers: dict[str, Receiver], ports: dict[str, int | None],
-         secret: str | None, order: list[str], step_name: str, note: str,
-         head_state: dict[str, Any]) -> Result:
+         staged: dict[str, Staged], receivers: dict[str, Receiver], secret: str | None,
+         order: list[str], step_name: str, note: str, head_state: dict[str, Any]) -> Result:
     s = dep.profile.model.sync
     sizes = plan.sizes
     hosts = {h.name: h for h in [head, *targets]}
@@ -403,7 +400,8 @@ def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan,
         """rsync one batch; None, or why it failed (what arrived is still verified)."""
         files, src, dst = batch
         try:
-            r = hosts[src].run(send_argv(dep, hosts[src], hosts[dst], list(files), ports[dst]),
+            r = hosts[src].run(send_argv(dep, hosts[src], hosts[dst], list(files),
+                                         receivers[dst].port),
                                input=(secret + "\n") if secret else None, timeout=24 * 3600)
         except NodeUnreachable as e:
             return str(e)
