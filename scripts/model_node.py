@@ -452,8 +452,6 @@ class DaemonError(Exception):
 
 def start_rsyncd(a: argparse.Namespace, secret: str) -> tuple[subprocess.Popen, int, str]:
     """An rsync daemon bound to ``a.address`` only: (process, port, private directory)."""
-    if shutil.which("rsync") is None:
-        raise DaemonError("rsync is not installed on this node (apt-get install rsync)")
     os.makedirs(a.dir, exist_ok=True)
     priv = tempfile.mkdtemp(prefix="sparkdeploy-rsyncd-")  # 0700, ours
     secrets = os.path.join(priv, "secrets")
@@ -572,6 +570,11 @@ def free_space(path: str) -> dict:
     return {"free": st.f_bavail * st.f_frsize, "mount": mount}
 
 
+def no_counts() -> dict:
+    """What ``receive`` says at its end, before anything was received."""
+    return {"ok": 0, "differ": 0, "missing": 0, "hashed_bytes": 0}
+
+
 class Arrivals:
     """The expected files of one sync on this receiver, each checked as soon as it lands: it
     has its size and another inode or mtime than when it was expected (rsync writes a
@@ -585,7 +588,7 @@ class Arrivals:
         self.ending = False  # nothing more comes
         self.hashing: dict[cf.Future, str] = {}
         self.pool = cf.ThreadPoolExecutor(max_workers=max(1, jobs))
-        self.counts = {"ok": 0, "differ": 0, "missing": 0, "hashed_bytes": 0}
+        self.counts = no_counts()
 
     def done(self) -> bool:
         return self.ending and not self.pending and not self.hashing
@@ -660,7 +663,7 @@ def cmd_receive(a: argparse.Namespace) -> int:
     threading.Thread(target=_commands, args=(cmds,), daemon=True).start()
     first = cmds.get()
     if first is None or not first.startswith("expect "):
-        print(json.dumps({"ok": 0, "differ": 0, "missing": 0, "hashed_bytes": 0}))
+        print(json.dumps(no_counts()))
         return 0
     files = {rel: files[rel] for rel in json.loads(first[7:]) if rel in files}
     if shutil.which("rsync") is None:

@@ -322,22 +322,21 @@ def sync_files(dep: Deployment, targets: list[Host], meta: dict[str, Any],
                 return {"state": state, "rsync": rsync.result()}
         if dep.dry:  # records only; nothing starts on the node
             state = node_state(dep, h, staged[h.name], only=order, quick=True, step_name=step_name)
-            need = [f for f in order if f not in set(state["ok"])]
-            return {"need": need, "short": disk_check(dep, h, total_bytes(meta, need), step_name),
+            need = _lacking(order, state)
+            return {"need": need,
+                    "short": disk_check(dep, h, total_bytes(meta, need), step_name) if need else None,
                     "rsync": rsync_available(h) if need else None}
         # the receiver hashes what is there without a record, then waits to hear what comes
         r = receivers[h.name] = Receiver(dep, h, staged[h.name], order, secret, allow, step_name)
         state = r.state()
-        need = [f for f in order if f not in set(state["ok"])]
-        out: dict[str, Any] = {"need": need}
-        if need:
-            out["short"] = short_of(dep, h, total_bytes(meta, need), state["free"],
-                                    state["mount"], step_name)
-        if not need or out["short"] is not None:
+        need = _lacking(order, state)
+        short = short_of(dep, h, total_bytes(meta, need), state["free"], state["mount"],
+                         step_name) if need else None
+        if need and short is None:
+            r.expect(need)
+        else:
             r.end()
-            return out
-        r.expect(need)
-        return out
+        return {"need": need, "short": short}
 
     try:
         nodes = [head, *targets]
@@ -362,13 +361,20 @@ def sync_files(dep: Deployment, targets: list[Host], meta: dict[str, Any],
         head_state = ready[head.name]["state"]
         for f in head_state["ok"]:
             plan.holders.setdefault(f, []).append(head.name)
-        return _run(dep, head, targets, plan, staged, receivers, secret, order, step_name,
+        sending_to = {k: r for k, r in receivers.items() if k in plan.need}
+        return _run(dep, head, targets, plan, staged, sending_to, secret, order, step_name,
                     note, head_state)
     except (ModelError, NodeUnreachable) as e:
         return failed(step_name, str(e), getattr(e, "node", None))
     finally:
         # a receiver's daemon stops when its stdin ends, whatever happened here
         each(lambda r: r.join(), list(receivers.values()))
+
+
+def _lacking(order: list[str], state: dict[str, Any]) -> list[str]:
+    """The files of ``order`` a node's state does not have verified, in order."""
+    have = set(state["ok"])
+    return [f for f in order if f not in have]
 
 
 def each(fn, items: list) -> list:
@@ -428,7 +434,7 @@ def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan,
         for f in state["ok"]:
             plan.holders.setdefault(f, []).insert(0, head.name)
         head_running = bool(state.get("download_running"))
-        still = [f for f in waiting if f not in state["ok"]]
+        still = _lacking(waiting, state)
         if still and not head_running and time.monotonic() - first_seen > START_GRACE_S:
             raise Stop(f"{head.name} lacks {len(still)} files (e.g. {still[0]}) and no "
                        f"download is running there (run model.download)")
