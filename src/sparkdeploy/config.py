@@ -128,7 +128,7 @@ class Candidate(_Strict):
     engine: Literal["sglang", "vllm"]
 
 
-class Layer(_Strict):
+class DerivativeImage(_Strict):
     """The derivative image: a candidate plus a pinned transformers."""
 
     dockerfile: str = "docker/transformers.Dockerfile"
@@ -173,7 +173,7 @@ def _default_rules() -> dict[str, EngineRule]:
 class Images(_Strict):
     candidates: list[Candidate] = Field(min_length=1)
     rules: dict[Literal["sglang", "vllm"], EngineRule] = Field(default_factory=_default_rules)
-    layer: Layer | None = None
+    layer: DerivativeImage | None = None
     ship_compression: Literal["none", "zstd"] = "none"
 
 

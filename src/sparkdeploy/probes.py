@@ -76,7 +76,7 @@ def images(image: str | None, profile: str | None) -> int:
         print(f"no Docker daemon reachable on {head.name} ({why}): image probes not run")
         return 0
     with rendering(dep.events, live=False):
-        # a decision without a chosen image is a failed image.decide result
+        # a decision without a chosen image is a failed image.probe result
         results = run_one(dep, "image.probe", only=image)
     return 1 if any(res.failed for res in results) else 0
 

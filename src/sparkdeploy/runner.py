@@ -1,13 +1,14 @@
 """Run a plan of registered steps as a graph: independent steps at once, long ones first.
 
-A plan is data: ``PlanStep(name, options, needs)`` over the step registry. The runner orders it
-with ``graphlib.TopologicalSorter`` (a step's needs are the plan's own plus the registry's, as
-far as they are in the plan), starts every ready step in a thread pool (long steps first, then
-plan order; ``serial`` runs one at a time), and emits a ``StepState`` for every change
-(pending, running, done, failed, skipped, with elapsed seconds) through ``dep.events``.
+A plan is data: ``PlanStep(name, options, ...)`` over the step registry, which is the one place
+the edges are declared. The runner orders a plan with ``graphlib.TopologicalSorter`` (a step's
+registered needs as far as they are in the plan, followed through steps the plan leaves out),
+starts every ready step in a thread pool (long steps first, then plan order; ``serial`` runs
+one at a time), and emits a ``StepState`` for every change (pending, running, done, failed,
+skipped, with elapsed seconds) through ``dep.events``.
 
-A step may also say it starts only once another step has *started* (``after_start``): the
-weights' sync follows the download file by file, so it needs the download running, not done.
+A step may also be registered to start only once another step has *started* (``after_start``):
+the weights' sync follows the download file by file, so it needs the download running, not done.
 
 Resuming: the runner keeps, per plan step, what happened last time and a fingerprint of the
 profile slice the step depends on (``<state_dir>/runs/<plan>-<profile>.json``). A step runs
@@ -54,10 +55,6 @@ class PlanStep:
     name: str
     """The registered step (``model.download``)."""
     options: dict[str, Any] = field(default_factory=dict)
-    needs: tuple[str, ...] = ()
-    """Plan steps that must have finished (and not failed) first, besides the registry's."""
-    after_start: tuple[str, ...] = ()
-    """Plan steps that must have started first (they may still be running)."""
     fingerprint: Callable[[Deployment], dict[str, Any]] | None = None
     """The profile slice (and facts) the step's outcome depends on, as flat ``{key: value}``."""
     reuse: bool = False
@@ -164,10 +161,10 @@ def select(plan: Iterable[PlanStep], only: Iterable[str] = (), skip: Iterable[st
     return [s for s in plan if s.name not in left], left
 
 
-def _needs(spec: PlanStep, in_plan: set[str]) -> set[str]:
-    reg = registry.REGISTRY.get(spec.name)
-    declared = set(spec.needs) | (set(reg.needs) if reg else set())
-    return {n for n in declared if n in in_plan and n != spec.name}
+def graph(plan: list[PlanStep]) -> dict[str, set[str]]:
+    """{step: the plan steps it needs}, from the registry."""
+    names = {s.name for s in plan}
+    return {s.name: registry.needs_in(s.name, names) for s in plan}
 
 
 def check(plan: list[PlanStep]) -> None:
@@ -176,11 +173,12 @@ def check(plan: list[PlanStep]) -> None:
     if dup:
         raise PlanError(f"plan names a step twice: {', '.join(sorted(dup))}")
     for s in plan:
-        for n in (*s.needs, *s.after_start):
-            if n not in names:
-                raise PlanError(f"plan: {s.name} needs {n!r}, which is not in the plan")
+        spec = registry.REGISTRY.get(s.name)
+        for n in (*spec.needs, *spec.after_start) if spec else ():
+            if n not in registry.REGISTRY:
+                raise PlanError(f"plan: {s.name} needs {n!r}, which is no step")
     try:
-        TopologicalSorter({s.name: _needs(s, set(names)) for s in plan}).prepare()
+        TopologicalSorter(graph(plan)).prepare()
     except CycleError as e:
         raise PlanError(f"plan has a cycle: {' -> '.join(e.args[1])}") from None
 
@@ -304,9 +302,8 @@ class Runner:
             self._state(r, PENDING)
         for n, why in self.left_out.items():
             self.dep.events.emit(StepState(n, SKIPPED, why))
-        names = set(self.by_name)
-        graph = {s.name: _needs(s, names) for s in self.plan}
-        ts = TopologicalSorter(graph)
+        needs = graph(self.plan)
+        ts = TopologicalSorter(needs)
         ts.prepare()
         order = {s.name: i for i, s in enumerate(self.plan)}
         ready: list[str] = []
@@ -318,7 +315,7 @@ class Runner:
                 ready.sort(key=lambda n: (not self._long(n), order[n]))
                 settled = False
                 for n in list(ready):
-                    why = self._blocked(n, graph[n])
+                    why = self._blocked(n, needs[n])
                     if why is not None:
                         ready.remove(n)
                         self._state(self.runs[n], SKIPPED, why)
@@ -377,7 +374,7 @@ class Runner:
         return None
 
     def _started_enough(self, name: str, running: dict[Future, str]) -> bool:
-        for n in self.by_name[name].after_start:
+        for n in registry.after_start_in(name, set(self.by_name)):
             if self.runs[n].state == PENDING:
                 return False
         return True
@@ -396,12 +393,11 @@ def longest_chain(out: Outcome, plan: list[PlanStep]) -> tuple[float, list[str]]
     names = {s.name for s in plan}
     took = {n: (r.elapsed or 0.0) for n, r in out.runs.items()}
     best: dict[str, tuple[float, list[str]]] = {}
-    graph = {s.name: _needs(s, names) for s in plan}
-    for name in TopologicalSorter({**graph, **{s.name: graph[s.name] | set(s.after_start)
-                                               for s in plan}}).static_order():
-        spec = next(s for s in plan if s.name == name)
-        before = [best[n] for n in graph[name]]
-        before += [(best[a][0] - took.get(a, 0.0), best[a][1][:-1]) for a in spec.after_start]
+    needs = graph(plan)
+    started = {n: registry.after_start_in(n, names) for n in names}
+    for name in TopologicalSorter({n: needs[n] | set(started[n]) for n in names}).static_order():
+        before = [best[n] for n in needs[name]]
+        before += [(best[a][0] - took.get(a, 0.0), best[a][1][:-1]) for a in started[name]]
         base = max(before, default=(0.0, []), key=lambda x: x[0])
         best[name] = (base[0] + took.get(name, 0.0), [*base[1], name])
     return max(best.values(), default=(0.0, []), key=lambda x: x[0])

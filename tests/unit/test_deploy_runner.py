@@ -58,7 +58,8 @@ def calls(monkeypatch):
     saved = dict(registry.REGISTRY)
     c = Calls()
 
-    def fake(name, *, needs=(), long=False, work=0.05, waits_for=None, sets=None, status=changed):
+    def fake(name, *, needs=(), after_start=(), long=False, work=0.05, waits_for=None, sets=None,
+             status=changed):
         def fn(dep, **options):
             c.enter(name, options)
             try:
@@ -75,7 +76,7 @@ def calls(monkeypatch):
             finally:
                 c.leave(name)
 
-        step(name, needs=needs, long=long)(fn)
+        step(name, needs=needs, after_start=after_start, long=long)(fn)
 
     c.fake = fake
     yield c
@@ -96,8 +97,8 @@ def test_needs_order_and_long_steps_first(tmp_path, calls):
     calls.fake("t.a")
     calls.fake("t.b", needs=("t.a",))
     calls.fake("t.long", long=True)
-    calls.fake("t.c")
-    plan = [PlanStep("t.a"), PlanStep("t.b"), PlanStep("t.c", needs=("t.b",)), PlanStep("t.long")]
+    calls.fake("t.c", needs=("t.b",))
+    plan = [PlanStep("t.a"), PlanStep("t.b"), PlanStep("t.c"), PlanStep("t.long")]
     dep = dep_for(tmp_path)
     out = Runner(dep, plan, serial=True).run()
     assert not out.failed
@@ -145,10 +146,9 @@ def test_serial_runs_one_at_a_time_and_the_same_plan_concurrently_overlaps(tmp_p
 def test_after_start_overlaps_a_running_step(tmp_path, calls):
     # the sync needs the download running (it sets "started" and then waits for the sync)
     calls.fake("t.download", long=True, sets="dl", waits_for="sync")
-    calls.fake("t.sync", waits_for="dl", sets="sync")
-    calls.fake("t.serve")
-    plan = [PlanStep("t.download"), PlanStep("t.sync", after_start=("t.download",)),
-            PlanStep("t.serve", needs=("t.download", "t.sync"))]
+    calls.fake("t.sync", waits_for="dl", sets="sync", after_start=("t.download",))
+    calls.fake("t.serve", needs=("t.download", "t.sync"))
+    plan = [PlanStep("t.download"), PlanStep("t.sync"), PlanStep("t.serve")]
     dep = dep_for(tmp_path)
     with dep.events.collect() as got:
         out = Runner(dep, plan).run()
@@ -159,11 +159,10 @@ def test_after_start_overlaps_a_running_step(tmp_path, calls):
 
 
 def test_a_failure_skips_what_needs_it_and_nothing_else(tmp_path, calls):
-    for n in ("t.a", "t.b", "t.c", "t.other"):
-        calls.fake(n)
+    for n, needs in (("t.a", ()), ("t.b", ("t.a",)), ("t.c", ("t.b",)), ("t.other", ())):
+        calls.fake(n, needs=needs)
     calls.fail.add("t.a")
-    plan = [PlanStep("t.a"), PlanStep("t.b", needs=("t.a",)), PlanStep("t.c", needs=("t.b",)),
-            PlanStep("t.other")]
+    plan = [PlanStep("t.a"), PlanStep("t.b"), PlanStep("t.c"), PlanStep("t.other")]
     dep = dep_for(tmp_path)
     with dep.events.collect() as got:
         out = Runner(dep, plan).run()
@@ -189,11 +188,11 @@ def test_a_step_that_raises_fails_alone(tmp_path, calls):
 
 
 def test_resume_after_a_failure_reruns_from_the_failed_step(tmp_path, calls):
-    for n in ("t.a", "t.b", "t.c"):
-        calls.fake(n)
+    for n, needs in (("t.a", ()), ("t.b", ("t.a",)), ("t.c", ("t.b",))):
+        calls.fake(n, needs=needs)
     calls.fake("t.decide")
     plan = [PlanStep("t.decide", reuse=True, fingerprint=lambda d: {"x": 1}), PlanStep("t.a"),
-            PlanStep("t.b", needs=("t.a",)), PlanStep("t.c", needs=("t.b",))]
+            PlanStep("t.b"), PlanStep("t.c")]
     calls.fail.add("t.b")
     first = Runner(dep_for(tmp_path), plan).run()
     assert first.runs["t.b"].state == "failed" and first.runs["t.c"].state == "skipped"
@@ -235,11 +234,11 @@ def test_dry_run_writes_no_state_and_runs_steps_dry(tmp_path, calls):
     def look(dep, **options):
         seen["dry"] = dep.dry
         return [dep.report(ok("t.look", "would"))]
-    step("t.look")(look)
+    step("t.look", needs=("t.unreachable",))(look)
     calls.fake("t.unreachable")
     calls.fail.add("t.unreachable")
     dep = dep_for(tmp_path, dry=True)
-    out = Runner(dep, [PlanStep("t.unreachable"), PlanStep("t.look", needs=("t.unreachable",))],
+    out = Runner(dep, [PlanStep("t.unreachable"), PlanStep("t.look")],
                  serial=True).run()
     assert seen["dry"] is True  # what depends on a failed step still shows what it would do
     assert out.runs["t.unreachable"].state == "failed" and out.runs["t.look"].state == "done"
@@ -260,22 +259,34 @@ def test_only_and_skip_and_bad_names():
 
 def test_option_values_resolved_when_the_step_starts_and_when_skips(tmp_path, calls):
     calls.fake("t.up")
-    calls.fake("t.bench")
+    calls.fake("t.bench", needs=("t.up",))
     plan = [PlanStep("t.up"),
-            PlanStep("t.bench", {"url": lambda d, runs: f"from {runs['t.up'].state}", "n": 4},
-                     needs=("t.up",)),
+            PlanStep("t.bench", {"url": lambda d, runs: f"from {runs['t.up'].state}", "n": 4}),
             PlanStep("t.never", when=lambda d, runs: "not needed")]
     out = Runner(dep_for(tmp_path), plan).run()
     assert calls.options["t.bench"] == {"url": "from done", "n": 4}
     assert out.runs["t.never"].state == "skipped" and out.runs["t.never"].why == "not needed"
 
 
-def test_plan_errors():
-    with pytest.raises(PlanError, match="needs 'zz', which is not in the plan"):
-        from sparkdeploy.runner import check
-        check([PlanStep("a", needs=("zz",))])
+def test_plan_errors(calls):
+    from sparkdeploy.runner import check
+
+    calls.fake("t.a", needs=("t.zz",))
+    with pytest.raises(PlanError, match="^plan: t.a needs 't.zz', which is no step$"):
+        check([PlanStep("t.a")])
+    calls.fake("t.zz", needs=("t.a",))
     with pytest.raises(PlanError, match="cycle"):
-        check([PlanStep("a", needs=("b",)), PlanStep("b", needs=("a",))])
+        check([PlanStep("t.a"), PlanStep("t.zz")])
+
+
+def test_an_edge_through_a_step_left_out_still_orders(calls):
+    from sparkdeploy.runner import graph
+
+    calls.fake("t.probe")
+    calls.fake("t.build", needs=("t.probe",))
+    calls.fake("t.ship", needs=("t.build",))
+    assert graph([PlanStep("t.probe"), PlanStep("t.ship")]) == {"t.probe": set(), "t.ship": {"t.probe"}}
+    assert graph([PlanStep("t.ship")]) == {"t.ship": set()}
 
 
 def test_fingerprint_helpers():
@@ -311,9 +322,11 @@ def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
         "summary": "chosen base:1 for sglang", "candidates": [
             {"image": "base:1", "engine": "sglang", "verdict": "viable", "why": "all there"}]})
     steps = plans.plan(dep)
+    real = {s.name: registry.REGISTRY[s.name] for s in steps}
     registry.REGISTRY.clear()
-    for s in steps:
-        calls.fake(s.name, long=s.name in ("model.download", "image.ship", "model.sync"),
+    for s in steps:  # the fakes keep the real steps' edges
+        calls.fake(s.name, needs=real[s.name].needs, after_start=real[s.name].after_start,
+                   long=s.name in ("model.download", "image.ship", "model.sync"),
                    work=1.5 if s.name == "model.download" else 0.05,
                    status=ok if s.name != "serve.up" else changed)
     with dep.events.collect() as got:
@@ -348,11 +361,15 @@ def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
     assert again.runs["bench.run"].why.startswith("nothing changed")
 
 
-def test_longest_chain_counts_after_start_from_the_start():
+def test_longest_chain_counts_after_start_from_the_start(calls):
     from sparkdeploy.runner import Outcome, StepRun, longest_chain
 
-    plan = [PlanStep("dl"), PlanStep("sync", after_start=("dl",)), PlanStep("probe"),
-            PlanStep("ship", needs=("probe",)), PlanStep("up", needs=("dl", "sync", "ship"))]
+    calls.fake("dl")
+    calls.fake("sync", after_start=("dl",))
+    calls.fake("probe")
+    calls.fake("ship", needs=("probe",))
+    calls.fake("up", needs=("dl", "sync", "ship"))
+    plan = [PlanStep("dl"), PlanStep("sync"), PlanStep("probe"), PlanStep("ship"), PlanStep("up")]
     took = {"dl": 60.0, "sync": 63.0, "probe": 5.0, "ship": 20.0, "up": 10.0}
     runs = {n: StepRun(n, "done", elapsed=t) for n, t in took.items()}
     secs, chain = longest_chain(Outcome("deploy", runs, 80.0, False), plan)

@@ -79,7 +79,7 @@ def benchmark(events: EventSink, url: str, settings: Settings, *, concurrency: S
     return out
 
 
-@step(STEP)
+@step(STEP, needs=("serve.up",))
 def run(dep: Deployment, url: str | None = None, settings: Settings | None = None,
         concurrency: Sequence[int] | None = None, rates: Sequence[float] = (),
         requests: int | None = None, warmup: int | None = None,

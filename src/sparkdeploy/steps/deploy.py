@@ -154,7 +154,9 @@ def fp_persist(dep: Deployment) -> dict[str, Any]:
 
 # --- when a step runs ------------------------------------------------------------------------
 
-def need_layer(dep: Deployment, runs: dict[str, StepRun]) -> str | None:
+def why_skip_build(dep: Deployment, runs: dict[str, StepRun]) -> str | None:
+    """Why ``image.build`` has nothing to build (None: build): no derivative image in the
+    profile, or the chosen image serves as it is."""
     c = chosen(dep)
     if dep.profile.images.layer is None:
         return "the profile has no images.layer"
@@ -163,7 +165,9 @@ def need_layer(dep: Deployment, runs: dict[str, StepRun]) -> str | None:
     return None
 
 
-def something_changed(dep: Deployment, runs: dict[str, StepRun], forced: bool) -> str | None:
+def why_skip_bench(dep: Deployment, runs: dict[str, StepRun], forced: bool) -> str | None:
+    """Why the smoke bench does not run (None: run it): a dry run, or nothing changed in this
+    run and ``forced`` (``--bench``) is not given."""
     if dep.dry:
         return (f"would run {SMOKE['requests']} requests at concurrency {SMOKE['concurrency'][0]} "
                 f"against {endpoint_of(runs, dep) or 'the endpoint serve.up reports'}")
@@ -200,54 +204,50 @@ def plan(dep: Deployment, *, bench: bool = False, persist: bool = False) -> list
     steps = [
         PlanStep("model.download", {"node": head}, fingerprint=fp_model),
         PlanStep("hosts.check", fingerprint=fp_hosts),
-        PlanStep("services.stop", {"node": head}, needs=("hosts.check",), fingerprint=fp_services,
-                 reuse=True),
+        PlanStep("services.stop", {"node": head}, fingerprint=fp_services, reuse=True),
         # the probe runs CPU-only containers (no GPU, no network): it need not wait for the GPU
         PlanStep("image.probe", fingerprint=fp_probe, reuse=True),
-        PlanStep("image.build", needs=("image.probe",), fingerprint=fp_build, when=need_layer),
-        PlanStep("image.ship", {"to": workers}, needs=("image.build", "image.probe"),
-                 fingerprint=fp_ship, reuse=True),
-        PlanStep("model.sync", {"to": workers}, after_start=("model.download",),
-                 fingerprint=fp_sync),
-        PlanStep("model.verify", needs=("model.download", "model.sync"), fingerprint=fp_sync),
-        PlanStep("serve.up", needs=("services.stop", "image.ship", "model.verify"),
-                 fingerprint=fp_serve, redo="serve.down"),
+        PlanStep("image.build", fingerprint=fp_build, when=why_skip_build),
+        PlanStep("image.ship", {"to": workers}, fingerprint=fp_ship, reuse=True),
+        PlanStep("model.sync", {"to": workers}, fingerprint=fp_sync),
+        PlanStep("model.verify", fingerprint=fp_sync),
+        PlanStep("serve.up", fingerprint=fp_serve, redo="serve.down"),
         PlanStep("bench.run", {**SMOKE, "url": lambda d, runs: endpoint_of(runs, d),
                                "settings": smoke_settings},
-                 needs=("serve.up",), fingerprint=fp_bench,
-                 when=lambda d, runs: something_changed(d, runs, bench)),
+                 fingerprint=fp_bench, when=lambda d, runs: why_skip_bench(d, runs, bench)),
     ]
     if persist:
-        steps.append(PlanStep("serve.persist", needs=("serve.up", "bench.run"),
-                              fingerprint=fp_persist))
+        steps.append(PlanStep("serve.persist", fingerprint=fp_persist))
     return steps
 
 
 def rollback_plan(dep: Deployment, *, purge: bool = False) -> list[PlanStep]:
     steps = [
         PlanStep("serve.unpersist"),
-        PlanStep("serve.down", needs=("serve.unpersist",)),
-        PlanStep("services.restore", needs=("serve.down",)),
+        PlanStep("serve.down"),
+        PlanStep("services.restore"),
     ]
     if purge:
-        steps.append(PlanStep(PURGE, needs=("serve.down",)))
+        steps.append(PlanStep(PURGE))
     return steps
 
 
 def describe_plan(steps: list[PlanStep], left_out: dict[str, str] | None = None) -> list[str]:
     """The plan as lines: each step, what it needs, its options (for --dry and the record)."""
-    from sparkdeploy.runner import _needs
+    from sparkdeploy.runner import graph
     from sparkdeploy.steps import registry
 
     registry.load_all()
     names = {s.name for s in steps}
+    edges = graph(steps)
     out = []
     for i, s in enumerate(steps, 1):
-        needs = sorted(_needs(s, names))
+        needs = sorted(edges[s.name])
         opts = ", ".join(f"{k}={'(at run time)' if callable(v) else v}" for k, v in s.options.items())
         bits = [f"needs {', '.join(needs)}" if needs else "needs nothing"]
-        if s.after_start:
-            bits.append(f"starts once {', '.join(s.after_start)} started")
+        after = registry.after_start_in(s.name, names)
+        if after:
+            bits.append(f"starts once {', '.join(after)} started")
         spec = registry.REGISTRY.get(s.name)
         if spec is None:
             bits.append("not available in this version")
@@ -289,7 +289,7 @@ def _shipped_refs(dep: Deployment) -> list[str]:
     return list(dict.fromkeys(refs))
 
 
-@step(PURGE)
+@step(PURGE, needs=("serve.down",))
 def purge(dep: Deployment, **_: Any) -> list[Result]:
     """Remove the weights and sparkdeploy's images (built on any node, shipped to workers)."""
     out: list[Result] = []

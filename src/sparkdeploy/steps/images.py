@@ -1,12 +1,12 @@
-"""Choose an image: probe every candidate on the head, decide, and build the transformers layer.
+"""Choose an image: probe every candidate on the head, decide, and build the derivative image.
 
 ``probe`` runs ``scripts/probe_image.py`` inside each candidate (``docker run --rm --network
 none``, the probe and the model's config mounted read only), checks its platform against the
-head's architecture, and writes a decision record (JSON and Markdown) under the state dir.
-``build`` builds the derivative (the profile's ``images.layer``) on the head's engine, with
+head's architecture, and writes a decision record (JSON and Markdown) under the state dir; the
+decision is the probe's last result. ``build`` builds the derivative image (the profile's
+``images.layer``: a candidate plus a pinned transformers) with the head's Docker daemon, with
 ``transformers>=5`` resolved to one exact version first; it is ``ok`` without building when an
-image of the same recipe (base image ID, Dockerfile hash, version) already exists.
-"""
+image of the same recipe (base image ID, Dockerfile hash, version) already exists."""
 
 from __future__ import annotations
 
@@ -39,7 +39,6 @@ from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.registry import step
 
 STEP_PROBE = "image.probe"
-STEP_DECIDE = "image.decide"
 STEP_BUILD = "image.build"
 RECORD = "image-probe"
 """The decision record's name (``<state_dir>/decisions/image-probe.{json,md}``)."""
@@ -124,13 +123,13 @@ def judge(dep: Deployment, ref: str, engine: str, arch: str, info: dict | None,
     reasons = list(eng.get("reasons") or [])
     if not row["platform_ok"]:
         reasons.insert(0, f"image is {row['platform']}, {dep.profile.head.name} is linux/{arch}")
-    layer = dep.profile.images.layer
+    derivative = dep.profile.images.layer
     if not reasons and eng.get("ok"):
         return {**row, "verdict": "viable", "why": f"{engine} {eng.get('version')} with every "
                 f"model file" + (", config parses" if row["config_ok"] else "")}
-    if row["platform_ok"] and _config_only(reasons) and layer and layer.base == ref:
+    if row["platform_ok"] and _config_only(reasons) and derivative and derivative.base == ref:
         return {**row, "verdict": "needs-layer", "why": "; ".join(reasons)
-                + f"; fixed by the layer {layer.requirement} -> {layer.tag}"}
+                + f"; fixed by the layer {derivative.requirement} -> {derivative.tag}"}
     return {**row, "verdict": "rejected", "why": "; ".join(reasons) or "probe says not ok"}
 
 
@@ -177,12 +176,12 @@ def _probe(dep: Deployment, only: str | None) -> Iterator[Result]:
                      **{k: v for k, v in row.items() if k not in ("probe", "why")})
     record = decide(dep, head.name, arch, source, rows)
     if dep.dry:
-        yield skipped(STEP_DECIDE, "would write the decision record: " + record["summary"],
+        yield skipped(STEP_PROBE, "would write the decision record: " + record["summary"],
                       head.name)
         return
     written = write_record(dep, record)
     status = changed if record["chosen"] else failed
-    yield status(STEP_DECIDE, f"{record['summary']} (record: {written.markdown})", head.name,
+    yield status(STEP_PROBE, f"{record['summary']} (record: {written.markdown})", head.name,
                  chosen=record["chosen"])
 
 
@@ -380,7 +379,7 @@ def _find_built(head: Host, labels: dict[str, str]) -> str | None:
 
 @step(STEP_BUILD, needs=(STEP_PROBE,), long=True)
 def build(dep: Deployment, no_cache: bool = False) -> list[Result]:
-    """Build the transformers layer on the head (ok without building when already built;
+    """Build the derivative image on the head (ok without building when already built;
     ``no_cache``: build again from the base, docker's layer cache unused)."""
     try:
         res = _build(dep, no_cache)
@@ -393,51 +392,53 @@ STEP_LINE = re.compile(r"^Step (\d+)/(\d+) : ")
 
 
 def _build(dep: Deployment, no_cache: bool = False) -> Result:
-    layer = dep.profile.images.layer
+    derivative = dep.profile.images.layer
     head = dep.host(dep.profile.head.name)
-    if layer is None:
+    if derivative is None:
         return skipped(STEP_BUILD, "the profile has no images.layer", head.name)
-    dockerfile_path = ROOT / layer.dockerfile
+    dockerfile_path = ROOT / derivative.dockerfile
     try:
         dockerfile = dockerfile_path.read_text()
     except OSError as e:
-        return failed(STEP_BUILD, f"{layer.dockerfile}: {e.strerror}", head.name)
-    base = inspect_image(head, layer.base)
+        return failed(STEP_BUILD, f"{derivative.dockerfile}: {e.strerror}", head.name)
+    base = inspect_image(head, derivative.base)
     if base is None:
-        return failed(STEP_BUILD, f"base image {layer.base} is not on {head.name} "
+        return failed(STEP_BUILD, f"base image {derivative.base} is not on {head.name} "
                       "(run image.probe, which pulls missing candidates)", head.name)
     try:
-        declared = engine_requires(dep, head, layer.base)
+        declared = engine_requires(dep, head, derivative.base)
         engine_note = "none declared"
         constraint = ""
         if declared:
             kind, kind_version, spec = declared
             engine_note = f"{kind} {kind_version}: transformers{spec}"
-            if layer.override_engine_requirement:
+            if derivative.override_engine_requirement:
                 engine_note += " (overridden by images.layer.override_engine_requirement)"
             else:
                 constraint = spec
         try:
-            version = resolve_requirement(layer.requirement, layer.index_url, constraint=constraint)
+            version = resolve_requirement(derivative.requirement, derivative.index_url,
+                                          constraint=constraint)
         except ResolveError as e:
             if not constraint:
                 raise
-            raise ResolveError(f"{e}, which {engine_note.split(':')[0]} in {layer.base} declares "
-                               "(images.layer.override_engine_requirement: true builds anyway)"
+            raise ResolveError(f"{e}, which {engine_note.split(':')[0]} in {derivative.base} "
+                               "declares (images.layer.override_engine_requirement: true "
+                               "builds anyway)"
                                ) from None
     except ResolveError as e:
         return failed(STEP_BUILD, str(e), head.name)
     df_sha = hashlib.sha256(dockerfile.encode()).hexdigest()
     labels = {LABEL_BASE_ID: base["Id"], LABEL_DOCKERFILE: df_sha, LABEL_TF: version}
     existing = None if no_cache else _find_built(head, labels)
-    what = f"{layer.tag} = {layer.base} + transformers=={version} ({engine_note})"
+    what = f"{derivative.tag} = {derivative.base} + transformers=={version} ({engine_note})"
     if existing:
-        tagged = inspect_image(head, layer.tag)
+        tagged = inspect_image(head, derivative.tag)
         if tagged and tagged["Id"] == existing:
             return ok(STEP_BUILD, f"{what} already built ({existing[:19]})", head.name,
                       image_id=existing, transformers=version)
-        head.run(docker(head, "tag", existing, layer.tag))
-        return changed(STEP_BUILD, f"tagged the existing build {existing[:19]} as {layer.tag}",
+        head.run(docker(head, "tag", existing, derivative.tag))
+        return changed(STEP_BUILD, f"tagged the existing build {existing[:19]} as {derivative.tag}",
                        head.name, image_id=existing, transformers=version)
     if dep.dry:
         return skipped(STEP_BUILD, f"would build {what}" + (" without docker's cache" if no_cache
@@ -446,26 +447,26 @@ def _build(dep: Deployment, no_cache: bool = False) -> Result:
         config_text, _ = model_config_text(dep, head)
     except ConfigUnavailable as e:
         return failed(STEP_BUILD, str(e), head.name)
-    build_args = {"BASE_IMAGE": layer.base, "BASE_IMAGE_ID": base["Id"],
+    build_args = {"BASE_IMAGE": derivative.base, "BASE_IMAGE_ID": base["Id"],
                   "TRANSFORMERS_VERSION": version, "DOCKERFILE_SHA256": df_sha,
-                  "TRANSFORMERS_REQUIREMENT": layer.requirement, "ENGINE_REQUIRES": engine_note,
-                  "PIP_INDEX_URL": layer.index_url}
-    if urlsplit(layer.index_url).scheme == "http":
-        build_args["PIP_TRUSTED_HOST"] = urlsplit(layer.index_url).hostname or ""
+                  "TRANSFORMERS_REQUIREMENT": derivative.requirement, "ENGINE_REQUIRES": engine_note,
+                  "PIP_INDEX_URL": derivative.index_url}
+    if urlsplit(derivative.index_url).scheme == "http":
+        build_args["PIP_TRUSTED_HOST"] = urlsplit(derivative.index_url).hostname or ""
     context = build_context(dockerfile, config_text)
     started = time.monotonic()
     with head.docker_client(timeout=3600) as client:
         chunks = client.api.build(fileobj=io.BytesIO(context), custom_context=True,
-                                  tag=layer.tag, buildargs=build_args, network_mode="host",
+                                  tag=derivative.tag, buildargs=build_args, network_mode="host",
                                   rm=True, forcerm=True, decode=True, pull=False,
                                   nocache=no_cache)
         errors, tail = follow_build(dep, head.name, chunks)
     if errors:
         return failed(STEP_BUILD, f"build failed: {errors[-1].splitlines()[-1]}", head.name,
                       log_tail=tail)
-    built = inspect_image(head, layer.tag)
+    built = inspect_image(head, derivative.tag)
     if not built:
-        return failed(STEP_BUILD, f"build finished but {layer.tag} is not on {head.name}", head.name)
+        return failed(STEP_BUILD, f"build finished but {derivative.tag} is not on {head.name}", head.name)
     return changed(STEP_BUILD, f"built {what} in {time.monotonic() - started:.0f}s "
                    f"({built['Id'][:19]})", head.name, image_id=built["Id"], transformers=version)
 

@@ -463,7 +463,7 @@ def download_step(dep: Deployment, **options: Any) -> list[Result]:
         return download(dep, options.get("node"))
 
 
-@step("model.sync", long=True)
+@step("model.sync", after_start=(DOWNLOAD,), long=True)
 def sync_step(dep: Deployment, **options: Any) -> list[Result]:
     """Copy the weights to the workers over the fast link, file by file as the head completes
     them (starts while model.download runs: no need on it)."""

@@ -25,7 +25,10 @@ class StepSpec:
     name: str
     fn: StepFn
     needs: tuple[str, ...] = ()
-    summary: str = ""
+    """Steps that must have finished (and not failed) first, when a plan holds them: the one
+    place the edges of every plan are declared."""
+    after_start: tuple[str, ...] = ()
+    """Steps that must have *started* first, when a plan holds them (they may still run)."""
     long: bool = False
     """Long work (a download): a graph runner starts it as early as its needs allow."""
 
@@ -33,18 +36,44 @@ class StepSpec:
 REGISTRY: dict[str, StepSpec] = {}
 
 
-def step(name: str, *, needs: tuple[str, ...] = (), long: bool = False) -> Callable[[StepFn], StepFn]:
-    """Register ``fn`` as step ``name`` (``image.ship``), needing the steps in ``needs``."""
+def step(name: str, *, needs: tuple[str, ...] = (), after_start: tuple[str, ...] = (),
+         long: bool = False) -> Callable[[StepFn], StepFn]:
+    """Register ``fn`` as step ``name`` (``image.ship``), needing the steps in ``needs`` (and
+    starting once those in ``after_start`` started) wherever a plan holds them."""
 
     def deco(fn: StepFn) -> StepFn:
         if name in REGISTRY and REGISTRY[name].fn is not fn:
             raise ValueError(f"step {name!r} registered twice")
-        summary = " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())
-        REGISTRY[name] = StepSpec(name, fn, tuple(needs), summary, long)
+        REGISTRY[name] = StepSpec(name, fn, tuple(needs), tuple(after_start), long)
         fn.step_name = name  # type: ignore[attr-defined]
         return fn
 
     return deco
+
+
+def needs_in(name: str, plan: set[str]) -> set[str]:
+    """The steps of ``plan`` that ``name`` needs: its registered needs, followed through steps
+    the plan leaves out (with ``image.build`` skipped, ``image.ship`` still follows
+    ``image.probe``)."""
+    found: set[str] = set()
+    seen: set[str] = set()
+    todo = list(REGISTRY[name].needs) if name in REGISTRY else []
+    while todo:
+        n = todo.pop()
+        if n in seen or n == name:
+            continue
+        seen.add(n)
+        if n in plan:
+            found.add(n)
+        elif n in REGISTRY:
+            todo.extend(REGISTRY[n].needs)
+    return found
+
+
+def after_start_in(name: str, plan: set[str]) -> tuple[str, ...]:
+    """The steps of ``plan`` that must have started before ``name`` starts."""
+    spec = REGISTRY.get(name)
+    return tuple(n for n in spec.after_start if n in plan) if spec else ()
 
 
 def get(name: str) -> StepSpec:

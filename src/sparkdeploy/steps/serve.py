@@ -333,7 +333,7 @@ def up(dep: Deployment, engine: str | None = None) -> list[Result]:
 # --- down, status, logs -------------------------------------------------------------------
 
 
-@step(STEP_DOWN)
+@step(STEP_DOWN, needs=("serve.unpersist",))
 def down(dep: Deployment) -> list[Result]:
     """Remove this deployment's engine containers on every node."""
     from sparkdeploy.steps import serve_persist

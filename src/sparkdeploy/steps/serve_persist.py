@@ -155,7 +155,7 @@ def _wait_endpoint(dep: Deployment, lau: Launch) -> str:
     return url
 
 
-@step(STEP_PERSIST, needs=("serve.up",))
+@step(STEP_PERSIST, needs=("serve.up", "bench.run"))
 def persist(dep: Deployment, engine: str | None = None) -> list[Result]:
     """Install the deployment as systemd units on every node and hand it over to them."""
     if ep.api_key():

@@ -219,7 +219,7 @@ def _stop(dep: Deployment, node: str | None) -> Iterator[Result]:
         yield from _stop_node(dep, host, units)
 
 
-@step(STEP_RESTORE)
+@step(STEP_RESTORE, needs=("serve.down",))
 def restore(dep: Deployment, node: str | None = None) -> list[Result]:
     """Start exactly the recorded units, in reverse stop order, then forget them."""
     record = read_record(dep)

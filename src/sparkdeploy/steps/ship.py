@@ -1,6 +1,6 @@
 """``image.ship``: copy an image node to node over the fast link, sending only missing layers.
 
-For each peer: compare the image's diff IDs on the source with every layer the peer's engine
+For each peer: compare the image's diff IDs on the source with every layer the peer's Docker daemon
 already holds, check the peer's free disk, then run on the source
 
     docker save IMAGE | python3 save_filter.py ... | [zstd |] ssh PEER-LINK-ADDR '[zstd -d |] docker load'
@@ -39,27 +39,27 @@ STAGED_CHANGED = 97
 
 
 @dataclass
-class Engine:
-    """What a node's docker engine is like, for shipping."""
+class DockerDaemon:
+    """A node's Docker daemon as shipping sees it: its image store, root dir and layers."""
 
     containerd_store: bool
     root_dir: str
     chains: list[list[str]] = field(default_factory=list)
-    """The layer list (diff IDs, base first) of every image the engine holds."""
+    """The layer list (diff IDs, base first) of every image the daemon holds."""
 
 
-def engine_facts(host: Host) -> Engine:
+def daemon_facts(host: Host) -> DockerDaemon:
     r = host.run(docker(host, "info", "--format", "{{json .}}"), change=False)
     if not r.ok:
         raise HostError(f"{host.name}: docker info failed: {r.one_line_error()}")
     info = json.loads(r.stdout)
     status = info.get("DriverStatus") or []
     containerd = any(CONTAINERD in str(v) for pair in status for v in pair)
-    return Engine(containerd, info.get("DockerRootDir") or "/var/lib/docker", layers_on(host))
+    return DockerDaemon(containerd, info.get("DockerRootDir") or "/var/lib/docker", layers_on(host))
 
 
 def layers_on(host: Host) -> list[list[str]]:
-    """The layer list of every image the node's engine holds."""
+    """The layer list of every image the node's Docker daemon holds."""
     ids = host.run(docker(host, "image", "ls", "-a", "-q", "--no-trunc"), change=False)
     uniq = sorted({x for x in ids.stdout.split() if x}) if ids.ok else []
     if not uniq:
@@ -122,7 +122,7 @@ def have_prefix(layers: list[str], chains: list[list[str]]) -> int:
 
 def pipeline(src: Host, peer: Host, ref: str, filter_path: str | None, layers_file: str | None,
              have_file: str | None, compression: str) -> list[str]:
-    """The argv (``bash -c``) the source runs to stream the image into the peer's engine."""
+    """The argv (``bash -c``) the source runs to stream the image into the peer's Docker daemon."""
     save = docker(src, "save", ref)
     stages = [save]
     checks = ""
@@ -184,7 +184,7 @@ def ship_one(dep: Deployment, src: Host, peer: Host, ref: str, src_info: dict) -
 
 
 def _ship_one(dep: Deployment, src: Host, peer: Host, ref: str, src_info: dict) -> Result:
-    facts = engine_facts(peer)
+    facts = daemon_facts(peer)
     layers = src_info["RootFS"]["Layers"]
     if verify(peer, ref, src_info, facts.containerd_store) is None:
         return ok(STEP, f"{peer.name} already has {ref} ({src_info['Id'][:19]})", peer.name)

@@ -1,4 +1,4 @@
-"""`inv image.*`: probe the candidate images, build the transformers layer, ship node to node."""
+"""`inv image.*`: probe the candidate images, build the derivative image, ship node to node."""
 
 from invoke import Collection
 
@@ -13,7 +13,7 @@ def _probe_table(dep, results) -> None:
     """The candidates from the record this run wrote (none in a dry run or when it stopped
     before deciding)."""
     record = dep.records.data(images.RECORD)
-    decided = any(r.step == images.STEP_DECIDE for r in results) and not dep.dry
+    decided = any("chosen" in r.details for r in results) and not dep.dry
     if record and decided:
         table("image candidates", images.PROBE_COLUMNS, images.probe_rows(record))
 
@@ -27,7 +27,7 @@ def probe(c, profile=None):
 @task(help={"no-cache": "build again from the base, without docker's layer cache",
             "profile": "profile file"})
 def build(c, no_cache=False, profile=None):
-    """Build the transformers layer on the head (ok without building when already built)."""
+    """Build the derivative image on the head (ok without building when already built)."""
     run_step(c, "image.build", profile=profile, no_cache=no_cache)
 
 
