@@ -2,13 +2,13 @@
 
 Subcommands (each prints one JSON object on stdout; progress lines on stderr):
 
-  verify  --dir D --spec S [--only P ...] [--quick] [--jobs N]
+  verify  --dir D --spec S [--quick] [--jobs N] [-- P ...]
       Check every file of the spec (size; sha256 for LFS files, the git blob id for the
       others). A record of what was verified (size, mtime, hashes) lives in
       ``D/.sparkdeploy/verified.jsonl``: a file whose size and mtime match its record is not
       read again. ``--quick`` hashes nothing (files without a matching record are "unchecked").
       Also says whether a download holds the download lock (``download_running``).
-  fetch   --dir D --spec S [--only P ...] [--workers N] [--endpoint URL]
+  fetch   --dir D --spec S [--workers N] [--endpoint URL] [-- P ...]
       Download what is missing or wrong with huggingface_hub (which must be importable: run it
       with a container's or a virtualenv's python, never the system's), hash each file as it
       completes and record it, so ``model.sync`` can send it at once. The token, if any, is the
@@ -22,6 +22,11 @@ Subcommands (each prints one JSON object on stdout; progress lines on stderr):
       directory; the daemon stops and the directory goes when stdin ends. Each expected file
       (stdin's next line, a JSON list) is hashed as soon as it lands and reported on stderr as
       ``file {"path", "state", "why"}``; ``ready {"port", "private"}`` comes first.
+
+The files named after ``--`` (all of the spec's when none is) are checked against the spec.
+Every file name of the spec is checked before anything acts on it (the spec comes from a hub
+and a metadata cache: data, never trusted): a relative path with no ``..``, no leading ``-``,
+no backslash or control character; a spec that holds any other is refused (exit 2).
 """
 
 from __future__ import annotations
@@ -209,9 +214,47 @@ def download_running(root: str) -> bool:
         return False
 
 
+class SpecError(Exception):
+    """The spec does not hold what a spec holds (one line)."""
+
+
+def name_problem(name: object) -> str | None:
+    """Why ``name`` is not a safe file name inside the model dir, or None."""
+    if not isinstance(name, str) or not name or len(name) > 1024:
+        return "not a non-empty name of at most 1024 characters"
+    if name.startswith(("/", "-")):
+        return "starts with / or -"
+    if any(ord(ch) < 32 or ord(ch) == 127 or ch == "\\" for ch in name):
+        return "holds a control character or a backslash"
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        return "has an empty, . or .. component"
+    return None
+
+
+def checked_files(spec: object) -> list[dict]:
+    """The spec's file list, every entry checked (SpecError naming the first bad one)."""
+    files = spec.get("files") if isinstance(spec, dict) else None
+    if not isinstance(files, list):
+        raise SpecError("the spec has no list of files")
+    for x in files:
+        if not isinstance(x, dict):
+            raise SpecError(f"a file entry is not an object: {x!r:.80}")
+        why = name_problem(x.get("path"))
+        if why:
+            raise SpecError(f"file name {x.get('path')!r:.120} refused: {why}")
+        size = x.get("size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise SpecError(f"{x['path']}: size {size!r:.40} is not a count of bytes")
+    return files
+
+
 def load_spec(path: str, only: list[str] | None) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        files = json.load(f)["files"]
+    try:
+        with open(path, encoding="utf-8") as f:
+            spec = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SpecError(f"cannot read the spec {path}: {e}") from None
+    files = checked_files(spec)
     if only:
         keep = set(only)
         files = [x for x in files if x["path"] in keep]
@@ -264,7 +307,7 @@ def check_files(root: str, files: list[dict], quick: bool, jobs: int) -> dict:
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    print(json.dumps(check_files(a.dir, load_spec(a.spec, a.only), a.quick, a.jobs)))
+    print(json.dumps(check_files(a.dir, load_spec(a.spec, a.names), a.quick, a.jobs)))
     return 0
 
 
@@ -272,6 +315,8 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 def forget(root: str, rel: str) -> None:
     """Remove a wrong file and huggingface_hub's metadata for it (keep its .incomplete)."""
+    if name_problem(rel):  # load_spec refused such a name already: never act on one
+        raise SpecError(f"file name {rel!r:.120} refused")
     for p in (os.path.join(root, rel), os.path.join(root, HF_META, rel + ".metadata")):
         try:
             os.unlink(p)
@@ -303,6 +348,9 @@ def cmd_fetch(a: argparse.Namespace) -> int:
     except ImportError as e:
         say(f"error: huggingface_hub is not importable here ({e})")
         return 4
+    files = load_spec(a.spec, a.names)  # checked before anything is made or removed
+    with open(a.spec, encoding="utf-8") as f:
+        spec = json.load(f)
     root = a.dir
     os.makedirs(root, exist_ok=True)
     lockf = open(os.path.join(meta_dir(root), LOCK), "w")
@@ -311,9 +359,6 @@ def cmd_fetch(a: argparse.Namespace) -> int:
     except OSError:
         say(f"error: another download into {root} is running")
         return 5
-    with open(a.spec, encoding="utf-8") as f:
-        spec = json.load(f)
-    files = load_spec(a.spec, a.only)
     # small files first (config and tokenizer are there at once), then shards in order
     files.sort(key=lambda x: (x["size"] > 50_000_000, x["path"]))
     records = load_records(root)
@@ -718,16 +763,16 @@ def main(argv: list[str] | None = None) -> int:
     v = sub.add_parser("verify")
     v.add_argument("--dir", required=True)
     v.add_argument("--spec", required=True)
-    v.add_argument("--only", nargs="*")
     v.add_argument("--quick", action="store_true")
     v.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    v.add_argument("names", nargs="*", help="after --: the files to check (default: all)")
     f = sub.add_parser("fetch")
     f.add_argument("--dir", required=True)
     f.add_argument("--spec", required=True)
-    f.add_argument("--only", nargs="*")
     f.add_argument("--workers", type=int, default=4)
     f.add_argument("--attempts", type=int, default=3)
     f.add_argument("--endpoint", default="")
+    f.add_argument("names", nargs="*", help="after --: the files to fetch (default: all)")
     e = sub.add_parser("venv")
     e.add_argument("--venv", required=True)
     e.add_argument("--index-url", required=True)
@@ -741,8 +786,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--max-seconds", type=int, default=24 * 3600)
     r.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     a = p.parse_args(argv)
-    return {"verify": cmd_verify, "fetch": cmd_fetch, "venv": cmd_venv,
-            "receive": cmd_receive}[a.cmd](a)
+    try:
+        return {"verify": cmd_verify, "fetch": cmd_fetch, "venv": cmd_venv,
+                "receive": cmd_receive}[a.cmd](a)
+    except SpecError as e:
+        say(f"error: {e}")
+        return 2
 
 
 if __name__ == "__main__":

@@ -108,6 +108,12 @@ class Model(_Strict):
     allow_patterns: list[str] = Field(default_factory=lambda: ["*"])
     endpoint: Url | None = None
     """The model hub (``HF_ENDPOINT``); None means huggingface_hub's default (or $HF_ENDPOINT)."""
+    trust_http: bool = False
+    """Send the HF token to ``endpoint`` although it is plain ``http`` (a hub on a network of
+    one's own, as the lab's); an ``https`` hub gets it regardless."""
+    token_to_image: bool = False
+    """Hand the HF token to the python of a community image (``runtime: container``, run with
+    the host's network); by default a download with a token runs in the virtualenv."""
     runtime: Literal["auto", "container", "venv"] = "auto"
     """Where the downloader runs on the node: ``container`` (an image the node has that carries
     huggingface_hub), ``venv`` (a virtualenv of sparkdeploy's own on the node), ``auto`` (a

@@ -27,10 +27,14 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote, urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image, stage, stage_script, verified
+from sparkdeploy.outside import MAX_BODY, HubName, OutsideError, loads, request
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.registry import step
 
@@ -39,6 +43,10 @@ VERIFY = "model.verify"
 SCRIPT = "model_node.py"
 CONTAINER = "sparkdeploy-model-download"
 GB = 1e9
+HUB_DEADLINE_S = 60.0
+"""The whole of the hub's metadata call (a large repo's file list comes in well under it)."""
+SHA1 = r"^[0-9a-f]{40}$"
+SHA256 = r"^[0-9a-f]{64}$"
 
 
 class ModelError(Exception):
@@ -68,46 +76,116 @@ def endpoint(dep: Deployment) -> str:
     return constants.ENDPOINT.rstrip("/")
 
 
+def hub_token(dep: Deployment) -> tuple[str | None, str]:
+    """(the token for the profile's hub, why it is withheld): the token goes to an ``https``
+    hub, or to an ``http`` one only when the profile trusts it (``model.trust_http``)."""
+    token = controller_token()
+    if not token:
+        return None, ""
+    if urlsplit(endpoint(dep)).scheme == "https" or dep.profile.model.trust_http:
+        return token, ""
+    return None, (f"the token is not sent to {endpoint(dep)} (plain http; model.trust_http: "
+                  "true trusts it)")
+
+
+class _Lfs(BaseModel):
+    sha256: str = Field(pattern=SHA256)
+
+
+class _Sibling(BaseModel):
+    rfilename: HubName
+    size: int | None = Field(default=None, ge=0)
+    blobId: str | None = Field(default=None, pattern=SHA1)  # noqa: N815 - the hub's name
+    lfs: _Lfs | None = None
+
+
+class _ModelInfo(BaseModel):
+    """What sparkdeploy reads of the hub's model info (the rest is ignored)."""
+
+    sha: str = Field(pattern=SHA1)
+    siblings: list[_Sibling] = Field(max_length=100_000)
+
+
+class HubFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: HubName
+    size: int = Field(ge=0)
+    sha256: str | None = Field(pattern=SHA256)
+    oid: str | None = Field(pattern=SHA1)
+
+
+class HubMeta(BaseModel):
+    """The repo's files at one commit, as cached under the state dir and staged as the spec."""
+
+    model_config = ConfigDict(extra="forbid")
+    repo: str
+    revision: str
+    commit: str = Field(pattern=SHA1)
+    files: list[HubFile]
+    fetched_at: float = Field(ge=0, allow_inf_nan=False)
+
+
 def fetch_metadata(dep: Deployment) -> dict[str, Any]:
-    """The repo's files at the profile's revision (allow_patterns applied) from the hub."""
-    from huggingface_hub import HfApi
+    """The repo's files at the profile's revision (allow_patterns applied) from the hub, every
+    one checked (``HubName``); ``OutsideError`` when the hub does not answer in time,
+    ``ModelError`` when its answer is refused."""
     from huggingface_hub.utils import filter_repo_objects
 
     m = dep.profile.model
-    info = HfApi(endpoint=endpoint(dep), token=controller_token()).model_info(
-        m.repo, revision=m.revision, files_metadata=True)
-    sibs = list(filter_repo_objects(info.siblings or [], allow_patterns=m.allow_patterns,
+    url = (f"{endpoint(dep)}/api/models/{m.repo}/revision/{quote(m.revision, safe='')}"
+           "?blobs=true")
+    token, _ = hub_token(dep)
+    headers = {"Accept": "application/json", "User-Agent": "sparkdeploy"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    r = request("GET", url, headers=headers, deadline=HUB_DEADLINE_S)
+    if r.status != 200:
+        raise OutsideError(f"{url}: HTTP {r.status}")
+    try:
+        info = r.json(_ModelInfo, url)
+    except OutsideError as e:
+        raise ModelError(f"the hub's answer is refused: {e}") from None
+    sibs = list(filter_repo_objects(info.siblings, allow_patterns=m.allow_patterns,
                                     key=lambda s: s.rfilename))
-    files = []
-    for s in sorted(sibs, key=lambda s: s.rfilename):
-        lfs = s.lfs
-        sha = (lfs.get("sha256") if isinstance(lfs, dict) else getattr(lfs, "sha256", None)) if lfs else None
-        files.append({"path": s.rfilename, "size": int(s.size or 0), "sha256": sha,
-                      "oid": s.blob_id})
+    files = [{"path": s.rfilename, "size": int(s.size or 0),
+              "sha256": s.lfs.sha256 if s.lfs else None, "oid": s.blobId}
+             for s in sorted(sibs, key=lambda s: s.rfilename)]
     return {"repo": m.repo, "revision": m.revision, "commit": info.sha, "files": files,
             "fetched_at": time.time()}
+
+
+def read_cache(path: str) -> tuple[dict[str, Any] | None, str]:
+    """(the cached metadata, why there is none usable): a cache that does not fit is never
+    used (a tampered one could name files outside the model dir)."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(MAX_BODY + 1)
+    except FileNotFoundError:
+        return None, ""
+    except OSError as e:
+        return None, f"{path}: {e.strerror}"
+    try:
+        return loads(HubMeta, text, path).model_dump(), ""
+    except OutsideError as e:
+        return None, str(e)
 
 
 def metadata(dep: Deployment, refresh: bool = True) -> tuple[dict[str, Any], str]:
     """(metadata, note): fresh from the hub when it answers (and cached), else the cache."""
     path = cache_path(dep)
-    cached = None
-    try:
-        with open(path) as f:
-            cached = json.load(f)
-    except (OSError, ValueError):
-        cached = None
+    cached, bad_cache = read_cache(path)
     if cached and not refresh:
         return cached, ""
     try:
         meta = fetch_metadata(dep)
-    except Exception as e:  # noqa: BLE001 - any hub failure falls back to the cache
-        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except OutsideError as e:  # a hub that cannot be reached falls back to the cache
+        why = str(e)
         if cached:
             when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(cached.get("fetched_at", 0)))
             return cached, f"hub not reachable ({why}); using its metadata cached {when} UTC"
+        cache = f"; the cache is not usable: {bad_cache}" if bad_cache else ""
         raise ModelError(f"cannot read {dep.profile.model.repo}@{dep.profile.model.revision} "
-                         f"from {endpoint(dep)}: {why}") from None
+                         f"from {endpoint(dep)}: {why}{cache}") from None
     if not meta["files"]:
         raise ModelError(f"{meta['repo']}@{meta['revision']}: no file matches allow_patterns "
                          f"{dep.profile.model.allow_patterns}")
@@ -185,8 +263,8 @@ def verify_argv(dep: Deployment, st: Staged, only: list[str] | None = None,
     argv = ["python3", st.script, "verify", "--dir", dep.profile.model.path, "--spec", st.spec]
     if quick:
         argv.append("--quick")
-    if only:
-        argv += ["--only", *only]
+    if only:  # after "--": a file name is never read as an option
+        argv += ["--", *only]
     return st.run(argv)
 
 
@@ -250,9 +328,16 @@ def candidate_images(dep: Deployment) -> list[str]:
     return list(dict.fromkeys(refs))
 
 
+def image_gets_no_token(dep: Deployment) -> bool:
+    """A token would go to a community image's python, which the profile did not allow."""
+    return hub_token(dep)[0] is not None and not dep.profile.model.token_to_image
+
+
 def choose_runtime(dep: Deployment, host: Host, st: Staged) -> Runtime:
     want = dep.profile.model.runtime
     tried = []
+    if want == "auto" and image_gets_no_token(dep):
+        want = "venv"  # the token stays out of third-party images: the virtualenv is ours
     if want in ("auto", "container"):
         for ref in candidate_images(dep):
             if inspect_image(host, ref) is None:
@@ -282,8 +367,8 @@ def fetch_argv(dep: Deployment, host: Host, rt: Runtime, st: Staged, owner: str,
     m = dep.profile.model
     helper = ["fetch", "--dir", m.path, "--spec", st.spec, "--workers", str(m.download_workers),
               "--endpoint", endpoint(dep)]
-    if only:
-        helper += ["--only", *only]
+    if only:  # after "--": a file name is never read as an option
+        helper += ["--", *only]
     if rt.kind == "venv":
         return st.run([rt.python or "python3", st.script, *helper])
     # -i: the token arrives on stdin; never -e (docker keeps env in the container's config)
@@ -320,8 +405,14 @@ def run_fetch(dep: Deployment, host: Host, rt: Runtime, st: Staged, meta: dict[s
             retries.append(line)
             dep.events.log(step_name, host.name, line)
 
+    token, withheld = hub_token(dep)
+    if token and rt.kind == "container" and not m.token_to_image:
+        token, withheld = None, (f"the token is not handed to {rt.image} (model.token_to_image: "
+                                 "true allows it)")
+    if withheld:
+        dep.events.log(step_name, host.name, withheld)
     r = host.run(fetch_argv(dep, host, rt, st, owner, only), on_stderr=on_line,
-                 input=(controller_token() or "") + "\n", timeout=24 * 3600)
+                 input=(token or "") + "\n", timeout=24 * 3600)
     out = last_json(r.stdout)
     if out is None:
         if "is already in use" in r.stderr and CONTAINER in r.stderr:

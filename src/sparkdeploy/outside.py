@@ -1,0 +1,161 @@
+"""What comes from outside the controller (an endpoint, a hub, a node helper, a file given on
+the command line) is data: read within a deadline and a size, and validated into a type
+before anything acts on it; when it does not fit, one line naming where it came from.
+
+- ``request``: one HTTP request with a deadline for the whole of it (connect, headers and
+  body: a server that accepts and never answers, or trickles bytes, ends it on time) and a
+  bound on the body's size. A watchdog shuts the socket at the deadline, so no read can
+  outlive it.
+- ``validated`` / ``loads``: a pydantic type from outside data, ``OutsideError`` otherwise.
+- ``HubName``: a file name a hub listed, safe to join under the model dir and to put on a
+  command line after ``--``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
+from urllib.parse import urlsplit
+
+from pydantic import AfterValidator, BaseModel, ValidationError
+
+MAX_BODY = 16 * 1024 * 1024
+"""The most a JSON answer may hold (a hub's file list of a large repo is well under 1 MB)."""
+
+
+class OutsideError(Exception):
+    """Outside data that cannot be used: ``str()`` is the one line, naming where it came from."""
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` (a file name from a hub or a metadata cache) is not safe inside the model
+    dir and on a command line, or None. The node helper checks the same again."""
+    if not name or len(name) > 1024:
+        return "not a non-empty name of at most 1024 characters"
+    if name.startswith(("/", "-")):
+        return "starts with / or -"
+    if any(ord(ch) < 32 or ord(ch) == 127 or ch == "\\" for ch in name):
+        return "holds a control character or a backslash"
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        return "has an empty, . or .. component"
+    return None
+
+
+def _hub_name(name: str) -> str:
+    why = name_problem(name)
+    if why:
+        raise ValueError(f"file name {name!r:.120} refused: {why}")
+    return name
+
+
+HubName = Annotated[str, AfterValidator(_hub_name)]
+
+T = TypeVar("T", bound=BaseModel)
+
+
+def validated(cls: type[T], data: Any, where: str) -> T:
+    """``data`` as a ``cls``; ``OutsideError("where: field: what is wrong")`` otherwise."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = str(err.get("ctx", {}).get("error") or err["msg"])
+        raise OutsideError(f"{where}: {loc + ': ' if loc else ''}{msg}") from None
+
+
+def loads(cls: type[T], text: str | bytes, where: str) -> T:
+    """JSON text as a ``cls`` (one line naming ``where`` when it is not JSON or does not fit)."""
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise OutsideError(f"{where}: not JSON ({str(e).splitlines()[0][:80]})") from None
+    return validated(cls, data, where)
+
+
+@dataclass
+class Response:
+    status: int
+    body: bytes
+    headers: dict[str, str]
+
+    def json(self, cls: type[T], where: str) -> T:
+        return loads(cls, self.body, where)
+
+
+@contextmanager
+def watchdog(sock: socket.socket | None, seconds: float) -> Iterator[threading.Event]:
+    """Shut ``sock`` down after ``seconds`` unless the block ends first: every read and write
+    on it then ends at once. The event says whether it fired."""
+    fired = threading.Event()
+
+    def fire() -> None:
+        fired.set()
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    timer = threading.Timer(max(0.0, seconds), fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield fired
+    finally:
+        timer.cancel()
+
+
+def request(method: str, url: str, *, headers: dict[str, str] | None = None,
+            body: bytes | None = None, deadline: float = 30.0,
+            max_body: int = MAX_BODY) -> Response:
+    """One HTTP(S) request, all of it within ``deadline`` seconds, its body at most
+    ``max_body`` bytes; ``OutsideError`` naming the URL otherwise (or when it cannot be
+    reached). Never a proxy from the environment: the controller talks to its nodes and the
+    profile's hub directly."""
+    u = urlsplit(url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise OutsideError(f"{url}: not an http(s) URL")
+    end = time.monotonic() + deadline
+    cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+    conn = cls(u.hostname, u.port, timeout=deadline)
+    path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+    try:
+        try:
+            conn.connect()
+        except OSError as e:
+            raise OutsideError(f"cannot reach {url}: {e}") from None
+        with watchdog(conn.sock, end - time.monotonic()) as fired:
+            try:
+                conn.request(method, path, body=body, headers=headers or {})
+                resp = conn.getresponse()
+                chunks, size = [], 0
+                while True:
+                    data = resp.read1(65536)
+                    if not data:
+                        break
+                    size += len(data)
+                    if size > max_body:
+                        raise OutsideError(f"{url}: answer larger than {max_body} bytes")
+                    chunks.append(data)
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                if fired.is_set() or time.monotonic() >= end:
+                    raise OutsideError(f"{url}: no whole answer within {deadline:g}s") from None
+                raise OutsideError(f"{url}: {type(e).__name__}: {e}".rstrip(": ")) from None
+            if fired.is_set():
+                raise OutsideError(f"{url}: no whole answer within {deadline:g}s")
+        return Response(resp.status, b"".join(chunks),
+                        {k.lower(): v for k, v in resp.getheaders()})
+    finally:
+        conn.close()
+
+
+__all__ = ["HubName", "MAX_BODY", "OutsideError", "Response", "loads", "name_problem",
+           "request", "validated", "watchdog"]

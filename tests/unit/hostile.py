@@ -1,0 +1,86 @@
+"""A small HTTP server on loopback that misbehaves on purpose: it answers every request the way
+it is told (a body, malformed JSON, a stream that trickles, nothing at all) and records the
+headers of each request, so a test can assert what reached it."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Hostile:
+    """``mode``: ``answer`` (status + body), ``silent`` (accept, read, never answer),
+    ``trickle`` (headers, then one body byte every ``gap`` seconds, never ending)."""
+
+    mode: str = "answer"
+    status: int = 200
+    body: bytes = b"{}"
+    ctype: str = "application/json"
+    gap: float = 0.05
+    seen: list[dict[str, str]] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._stop = threading.Event()
+        self._conns: list[socket.socket] = []
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self._conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            f = conn.makefile("rb")
+            while not self._stop.is_set():
+                line = f.readline(65536)
+                if not line:
+                    return
+                self.paths.append(line.decode(errors="replace").split(" ")[1:2][0]
+                                  if b" " in line else "")
+                headers, length = {}, 0
+                while True:
+                    h = f.readline(65536).strip()
+                    if not h:
+                        break
+                    k, _, v = h.decode(errors="replace").partition(":")
+                    headers[k.strip().lower()] = v.strip()
+                    if k.strip().lower() == "content-length":
+                        length = int(v)
+                if length:
+                    f.read(length)
+                self.seen.append(headers)
+                if self.mode == "silent":
+                    self._stop.wait()
+                    return
+                if self.mode == "trickle":
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                                 b"Content-Length: 100000000\r\n\r\n")
+                    while not self._stop.wait(self.gap):
+                        conn.sendall(b":")
+                    return
+                conn.sendall(b"HTTP/1.1 %d X\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
+                             % (self.status, self.ctype.encode(), len(self.body)) + self.body)
+        except OSError:
+            return
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._sock.close()
+        for c in self._conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass

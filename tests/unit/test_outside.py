@@ -1,0 +1,214 @@
+"""Outside data is data: hub file names, the token's destinations, deadlines on every wait,
+validated JSON, from small misbehaving servers on loopback."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sparkdeploy.lab import hub
+from sparkdeploy.lab.hub_repo import RepoFile
+from sparkdeploy.outside import OutsideError, request
+from sparkdeploy.results import Status
+from sparkdeploy.steps import model
+from tests.unit.hostile import Hostile
+from tests.unit.model_fakes import Node, deployment
+
+HELPER = Path(__file__).resolve().parents[2] / "scripts" / "model_node.py"
+TOKEN = "hf_OutsideTestToken0123456789abcd"
+COMMIT = "c" * 40
+UNSAFE = ["../x", "/abs", "-x", "a/../../x", "a\\b", "a\nb", ""]
+
+
+@pytest.fixture(scope="module")
+def small_hub(tmp_path_factory):
+    srv = hub.start_hub(port=0, data_dir=tmp_path_factory.mktemp("hub"), size_mb=1, shards=1)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def hostile():
+    servers: list[Hostile] = []
+
+    def make(**kw) -> Hostile:
+        servers.append(Hostile(**kw))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def _dep(tmp_path, endpoint, **kw):
+    return deployment(tmp_path, {"spark1": Node(), "spark2": Node()}, endpoint, **kw)
+
+
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*")) if root.exists() else []
+
+
+# --- hub file names ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", UNSAFE)
+def test_a_hub_listing_an_unsafe_file_name_is_refused_before_the_node_is_touched(
+        tmp_path, small_hub, name):
+    repo = small_hub.state.repos[hub.REPO_ID]
+    repo.files[name] = RepoFile(name, 3, "a" * 40, "b" * 64, False)
+    try:
+        dep, ctx = _dep(tmp_path, small_hub.url)
+        before = _tree(tmp_path)
+        results = model.download(dep) + model.verify(dep)
+    finally:
+        del repo.files[name]
+    assert [r.status for r in results] == [Status.FAILED, Status.FAILED]
+    for r in results:
+        assert "the hub's answer is refused" in r.why and "refused:" in r.why
+        assert "\n" not in r.why
+    assert ctx.calls == []  # no command reached a node
+    assert _tree(tmp_path) == before  # no cache, no model dir, nothing written
+
+
+def test_a_tampered_metadata_cache_is_never_used(tmp_path, hostile):
+    silent = hostile(mode="silent")  # the hub does not answer: only the cache could serve
+    dep, ctx = _dep(tmp_path, silent.url)
+    monkey_deadline = model.HUB_DEADLINE_S
+    model.HUB_DEADLINE_S = 0.3
+    try:
+        path = Path(model.cache_path(dep))
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"repo": "r/m", "revision": "main", "commit": COMMIT,
+                                    "fetched_at": 1.0,
+                                    "files": [{"path": "../x", "size": 1, "sha256": None,
+                                               "oid": None}]}))
+        started = time.monotonic()
+        [res] = model.download(dep)
+    finally:
+        model.HUB_DEADLINE_S = monkey_deadline
+    assert time.monotonic() - started < 2
+    assert res.status is Status.FAILED and ctx.calls == []
+    assert "no whole answer within 0.3s" in res.why
+    assert f"the cache is not usable: {path}: files.0.path: file name '../x' refused" in res.why
+
+
+def _spec(tmp_path: Path, name: str) -> Path:
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"repo": "r/m", "revision": "main", "commit": COMMIT,
+                                "files": [{"path": "ok.txt", "size": 1, "sha256": None,
+                                           "oid": None},
+                                          {"path": name, "size": 1, "sha256": None,
+                                           "oid": None}]}))
+    return spec
+
+
+@pytest.mark.parametrize("name", ["../victim", "/abs", "-x", "a/./b"])
+@pytest.mark.parametrize("cmd", ["verify", "fetch"])
+def test_the_node_helper_refuses_a_spec_with_an_unsafe_name_and_touches_nothing(
+        tmp_path, name, cmd):
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")  # what a name escaping the model dir would reach
+    root = tmp_path / "m"
+    spec = _spec(tmp_path, name)
+    before = _tree(tmp_path)
+    cp = subprocess.run([sys.executable, str(HELPER), cmd, "--dir", str(root), "--spec",
+                         str(spec)], input="\n", capture_output=True, text=True, timeout=30)
+    assert cp.returncode == 2, cp.stderr
+    [line] = cp.stderr.strip().splitlines()
+    assert line.startswith("error: file name ") and "refused" in line
+    assert cp.stdout == "" and _tree(tmp_path) == before and victim.read_text() == "keep me"
+
+
+def test_the_node_helper_reads_names_after_dashes_as_names(tmp_path):
+    root = tmp_path / "m"
+    root.mkdir()
+    (root / "ok.txt").write_text("1")
+    spec = _spec(tmp_path, "--quick")  # a file really named so would be read as an option
+    cp = subprocess.run([sys.executable, str(HELPER), "verify", "--dir", str(root), "--spec",
+                         str(spec), "--", "ok.txt"], capture_output=True, text=True, timeout=30)
+    assert cp.returncode == 2 and "file name '--quick' refused" in cp.stderr
+    spec = _spec(tmp_path, "b.txt")
+    cp = subprocess.run([sys.executable, str(HELPER), "verify", "--dir", str(root), "--spec",
+                         str(spec), "--", "b.txt"], capture_output=True, text=True, timeout=30)
+    out = json.loads(cp.stdout)
+    assert cp.returncode == 0 and out["missing"] == ["b.txt"] and out["ok"] == []
+
+
+# --- the token's destinations -----------------------------------------------------------------
+
+MODEL_INFO = json.dumps({"sha": COMMIT, "siblings": [
+    {"rfilename": "config.json", "size": 2, "blobId": "d" * 40}]}).encode()
+
+
+@pytest.mark.parametrize(("trust", "sent"), [(False, False), (True, True)])
+def test_the_token_reaches_a_plain_http_hub_only_when_the_profile_trusts_it(
+        tmp_path, hostile, monkeypatch, trust, sent):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    srv = hostile(body=MODEL_INFO)
+    dep, _ = _dep(tmp_path, srv.url, trust_http=trust)
+    meta, note = model.metadata(dep)
+    assert [f["path"] for f in meta["files"]] == ["config.json"] and note == ""
+    [headers] = srv.seen
+    assert ("authorization" in headers) is sent
+    if sent:
+        assert headers["authorization"] == f"Bearer {TOKEN}"
+    token, why = model.hub_token(dep)
+    assert (token == TOKEN) is sent
+    assert ("plain http; model.trust_http: true trusts it" in why) is (not sent)
+
+
+def test_the_token_goes_to_an_https_hub(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    dep, _ = _dep(tmp_path, "https://hub.example", trust_http=False)
+    assert model.hub_token(dep) == (TOKEN, "")
+
+
+def test_a_token_keeps_auto_out_of_community_images(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    dep, _ = _dep(tmp_path, "https://hub.example")
+    assert model.image_gets_no_token(dep)
+    dep, _ = _dep(tmp_path / "b", "https://hub.example", token_to_image=True)
+    assert not model.image_gets_no_token(dep)
+    monkeypatch.setattr(model, "controller_token", lambda: None)
+    dep, _ = _dep(tmp_path / "c", "https://hub.example")
+    assert not model.image_gets_no_token(dep)  # no token: an image is as good as the venv
+
+
+# --- deadlines --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["silent", "trickle"])
+def test_a_request_ends_at_its_deadline_whatever_the_server_does(hostile, mode):
+    srv = hostile(mode=mode, gap=0.02)
+    started = time.monotonic()
+    with pytest.raises(OutsideError, match=r"no whole answer within 0.4s"):
+        request("GET", srv.url + "/v1/models", deadline=0.4)
+    assert 0.35 < time.monotonic() - started < 1.5
+
+
+def test_a_request_refuses_an_answer_beyond_its_size(hostile):
+    srv = hostile(body=b"x" * 5000)
+    with pytest.raises(OutsideError, match="answer larger than 4096 bytes"):
+        request("GET", srv.url, max_body=4096)
+
+
+def test_an_unreachable_url_is_one_line():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    port = s.getsockname()[1]
+    try:
+        with pytest.raises(OutsideError, match=rf"^cannot reach http://127.0.0.1:{port}/x: "):
+            request("GET", f"http://127.0.0.1:{port}/x", deadline=1)
+    finally:
+        s.close()
+
+
+def test_no_env_proxy_is_used(hostile, monkeypatch):
+    srv = hostile(body=b"{}")
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    assert request("GET", srv.url + "/p").status == 200 and srv.paths == ["/p"]
+
