@@ -227,7 +227,7 @@ def test_lab_profile_holds_only_the_labs_differences():
     lines = (ROOT / "configs" / "lab.yaml").read_text().splitlines()
     assert len(lines) <= 45
     text = "\n".join(ln.split("#")[0] for ln in lines)
-    assert "http" not in text  # the hub and index come from lab.up's overlay only
+    assert "://" not in text  # the hub and index come from lab.up's overlay only
 
 
 @pytest.mark.parametrize("mgmt", layout.MGMT_CANDIDATES)
