@@ -17,7 +17,7 @@ from typing import Any
 from sparkdeploy.hosts import Host, HostError, NodeUnreachable
 
 __all__ = ["ARCH", "SCRIPTS", "HostError", "NodeUnreachable", "docker", "inspect_image",
-           "listed_tags", "node_arch", "shell", "stage", "stage_script", "check_staged", "verified"]
+           "listed_tags", "node_arch", "stage", "stage_script", "check_staged", "verified"]
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
@@ -112,9 +112,4 @@ def verified(paths: list[str], argv: list[str]) -> list[str]:
     """``argv`` run only when every staged file in ``paths`` still matches its sha256."""
     checks = "; ".join(check_staged(p) for p in paths)
     return ["sh", "-c", f'{checks}; exec "$@"', "sh", *argv]
-
-
-def shell(*argvs: list[str]) -> str:
-    """A shell pipeline of argv lists, every word quoted."""
-    return " | ".join(shlex.join(a) for a in argvs)
 

@@ -15,7 +15,6 @@ from typing import Any
 from sparkdeploy.files import write_atomic
 
 _SECRET_VALUE = re.compile(r"\bhf_[A-Za-z0-9]{8,}\b")
-_SECRET_KEY = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY)", re.IGNORECASE)
 REDACTED = "***"
 
 
@@ -32,10 +31,6 @@ def redact(text: str) -> str:
 
 def redact_argv(argv: Iterable[str]) -> list[str]:
     return [redact(a) for a in argv]
-
-
-def is_secret_key(name: str) -> bool:
-    return bool(_SECRET_KEY.search(name))
 
 
 class LockHeld(Exception):

@@ -312,3 +312,21 @@ def test_build_no_cache_says_so_and_looks_for_no_earlier_build(build_dep):
         assert len(looked) == 1 and again.why.endswith("transformers==5.3.0)")
     finally:
         images._find_built = orig
+
+
+def test_probe_refuses_a_head_whose_arch_is_not_the_profiles(tmp_path):
+    from invoke import Config, Context, Result
+
+    class Uname(Context):
+        def run(self, command, **kwargs):
+            assert shlex.split(shlex.split(command)[-1]) == ["uname", "-m"], command
+            return Result(stdout="x86_64\n", exited=0, command=command)
+
+    prof = load_profile(SEED)
+    state = StateDir(tmp_path / "state")
+    ctx = Uname(Config())
+    d = Deployment(prof, str(SEED), state, {n.name: Host(n, prof.ssh, ctx, state) for n in prof.nodes})
+    [r] = images.probe(d)
+    assert (r.status, r.node) == ("failed", "spark1")
+    assert r.why == (f"spark1 is linux/amd64, the profile says arch: arm64 "
+                     f"(fix nodes[].arch in {SEED})")

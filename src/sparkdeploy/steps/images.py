@@ -15,7 +15,6 @@ import io
 import json
 import re
 import tarfile
-import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -152,7 +151,12 @@ def _probe(dep: Deployment, only: str | None) -> Iterator[Result]:
         yield failed(STEP_PROBE, f"{only} is not a candidate of the profile", head.name)
         return
     try:
-        arch = node_arch(head)
+        arch = head.node.arch
+        real = node_arch(head)
+        if real != arch:
+            yield failed(STEP_PROBE, f"{head.name} is linux/{real}, the profile says arch: {arch} "
+                         f"(fix nodes[].arch in {dep.profile_path})", head.name)
+            return
         text, source = model_config_text(dep, head)
         config_path = stage(head, "model/config.json", text)
         probe_path = stage_script(head, "probe_image.py")
@@ -454,7 +458,7 @@ def _build(dep: Deployment, no_cache: bool = False) -> Result:
     if urlsplit(derivative.index_url).scheme == "http":
         build_args["PIP_TRUSTED_HOST"] = urlsplit(derivative.index_url).hostname or ""
     context = build_context(dockerfile, config_text)
-    started = time.monotonic()
+    started = dep.clock()
     with head.docker_client(timeout=3600) as client:
         chunks = client.api.build(fileobj=io.BytesIO(context), custom_context=True,
                                   tag=derivative.tag, buildargs=build_args, network_mode="host",
@@ -467,7 +471,7 @@ def _build(dep: Deployment, no_cache: bool = False) -> Result:
     built = inspect_image(head, derivative.tag)
     if not built:
         return failed(STEP_BUILD, f"build finished but {derivative.tag} is not on {head.name}", head.name)
-    return changed(STEP_BUILD, f"built {what} in {time.monotonic() - started:.0f}s "
+    return changed(STEP_BUILD, f"built {what} in {dep.clock() - started:.0f}s "
                    f"({built['Id'][:19]})", head.name, image_id=built["Id"], transformers=version)
 
 
