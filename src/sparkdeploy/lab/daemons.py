@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from sparkdeploy.files import write_if_changed
 from sparkdeploy.lab import keys, layout, proc
 from sparkdeploy.lab import state as lab_state
 from sparkdeploy.lab.proc import LabError
@@ -46,4 +47,4 @@ def set_env(st: dict, **values: str) -> bool:
     extra = {**st.get("env_extra", {}), **values}
     st["env_extra"] = extra
     lab_state.save(st)
-    return keys.write_if_changed(layout.ENV_FILE, keys.env_text(extra))
+    return write_if_changed(layout.ENV_FILE, keys.env_text(extra))

@@ -10,6 +10,7 @@ import re
 import socket
 from pathlib import Path
 
+from sparkdeploy.files import move_in
 from sparkdeploy.lab import layout
 from sparkdeploy.lab.proc import LabError, clean_stale_tmp, in_node, remove_tree, run, spawn
 from sparkdeploy.wait import Stop, WaitTimeout, wait_for
@@ -76,7 +77,7 @@ def ensure_docker26() -> tuple[bool, str]:
     remove_tree(tmp)
     run(["dpkg", "-x", str(debs[-1]), str(tmp)])
     remove_tree(DOCKER26_DIR)
-    os.replace(tmp, DOCKER26_DIR)
+    move_in(tmp, DOCKER26_DIR)
     ver = run([str(DOCKER26_DOCKERD), "--version"], check=False).stdout.strip()
     return True, f"unpacked {debs[-1].name} ({ver})"
 

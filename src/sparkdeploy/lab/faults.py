@@ -11,9 +11,9 @@ engine stand-ins read it there, and the steps never see it.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from sparkdeploy.files import write_if_changed
 from sparkdeploy.lab import layout
 from sparkdeploy.results import Result, changed, failed, ok
 
@@ -40,18 +40,7 @@ def view_dir(node: str) -> Path:
 
 
 def _write(path: Path, names: list[str]) -> bool:
-    text = json.dumps({"faults": names}, indent=1) + "\n"
-    try:
-        if path.read_text() == text:
-            return False
-    except OSError:
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-    return True
+    return write_if_changed(path, json.dumps({"faults": names}, indent=1) + "\n", 0o644)
 
 
 def sync_node(node: str, record: Path | None = None) -> bool:

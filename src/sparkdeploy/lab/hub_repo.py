@@ -10,13 +10,13 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import os
 import random
-import shutil
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from sparkdeploy.files import replace_dir
 
 DEFAULT_DATA_DIR = Path("/var/cache/sparkdeploy/hub")
 DEFAULT_SIZE_MB = 300
@@ -348,11 +348,6 @@ class RepoFile:
     def etag(self) -> str:
         return self.sha256 if self.lfs else self.oid
 
-    def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "size": self.size, "oid": self.oid, "sha256": self.sha256,
-                "lfs": self.lfs}
-
-
 @dataclass
 class Repo:
     repo_id: str
@@ -391,14 +386,13 @@ def prepare_repo(
                 for p, f in manifest["files"].items()
             ):
                 return _repo_from_manifest(target, manifest)
-        tmp = target.with_name(target.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        manifest = _generate(tmp, params)
-        (tmp / ".lab-hub.json").write_text(json.dumps(manifest, indent=1))
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)
-        return _repo_from_manifest(target, manifest)
+
+        def build(tmp: Path) -> dict[str, Any]:
+            manifest = _generate(tmp, params)
+            (tmp / ".lab-hub.json").write_text(json.dumps(manifest, indent=1))
+            return manifest
+
+        return _repo_from_manifest(target, replace_dir(target, build))
 
 
 def _generate(root: Path, params: dict[str, Any]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 
+from sparkdeploy.files import move_in
 from sparkdeploy.lab import layout
 from sparkdeploy.lab.dockerd import debian_mirror, docker
 from sparkdeploy.lab.proc import LabError, clean_stale_tmp, remove_tree, run
@@ -31,7 +32,7 @@ def ensure_base_tarball() -> tuple[bool, str]:
     (rootfs / "var/cache/apt/archives/partial").mkdir(parents=True, exist_ok=True)
     tmp = layout.CACHE_DIR / f"base-bookworm.tar.{os.getpid()}.tmp"
     run(["tar", "--numeric-owner", "-C", str(rootfs), "-cf", str(tmp), "."], timeout=600)
-    os.replace(tmp, BASE_TAR)
+    move_in(tmp, BASE_TAR)
     remove_tree(rootfs)
     return True, f"debootstrap bookworm -> {BASE_TAR} ({BASE_TAR.stat().st_size // 2**20} MB)"
 

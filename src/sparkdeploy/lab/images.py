@@ -64,6 +64,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from sparkdeploy.files import move_in
 from sparkdeploy.lab import layout
 from sparkdeploy.results import Result, changed, failed, ok
 
@@ -243,7 +244,7 @@ def strip_wheel(src: Path, dst: Path, drop: Callable[[str], bool] = is_compiled)
             out.external_attr = info.external_attr
             out.compress_type = zipfile.ZIP_DEFLATED
             zout.writestr(out, data)
-    os.replace(tmp, dst)
+    move_in(tmp, dst)
     return dropped
 
 
@@ -281,7 +282,7 @@ def ensure_engine_wheel(recipe: Recipe, cache: Path = WHEEL_CACHE,
                 raise ImageBuildError(f"pip download {recipe.engine_requirement} failed: {tail}")
             for name in os.listdir(tmp):
                 if name.endswith(".whl") and not (cache / name).exists():
-                    os.replace(os.path.join(tmp, name), cache / name)
+                    move_in(os.path.join(tmp, name), cache / name)
         wheel = _find_wheel(cache, recipe.engine_requirement)
         if wheel is None:
             raise ImageBuildError(f"pip download {recipe.engine_requirement}: no wheel saved")
@@ -485,7 +486,7 @@ def _ensure_archive(api, tag: str, archive: Path | None) -> str:
         with open(tmp, "wb") as fh:
             for chunk in api.get_image(tag):
                 fh.write(chunk)
-        os.replace(tmp, archive)
+        move_in(tmp, archive)
     except Exception as e:  # noqa: BLE001 - the image is there; only the next fresh lab is slower
         tmp.unlink(missing_ok=True)
         return f"; not archived: {_one_line(e)}"

@@ -3,28 +3,12 @@ known_hosts and ssh_config files (controller side and inside every node)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from sparkdeploy.files import write_if_changed
 from sparkdeploy.lab import layout
 from sparkdeploy.lab.layout import AddressPlan
 from sparkdeploy.lab.proc import run
-
-
-def write_if_changed(path: Path, text: str, mode: int = 0o644) -> bool:
-    try:
-        if path.read_text() == text:
-            if (path.stat().st_mode & 0o777) != mode:
-                os.chmod(path, mode)
-            return False
-    except FileNotFoundError:
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
-    return True
 
 
 def ensure_key(path: Path, comment: str) -> bool:

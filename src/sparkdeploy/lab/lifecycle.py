@@ -9,11 +9,13 @@ import os
 import shutil
 import socket
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from sparkdeploy import threads
 from sparkdeploy.events import EventSink
+from sparkdeploy.files import write_if_changed
 from sparkdeploy.lab import dockerd, image, internet, keys, layout, node, packages, proc, standins_install
 from sparkdeploy.lab import state as lab_state
 from sparkdeploy.lab.heartbeat import Heartbeat
@@ -73,7 +75,7 @@ def up(nodes: int = 2, flavor: str = layout.DEFAULT_DOCKERD, seed_worker: bool =
         return [events.result(failed("lab.up", f"--nodes must be 1..9, not {nodes}"))]
     events.log("lab.up", None, f"{nodes} node(s), dockerd {flavor}; state in {layout.LAB_DIR}")
     t0 = time.monotonic()
-    pool = ThreadPoolExecutor(max_workers=4)
+    pool = threads.pool(4)
     with Heartbeat(events) as beat:
         run = _Run(events, beat, {}, layout.node_names(nodes), flavor, {})
         try:
@@ -134,7 +136,7 @@ def _addresses(run: _Run, mgmt_net: str | None) -> None:
     run.plan = plan
     run.add((changed if first or moved else ok)("addresses", why, mgmt=plan.mgmt_net,
                                                 fast=plan.fast_net))
-    wrote = keys.write_if_changed(layout.PROFILE_OVERLAY, internet.profile_overlay(plan.controller))
+    wrote = write_if_changed(layout.PROFILE_OVERLAY, internet.profile_overlay(plan.controller))
     run.add((changed if wrote else ok)(
         "profile.overlay", f"{layout.PROFILE_OVERLAY}: hub and index on {plan.controller}"))
 

@@ -65,6 +65,7 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
+from sparkdeploy.files import move_in
 from sparkdeploy.lab.server import LabServer, serve_until_stopped
 from sparkdeploy.lab.server import wait_ready as wait_health
 
@@ -176,7 +177,7 @@ def ensure_wheels(
             files = sorted(n for n in os.listdir(tmp) if n.endswith(ARCHIVE_SUFFIXES))
             for name in files:
                 if not (cache / name).is_file():
-                    os.replace(os.path.join(tmp, name), cache / name)
+                    move_in(os.path.join(tmp, name), cache / name)
         record.write_text(json.dumps({"requirements": reqs, "files": files,
                                       "python": TARGET_PYTHON,
                                       "platforms": target_platforms(machine)}, indent=1))

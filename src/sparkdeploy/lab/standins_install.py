@@ -10,11 +10,9 @@ copied flat to ``lib/`` (``/opt/sparkdeploy-lab/lib/gpu_user.py``).
 
 from __future__ import annotations
 
-import filecmp
-import os
-import shutil
 from pathlib import Path
 
+from sparkdeploy.files import copy_if_changed
 from sparkdeploy.lab import layout
 
 
@@ -38,21 +36,11 @@ def install(node: str) -> str:
     did = []
     for f in sorted(src.iterdir()):
         if f.is_file() and not f.suffix and not f.name.startswith((".", "_")):
-            if _copy(f, root / "bin" / f.name, 0o755):
+            if copy_if_changed(f, root / "bin" / f.name, 0o755):
                 did.append(f.name)
     lib = root / "lib"
     lib.mkdir(parents=True, exist_ok=True)
     for f in sorted(src.glob("*.py")):
-        if _copy(f, lib / f.name, 0o644):
+        if copy_if_changed(f, lib / f.name, 0o644):
             did.append(f"lib/{f.name}")
     return ("installed " + ", ".join(did)) if did else ""
-
-
-def _copy(src: Path, dst: Path, mode: int) -> bool:
-    if dst.exists() and filecmp.cmp(src, dst, shallow=False):
-        return False
-    tmp = dst.with_name(dst.name + ".tmp")
-    shutil.copyfile(src, tmp)
-    os.chmod(tmp, mode)
-    os.replace(tmp, dst)
-    return True

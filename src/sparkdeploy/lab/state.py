@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from sparkdeploy.files import write_text_atomic
 from sparkdeploy.lab import layout
 from sparkdeploy.lab.proc import LabError
 
@@ -41,9 +41,7 @@ def load(path: Path = layout.STATE_FILE) -> dict[str, Any]:
 
 def save(data: dict[str, Any], path: Path = layout.STATE_FILE) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 @contextmanager

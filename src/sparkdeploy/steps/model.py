@@ -20,23 +20,24 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from sparkdeploy.deployment import Deployment
+from sparkdeploy.files import write_text_atomic
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image, stage, stage_script, verified
 from sparkdeploy.outside import MAX_BODY, HubName, OutsideError, loads, request
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.registry import step
+from sparkdeploy.threads import together
 
 DOWNLOAD = "model.download"
 VERIFY = "model.verify"
@@ -191,10 +192,7 @@ def metadata(dep: Deployment, refresh: bool = True) -> tuple[dict[str, Any], str
                          f"{dep.profile.model.allow_patterns}")
     if not dep.dry:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".meta-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(meta, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        write_text_atomic(Path(path), json.dumps(meta, indent=1, sort_keys=True))
     return meta, ""
 
 
@@ -218,10 +216,9 @@ class Staged:
 def stage_for(host: Host, meta: dict[str, Any]) -> Staged:
     """The helper and the spec on the node, staged side by side (one round trip, not two)."""
     spec = {k: meta[k] for k in ("repo", "revision", "commit", "files")}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        script = pool.submit(stage_script, host, SCRIPT)
-        spec_path = pool.submit(stage, host, "spec.json", json.dumps(spec, sort_keys=True))
-        return Staged(script.result(), spec_path.result())
+    script, spec_path = together(lambda: stage_script(host, SCRIPT),
+                                 lambda: stage(host, "spec.json", json.dumps(spec, sort_keys=True)))
+    return Staged(script, spec_path)
 
 
 def last_json(text: str) -> dict[str, Any] | None:
@@ -390,14 +387,14 @@ def run_fetch(dep: Deployment, host: Host, rt: Runtime, st: Staged, meta: dict[s
         return None, f"cannot create {m.path}: {mk.one_line_error()}"
     own = host.run(["stat", "-c", "%u:%g", "--", m.path], change=False)
     owner = own.stdout.strip() if own.ok else "0:0"
-    started = time.monotonic()
+    started = dep.clock()
     retries: list[str] = []
 
     def on_line(line: str) -> None:
         p = parse_progress(line)
         if p:
             done = int(p.get("bytes", 0))
-            secs = max(time.monotonic() - started, 1e-6)
+            secs = max(dep.clock() - started, 1e-6)
             dep.events.progress(step_name, host.name, done, int(p.get("total", 0)) or None, "B",
                                 f"{p.get('files', '?')}/{p.get('of', '?')} files, "
                                 f"{done / secs / 1e6:.0f} MB/s")
@@ -463,9 +460,9 @@ def download_on(dep: Deployment, host: Host, meta: dict[str, Any], note: str = "
                            f"(up to {_gb(missing)}) of {m.repo}@{meta['commit'][:12]} into {m.path} "
                            f"with {rt.why}{note}", host.name)
         dep.events.log(step_name, host.name, f"downloader: {rt.why}")
-        started = time.monotonic()
+        started = dep.clock()
         out, why = run_fetch(dep, host, rt, st, meta, todo, step_name)
-        secs = time.monotonic() - started
+        secs = dep.clock() - started
     except (ModelError, NodeUnreachable) as e:
         return failed(step_name, str(e) if isinstance(e, ModelError) else f"{e}", host.name)
     if why:

@@ -18,19 +18,17 @@ What a Spark has and the lab's nodes lack, made present without the steps knowin
 
 from __future__ import annotations
 
-import filecmp
 import ipaddress
 import json
-import os
-import shutil
 from pathlib import Path
 
+from sparkdeploy.files import copy_if_changed
 from sparkdeploy.lab import faults, layout
 from sparkdeploy.lab.proc import run
 from sparkdeploy.lab.standins import roce
 
 SRC = Path(__file__).resolve().parent
-CONTROLLER_ONLY = {"__init__.py", "nodeinstall.py"}
+CONTROLLER_ONLY = {"__init__.py", "nodeinstall.py", "roce.py"}
 SYSFS = "sysfs"
 """Under the node's stand-ins dir: ``sysfs/infiniband/...``, the overlay's upper layer."""
 
@@ -56,23 +54,13 @@ def copy_files(root: Path) -> list[str]:
             continue
         if f.name == "runc":  # alone in its directory, first on dockerd's PATH
             (root / "runtime").mkdir(parents=True, exist_ok=True)
-            if _copy(f, root / "runtime" / "runc", 0o755):
+            if copy_if_changed(f, root / "runtime" / "runc", 0o755):
                 did.append("runtime/runc")
-        elif not f.suffix and _copy(f, root / "bin" / f.name, 0o755):
+        elif not f.suffix and copy_if_changed(f, root / "bin" / f.name, 0o755):
             did.append(f.name)
-        elif f.suffix == ".py" and _copy(f, root / "lib" / f.name, 0o644):
+        elif f.suffix == ".py" and copy_if_changed(f, root / "lib" / f.name, 0o644):
             did.append(f"lib/{f.name}")
     return did
-
-
-def _copy(src: Path, dst: Path, mode: int) -> bool:
-    if dst.exists() and filecmp.cmp(src, dst, shallow=False):
-        return False
-    tmp = dst.with_name(dst.name + ".tmp")
-    shutil.copyfile(src, tmp)
-    os.chmod(tmp, mode)
-    os.replace(tmp, dst)
-    return True
 
 
 # --- addresses and routes ------------------------------------------------------------------

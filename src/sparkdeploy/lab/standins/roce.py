@@ -17,15 +17,17 @@ the IPv4 RoCE v2 entry (what NCCL needs) is at index 3 on a port with no global 
 and at 5 on a port with one (an owner reported needing ``NCCL_IB_GID_INDEX=5``).
 
 ``write_tree`` makes that tree under a directory; the lab overlays it on ``/sys/class`` in a
-node's mount namespace (and in its GPU containers). Standard library only.
+node's mount namespace (and in its GPU containers). Run on the controller (by
+``nodeinstall.py``), never on a node.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import os
 import shutil
 from pathlib import Path
+
+from sparkdeploy.files import write_if_changed
 
 ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
 
@@ -81,12 +83,4 @@ def write_tree(root: Path, hcas: list[str], netdev: str, table: list[tuple[str, 
 
 
 def _write(path: Path, text: str) -> None:
-    data = text + "\n"
-    try:
-        if path.read_text() == data:
-            return
-    except OSError:
-        pass
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(data)
-    os.replace(tmp, path)
+    write_if_changed(path, text + "\n")
