@@ -26,12 +26,14 @@ class Deployment:
     dry: bool = False
     sleep: Callable[[float], None] = field(default=time.sleep)
     clock: Callable[[], float] = field(default=time.monotonic)
+    """The one clock of a deployment (steps' durations, waits, the hosts' journal)."""
     events: EventSink = field(default_factory=EventSink)
     """The one event stream of this deployment (steps' results and progress, hosts' echo)."""
 
     def __post_init__(self) -> None:
         for h in self.hosts.values():
             h.events = self.events
+            h.clock = self.clock
 
     @property
     def records(self) -> Records:

@@ -209,6 +209,8 @@ class Host:
     state: StateDir | None = None
     events: EventSink = field(default_factory=EventSink)
     """The deployment's event stream: echo goes there as ``Echo`` events."""
+    clock: Callable[[], float] = time.monotonic
+    """The deployment's clock (durations in the journal)."""
     _unreachable: str | None = None
 
     @property
@@ -268,7 +270,7 @@ class Host:
             raise NodeUnreachable(self.name, self._unreachable)
         full = self.wrap(argv, sudo=sudo)
         ctx = self.ctx or Context()
-        start = time.monotonic()
+        start = self.clock()
         try:
             r = ctx.run(
                 shlex.join(full),
@@ -284,11 +286,11 @@ class Host:
                 echo_stdin=False,
             )
             res = CmdResult(self.name, argv, r.exited, r.stdout, r.stderr,
-                            time.monotonic() - start)
+                            self.clock() - start)
         except CommandTimedOut as e:
             res = CmdResult(self.name, argv, 124, e.result.stdout,
                             (e.result.stderr + f"\ntimed out after {timeout}s").strip(),
-                            time.monotonic() - start)
+                            self.clock() - start)
         self._journal(res, change)
         if not self.node.local and res.exit_code == SSH_UNREACHABLE and self._lost(ctx):
             # ssh itself failed (a command of ours may exit 255 too: then the node still answers)

@@ -24,11 +24,12 @@ import json
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from dataclasses import dataclass, field
 from graphlib import CycleError, TopologicalSorter
 from typing import TYPE_CHECKING, Any
 
+from sparkdeploy import threads
 from sparkdeploy.config import ProfileError
 from sparkdeploy.events import StepState
 from sparkdeploy.hosts import HostError
@@ -308,7 +309,7 @@ class Runner:
         order = {s.name: i for i, s in enumerate(self.plan)}
         ready: list[str] = []
         running: dict[Future, str] = {}
-        pool = ThreadPoolExecutor(max_workers=1 if self.serial else max(1, len(self.plan)))
+        pool = threads.pool(1 if self.serial else len(self.plan))
         try:
             while ts.is_active():
                 ready.extend(ts.get_ready())
@@ -379,7 +380,7 @@ class Runner:
                 return False
         return True
 
-    def _launch(self, name: str, pool: ThreadPoolExecutor, running: dict[Future, str]) -> None:
+    def _launch(self, name: str, pool: Executor, running: dict[Future, str]) -> None:
         r = self.runs[name]
         r.started = self.clock()
         self._state(r, RUNNING)

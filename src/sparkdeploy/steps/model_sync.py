@@ -33,12 +33,12 @@ import json
 import queue
 import secrets as pysecrets
 import threading
-import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparkdeploy import threads
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Feed, Host
 from sparkdeploy.nodeops import NodeUnreachable
@@ -57,6 +57,7 @@ from sparkdeploy.steps.model import (
     stage_for,
     total_bytes,
 )
+from sparkdeploy.threads import each, together
 from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 SYNC = "model.sync"
@@ -64,6 +65,8 @@ PARTIAL = ".sparkdeploy/partial"
 START_GRACE_S = 180.0
 """How long a sync waits for a download to show up on the head before giving up."""
 DISK_FULL = ("No space left on device", "ENOSPC", "Disk quota exceeded")
+HELPER_TIMEOUT_S = 24 * 3600
+"""The longest a receiving helper or a stream's rsync may run."""
 
 
 def rsync_available(host: Host) -> str | None:
@@ -92,7 +95,8 @@ class Receiver:
     beside the transfers still running, and hears which batches have ended (``settle``).
     Commands reach it on stdin (a ``Feed``); stdin's end (``end``) tells it nothing more comes:
     its daemon stops, and it reports what is left and exits. Its reports come back as stderr
-    lines while it runs."""
+    lines while it runs. Waiting for its word ends when it says nothing (not even the progress
+    of hashing what the node holds) for ``model.sync.stall_timeout_s``."""
 
     def __init__(self, dep: Deployment, host: Host, st: Staged, scope: list[str],
                  secret: str | None, allow: list[str], step_name: str):
@@ -106,6 +110,7 @@ class Receiver:
         self._heard = threading.Event()  # state or ready (or the end) came
         self._reports: queue.SimpleQueue[tuple[str, str, str]] = queue.SimpleQueue()
         self._lines: list[str] = []
+        self._last_word = dep.clock()
         self._feed = Feed()
         self._feed.send((secret + "\n" if secret else "") + json.dumps(scope) + "\n")
         argv = receive_argv(dep, host, st, allow if secret else None)
@@ -113,6 +118,7 @@ class Receiver:
         self._thread.start()
 
     def _on_line(self, line: str) -> None:
+        self._last_word = self.dep.clock()
         kind, _, rest = line.partition(" ")
         if kind == "file":
             d = json.loads(rest)
@@ -132,7 +138,8 @@ class Receiver:
 
     def _run(self, argv: list[str]) -> None:
         try:
-            r = self.host.run(argv, input=self._feed, on_stderr=self._on_line, timeout=24 * 3600)
+            r = self.host.run(argv, input=self._feed, on_stderr=self._on_line,
+                              timeout=HELPER_TIMEOUT_S)
             if not r.ok:
                 self.error = (f"{self.host.name}: receiving failed: "
                               f"{error_line(chr(10).join(self._lines), r.one_line_error())}")
@@ -144,12 +151,29 @@ class Receiver:
             self._heard.set()
 
     def _hear(self, came: Callable[[], bool], what: str) -> None:
-        while not came():
+        silence = self.dep.profile.model.sync.stall_timeout_s
+
+        def heard() -> bool:
+            if came():
+                return True
             if self.finished.is_set():
-                raise ModelError(self.error or f"{self.host.name}: the receiving helper ended "
-                                 f"before its {what}")
-            self._heard.wait(1.0)
+                raise Stop(self.error or f"{self.host.name}: the receiving helper ended "
+                           f"before its {what}")
+            if self.dep.clock() - self._last_word > silence:
+                raise Stop(f"{self.host.name}: the receiving helper said nothing for "
+                           f"{silence}s before its {what}")
+            return False
+
+        def until_heard(seconds: float) -> None:
+            self._heard.wait(seconds)
             self._heard.clear()
+
+        try:
+            wait_for(heard, deadline=HELPER_TIMEOUT_S, interval=1.0, clock=self.dep.clock,
+                     sleep=until_heard, what=f"the {what} of the receiving helper on "
+                     f"{self.host.name}")
+        except (Stop, WaitTimeout) as e:
+            raise ModelError(str(e)) from None
 
     def state(self) -> dict[str, Any]:
         """What the node holds of the sync's files (as ``node_state``), and its free space."""
@@ -315,11 +339,11 @@ def sync_files(dep: Deployment, targets: list[Host], meta: dict[str, Any],
         sync of weights already in place costs."""
         staged[h.name] = stage_for(h, meta)
         if h is head:  # what the head holds already (records only); rsync there
-            with ThreadPoolExecutor(max_workers=1) as pool:
-                rsync = pool.submit(rsync_available, h)
-                state = node_state(dep, h, staged[h.name], only=order, quick=True,
-                                   step_name=step_name)
-                return {"state": state, "rsync": rsync.result()}
+            state, rsync = together(
+                lambda: node_state(dep, h, staged[h.name], only=order, quick=True,
+                                   step_name=step_name),
+                lambda: rsync_available(h))
+            return {"state": state, "rsync": rsync}
         if dep.dry:  # records only; nothing starts on the node
             state = node_state(dep, h, staged[h.name], only=order, quick=True, step_name=step_name)
             need = _lacking(order, state)
@@ -362,8 +386,8 @@ def sync_files(dep: Deployment, targets: list[Host], meta: dict[str, Any],
         for f in head_state["ok"]:
             plan.holders.setdefault(f, []).append(head.name)
         sending_to = {k: r for k, r in receivers.items() if k in plan.need}
-        return _run(dep, head, targets, plan, staged, sending_to, secret, order, step_name,
-                    note, head_state)
+        return _Transfers(dep, head, targets, plan, staged, sending_to, secret, order,
+                          step_name, head_state).run(note)
     except (ModelError, NodeUnreachable) as e:
         return failed(step_name, str(e), getattr(e, "node", None))
     finally:
@@ -377,136 +401,154 @@ def _lacking(order: list[str], state: dict[str, Any]) -> list[str]:
     return [f for f in order if f not in have]
 
 
-def each(fn, items: list) -> list:
-    """``fn`` over ``items`` at once (one thread each), results in order; the first exception
-    is raised once all have ended."""
-    if len(items) <= 1:
-        return [fn(x) for x in items]
-    with ThreadPoolExecutor(max_workers=len(items)) as pool:
-        futs = [pool.submit(fn, x) for x in items]
-        return [f.result() for f in futs]
+class _Transfers:
+    """One sync under way, the state its parts share: the plan, the rsyncs running, what each
+    receiver has checked so far, and the head's download as it goes on."""
 
+    def __init__(self, dep: Deployment, head: Host, targets: list[Host], plan: Plan,
+                 staged: dict[str, Staged], receivers: dict[str, Receiver], secret: str | None,
+                 order: list[str], step_name: str, head_state: dict[str, Any]):
+        self.dep, self.head, self.targets, self.plan = dep, head, targets, plan
+        self.staged, self.receivers, self.secret = staged, receivers, secret
+        self.order, self.step_name = order, step_name
+        self.s = dep.profile.model.sync
+        self.hosts = {h.name: h for h in [head, *targets]}
+        self.totals = {k: sum(plan.sizes[f] for f in v) for k, v in plan.need.items()}
+        self.moved = dict.fromkeys(plan.need, 0)
+        self.first_seen = self.last_head_poll = dep.clock()  # the head's state came with the setup
+        self.head_running = bool(head_state.get("download_running"))
+        self.sending: dict[Future, Batch] = {}  # rsync running
+        self.errors: dict[str, str] = {}
+        self.pool = threads.pool(self.s.streams * len(targets))
 
-def _run(dep: Deployment, head: Host, targets: list[Host], plan: Plan,
-         staged: dict[str, Staged], receivers: dict[str, Receiver], secret: str | None,
-         order: list[str], step_name: str, note: str, head_state: dict[str, Any]) -> Result:
-    s = dep.profile.model.sync
-    sizes = plan.sizes
-    hosts = {h.name: h for h in [head, *targets]}
-    totals = {k: sum(sizes[f] for f in v) for k, v in plan.need.items()}
-    moved = dict.fromkeys(plan.need, 0)
-    started = time.monotonic()
-    first_seen = time.monotonic()
-    last_head_poll = time.monotonic()  # the head's state came with the setup
-    head_running = bool(head_state.get("download_running"))
-    sending: dict[Future, Batch] = {}  # rsync running
-    errors: dict[str, str] = {}
+    def run(self, note: str) -> Result:
+        started = self.dep.clock()
+        try:
+            while not self.finished():
+                # a short interval: a stream idles from its rsync's end to the next probe
+                wait_for(self.probe, deadline=self.s.stall_timeout_s, interval=0.02,
+                         what="a file to become ready on the head or to arrive on a worker",
+                         clock=self.dep.clock, sleep=self.dep.sleep)
+        except Stop as e:
+            _drain(self.sending)
+            return failed(self.step_name, f"{e}; {self.kept()}", self.head.name)
+        except WaitTimeout as e:
+            _drain(self.sending)
+            return failed(self.step_name, f"stalled: {e}; {self.kept()}")
+        finally:
+            self.pool.shutdown(wait=True)
+        return self.outcome(self.dep.clock() - started, note)
 
-    def send(batch: Batch) -> str | None:
+    def send(self, batch: Batch) -> str | None:
         """rsync one batch; None, or why it failed (what arrived is still verified)."""
         files, src, dst = batch
         try:
-            r = hosts[src].run(send_argv(dep, hosts[src], hosts[dst], list(files),
-                                         receivers[dst].port),
-                               input=(secret + "\n") if secret else None, timeout=24 * 3600)
+            r = self.hosts[src].run(
+                send_argv(self.dep, self.hosts[src], self.hosts[dst], list(files),
+                          self.receivers[dst].port),
+                input=(self.secret + "\n") if self.secret else None, timeout=HELPER_TIMEOUT_S)
         except NodeUnreachable as e:
             return str(e)
         if r.ok:
             return None
         text = r.stderr
         if any(k in text for k in DISK_FULL):
-            return f"disk full on {dst} ({dep.profile.model.path})"
+            return f"disk full on {dst} ({self.dep.profile.model.path})"
         return (f"sending {len(files)} files {src} -> {dst} failed: "
                 f"{error_line(text, r.one_line_error())}")
 
-    def fail(dst: str, why: str) -> None:
-        errors.setdefault(dst, why)
-        plan.failed.setdefault(dst, why)
+    def fail(self, dst: str, why: str) -> None:
+        self.errors.setdefault(dst, why)
+        self.plan.failed.setdefault(dst, why)
 
-    def refresh_head() -> None:
-        nonlocal last_head_poll, head_running
-        last_head_poll = time.monotonic()
-        waiting = [f for f in order if head.name not in plan.holders.get(f, [])
+    def refresh_head(self) -> None:
+        """What the head holds now; ``Stop`` when it lacks files and no download runs there."""
+        plan, head = self.plan, self.head
+        self.last_head_poll = self.dep.clock()
+        waiting = [f for f in self.order if head.name not in plan.holders.get(f, [])
                    and any(f in v for v in plan.need.values())]
         if not waiting:
             return
-        state = node_state(dep, head, staged[head.name], only=waiting, quick=True, step_name=step_name)
+        state = node_state(self.dep, head, self.staged[head.name], only=waiting, quick=True,
+                           step_name=self.step_name)
         for f in state["ok"]:
             plan.holders.setdefault(f, []).insert(0, head.name)
-        head_running = bool(state.get("download_running"))
+        self.head_running = bool(state.get("download_running"))
         still = _lacking(waiting, state)
-        if still and not head_running and time.monotonic() - first_seen > START_GRACE_S:
+        if still and not self.head_running and self.dep.clock() - self.first_seen > START_GRACE_S:
             raise Stop(f"{head.name} lacks {len(still)} files (e.g. {still[0]}) and no "
                        f"download is running there (run model.download)")
 
-    pool = ThreadPoolExecutor(max_workers=max(1, s.streams * len(targets)))
+    def finished(self) -> bool:
+        return not self.sending and all(r.finished.is_set() for r in self.receivers.values())
 
-    def finished() -> bool:
-        return not sending and all(r.finished.is_set() for r in receivers.values())
+    def probe(self) -> bool:
+        """One round: collect ended rsyncs and checked files, start what may start; True once
+        all is done, else whether anything moved (for the stall deadline)."""
+        progressed = self.collect_sent()
+        progressed = self.collect_checked() or progressed
+        if self.finished():
+            return True
+        if self.dep.clock() - self.last_head_poll >= 0.5:
+            before = sum(len(v) for v in self.plan.holders.values())
+            self.refresh_head()
+            progressed = progressed or sum(len(v) for v in self.plan.holders.values()) > before
+        for batch in self.plan.next_transfers(self.s.streams, self.head.name):
+            self.sending[self.pool.submit(self.send, batch)] = batch
+        return progressed
 
-    def probe() -> bool:
-        progressed = False
-        for fut in [f for f in sending if f.done()]:
-            files, _, dst = batch = sending.pop(fut)
-            plan.sent(batch)  # its streams take the next files while the last ones are checked
+    def collect_sent(self) -> bool:
+        """The rsyncs that ended: their streams take the next files while the last are checked."""
+        done = [f for f in self.sending if f.done()]
+        for fut in done:
+            files, _, dst = batch = self.sending.pop(fut)
+            self.plan.sent(batch)
             err = fut.result()
             if err is not None:
-                fail(dst, err)
-            receivers[dst].settle(list(files))
-            progressed = True
-        for dst, rcv in receivers.items():
+                self.fail(dst, err)
+            self.receivers[dst].settle(list(files))
+        return bool(done)
+
+    def collect_checked(self) -> bool:
+        """What each receiver checked since; a receiver that nothing more goes to is ended."""
+        progressed = False
+        plan = self.plan
+        for dst, rcv in self.receivers.items():
             for f, state, why in rcv.reports():
                 progressed = True
                 plan.resolved(f, dst, state == "ok")
                 if state == "ok":
-                    moved[dst] += sizes[f]
-                    dep.events.progress(step_name, dst, moved[dst], totals[dst], "B",
-                                        f"{len(order) - len(plan.need[dst])}/{len(order)} files")
+                    self.moved[dst] += plan.sizes[f]
+                    self.dep.events.progress(
+                        self.step_name, dst, self.moved[dst], self.totals[dst], "B",
+                        f"{len(self.order) - len(plan.need[dst])}/{len(self.order)} files")
                 elif dst not in plan.failed:
-                    fail(dst, f"{f} arrived on {dst} but {why}" if state == "differ"
-                         else f"{f} did not arrive on {dst}")
+                    self.fail(dst, f"{f} arrived on {dst} but {why}" if state == "differ"
+                              else f"{f} did not arrive on {dst}")
             if rcv.finished.is_set() and not rcv.ending and dst not in plan.failed:
-                fail(dst, rcv.error or f"{dst}: the receiving helper ended early")
+                self.fail(dst, rcv.error or f"{dst}: the receiving helper ended early")
             if not rcv.ending and plan.waiting_only(dst) and not any(
-                    b[2] == dst for b in sending.values()):
+                    b[2] == dst for b in self.sending.values()):
                 rcv.end()  # nothing more goes to it: its listener goes now, beside the last checks
-        if finished():
-            return True
-        if time.monotonic() - last_head_poll >= 0.5:
-            before = sum(len(v) for v in plan.holders.values())
-            refresh_head()
-            progressed = progressed or sum(len(v) for v in plan.holders.values()) > before
-        for batch in plan.next_transfers(s.streams, head.name):
-            sending[pool.submit(send, batch)] = batch
         return progressed
 
-    try:
-        while not finished():
-            # a short interval: a stream idles from its rsync's end to the next probe
-            wait_for(probe, deadline=s.stall_timeout_s, interval=0.02,
-                     what="a file to become ready on the head or to arrive on a worker",
-                     clock=dep.clock, sleep=dep.sleep)
-    except Stop as e:
-        _drain(sending)
-        return failed(step_name, f"{e}; {_kept(plan, targets, order)}", head.name)
-    except WaitTimeout as e:
-        _drain(sending)
-        return failed(step_name, f"stalled: {e}; {_kept(plan, targets, order)}")
-    finally:
-        pool.shutdown(wait=True)
-    secs = time.monotonic() - started
-    for dst, rcv in receivers.items():
-        if rcv.error and dst not in errors:  # it ended, but not cleanly
-            errors[dst] = rcv.error
-    if errors:
-        dst, why = next(iter(errors.items()))
-        return failed(step_name, f"{why}; {_kept(plan, targets, order)}, a re-run resumes", dst)
-    total = sum(moved.values())
-    names = ", ".join(t.name for t in targets if t.name in totals)
-    return changed(step_name, f"{names}: sent {sum(1 for _ in _sent(plan))} files "
-                   f"({total / GB:.2f} GB) over {s.transport} in {secs:.1f}s "
-                   f"({total / max(secs, 1e-6) / 1e6:.0f} MB/s), verified on arrival{note}",
-                   ",".join(totals), bytes=total, seconds=secs, transport=s.transport)
+    def kept(self) -> str:
+        return _kept(self.plan, self.targets, self.order)
+
+    def outcome(self, secs: float, note: str) -> Result:
+        for dst, rcv in self.receivers.items():
+            if rcv.error and dst not in self.errors:  # it ended, but not cleanly
+                self.errors[dst] = rcv.error
+        if self.errors:
+            dst, why = next(iter(self.errors.items()))
+            return failed(self.step_name, f"{why}; {self.kept()}, a re-run resumes", dst)
+        total = sum(self.moved.values())
+        names = ", ".join(t.name for t in self.targets if t.name in self.totals)
+        return changed(self.step_name, f"{names}: sent {sum(1 for _ in _sent(self.plan))} files "
+                       f"({total / GB:.2f} GB) over {self.s.transport} in {secs:.1f}s "
+                       f"({total / max(secs, 1e-6) / 1e6:.0f} MB/s), verified on arrival{note}",
+                       ",".join(self.totals), bytes=total, seconds=secs,
+                       transport=self.s.transport)
 
 
 def _sent(plan: Plan):

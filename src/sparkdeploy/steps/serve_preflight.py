@@ -9,7 +9,6 @@ facts the engines need (GID index, RDMA devices) come back for the container spe
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +19,7 @@ from sparkdeploy.hosts import Host, HostError
 from sparkdeploy.nodeops import NodeUnreachable, inspect_image, stage_script, verified
 from sparkdeploy.results import Result, failed, ok
 from sparkdeploy.steps.services import gpu_processes
+from sparkdeploy.threads import each
 
 STEP = "serve.preflight"
 HELPER = "serve_node.py"
@@ -171,8 +171,7 @@ def run(dep: Deployment, engine: Engine, lau: Launch) -> Preflight:
         except HostError as e:
             return h, str(e).removeprefix(f"{h.name}: ")
 
-    with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
-        gathered = list(pool.map(one, hosts))
+    gathered = each(one, hosts)
     meta, why = model_metadata(dep)
     reachable = []
     for h, got in gathered:

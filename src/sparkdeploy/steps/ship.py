@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +27,7 @@ from sparkdeploy.nodeops import check_staged, docker, inspect_image, listed_tags
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.images import STEP_BUILD, chosen_image
 from sparkdeploy.steps.registry import step
+from sparkdeploy.threads import each
 
 STEP = "image.ship"
 CONTAINERD = "io.containerd.snapshotter.v1"
@@ -213,7 +212,7 @@ def _ship_one(dep: Deployment, src: Host, peer: Host, ref: str, src_info: dict) 
     if dep.dry:
         return skipped(STEP, f"would send {ref} from {src.name} to {peer.name}: {what}", peer.name)
     compression = dep.profile.images.ship_compression
-    started = time.monotonic()
+    started = dep.clock()
     dep.events.log(STEP, peer.name, f"sending {ref} from {src.name}: {what}")
     # the filter runs on full ships too, as a pass-through, so that every ship shows progress
     filter_path = stage_script(src, "save_filter.py") if filter_runs else None
@@ -254,7 +253,7 @@ def _ship_one(dep: Deployment, src: Host, peer: Host, ref: str, src_info: dict) 
     problem = verify(peer, ref, src_info, facts.containerd_store)
     if problem:
         return failed(STEP, f"after the transfer: {problem}{note}", peer.name)
-    secs = time.monotonic() - started
+    secs = dep.clock() - started
     sent = report.get("bytes_out")
     sent_txt = f"{sent / 1e6:.0f} MB of {report.get('bytes_in', 0) / 1e6:.0f} MB" if sent else "whole"
     reason = f" ({why_full})" if mode == "full" and why_full and not note else ""
@@ -291,8 +290,7 @@ def ship(dep: Deployment, to: str = "all", image: str | None = None) -> list[Res
     while pending:
         batch, pending = pending[: len(sources)], pending[len(sources):]
         pairs = list(zip(sources, batch, strict=False))
-        with ThreadPoolExecutor(max_workers=len(pairs)) as pool:
-            done = list(pool.map(lambda p: ship_one(dep, p[0], p[1], ref, src_info), pairs))
+        done = each(lambda p: ship_one(dep, p[0], p[1], ref, src_info), pairs)
         for (_, peer), res in zip(pairs, done, strict=True):
             results.append(res)
             if res.status in ("ok", "changed") and not dep.dry:
