@@ -59,6 +59,11 @@ HF_META = os.path.join(".cache", "huggingface", "download")
 _say_lock = threading.Lock()
 
 
+def pool(workers: int) -> cf.ThreadPoolExecutor:
+    """The one way this helper runs work side by side."""
+    return cf.ThreadPoolExecutor(max_workers=max(1, workers))
+
+
 def say(text: str) -> None:
     with _say_lock:
         sys.stderr.write(text + "\n")
@@ -285,8 +290,8 @@ def check_files(root: str, files: list[dict], quick: bool, jobs: int) -> dict:
         return want, res
 
     writable = os.access(root, os.W_OK)
-    with cf.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        for want, (state, why, new) in pool.map(one, files):
+    with pool(jobs) as hashers:
+        for want, (state, why, new) in hashers.map(one, files):
             if new is not None:
                 out["hashed_bytes"] += want["size"]
                 if writable:
@@ -338,6 +343,95 @@ def in_flight(root: str) -> int:
     return n
 
 
+class _Fetch:
+    """One download into ``root``, the state its threads share: the counts so far (a ticker
+    reports them each second), the files that failed, the hashing of what has arrived."""
+
+    def __init__(self, a: argparse.Namespace, spec: dict, files: list[dict], token: str | None):
+        self.a, self.spec, self.files, self.token = a, spec, files, token
+        self.root = a.dir
+        self.records = load_records(self.root)
+        self.total = sum(x["size"] for x in files)
+        self.state = {"complete": 0, "files": 0, "fetched": 0, "present": 0}
+        self.failures: dict[str, str] = {}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.hasher = pool(2)
+        self.hashing: list[cf.Future] = []
+
+    def run(self, download) -> dict:
+        started = time.monotonic()
+        ticker = threading.Thread(target=self.report, daemon=True)
+        ticker.start()
+        try:
+            with pool(self.a.workers) as workers:
+                list(workers.map(lambda want: self.one(want, download), self.files))
+            for fut in self.hashing:
+                fut.result()
+        finally:
+            self.hasher.shutdown(wait=True)
+            self.stop.set()
+        compact_records(self.root)
+        st = self.state
+        say(f"progress bytes={st['complete']} total={self.total} files={st['files']} "
+            f"of={len(self.files)}")
+        return {"fetched_bytes": st["fetched"], "files": st["files"], "present": st["present"],
+                "failed": self.failures, "seconds": round(time.monotonic() - started, 3),
+                "total": self.total}
+
+    def report(self) -> None:
+        while not self.stop.wait(1.0):
+            with self.lock:
+                done = self.state["complete"]
+                nfiles = self.state["files"]
+            say(f"progress bytes={done + in_flight(self.root)} total={self.total} files={nfiles} "
+                f"of={len(self.files)}")
+
+    def _count(self, want: dict, *keys: str) -> None:
+        with self.lock:
+            self.state["complete"] += want["size"]
+            self.state["files"] += 1
+            for k in keys:
+                self.state[k] += want["size"] if k == "fetched" else 1
+
+    def one(self, want: dict, download) -> None:
+        rel = want["path"]
+        st, _, new = check_one(self.root, want, self.records, quick=False)
+        if new is not None:
+            append_record(self.root, new)
+        if st == "ok":
+            self._count(want, "present")
+            return
+        forget(self.root, rel)
+        last = ""
+        for attempt in range(1, self.a.attempts + 1):
+            try:
+                download(repo_id=self.spec["repo"], filename=rel, revision=self.spec["commit"],
+                         local_dir=self.root, token=self.token, endpoint=self.a.endpoint or None)
+            except Exception as e:  # noqa: BLE001 - any failure of one file is reported by name
+                last = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                say(f"retry {rel} (attempt {attempt} of {self.a.attempts}): {last}")
+                time.sleep(min(2 * attempt, 10))
+                continue
+            # hashed beside the next download, so the hub's bandwidth stays in use
+            self.hashing.append(self.hasher.submit(self.finish, want))
+            return
+        with self.lock:
+            self.failures[rel] = last
+
+    def finish(self, want: dict) -> None:
+        rel = want["path"]
+        st, why, new = check_one(self.root, want, {}, quick=False)
+        if st == "ok":
+            append_record(self.root, new)
+            self._count(want, "fetched")
+            say(f"complete {rel}")
+            return
+        forget(self.root, rel)
+        with self.lock:
+            self.failures[rel] = f"downloaded but {why} (a re-run fetches it again)"
+
+
 def cmd_fetch(a: argparse.Namespace) -> int:
     token = sys.stdin.readline().strip() or None
     sys.stdin.close()
@@ -361,86 +455,11 @@ def cmd_fetch(a: argparse.Namespace) -> int:
         return 5
     # small files first (config and tokenizer are there at once), then shards in order
     files.sort(key=lambda x: (x["size"] > 50_000_000, x["path"]))
-    records = load_records(root)
-    total = sum(x["size"] for x in files)
-    state = {"complete": 0, "files": 0, "fetched": 0, "present": 0}
-    failures: dict[str, str] = {}
-    lock = threading.Lock()
-    started = time.monotonic()
-    stop = threading.Event()
-
-    def report() -> None:
-        while not stop.wait(1.0):
-            with lock:
-                done = state["complete"]
-                nfiles = state["files"]
-            say(f"progress bytes={done + in_flight(root)} total={total} files={nfiles} "
-                f"of={len(files)}")
-
-    def one(want: dict) -> None:
-        rel = want["path"]
-        st, why, new = check_one(root, want, records, quick=False)
-        if new is not None:
-            append_record(root, new)
-        if st == "ok":
-            with lock:
-                state["complete"] += want["size"]
-                state["files"] += 1
-                state["present"] += 1
-            return
-        forget(root, rel)
-        last = ""
-        for attempt in range(1, a.attempts + 1):
-            try:
-                hf_hub_download(repo_id=spec["repo"], filename=rel, revision=spec["commit"],
-                                local_dir=root, token=token, endpoint=a.endpoint or None)
-            except Exception as e:  # noqa: BLE001 - any failure of one file is reported by name
-                last = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                say(f"retry {rel} (attempt {attempt} of {a.attempts}): {last}")
-                time.sleep(min(2 * attempt, 10))
-                continue
-            # hashed beside the next download, so the hub's bandwidth stays in use
-            hashing.append(hasher.submit(finish, want))
-            return
-        with lock:
-            failures[rel] = last
-
-    def finish(want: dict) -> None:
-        rel = want["path"]
-        st, why, new = check_one(root, want, {}, quick=False)
-        if st == "ok":
-            append_record(root, new)
-            with lock:
-                state["complete"] += want["size"]
-                state["files"] += 1
-                state["fetched"] += want["size"]
-            say(f"complete {rel}")
-            return
-        forget(root, rel)
-        with lock:
-            failures[rel] = f"downloaded but {why} (a re-run fetches it again)"
-
-    ticker = threading.Thread(target=report, daemon=True)
-    ticker.start()
-    hasher = cf.ThreadPoolExecutor(max_workers=2)
-    hashing: list[cf.Future] = []
-    try:
-        with cf.ThreadPoolExecutor(max_workers=max(1, a.workers)) as pool:
-            list(pool.map(one, files))
-        for fut in hashing:
-            fut.result()
-    finally:
-        hasher.shutdown(wait=True)
-        stop.set()
-    compact_records(root)
-    secs = time.monotonic() - started
-    say(f"progress bytes={state['complete']} total={total} files={state['files']} of={len(files)}")
-    print(json.dumps({"fetched_bytes": state["fetched"], "files": state["files"],
-                      "present": state["present"], "failed": failures, "seconds": round(secs, 3),
-                      "total": total}))
+    out = _Fetch(a, spec, files, token).run(hf_hub_download)
+    print(json.dumps(out))
     fcntl.flock(lockf, fcntl.LOCK_UN)
     lockf.close()
-    return 3 if failures else 0
+    return 3 if out["failed"] else 0
 
 
 # --- venv ----------------------------------------------------------------------------------
@@ -632,7 +651,7 @@ class Arrivals:
         self.settled: set[str] = set()  # their transfer ended, landed or not
         self.ending = False  # nothing more comes
         self.hashing: dict[cf.Future, str] = {}
-        self.pool = cf.ThreadPoolExecutor(max_workers=max(1, jobs))
+        self.pool = pool(jobs)
         self.counts = no_counts()
 
     def done(self) -> bool:

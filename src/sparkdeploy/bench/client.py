@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from sparkdeploy.bench.metrics import Timeline, analyse, stats, summarize
@@ -223,6 +224,90 @@ def _join_reporting(threads: list[threading.Thread], finished: list[int], reques
         events.emit(Progress(step, None, finished[0], requests, "req", note))
 
 
+def _arrivals(s: Settings, requests: int, concurrency: int | None,
+              rate: float | None) -> tuple[int, list[float]]:
+    """The workers, and when each request is due (seconds after the start): at once for a
+    fixed concurrency, Poisson arrivals at ``rate`` req/s."""
+    if rate is None:
+        return min(requests, concurrency or 1), [0.0] * requests
+    rng = random.Random(s.seed + 7)
+    offsets, t = [], 0.0
+    for _ in range(requests):
+        offsets.append(t)
+        t += rng.expovariate(rate)
+    return min(requests, concurrency or 256), offsets
+
+
+class _Level:
+    """One level under way, the state its workers share: the requests' bodies and schedule,
+    the next request to take, the timelines recorded, how many finished (progress is emitted by
+    the main thread from that count, never by a worker)."""
+
+    def __init__(self, target: Target, s: Settings, path: str, bodies: list[bytes],
+                 offsets: list[float], workers: int, paced: bool):
+        self.target, self.s, self.path, self.bodies, self.offsets = target, s, path, bodies, offsets
+        self.paced = paced
+        self.timelines: list[Timeline | None] = [None] * len(bodies)
+        self.lock = threading.Lock()
+        self.nxt = 0
+        self.ov = [Overhead() for _ in range(workers)]
+        self.ready = threading.Barrier(workers + 1)
+        self.t0 = 0.0
+        self.connect_errors: list[str] = []
+        self.finished = [0]
+
+    def _take(self) -> int | None:
+        with self.lock:
+            i, self.nxt = self.nxt, self.nxt + 1
+        return i if i < len(self.bodies) else None
+
+    def _connect(self) -> Any:
+        try:
+            return self.target.connect(self.s.timeout)
+        except OSError as e:
+            self.connect_errors.append(str(e))
+            return None
+
+    def worker(self, k: int) -> None:
+        conn = self._connect()
+        self.ready.wait()
+        self.ready.wait()  # the main thread sets t0 in between
+        prev_end = 0.0
+        while (i := self._take()) is not None:
+            # a fixed-concurrency worker is due as soon as its previous request ended
+            sched = max(self.t0 + self.offsets[i], prev_end)
+            delay = sched - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            tl = self.timelines[i] = Timeline(start=time.perf_counter(), scheduled=sched)
+            conn = self._request(conn, i, k, tl)
+            with self.lock:
+                self.finished[0] += 1
+            prev_end = 0.0 if self.paced else (tl.end or 0.0)
+        if conn is not None:
+            conn.close()
+
+    def _request(self, conn: Any, i: int, k: int, tl: Timeline) -> Any:
+        """Request ``i`` on ``conn``; the connection to use next (a new one after an error)."""
+        try:
+            if conn is None:
+                conn = self.target.connect(self.s.timeout)
+            _stream(conn, self.target, self.path, self.bodies[i], tl, self.ov[k])
+        except TimeoutError:
+            tl.error = f"timeout: no data for {self.s.timeout:g}s"
+        except (OSError, http.client.HTTPException) as e:
+            tl.error = f"{type(e).__name__}: {e}".rstrip(": ")
+        if tl.end is None:
+            tl.end = time.perf_counter()
+        if tl.error is not None and conn is not None:
+            conn.close()
+            try:
+                conn = self.target.connect(self.s.timeout)
+            except OSError:
+                conn = None
+        return conn
+
+
 def run_level(target: Target, s: Settings, requests: int, concurrency: int | None = None,
               rate: float | None = None, path: str | None = None, first_index: int = 0,
               events: EventSink | None = None, step: str = "bench.run", note: str = "") -> dict:
@@ -236,103 +321,41 @@ def run_level(target: Target, s: Settings, requests: int, concurrency: int | Non
     if s.model is None:
         raise BenchError("no model")
     path = path or ("/v1/chat/completions" if s.api == "chat" else "/v1/completions")
-    if rate is not None:
-        workers = min(requests, concurrency or 256)
-        rng = random.Random(s.seed + 7)
-        offsets, t = [], 0.0
-        for _ in range(requests):
-            offsets.append(t)
-            t += rng.expovariate(rate)
-    else:
-        workers = min(requests, concurrency or 1)
-        offsets = [0.0] * requests
-    bodies = [request_body(s, first_index + i) for i in range(requests)]
-    timelines: list[Timeline | None] = [None] * requests
-    lock = threading.Lock()
-    nxt = [0]
-    ov = [Overhead() for _ in range(workers)]
-    ready = threading.Barrier(workers + 1)
-    t0 = [0.0]
-    connect_errors: list[str] = []
-    finished = [0]  # requests done; progress is emitted by the main thread, not the workers
-
-    def worker(k: int) -> None:
-        conn = None
-        try:
-            conn = target.connect(s.timeout)
-        except OSError as e:
-            connect_errors.append(str(e))
-        ready.wait()
-        ready.wait()  # main thread sets t0 in between
-        prev_end = 0.0
-        while True:
-            with lock:
-                i = nxt[0]
-                nxt[0] += 1
-            if i >= requests:
-                break
-            # a fixed-concurrency worker is due as soon as its previous request ended
-            sched = max(t0[0] + offsets[i], prev_end)
-            delay = sched - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            tl = Timeline(start=time.perf_counter(), scheduled=sched)
-            timelines[i] = tl
-            try:
-                if conn is None:
-                    conn = target.connect(s.timeout)
-                _stream(conn, target, path, bodies[i], tl, ov[k])
-            except TimeoutError:
-                tl.error = f"timeout: no data for {s.timeout:g}s"
-            except (OSError, http.client.HTTPException) as e:
-                tl.error = f"{type(e).__name__}: {e}".rstrip(": ")
-            if tl.end is None:
-                tl.end = time.perf_counter()
-            with lock:
-                finished[0] += 1
-            prev_end = tl.end if rate is None else 0.0
-            if tl.error is not None and conn is not None:
-                conn.close()
-                conn = None
-                try:
-                    conn = target.connect(s.timeout)
-                except OSError:
-                    conn = None
-        if conn is not None:
-            conn.close()
-
+    workers, offsets = _arrivals(s, requests, concurrency, rate)
+    level = _Level(target, s, path, [request_body(s, first_index + i) for i in range(requests)],
+                   offsets, workers, paced=rate is not None)
     old_switch = sys.getswitchinterval()
     sys.setswitchinterval(0.001)
     probe = _Probe()
-    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(workers)]
+    threads = [threading.Thread(target=level.worker, args=(k,), daemon=True)
+               for k in range(workers)]
     try:
         for th in threads:
             th.start()
-        ready.wait()
-        t0[0] = time.perf_counter() + 0.01
+        level.ready.wait()
+        level.t0 = time.perf_counter() + 0.01
         cpu0, wall0 = time.process_time(), time.perf_counter()
         probe.start()
-        ready.wait()
-        _join_reporting(threads, finished, requests, events, step, note)
+        level.ready.wait()
+        _join_reporting(threads, level.finished, requests, events, step, note)
         cpu1, wall1 = time.process_time(), time.perf_counter()
     finally:
         probe.stop.set()
         sys.setswitchinterval(old_switch)
     parse0 = time.perf_counter()
-    metrics = [analyse(tl) for tl in timelines]
+    metrics = [analyse(tl) for tl in level.timelines]
     parse_s = time.perf_counter() - parse0
     summary = summarize(metrics)
-    handling = [x * 1e6 for o in ov for x in o.handling_s]
-    lateness = [max(0.0, tl.start - tl.scheduled) * 1000.0 for tl in timelines
-                if tl.scheduled is not None]
-    client = {
+    handling = [x * 1e6 for o in level.ov for x in o.handling_s]
+    lateness = [max(0.0, tl.start - tl.scheduled) * 1000.0 for tl in level.timelines
+                if tl is not None and tl.scheduled is not None]
+    summary["client"] = {
         "workers": workers,
-        "connections_failed": len(connect_errors),
+        "connections_failed": len(level.connect_errors),
         "event_handling_us": stats(handling),
         "start_lateness_ms": stats(lateness),
         "probe_wake_lag_ms": stats(probe.lags),
         "cpu_pct": 100.0 * (cpu1 - cpu0) / max(wall1 - wall0, 1e-9),
         "parse_after_s": parse_s,
     }
-    summary["client"] = client
     return {"summary": summary, "requests": [m.as_json() for m in metrics]}
