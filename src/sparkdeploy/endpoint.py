@@ -2,8 +2,9 @@
 ``serve.up``), and the readiness probes (port open, ``/health``, ``/v1/models``, one streamed
 chat completion).
 
-Requests go straight to the endpoint (``trust_env=False``): a proxy from the environment must
-not stand between the controller and a node on its own network. The API key, when set, is
+Requests go straight to the endpoint (no proxy from the environment: one must not stand
+between the controller and a node on its own network), each within a deadline for the whole
+request (``outside.request``), its JSON read into a type. The API key, when set, is
 ``SPARKDEPLOY_API_KEY`` in the controller's environment and travels only in the
 Authorization header.
 """
@@ -16,9 +17,10 @@ import socket
 import subprocess
 from typing import Any
 
-import requests
+from pydantic import BaseModel, ValidationError
 
 from sparkdeploy.engines.base import API_KEY_ENV
+from sparkdeploy.outside import ModelList, OutsideError, request
 
 RECORD = "endpoint"
 
@@ -27,13 +29,9 @@ def api_key() -> str | None:
     return os.environ.get(API_KEY_ENV) or None
 
 
-def session() -> requests.Session:
-    s = requests.Session()
-    s.trust_env = False
+def headers() -> dict[str, str]:
     key = api_key()
-    if key:
-        s.headers["Authorization"] = f"Bearer {key}"
-    return s
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def controller_address(node: Any, ssh_config: str | None) -> str:
@@ -61,46 +59,57 @@ def port_open(host: str, port: int, timeout: float = 2.0) -> bool:
         return False
 
 
-def health(http: requests.Session, url: str) -> bool:
+def health(url: str, deadline: float = 5.0) -> bool:
     try:
-        return http.get(f"{url}/health", timeout=5).status_code == 200
-    except requests.RequestException:
+        return request("GET", f"{url}/health", headers=headers(), deadline=deadline).status == 200
+    except OutsideError:
         return False
 
 
-def models(http: requests.Session, url: str) -> list[str]:
+def models(url: str, deadline: float = 5.0) -> list[str]:
+    """The model ids ``/v1/models`` lists ([] when it does not answer, or not as it should)."""
     try:
-        r = http.get(f"{url}/v1/models", timeout=5)
-        if r.status_code != 200:
-            return []
-        return [m.get("id", "") for m in r.json().get("data") or []]
-    except (requests.RequestException, ValueError):
+        r = request("GET", f"{url}/v1/models", headers=headers(), deadline=deadline)
+        return [m.id for m in r.json(ModelList, f"{url}/v1/models").data] if r.status == 200 else []
+    except OutsideError:
         return []
 
 
-def stream_chat(http: requests.Session, url: str, model: str, max_tokens: int = 8,
-                timeout: float = 120) -> str:
-    """One streamed chat completion; the text (content or reasoning) it returned ('' if none)."""
+class _Delta(BaseModel):
+    content: str | None = None
+    reasoning_content: str | None = None
+
+
+class _Choice(BaseModel):
+    delta: _Delta = _Delta()
+
+
+class _Chunk(BaseModel):
+    choices: list[_Choice] = []
+
+
+def stream_chat(url: str, model: str, max_tokens: int = 8, deadline: float = 120) -> str:
+    """One streamed chat completion, all of it within ``deadline``; the text (content or
+    reasoning) it returned ('' if none, or when a chunk is not what one should be)."""
     body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}],
             "max_tokens": max_tokens, "stream": True}
-    text = []
     try:
-        with http.post(f"{url}/v1/chat/completions", json=body, stream=True,
-                       timeout=(5, timeout)) as r:
-            if r.status_code != 200:
-                return ""
-            for line in r.iter_lines(decode_unicode=True):
-                if not line or not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                try:
-                    chunk = json.loads(line[6:])
-                except ValueError:
-                    continue
-                for ch in chunk.get("choices") or []:
-                    d = ch.get("delta") or {}
-                    text.append(d.get("content") or d.get("reasoning_content") or "")
-    except requests.RequestException:
+        r = request("POST", f"{url}/v1/chat/completions", body=json.dumps(body).encode(),
+                    headers={"Content-Type": "application/json", **headers()},
+                    deadline=deadline, max_body=1024 * 1024)
+    except OutsideError:
         return ""
+    if r.status != 200:
+        return ""
+    text = []
+    for line in r.body.decode(errors="replace").splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        try:
+            chunk = _Chunk.model_validate_json(line[6:])
+        except ValidationError:
+            return ""
+        text += [c.delta.content or c.delta.reasoning_content or "" for c in chunk.choices]
     return "".join(text)
 
 

@@ -40,6 +40,15 @@ from sparkdeploy.state import StateDir, redact
 from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 SSH_UNREACHABLE = 255
+PROBE_TIMEOUT_S = 120.0
+"""A read-only probe (``change=False``) not done in this long has failed (a silent node)."""
+CHANGE_TIMEOUT_S = 1800.0
+"""A command that changes the node, unless its caller gives a longer deadline (a transfer,
+a download, a helper that hashes the weights)."""
+ALIVE_INTERVAL_S = 15
+ALIVE_COUNT = 4
+"""ssh asks the server every 15 s and gives up after 4 unanswered asks: a node that died
+under a running command is a failed command within a minute, not a hang."""
 
 
 class HostError(Exception):
@@ -100,6 +109,8 @@ def ssh_base_argv(ssh: SshSettings, control_dir: str | None = None) -> list[str]
         # or ssh_config is never reused
         "-o", f"ControlPath={control_dir or default_control_dir()}/{settings_tag(ssh)}-%C",
         "-o", f"ControlPersist={ssh.control_persist}",
+        "-o", f"ServerAliveInterval={ALIVE_INTERVAL_S}",
+        "-o", f"ServerAliveCountMax={ALIVE_COUNT}",
     ]  # fmt: skip
     if ssh.known_hosts:
         argv += ["-o", f"UserKnownHostsFile={ssh.known_hosts}"]
@@ -250,6 +261,8 @@ class Host:
     ) -> CmdResult:
         """Run ``argv`` on the node. ``change=False`` marks a read-only probe.
 
+        ``timeout``: seconds before the command is ended (exit 124); by default
+        ``PROBE_TIMEOUT_S`` for a probe, ``CHANGE_TIMEOUT_S`` for any other command.
         ``on_stderr`` receives each stderr line as it arrives (progress of long commands).
         ``input`` is written to the command's stdin, then stdin is closed: the way a secret
         reaches a process on a node (never echoed, journaled or put in argv). A ``Feed`` keeps
@@ -258,6 +271,8 @@ class Host:
         Raises ``NodeUnreachable`` when ssh cannot reach the node (asked once per run: later
         commands raise at once)."""
         argv = [str(a) for a in argv]
+        if timeout is None:
+            timeout = PROBE_TIMEOUT_S if not change else CHANGE_TIMEOUT_S
         shown = redact(shlex.join(elide(argv if not (sudo and self.node.privilege == "sudo")
                                         else ["sudo", "-n", *argv])))
         if self.dry and change:

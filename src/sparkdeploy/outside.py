@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, ValidationError
+from pydantic import AfterValidator, BaseModel, Field, ValidationError
 
 MAX_BODY = 16 * 1024 * 1024
 """The most a JSON answer may hold (a hub's file list of a large repo is well under 1 MB)."""
@@ -58,6 +58,16 @@ def _hub_name(name: str) -> str:
 HubName = Annotated[str, AfterValidator(_hub_name)]
 
 T = TypeVar("T", bound=BaseModel)
+
+
+class ListedModel(BaseModel):
+    id: str = Field(min_length=1, max_length=512)
+
+
+class ModelList(BaseModel):
+    """What an OpenAI-compatible ``/v1/models`` says (the rest of it is ignored)."""
+
+    data: list[ListedModel] = Field(min_length=1)
 
 
 def validated(cls: type[T], data: Any, where: str) -> T:
@@ -157,5 +167,5 @@ def request(method: str, url: str, *, headers: dict[str, str] | None = None,
         conn.close()
 
 
-__all__ = ["HubName", "MAX_BODY", "OutsideError", "Response", "loads", "name_problem",
+__all__ = ["HubName", "MAX_BODY", "ListedModel", "ModelList", "OutsideError", "Response", "loads", "name_problem",
            "request", "validated", "watchdog"]

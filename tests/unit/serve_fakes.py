@@ -185,9 +185,9 @@ class FakeCluster:
 
         return {
             "port_open": port_open,
-            "health": lambda http, url: serving(url),
-            "models": lambda http, url: [model] if serving(url) else [],
-            "stream_chat": lambda http, url, m, **kw: "Hello" if serving(url) else "",
+            "health": lambda url: serving(url),
+            "models": lambda url: [model] if serving(url) else [],
+            "stream_chat": lambda url, m, **kw: "Hello" if serving(url) else "",
             "controller_address": lambda node, cfg: self.addr,
         }
 

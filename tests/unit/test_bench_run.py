@@ -168,3 +168,53 @@ def test_the_registered_step_benchmarks_the_profiles_endpoint_with_progress(serv
     finals = [(p.note, p.done, p.total) for p in progress if p.done == p.total]
     assert finals == [("concurrency 1: warm-up", 1, 1), ("concurrency 1", 4, 4),
                       ("concurrency 2: warm-up", 1, 1), ("concurrency 2", 4, 4)]
+
+
+def test_a_run_where_every_request_failed_exits_1_and_writes_nothing(server, tmp_path, capsys):
+    server.state.control({"faults": "http500:every=1"})
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    with pytest.raises(Exit) as e:
+        bench_tasks.run(ctx(tmp_path), url=f"http://127.0.0.1:{server.port}", concurrency="2",
+                        requests=3, output_tokens=4, input_tokens=4, warmup=0, json=str(out),
+                        plot=str(png), save=True)
+    assert e.value.code == 1
+    assert not out.exists() and not png.exists() and not (tmp_path / "state" / "bench").exists()
+    text = capsys.readouterr().out
+    assert ("0/3 ok, 3 failed" in text and "no request succeeded (most often: HTTP 500: "
+            "stand-in fault: internal server error)" in text)
+    assert "every request failed: nothing written" in text
+
+
+@pytest.mark.parametrize("mode", ["trickle", "silent"])
+def test_a_server_that_trickles_or_never_answers_ends_each_request_at_its_deadline(mode):
+    from sparkdeploy.bench.client import Target, run_level
+    from tests.unit.hostile import Hostile
+
+    srv = Hostile(mode=mode, gap=0.02)  # a byte every 20 ms: never a read timeout
+    try:
+        import time
+
+        started = time.monotonic()
+        res = run_level(Target.parse(srv.url), Settings(model="m", timeout=5, deadline=0.4),
+                        requests=2, concurrency=2)
+        took = time.monotonic() - started
+    finally:
+        srv.close()
+    assert took < 1.5
+    assert res["summary"]["errors"] == {"deadline: not done within 0.4s": 2}
+
+
+@pytest.mark.parametrize("flag", ["--timeout", "--deadline"])
+@pytest.mark.parametrize("value", ["1e300", "nan", "0", "86401"])
+def test_a_timeout_a_socket_cannot_hold_is_a_usage_error(tmp_path, flag, value):
+    with pytest.raises(Exit) as e:
+        bench_tasks.run(ctx(tmp_path), url="http://127.0.0.1:9", **{flag[2:]: value})
+    assert e.value.code == 2 and flag in str(e.value)
+
+
+def test_a_huge_timeout_never_leaves_the_main_thread_at_a_barrier():
+    from sparkdeploy.bench.client import Target, run_level
+
+    with pytest.raises(BenchError, match=r"timeout 1e\+300 is not within \(0, 86400\]"):
+        run_level(Target.parse("http://127.0.0.1:9"), Settings(model="m", timeout=1e300),
+                  requests=1)

@@ -5,7 +5,16 @@ import pytest
 from invoke import Config, Context, Result
 
 from sparkdeploy.config import Link, Node, SshSettings
-from sparkdeploy.hosts import Feed, Host, NodeUnreachable, elide, forward_argv, ssh_base_argv
+from sparkdeploy.hosts import (
+    CHANGE_TIMEOUT_S,
+    PROBE_TIMEOUT_S,
+    Feed,
+    Host,
+    NodeUnreachable,
+    elide,
+    forward_argv,
+    ssh_base_argv,
+)
 
 NODE = Node(name="spark1", role="head", ssh="spark1", link=Link(interface="e0", address="10.0.0.1"),
             privilege="sudo")
@@ -42,10 +51,12 @@ class Ctx(Context):
         super().__init__(Config(overrides={"run": {"dry": False}}))
         self._set("answers", answers)
         self._set("seen", [])
+        self._set("timeouts", [])
 
     def run(self, command, **kw):
         remote = shlex.split(command)[-1]
         self.seen.append(remote)
+        self.timeouts.append(kw.get("timeout"))
         code = self.answers.get(remote, 0)
         return Result(stdout="", stderr="boom" if code else "", exited=code, command=command)
 
@@ -168,3 +179,30 @@ def test_a_feed_reaches_a_running_command_and_its_close_ends_stdin():
     assert not t.is_alive() and box["r"].ok and box["r"].stdout == "eof\n"
     with pytest.raises(ValueError):
         feed.send("three\n")
+
+
+def test_every_node_command_has_a_deadline_by_its_kind():
+    ctx = Ctx({})
+    h = Host(NODE, SshSettings(), ctx)
+    h.run(["docker", "info"], change=False)
+    h.run(["systemctl", "start", "--", "x"])
+    h.run(["rsync", "big"], timeout=6 * 3600)
+    assert ctx.timeouts == [PROBE_TIMEOUT_S, CHANGE_TIMEOUT_S, 6 * 3600]
+    assert PROBE_TIMEOUT_S == 120 and CHANGE_TIMEOUT_S == 1800
+
+
+def test_a_command_past_its_deadline_is_one_failed_result_in_bounded_time():
+    import time
+
+    local = NODE.model_copy(update={"ssh": None, "privilege": "none"})
+    started = time.monotonic()
+    r = Host(local, ctx=Context()).run([sys.executable, "-c", "import time; time.sleep(30)"],
+                                       change=False, timeout=0.5)
+    assert time.monotonic() - started < 2.5
+    assert r.exit_code == 124 and r.one_line_error() == "timed out after 0.5s"
+
+
+def test_ssh_keeps_the_connection_alive_and_gives_up_on_a_dead_node():
+    argv = ssh_base_argv(SshSettings())
+    opts = [argv[i + 1] for i, a in enumerate(argv) if a == "-o"]
+    assert "ServerAliveInterval=15" in opts and "ServerAliveCountMax=4" in opts

@@ -212,3 +212,55 @@ def test_no_env_proxy_is_used(hostile, monkeypatch):
     monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
     assert request("GET", srv.url + "/p").status == 200 and srv.paths == ["/p"]
 
+
+
+# --- JSON from an endpoint ----------------------------------------------------------------------
+
+BAD_MODELS = [b"not json", b"[]", b'{"data": []}', b'{"data": [{"id": 5}]}', b'{"data": "x"}',
+              b'{"data": [{"id": ""}]}', b"[" * 100_000, b'{"data": [{"id": "' + b"x" * 600 + b'"}]}']
+
+
+@pytest.mark.parametrize("body", BAD_MODELS)
+def test_a_models_list_that_does_not_fit_is_one_line_naming_the_url(hostile, body):
+    from sparkdeploy import endpoint as ep
+    from sparkdeploy.bench.client import BenchError, Target, default_model
+
+    srv = hostile(body=body)
+    with pytest.raises(BenchError) as e:
+        default_model(Target.parse(srv.url))
+    line = str(e.value)
+    assert line.startswith(f"{srv.url}/v1/models: ") and "\n" not in line and len(line) < 300
+    assert ep.models(srv.url) == []
+
+
+def test_the_models_list_is_read_when_it_fits(hostile):
+    from sparkdeploy import endpoint as ep
+    from sparkdeploy.bench.client import Target, default_model
+
+    srv = hostile(body=b'{"object": "list", "data": [{"id": "m1", "x": 1}, {"id": "m2"}]}')
+    assert default_model(Target.parse(srv.url)) == "m1" and ep.models(srv.url) == ["m1", "m2"]
+
+
+@pytest.mark.parametrize("mode", ["silent", "trickle"])
+def test_the_endpoint_probes_end_at_their_deadlines(hostile, mode):
+    from sparkdeploy import endpoint as ep
+
+    srv = hostile(mode=mode, gap=0.02)
+    started = time.monotonic()
+    assert ep.health(srv.url, deadline=0.3) is False
+    assert ep.models(srv.url, deadline=0.3) == []
+    assert ep.stream_chat(srv.url, "m", deadline=0.3) == ""
+    assert time.monotonic() - started < 1.8
+
+
+@pytest.mark.parametrize(("body", "text"), [
+    (b'data: {"choices": [{"delta": {"content": "Hi"}}]}\n\ndata: [DONE]\n\n', "Hi"),
+    (b'data: {"choices": [{"delta": {"content": 5}}]}\n\n', ""),
+    (b'data: {"choices": "x"}\n\n', ""),
+    (b"data: {not json\n\n", ""),
+])
+def test_a_streamed_chunk_that_does_not_fit_is_no_text(hostile, body, text):
+    from sparkdeploy import endpoint as ep
+
+    srv = hostile(body=body, ctype="text/event-stream")
+    assert ep.stream_chat(srv.url, "m") == text

@@ -29,6 +29,10 @@ from urllib.parse import urlsplit
 
 from sparkdeploy.bench.metrics import Timeline, analyse, stats, summarize
 from sparkdeploy.events import EventSink, Progress
+from sparkdeploy.outside import ModelList, OutsideError, request, watchdog
+
+DAY_S = 86400.0
+"""The longest a timeout or a deadline of the client may be."""
 
 
 class BenchError(Exception):
@@ -75,34 +79,25 @@ class Settings:
     ignore_eos: bool = True
     timeout: float = 120.0
     """Seconds without a byte before a request fails (a stalled stream)."""
+    deadline: float = 1800.0
+    """Seconds the whole of one request may take (a server that trickles bytes ends on time)."""
     seed: int = 0
 
     def as_json(self) -> dict:
         return dict(self.__dict__)
 
 
-def get_json(target: Target, path: str, timeout: float = 10.0) -> dict:
+def default_model(target: Target, deadline: float = 10.0) -> str:
+    """The first model ``/v1/models`` lists; one BenchError line naming the URL otherwise."""
+    url = f"{target.url}/v1/models"
     try:
-        conn = target.connect(timeout)
-        conn.request("GET", target.prefix + path)
-        resp = conn.getresponse()
-        body = resp.read()
-        conn.close()
-    except (OSError, http.client.HTTPException) as e:
-        raise BenchError(f"cannot reach {target.url}{path}: {e}") from None
-    if resp.status != 200:
-        raise BenchError(f"{target.url}{path}: HTTP {resp.status} {body[:200]!r}")
-    try:
-        return json.loads(body)
-    except ValueError:
-        raise BenchError(f"{target.url}{path}: not JSON") from None
-
-
-def default_model(target: Target) -> str:
-    data = get_json(target, "/v1/models").get("data") or []
-    if not data or not data[0].get("id"):
-        raise BenchError(f"{target.url}/v1/models lists no model: pass --model")
-    return data[0]["id"]
+        r = request("GET", url, deadline=deadline)
+        if r.status != 200:
+            raise BenchError(f"{url}: HTTP {r.status} {r.body[:200]!r}")
+        return r.json(ModelList, url).data[0].id
+    except OutsideError as e:
+        raise BenchError(f"{e} (pass --model to name the model)" if "data" in str(e)
+                         else str(e)) from None
 
 
 _VOCAB = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
@@ -264,14 +259,17 @@ class _Level:
     def _connect(self) -> Any:
         try:
             return self.target.connect(self.s.timeout)
-        except OSError as e:
+        except (OSError, ValueError, OverflowError) as e:
             self.connect_errors.append(str(e))
             return None
 
     def worker(self, k: int) -> None:
         conn = self._connect()
-        self.ready.wait()
-        self.ready.wait()  # the main thread sets t0 in between
+        try:
+            self.ready.wait()
+            self.ready.wait()  # the main thread sets t0 in between
+        except threading.BrokenBarrierError:
+            return  # the main thread gave up on the workers' connections
         prev_end = 0.0
         while (i := self._take()) is not None:
             # a fixed-concurrency worker is due as soon as its previous request ended
@@ -289,14 +287,18 @@ class _Level:
 
     def _request(self, conn: Any, i: int, k: int, tl: Timeline) -> Any:
         """Request ``i`` on ``conn``; the connection to use next (a new one after an error)."""
+        late = None
         try:
             if conn is None:
                 conn = self.target.connect(self.s.timeout)
-            _stream(conn, self.target, self.path, self.bodies[i], tl, self.ov[k])
+            with watchdog(conn.sock, self.s.deadline) as late:  # the whole request
+                _stream(conn, self.target, self.path, self.bodies[i], tl, self.ov[k])
         except TimeoutError:
             tl.error = f"timeout: no data for {self.s.timeout:g}s"
         except (OSError, http.client.HTTPException) as e:
             tl.error = f"{type(e).__name__}: {e}".rstrip(": ")
+        if late is not None and late.is_set():
+            tl.error = f"deadline: not done within {self.s.deadline:g}s"
         if tl.end is None:
             tl.end = time.perf_counter()
         if tl.error is not None and conn is not None:
@@ -320,6 +322,9 @@ def run_level(target: Target, s: Settings, requests: int, concurrency: int | Non
                          f"rate {rate}")
     if s.model is None:
         raise BenchError("no model")
+    for name, secs in (("timeout", s.timeout), ("deadline", s.deadline)):
+        if not 0 < secs <= DAY_S:  # a socket or a wait cannot take more (nor nan)
+            raise BenchError(f"{name} {secs!r} is not within (0, {DAY_S:g}] seconds")
     path = path or ("/v1/chat/completions" if s.api == "chat" else "/v1/completions")
     workers, offsets = _arrivals(s, requests, concurrency, rate)
     level = _Level(target, s, path, [request_body(s, first_index + i) for i in range(requests)],
@@ -332,7 +337,11 @@ def run_level(target: Target, s: Settings, requests: int, concurrency: int | Non
     try:
         for th in threads:
             th.start()
-        level.ready.wait()
+        try:  # each worker's connect ends within s.timeout
+            level.ready.wait(s.timeout + 5)
+        except threading.BrokenBarrierError:
+            raise BenchError(f"{target.url}: the workers did not connect within "
+                             f"{s.timeout:g}s") from None
         level.t0 = time.perf_counter() + 0.01
         cpu0, wall0 = time.process_time(), time.perf_counter()
         probe.start()

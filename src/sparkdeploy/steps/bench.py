@@ -43,8 +43,9 @@ def benchmark(events: EventSink, url: str, settings: Settings, *, concurrency: S
               baseline: float | None = None, tolerance: float = 10.0) -> list[Result]:
     """Run the sweep; one result per level (``details["run"]`` holds it), one per file
     written, and the baseline gate's when ``baseline`` is given. Failed requests are counted
-    in a level's summary, not a failure of the step; an endpoint that cannot be benchmarked
-    (unreachable, no model) is."""
+    in a level's summary; a level where none succeeded is a failed result, and when no level
+    has a success nothing is written. An endpoint that cannot be benchmarked (unreachable, no
+    model) is a failure too."""
     out: list[Result] = []
     try:
         doc = run_sweep(url, settings, concurrency=list(concurrency), rates=list(rates),
@@ -53,7 +54,17 @@ def benchmark(events: EventSink, url: str, settings: Settings, *, concurrency: S
     except BenchError as e:
         return [events.result(failed(STEP, str(e)))]
     for run in doc["runs"]:
-        out.append(events.result(ok(STEP, level_line(run), run=run)))
+        s = run["summary"]
+        if s["completed"]:
+            out.append(events.result(ok(STEP, level_line(run), run=run)))
+            continue
+        errors = s.get("errors") or {}
+        first = max(errors, key=errors.get) if errors else "no request ran"
+        out.append(events.result(failed(STEP, f"{level_line(run)}: no request succeeded "
+                                        f"(most often: {first})", run=run)))
+    if not any(run["summary"]["completed"] for run in doc["runs"]):
+        # nothing measured: no JSON or PNG that could pass for a result
+        return out + [events.result(failed(STEP, "every request failed: nothing written"))]
     targets: list[tuple[str, Path]] = []
     if json_path:
         targets.append(("json", Path(json_path)))

@@ -129,12 +129,11 @@ def bring_up(dep: Deployment, lau: Launch, run: Run, watch: Watch) -> str:
                         lambda: _ray_nodes(dep, lau, watch), left())
     addr = ep.controller_address(dep.profile.node(lau.head), dep.profile.ssh.config)
     url = f"http://{addr}:{lau.port}"
-    http = ep.session()
     watch.phase(f"port {addr}:{lau.port} open", lambda: ep.port_open(addr, lau.port), left())
-    watch.phase(f"{url}/health", lambda: ep.health(http, url), left())
+    watch.phase(f"{url}/health", lambda: ep.health(url), left())
     watch.phase(f"/v1/models listing {lau.served_model}",
-                lambda: lau.served_model in ep.models(http, url), left())
-    watch.phase("a streamed chat completion", lambda: ep.stream_chat(http, url, lau.served_model),
+                lambda: lau.served_model in ep.models(url), left())
+    watch.phase("a streamed chat completion", lambda: ep.stream_chat(url, lau.served_model),
                 left())
     return url
 
@@ -238,9 +237,8 @@ def already_serving(dep: Deployment, engine: Engine) -> str | None:
     running = [c for c in ours(head, dep.profile.name, engine.name) if c["state"] == "running"]
     if not running:
         return None
-    http = ep.session()
     url = rec["endpoint"]
-    if ep.health(http, url) and dep.profile.model.repo in ep.models(http, url):
+    if ep.health(url) and dep.profile.model.repo in ep.models(url):
         return url
     return None
 
@@ -401,9 +399,8 @@ def status(dep: Deployment) -> list[Result]:
     if not url:
         results.append(dep.report(ok(STEP_STATUS, "no endpoint recorded (serve.up records it)")))
         return results
-    http = ep.session()
-    listed = ep.models(http, url)
-    if ep.health(http, url) and dep.profile.model.repo in listed:
+    listed = ep.models(url)
+    if ep.health(url) and dep.profile.model.repo in listed:
         engine = f" ({rec['engine']})" if rec and rec.get("engine") else ""
         results.append(dep.report(ok(STEP_STATUS, f"endpoint: {url} healthy{engine}, serves "
                                      f"{dep.profile.model.repo}", endpoint=url)))

@@ -143,11 +143,10 @@ def _engine(dep: Deployment, name: str | None) -> Engine | None:
 def _wait_endpoint(dep: Deployment, lau: Launch) -> str:
     addr = ep.controller_address(dep.profile.node(lau.head), dep.profile.ssh.config)
     url = f"http://{addr}:{lau.port}"
-    http = ep.session()
 
     def serving() -> bool:
-        return (ep.health(http, url) and lau.served_model in ep.models(http, url)
-                and bool(ep.stream_chat(http, url, lau.served_model)))
+        return (ep.health(url) and lau.served_model in ep.models(url)
+                and bool(ep.stream_chat(url, lau.served_model)))
 
     wait_for(serving, deadline=dep.profile.serve.ready_timeout_s, interval=dep.profile.serve.poll_s,
              what=f"{url} to serve under systemd", clock=dep.clock, sleep=dep.sleep,

@@ -57,7 +57,7 @@ def integer(flag: str, value, *, default: int | None = None, min: int | None = N
 
 
 def number(flag: str, value, *, default: float | None = None, gt: float | None = None,
-           min: float | None = None) -> float | None:
+           min: float | None = None, max: float | None = None) -> float | None:
     if value is None or value == "":
         return default
     try:
@@ -70,6 +70,8 @@ def number(flag: str, value, *, default: float | None = None, gt: float | None =
         raise usage(flag, f"must be > {gt:g}, not {v:g}")
     if min is not None and v < min:
         raise usage(flag, f"must be >= {min:g}, not {v:g}")
+    if max is not None and v > max:
+        raise usage(flag, f"must be <= {max:g}, not {v:g}")
     return v
 
 

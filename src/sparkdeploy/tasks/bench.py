@@ -8,7 +8,7 @@ from pathlib import Path
 from invoke import Context
 from invoke.exceptions import Exit
 
-from sparkdeploy.bench.client import BenchError, Settings
+from sparkdeploy.bench.client import DAY_S, BenchError, Settings
 from sparkdeploy.config import Bench
 from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks._flags import task
@@ -27,7 +27,8 @@ _HELP = {
     "api": "chat|completions",
     "json": "write the results JSON here",
     "plot": "write the four-panel PNG here",
-    "timeout": "seconds without data before a request fails (default 120)",
+    "timeout": "seconds without data before a request fails (default 120, at most a day)",
+    "deadline": "seconds one whole request may take (default 1800, at most a day)",
     "save": "also save JSON and PNG under <state_dir>/bench/",
     "check_baseline": "fail unless the concurrency-1 median decode rate is within "
                       "--baseline-tolerance of the profile's bench.baseline_decode_tok_s",
@@ -60,8 +61,8 @@ def _state_dir(c: Context) -> Path:
 @task(default=True, help=_HELP)
 def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=None,
         requests=None, input_tokens=None, output_tokens=None, warmup=None, thinking=None,
-        api="chat", json=None, plot=None, timeout=None, save=False, check_baseline=False,
-        baseline_tolerance="10%", profile=None):
+        api="chat", json=None, plot=None, timeout=None, deadline=None, save=False,
+        check_baseline=False, baseline_tolerance="10%", profile=None):
     """Benchmark an endpoint: a concurrency (or rate) sweep, vLLM bench-serve metrics."""
     from sparkdeploy.bench.compare import parse_pct
     from sparkdeploy.bench.sweep import parse_levels
@@ -79,7 +80,8 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
     k = flags.integer("--warmup", warmup, min=0)
     n_in = flags.integer("--input-tokens", input_tokens, min=1)
     n_out = flags.integer("--output-tokens", output_tokens, min=2)
-    secs = flags.number("--timeout", timeout, default=120.0, gt=0)
+    secs = flags.number("--timeout", timeout, default=120.0, gt=0, max=DAY_S)
+    whole = flags.number("--deadline", deadline, default=1800.0, gt=0, max=DAY_S)
     tolerance = flags.parsed("--baseline-tolerance", baseline_tolerance, parse_pct)
     json_path = flags.output_file("--json", json)
     plot_path = flags.output_file("--plot", plot)
@@ -92,7 +94,8 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
         raise Exit("the profile has no endpoint (sparkdeploy.endpoint): pass --url URL", code=2)
     settings = Settings(api=api, model=model, input_tokens=n_in or bench.input_tokens,
                         output_tokens=n_out or bench.output_tokens,
-                        thinking=None if thinking is None else thinking == "on", timeout=secs)
+                        thinking=None if thinking is None else thinking == "on", timeout=secs,
+                        deadline=whole)
     stream(benchmark, url, settings, concurrency=levels or list(bench.concurrency), rates=rates,
            requests=n or bench.requests, warmup=bench.warmup if k is None else k,
            max_concurrency=cap, json_path=json_path, plot_path=plot_path,
