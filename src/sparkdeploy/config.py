@@ -9,7 +9,6 @@ validates the merged result once and returns typed objects. Every problem become
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -32,28 +31,35 @@ Name = Annotated[str, AfterValidator(checks.name)]
 Url = Annotated[str, AfterValidator(checks.http_url)]
 ImageRef = Annotated[str, AfterValidator(checks.image_ref)]
 AbsPath = Annotated[str, AfterValidator(checks.abs_path)]
+NodePath = Annotated[str, AfterValidator(checks.node_path)]
+"""A path on a node: absolute or ``~/...``, plain characters."""
+SshPath = Annotated[str, AfterValidator(checks.ssh_path)]
+"""A controller file ssh reads through an option: no white space, no leading '-'."""
+RelPath = Annotated[str, AfterValidator(checks.relative_path)]
+Text = Annotated[str, AfterValidator(checks.no_control)]
+"""Free text that still never holds a control character (a newline, an escape)."""
+Pattern = Annotated[str, AfterValidator(checks.pattern)]
+Unit = Annotated[str, AfterValidator(checks.unit)]
+Requirement = Annotated[str, AfterValidator(checks.requirement)]
+Version = Annotated[str, Field(pattern=r"^[0-9]+(\.[0-9]+)*([a-z]+[0-9]*)?$")]
+
+
+DAY = 86400.0
 
 
 class _Strict(BaseModel):
     # strict: a string is never taken for a number ("30000") nor a bool for one (true)
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # allow_inf_nan=False: nan and inf are refused (they would turn a bound or a gate off)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class Link(_Strict):
     """A node's end of the fast link (the QSFP cable)."""
 
     interface: Annotated[str, AfterValidator(checks.interface)]
-    address: str
+    address: Annotated[str, AfterValidator(checks.link_address)]
+    """IPv4 only (the rsync, SGLang and Ray addresses built from it take IPv4)."""
     hcas: list[Annotated[str, AfterValidator(checks.interface)]] = Field(default_factory=list)
-
-    @field_validator("address")
-    @classmethod
-    def _ip(cls, v: str) -> str:
-        try:
-            ipaddress.ip_address(v)
-        except ValueError:
-            raise ValueError(f"not an IP address: {v!r}") from None
-        return v
 
 
 class Node(_Strict):
@@ -62,7 +68,7 @@ class Node(_Strict):
     ssh: Annotated[str, AfterValidator(checks.ssh_alias)] | None = None
     """SSH alias or host name; ``None`` means this machine (run locally)."""
     link: Link
-    gpus: int = Field(default=1, ge=0)
+    gpus: int = Field(default=1, ge=0, le=64)
     docker_socket: AbsPath = "/var/run/docker.sock"
     privilege: Literal["sudo", "none"] = "none"
     arch: Literal["arm64", "amd64"] = "arm64"
@@ -73,12 +79,12 @@ class Node(_Strict):
 
 
 class SshSettings(_Strict):
-    config: str | None = None
+    config: SshPath | None = None
     """An ssh_config file for every connection (the lab writes one)."""
-    known_hosts: str | None = None
+    known_hosts: SshPath | None = None
     """The known_hosts file sparkdeploy checks host keys against and ``hosts.trust`` writes."""
-    control_persist: str = "10m"
-    connect_timeout: int = Field(default=10, ge=1)
+    control_persist: Annotated[str, AfterValidator(checks.ssh_time)] = "10m"
+    connect_timeout: int = Field(default=10, ge=1, le=3600)
 
 
 class ModelSync(_Strict):
@@ -93,19 +99,19 @@ class ModelSync(_Strict):
     receiver are spread over its free streams, evenly in bytes."""
     port: Port = 8730
     """First port tried for the rsync daemon on the receiver's fast-link address."""
-    stall_timeout_s: int = Field(default=900, ge=10)
+    stall_timeout_s: int = Field(default=900, ge=10, le=int(DAY))
     """Give up when nothing new arrives on the head and no transfer finishes for this long."""
-    bwlimit_mb_s: float | None = Field(default=None, gt=0)
+    bwlimit_mb_s: float | None = Field(default=None, gt=0, le=1e6)
     """Cap each stream at this many MB/s (``rsync --bwlimit``), to leave the link to others;
     None: no cap."""
 
 
 class Model(_Strict):
     repo: str = Field(pattern=r"^[\w.-]+/[\w.-]+$")
-    revision: str = Field(default="main", pattern=r"^[\w./-]+$")
+    revision: str = Field(default="main", pattern=r"^[A-Za-z0-9_][A-Za-z0-9_./-]{0,254}$")
     path: AbsPath
     """Where the weights live on every node."""
-    allow_patterns: list[str] = Field(default_factory=lambda: ["*"])
+    allow_patterns: list[Pattern] = Field(default_factory=lambda: ["*"])
     endpoint: Url | None = None
     """The model hub (``HF_ENDPOINT``); None means huggingface_hub's default (or $HF_ENDPOINT)."""
     trust_http: bool = False
@@ -118,13 +124,13 @@ class Model(_Strict):
     """Where the downloader runs on the node: ``container`` (an image the node has that carries
     huggingface_hub), ``venv`` (a virtualenv of sparkdeploy's own on the node), ``auto`` (a
     container when an image qualifies, else the venv). Never the node's system Python."""
-    venv: str = "~/.local/share/sparkdeploy/hf-venv"
+    venv: NodePath = "~/.local/share/sparkdeploy/hf-venv"
     """The virtualenv's directory on the node (``~`` is the SSH user's home there)."""
     index_url: Url = "https://pypi.org/simple"
     """Where the venv gets huggingface_hub from."""
     download_workers: int = Field(default=4, ge=1, le=64)
     """Files downloaded at once (hf_xet parallelises inside a file where the hub offers it)."""
-    disk_margin_mb: int = Field(default=2048, ge=0)
+    disk_margin_mb: int = Field(default=2048, ge=0, le=10**8)
     """Free space kept beyond the missing bytes (the disk pre-check)."""
     sync: ModelSync = Field(default_factory=ModelSync)
 
@@ -137,11 +143,12 @@ class Candidate(_Strict):
 class DerivativeImage(_Strict):
     """The derivative image: a candidate plus a pinned transformers."""
 
-    dockerfile: str = "docker/transformers.Dockerfile"
+    dockerfile: RelPath = "docker/transformers.Dockerfile"
+    """Under the project's ``docker/`` directory (``image.build`` reads nothing else)."""
     base: ImageRef
-    requirement: str = "transformers>=5"
+    requirement: Requirement = "transformers>=5"
     tag: ImageRef
-    index_url: Annotated[Url, AfterValidator(checks.no_credentials)] = "https://pypi.org/simple"
+    index_url: Url = "https://pypi.org/simple"
     """Where ``requirement`` is resolved and installed from (credential-free: it is recorded in
     the image history)."""
     override_engine_requirement: bool = False
@@ -153,8 +160,8 @@ class DerivativeImage(_Strict):
 class EngineRule(_Strict):
     """What an image needs to serve the model with one engine (judged by the image probe)."""
 
-    min_version: str
-    model_files: list[str] = Field(default_factory=list)
+    min_version: Version
+    model_files: list[RelPath] = Field(default_factory=list)
     require_config: bool = False
     """Whether the image's transformers must parse the model's config (SGLang: yes; vLLM 0.17+
     ships its own Qwen3.5 config classes and needs transformers<5: no)."""
@@ -184,10 +191,10 @@ class Images(_Strict):
 
 
 class ServiceSettings(_Strict):
-    stop: dict[str, list[str]] = Field(default_factory=dict)
+    stop: dict[str, list[Unit]] = Field(default_factory=dict)
     """Units to stop per node name, in stop order."""
-    gpu_free_timeout_s: float = Field(default=120, gt=0)
-    gpu_poll_s: float = Field(default=2, gt=0)
+    gpu_free_timeout_s: float = Field(default=120, gt=0, le=DAY)
+    gpu_poll_s: float = Field(default=2, gt=0, le=3600)
 
 
 class Engine(_Strict):
@@ -198,10 +205,10 @@ class Engine(_Strict):
     port: Port
     dist_port: Port | None = None
     """SGLang's --dist-init-addr port, or the Ray GCS port for vLLM on Ray."""
-    tensor_parallel: int = Field(default=1, ge=1)
-    pipeline_parallel: int = Field(default=1, ge=1)
-    args: list[str] = Field(default_factory=list)
-    env: dict[str, str | None] = Field(default_factory=dict)
+    tensor_parallel: int = Field(default=1, ge=1, le=1024)
+    pipeline_parallel: int = Field(default=1, ge=1, le=1024)
+    args: list[Text] = Field(default_factory=list)
+    env: dict[str, Text | None] = Field(default_factory=dict)
     """Overrides of the environment the engine sets; a null value removes a variable."""
 
     @field_validator("env")
@@ -217,24 +224,25 @@ class Serve(_Strict):
     """How ``serve.up`` waits: a phase with no new log line and no readiness step for
     ``stall_s`` is a hang; ``ready_timeout_s`` bounds the whole bring-up of one engine."""
 
-    stall_s: float = Field(default=300, gt=0)
-    ready_timeout_s: float = Field(default=1800, gt=0)
-    poll_s: float = Field(default=2, gt=0)
+    stall_s: float = Field(default=300, gt=0, le=DAY)
+    ready_timeout_s: float = Field(default=1800, gt=0, le=7 * DAY)
+    poll_s: float = Field(default=2, gt=0, le=3600)
     group_port: Port = 29990
     """Where the persisted units' supervisors publish their state on the fast link."""
 
 
 class Bench(_Strict):
-    concurrency: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 8])
-    requests: int = Field(default=16, ge=1)
-    input_tokens: int = Field(default=512, ge=1)
-    output_tokens: int = Field(default=256, ge=2)
-    warmup: int = Field(default=1, ge=0)
-    baseline_decode_tok_s: float = Field(default=27.0, gt=0)
+    concurrency: list[Annotated[int, Field(ge=1, le=4096)]] = Field(default_factory=lambda: [1, 8])
+    requests: int = Field(default=16, ge=1, le=10**6)
+    input_tokens: int = Field(default=512, ge=1, le=10**7)
+    output_tokens: int = Field(default=256, ge=2, le=10**7)
+    warmup: int = Field(default=1, ge=0, le=10**4)
+    baseline_decode_tok_s: float = Field(default=27.0, gt=0, le=1e7)
 
 
 class Profile(_Strict):
-    name: str
+    name: Annotated[str, AfterValidator(checks.profile_name)]
+    """The deployment's name: in unit descriptions, state-dir file names and container labels."""
     ssh: SshSettings = Field(default_factory=SshSettings)
     nodes: list[Node] = Field(min_length=1)
     model: Model
@@ -286,6 +294,8 @@ def _message(err: dict[str, Any]) -> str:
         return "must be " + ctx.get("expected", "one of the allowed values")
     if kind in ("int_parsing", "int_type", "int_from_float"):
         return f"must be an integer, not {err.get('input')!r}"
+    if kind == "finite_number":
+        return f"must be a finite number, not {err.get('input')!r}"
     if kind in ("float_parsing", "float_type"):
         return f"must be a number, not {err.get('input')!r}"
     if kind in ("string_type",):

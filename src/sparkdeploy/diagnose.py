@@ -32,6 +32,8 @@ from itertools import accumulate
 from pathlib import Path
 from typing import TextIO
 
+from sparkdeploy.files import MB, InputError, read_input
+
 CLASSES = (
     "nccl-init-hang",
     "link-misconfigured",
@@ -494,15 +496,15 @@ class LogError(Exception):
     """A log file that cannot be read as text; ``str()`` is the one line to print."""
 
 
+MAX_LOG_BYTES = 256 * MB
+"""An engine log read whole is at most this big (a day of a chatty engine is far less)."""
+
+
 def read_log(path: str) -> list[str]:
     try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise LogError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise LogError(f"{path}: is a directory, not a log file") from None
-    except OSError as e:
-        raise LogError(f"{path}: cannot read: {e.strerror or e}") from None
+        data = read_input(path, limit=MAX_LOG_BYTES, what="log file")
+    except InputError as e:
+        raise LogError(str(e)) from None
     if b"\x00" in data[:65536]:
         raise LogError(f"{path}: binary file, not a text log")
     return data.decode("utf-8", errors="replace").splitlines()

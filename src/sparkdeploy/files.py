@@ -1,14 +1,18 @@
-"""Writing a file (or a directory) whole or not at all: the one place that renames into place."""
+"""Files on the controller: written whole or not at all (the one place that renames into
+place), read only when regular and bounded, named only under their root."""
 
 from __future__ import annotations
 
 import filecmp
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TypeVar
+
+from sparkdeploy.checks import control_char
 
 T = TypeVar("T")
 
@@ -75,3 +79,68 @@ def move_in(src: Path | str, dst: Path) -> None:
     tool writes itself (a download, an archive, an unpacked tree) under a name its owner
     cleans up after a crash."""
     os.replace(src, dst)
+
+
+class InputError(ValueError):
+    """A file that cannot be read as an input; ``str()`` is one line naming it."""
+
+
+class Escape(ValueError):
+    """A name that would leave its root (absolute, ``..``, a symlink out, a control character)."""
+
+
+MB = 1024 * 1024
+
+
+def read_input(path: str | Path, *, limit: int, what: str = "file") -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them.
+
+    A FIFO, a device, a socket or a directory is refused without blocking (the file is opened
+    non-blocking and checked before any read); so is a file larger than ``limit``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise InputError(f"{path}: is a directory, not a {what}")
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(f"{path}: not a regular file (a FIFO, a device or a socket), "
+                             f"not a {what}")
+        if st.st_size > limit:
+            raise InputError(f"{path}: {st.st_size} bytes, more than a {what} may hold "
+                             f"({limit} bytes)")
+        chunks, got = [], 0
+        while got <= limit:
+            b = os.read(fd, min(MB, limit + 1 - got))
+            if not b:
+                break
+            chunks.append(b)
+            got += len(b)
+        if got > limit:
+            raise InputError(f"{path}: more than a {what} may hold ({limit} bytes)")
+        return b"".join(chunks)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+
+
+def under(root: str | Path, name: str) -> Path:
+    """``root / name``, refused (``Escape``) unless it stays under ``root``: ``name`` is
+    relative, has no empty, ``.`` or ``..`` part and no control character, and no symlink on
+    the way leads out of ``root``."""
+    root = Path(root)
+    parts = PurePosixPath(name).parts
+    if (not name or name.startswith("/") or control_char(name) is not None
+            or any(p in ("", ".", "..") for p in name.split("/"))):
+        raise Escape(f"{name!r} is not a name under {root}")
+    full = root.joinpath(*parts)
+    real_root = root.resolve()
+    real = full.resolve()
+    if real_root not in real.parents:
+        raise Escape(f"{name!r} leads out of {root} (to {real})")
+    return full

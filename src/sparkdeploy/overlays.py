@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from sparkdeploy.files import MB, InputError, read_input
+
 KeyPath = tuple[str | int, ...]
 """A key path inside the profile body (below ``sparkdeploy:``): ``("nodes", 0, "role")``."""
 
@@ -100,21 +102,44 @@ def parse_dotted(key: str) -> KeyPath:
 
 # --- reading one file -------------------------------------------------------------------
 
+MAX_BYTES = MB
+"""A profile file is at most this big (the seed is a few KB)."""
+MAX_DEPTH = 32
+"""Mappings and lists nest at most this deep (the schema needs 5)."""
+
+
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` without aliases (``*name``: an alias bomb expands a small file into
+    billions of nodes) and with bounded nesting."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None, None, "aliases (*name) are not allowed in a profile (use extends:)",
+                self.peek_event().start_mark)
+        depth = getattr(self, "_depth", 0)
+        if depth >= MAX_DEPTH:
+            raise yaml.composer.ComposerError(
+                None, None, f"nested deeper than {MAX_DEPTH} levels", self.peek_event().start_mark)
+        self._depth = depth + 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth = depth
+
 
 def _read(path: Path, label: str) -> dict[str, Any]:
+    if not path.exists():
+        raise ProfileError(f"{label}: no such profile file")
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ProfileError(f"{label}: no such profile file") from None
-    except IsADirectoryError:
-        raise ProfileError(f"{label}: is a directory, not a profile file") from None
+        text = read_input(path, limit=MAX_BYTES, what="profile file").decode("utf-8")
+    except InputError as e:
+        raise ProfileError(str(e).replace(str(path), label, 1)) from None
     except UnicodeDecodeError as e:
         raise ProfileError(f"{label}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
                            f"{e.start})") from None
-    except OSError as e:
-        raise ProfileError(f"{label}: cannot read: {e.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader, aliases refused)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sparkdeploy.files import write_atomic
+from sparkdeploy.files import under, write_atomic
 
 _SECRET_VALUE = re.compile(r"\bhf_[A-Za-z0-9]{8,}\b")
 REDACTED = "***"
@@ -67,8 +67,12 @@ class StateDir:
             f.write(line + "\n")
 
     # -- records ----------------------------------------------------------------------------
+    def file(self, name: str) -> Path:
+        """``name`` under the state dir (``files.Escape`` when it would lead out of it)."""
+        return under(self.path, name)
+
     def read_json(self, name: str, default: Any = None) -> Any:
-        p = self.path / name
+        p = self.file(name)
         try:
             return json.loads(p.read_text())
         except FileNotFoundError:
@@ -76,14 +80,14 @@ class StateDir:
 
     def write_json(self, name: str, data: Any) -> Path:
         """Write atomically (temp file + rename), so a killed run never leaves half a record."""
-        p = self.path / name
+        p = self.file(name)
         p.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(data, indent=2, sort_keys=True) + "\n"
         write_atomic(p, lambda tmp: tmp.write_text(text))
         return p
 
     def remove(self, name: str) -> None:
-        (self.path / name).unlink(missing_ok=True)
+        self.file(name).unlink(missing_ok=True)
 
     # -- lock -------------------------------------------------------------------------------
     @contextmanager

@@ -332,10 +332,10 @@ def test_main_unreadable_file(tmp_path, capsys, monkeypatch):
     bad = tmp_path / "x.log"
     bad.write_text("x")
 
-    def refuse(self):
+    def refuse(*a, **kw):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(dx.Path, "read_bytes", refuse)
+    monkeypatch.setattr("sparkdeploy.files.os.open", refuse)
     assert dx.main([str(bad)]) == 2
     assert "Permission denied" in capsys.readouterr().err
 

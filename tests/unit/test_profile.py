@@ -134,10 +134,10 @@ BAD = [
      "sparkdeploy.model.endpoint: 'http://[::1' is not a URL (Invalid IPv6 URL)"),
     ("index-credentials", _set(["images", "layer", "index_url"], "https://u:secret@pypi.example/simple"),
      "sparkdeploy.images.layer.index_url: must not carry credentials "
-     "(they would land in the image history)"),
+     "(user:password@): a URL reaches command lines, logs and image histories"),
     ("index-token", _set(["images", "layer", "index_url"], "https://token@pypi.example/simple"),
      "sparkdeploy.images.layer.index_url: must not carry credentials "
-     "(they would land in the image history)"),
+     "(user:password@): a URL reaches command lines, logs and image histories"),
     # option injection through the ssh destination
     ("ssh-option", _set(["nodes", 0, "ssh"], "-oProxyCommand=touch /tmp/x/pwned"),
      "sparkdeploy.nodes[0].ssh: '-oProxyCommand=touch /tmp/x/pwned' starts with '-' "

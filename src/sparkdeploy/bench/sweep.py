@@ -8,6 +8,7 @@ from pathlib import Path
 
 from sparkdeploy.bench.client import BenchError, Settings, Target, default_model, run_level
 from sparkdeploy.events import EventSink
+from sparkdeploy.files import MB, InputError, read_input
 
 STEP = "bench.run"
 
@@ -75,10 +76,10 @@ def save_json(doc: dict, path: str | Path) -> Path:
 def load_json(path: str | Path) -> dict:
     path = Path(path)
     try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise BenchError(f"{path}: no such file") from None
-    except (OSError, ValueError) as e:
+        doc = json.loads(read_input(path, limit=64 * MB, what="benchmark JSON file"))
+    except InputError as e:
+        raise BenchError(str(e)) from None
+    except ValueError as e:
         raise BenchError(f"{path}: not a benchmark JSON file ({e})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
         raise BenchError(f"{path}: not a benchmark JSON file (no 'runs' list)")
