@@ -137,6 +137,13 @@ def relative_path(v: str) -> str:
     return v
 
 
+def project_dockerfile(v: str) -> str:
+    """A Dockerfile of the project's: ``docker/<file>``."""
+    if not v.startswith("docker/"):
+        raise ValueError(f"{v!r} is not under the project's docker/ directory")
+    return v
+
+
 _CTRL_PATH_RE = re.compile(r"(~/|/)?[A-Za-z0-9_.+@=][A-Za-z0-9_./+@=~-]*")
 
 

@@ -143,7 +143,8 @@ class Candidate(_Strict):
 class DerivativeImage(_Strict):
     """The derivative image: a candidate plus a pinned transformers."""
 
-    dockerfile: RelPath = "docker/transformers.Dockerfile"
+    dockerfile: Annotated[RelPath, AfterValidator(checks.project_dockerfile)] = (
+        "docker/transformers.Dockerfile")
     """Under the project's ``docker/`` directory (``image.build`` reads nothing else)."""
     base: ImageRef
     requirement: Requirement = "transformers>=5"

@@ -71,6 +71,7 @@ BAD = [
     # the Dockerfile: a relative path under the project, nothing else on the controller
     ("images.layer.dockerfile", "/etc/shadow", "is not a plain relative path"),
     ("images.layer.dockerfile", "docker/../../../etc/shadow", "is not a plain relative path"),
+    ("images.layer.dockerfile", "pyproject.toml", "is not under the project's docker/ directory"),
     # URLs carry no credentials
     ("model.index_url", "https://user:pass@pypi.example/simple", "must not carry credentials"),
     ("model.endpoint", "https://hf_abcdefgh@hub.example", "must not carry credentials"),

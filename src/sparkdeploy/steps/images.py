@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.events import Progress
+from sparkdeploy.files import MB, Escape, InputError, read_input, under
 from sparkdeploy.hosts import Host, HostError, NodeUnreachable
 from sparkdeploy.nodeops import (
     ARCH,
@@ -47,6 +48,8 @@ LABEL_DOCKERFILE = "org.sparkdeploy.dockerfile.sha256"
 LABEL_REQUIREMENT = "org.sparkdeploy.transformers.requirement"
 LABEL_ENGINE_REQUIRES = "org.sparkdeploy.engine.requires"
 ROOT = SCRIPTS.parent
+DOCKER_DIR = "docker"
+"""The project's Dockerfiles: the only files ``images.layer.dockerfile`` may name."""
 
 
 # -- the model's config ------------------------------------------------------------------------
@@ -400,11 +403,13 @@ def _build(dep: Deployment, no_cache: bool = False) -> Result:
     head = dep.host(dep.profile.head.name)
     if derivative is None:
         return skipped(STEP_BUILD, "the profile has no images.layer", head.name)
-    dockerfile_path = ROOT / derivative.dockerfile
     try:
-        dockerfile = dockerfile_path.read_text()
-    except OSError as e:
-        return failed(STEP_BUILD, f"{derivative.dockerfile}: {e.strerror}", head.name)
+        path = under(ROOT / DOCKER_DIR, derivative.dockerfile.removeprefix(DOCKER_DIR + "/"))
+        dockerfile = read_input(path, limit=MB, what="Dockerfile").decode("utf-8")
+    except (Escape, InputError) as e:
+        return failed(STEP_BUILD, f"images.derivative.dockerfile: {e}", head.name)
+    except UnicodeDecodeError:
+        return failed(STEP_BUILD, f"{derivative.dockerfile}: not UTF-8 text", head.name)
     base = inspect_image(head, derivative.base)
     if base is None:
         return failed(STEP_BUILD, f"base image {derivative.base} is not on {head.name} "
