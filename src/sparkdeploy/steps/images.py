@@ -407,7 +407,7 @@ def _build(dep: Deployment, no_cache: bool = False) -> Result:
         path = under(ROOT / DOCKER_DIR, derivative.dockerfile.removeprefix(DOCKER_DIR + "/"))
         dockerfile = read_input(path, limit=MB, what="Dockerfile").decode("utf-8")
     except (Escape, InputError) as e:
-        return failed(STEP_BUILD, f"images.derivative.dockerfile: {e}", head.name)
+        return failed(STEP_BUILD, f"images.layer.dockerfile: {e}", head.name)
     except UnicodeDecodeError:
         return failed(STEP_BUILD, f"{derivative.dockerfile}: not UTF-8 text", head.name)
     base = inspect_image(head, derivative.base)
