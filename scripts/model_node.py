@@ -21,7 +21,12 @@ Subcommands (each prints one JSON object on stdout; progress lines on stderr):
       D, one user whose secret (stdin's first line) goes to a 0600 file in a private 0700
       directory; the daemon stops and the directory goes when stdin ends. Each expected file
       (stdin's next line, a JSON list) is hashed as soon as it lands and reported on stderr as
-      ``file {"path", "state", "why"}``; ``ready {"port", "private"}`` comes first.
+      ``file {"path", "state", "why"}``; ``ready {"port", "private"}`` comes first. The daemon
+      runs under a ``guard`` whose stdin is a pipe from this helper: when the helper ends, by
+      any signal, the guard stops the daemon and removes the directory.
+  guard   --private DIR -- ARGV...
+      Run ARGV (the daemon) for as long as stdin stays open, then stop it (its process group)
+      and remove DIR; the daemon gets SIGTERM should the guard itself be killed.
 
 The files named after ``--`` (all of the spec's when none is) are checked against the spec.
 Every file name of the spec is checked before anything acts on it (the spec comes from a hub
@@ -39,6 +44,7 @@ import hashlib
 import json
 import os
 import queue
+import select
 import shutil
 import signal
 import socket
@@ -48,6 +54,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 
 META = ".sparkdeploy"
 RECORD = "verified.jsonl"
@@ -515,7 +522,8 @@ class DaemonError(Exception):
 
 
 def start_rsyncd(a: argparse.Namespace, secret: str) -> tuple[subprocess.Popen, int, str]:
-    """An rsync daemon bound to ``a.address`` only: (process, port, private directory)."""
+    """An rsync daemon bound to ``a.address`` only, under a guard (``guard``) that lives as long
+    as this helper: (the guard, port, private directory)."""
     os.makedirs(a.dir, exist_ok=True)
     priv = tempfile.mkdtemp(prefix="sparkdeploy-rsyncd-")  # 0700, ours
     secrets = os.path.join(priv, "secrets")
@@ -550,27 +558,41 @@ def start_rsyncd(a: argparse.Namespace, secret: str) -> tuple[subprocess.Popen, 
     argv = ["timeout", "-s", "TERM", str(a.max_seconds), "rsync", "--daemon", "--no-detach",
             f"--address={a.address}", f"--port={port}", f"--config={conf}",
             f"--log-file={os.path.join(priv, 'rsyncd.log')}"]
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    # the guard's stdin is a pipe only this process writes to: it reads EOF when this process
+    # ends, however it ends (a kill -9 included); a session of its own, so that a signal to
+    # this helper's process group does not reach it before it has cleaned up
+    guard = subprocess.Popen([sys.executable, os.path.abspath(__file__), "guard", "--private",
+                              priv, "--", *argv], stdin=subprocess.PIPE,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
     deadline = time.monotonic() + 10
     while True:
-        if proc.poll() is not None:
-            log = ""
-            try:
-                with open(os.path.join(priv, "rsyncd.log")) as f:
-                    log = f.read().strip().splitlines()[-1]
-            except (OSError, IndexError):
-                pass
+        if guard.poll() is not None:
+            assert guard.stderr is not None
+            why = guard.stderr.read().strip().splitlines()
             shutil.rmtree(priv, ignore_errors=True)
-            raise DaemonError(f"rsync daemon exited at start: {log or proc.returncode}")
+            raise DaemonError(f"rsync daemon exited at start: {why[-1] if why else guard.returncode}")
         try:
             with socket.create_connection((a.address, port), timeout=1):
-                return proc, port, priv
+                return guard, port, priv
         except OSError:
             if time.monotonic() > deadline:
-                stop_rsyncd(proc, priv)
+                stop_rsyncd(guard, priv)
                 raise DaemonError(f"rsync daemon did not listen on {a.address}:{port}") from None
             time.sleep(0.02)
+
+
+def stop_rsyncd(guard: subprocess.Popen, priv: str) -> None:
+    """Stop the daemon (its guard's stdin ends) and remove its private directory."""
+    if guard.stdin is not None:
+        with contextlib.suppress(OSError):
+            guard.stdin.close()
+    try:
+        guard.wait(15)
+    except subprocess.TimeoutExpired:  # the daemon gets SIGTERM when its guard dies
+        guard.kill()
+        guard.wait()
+    shutil.rmtree(priv, ignore_errors=True)
 
 
 def _children(pid: int) -> list[int]:
@@ -588,8 +610,23 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def stop_rsyncd(proc: subprocess.Popen, priv: str) -> None:
-    """Stop the daemon and remove its private directory."""
+def _term_with_parent() -> Callable[[], None]:
+    """A preexec function: the child gets SIGTERM when this process dies (Linux's
+    ``PR_SET_PDEATHSIG``, kept across exec)."""
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, signal.SIGTERM, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # it died before the line above
+            os._exit(1)
+
+    return preexec
+
+
+def _end_daemon(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             # timeout, the listener and any connection's rsync share a session of their own;
@@ -604,7 +641,36 @@ def stop_rsyncd(proc: subprocess.Popen, priv: str) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    shutil.rmtree(priv, ignore_errors=True)
+
+
+def cmd_guard(a: argparse.Namespace) -> int:
+    """Run the daemon (``a.argv``) for as long as stdin stays open, then stop it and remove its
+    private directory (``a.private``, the secret's). It also ends on SIGTERM, SIGHUP or SIGINT,
+    or when the daemon exits (the last line of its log on stderr); the daemon gets SIGTERM
+    should this guard itself be killed."""
+    ended: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, lambda n, _f: ended.append(n))
+    proc = subprocess.Popen(a.argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=_term_with_parent())
+    try:
+        while not ended and proc.poll() is None:
+            try:
+                ready, _, _ = select.select([sys.stdin], [], [], 0.2)
+            except InterruptedError:
+                continue
+            if ready and not os.read(sys.stdin.fileno(), 4096):
+                break  # EOF: the helper that started us is done, or gone
+        code = proc.poll()
+        _end_daemon(proc)
+        if code is not None:
+            with contextlib.suppress(OSError, IndexError), \
+                    open(os.path.join(a.private, "rsyncd.log")) as f:
+                say(f.read().strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(a.private, ignore_errors=True)
+    return 0 if code is None else 1
 
 
 def _ident(path: str) -> tuple[int, int, int] | None:
@@ -804,10 +870,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--max-connections", type=int, default=16)
     r.add_argument("--max-seconds", type=int, default=24 * 3600)
     r.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    g = sub.add_parser("guard")
+    g.add_argument("--private", required=True)
+    g.add_argument("argv", nargs="+")
     a = p.parse_args(argv)
     try:
         return {"verify": cmd_verify, "fetch": cmd_fetch, "venv": cmd_venv,
-                "receive": cmd_receive}[a.cmd](a)
+                "receive": cmd_receive, "guard": cmd_guard}[a.cmd](a)
     except SpecError as e:
         say(f"error: {e}")
         return 2

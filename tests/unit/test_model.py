@@ -402,6 +402,65 @@ def test_the_receiver_checks_each_file_as_it_lands_and_its_daemon_goes_with_its_
     assert {r["path"] for r in records} == {"good.bin", "bad.bin", "old.bin"}
 
 
+def _exited(pid: int, within: float) -> bool:
+    """True once process ``pid`` (not a child of ours) has exited, waiting at most ``within``."""
+    import select
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], within)[0])
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_a_receiver_killed_by_any_signal_takes_its_daemon_and_secret_along(tmp_path, sig):
+    """The helper killed outright (its stdin still open, nothing of it runs any more): its
+    guard reads EOF on the pipe only the helper held, stops the daemon and removes the
+    directory holding the secret."""
+    import signal
+    import socket
+    import subprocess
+
+    script = os.path.join(os.path.dirname(model.__file__), "..", "..", "..", "scripts",
+                          "model_node.py")
+    (tmp_path / "dst").mkdir()
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"files": [{"path": "a.bin", "size": 5, "sha256": "1" * 64}]}))
+    p = subprocess.Popen([sys.executable, script, "receive", "--dir", str(tmp_path / "dst"),
+                          "--spec", str(spec), "--address", "127.0.0.1", "--port", "18760",
+                          "--allow", "127.0.0.1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        p.stdin.write('s3cret\n["a.bin"]\nexpect ["a.bin"]\n')
+        p.stdin.flush()
+        ready = next(json.loads(ln[6:]) for ln in p.stderr if ln.startswith("ready "))
+        assert os.path.exists(os.path.join(ready["private"], "secrets"))
+        socket.create_connection(("127.0.0.1", ready["port"]), timeout=5).close()
+        guards = [int(d) for d in os.listdir("/proc") if d.isdigit() and _ppid(int(d)) == p.pid]
+        assert len(guards) == 1
+        os.kill(p.pid, getattr(signal, sig))
+        assert p.wait(30) != 0
+        assert _exited(guards[0], 30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert not os.path.exists(ready["private"])
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", ready["port"]), timeout=5)
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def test_steps_are_registered_for_the_graph():
     from sparkdeploy.steps import registry
 
