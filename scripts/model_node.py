@@ -626,7 +626,19 @@ def _term_with_parent() -> Callable[[], None]:
     return preexec
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member changed its uid (the daemon as the model dir's owner)
+        return True
+    return True
+
+
 def _end_daemon(proc: subprocess.Popen) -> None:
+    """Stop the daemon's whole process group: every rsync it forked holds the listening socket
+    too, so the port is free only once none is left."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             # timeout, the listener and any connection's rsync share a session of their own;
@@ -635,12 +647,16 @@ def _end_daemon(proc: subprocess.Popen) -> None:
         for child in _children(proc.pid):  # the listener: on TERM rsync sleeps 400 ms before
             with contextlib.suppress(ProcessLookupError):  # it exits, its socket still open;
                 os.kill(child, signal.SIGKILL)  # it holds no file, so it need not wait
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    deadline = time.monotonic() + 5
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 5  # killed: gone once reaped (a zombie still counts)
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def cmd_guard(a: argparse.Namespace) -> int:
