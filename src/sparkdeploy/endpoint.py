@@ -1,6 +1,6 @@
-"""The deployed OpenAI-compatible endpoint, seen from the controller: where it is (recorded by
-``serve.up``), and the readiness probes (port open, ``/health``, ``/v1/models``, one streamed
-chat completion).
+"""The deployed OpenAI-compatible endpoint, seen from the controller: where it is (``url``: the
+``Endpoint`` record ``serve.up`` wrote, else the profile's ``endpoint``), and the readiness
+probes (port open, ``/health``, ``/v1/models``, one streamed chat completion).
 
 Requests go straight to the endpoint (no proxy from the environment: one must not stand
 between the controller and a node on its own network), each within a deadline for the whole
@@ -21,8 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from sparkdeploy.engines.base import API_KEY_ENV
 from sparkdeploy.outside import ModelList, OutsideError, request
-
-RECORD = "endpoint"
+from sparkdeploy.records import Endpoint, Records
 
 
 def api_key() -> str | None:
@@ -113,6 +112,12 @@ def stream_chat(url: str, model: str, max_tokens: int = 8, deadline: float = 120
     return "".join(text)
 
 
-def recorded(records: Any) -> dict[str, Any] | None:
-    """What ``serve.up`` recorded: ``{"url", "engine", "model", ...}`` or None."""
-    return records.data(RECORD)
+def recorded(records: Records) -> Endpoint | None:
+    """What ``serve.up`` recorded (url, engine, model), or None before it has."""
+    return records.read(Endpoint)
+
+
+def url(dep: Any) -> str | None:
+    """The endpoint to talk to: the one ``serve.up`` recorded, else the profile's."""
+    rec = recorded(dep.records)
+    return rec.url if rec else dep.profile.endpoint

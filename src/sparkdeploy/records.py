@@ -1,9 +1,26 @@
-"""Decision records: why the tool chose what it chose, as JSON (for tools) and Markdown (for
-people), under ``<state_dir>/decisions/``.
+"""The controller's records, typed: what the steps decided and what they remember between runs.
 
-Every record carries the time it was made, the profile's name and the step that made it, so
-``deploy.all`` can assemble one record of a run from the steps' records. Writes are atomic:
-a killed run never leaves half a record.
+Each kind of record is one pydantic model below, stored in one envelope by one writer
+(``Records.write``) under the state dir::
+
+    decisions/image-probe.{json,md}    ImageDecision    image.probe: the image and why
+    decisions/serve.{json,md}          ServeDecision    serve.up: the engine and why
+    decisions/endpoint.json            Endpoint         serve.up: where the deployment serves
+    decisions/deploy-<time>.{json,md}  DeployRun        deploy.all: one record of a run
+    services/<profile>.json            StoppedServices  services.stop: the units to restore
+    runs/<plan>-<profile>.json         PlanMemory       the runner: each step's last outcome
+    model/<repo>@<revision>.json       HubMetadata      the hub's file list, cached
+
+The envelope says when, by which step and for which profile a record was made::
+
+    {"name", "step", "profile", "time", "time_iso", "data": <the record>}
+
+Writes are atomic (``files.write_text_atomic``: a reader sees the old record or the new one) and
+redacted; a record with Markdown (decisions people read) is written as ``.md`` beside it.
+Reading validates the file into its type: a file that is not the record it should be is a
+``RecordError`` naming the file, one line. Every file name goes through ``Records.path``, which
+keeps it under the state dir. The state dir is the controller's cache of what it did; the
+nodes hold the deployment itself.
 """
 
 from __future__ import annotations
@@ -12,26 +29,212 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
-from sparkdeploy.files import write_atomic
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+
+from sparkdeploy.files import Escape, under, write_text_atomic
+from sparkdeploy.outside import HubName
 from sparkdeploy.state import StateDir, redact
 
-DIR = "decisions"
+DECISIONS = "decisions"
 
+
+class RecordError(Exception):
+    """A record that cannot be read or named: ``str()`` is the one line to show."""
+
+
+class Envelope(BaseModel):
+    """Who made a record and when."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    step: str
+    profile: str
+    time: float
+    time_iso: str
+    data: dict[str, Any]
+
+
+class Record(BaseModel):
+    """One kind of record: where it lives (``FOLDER``, ``NAME`` unless the writer names it),
+    what it is called in an error (``WHAT``) and the step that makes it (``STEP``)."""
+
+    model_config = ConfigDict(extra="ignore")
+    FOLDER: ClassVar[str] = DECISIONS
+    NAME: ClassVar[str | None] = None
+    WHAT: ClassVar[str] = "record"
+    STEP: ClassVar[str] = ""
+    _envelope: Envelope | None = PrivateAttr(default=None)
+
+    @property
+    def made(self) -> Envelope | None:
+        """The envelope it was read with (None for a record not read from a file)."""
+        return self._envelope
+
+    @classmethod
+    def from_bare(cls, raw: Any) -> Record | None:
+        """The record from a file written before the envelope (None: no such older form)."""
+        return None
+
+
+# --- the decisions ----------------------------------------------------------------------------
+
+class EngineImage(BaseModel):
+    """The image a serving engine runs: the candidate, and the layer over it when it needs it."""
+
+    image: str
+    kind: str
+    needs_layer: bool
+    serve_image: str
+
+
+class ChosenImage(EngineImage):
+    engine: str
+
+
+class Candidate(BaseModel):
+    """One probed candidate image (the probe's findings are kept as they came)."""
+
+    model_config = ConfigDict(extra="allow")
+    image: str
+    engine: str
+    verdict: str
+    why: str = ""
+
+
+class ImageDecision(Record):
+    NAME = "image-probe"
+    WHAT = "image decision"
+    STEP = "image.probe"
+    node: str
+    arch: str
+    config_from: str
+    chosen: ChosenImage | None
+    engines: dict[str, EngineImage]
+    candidates: list[Candidate]
+    summary: str
+
+
+class ServeDecision(Record):
+    NAME = "serve"
+    WHAT = "engine decision"
+    STEP = "serve.up"
+    tried: list[dict[str, Any]] = Field(default_factory=list)
+    """The engines that failed before the one chosen: outcome, diagnosis class, evidence."""
+    chosen: str | None
+    run_dir: str
+
+
+class Endpoint(Record):
+    """Where the deployment serves (the one home of the endpoint)."""
+
+    NAME = "endpoint"
+    WHAT = "endpoint"
+    STEP = "serve.up"
+    url: str
+    engine: str
+    model: str
+    api_key_env: str | None = None
+
+
+class StepTiming(BaseModel):
+    state: str
+    elapsed: float | None
+    why: str
+
+
+class DeployRun(Record):
+    WHAT = "deployment record"
+    STEP = "deploy.all"
+    plan: list[str]
+    serial: bool
+    wall_s: float
+    failed: bool
+    changed: bool
+    image: dict[str, Any]
+    engine: dict[str, Any]
+    endpoint: str | None
+    steps: dict[str, StepTiming]
+    bench: dict[str, Any] | None
+
+
+# --- what steps remember ----------------------------------------------------------------------
+
+class StoppedServices(Record):
+    """The units ``services.stop`` stopped, per node in stop order (``services.restore`` starts
+    exactly these)."""
+
+    FOLDER = "services"
+    WHAT = "stopped-services"
+    STEP = "services.stop"
+    units: dict[str, list[str]]
+
+    @classmethod
+    def from_bare(cls, raw: Any) -> Record | None:
+        return cls.model_validate({"units": raw})
+
+
+class StepMemory(BaseModel):
+    state: str
+    why: str
+    elapsed: float | None
+    fingerprint: dict[str, Any] | None
+    time: float
+
+
+class PlanMemory(Record):
+    """Per plan step, how it last ended and the fingerprint it ended with."""
+
+    FOLDER = "runs"
+    WHAT = "plan state"
+    steps: dict[str, StepMemory]
+
+    @classmethod
+    def from_bare(cls, raw: Any) -> Record | None:
+        return cls.model_validate(raw)
+
+
+SHA1 = r"^[0-9a-f]{40}$"
+SHA256 = r"^[0-9a-f]{64}$"
+
+
+class HubFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: HubName
+    size: int = Field(ge=0)
+    sha256: str | None = Field(pattern=SHA256)
+    oid: str | None = Field(pattern=SHA1)
+
+
+class HubMetadata(Record):
+    """The model repo's files at one commit, as the hub listed them (every name checked: a
+    tampered cache could name files outside the model dir); also staged as the node's spec."""
+
+    model_config = ConfigDict(extra="forbid")
+    FOLDER = "model"
+    WHAT = "hub metadata"
+    STEP = "model.download"
+    repo: str
+    revision: str
+    commit: str = Field(pattern=SHA1)
+    files: list[HubFile]
+    fetched_at: float = Field(ge=0, allow_inf_nan=False)
+
+    @classmethod
+    def from_bare(cls, raw: Any) -> Record | None:
+        return cls.model_validate(raw)
+
+
+R = TypeVar("R", bound=Record)
+
+
+# --- the one reader and writer ----------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Written:
     json: Path
     markdown: Path | None
-
-
-def _atomic(path: Path, text: str) -> Path:
-    """A reader sees the old record or the new one, never half of one; a failed write leaves
-    no temp file behind."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, lambda tmp: tmp.write_text(text))
-    return path
 
 
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
@@ -44,58 +247,82 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(out)
 
 
-class Records:
-    """Reads and writes the decision records of one deployment."""
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(x) for x in err["loc"])
+    msg = str(err.get("ctx", {}).get("error") or err["msg"])
+    return f"{where}: {msg}" if where else msg
 
-    def __init__(self, state: StateDir, profile_name: str,
-                 clock: Any = time.time):
+
+class Records:
+    """Reads and writes the records of one deployment (one profile) under its state dir."""
+
+    def __init__(self, state: StateDir, profile_name: str, clock: Any = time.time):
         self.state = state
         self.profile_name = profile_name
         self.clock = clock
 
-    @property
-    def dir(self) -> Path:
-        return self.state.path / DIR
-
-    def path(self, name: str, suffix: str = ".json") -> Path:
+    def path(self, kind: type[Record], name: str | None = None, suffix: str = ".json") -> Path:
+        """The file of record ``name`` (default: the kind's own name): one plain file name in
+        the kind's folder under the state dir (``files.under``), else a ``RecordError``."""
+        name = name or kind.NAME
         if not name or "/" in name or name.startswith("."):
-            raise ValueError(f"bad record name {name!r}")
-        return self.dir / f"{name}{suffix}"
+            raise RecordError(f"bad record name {name!r}: not a plain file name")
+        try:
+            return under(self.state.path, f"{kind.FOLDER}/{name}{suffix}")
+        except Escape as e:
+            raise RecordError(f"bad record name {name!r}: {e}") from None
 
-    def write(self, name: str, step: str, data: dict[str, Any], markdown: str | None = None,
-              title: str | None = None) -> Written:
-        """Write record ``name`` (``data`` as JSON; ``markdown`` as the body of the .md)."""
+    def write(self, record: Record, name: str | None = None, *, markdown: str | None = None,
+              title: str | None = None, step: str | None = None) -> Written:
+        """Write ``record`` (as ``name``, for a kind that has no name of its own); ``markdown``
+        is the body of the ``.md`` beside it."""
+        kind = type(record)
+        path = self.path(kind, name)
         when = self.clock()
-        envelope = {
-            "name": name,
-            "step": step,
-            "profile": self.profile_name,
-            "time": when,
-            "time_iso": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)),
-            "data": data,
-        }
-        j = _atomic(self.path(name), redact(json.dumps(envelope, indent=2, sort_keys=True)) + "\n")
+        env = Envelope(name=path.stem, step=step or kind.STEP, profile=self.profile_name,
+                       time=when, time_iso=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)),
+                       data=record.model_dump(mode="json", by_alias=True))
+        j = _atomic(path, redact(json.dumps(env.model_dump(mode="json"), indent=2, sort_keys=True)) + "\n")
         md = None
         if markdown is not None:
-            head = (f"# {title or name}\n\n"
-                    f"- profile: `{self.profile_name}`\n- step: `{step}`\n"
-                    f"- time: {envelope['time_iso']}\n\n")
-            md = _atomic(self.path(name, ".md"), redact(head + markdown.rstrip() + "\n"))
+            head = (f"# {title or env.name}\n\n"
+                    f"- profile: `{self.profile_name}`\n- step: `{env.step}`\n"
+                    f"- time: {env.time_iso}\n\n")
+            md = _atomic(self.path(kind, name, ".md"), redact(head + markdown.rstrip() + "\n"))
         return Written(j, md)
 
-    def read(self, name: str) -> dict[str, Any] | None:
-        """The whole envelope of record ``name`` (``["data"]`` is what the step wrote)."""
+    def read(self, kind: type[R], name: str | None = None) -> R | None:
+        """Record ``name`` as its type; None when there is none yet."""
+        path = self.path(kind, name)
         try:
-            return json.loads(self.path(name).read_text())
+            raw = json.loads(path.read_text())
         except FileNotFoundError:
             return None
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return None
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise RecordError(f"{path}: unreadable {kind.WHAT} record "
+                              f"({type(e).__name__}: {e}); move it away to start afresh") from None
+        try:
+            if isinstance(raw, dict) and "data" in raw and "step" in raw:
+                env = Envelope.model_validate(raw)
+                rec = kind.model_validate(env.data)
+                rec._envelope = env
+                return rec
+            bare = kind.from_bare(raw)
+        except ValidationError as e:
+            raise RecordError(f"{path}: bad {kind.WHAT} record ({_first_error(e)}); "
+                              "move it away to start afresh") from None
+        if not isinstance(bare, kind):
+            raise RecordError(f"{path}: bad {kind.WHAT} record (no envelope); "
+                              "move it away to start afresh")
+        return bare
 
-    def data(self, name: str) -> dict[str, Any] | None:
-        env = self.read(name)
-        return None if env is None else env.get("data")
-
-    def remove(self, name: str) -> None:
+    def remove(self, kind: type[Record], name: str | None = None) -> None:
         for suffix in (".json", ".md"):
-            self.path(name, suffix).unlink(missing_ok=True)
+            self.path(kind, name, suffix).unlink(missing_ok=True)
+
+
+def _atomic(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, text)
+    return path

@@ -20,7 +20,6 @@ changed fingerprint is named (which keys) and, for a step with ``redo``, that st
 
 from __future__ import annotations
 
-import json
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -34,6 +33,7 @@ from sparkdeploy.config import ProfileError
 from sparkdeploy.events import StepState
 from sparkdeploy.hosts import HostError
 from sparkdeploy.nodeops import NodeUnreachable
+from sparkdeploy.records import PlanMemory, RecordError, StepMemory
 from sparkdeploy.results import Result, Status, failed, ok, skipped
 from sparkdeploy.state import LockHeld
 from sparkdeploy.steps import registry
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from sparkdeploy.deployment import Deployment
 
 PENDING, RUNNING, DONE, FAILED, SKIPPED = "pending", "running", "done", "failed", "skipped"
-EXPECTED = (NodeUnreachable, HostError, ProfileError, WaitTimeout, LockHeld)
+EXPECTED = (NodeUnreachable, HostError, ProfileError, WaitTimeout, LockHeld, RecordError)
 """What a step may raise that is not a bug: the step fails with the one line it carries."""
 
 
@@ -202,27 +202,26 @@ class Runner:
     # -- state ------------------------------------------------------------------------------
     @property
     def state_name(self) -> str:
-        return f"runs/{self.name}-{self.dep.profile.name}.json"
+        """The ``PlanMemory`` record's name: ``runs/<plan>-<profile>.json``."""
+        return f"{self.name}-{self.dep.profile.name}"
 
-    def _load_state(self) -> dict[str, Any]:
-        try:
-            return self.dep.state.read_json(self.state_name, {}) or {}
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return {}
+    def _load_state(self) -> PlanMemory:
+        return self.dep.records.read(PlanMemory, self.state_name) or PlanMemory(steps={})
 
     def _save_state(self) -> None:
         if self.dep.dry:
             return
-        steps = dict(self.previous.get("steps", {}))
+        steps = dict(self.previous.steps)
         for n, r in self.runs.items():
             if r.state in (DONE, FAILED) and not r.reused:
-                steps[n] = {"state": r.state, "why": r.why, "elapsed": r.elapsed,
-                            "fingerprint": r.fingerprint, "time": time.time()}
-        self.previous = {"steps": steps}
-        self.dep.state.write_json(self.state_name, self.previous)
+                steps[n] = StepMemory(state=r.state, why=r.why, elapsed=r.elapsed,
+                                      fingerprint=r.fingerprint, time=time.time())
+        self.previous = PlanMemory(steps=steps)
+        self.dep.records.write(self.previous, self.state_name, step=self.name)
 
     def last(self, name: str) -> dict[str, Any]:
-        return (self.previous.get("steps") or {}).get(name) or {}
+        m = self.previous.steps.get(name)
+        return m.model_dump() if m else {}
 
     # -- events -----------------------------------------------------------------------------
     def _state(self, r: StepRun, state: str, why: str = "") -> None:

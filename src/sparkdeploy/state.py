@@ -1,4 +1,4 @@
-"""The controller's state dir: the run journal, the run lock and small JSON records."""
+"""The controller's state dir: the run journal and the run lock (its records: ``sparkdeploy.records``)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-
-from sparkdeploy.files import under, write_atomic
 
 _SECRET_VALUE = re.compile(r"\bhf_[A-Za-z0-9]{8,}\b")
 REDACTED = "***"
@@ -65,29 +63,6 @@ class StateDir:
         line = json.dumps(entry, sort_keys=True)
         with open(self.journal_path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
-
-    # -- records ----------------------------------------------------------------------------
-    def file(self, name: str) -> Path:
-        """``name`` under the state dir (``files.Escape`` when it would lead out of it)."""
-        return under(self.path, name)
-
-    def read_json(self, name: str, default: Any = None) -> Any:
-        p = self.file(name)
-        try:
-            return json.loads(p.read_text())
-        except FileNotFoundError:
-            return default
-
-    def write_json(self, name: str, data: Any) -> Path:
-        """Write atomically (temp file + rename), so a killed run never leaves half a record."""
-        p = self.file(name)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(data, indent=2, sort_keys=True) + "\n"
-        write_atomic(p, lambda tmp: tmp.write_text(text))
-        return p
-
-    def remove(self, name: str) -> None:
-        self.file(name).unlink(missing_ok=True)
 
     # -- lock -------------------------------------------------------------------------------
     @contextmanager

@@ -153,7 +153,7 @@ def test_killed_during_sync_resumes_without_resending(lab, state_dir):
     missing = sum(size for f, size in head_has.items() if f not in head_had)
     assert fetched <= missing + 1_000_000  # what the head had complete was not fetched again
     state = json.loads((state_dir / f"runs/deploy-{dep.profile.name}.json").read_text())
-    why = state["steps"]["model.sync"]["why"]
+    why = state["data"]["steps"]["model.sync"]["why"]
     sent = int(why.split(" sent ", 1)[1].split()[0]) if " sent " in why else 0
     assert sent <= len(worker_has) - len(worker_had), why  # nor sent again to the worker
 

@@ -20,6 +20,7 @@ import requests
 import yaml
 
 from sparkdeploy.deployment import load
+from sparkdeploy.records import ServeDecision
 from sparkdeploy.steps.registry import run_one
 
 pytestmark = pytest.mark.lab
@@ -148,9 +149,9 @@ def test_forced_hang_is_diagnosed_and_vllm_takes_over(clean):
     url = results(out)[-1][3].split(" ", 1)[1]
     assert url == f"http://{lab.addr('spark1', 'mgmt')}:8000"
     assert stream(url)
-    rec = dep.records.data("serve")
-    [tried] = rec["tried"]
-    assert (tried["engine"], tried["class"], rec["chosen"]) == ("sglang", "nccl-init-hang", "vllm-ray")
+    rec = dep.records.read(ServeDecision)
+    [tried] = rec.tried
+    assert (tried["engine"], tried["class"], rec.chosen) == ("sglang", "nccl-init-hang", "vllm-ray")
     assert tried["evidence"]
     # detected within the stall time + 10 %
     assert STALL <= tried["silent_s"] <= STALL * 1.1
@@ -176,8 +177,8 @@ def test_without_sglang_host_ip_sglang_hangs_and_is_diagnosed(clean):
     assert "sglang hang:" in cp.stdout and "class: nccl-init-hang" in cp.stdout
     gone = lab.ssh("spark1", ["docker", "inspect", "sparkdeploy-sglang-head"], check=False)
     assert gone.returncode != 0 and "No such object" in gone.stderr  # removed after the diagnosis
-    rec = load(p, state).records.data("serve")
-    assert rec["tried"][0]["class"] == "nccl-init-hang" and rec["chosen"] is None
+    rec = load(p, state).records.read(ServeDecision)
+    assert rec.tried[0]["class"] == "nccl-init-hang" and rec.chosen is None
 
 
 def results(out: str) -> list[tuple[str, str, str, str]]:

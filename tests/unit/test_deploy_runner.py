@@ -15,6 +15,7 @@ from invoke import Config, Context
 
 from sparkdeploy import deployment
 from sparkdeploy.events import PlainRenderer, StepState
+from sparkdeploy.records import Endpoint, ImageDecision, PlanMemory, ServeDecision
 from sparkdeploy.results import changed, failed, ok
 from sparkdeploy.runner import PlanError, PlanStep, Runner, diff_keys, flat, select
 from sparkdeploy.steps import registry
@@ -202,8 +203,8 @@ def test_resume_after_a_failure_reruns_from_the_failed_step(tmp_path, calls):
     assert calls.count("t.decide") == 1  # a decision unchanged since it finished is reused
     assert second.runs["t.decide"].reused
     assert calls.count("t.b") == 2 and calls.count("t.c") == 1
-    state = dep_for(tmp_path).state.read_json("runs/deploy-qwen3.5-122b-a10b-fp8.json")
-    assert {n: s["state"] for n, s in state["steps"].items()} == {
+    state = dep_for(tmp_path).records.read(PlanMemory, "deploy-qwen3.5-122b-a10b-fp8")
+    assert {n: s.state for n, s in state.steps.items()} == {
         "t.decide": "done", "t.a": "done", "t.b": "done", "t.c": "done"}
 
 
@@ -317,10 +318,11 @@ def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
     monkeypatch.setattr(plans, "_image_id", lambda dep, ref: f"sha256:{ref}" if ref else None)
     monkeypatch.setattr(plans, "head_image_ids", lambda dep, node=None: {})
     dep = dep_for(tmp_path)
-    dep.records.write("image-probe", "image.probe", {
-        "chosen": {"engine": "sglang", "image": "base:1", "serve_image": "layer:1", "needs_layer": False},
-        "summary": "chosen base:1 for sglang", "candidates": [
-            {"image": "base:1", "engine": "sglang", "verdict": "viable", "why": "all there"}]})
+    chosen = {"image": "base:1", "kind": "sglang", "serve_image": "layer:1", "needs_layer": False}
+    dep.records.write(ImageDecision(
+        node="spark1", arch="arm64", config_from="the hub", chosen={"engine": "sglang", **chosen},
+        engines={"sglang": chosen}, summary="chosen base:1 for sglang", candidates=[
+            {"image": "base:1", "engine": "sglang", "verdict": "viable", "why": "all there"}]))
     steps = plans.plan(dep)
     real = {s.name: registry.REGISTRY[s.name] for s in steps}
     registry.REGISTRY.clear()
@@ -340,11 +342,12 @@ def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
     assert "needs no layer" in out.runs["image.build"].why
     assert calls.options["model.sync"] == {"to": "spark2"}
     assert calls.options["bench.run"]["concurrency"] == [1]
-    dep.records.write("serve", "serve.up", {"chosen": "vllm-ray", "endpoint": "http://h:8000", "tried": [
+    dep.records.write(ServeDecision(chosen="vllm-ray", run_dir="/runs/1", tried=[
         {"engine": "sglang", "outcome": "hang", "class": "nccl-init-hang", "phase": "init",
          "why": "no progress for 60s", "fallback_after_s": 61.5,
          "evidence": [["spark1.log", 41, "CustomAllreduce is disabled because this process group "
-                       "spans across nodes."]]}]})
+                       "spans across nodes."]]}]))
+    dep.records.write(Endpoint(url="http://h:8000", engine="vllm-ray", model="m"))
     written = plans.write_record(dep, out, steps)
     md = written.markdown.read_text()
     assert "serving `layer:1` = `sha256:layer:1`" in md and "| model.download | done |" in md

@@ -186,10 +186,10 @@ def test_the_decision_record_carries_who_and_when_and_ship_reads_it(dep):
                      report("vllm", "0.17.1", {"x": True}, "4.57.1", False, True, []), None)])
     assert ship.default_image(dep) == dep.profile.engines[0].image  # no record yet
     images.write_record(dep, rec)
-    env = dep.records.read("image-probe")
-    assert (env["name"], env["step"], env["profile"]) == ("image-probe", "image.probe",
-                                                           dep.profile.name)
-    assert env["data"]["chosen"]["serve_image"] == "hellohal2064/vllm-qwen3.5-gb10"
+    got = images.decision(dep)
+    assert (got.made.name, got.made.step, got.made.profile) == ("image-probe", "image.probe",
+                                                                dep.profile.name)
+    assert got.chosen.serve_image == "hellohal2064/vllm-qwen3.5-gb10"
     assert ship.default_image(dep) == "hellohal2064/vllm-qwen3.5-gb10"
     md = (dep.state.path / "decisions/image-probe.md").read_text()
     assert "| hellohal2064/vllm-qwen3.5-gb10 | vllm | 0.17.1 | 4.57.1 | yes | no | linux/arm64 | viable |" in md

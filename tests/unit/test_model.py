@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from sparkdeploy.lab import hub
+from sparkdeploy.records import HubMetadata
 from sparkdeploy.results import Status
 from sparkdeploy.steps import model, model_sync
 from tests.unit.model_fakes import Node, deployment
@@ -473,9 +474,10 @@ def test_steps_are_registered_for_the_graph():
 def test_metadata_is_cached_under_the_state_dir(tmp_path, lab_hub, token):
     dep, _ = _dep(tmp_path, lab_hub)
     meta, note = model.metadata(dep)
-    cached = json.loads(open(model.cache_path(dep)).read())
-    assert note == "" and cached["files"] == meta["files"]
-    assert model.cache_path(dep).startswith(str(dep.state.path))
+    path = dep.records.path(HubMetadata, model.cache_name(dep))
+    cached = json.loads(path.read_text())
+    assert note == "" and cached["data"]["files"] == meta["files"]
+    assert path.parent == dep.state.path / "model"
     assert any(f["sha256"] for f in meta["files"]) and all(f["oid"] for f in meta["files"])
 
 

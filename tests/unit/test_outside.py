@@ -15,6 +15,7 @@ import pytest
 from sparkdeploy.lab import hub
 from sparkdeploy.lab.hub_repo import RepoFile
 from sparkdeploy.outside import OutsideError, request
+from sparkdeploy.records import HubMetadata
 from sparkdeploy.results import Status
 from sparkdeploy.steps import model
 from tests.unit.hostile import Hostile
@@ -81,7 +82,7 @@ def test_a_tampered_metadata_cache_is_never_used(tmp_path, hostile):
     monkey_deadline = model.HUB_DEADLINE_S
     model.HUB_DEADLINE_S = 0.3
     try:
-        path = Path(model.cache_path(dep))
+        path = dep.records.path(HubMetadata, model.cache_name(dep))
         path.parent.mkdir(parents=True)
         path.write_text(json.dumps({"repo": "r/m", "revision": "main", "commit": COMMIT,
                                     "fetched_at": 1.0,
@@ -94,7 +95,8 @@ def test_a_tampered_metadata_cache_is_never_used(tmp_path, hostile):
     assert time.monotonic() - started < 2
     assert res.status is Status.FAILED and ctx.calls == []
     assert "no whole answer within 0.3s" in res.why
-    assert f"the cache is not usable: {path}: files.0.path: file name '../x' refused" in res.why
+    assert (f"the cache is not usable: {path}: bad hub metadata record (files.0.path: file name "
+            "'../x' refused") in res.why
 
 
 def _spec(tmp_path: Path, name: str) -> Path:

@@ -14,6 +14,7 @@ from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import NodeFacts, launch
 from sparkdeploy.engines.base import run_args
 from sparkdeploy.hosts import Host
+from sparkdeploy.records import Endpoint, ServeDecision
 from sparkdeploy.results import Result, Status
 from sparkdeploy.state import StateDir
 from sparkdeploy.steps import serve
@@ -105,8 +106,10 @@ def test_sglang_comes_up_with_the_exact_containers_and_records_the_endpoint(lab)
     # the worker started only after the head's init port answered over the fast link
     order = [(a, argv) for a, argv in ctx.calls if argv[3:4] == ["run"] or "connect" in argv]
     assert [a for a, _ in order][:2] == ["spark1", "spark2"] and "connect" in order[1][1]
-    assert dep.records.data("endpoint")["endpoint"] == "http://10.0.0.1:30000"
-    assert dep.records.data("serve")["chosen"] == "sglang"
+    assert dep.records.read(Endpoint).url == "http://10.0.0.1:30000"
+    assert dep.records.read(ServeDecision).chosen == "sglang"
+    # the endpoint has one home: the engine decision does not repeat it
+    assert "10.0.0.1" not in (dep.state.path / "decisions/serve.json").read_text()
     # a second serve.up finds it serving and changes nothing
     before = len(runs(ctx, "spark1"))
     again = serve.up(dep)
@@ -199,11 +202,11 @@ def test_hang_is_diagnosed_removed_everywhere_and_falls_back_to_vllm(lab):
     assert results[-1].why == "endpoint: http://10.0.0.1:8000"
     assert nodes["spark1"].removed == ["sparkdeploy-sglang-head"]
     assert nodes["spark2"].removed == ["sparkdeploy-sglang-worker"]
-    rec = dep.records.data("serve")
-    [tried] = rec["tried"]
+    rec = dep.records.read(ServeDecision)
+    [tried] = rec.tried
     assert (tried["engine"], tried["outcome"], tried["class"]) == ("sglang", "hang", "nccl-init-hang")
     assert any(HANG in e[2] for e in tried["evidence"])
-    assert rec["chosen"] == "vllm-ray"
+    assert rec.chosen == "vllm-ray"
     # detected within the stall time + 10 % of the last output
     assert 30 <= tried["fallback_after_s"] <= 33
     logs = Path(tried["logs"])
@@ -230,9 +233,9 @@ def test_an_exited_container_fails_at_once_with_its_last_lines(lab):
     assert "last lines: loading | KeyError: 'qwen3_5_moe'" in bad.why
     assert "class: model-config-unrecognized" in bad.why
     assert not [a for a in runs(ctx, "spark2") if "--name=sparkdeploy-sglang-worker" in a]
-    rec = dep.records.data("serve")
-    assert rec["tried"][0]["outcome"] == "exited" and rec["chosen"] == "vllm-ray"
-    assert "fallback_after_s" not in rec["tried"][0]
+    rec = dep.records.read(ServeDecision)
+    assert rec.tried[0]["outcome"] == "exited" and rec.chosen == "vllm-ray"
+    assert "fallback_after_s" not in rec.tried[0]
     assert clock() - t0 < 20
     assert results[-1].why == "endpoint: http://10.0.0.1:8000"
 

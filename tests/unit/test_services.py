@@ -110,7 +110,8 @@ def test_missing_and_inactive_units_are_ok(tmp_path):
     assert remote(ctx) == [LIST, GPU]
     assert results[0].status is Status.OK
     assert "3 absent" in results[0].why
-    assert dep.state.read_json("services/qwen3.5-122b-a10b-fp8.json") is None
+    assert services.read_record(dep) == {}
+    assert not (tmp_path / "state/services/qwen3.5-122b-a10b-fp8.json").exists()
 
 
 def test_stop_records_then_restore_starts_in_reverse_and_forgets(tmp_path):
@@ -118,7 +119,8 @@ def test_stop_records_then_restore_starts_in_reverse_and_forgets(tmp_path):
     dep, ctx, _ = deployment(tmp_path, {"spark1": node})
     services.stop(dep)
     record = json.loads((tmp_path / "state/services/qwen3.5-122b-a10b-fp8.json").read_text())
-    assert record == {"spark1": GLM}
+    assert (record["step"], record["profile"], record["data"]) == (
+        "services.stop", "qwen3.5-122b-a10b-fp8", {"units": {"spark1": GLM}})
     ctx.calls.clear()
     results = services.restore(dep)
     assert remote(ctx) == [LIST] + [f"sudo -n -- systemctl start {u}" for u in reversed(GLM)] + [LIST]
@@ -134,7 +136,7 @@ def test_stop_twice_keeps_the_record_then_restore(tmp_path):
     services.stop(dep)
     second = services.stop(dep)
     assert second[0].status is Status.OK
-    assert dep.state.read_json("services/qwen3.5-122b-a10b-fp8.json") == {"spark1": GLM}
+    assert services.read_record(dep) == {"spark1": GLM}
     services.restore(dep)
     assert all(node.units[u] == "active" for u in GLM)
 
@@ -146,7 +148,7 @@ def test_restore_after_partial_stop(tmp_path):
     assert results[0].status is Status.FAILED
     assert results[0].why == "systemctl stop vllm-reranker.service: Job for vllm-reranker.service failed."
     # every unit that was active is recorded before anything stopped
-    assert dep.state.read_json("services/qwen3.5-122b-a10b-fp8.json") == {"spark1": GLM}
+    assert services.read_record(dep) == {"spark1": GLM}
     ctx.calls.clear()
     services.restore(dep)
     # the two that did stop come back; the two still running are not started again
@@ -163,7 +165,7 @@ def test_restore_failure_keeps_the_record(tmp_path):
     results = services.restore(dep)
     assert results[0].status is Status.FAILED
     assert "vllm-cluster.service" in results[0].why
-    assert dep.state.read_json("services/qwen3.5-122b-a10b-fp8.json") == {
+    assert services.read_record(dep) == {
         "spark1": ["vllm-cluster.service"]}
 
 

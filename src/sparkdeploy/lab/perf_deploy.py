@@ -26,6 +26,7 @@ from pathlib import Path
 from sparkdeploy.deployment import Deployment, load
 from sparkdeploy.events import PlainRenderer
 from sparkdeploy.lab import hub
+from sparkdeploy.records import PlanMemory
 from sparkdeploy.runner import Outcome, Runner, longest_chain
 from sparkdeploy.steps import deploy as plans
 
@@ -61,7 +62,7 @@ def fresh(dep: Deployment) -> None:
             bad.append(f"{n.name}: rm {path}: {r.one_line_error()}")
     if bad:
         raise RuntimeError("could not start from scratch: " + "; ".join(bad))
-    dep.state.remove(f"runs/deploy-{dep.profile.name}.json")
+    dep.records.remove(PlanMemory, f"deploy-{dep.profile.name}")
 
 
 def deploy(dep: Deployment, serial: bool, bench: bool = True) -> tuple[Outcome, list]:

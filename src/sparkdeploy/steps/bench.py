@@ -3,7 +3,7 @@ vLLM bench-serve metrics, each level's requests reported as ``Progress`` while t
 
 ``benchmark`` is the work itself and needs no deployment (``inv bench.run --url`` works
 without a profile); the registered step fills every option the task did not give from the
-profile (its endpoint and ``bench`` section)."""
+profile (the endpoint serve.up recorded or the profile's, and its ``bench`` section)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from sparkdeploy.bench.client import BenchError, Settings
 from sparkdeploy.bench.report import level_name
 from sparkdeploy.bench.sweep import STEP, check_baseline, run_sweep, save_json
 from sparkdeploy.deployment import Deployment
+from sparkdeploy.endpoint import url as endpoint_url
 from sparkdeploy.events import EventSink
 from sparkdeploy.files import write_atomic
 from sparkdeploy.results import Result, changed, failed, ok
@@ -99,9 +100,10 @@ def run(dep: Deployment, url: str | None = None, settings: Settings | None = Non
         tolerance: float = 10.0) -> list[Result]:
     """Benchmark the profile's endpoint (or ``url``) with the profile's bench settings."""
     b = dep.profile.bench
-    url = url or dep.profile.endpoint
+    url = url or endpoint_url(dep)
     if not url:
-        return [dep.report(failed(STEP, "the profile has no endpoint (sparkdeploy.endpoint)"))]
+        return [dep.report(failed(STEP, "no endpoint: none recorded by serve.up and the profile "
+                                        "has none (endpoint)"))]
     settings = settings or Settings(input_tokens=b.input_tokens, output_tokens=b.output_tokens)
     return benchmark(dep.events, url, settings, concurrency=concurrency or list(b.concurrency),
                      rates=rates, requests=requests or b.requests,

@@ -23,10 +23,12 @@ import time
 from typing import Any
 
 from sparkdeploy.deployment import Deployment
+from sparkdeploy.endpoint import url as endpoint_url
 from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image
-from sparkdeploy.records import Written, markdown_table
+from sparkdeploy.records import DeployRun, ServeDecision, Written, markdown_table
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.runner import Outcome, PlanStep, StepRun, flat
+from sparkdeploy.steps.images import decision
 from sparkdeploy.steps.registry import step
 
 PURGE = "deploy.purge"
@@ -49,13 +51,10 @@ def _section(dep: Deployment, *keys: str) -> dict[str, Any]:
     return flat({k: data.get(k) for k in keys})
 
 
-def probe_record(dep: Deployment) -> dict[str, Any]:
-    """The image decision (``image.probe``'s record), {} before there is one."""
-    return dep.records.data("image-probe") or {}
-
-
 def chosen(dep: Deployment) -> dict[str, Any]:
-    return probe_record(dep).get("chosen") or {}
+    """The image ``image.probe`` chose ({} before it has chosen one)."""
+    rec = decision(dep)
+    return rec.chosen.model_dump() if rec and rec.chosen else {}
 
 
 def _image_id(dep: Deployment, ref: str | None) -> str | None:
@@ -170,30 +169,12 @@ def why_skip_bench(dep: Deployment, runs: dict[str, StepRun], forced: bool) -> s
     run and ``forced`` (``--bench``) is not given."""
     if dep.dry:
         return (f"would run {SMOKE['requests']} requests at concurrency {SMOKE['concurrency'][0]} "
-                f"against {endpoint_of(runs, dep) or 'the endpoint serve.up reports'}")
+                f"against {endpoint_url(dep) or 'the endpoint serve.up records'}")
     if forced:
         return None
     if any(r.changed for r in runs.values()):
         return None
     return "nothing changed in this run (--bench runs it anyway)"
-
-
-def endpoint_of(runs: dict[str, StepRun], dep: Deployment) -> str | None:
-    """The endpoint serve.up reported (details or its ``endpoint:`` line), else the profile's."""
-    for r in reversed(runs.get("serve.up", StepRun("serve.up")).results):
-        url = r.details.get("endpoint") or r.details.get("url")
-        if url:
-            return str(url)
-        if r.why.startswith("endpoint: "):
-            return r.why.split(" ", 1)[1].strip()
-    rec = None
-    try:
-        rec = dep.records.data("serve") or dep.records.data("endpoint")
-    except Exception:
-        rec = None
-    if rec and rec.get("endpoint"):
-        return str(rec["endpoint"])
-    return dep.profile.endpoint
 
 
 # --- the plan --------------------------------------------------------------------------------
@@ -212,7 +193,7 @@ def plan(dep: Deployment, *, bench: bool = False, persist: bool = False) -> list
         PlanStep("model.sync", {"to": workers}, fingerprint=fp_sync),
         PlanStep("model.verify", fingerprint=fp_sync),
         PlanStep("serve.up", fingerprint=fp_serve, redo="serve.down"),
-        PlanStep("bench.run", {**SMOKE, "url": lambda d, runs: endpoint_of(runs, d),
+        PlanStep("bench.run", {**SMOKE, "url": lambda d, runs: endpoint_url(d),
                                "settings": smoke_settings},
                  fingerprint=fp_bench, when=lambda d, runs: why_skip_bench(d, runs, bench)),
     ]
@@ -350,19 +331,18 @@ def _level(run: dict[str, Any]) -> dict[str, Any]:
 def _engine(runs: dict[str, StepRun], dep: Deployment) -> dict[str, Any]:
     """The engine serving and why: serve.up's record (each engine tried, its diagnosis class
     and evidence lines), and what serve.up said in this run."""
-    rec = dep.records.read("serve") or {}
-    data = rec.get("data") or {}
+    rec = dep.records.read(ServeDecision)
     r = runs.get("serve.up")
     said = [x.why for x in r.results] if r else []
-    chosen = data.get("chosen") or next(
+    chosen = (rec.chosen if rec else None) or next(
         (x.details.get("engine") for x in reversed(r.results if r else []) if x.details.get("engine")), None)
     tried = [{"engine": a.get("engine"), "outcome": a.get("outcome"), "class": a.get("class"),
               "phase": a.get("phase"), "why": a.get("why"),
               "fallback_after_s": a.get("fallback_after_s"),
               "evidence": [list(e) for e in (a.get("evidence") or [])[:6]]}
-             for a in data.get("tried") or []]
-    return {"chosen": chosen, "tried": tried, "decided": rec.get("time_iso"),
-            "run_dir": data.get("run_dir"), "serve_up": said}
+             for a in (rec.tried if rec else [])]
+    return {"chosen": chosen, "tried": tried, "decided": rec.made.time_iso if rec and rec.made else None,
+            "run_dir": rec.run_dir if rec else None, "serve_up": said}
 
 
 def _engine_markdown(engine: dict[str, Any]) -> list[str]:
@@ -386,15 +366,15 @@ def _engine_markdown(engine: dict[str, Any]) -> list[str]:
 def write_record(dep: Deployment, out: Outcome, steps: list[PlanStep]) -> Written | None:
     if dep.dry:
         return None
-    rec = probe_record(dep)
-    c = rec.get("chosen") or {}
+    rec = decision(dep)
+    c = chosen(dep)
     serve_image = c.get("serve_image")
     image = {"tag": serve_image, "id": _image_id(dep, serve_image), "base": c.get("image"),
              "base_id": _image_id(dep, c.get("image")), "engine": c.get("engine"),
-             "needs_layer": c.get("needs_layer"), "summary": rec.get("summary"),
-             "candidates": rec.get("candidates") or []}
+             "needs_layer": c.get("needs_layer"), "summary": rec.summary if rec else None,
+             "candidates": [x.model_dump() for x in rec.candidates] if rec else []}
     engine = _engine(out.runs, dep)
-    endpoint = endpoint_of(out.runs, dep)
+    endpoint = endpoint_url(dep)
     timing = {n: {"state": r.state, "elapsed": r.elapsed, "why": r.why} for n, r in out.runs.items()}
     data = {"plan": describe_plan(steps), "serial": out.serial, "wall_s": out.wall,
             "failed": out.failed, "changed": out.changed, "image": image, "engine": engine,
@@ -423,5 +403,6 @@ def write_record(dep: Deployment, out: Outcome, steps: list[PlanStep]) -> Writte
     else:
         md.append(f"- {bench['why'] if bench else 'not run'}")
     name = time.strftime("deploy-%Y%m%d-%H%M%S")
-    return dep.records.write(name, "deploy.all", data, "\n".join(md), title=f"Deployment of {dep.profile.name}")
+    return dep.records.write(DeployRun.model_validate(data), name, markdown="\n".join(md),
+                             title=f"Deployment of {dep.profile.name}")
 

@@ -34,14 +34,12 @@ from sparkdeploy.nodeops import (
     stage_script,
     verified,
 )
-from sparkdeploy.records import markdown_table
+from sparkdeploy.records import ImageDecision, Written, markdown_table
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.registry import step
 
 STEP_PROBE = "image.probe"
 STEP_BUILD = "image.build"
-RECORD = "image-probe"
-"""The decision record's name (``<state_dir>/decisions/image-probe.{json,md}``)."""
 LABEL_BASE_ID = "org.sparkdeploy.base.id"
 LABEL_TF = "org.sparkdeploy.transformers.version"
 LABEL_DOCKERFILE = "org.sparkdeploy.dockerfile.sha256"
@@ -272,15 +270,21 @@ def probe_markdown(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_record(dep: Deployment, record: dict[str, Any]):
-    return dep.records.write(RECORD, STEP_PROBE, record, probe_markdown(record),
+def write_record(dep: Deployment, record: dict[str, Any]) -> Written:
+    """The decision as ``ImageDecision`` (``<state_dir>/decisions/image-probe.{json,md}``)."""
+    return dep.records.write(ImageDecision.model_validate(record), markdown=probe_markdown(record),
                              title=f"Image decision for {dep.profile.name}")
+
+
+def decision(dep: Deployment) -> ImageDecision | None:
+    """What image.probe last decided (None before it has)."""
+    return dep.records.read(ImageDecision)
 
 
 def chosen_image(dep: Deployment) -> str | None:
     """The image the decision record says to serve, if image.probe chose one."""
-    data = dep.records.data(RECORD) or {}
-    return (data.get("chosen") or {}).get("serve_image")
+    rec = decision(dep)
+    return rec.chosen.serve_image if rec and rec.chosen else None
 
 
 # -- build -------------------------------------------------------------------------------------

@@ -24,17 +24,16 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.files import write_text_atomic
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image, stage, stage_script, verified
-from sparkdeploy.outside import MAX_BODY, HubName, OutsideError, loads, request
+from sparkdeploy.outside import HubName, OutsideError, request
+from sparkdeploy.records import SHA1, SHA256, HubMetadata, RecordError
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.registry import step
 from sparkdeploy.threads import together
@@ -46,8 +45,6 @@ CONTAINER = "sparkdeploy-model-download"
 GB = 1e9
 HUB_DEADLINE_S = 60.0
 """The whole of the hub's metadata call (a large repo's file list comes in well under it)."""
-SHA1 = r"^[0-9a-f]{40}$"
-SHA256 = r"^[0-9a-f]{64}$"
 
 
 class ModelError(Exception):
@@ -56,10 +53,10 @@ class ModelError(Exception):
 
 # --- the hub's metadata, cached on the controller ------------------------------------------
 
-def cache_path(dep: Deployment) -> str:
+def cache_name(dep: Deployment) -> str:
+    """The ``HubMetadata`` record's name: ``<repo>@<revision>``, ``/`` spelled ``--``."""
     m = dep.profile.model
-    name = f"{m.repo.replace('/', '--')}@{m.revision.replace('/', '--')}.json"
-    return os.path.join(str(dep.state.path), "model", name)
+    return f"{m.repo.replace('/', '--')}@{m.revision.replace('/', '--')}"
 
 
 def controller_token() -> str | None:
@@ -107,25 +104,6 @@ class _ModelInfo(BaseModel):
     siblings: list[_Sibling] = Field(max_length=100_000)
 
 
-class HubFile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    path: HubName
-    size: int = Field(ge=0)
-    sha256: str | None = Field(pattern=SHA256)
-    oid: str | None = Field(pattern=SHA1)
-
-
-class HubMeta(BaseModel):
-    """The repo's files at one commit, as cached under the state dir and staged as the spec."""
-
-    model_config = ConfigDict(extra="forbid")
-    repo: str
-    revision: str
-    commit: str = Field(pattern=SHA1)
-    files: list[HubFile]
-    fetched_at: float = Field(ge=0, allow_inf_nan=False)
-
-
 def fetch_metadata(dep: Deployment) -> dict[str, Any]:
     """The repo's files at the profile's revision (allow_patterns applied) from the hub, every
     one checked (``HubName``); ``OutsideError`` when the hub does not answer in time,
@@ -155,26 +133,13 @@ def fetch_metadata(dep: Deployment) -> dict[str, Any]:
             "fetched_at": time.time()}
 
 
-def read_cache(path: str) -> tuple[dict[str, Any] | None, str]:
-    """(the cached metadata, why there is none usable): a cache that does not fit is never
-    used (a tampered one could name files outside the model dir)."""
-    try:
-        with open(path, "rb") as f:
-            text = f.read(MAX_BODY + 1)
-    except FileNotFoundError:
-        return None, ""
-    except OSError as e:
-        return None, f"{path}: {e.strerror}"
-    try:
-        return loads(HubMeta, text, path).model_dump(), ""
-    except OutsideError as e:
-        return None, str(e)
-
-
 def metadata(dep: Deployment, refresh: bool = True) -> tuple[dict[str, Any], str]:
     """(metadata, note): fresh from the hub when it answers (and cached), else the cache."""
-    path = cache_path(dep)
-    cached, bad_cache = read_cache(path)
+    try:
+        rec = dep.records.read(HubMetadata, cache_name(dep))
+        cached, bad_cache = (rec.model_dump() if rec else None), ""
+    except RecordError as e:  # never used: a tampered one could name files outside the model dir
+        cached, bad_cache = None, str(e)
     if cached and not refresh:
         return cached, ""
     try:
@@ -191,8 +156,7 @@ def metadata(dep: Deployment, refresh: bool = True) -> tuple[dict[str, Any], str
         raise ModelError(f"{meta['repo']}@{meta['revision']}: no file matches allow_patterns "
                          f"{dep.profile.model.allow_patterns}")
     if not dep.dry:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_text_atomic(Path(path), json.dumps(meta, indent=1, sort_keys=True))
+        dep.records.write(HubMetadata.model_validate(meta), cache_name(dep))
     return meta, ""
 
 

@@ -32,7 +32,7 @@ from sparkdeploy.engines import EngineError, Launch, launch
 from sparkdeploy.engines.base import API_KEY_ENV, run_args, secret_lines
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import NodeUnreachable, docker, stage_script, verified
-from sparkdeploy.records import markdown_table
+from sparkdeploy.records import Endpoint, ServeDecision, markdown_table
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps import serve_preflight
 from sparkdeploy.steps.registry import step
@@ -43,7 +43,6 @@ STEP_UP = "serve.up"
 STEP_DOWN = "serve.down"
 STEP_STATUS = "serve.status"
 STEP_LOGS = "serve.logs"
-RECORD = "serve"
 
 # --- one engine ---------------------------------------------------------------------------
 
@@ -215,8 +214,8 @@ def write_record(dep: Deployment, run: Run, chosen: str | None, url: str | None)
         if "fallback_after_s" in a:
             md += (f"\n{a['engine']}: {a['fallback_after_s']:.1f}s from the hang's start (last "
                    f"output or readiness step) to starting the next engine.\n")
-    dep.records.write(RECORD, STEP_UP, {"tried": run.attempts, "chosen": chosen, "endpoint": url,
-                                        "run_dir": str(run.dir)}, md, title="serve.up: engine")
+    dep.records.write(ServeDecision(tried=run.attempts, chosen=chosen, run_dir=str(run.dir)),
+                      markdown=md, title="serve.up: engine")
 
 
 def _order(dep: Deployment, first: str | None) -> list[Engine]:
@@ -231,13 +230,13 @@ def _order(dep: Deployment, first: str | None) -> list[Engine]:
 
 def already_serving(dep: Deployment, engine: Engine) -> str | None:
     rec = ep.recorded(dep.records)
-    if not rec or rec.get("engine") != engine.name:
+    if not rec or rec.engine != engine.name:
         return None
     head = dep.host(dep.profile.head.name)
     running = [c for c in ours(head, dep.profile.name, engine.name) if c["state"] == "running"]
     if not running:
         return None
-    url = rec["endpoint"]
+    url = rec.url
     if ep.health(url) and dep.profile.model.repo in ep.models(url):
         return url
     return None
@@ -312,9 +311,8 @@ def up(dep: Deployment, engine: str | None = None) -> list[Result]:
                 write_record(dep, run, None, None)
             return [*replaced, *results]
         write_record(dep, run, eng.name, url)
-        dep.records.write(ep.RECORD, STEP_UP, {"endpoint": url, "url": url, "engine": eng.name,
-                                               "model": dep.profile.model.repo,
-                                               "api_key_env": API_KEY_ENV if run.secrets else None})
+        dep.records.write(Endpoint(url=url, engine=eng.name, model=dep.profile.model.repo,
+                                   api_key_env=API_KEY_ENV if run.secrets else None))
         tried = [a["engine"] for a in run.attempts]
         note = f" (after {', '.join(tried)} failed)" if tried else ""
         results.append(dep.report(changed(
@@ -395,13 +393,13 @@ def status(dep: Deployment) -> list[Result]:
     if ray:
         results.append(dep.report(ok(STEP_STATUS, ray, dep.profile.head.name)))
     rec = ep.recorded(dep.records)
-    url = (rec or {}).get("endpoint") or dep.profile.endpoint
+    url = ep.url(dep)
     if not url:
         results.append(dep.report(ok(STEP_STATUS, "no endpoint recorded (serve.up records it)")))
         return results
     listed = ep.models(url)
     if ep.health(url) and dep.profile.model.repo in listed:
-        engine = f" ({rec['engine']})" if rec and rec.get("engine") else ""
+        engine = f" ({rec.engine})" if rec else ""
         results.append(dep.report(ok(STEP_STATUS, f"endpoint: {url} healthy{engine}, serves "
                                      f"{dep.profile.model.repo}", endpoint=url)))
     else:

@@ -135,8 +135,8 @@ def stop_units(dep: Deployment, host: Host) -> list[str]:
 
 def _engine(dep: Deployment, name: str | None) -> Engine | None:
     if name is None:
-        rec = ep.recorded(dep.records) or {}
-        name = rec.get("engine")
+        rec = ep.recorded(dep.records)
+        name = rec.engine if rec else None
     return next((e for e in dep.profile.engines if e.name == name), None)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.events import Progress
 from sparkdeploy.hosts import Host, NodeUnreachable
+from sparkdeploy.records import StoppedServices
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.registry import step
 from sparkdeploy.wait import Stop, WaitTimeout, wait_for
@@ -78,20 +79,18 @@ def parse_compute_apps(text: str) -> list[GpuProcess]:
     return procs
 
 
-def _record_name(dep: Deployment) -> str:
-    return f"services/{dep.profile.name}.json"
-
-
 def read_record(dep: Deployment) -> dict[str, list[str]]:
-    return dep.state.read_json(_record_name(dep), {}) or {}
+    """{node: units stopped by services.stop, in stop order} (``StoppedServices``)."""
+    rec = dep.records.read(StoppedServices, dep.profile.name)
+    return dict(rec.units) if rec else {}
 
 
 def _write_record(dep: Deployment, record: dict[str, list[str]]) -> None:
     record = {k: v for k, v in record.items() if v}
     if record:
-        dep.state.write_json(_record_name(dep), record)
+        dep.records.write(StoppedServices(units=record), dep.profile.name)
     else:
-        dep.state.remove(_record_name(dep))
+        dep.records.remove(StoppedServices, dep.profile.name)
 
 
 def _merge(previous: list[str], new: list[str], order: list[str]) -> list[str]:

@@ -14,6 +14,7 @@ from sparkdeploy.config import ProfileError
 from sparkdeploy.deployment import Deployment, from_context
 from sparkdeploy.events import EventSink, describe, rendering
 from sparkdeploy.hosts import HostError
+from sparkdeploy.records import RecordError
 from sparkdeploy.results import Result
 from sparkdeploy.state import LockHeld
 from sparkdeploy.steps.registry import run_one
@@ -52,8 +53,8 @@ def run_step(c: Context, name: str, *, profile: str | None = None, lock: bool = 
     ``show(dep, results)`` (a table) and exit 1 on a failure.
 
     A bad profile or node name (``node=``/``to=`` options, named as their flag) exits 2;
-    a node that cannot be reached, a held lock or a wait that ran out exits 1; each with one
-    line."""
+    a node that cannot be reached, a held lock, a wait that ran out or a broken record exits 1;
+    each with one line."""
     dep = load(c, profile)
     for flag in ("node", "to"):  # node-name flags: an unknown name is a usage error
         if flag in options:
@@ -70,7 +71,7 @@ def run_step(c: Context, name: str, *, profile: str | None = None, lock: bool = 
                 results = run_one(dep, name, **options)
         except ProfileError as e:
             raise Exit(str(e), code=2) from None
-        except (HostError, LockHeld, WaitTimeout) as e:
+        except (HostError, LockHeld, WaitTimeout, RecordError) as e:
             raise Exit(str(e), code=1) from None
     if show is not None:
         show(dep, results)

@@ -47,10 +47,13 @@ def _profile(c: Context, profile: str | None, url: str | None):
         if url:
             return Bench(), None
         raise
-    from sparkdeploy.endpoint import recorded
+    from sparkdeploy.endpoint import url as endpoint_url
+    from sparkdeploy.records import RecordError
 
-    rec = recorded(dep.records) or {}
-    return dep.profile.bench, rec.get("endpoint") or dep.profile.endpoint
+    try:
+        return dep.profile.bench, None if url else endpoint_url(dep)
+    except RecordError as e:
+        raise Exit(str(e), code=1) from None
 
 
 def _state_dir(c: Context) -> Path:

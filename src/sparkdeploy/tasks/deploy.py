@@ -9,8 +9,10 @@ from invoke import Collection
 from invoke.exceptions import Exit
 
 from sparkdeploy.config import ProfileError
+from sparkdeploy.endpoint import url as endpoint_url
 from sparkdeploy.events import rendering
 from sparkdeploy.hosts import HostError
+from sparkdeploy.records import RecordError
 from sparkdeploy.runner import Outcome, PlanError, Runner, select
 from sparkdeploy.state import LockHeld
 from sparkdeploy.steps import deploy as plans
@@ -29,6 +31,8 @@ def _run(c, profile, steps_for, name, *, serial=False, only=None, skip=None) -> 
         runner = Runner(dep, steps, name=name, serial=serial or dep.dry, left_out=left)
     except PlanError as e:
         raise Exit(str(e), code=2) from None
+    except RecordError as e:
+        raise Exit(str(e), code=1) from None
     if dep.dry:
         print(f"plan ({name}, dry run: every command per node, nothing changed):", flush=True)
         for line in plans.describe_plan(steps, left):
@@ -42,7 +46,7 @@ def _run(c, profile, steps_for, name, *, serial=False, only=None, skip=None) -> 
                     out = runner.run()
         except ProfileError as e:
             raise Exit(str(e), code=2) from None
-        except (HostError, LockHeld) as e:
+        except (HostError, LockHeld, RecordError) as e:
             raise Exit(str(e), code=1) from None
     return dep, steps, out
 
@@ -66,9 +70,13 @@ def all_(c, serial=False, only=None, skip=None, bench=False, persist=False, prof
     (with fallback), bench smoke, optionally persist; resumable, records every decision."""
     dep, steps, out = _run(c, profile, lambda d: plans.plan(d, bench=bench, persist=persist),
                            "deploy", serial=serial, only=only, skip=skip)
-    written = plans.write_record(dep, out, steps)
+    try:
+        written = plans.write_record(dep, out, steps)
+        endpoint = endpoint_url(dep)
+    except RecordError as e:
+        raise Exit(str(e), code=1) from None
     print(f"took: {out.wall:.1f}s{' (serial)' if out.serial else ''}", flush=True)
-    print(f"endpoint: {plans.endpoint_of(out.runs, dep) or '-'}", flush=True)
+    print(f"endpoint: {endpoint or '-'}", flush=True)
     print(f"record: {written.markdown if written else 'none (dry run)'}", flush=True)
     _finish(out)
 

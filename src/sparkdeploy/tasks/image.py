@@ -12,10 +12,10 @@ from sparkdeploy.tasks._flags import task
 def _probe_table(dep, results) -> None:
     """The candidates from the record this run wrote (none in a dry run or when it stopped
     before deciding)."""
-    record = dep.records.data(images.RECORD)
     decided = any("chosen" in r.details for r in results) and not dep.dry
-    if record and decided:
-        table("image candidates", images.PROBE_COLUMNS, images.probe_rows(record))
+    record = images.decision(dep) if decided else None
+    if record:
+        table("image candidates", images.PROBE_COLUMNS, images.probe_rows(record.model_dump()))
 
 
 @task(default=True, help={"profile": "profile file"})
