@@ -61,7 +61,7 @@ def test_each_kind_has_its_home(tmp_path):
         (rec.write(ServeDecision(chosen="sglang", run_dir="/r")), "decisions/serve.json"),
         (rec.write(StoppedServices(units={"spark1": ["a.service"]}), "qwen-lab"), "services/qwen-lab.json"),
         (rec.write(PlanMemory(steps={}), "deploy-qwen-lab"), "runs/deploy-qwen-lab.json"),
-        (rec.write(HubMetadata(repo="o/m", revision="main", commit="c", files=[], fetched_at=T),
+        (rec.write(HubMetadata(repo="o/m", revision="main", commit="c" * 40, files=[], fetched_at=T),
                    "o--m@main"), "model/o--m@main.json"),
     ]
     assert [w.json for w, _ in homes] == [state / p for _, p in homes]
