@@ -13,6 +13,7 @@ import yaml
 
 from sparkdeploy.config import ProfileError, load_profile
 from sparkdeploy.files import Escape, InputError, read_input, under
+from sparkdeploy.records import PlanMemory, RecordError, Records, StoppedServices
 from sparkdeploy.state import StateDir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -229,9 +230,9 @@ def test_under_accepts_a_name_below_the_root(tmp_path):
 
 
 def test_state_dir_writes_nothing_outside_itself(tmp_path):
-    state = StateDir(tmp_path / "state")
-    with pytest.raises(Escape):
-        state.write_json("runs/deploy-../../../x.json", {"a": 1})
-    with pytest.raises(Escape):
-        state.remove("../victim")
+    records = Records(StateDir(tmp_path / "state"), "p")
+    with pytest.raises(RecordError, match="bad record name"):
+        records.write(PlanMemory(steps={}), "deploy-../../../x")
+    with pytest.raises(RecordError, match="bad record name"):
+        records.remove(StoppedServices, "..")
     assert sorted(p.name for p in tmp_path.rglob("*")) == []

@@ -102,7 +102,7 @@ def test_secrets_never_reach_a_record(tmp_path):
     assert "hf_abcdefghijklmnop" not in w.markdown.read_text()
 
 
-@pytest.mark.parametrize("name", ["", "../x", "a/b", ".hidden", "..", "a\\b", "a\nb", "a\0b"])
+@pytest.mark.parametrize("name", ["", "../x", "a/b", ".hidden", "..", "a\nb", "a\0b"])
 def test_names_that_would_leave_the_folder_are_refused(tmp_path, name):
     with pytest.raises(RecordError, match="bad record name"):
         records(tmp_path).write(StoppedServices(units={}), name or None)
