@@ -12,23 +12,46 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-_SECRET_VALUE = re.compile(r"\bhf_[A-Za-z0-9]{8,}\b")
+
 REDACTED = "***"
+_WORD = r"(?:api[_-]?key|token|secret|password|passwd)"
+"""What names a secret: a key or flag whose name ends in one of these (``HF_TOKEN``,
+``--api-key``, ``"rsync_password"``; ``max_tokens`` does not)."""
+_FORMS: list[tuple[re.Pattern[str], str]] = [
+    # an HF token anywhere
+    (re.compile(r"\bhf_[A-Za-z0-9]{8,}\b"), REDACTED),
+    # a URL's credentials: scheme://user:password@ -> user:***@, scheme://token@ -> ***@
+    (re.compile(r"\b([a-z][a-z0-9+.-]*://)([^\s/@:]+):[^\s/]*@", re.I), rf"\1\2:{REDACTED}@"),
+    (re.compile(r"\b([a-z][a-z0-9+.-]*://)[^\s/@:]+@", re.I), rf"\1{REDACTED}@"),
+    # an Authorization value
+    (re.compile(r"\b(Bearer|Basic)\s+[A-Za-z0-9._~+/=-]+", re.I), rf"\1 {REDACTED}"),
+    # a quoted key and its quoted value (JSON, a Python repr): "HF_TOKEN": "..."
+    (re.compile(r"""(["'])([\w-]*""" + _WORD + r"""(?![A-Za-z0-9]))\1(\s*:\s*)(["'])(?:\\.|(?!\4).)*\4""",
+                re.I), rf"\1\2\1\3\4{REDACTED}\4"),
+    # a flag and its value: --api-key X, --api-key=X, --hf-token 'X'
+    (re.compile(r"""(--?[\w-]*""" + _WORD + r"""(?![\w-]))(=|\s+)('[^']*'|"[^"]*"|[^\s'"]+)""", re.I),
+     rf"\1\2{REDACTED}"),
+    # KEY=value (an environment assignment)
+    (re.compile(r"""\b(\w*""" + _WORD + r"""(?![A-Za-z0-9]))=('[^']*'|"[^"]*"|\S+)""", re.I),
+     rf"\1={REDACTED}"),
+]
+_SECRET_FLAG = re.compile(r"--?[\w-]*" + _WORD, re.I)
 
 
 def redact(text: str) -> str:
-    """Hide what looks like a secret: HF tokens anywhere, values of KEY=... for secret keys."""
-    text = _SECRET_VALUE.sub(REDACTED, text)
-
-    def _kv(m: re.Match[str]) -> str:
-        return f"{m.group(1)}={REDACTED}"
-
-    return re.sub(r"\b([A-Za-z_]*(?:TOKEN|SECRET|PASSWORD|PASSWD|API_KEY)[A-Za-z_]*)=(\S+)", _kv, text,
-                  flags=re.IGNORECASE)
+    """Hide what looks like a secret: HF tokens anywhere, a URL's credentials, Bearer/Basic
+    values, quoted ``"KEY": "value"`` and ``KEY=value`` for secret keys, ``--secret-flag value``."""
+    for form, replacement in _FORMS:
+        text = form.sub(replacement, text)
+    return text
 
 
 def redact_argv(argv: Iterable[str]) -> list[str]:
-    return [redact(a) for a in argv]
+    """Each argument redacted, and the argument after a secret flag (``--api-key X``)."""
+    out: list[str] = []
+    for a in argv:
+        out.append(REDACTED if out and _SECRET_FLAG.fullmatch(out[-1]) else redact(a))
+    return out
 
 
 class LockHeld(Exception):

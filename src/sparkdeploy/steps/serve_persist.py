@@ -23,6 +23,7 @@ import hashlib
 import json
 from typing import Any
 
+from sparkdeploy import checks
 from sparkdeploy import endpoint as ep
 from sparkdeploy.config import Engine
 from sparkdeploy.deployment import Deployment
@@ -47,25 +48,47 @@ def unit_name(engine: str) -> str:
     return f"sparkdeploy-{engine}.service"
 
 
+class UnitValueError(ValueError):
+    """A value that cannot go into a unit file (it would end its line or continue it)."""
+
+
+def unit_file(sections: dict[str, list[tuple[str, str]]]) -> str:
+    """A systemd unit file from ``{section: [(key, value), ...]}``: every value is one line.
+
+    A value holding a control character (a newline would start a directive of its own) or
+    ending in a backslash (which continues the line) is refused whatever the schema allowed;
+    ``%`` is doubled (systemd would expand it as a specifier)."""
+    out = []
+    for section, items in sections.items():
+        out.append(f"[{section}]")
+        for key, value in items:
+            if checks.control_char(key + value) is not None or value.endswith("\\"):
+                raise UnitValueError(f"{key}={value!r} cannot go into a unit file")
+            out.append(f"{key}={value.replace('%', '%%')}")
+        out.append("")
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
 def unit_text(dep: Deployment, engine: Engine, host: Host, roles: list[str]) -> str:
     spec = f"{NODE_DIR}/{engine.name}.json"
     sup = f"{NODE_DIR}/{SUPERVISOR}"
-    return (
-        "[Unit]\n"
-        f"Description=sparkdeploy {engine.name} ({', '.join(roles)}) of {dep.profile.name} "
-        f"on {host.name}\n"
-        "Wants=docker.service network-online.target\n"
-        "After=docker.service network-online.target\n"
-        "\n[Service]\n"
-        "Type=simple\n"
-        f"ExecStart={PYTHON} {sup} run --spec {spec}\n"
-        f"ExecStop={PYTHON} {sup} stop --spec {spec}\n"
-        "Restart=on-failure\n"
-        "RestartSec=10\n"
-        "TimeoutStopSec=120\n"
-        "\n[Install]\n"
-        "WantedBy=multi-user.target\n"
-    )
+    return unit_file({
+        "Unit": [
+            ("Description", f"sparkdeploy {engine.name} ({', '.join(roles)}) of "
+                            f"{dep.profile.name} on {host.name}"),
+            ("Wants", "docker.service network-online.target"),
+            ("After", "docker.service network-online.target"),
+        ],
+        "Service": [
+            ("Type", "simple"),
+            ("ExecStart", f"{PYTHON} {sup} run --spec {spec}"),
+            ("ExecStop", f"{PYTHON} {sup} stop --spec {spec}"),
+            ("Restart", "on-failure"),
+            ("RestartSec", "10"),
+            ("TimeoutStopSec", "120"),
+        ],
+        "Install": [("WantedBy", "multi-user.target")],
+    })
 
 
 def group_spec(dep: Deployment, lau: Launch, host: Host) -> dict[str, Any]:
@@ -179,6 +202,11 @@ def persist(dep: Deployment, engine: str | None = None) -> list[Result]:
     results: list[Result] = []
     wrote: dict[str, bool] = {}
     supervisor = (SCRIPTS / SUPERVISOR).read_text()
+    try:  # every unit file first: a value that cannot go into one writes none
+        units = {h.name: unit_text(dep, eng, h, [c.role for c in lau.on(h.name)])
+                 for h in hosts if lau.on(h.name)}
+    except UnitValueError as e:
+        return [dep.report(failed(STEP_PERSIST, str(e)))]
     for h in hosts:
         if not lau.on(h.name):
             continue
@@ -191,7 +219,7 @@ def persist(dep: Deployment, engine: str | None = None) -> list[Result]:
         w1 = put_file(h, f"{NODE_DIR}/{SUPERVISOR}", supervisor, "0755")
         w2 = put_file(h, f"{NODE_DIR}/{eng.name}.json",
                       json.dumps(group_spec(dep, lau, h), indent=2, sort_keys=True) + "\n", "0600")
-        w3 = put_file(h, f"{UNIT_DIR}/{unit}", unit_text(dep, eng, h, roles))
+        w3 = put_file(h, f"{UNIT_DIR}/{unit}", units[h.name])
         wrote[h.name] = w1 or w2 or w3
         h.run(["systemctl", "daemon-reload"], sudo=True)
         r = h.run(["systemctl", "enable", "--", unit], sudo=True)
