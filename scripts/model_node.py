@@ -59,6 +59,7 @@ from collections.abc import Callable
 META = ".sparkdeploy"
 RECORD = "verified.jsonl"
 LOCK = "download.lock"
+CREATED = "created"
 CHUNK = 1024 * 1024
 HF_META = os.path.join(".cache", "huggingface", "download")
 
@@ -78,6 +79,25 @@ def say(text: str) -> None:
 
 
 # --- records -------------------------------------------------------------------------------
+
+def make_root(root: str) -> None:
+    """The model dir, made when missing; only a dir made here gets the ``CREATED`` marker, the
+    one thing ``deploy.rollback --purge`` removes a model dir by (never a dir it was given)."""
+    if os.path.isdir(root):
+        return
+    os.makedirs(root)
+    with open(os.path.join(meta_dir(root), CREATED), "w", encoding="utf-8") as f:
+        f.write("made by sparkdeploy; deploy.rollback --purge may remove this directory\n")
+
+
+def cmd_mkroot(a: argparse.Namespace) -> int:
+    try:
+        make_root(a.dir)
+    except OSError as e:
+        say(f"error: cannot create {a.dir}: {e.strerror or e}")
+        return 3
+    return 0
+
 
 def meta_dir(root: str) -> str:
     d = os.path.join(root, META)
@@ -453,7 +473,7 @@ def cmd_fetch(a: argparse.Namespace) -> int:
     with open(a.spec, encoding="utf-8") as f:
         spec = json.load(f)
     root = a.dir
-    os.makedirs(root, exist_ok=True)
+    make_root(root)
     lockf = open(os.path.join(meta_dir(root), LOCK), "w")
     try:
         fcntl.flock(lockf, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -524,7 +544,7 @@ class DaemonError(Exception):
 def start_rsyncd(a: argparse.Namespace, secret: str) -> tuple[subprocess.Popen, int, str]:
     """An rsync daemon bound to ``a.address`` only, under a guard (``guard``) that lives as long
     as this helper: (the guard, port, private directory)."""
-    os.makedirs(a.dir, exist_ok=True)
+    make_root(a.dir)
     priv = tempfile.mkdtemp(prefix="sparkdeploy-rsyncd-")  # 0700, ours
     secrets = os.path.join(priv, "secrets")
     fd = os.open(secrets, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -812,6 +832,7 @@ def cmd_receive(a: argparse.Namespace) -> int:
         print(json.dumps(no_counts()))
         return 0
     files = {rel: files[rel] for rel in json.loads(first[7:]) if rel in files}
+    make_root(root)
     if shutil.which("rsync") is None:
         say("error: rsync is not installed on this node (apt-get install rsync)")
         return 7
@@ -877,6 +898,8 @@ def main(argv: list[str] | None = None) -> int:
     e = sub.add_parser("venv")
     e.add_argument("--venv", required=True)
     e.add_argument("--index-url", required=True)
+    k = sub.add_parser("mkroot")
+    k.add_argument("--dir", required=True)
     r = sub.add_parser("receive")
     r.add_argument("--dir", required=True)
     r.add_argument("--spec", required=True)
@@ -892,7 +915,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         return {"verify": cmd_verify, "fetch": cmd_fetch, "venv": cmd_venv,
-                "receive": cmd_receive, "guard": cmd_guard}[a.cmd](a)
+                "receive": cmd_receive, "guard": cmd_guard, "mkroot": cmd_mkroot}[a.cmd](a)
     except SpecError as e:
         say(f"error: {e}")
         return 2

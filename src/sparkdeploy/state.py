@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-
 REDACTED = "***"
 _WORD = r"(?:api[_-]?key|token|secret|password|passwd)"
 """What names a secret: a key or flag whose name ends in one of these (``HF_TOKEN``,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from sparkdeploy.deployment import Deployment, load
 from sparkdeploy.events import PlainRenderer
-from sparkdeploy.lab import hub
+from sparkdeploy.lab import hub, layout
 from sparkdeploy.records import PlanMemory
 from sparkdeploy.runner import Outcome, Runner, longest_chain
 from sparkdeploy.steps import deploy as plans
@@ -53,9 +53,9 @@ def fresh(dep: Deployment) -> None:
     from sparkdeploy.steps.registry import run_one
 
     bad = [r.why for r in run_one(dep, "serve.down") if r.failed]
-    path = plans.safe_model_path(dep.profile.model.path)
-    if path is None:
-        raise RuntimeError(f"model.path {dep.profile.model.path!r} is not safe to remove")
+    path = dep.profile.model.path
+    if not path.startswith(layout.MODEL_DIR + "/"):  # the lab made MODEL_DIR on its nodes
+        raise RuntimeError(f"model.path {path!r} is not under the lab's {layout.MODEL_DIR}")
     for n in dep.profile.nodes:
         r = dep.host(n.name).run(["rm", "-rf", "--", path], sudo=True)
         if not r.ok:

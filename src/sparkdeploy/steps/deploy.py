@@ -18,12 +18,12 @@ step's timing, the endpoint, the bench summary.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.endpoint import url as endpoint_url
+from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image
 from sparkdeploy.records import DeployRun, ServeDecision, Written, markdown_table
 from sparkdeploy.results import Result, changed, failed, ok, skipped
@@ -244,19 +244,27 @@ def describe_plan(steps: list[PlanStep], left_out: dict[str, str] | None = None)
 
 # --- purge (rollback --purge) ----------------------------------------------------------------
 
-def safe_model_path(path: str) -> str | None:
-    """The model path when it is safe to delete recursively, else None."""
-    norm = os.path.normpath(path)
-    if not os.path.isabs(norm) or norm != path.rstrip("/") or norm.count("/") < 2:
-        return None
-    if norm in {"/srv", "/home", "/root", "/var", "/usr", "/etc", "/opt", "/tmp", "/var/lib"}:
-        return None
-    return norm
+CREATED = ".sparkdeploy/created"
+"""The marker the node helper leaves in a model dir it made (``model_node.py``'s META/CREATED):
+``--purge`` removes a model dir only when it carries it, never a path it was merely given."""
+
+
+def remove_model_dir(host: Host, path: str) -> tuple[str, str]:
+    """Remove the model dir ``path`` on ``host`` when sparkdeploy made it: (status, why)."""
+    marked = host.run(["test", "-f", f"{path.rstrip('/')}/{CREATED}"], change=False)
+    if not marked.ok:
+        return "skipped", (f"{path} was not made by sparkdeploy (no {CREATED} in it): left in "
+                           "place, remove what you want of it yourself")
+    r = host.run(["rm", "-rf", "--", path], sudo=True)
+    if r.dry:
+        return "skipped", f"would remove {path} (sparkdeploy made it)"
+    return ("changed", f"removed {path}") if r.ok else ("failed", f"rm {path}: {r.one_line_error()}")
 
 
 def purge_targets(dep: Deployment) -> list[str]:
     """What ``--purge`` removes, one line each (shown before asking)."""
-    out = [f"{n.name}: the weights in {dep.profile.model.path}" for n in dep.profile.nodes]
+    out = [f"{n.name}: the weights in {dep.profile.model.path} (if sparkdeploy made that directory)"
+           for n in dep.profile.nodes]
     out += [f"{n.name}: images built by sparkdeploy (label {LABEL_BUILT})" for n in dep.profile.nodes]
     refs = _shipped_refs(dep)
     out += [f"{n.name}: {', '.join(refs)} (shipped there by sparkdeploy)" for n in dep.profile.workers]
@@ -274,17 +282,12 @@ def _shipped_refs(dep: Deployment) -> list[str]:
 def purge(dep: Deployment, **_: Any) -> list[Result]:
     """Remove the weights and sparkdeploy's images (built on any node, shipped to workers)."""
     out: list[Result] = []
-    path = safe_model_path(dep.profile.model.path)
     workers = {n.name for n in dep.profile.workers}
     for node in dep.profile.nodes:
         host = dep.host(node.name)
-        if path is None:
-            out.append(dep.report(failed(PURGE, f"model.path {dep.profile.model.path!r} is not a "
-                                         "path I delete recursively", host.name)))
-        else:
-            r = host.run(["rm", "-rf", "--", path], sudo=True)
-            out.append(dep.report((skipped if r.dry else changed if r.ok else failed)(
-                PURGE, f"removed {path}" if r.ok else f"rm {path}: {r.one_line_error()}", host.name)))
+        status, why = remove_model_dir(host, dep.profile.model.path)
+        out.append(dep.report({"skipped": skipped, "changed": changed, "failed": failed}[status](
+            PURGE, why, host.name)))
         ls = host.run(docker(host, "image", "ls", "-q", "--filter", f"label={LABEL_BUILT}"), change=False)
         ids = sorted(set(ls.stdout.split())) if ls.ok else []
         refs = [ref for ref in _shipped_refs(dep) if host.name in workers and inspect_image(host, ref)]

@@ -346,7 +346,7 @@ def run_fetch(dep: Deployment, host: Host, rt: Runtime, st: Staged, meta: dict[s
               only: list[str] | None, step_name: str) -> tuple[dict[str, Any] | None, str]:
     """Run the downloader on the node; (its report, the one line of why when it failed)."""
     m = dep.profile.model
-    mk = host.run(["mkdir", "-p", "--", m.path])
+    mk = host.run(["python3", st.script, "mkroot", "--dir", m.path])
     if not mk.ok:
         return None, f"cannot create {m.path}: {mk.one_line_error()}"
     own = host.run(["stat", "-c", "%u:%g", "--", m.path], change=False)
