@@ -11,6 +11,7 @@ from invoke import Context
 
 from sparkdeploy.config import Profile, ProfileError, load_profile
 from sparkdeploy.events import EventSink
+from sparkdeploy.facts import Facts
 from sparkdeploy.hosts import Host
 from sparkdeploy.records import Records
 from sparkdeploy.results import Result
@@ -29,11 +30,15 @@ class Deployment:
     """The one clock of a deployment (steps' durations, waits, the hosts' journal)."""
     events: EventSink = field(default_factory=EventSink)
     """The one event stream of this deployment (steps' results and progress, hosts' echo)."""
+    facts: Facts = field(init=False)
+    """What this run knows of its nodes (gathered once per node, forgotten on a change)."""
 
     def __post_init__(self) -> None:
         for h in self.hosts.values():
             h.events = self.events
             h.clock = self.clock
+        self.facts = Facts(self.hosts)
+        self.events.listeners.append(self.facts.heard)
 
     @property
     def records(self) -> Records:

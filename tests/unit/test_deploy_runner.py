@@ -315,8 +315,7 @@ def test_task_bad_step_name_is_one_line_exit_2(tmp_path):
 def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
     from sparkdeploy.steps import deploy as plans
 
-    monkeypatch.setattr(plans, "_image_id", lambda dep, ref: f"sha256:{ref}" if ref else None)
-    monkeypatch.setattr(plans, "head_image_ids", lambda dep, node=None: {})
+    monkeypatch.setattr(plans, "image_id", lambda dep, ref, node=None: f"sha256:{ref}" if ref else None)
     dep = dep_for(tmp_path)
     chosen = {"image": "base:1", "kind": "sglang", "serve_image": "layer:1", "needs_layer": False}
     dep.records.write(ImageDecision(

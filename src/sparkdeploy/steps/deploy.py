@@ -57,15 +57,61 @@ def chosen(dep: Deployment) -> dict[str, Any]:
     return rec.chosen.model_dump() if rec and rec.chosen else {}
 
 
-def _image_id(dep: Deployment, ref: str | None) -> str | None:
-    if not ref:
-        return None
-    head = dep.host(dep.profile.head.name)
+# --- the node facts they read (``dep.facts``: once per node per run) ----------------------------
+
+IMAGE_LIST = ("image", "ls", "--no-trunc", "--format", "{{.Repository}}:{{.Tag}} {{.ID}}")
+
+
+def _tagged(ref: str) -> str:
+    return ref if ":" in ref.rsplit("/", 1)[-1] else f"{ref}:latest"
+
+
+def _image_list(host: Host) -> dict[str, str] | None:
+    """{repo:tag: image ID} of every tagged image on the node, in one command (None when the
+    node cannot be reached)."""
     try:
-        info = inspect_image(head, ref)
+        r = host.run(docker(host, *IMAGE_LIST), change=False)
+    except NodeUnreachable:
+        return None
+    if not r.ok:
+        return {}
+    return dict(line.split(" ", 1) for line in r.stdout.splitlines() if " " in line)
+
+
+def _inspected_id(host: Host, ref: str) -> str | None:
+    try:
+        info = inspect_image(host, ref)
     except NodeUnreachable:
         return None
     return info.get("Id") if info else None
+
+
+def image_id(dep: Deployment, ref: str | None, node: str | None = None) -> str | None:
+    """The ID of image ``ref`` on the head (or ``node``): by its tag in the node's image list,
+    else (a digest, an ID, a name the list spells otherwise) by inspecting it; None if absent."""
+    if not ref:
+        return None
+    node = node or dep.profile.head.name
+    listed = dep.facts.get(node, "images", _image_list)
+    if listed is None:
+        return None
+    return listed.get(_tagged(ref)) or dep.facts.get(node, f"image {ref}",
+                                                     lambda h: _inspected_id(h, ref))
+
+
+def unit_states(dep: Deployment, node: str) -> dict[str, str] | None:
+    """{unit: active state} of the units the profile stops on ``node`` (None: unreachable or
+    systemctl failed)."""
+    from sparkdeploy.steps.services import probe_units
+
+    units = dep.profile.services.stop.get(node) or []
+
+    def gather(host: Host) -> dict[str, str] | None:
+        try:
+            return probe_units(host, units)[0] if units else {}
+        except NodeUnreachable:
+            return None
+    return dep.facts.get(node, "units", gather)
 
 
 def fp_hosts(dep: Deployment) -> dict[str, Any]:
@@ -75,39 +121,13 @@ def fp_hosts(dep: Deployment) -> dict[str, Any]:
 def fp_services(dep: Deployment) -> dict[str, Any]:
     """The units to stop and their state now: unchanged since a finished stop means they are
     still stopped (the GPU is then busy with this deployment's own engine, not theirs)."""
-    from sparkdeploy.steps.services import probe_units
-
     head = dep.profile.head.name
-    units = dep.profile.services.stop.get(head) or []
-    try:
-        states, _ = probe_units(dep.host(head), units) if units else ({}, "")
-    except NodeUnreachable:
-        states = None
-    return {**_section(dep, "services"), "head": head, **flat({"units_now": states})}
-
-
-def head_image_ids(dep: Deployment, node: str | None = None) -> dict[str, str]:
-    """{repo:tag: image ID} of every tagged image on the head (or ``node``), in one command."""
-    head = dep.host(node or dep.profile.head.name)
-    try:
-        r = head.run(docker(head, "image", "ls", "--no-trunc", "--format",
-                            "{{.Repository}}:{{.Tag}} {{.ID}}"), change=False)
-    except NodeUnreachable:
-        return {}
-    if not r.ok:
-        return {}
-    return dict(line.split(" ", 1) for line in r.stdout.splitlines() if " " in line)
-
-
-def _tagged(ref: str) -> str:
-    return ref if ":" in ref.rsplit("/", 1)[-1] else f"{ref}:latest"
+    return {**_section(dep, "services"), "head": head, **flat({"units_now": unit_states(dep, head)})}
 
 
 def fp_probe(dep: Deployment) -> dict[str, Any]:
     """The candidates by ID too: a tag that moved is a new candidate."""
-    have = head_image_ids(dep)
-    ids = {f"id[{c.ref}]": have.get(_tagged(c.ref)) or _image_id(dep, c.ref)
-           for c in dep.profile.images.candidates}
+    ids = {f"id[{c.ref}]": image_id(dep, c.ref) for c in dep.profile.images.candidates}
     return {**_section(dep, "images"), "model.repo": dep.profile.model.repo,
             "model.revision": dep.profile.model.revision, **ids}
 
@@ -121,9 +141,9 @@ def fp_ship(dep: Deployment) -> dict[str, Any]:
     """The image by ID on the head and on every worker: unchanged since a finished ship means
     every worker still holds what the head serves."""
     ref = chosen(dep).get("serve_image")
-    fp: dict[str, Any] = {"image": ref, "image_id": _image_id(dep, ref)}
+    fp: dict[str, Any] = {"image": ref, "image_id": image_id(dep, ref)}
     for n in dep.profile.workers:
-        fp[f"on[{n.name}]"] = head_image_ids(dep, n.name).get(_tagged(ref)) if ref else None
+        fp[f"on[{n.name}]"] = image_id(dep, ref, n.name)
     return fp
 
 
@@ -140,7 +160,7 @@ def fp_serve(dep: Deployment) -> dict[str, Any]:
     ID): a change to any of these redeploys the engine."""
     ref = chosen(dep).get("serve_image")
     return {**_section(dep, "engines", "nodes"), "model.path": dep.profile.model.path,
-            "model.repo": dep.profile.model.repo, "image": ref, "image_id": _image_id(dep, ref)}
+            "model.repo": dep.profile.model.repo, "image": ref, "image_id": image_id(dep, ref)}
 
 
 def fp_bench(dep: Deployment) -> dict[str, Any]:
@@ -372,8 +392,8 @@ def write_record(dep: Deployment, out: Outcome, steps: list[PlanStep]) -> Writte
     rec = decision(dep)
     c = chosen(dep)
     serve_image = c.get("serve_image")
-    image = {"tag": serve_image, "id": _image_id(dep, serve_image), "base": c.get("image"),
-             "base_id": _image_id(dep, c.get("image")), "engine": c.get("engine"),
+    image = {"tag": serve_image, "id": image_id(dep, serve_image), "base": c.get("image"),
+             "base_id": image_id(dep, c.get("image")), "engine": c.get("engine"),
              "needs_layer": c.get("needs_layer"), "summary": rec.summary if rec else None,
              "candidates": [x.model_dump() for x in rec.candidates] if rec else []}
     engine = _engine(out.runs, dep)

@@ -1,0 +1,181 @@
+"""The deploy plan's fingerprints read one snapshot of node facts: each fact command runs once per
+node per run (however many fingerprints, before and after a reuse step), again only after a step
+changed that node."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from sparkdeploy.deployment import Deployment
+from sparkdeploy.facts import Facts
+from sparkdeploy.hosts import Host
+from sparkdeploy.records import ImageDecision
+from sparkdeploy.results import changed, ok
+from sparkdeploy.runner import Runner
+from sparkdeploy.state import StateDir
+from sparkdeploy.steps import deploy as plans
+from sparkdeploy.steps import registry
+from tests.unit.fakes import FakeNode, ScriptedContext
+
+ROOT = Path(__file__).resolve().parents[2]
+SEED = ROOT / "configs" / "qwen3.5-122b-a10b-fp8.yaml"
+SOCK = ["docker", "-H", "unix:///var/run/docker.sock"]
+IMAGE_LS = [*SOCK, "image", "ls", "--no-trunc", "--format", "{{.Repository}}:{{.Tag}} {{.ID}}"]
+GLM = ["vllm-proxy.service", "vllm-embeddings.service", "vllm-reranker.service",
+       "vllm-cluster.service"]
+LIST_UNITS = ["systemctl", "list-units", "--all", "--plain", "--no-legend", "--no-pager",
+              "--type=service", "--", *GLM]
+BASE, LAYER = "scitrera/dgx-spark-sglang:0.5.10rc0", "sparkdeploy/sglang-qwen3.5:latest"
+IDS = {"hellohal2064/vllm-qwen3.5-gb10:latest": "sha256:" + "a" * 64, BASE: "sha256:" + "b" * 64,
+       LAYER: "sha256:" + "c" * 64}
+
+
+class DockerNode(FakeNode):
+    """A node that also answers ``docker image ls`` and ``docker image inspect``."""
+
+    def __init__(self, images: dict[str, str], **kw):
+        super().__init__(**kw)
+        self.images = dict(images)
+
+    def answer(self, argv):
+        if self.unreachable:
+            return super().answer(argv)
+        if argv[:3] == SOCK and argv[3:5] == ["image", "ls"]:
+            return 0, "".join(f"{t} {i}\n" for t, i in self.images.items()), ""
+        if argv[:3] == SOCK and argv[3:5] == ["image", "inspect"]:
+            found = self.images.get(argv[-1])
+            return (0, json.dumps({"Id": found}), "") if found else (1, "", "No such image")
+        return super().answer(argv)
+
+
+@pytest.fixture
+def lab(tmp_path):
+    from sparkdeploy.config import load_profile
+
+    prof = load_profile(SEED)
+    nodes = {"spark1": DockerNode(IDS, units={u: "active" for u in GLM}), "spark2": DockerNode(IDS)}
+    ctx = ScriptedContext(nodes)
+    state = StateDir(tmp_path / "state")
+    hosts = {n.name: Host(n, prof.ssh, ctx, state) for n in prof.nodes}
+    dep = Deployment(prof, str(SEED), state, hosts)
+    chosen = {"image": BASE, "kind": "sglang", "needs_layer": True, "serve_image": LAYER}
+    dep.records.write(ImageDecision(node="spark1", arch="arm64", config_from="hub",
+                                    chosen={"engine": "sglang", **chosen}, engines={"sglang": chosen},
+                                    candidates=[], summary="chosen"))
+    return dep, ctx, nodes
+
+
+@pytest.fixture
+def fake_steps():
+    """Every step of the plan replaced by one that reports ``status`` on the head."""
+    registry.load_all()
+    saved = dict(registry.REGISTRY)
+
+    def install(status):
+        for name, spec in saved.items():
+            def fn(dep, _name=name, **options):
+                return [dep.report(status(_name, "did it", dep.profile.head.name))]
+            registry.REGISTRY[name] = registry.StepSpec(name, fn, needs=spec.needs,
+                                                       after_start=spec.after_start, long=spec.long)
+    yield install
+    registry.REGISTRY.clear()
+    registry.REGISTRY.update(saved)
+
+
+def facts_asked(ctx) -> Counter:
+    return Counter((alias, tuple(argv)) for alias, argv in ctx.calls
+                   if argv[:3] == SOCK or argv[:2] == ["systemctl", "list-units"])
+
+
+def test_a_run_asks_each_node_each_fact_once(lab, fake_steps):
+    dep, ctx, _ = lab
+    fake_steps(changed)
+    Runner(dep, plans.plan(dep)).run()  # the first run: every step ran and changed something
+    fake_steps(ok)
+    again = Deployment(dep.profile, dep.profile_path, dep.state, dep.hosts)
+    ctx.calls.clear()
+    out = Runner(again, plans.plan(again)).run()
+    assert not out.failed and {n for n, r in out.runs.items() if r.reused} == {
+        "services.stop", "image.probe", "image.ship"}
+    written = plans.write_record(again, out, plans.plan(again))
+    assert f"serving `{LAYER}` = `{IDS[LAYER]}`" in written.markdown.read_text()
+    assert facts_asked(ctx) == {
+        ("spark1", tuple(IMAGE_LS)): 1,
+        ("spark1", tuple(LIST_UNITS)): 1,
+        # the one candidate the head's image list lacks: inspected once (it may be a name
+        # the list spells otherwise)
+        ("spark1", (*SOCK, "image", "inspect", "--format", "{{json .}}", "lmsysorg/sglang:spark")): 1,
+        ("spark2", tuple(IMAGE_LS)): 1,
+    }
+
+
+def test_a_change_on_a_node_asks_that_node_again(lab):
+    dep, ctx, nodes = lab
+    assert plans.image_id(dep, LAYER) == IDS[LAYER]
+    assert plans.image_id(dep, LAYER, "spark2") == IDS[LAYER]
+    nodes["spark1"].images[LAYER] = "sha256:" + "d" * 64
+    assert plans.image_id(dep, LAYER) == IDS[LAYER]  # the snapshot, not the node, until ...
+    dep.report(changed("image.build", "built", "spark1"))  # ... a step changed the node
+    assert plans.image_id(dep, LAYER) == "sha256:" + "d" * 64
+    assert plans.image_id(dep, LAYER, "spark2") == IDS[LAYER]
+    dep.report(ok("image.ship", "already there", "spark2"))  # no change: nothing forgotten
+    assert facts_asked(ctx) == {("spark1", tuple(IMAGE_LS)): 2, ("spark2", tuple(IMAGE_LS)): 1}
+
+
+def test_services_fingerprint_sees_the_units_stopped_after_the_stop(lab):
+    dep, ctx, nodes = lab
+    assert plans.fp_services(dep)["units_now.vllm-cluster.service"] == "active"
+    nodes["spark1"].units = {u: "inactive" for u in GLM}
+    dep.report(changed("services.stop", "stopped", "spark1"))
+    assert plans.fp_services(dep)["units_now.vllm-cluster.service"] == "inactive"
+    assert facts_asked(ctx)[("spark1", tuple(LIST_UNITS))] == 2
+
+
+def test_an_unreachable_node_is_asked_once_and_has_no_images(lab):
+    dep, ctx, nodes = lab
+    nodes["spark2"].unreachable = True
+    assert plans.image_id(dep, LAYER, "spark2") is None
+    assert plans.image_id(dep, BASE, "spark2") is None
+    assert facts_asked(ctx) == {("spark2", tuple(IMAGE_LS)): 1}  # nothing inspected there
+
+
+def test_threads_asking_at_once_gather_once():
+    gathered = []
+    started, release = threading.Event(), threading.Event()
+
+    def gather(host):
+        gathered.append(host)
+        started.set()
+        release.wait(5)
+        return {"x": "sha256:1"}
+
+    facts = Facts({"spark1": "the host"})
+    got: list = []
+    threads = [threading.Thread(target=lambda: got.append(facts.get("spark1", "images", gather)))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    started.wait(5)
+    release.set()
+    for t in threads:
+        t.join(5)
+    assert gathered == ["the host"] and got == [{"x": "sha256:1"}] * 4
+
+
+def test_a_fact_forgotten_while_gathered_is_not_kept():
+    answers = iter(["old", "new"])
+    facts = Facts({"spark1": "h"})
+
+    def gather(host):
+        value = next(answers)
+        if value == "old":
+            facts.forget("spark1")  # a step changed the node while the command ran
+        return value
+
+    assert facts.get("spark1", "images", gather) == "old"
+    assert facts.get("spark1", "images", gather) == "new"
