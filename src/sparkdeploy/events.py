@@ -12,6 +12,7 @@ and assert on what a step reported, in order.
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import time
@@ -136,8 +137,23 @@ def _size(n: float, unit: str) -> str:
     return f"{n} B"
 
 
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` safe for a terminal: control characters (an escape sequence from a node's log,
+    a server's error, a file name), newlines and bidi overrides shown escaped (``\\x1b``),
+    never interpreted. Every line the renderers write goes through it."""
+    return _UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 256
+                            else f"\\u{ord(m.group()):04x}", text)
+
+
 def describe(ev: Event) -> str:
-    """One line for an event, without time (shared by both renderers)."""
+    """One line for an event, without time (shared by both renderers), terminal-safe."""
+    return printable(_describe(ev))
+
+
+def _describe(ev: Event) -> str:
     if isinstance(ev, Result):
         return f"{ev.status.value:<8} {ev.step:<18} {ev.node or '-':<8} {ev.why}"
     if isinstance(ev, Progress):
@@ -238,7 +254,8 @@ class Board:
             else:
                 took = f"{st.elapsed:5.1f}s" if st.elapsed is not None else " " * 6
             why = f"  {st.why}" if st.why and st.state != "running" else ""
-            out.append(f"{_MARK.get(st.state, '?')} {name:<18} {st.state:<8} {took}{why}"[:160])
+            out.append(printable(f"{_MARK.get(st.state, '?')} {name:<18} {st.state:<8} {took}"
+                                 f"{why}")[:160])
             for (step, _node), p in self.progress.items():
                 if step == name:
                     out.append("    " + describe(p).split(None, 2)[-1])
@@ -278,9 +295,9 @@ class LiveRenderer:
                 self._bars[key] = ev
         elif isinstance(ev, Result):
             self._bars = {k: v for k, v in self._bars.items() if k[0] != ev.step or k[1] != ev.node}
+            step, node, why = (escape(printable(t)) for t in (ev.step, ev.node or "-", ev.why))
             self.console.print(f"[{_STYLE[ev.status]}]{ev.status.value:<8}[/] "
-                               f"{escape(ev.step):<18} {escape(ev.node or '-'):<8} {escape(ev.why)}",
-                               highlight=False, markup=True)
+                               f"{step:<18} {node:<8} {why}", highlight=False, markup=True)
         else:
             self.console.print(describe(ev), highlight=False, markup=False)
         self._live.refresh()

@@ -218,3 +218,37 @@ def test_a_huge_timeout_never_leaves_the_main_thread_at_a_barrier():
     with pytest.raises(BenchError, match=r"timeout 1e\+300 is not within \(0, 86400\]"):
         run_level(Target.parse("http://127.0.0.1:9"), Settings(model="m", timeout=1e300),
                   requests=1)
+
+
+@pytest.mark.parametrize(("doc", "why"), [
+    ("[]", "not a benchmark JSON file: "),
+    ('{"runs": 5}', "runs: "),
+    ('{"runs": [{"summary": {"output_tok_s": "abc"}}]}', "runs.0.summary.output_tok_s: "),
+    ('{"runs": [{"rate": "x", "summary": {}}]}', "runs.0.rate: "),
+    ('{"runs": [{"rate": -1, "summary": {}}]}', "runs.0.rate: "),
+    ('{"runs": [{"summary": {"ttft_ms": {"p90": NaN}}}]}', "runs.0.summary.ttft_ms.p90: "),
+    ('{"runs": [{"summary": {"itl_ms": []}}]}', "runs.0.summary.itl_ms: "),
+    ("{" * 50_000, "not JSON"),
+    ("\x00\xff", "not JSON"),
+])
+def test_a_compare_input_that_does_not_fit_is_one_line_naming_the_file(tmp_path, doc, why):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(_doc(100, 20, 50, 10)))
+    bad = tmp_path / "bad.json"
+    bad.write_text(doc)
+    c = Context(Config())
+    for args in ((good, bad), (bad, good)):
+        with pytest.raises(Exit) as e:
+            bench_tasks.compare(c, str(args[0]), str(args[1]))
+        msg = str(e.value)
+        assert e.value.code == 2 and msg.startswith(f"{bad}: ") and why in msg and "\n" not in msg
+
+
+def test_a_fifo_is_not_a_compare_input(tmp_path):
+    import os
+
+    fifo = tmp_path / "f.json"
+    os.mkfifo(fifo)
+    with pytest.raises(Exit) as e:
+        bench_tasks.compare(Context(Config()), str(fifo), str(fifo))
+    assert e.value.code == 2 and "is not a file" in str(e.value)

@@ -137,3 +137,35 @@ def test_host_echo_is_an_event_not_stdout(capsys):
     assert r.dry
     assert got == [Echo("spark1", "touch '/x y'", would=True)]
     assert capsys.readouterr().out == ""
+
+
+HOSTILE = "\x1b]0;pwned\x07\x1b[2J\x1b[31mred\r\nnext\u202eevil\x9b"
+
+
+def test_escape_sequences_from_outside_never_reach_the_terminal_plain():
+    from sparkdeploy.events import printable
+
+    out = io.StringIO()
+    r = PlainRenderer(out, stamp=lambda: "T")
+    r(failed("model.download", HOSTILE, "spark1"))
+    r(Log("serve.up", "spark1", HOSTILE))
+    text = out.getvalue()
+    assert not any(ch in text for ch in "\x1b\x07\r\u202e\x9b")
+    assert text.count("\n") == 2  # one line per event, the payload's newline escaped
+    assert printable(HOSTILE) == ("\\x1b]0;pwned\\x07\\x1b[2J\\x1b[31mred\\x0d\\x0anext"
+                                  "\\u202eevil\\x9b")
+
+
+def test_escape_sequences_from_outside_never_reach_the_terminal_live():
+    from rich.console import Console
+
+    from sparkdeploy.events import LiveRenderer
+
+    buf = io.StringIO()
+    r = LiveRenderer(Console(file=buf, force_terminal=True, width=200))
+    r(failed("model.download", HOSTILE, "spark1"))
+    r(Log("serve.up", "spark1", HOSTILE))
+    r.close()
+    text = buf.getvalue()
+    assert "\x1b]0;pwned" not in text and "\x1b[2J" not in text and "\u202e" not in text
+    assert "\\x1b]0;pwned\\x07" in text

@@ -266,3 +266,32 @@ def test_a_streamed_chunk_that_does_not_fit_is_no_text(hostile, body, text):
 
     srv = hostile(body=body, ctype="text/event-stream")
     assert ep.stream_chat(srv.url, "m") == text
+
+
+# --- a node helper's answers --------------------------------------------------------------------
+
+@pytest.mark.parametrize(("printed", "why"), [
+    ('{"ok": 5, "missing": [], "differ": {}, "unchecked": []}', "ok: "),
+    ('{"ok": [], "missing": [], "differ": [], "unchecked": []}', "differ: "),
+    ('{"ok": [], "missing": [], "differ": {}, "unchecked": [], "seconds": "NaN"}', "seconds: "),
+    ('{"ok": []}', "missing: "),
+])
+def test_a_helper_answer_that_does_not_fit_is_one_line(printed, why):
+    from sparkdeploy.config import Link, Node
+    from sparkdeploy.hosts import Host
+
+    local = Host(Node(name="spark1", role="head", ssh=None, privilege="none",
+                      link=Link(interface="e0", address="10.0.0.1")))
+    with pytest.raises(model.ModelError) as e:
+        model.helper_json(local, [sys.executable, "-c", f"print({printed!r})"],
+                          "verify helper failed", model.NodeState)
+    line = str(e.value)
+    assert line.startswith("spark1: verify helper failed: ") and why in line and "\n" not in line
+
+
+@pytest.mark.parametrize("line", ["progress bytes=x total=10", "progress bytes=1e9"])
+def test_a_progress_line_with_no_count_is_not_progress(line):
+    assert model.parse_progress(line) is None
+    assert model.parse_progress("progress bytes=5 total=10 file=a b") == {"bytes": "5",
+                                                                          "total": "10",
+                                                                          "file": "a"}

@@ -79,7 +79,8 @@ def test_compare_on_runs_without_summary_is_one_line(tmp_path):
     base = tmp_path / "base.json"
     base.write_text(json.dumps({"runs": [{"concurrency": 1}]}))
     r = inv("bench.compare", str(base), str(base))
-    assert (r.returncode, r.stderr) == (2, f"{base}: runs[0] has no 'summary' (not a benchmark JSON file)\n")
+    assert (r.returncode, r.stderr) == (
+        2, f"{base}: not a benchmark JSON file: runs.0.summary: Field required\n")
     r = inv("bench.compare", str(tmp_path / "nope.json"), str(base))
     assert (r.returncode, r.stderr) == (2, f"BASE: {tmp_path / 'nope.json'}: no such file\n")
 

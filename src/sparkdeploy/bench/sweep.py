@@ -5,10 +5,14 @@ from __future__ import annotations
 import datetime as _dt
 import json
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, Field
 
 from sparkdeploy.bench.client import BenchError, Settings, Target, default_model, run_level
 from sparkdeploy.events import EventSink
 from sparkdeploy.files import MB, InputError, read_input
+from sparkdeploy.outside import OutsideError, loads
 
 STEP = "bench.run"
 
@@ -73,20 +77,46 @@ def save_json(doc: dict, path: str | Path) -> Path:
     return path
 
 
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class _Quantiles(BaseModel):
+    median: Finite | None = None
+    p90: Finite | None = None
+
+
+class _Summary(BaseModel):
+    """What compare and the baseline gate read of a level's summary (the rest is kept as is)."""
+
+    output_tok_s: Finite | None = None
+    per_request_output_tok_s: _Quantiles = _Quantiles()
+    ttft_ms: _Quantiles = _Quantiles()
+    itl_ms: _Quantiles = _Quantiles()
+
+
+class _Run(BaseModel):
+    concurrency: int | None = Field(default=None, ge=1)
+    rate: Finite | None = Field(default=None, gt=0)
+    summary: _Summary
+
+
+class _Doc(BaseModel):
+    runs: list[_Run]
+
+
 def load_json(path: str | Path) -> dict:
+    """A benchmark JSON file, checked to be one (``BenchError`` naming the file and the first
+    field that does not fit)."""
     path = Path(path)
     try:
-        doc = json.loads(read_input(path, limit=64 * MB, what="benchmark JSON file"))
+        text = read_input(path, limit=64 * MB, what="benchmark JSON file")
     except InputError as e:
         raise BenchError(str(e)) from None
-    except ValueError as e:
-        raise BenchError(f"{path}: not a benchmark JSON file ({e})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
-        raise BenchError(f"{path}: not a benchmark JSON file (no 'runs' list)")
-    for i, run in enumerate(doc["runs"]):
-        if not isinstance(run, dict) or not isinstance(run.get("summary"), dict):
-            raise BenchError(f"{path}: runs[{i}] has no 'summary' (not a benchmark JSON file)")
-    return doc
+    try:
+        loads(_Doc, text, f"{path}: not a benchmark JSON file")
+    except OutsideError as e:
+        raise BenchError(str(e)) from None
+    return json.loads(text)
 
 
 def check_baseline(doc: dict, baseline_tok_s: float, tolerance_pct: float) -> tuple[bool, str]:

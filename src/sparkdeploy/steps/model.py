@@ -24,15 +24,15 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 from urllib.parse import quote, urlsplit
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image, stage, stage_script, verified
-from sparkdeploy.outside import HubName, OutsideError, request
+from sparkdeploy.outside import HubName, OutsideError, request, validated
 from sparkdeploy.records import SHA1, SHA256, HubMetadata, RecordError
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.registry import step
@@ -204,19 +204,86 @@ def error_line(stderr: str, fallback: str) -> str:
     return lines[-1] if lines else fallback
 
 
-def helper_json(host: Host, argv: list[str], what: str, **run: Any) -> dict[str, Any]:
-    """Run a node helper that prints one JSON object; ModelError naming ``what`` otherwise."""
+Count = Annotated[int, Field(ge=0)]
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class _Answer(BaseModel):
+    """A node helper's answer: what sparkdeploy reads of it is checked, the rest kept."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class NodeState(_Answer):
+    """``model_node.py verify`` (and the ``state`` line of ``receive``)."""
+
+    ok: list[str]
+    missing: list[str]
+    differ: dict[str, str]
+    unchecked: list[str]
+    hashed_bytes: Count = 0
+    reused: Count = 0
+    present: bool = False
+    seconds: Seconds = 0.0
+    download_running: bool = False
+
+
+class ReceiverState(NodeState):
+    free: Count
+    mount: str
+
+
+class VenvAnswer(_Answer):
+    python: str = Field(min_length=1)
+    created: bool = False
+
+
+class FetchAnswer(_Answer):
+    fetched_bytes: Count = 0
+    files: Count = 0
+    present: Count = 0
+    failed: dict[str, str] = {}
+    seconds: Seconds = 0.0
+
+
+class FileReport(BaseModel):
+    """One ``file`` line of ``receive``."""
+
+    path: str
+    state: Literal["ok", "differ", "missing"]
+    why: str
+
+
+class ReadyReport(_Answer):
+    port: int = Field(ge=1, le=65535)
+
+
+def answer(cls: type[Any], data: Any, where: str) -> dict[str, Any]:
+    """A helper's JSON as ``cls`` checked it (a dict, as the steps read it); ModelError."""
+    try:
+        return validated(cls, data, where).model_dump()
+    except OutsideError as e:
+        raise ModelError(f"{e} (not what the helper answers)") from None
+
+
+def helper_json(host: Host, argv: list[str], what: str, cls: type[Any],
+                **run: Any) -> dict[str, Any]:
+    """Run a node helper that prints one JSON object, checked as ``cls``; ModelError naming
+    ``what`` otherwise."""
     r = host.run(argv, **run)
     out = last_json(r.stdout) if r.ok else None
     if out is None:
         raise ModelError(f"{host.name}: {what}: {error_line(r.stderr, r.one_line_error())}")
-    return out
+    return answer(cls, out, f"{host.name}: {what}")
 
 
 def parse_progress(line: str) -> dict[str, str] | None:
+    """A helper's ``progress k=v ...`` line (its counts are digits), else None."""
     if not line.startswith("progress "):
         return None
-    return dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
+    out = dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
+    counts = ("bytes", "total", "files", "of")
+    return out if all(out[k].isdigit() for k in counts if k in out) else None
 
 
 def verify_argv(dep: Deployment, st: Staged, only: list[str] | None = None,
@@ -241,7 +308,7 @@ def node_state(dep: Deployment, host: Host, st: Staged, only: list[str] | None =
                                 int(p.get("total", 0)) or None, "B", "hashing")
 
     return helper_json(host, verify_argv(dep, st, only, quick), "verify helper failed",
-                       change=False, on_stderr=on_line, timeout=6 * 3600)
+                       NodeState, change=False, on_stderr=on_line, timeout=6 * 3600)
 
 
 def free_space(host: Host, path: str) -> tuple[int, str] | None:
@@ -317,7 +384,8 @@ def choose_runtime(dep: Deployment, host: Host, st: Staged) -> Runtime:
     if dep.dry:
         return Runtime("venv", python=m.venv, why=f"a virtualenv at {m.venv} (would create it)")
     out = helper_json(host, st.run(["python3", st.script, "venv", "--venv", m.venv, "--index-url",
-                                    m.index_url]), "no environment for the downloader", timeout=1800)
+                                    m.index_url]), "no environment for the downloader", VenvAnswer,
+                      timeout=1800)
     return Runtime("venv", python=out["python"],
                    why=f"the virtualenv {out['python'].rsplit('/bin/', 1)[0]}"
                    + (" (created)" if out.get("created") else ""))
@@ -379,6 +447,7 @@ def run_fetch(dep: Deployment, host: Host, rt: Runtime, st: Staged, meta: dict[s
         if "is already in use" in r.stderr and CONTAINER in r.stderr:
             return None, f"a download is already running (container {CONTAINER})"
         return None, error_line(r.stderr, r.one_line_error())
+    out = answer(FetchAnswer, out, f"{host.name}: the downloader's report")
     if out.get("failed"):
         name, why = next(iter(out["failed"].items()))
         more = f" and {len(out['failed']) - 1} more" if len(out["failed"]) > 1 else ""

@@ -46,8 +46,12 @@ from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.model import (
     GB,
     SCRIPT,
+    FileReport,
     ModelError,
+    ReadyReport,
+    ReceiverState,
     Staged,
+    answer,
     disk_check,
     error_line,
     metadata,
@@ -120,14 +124,22 @@ class Receiver:
     def _on_line(self, line: str) -> None:
         self._last_word = self.dep.clock()
         kind, _, rest = line.partition(" ")
+        types = {"file": FileReport, "state": ReceiverState, "ready": ReadyReport}
+        if kind in types:
+            try:
+                d = answer(types[kind], json.loads(rest), f"{self.host.name}: receive: {kind}")
+            except (ValueError, ModelError) as e:  # not JSON, or not what the helper says
+                self.error = self.error or str(e).splitlines()[0]
+                self._lines.append(line)
+                self._heard.set()
+                return
         if kind == "file":
-            d = json.loads(rest)
             self._reports.put((d["path"], d["state"], d["why"]))
         elif kind == "state":
-            self._state = json.loads(rest)
+            self._state = d
             self._heard.set()
         elif kind == "ready":
-            self.port = json.loads(rest)["port"]
+            self.port = d["port"]
             self._ready = True
             self._heard.set()
         elif (p := parse_progress(line)) is not None:
@@ -156,6 +168,8 @@ class Receiver:
         def heard() -> bool:
             if came():
                 return True
+            if self.error:  # it said something that is not what the helper says
+                raise Stop(self.error)
             if self.finished.is_set():
                 raise Stop(self.error or f"{self.host.name}: the receiving helper ended "
                            f"before its {what}")
