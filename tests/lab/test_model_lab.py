@@ -19,7 +19,7 @@ import pytest
 from sparkdeploy.deployment import load
 from sparkdeploy.lab import hub, layout
 from sparkdeploy.results import Status
-from sparkdeploy.steps import model, model_sync
+from sparkdeploy.steps import model, model_sync, model_verify
 
 pytestmark = pytest.mark.lab
 
@@ -93,7 +93,7 @@ def test_download_and_sync_together_leave_identical_verified_weights(lab, dep):
     assert out["sync"][0].status is Status.CHANGED, out["sync"][0].why
     # pipelined: the worker was done within seconds of the head, not a whole copy later
     assert ends["sync"] - ends["download"] < 15, ends
-    for r in model.verify(dep):
+    for r in model_verify.verify(dep):
         assert r.status is Status.OK, r.why
     sums = [lab.ssh(n, ["sh", "-c", f"cd {PATH} && sha256sum *.json *.safetensors"]).stdout
             for n in ("spark1", "spark2")]
@@ -113,7 +113,7 @@ def test_pep668_node_still_downloads_in_a_venv_of_its_own(lab, dep):
     [res] = model.download(dep)
     assert res.status is Status.CHANGED and res.details["runtime"] == "venv", res.why
     assert lab.ssh("spark1", ["python3", "-c", "import huggingface_hub"], check=False).returncode != 0
-    assert model.verify(dep, "spark1")[0].status is Status.OK
+    assert model_verify.verify(dep, "spark1")[0].status is Status.OK
 
 
 def test_a_dropped_connection_resumes_and_a_rerun_fetches_nothing(lab, dep):
@@ -168,7 +168,7 @@ def test_disk_full_on_the_worker_then_a_rerun_completes(lab, dep):
     [again] = model_sync.sync(dep, "spark2")
     assert again.status is Status.CHANGED, again.why
     assert again.details["bytes"] < total  # what was verified before stayed
-    assert model.verify(dep, "spark2")[0].status is Status.OK
+    assert model_verify.verify(dep, "spark2")[0].status is Status.OK
 
 
 def test_a_cut_sync_resumes(lab, dep):
@@ -195,7 +195,7 @@ def test_a_cut_sync_resumes(lab, dep):
     [again] = model_sync.sync(dep, "spark2")
     assert again.status is Status.CHANGED, again.why
     assert again.details["bytes"] < total
-    assert model.verify(dep, "spark2")[0].status is Status.OK
+    assert model_verify.verify(dep, "spark2")[0].status is Status.OK
     assert "rsync" not in _listeners("spark2")
 
 
@@ -219,7 +219,7 @@ def test_the_ssh_transport_sends_and_checks_with_no_daemon(lab, dep):
         t.join()
     assert res.status is Status.CHANGED and "over ssh" in res.why, res.why
     assert not any("rsync" in x for x in seen)
-    assert model.verify(dep, "spark2")[0].status is Status.OK
+    assert model_verify.verify(dep, "spark2")[0].status is Status.OK
 
 
 CHILD = """
@@ -273,7 +273,7 @@ def test_a_controller_killed_mid_sync_leaves_no_listener(lab, dep, tmp_path):
     assert gone(), _listeners("spark2")
     [again] = model_sync.sync(dep, "spark2")
     assert again.status is Status.CHANGED, again.why
-    assert model.verify(dep, "spark2")[0].status is Status.OK
+    assert model_verify.verify(dep, "spark2")[0].status is Status.OK
 
 
 def test_a_corrupted_file_on_the_worker_is_named_and_repaired(lab, dep):
@@ -282,11 +282,11 @@ def test_a_corrupted_file_on_the_worker_is_named_and_repaired(lab, dep):
     meta, _ = model.metadata(dep)
     shard = sorted(f["path"] for f in meta["files"] if f["path"].endswith(".safetensors"))[-1]
     lab.ssh("spark2", ["sh", "-c", f"printf XXXX | dd of={PATH}/{shard} bs=1 seek=5000 conv=notrunc"])
-    [bad] = model.verify(dep, "spark2")
+    [bad] = model_verify.verify(dep, "spark2")
     assert bad.status is Status.FAILED and shard in bad.why and "sha256" in bad.why, bad.why
-    [fixed] = model.verify(dep, "spark2", repair=True)
+    [fixed] = model_verify.verify(dep, "spark2", repair=True)
     assert fixed.status is Status.CHANGED, fixed.why
-    assert model.verify(dep, "spark2")[0].status is Status.OK
+    assert model_verify.verify(dep, "spark2")[0].status is Status.OK
 
 
 def test_the_token_reaches_the_hub_and_nothing_else(lab, dep, monkeypatch):

@@ -13,7 +13,7 @@ import pytest
 from sparkdeploy.lab import hub
 from sparkdeploy.records import HubMetadata
 from sparkdeploy.results import Status
-from sparkdeploy.steps import model, model_sync
+from sparkdeploy.steps import model, model_sync, model_verify
 from tests.unit.model_fakes import Node, deployment
 
 TOKEN = "hf_UnitTestToken0123456789abcdef"
@@ -111,7 +111,7 @@ def test_resume_after_a_dropped_connection_fetches_only_the_rest(tmp_path, lab_h
     # the second request for the shard resumes from what was kept (huggingface_hub writes
     # whole 10 MiB chunks), not from zero
     assert [r["range"] for r in shard2] == [None, "bytes=10485760-"], shard2
-    assert model.verify(dep, "spark1")[0].status is Status.OK
+    assert model_verify.verify(dep, "spark1")[0].status is Status.OK
 
 
 def test_disk_precheck_fails_early_with_both_numbers(tmp_path, lab_hub, token):
@@ -151,25 +151,25 @@ def test_dry_run_says_what_it_would_download(tmp_path, lab_hub, token):
 def test_verify_names_a_corrupted_file_and_repair_refetches_only_it(tmp_path, lab_hub, token):
     dep, ctx = _dep(tmp_path, lab_hub)
     model.download(dep)
-    first = model.verify(dep, "spark1")[0]
+    first = model_verify.verify(dep, "spark1")[0]
     assert first.status is Status.OK and first.details["hashed"] == 0  # the download recorded all
     target = os.path.join(dep.profile.model.path, SHARD2)
     with open(target, "r+b") as f:
         f.seek(4096)
         f.write(b"\xff" * 16)
-    [bad] = model.verify(dep, "spark1")
+    [bad] = model_verify.verify(dep, "spark1")
     assert bad.status is Status.FAILED
     assert f"1 files differ: {SHARD2} (sha256 differs from the hub's)" in bad.why
     lab_hub.set_knobs(reset_stats=True)
     ctx.calls.clear()
-    [fixed] = model.verify(dep, "spark1", repair=True)
+    [fixed] = model_verify.verify(dep, "spark1", repair=True)
     assert fixed.status is Status.CHANGED, fixed.why
     [(_, argv, _)] = _fetches(ctx)
     assert argv[-2:] == ["--", SHARD2]  # a file name after "--": never an option
     got = [r["path"] for r in lab_hub.stats()["requests"] if "/_lab/lfs/" in r["path"]
            and r["method"] == "GET"]
     assert len(got) == 1 and got[0].endswith(SHARD2)
-    assert model.verify(dep, "spark1")[0].status is Status.OK
+    assert model_verify.verify(dep, "spark1")[0].status is Status.OK
 
 
 def test_verify_works_offline_from_the_cached_metadata(tmp_path, lab_hub, token):
@@ -177,7 +177,7 @@ def test_verify_works_offline_from_the_cached_metadata(tmp_path, lab_hub, token)
     model.download(dep)
     offline = dep.profile.model.model_copy(update={"endpoint": "http://127.0.0.1:9"})
     dep.profile = dep.profile.model_copy(update={"model": offline})
-    [res] = model.verify(dep, "spark1")
+    [res] = model_verify.verify(dep, "spark1")
     assert res.status is Status.OK and "hub not reachable" in res.why
 
 
@@ -185,8 +185,8 @@ def test_second_verify_of_unchanged_files_reads_nothing(tmp_path, lab_hub, token
     dep, ctx = _dep(tmp_path, lab_hub)
     model.download(dep)
     os.unlink(os.path.join(dep.profile.model.path, ".sparkdeploy", "verified.jsonl"))
-    one = model.verify(dep, "spark1")[0]
-    two = model.verify(dep, "spark1")[0]
+    one = model_verify.verify(dep, "spark1")[0]
+    two = model_verify.verify(dep, "spark1")[0]
     total = model.total_bytes(model.metadata(dep, refresh=False)[0])
     assert one.details["hashed"] == total and one.details["reused"] == 0
     assert two.details["hashed"] == 0 and two.details["reused"] == 10

@@ -29,7 +29,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from sparkdeploy.deployment import Deployment, load
-from sparkdeploy.steps import model, model_sync
+from sparkdeploy.steps import model, model_sync, model_verify
 
 ROOT = Path(__file__).resolve().parents[3]
 PROFILE = ROOT / "configs" / "lab.yaml"
@@ -140,7 +140,7 @@ def measure(dep: Deployment, srv) -> dict[str, float]:
     # -- everything present: a re-run moves nothing
     srv.set_knobs(reset_stats=True)
     t2 = time.monotonic()
-    again = [*model.download(dep), *model_sync.sync(dep, worker), *model.verify(dep)]
+    again = [*model.download(dep), *model_sync.sync(dep, worker), *model_verify.verify(dep)]
     resync = time.monotonic() - t2
     _must(again, "the re-run")
     bodies = [q for q in srv.stats()["requests"] if q["method"] == "GET" and q.get("file")]

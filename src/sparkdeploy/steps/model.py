@@ -9,11 +9,8 @@ file as it completes and appends it to a record in ``<path>/.sparkdeploy/verifie
 that record is how ``model.sync`` knows a file is complete and verified on the head while the
 download still runs, and why a second verify of unchanged files reads nothing.
 
-``model.verify``: every file's size, every LFS file's sha256 (the others' git blob id) against
-the hub's metadata, cached on the controller under the state dir so that a verify works
-offline; ``--repair`` re-fetches (head) or re-sends (workers) only the files that differ.
-
-``model.sync``: see ``sparkdeploy.steps.model_sync``.
+``model.sync``: see ``sparkdeploy.steps.model_sync``; ``model.verify``: see
+``sparkdeploy.steps.model_verify``.
 """
 
 from __future__ import annotations
@@ -458,7 +455,7 @@ def run_fetch(dep: Deployment, host: Host, rt: Runtime, st: Staged, meta: dict[s
 
 # --- the steps ------------------------------------------------------------------------------
 
-def _gb(n: float) -> str:
+def in_gb(n: float) -> str:
     return f"{n / GB:.2f} GB"
 
 
@@ -482,7 +479,7 @@ def download_on(dep: Deployment, host: Host, meta: dict[str, Any], note: str = "
         total = total_bytes(meta, only)
         if not todo:
             return ok(step_name, f"{host.name}: all {len(have['ok'])} files present and verified "
-                      f"({_gb(total)}) in {m.path}{note}", host.name, bytes=0, total=total)
+                      f"({in_gb(total)}) in {m.path}{note}", host.name, bytes=0, total=total)
         missing = total_bytes(meta, have["missing"] + list(have["differ"]))
         bad = disk_check(dep, host, missing, step_name)
         if bad:
@@ -490,7 +487,7 @@ def download_on(dep: Deployment, host: Host, meta: dict[str, Any], note: str = "
         rt = choose_runtime(dep, host, st)
         if dep.dry:
             return skipped(step_name, f"{host.name}: would download {len(todo)} files "
-                           f"(up to {_gb(missing)}) of {m.repo}@{meta['commit'][:12]} into {m.path} "
+                           f"(up to {in_gb(missing)}) of {m.repo}@{meta['commit'][:12]} into {m.path} "
                            f"with {rt.why}{note}", host.name)
         dep.events.log(step_name, host.name, f"downloader: {rt.why}")
         started = dep.clock()
@@ -503,67 +500,10 @@ def download_on(dep: Deployment, host: Host, meta: dict[str, Any], note: str = "
     assert out is not None
     got = out.get("fetched_bytes", 0)
     rate = got / out["seconds"] if out.get("seconds") else 0.0
-    return changed(step_name, f"{host.name}: {m.repo}@{meta['commit'][:12]}: fetched {_gb(got)} "
+    return changed(step_name, f"{host.name}: {m.repo}@{meta['commit'][:12]}: fetched {in_gb(got)} "
                    f"in {secs:.1f}s ({rate / 1e6:.0f} MB/s), {len(meta['files'])} files verified "
                    f"({len(have['ok'])} were already){note}", host.name, bytes=got, seconds=secs,
                    rate=rate, runtime=rt.kind)
-
-
-def verify(dep: Deployment, node: str | None = None, repair: bool = False) -> list[Result]:
-    try:
-        meta, note = metadata(dep)
-    except ModelError as e:
-        return [dep.report(failed(VERIFY, str(e)))]
-    out = []
-    for host in dep.select(node):
-        out.append(dep.report(verify_on(dep, host, meta, note, repair)))
-    return out
-
-
-def describe_bad(state: dict[str, Any], limit: int = 3) -> str:
-    bad = [(p, "missing") for p in state["missing"]] + list(state["differ"].items())
-    shown = ", ".join(f"{p} ({why})" for p, why in bad[:limit])
-    more = f" and {len(bad) - limit} more" if len(bad) > limit else ""
-    return f"{len(bad)} files differ: {shown}{more}"
-
-
-def verify_on(dep: Deployment, host: Host, meta: dict[str, Any], note: str = "",
-              repair: bool = False) -> Result:
-    m = dep.profile.model
-    note = f" ({note})" if note else ""
-    try:
-        st = stage_for(host, meta)
-        state = node_state(dep, host, st)
-    except (ModelError, NodeUnreachable) as e:
-        return failed(VERIFY, str(e), host.name)
-    if not state.get("present"):
-        return failed(VERIFY, f"{host.name}: no weights in {m.path} (model.download on the head, "
-                      f"model.sync to workers)", host.name)
-    bad = state["missing"] + list(state["differ"]) + state["unchecked"]
-    total = total_bytes(meta)
-    if not bad:
-        return ok(VERIFY, f"{host.name}: {len(state['ok'])} files verified ({_gb(total)}; hashed "
-                  f"{_gb(state['hashed_bytes'])}, {state['reused']} unchanged since verified) in "
-                  f"{state['seconds']:.1f}s{note}", host.name, hashed=state["hashed_bytes"],
-                  reused=state["reused"], seconds=state["seconds"])
-    if dep.dry and state["unchecked"] and not (state["missing"] or state["differ"]):
-        return skipped(VERIFY, f"{host.name}: would hash {len(state['unchecked'])} files not "
-                       f"verified yet", host.name)
-    what = describe_bad(state)
-    if not repair:
-        return failed(VERIFY, f"{host.name}: {what}; --repair re-fetches only those", host.name,
-                      differ=state["differ"], missing=state["missing"])
-    names = state["missing"] + list(state["differ"])
-    if host.name == dep.profile.head.name:
-        res = download_on(dep, host, meta, only=names, step_name=VERIFY)
-    else:
-        from sparkdeploy.steps.model_sync import sync_files
-
-        res = sync_files(dep, [host], meta, only=names, step_name=VERIFY)
-    if res.failed:
-        return failed(VERIFY, f"{host.name}: {what}; repair failed: {res.why}", host.name)
-    return changed(VERIFY, f"{host.name}: {what}; repaired ({res.why})", host.name,
-                   repaired=names)
 
 
 @contextmanager
@@ -582,19 +522,3 @@ def download_step(dep: Deployment, **options: Any) -> list[Result]:
     """Download the weights on the head, verified (resumes; only what is missing)."""
     with own_lock(dep, DOWNLOAD):
         return download(dep, options.get("node"))
-
-
-@step("model.sync", after_start=(DOWNLOAD,), long=True)
-def sync_step(dep: Deployment, **options: Any) -> list[Result]:
-    """Copy the weights to the workers over the fast link, file by file as the head completes
-    them (starts while model.download runs: no need on it)."""
-    from sparkdeploy.steps.model_sync import sync
-
-    with own_lock(dep, "model.sync"):
-        return sync(dep, options.get("to") or "all")
-
-
-@step(VERIFY, needs=(DOWNLOAD, "model.sync"))
-def verify_step(dep: Deployment, **options: Any) -> list[Result]:
-    """Verify the weights on every node against the hub's metadata (cached for offline use)."""
-    return verify(dep, options.get("node"), bool(options.get("repair")))

@@ -44,6 +44,7 @@ from sparkdeploy.hosts import Feed, Host
 from sparkdeploy.nodeops import NodeUnreachable
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.model import (
+    DOWNLOAD,
     GB,
     SCRIPT,
     FileReport,
@@ -56,11 +57,13 @@ from sparkdeploy.steps.model import (
     error_line,
     metadata,
     node_state,
+    own_lock,
     parse_progress,
     short_of,
     stage_for,
     total_bytes,
 )
+from sparkdeploy.steps.registry import step
 from sparkdeploy.threads import each, together
 from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
@@ -581,6 +584,15 @@ def _kept(plan: Plan, targets: list[Host], order: list[str]) -> str:
     parts = [f"{t.name} has {len(order) - len(plan.need.get(t.name, []))}/{len(order)} files "
              f"verified" for t in targets]
     return "; ".join(parts)
+
+
+
+@step(SYNC, after_start=(DOWNLOAD,), long=True)
+def sync_step(dep: Deployment, **options: Any) -> list[Result]:
+    """Copy the weights to the workers over the fast link, file by file as the head completes
+    them (starts while model.download runs: no need on it)."""
+    with own_lock(dep, SYNC):
+        return sync(dep, options.get("to") or "all")
 
 
 __all__ = ["SYNC", "Plan", "Receiver", "receive_argv", "send_argv", "sync", "sync_files", "SCRIPT"]

@@ -1,0 +1,88 @@
+"""``model.verify``: every file's size, every LFS file's sha256 (the others' git blob id) against
+the hub's metadata, cached on the controller under the state dir so that a verify works
+offline; ``--repair`` re-fetches (head, ``model.download``'s way) or re-sends (workers,
+``model.sync``'s way) only the files that differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sparkdeploy.deployment import Deployment
+from sparkdeploy.hosts import Host
+from sparkdeploy.nodeops import NodeUnreachable
+from sparkdeploy.results import Result, changed, failed, ok, skipped
+from sparkdeploy.steps.model import (
+    DOWNLOAD,
+    VERIFY,
+    ModelError,
+    download_on,
+    in_gb,
+    metadata,
+    node_state,
+    stage_for,
+    total_bytes,
+)
+from sparkdeploy.steps.model_sync import SYNC, sync_files
+from sparkdeploy.steps.registry import step
+
+
+def verify(dep: Deployment, node: str | None = None, repair: bool = False) -> list[Result]:
+    try:
+        meta, note = metadata(dep)
+    except ModelError as e:
+        return [dep.report(failed(VERIFY, str(e)))]
+    out = []
+    for host in dep.select(node):
+        out.append(dep.report(verify_on(dep, host, meta, note, repair)))
+    return out
+
+
+def describe_bad(state: dict[str, Any], limit: int = 3) -> str:
+    bad = [(p, "missing") for p in state["missing"]] + list(state["differ"].items())
+    shown = ", ".join(f"{p} ({why})" for p, why in bad[:limit])
+    more = f" and {len(bad) - limit} more" if len(bad) > limit else ""
+    return f"{len(bad)} files differ: {shown}{more}"
+
+
+def verify_on(dep: Deployment, host: Host, meta: dict[str, Any], note: str = "",
+              repair: bool = False) -> Result:
+    m = dep.profile.model
+    note = f" ({note})" if note else ""
+    try:
+        st = stage_for(host, meta)
+        state = node_state(dep, host, st)
+    except (ModelError, NodeUnreachable) as e:
+        return failed(VERIFY, str(e), host.name)
+    if not state.get("present"):
+        return failed(VERIFY, f"{host.name}: no weights in {m.path} (model.download on the head, "
+                      f"model.sync to workers)", host.name)
+    bad = state["missing"] + list(state["differ"]) + state["unchecked"]
+    total = total_bytes(meta)
+    if not bad:
+        return ok(VERIFY, f"{host.name}: {len(state['ok'])} files verified ({in_gb(total)}; hashed "
+                  f"{in_gb(state['hashed_bytes'])}, {state['reused']} unchanged since verified) in "
+                  f"{state['seconds']:.1f}s{note}", host.name, hashed=state["hashed_bytes"],
+                  reused=state["reused"], seconds=state["seconds"])
+    if dep.dry and state["unchecked"] and not (state["missing"] or state["differ"]):
+        return skipped(VERIFY, f"{host.name}: would hash {len(state['unchecked'])} files not "
+                       f"verified yet", host.name)
+    what = describe_bad(state)
+    if not repair:
+        return failed(VERIFY, f"{host.name}: {what}; --repair re-fetches only those", host.name,
+                      differ=state["differ"], missing=state["missing"])
+    names = state["missing"] + list(state["differ"])
+    if host.name == dep.profile.head.name:
+        res = download_on(dep, host, meta, only=names, step_name=VERIFY)
+    else:
+        res = sync_files(dep, [host], meta, only=names, step_name=VERIFY)
+    if res.failed:
+        return failed(VERIFY, f"{host.name}: {what}; repair failed: {res.why}", host.name)
+    return changed(VERIFY, f"{host.name}: {what}; repaired ({res.why})", host.name,
+                   repaired=names)
+
+
+@step(VERIFY, needs=(DOWNLOAD, SYNC))
+def verify_step(dep: Deployment, **options: Any) -> list[Result]:
+    """Verify the weights on every node against the hub's metadata (cached for offline use)."""
+    return verify(dep, options.get("node"), bool(options.get("repair")))
