@@ -51,15 +51,15 @@ def bench(session: nox.Session) -> None:
 @nox.session(default=False)
 def perf(session: nox.Session) -> None:
     """Speed/accuracy figures as `name: value` lines; `-- NAME ...` runs only those
-    (registry: src/sparkdeploy/perf.py)."""
+    (registry: src/sparkdeploy/lab/perf.py)."""
     session.install("-e", ".[bench]")
-    session.run("python", "-m", "sparkdeploy.perf", *session.posargs)
+    session.run("python", "-m", "sparkdeploy.lab.perf", *session.posargs)
 
 
 @nox.session(default=False)
 def mutants(session: nox.Session) -> None:
     """Mutation testing (mutmut, settings in pyproject.toml) of the decision code: steps/ship.py,
-    scripts/save_filter.py, config.py, bench/metrics.py against their unit tests; then the
+    helpers/save_filter.py, config.py, bench/metrics.py against their unit tests; then the
     survivors. Slow: two workers (`MUTMUT_CHILDREN=N` for more); `-- NAME...` reruns mutants."""
     import os
 
@@ -80,8 +80,8 @@ def probe(session: nox.Session, target: str) -> None:
     profile's candidate images through docker (`nox -s "probe(target='images')" -- --image X`)."""
     session.install("-e", ".")
     if target == "images":
-        session.run("python", "-m", "sparkdeploy.probes", "images", *session.posargs)
+        session.run("python", "-m", "sparkdeploy.lab.probes", "images", *session.posargs)
     else:
         session.install(target)
-        session.run("python", "-m", "sparkdeploy.probes", "config", "--expect", CONFIG_MATRIX[target],
+        session.run("python", "-m", "sparkdeploy.lab.probes", "config", "--expect", CONFIG_MATRIX[target],
                     *session.posargs)

@@ -145,7 +145,8 @@ class DerivativeImage(_Strict):
 
     dockerfile: Annotated[RelPath, AfterValidator(checks.project_dockerfile)] = (
         "docker/transformers.Dockerfile")
-    """Under the project's ``docker/`` directory (``image.build`` reads nothing else)."""
+    """One of the Dockerfiles sparkdeploy ships (``sparkdeploy/data/docker/``; ``image.build``
+    reads nothing else)."""
     base: ImageRef
     requirement: Requirement = "transformers>=5"
     tag: ImageRef

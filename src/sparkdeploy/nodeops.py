@@ -11,15 +11,13 @@ import hashlib
 import json
 import re
 import shlex
-from pathlib import Path
 from typing import Any
 
 from sparkdeploy.hosts import Host, HostError, NodeUnreachable
+from sparkdeploy.packaged import helper
 
-__all__ = ["ARCH", "SCRIPTS", "HostError", "NodeUnreachable", "docker", "inspect_image",
+__all__ = ["ARCH", "HostError", "NodeUnreachable", "docker", "inspect_image",
            "listed_tags", "node_arch", "stage", "stage_script", "check_staged", "verified"]
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 ARCH = {"aarch64": "arm64", "arm64": "arm64", "x86_64": "amd64", "amd64": "amd64"}
 
@@ -95,7 +93,7 @@ def stage(host: Host, name: str, content: str) -> str:
 
 
 def stage_script(host: Host, name: str) -> str:
-    return stage(host, name, (SCRIPTS / name).read_text())
+    return stage(host, name, helper(name).read_text())
 
 
 def check_staged(path: str) -> str:

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 
 from sparkdeploy.lab import images, layout
 from sparkdeploy.lab.dockerd import docker
+from sparkdeploy.packaged import helper
 from sparkdeploy.results import Status
 
 pytestmark = pytest.mark.lab
 
-PROBE = Path(__file__).resolve().parents[2] / "scripts" / "probe_image.py"
+PROBE = helper("probe_image.py")
 TAGS = {
     "lmsysorg/sglang:spark": "lmsysorg/sglang:spark",
     "scitrera/dgx-spark-sglang:0.5.10rc0": "scitrera/dgx-spark-sglang:0.5.10rc0",
@@ -46,7 +46,7 @@ def tags_on(lab, node: str) -> set[str]:
 
 
 def probe(node: str, image: str, *args: str) -> dict:
-    """Run scripts/probe_image.py under the image's python3 (no network, the model's config
+    """Run helpers/probe_image.py under the image's python3 (no network, the model's config
     written inside the container)."""
     shell = ("mkdir -p /tmp/model && printf '%s' \"$CFG\" > /tmp/model/config.json && "
              "exec python3 - \"$@\"")

@@ -13,16 +13,16 @@ import os
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 
 import pytest
 
 from sparkdeploy.lab import layout
 from sparkdeploy.lab.dockerd import docker
+from sparkdeploy.packaged import helper
 
 pytestmark = pytest.mark.lab
 
-FILTER = Path(__file__).resolve().parents[2] / "scripts" / "save_filter.py"
+FILTER = helper("save_filter.py")
 
 
 def _inspect(node: str, ref: str) -> dict:

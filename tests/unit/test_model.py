@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from sparkdeploy.lab import hub
+from sparkdeploy.packaged import helper
 from sparkdeploy.records import HubMetadata
 from sparkdeploy.results import Status
 from sparkdeploy.steps import model, model_sync, model_verify
@@ -321,8 +322,7 @@ def test_the_receiver_checks_each_file_as_it_lands_and_its_daemon_goes_with_its_
     import subprocess
     import threading
 
-    script = os.path.join(os.path.dirname(model.__file__), "..", "..", "..", "scripts",
-                          "model_node.py")
+    script = str(helper("model_node.py"))
     src, dst = tmp_path / "src", tmp_path / "dst"
     src.mkdir()
     good, bad = os.urandom(300_000), os.urandom(1000)

@@ -1,4 +1,4 @@
-"""scripts/probe_image.py against fake site-packages trees (no engine, no transformers needed)."""
+"""The probe_image.py helper against fake site-packages trees (no engine, no transformers needed)."""
 
 import importlib.util
 import json
@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "probe_image.py"
+from sparkdeploy.packaged import helper
+
+SCRIPT = helper("probe_image.py")
 
 # transformers 4.57's message for a model type it does not know (configuration_auto.py).
 UNKNOWN_TYPE = (

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from sparkdeploy.packaged import helper
 from sparkdeploy.steps.deploy import CREATED, remove_model_dir
 from tests.unit.fakes import FakeNode
 from tests.unit.test_services import deployment
 
-HELPER = Path(__file__).resolve().parents[2] / "scripts" / "model_node.py"
+HELPER = helper("model_node.py")
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""scripts/save_filter.py against synthetic `docker save` archives of both layouts.
+"""The save_filter.py helper against synthetic `docker save` archives of both layouts.
 
 The archives mimic what Docker 20.10 (legacy) and Docker 26 (OCI) write: members in lexical name
 order (manifest.json and index.json after the layers), v1 IDs computed as Docker does, uncompressed
@@ -9,7 +9,6 @@ result as in process, bounded memory, progress lines) run it as the ship does.
 
 import gzip
 import hashlib
-import importlib.util
 import io
 import json
 import os
@@ -17,21 +16,13 @@ import subprocess
 import sys
 import tarfile
 import threading
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "save_filter.py"
+from sparkdeploy.helpers import save_filter as sf
+from sparkdeploy.packaged import helper
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("scripts.save_filter", SCRIPT)  # as mutmut names it
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-sf = _load()
+SCRIPT = helper("save_filter.py")
 
 
 def sha(data: bytes) -> str:

@@ -1,4 +1,4 @@
-"""Properties of scripts/save_filter.py over random images and random peers, both layouts.
+"""Properties of The save_filter.py helper over random images and random peers, both layouts.
 
 For any layer list (repeats allowed) and any set of diff IDs the peer is said to have, the
 filtered archive loads on a peer holding the have-prefix chain into exactly the image: every

@@ -1,4 +1,4 @@
-"""scripts/serve_node.py against files laid out as a node's sysfs and model directory."""
+"""The serve_node.py helper against files laid out as a node's sysfs and model directory."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "serve_node.py"
+from sparkdeploy.packaged import helper
+
+SCRIPT = helper("serve_node.py")
 spec = importlib.util.spec_from_file_location("serve_node", SCRIPT)
 sn = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sn)

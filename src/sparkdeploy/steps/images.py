@@ -1,6 +1,6 @@
 """Choose an image: probe every candidate on the head, decide, and build the derivative image.
 
-``probe`` runs ``scripts/probe_image.py`` inside each candidate (``docker run --rm --network
+``probe`` runs ``helpers/probe_image.py`` inside each candidate (``docker run --rm --network
 none``, the probe and the model's config mounted read only), checks its platform against the
 head's architecture, and writes a decision record (JSON and Markdown) under the state dir; the
 decision is the probe's last result. ``build`` builds the derivative image (the profile's
@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from sparkdeploy import packaged
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.events import Progress
 from sparkdeploy.files import MB, Escape, InputError, read_input, under
 from sparkdeploy.hosts import Host, HostError, NodeUnreachable
 from sparkdeploy.nodeops import (
     ARCH,
-    SCRIPTS,
     docker,
     inspect_image,
     node_arch,
@@ -45,9 +45,9 @@ LABEL_TF = "org.sparkdeploy.transformers.version"
 LABEL_DOCKERFILE = "org.sparkdeploy.dockerfile.sha256"
 LABEL_REQUIREMENT = "org.sparkdeploy.transformers.requirement"
 LABEL_ENGINE_REQUIRES = "org.sparkdeploy.engine.requires"
-ROOT = SCRIPTS.parent
 DOCKER_DIR = "docker"
-"""The project's Dockerfiles: the only files ``images.layer.dockerfile`` may name."""
+"""The Dockerfiles sparkdeploy ships (``sparkdeploy/data/docker/``): the only files
+``images.layer.dockerfile`` may name."""
 
 
 # -- the model's config ------------------------------------------------------------------------
@@ -370,7 +370,7 @@ def build_context(dockerfile: str, config_text: str) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for name, data in (("Dockerfile", legacy_dockerfile(dockerfile).encode()),
-                           ("probe_image.py", (SCRIPTS / "probe_image.py").read_bytes()),
+                           ("probe_image.py", packaged.helper("probe_image.py").read_bytes()),
                            ("model/config.json", config_text.encode())):
             info = tarfile.TarInfo(name)
             info.size = len(data)
@@ -408,7 +408,7 @@ def _build(dep: Deployment, no_cache: bool = False) -> Result:
     if derivative is None:
         return skipped(STEP_BUILD, "the profile has no images.layer", head.name)
     try:
-        path = under(ROOT / DOCKER_DIR, derivative.dockerfile.removeprefix(DOCKER_DIR + "/"))
+        path = under(packaged.data(DOCKER_DIR), derivative.dockerfile.removeprefix(DOCKER_DIR + "/"))
         dockerfile = read_input(path, limit=MB, what="Dockerfile").decode("utf-8")
     except (Escape, InputError) as e:
         return failed(STEP_BUILD, f"images.layer.dockerfile: {e}", head.name)

@@ -4,7 +4,7 @@
 by ``huggingface_hub`` running on the node in an isolated environment of sparkdeploy's choosing
 (a container of an image the node already has, or a virtualenv of its own: never the node's
 system Python). The token (``HF_TOKEN`` or the hub login on the controller) reaches the
-downloader through its stdin only. The node-side helper (``scripts/model_node.py``) hashes each
+downloader through its stdin only. The node-side helper (``helpers/model_node.py``) hashes each
 file as it completes and appends it to a record in ``<path>/.sparkdeploy/verified.jsonl``:
 that record is how ``model.sync`` knows a file is complete and verified on the head while the
 download still runs, and why a second verify of unchanged files reads nothing.

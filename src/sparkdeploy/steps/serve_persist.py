@@ -1,9 +1,9 @@
 """``serve.persist`` / ``serve.unpersist``: the deployment as systemd units on every node.
 
-Each node gets ``sparkdeploy-<engine>.service`` running ``scripts/serve_unit.py`` (put under
+Each node gets ``sparkdeploy-<engine>.service`` running ``helpers/serve_unit.py`` (put under
 ``/var/lib/sparkdeploy-node/serve/`` with one JSON spec per engine), written from the same
 container specs ``serve.up`` starts: the same ``docker run`` arguments, stage by stage. The
-supervisors form a group over the fast link (see ``scripts/serve_unit.py``): workers before the
+supervisors form a group over the fast link (see ``helpers/serve_unit.py``): workers before the
 head, and when one node's engine container dies every node's is restarted together
 (``Restart=on-failure``). Stopping a unit removes its node's containers.
 
@@ -30,7 +30,8 @@ from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import EngineError, Launch, NodeFacts, launch
 from sparkdeploy.engines.base import API_KEY_ENV, run_args
 from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import SCRIPTS, NodeUnreachable, docker
+from sparkdeploy.nodeops import NodeUnreachable, docker
+from sparkdeploy.packaged import helper
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.registry import step
 from sparkdeploy.steps.serve_containers import RAY_PROBE, ours, remove
@@ -201,7 +202,7 @@ def persist(dep: Deployment, engine: str | None = None) -> list[Result]:
     unit = unit_name(eng.name)
     results: list[Result] = []
     wrote: dict[str, bool] = {}
-    supervisor = (SCRIPTS / SUPERVISOR).read_text()
+    supervisor = helper(SUPERVISOR).read_text()
     try:  # every unit file first: a value that cannot go into one writes none
         units = {h.name: unit_text(dep, eng, h, [c.role for c in lau.on(h.name)])
                  for h in hosts if lau.on(h.name)}

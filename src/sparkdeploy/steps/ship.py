@@ -32,7 +32,7 @@ from sparkdeploy.threads import each
 STEP = "image.ship"
 CONTAINERD = "io.containerd.snapshotter.v1"
 FILTER_PYTHON = (3, 8)
-"""The oldest python3 scripts/save_filter.py runs on (checked on the source before shipping)."""
+"""The oldest python3 helpers/save_filter.py runs on (checked on the source before shipping)."""
 STAGED_CHANGED = 97
 """Exit status of a pipeline whose staged helper no longer matches its sha256 (not run)."""
 

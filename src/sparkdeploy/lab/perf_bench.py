@@ -16,6 +16,7 @@ from pathlib import Path
 
 from sparkdeploy.bench.client import Settings
 from sparkdeploy.bench.sweep import run_sweep
+from sparkdeploy.lab.standins import engine_server as es
 from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 TTFT_MS = 100.0
@@ -32,8 +33,6 @@ def free_port() -> int:
 
 def start_standin(port: int, ttft_ms: float, tok_s: float, extra: list[str] | None = None):
     """The stand-in as a child process; returns the Popen once /health answers."""
-    import sparkdeploy.lab.standins.engine_server as es
-
     env = dict(os.environ)
     src = str(Path(es.__file__).resolve().parents[3])
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")

@@ -1,6 +1,6 @@
-"""``python -m sparkdeploy.probes``: the compatibility probes behind ``nox -s probe``.
+"""``python -m sparkdeploy.lab.probes``: the compatibility probes behind ``nox -s probe``.
 
-``config --expect parse|fail``: run ``scripts/probe_image.py`` with this interpreter (the nox
+``config --expect parse|fail``: run the ``probe_image.py`` helper with this interpreter (the nox
 session's virtualenv, holding one transformers version) on the model's config, and check the
 expectation: transformers 4.57 must fail on ``qwen3_5_moe``, >= 5.2 must parse it. The config is
 the model's own when ``--config DIR`` is given, else the lab hub's faithful copy of its shape.
@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from sparkdeploy.packaged import helper
 
 
 def _config_dir(given: str | None) -> str:
@@ -35,7 +35,7 @@ def _config_dir(given: str | None) -> str:
 
 def config(expect: str, config_dir: str | None) -> int:
     d = _config_dir(config_dir)
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "probe_image.py"), "--model-dir", d],
+    out = subprocess.run([sys.executable, str(helper("probe_image.py")), "--model-dir", d],
                          capture_output=True, text=True, check=False)
     if out.returncode != 0:
         print(f"probe failed: {out.stderr.strip()}", file=sys.stderr)
@@ -82,7 +82,7 @@ def images(image: str | None, profile: str | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sparkdeploy.probes")
+    p = argparse.ArgumentParser(prog="python -m sparkdeploy.lab.probes")
     sub = p.add_subparsers(dest="what", required=True)
     c = sub.add_parser("config", help="does this interpreter's transformers parse the config?")
     c.add_argument("--expect", choices=["parse", "fail"], required=True)

@@ -1,6 +1,6 @@
 # The seed's derivative image: a community engine image plus an exact transformers release.
 #
-# Build context: a directory holding probe_image.py (scripts/probe_image.py) and model/config.json
+# Build context: a directory holding probe_image.py (helpers/probe_image.py) and model/config.json
 # (the model's small config files).  The build task resolves `transformers>=5` to a concrete
 # version from the package index first (the newest one that also satisfies what the base image's
 # engine declares), and computes the sha256 of this file:
