@@ -240,6 +240,13 @@ class Bench(_Strict):
     output_tokens: int = Field(default=256, ge=2, le=10**7)
     warmup: int = Field(default=1, ge=0, le=10**4)
     baseline_decode_tok_s: float = Field(default=27.0, gt=0, le=1e7)
+    baseline_tolerance_pct: float = Field(default=10.0, ge=0, lt=100)
+    """``bench.run --check-baseline``: the allowed shortfall of the concurrency-1 median decode
+    rate against ``baseline_decode_tok_s``."""
+    timeout_s: float = Field(default=120.0, gt=0, le=DAY)
+    """Seconds without a byte before a request fails (a stalled stream)."""
+    deadline_s: float = Field(default=1800.0, gt=0, le=DAY)
+    """Seconds the whole of one request may take (a server that trickles bytes ends on time)."""
 
 
 class Profile(_Strict):

@@ -17,6 +17,11 @@ from sparkdeploy.records import Records
 from sparkdeploy.results import Result
 from sparkdeploy.state import StateDir
 
+DEFAULTS = {"profile": "configs/qwen3.5-122b-a10b-fp8.yaml", "state_dir": ".sparkdeploy"}
+"""invoke's ``sparkdeploy.*`` settings as the task collection sets them (its configuration);
+``invoke.yaml``, ``INVOKE_SPARKDEPLOY_PROFILE`` / ``_STATE_DIR``, ``inv -f FILE`` and a task's
+``--profile`` override them. Read from the context's config, never restated."""
+
 
 @dataclass
 class Deployment:
@@ -69,15 +74,20 @@ class Deployment:
 
 def from_context(ctx: Context, profile: str | None = None) -> Deployment:
     """Build a deployment from invoke's config (explicit ``profile`` wins over config)."""
-    cfg = ctx.config.get("sparkdeploy", {}) or {}
-    path = profile or cfg.get("profile")
+    cfg = {**DEFAULTS, **(ctx.config.get("sparkdeploy") or {})}
+    path = profile or cfg["profile"]
     if not path:
         raise ProfileError("no profile: set sparkdeploy.profile in invoke.yaml or "
                            "INVOKE_SPARKDEPLOY_PROFILE=configs/X.yaml")
-    return load(path, cfg.get("state_dir") or ".sparkdeploy", ctx)
+    return load(path, state_dir(ctx), ctx)
 
 
-def load(profile: str | Path, state_dir: str | Path = ".sparkdeploy",
+def state_dir(ctx: Context) -> Path:
+    """The state dir invoke's config names (``sparkdeploy.state_dir``)."""
+    return Path((ctx.config.get("sparkdeploy") or {}).get("state_dir") or DEFAULTS["state_dir"])
+
+
+def load(profile: str | Path, state_dir: str | Path,
          ctx: Context | None = None) -> Deployment:
     """A deployment outside invoke (benchmarks, tests): a fresh quiet Context by default."""
     ctx = ctx or Context()

@@ -7,11 +7,18 @@ import pytest
 from invoke import Config, Context
 from invoke.exceptions import Exit
 
-from sparkdeploy.bench.client import BenchError, Settings
+from sparkdeploy.bench.client import BenchError
 from sparkdeploy.bench.plot import panel_data, read_png_panels
 from sparkdeploy.bench.sweep import check_baseline, run_sweep
+from sparkdeploy.config import Bench
 from sparkdeploy.lab.standins import engine_server as es
+from sparkdeploy.steps.bench import request_settings
 from sparkdeploy.tasks import bench as bench_tasks
+
+
+def sized(**given):
+    """Request settings: the profile's bench defaults under what a test gives."""
+    return request_settings(Bench(), **given)
 
 
 @pytest.fixture
@@ -52,7 +59,7 @@ def test_faulty_requests_fail_with_their_error_and_files_are_written(server, tmp
 
 
 def test_png_holds_the_four_panels(server, tmp_path):
-    doc = run_sweep(f"http://127.0.0.1:{server.port}", Settings(input_tokens=4, output_tokens=4),
+    doc = run_sweep(f"http://127.0.0.1:{server.port}", sized(input_tokens=4, output_tokens=4),
                     concurrency=[1, 2], requests=2, warmup=0)
     from sparkdeploy.bench.plot import plot
 
@@ -108,7 +115,7 @@ def test_unreachable_endpoint_is_one_line(tmp_path, capsys):
     [line] = capsys.readouterr().out.splitlines()
     assert f"failed   bench.run          -        cannot reach http://127.0.0.1:{port}" in line
     with pytest.raises(BenchError):
-        run_sweep("ftp://x", Settings())
+        run_sweep("ftp://x", sized(), requests=1, warmup=0)
 
 
 def _doc(tok_s, decode, ttft, itl, conc=8):
@@ -195,7 +202,7 @@ def test_a_server_that_trickles_or_never_answers_ends_each_request_at_its_deadli
         import time
 
         started = time.monotonic()
-        res = run_level(Target.parse(srv.url), Settings(model="m", timeout=5, deadline=0.4),
+        res = run_level(Target.parse(srv.url), sized(model="m", timeout=5, deadline=0.4),
                         requests=2, concurrency=2)
         took = time.monotonic() - started
     finally:
@@ -216,7 +223,7 @@ def test_a_huge_timeout_never_leaves_the_main_thread_at_a_barrier():
     from sparkdeploy.bench.client import Target, run_level
 
     with pytest.raises(BenchError, match=r"timeout 1e\+300 is not within \(0, 86400\]"):
-        run_level(Target.parse("http://127.0.0.1:9"), Settings(model="m", timeout=1e300),
+        run_level(Target.parse("http://127.0.0.1:9"), sized(model="m", timeout=1e300),
                   requests=1)
 
 

@@ -69,17 +69,20 @@ class Target:
         return conn
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Settings:
+    """One request's shape (the defaults of the sizes and the timeout: the profile's ``bench``
+    section, ``sparkdeploy.config.Bench``)."""
+
     api: str = "chat"  # chat | completions
     model: str | None = None
-    input_tokens: int = 512
-    output_tokens: int = 256
+    input_tokens: int
+    output_tokens: int
     thinking: bool | None = None  # None: leave the server's default
     ignore_eos: bool = True
-    timeout: float = 120.0
+    timeout: float
     """Seconds without a byte before a request fails (a stalled stream)."""
-    deadline: float = 1800.0
+    deadline: float
     """Seconds the whole of one request may take (a server that trickles bytes ends on time)."""
     seed: int = 0
 

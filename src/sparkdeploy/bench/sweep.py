@@ -34,7 +34,7 @@ def parse_levels(text: str | None, kind=int) -> list:
 
 
 def run_sweep(url: str, settings: Settings, *, concurrency: list[int] | None = None,
-              rates: list[float] | None = None, requests: int = 16, warmup: int = 1,
+              rates: list[float] | None = None, requests: int, warmup: int,
               max_concurrency: int | None = None, events: EventSink | None = None) -> dict:
     """The whole run as the JSON document (``config`` + ``runs``). With ``events``, each
     level's requests are reported as ``Progress("bench.run", None, done, total, "req", level)``

@@ -23,6 +23,7 @@ TTFT_MS = 100.0
 TOK_S = 27.0
 LEVELS = ((1, 4), (8, 16), (64, 128))  # (concurrency, requests)
 OUTPUT_TOKENS = 64
+TIMEOUT_S = 30.0
 
 
 def free_port() -> int:
@@ -69,7 +70,8 @@ def run() -> dict[str, float]:
         for conc, n in LEVELS:
             print(f"bench perf: concurrency {conc}, {n} requests", file=sys.stderr, flush=True)
             doc = run_sweep(f"http://127.0.0.1:{port}",
-                            Settings(input_tokens=128, output_tokens=OUTPUT_TOKENS),
+                            Settings(input_tokens=128, output_tokens=OUTPUT_TOKENS, timeout=TIMEOUT_S,
+                                     deadline=TIMEOUT_S),
                             concurrency=[conc], requests=n, warmup=1)
             s = doc["runs"][0]["summary"]
             if s["failed"]:

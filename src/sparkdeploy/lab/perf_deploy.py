@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from sparkdeploy.deployment import Deployment, load
+from sparkdeploy.deployment import DEFAULTS, Deployment, load
 from sparkdeploy.events import PlainRenderer
 from sparkdeploy.lab import hub, layout
 from sparkdeploy.records import PlanMemory
@@ -32,7 +32,7 @@ from sparkdeploy.steps import deploy as plans
 
 ROOT = Path(__file__).resolve().parents[3]
 PROFILE = ROOT / "configs" / "lab.yaml"
-STATE = ROOT / ".sparkdeploy" / "perf-deploy"
+STATE = ROOT / DEFAULTS["state_dir"] / "perf-deploy"
 DOWNLOAD_S = 45.0
 
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from sparkdeploy.deployment import Deployment, load
+from sparkdeploy.deployment import DEFAULTS, Deployment, load
 from sparkdeploy.steps import model, model_sync, model_verify
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -74,7 +74,7 @@ def run() -> dict[str, float]:
     bad = [r for r in lifecycle.up(nodes=2, flavor=layout.DEFAULT_DOCKERD) if r.failed]
     if bad:
         raise SystemExit("lab.up failed: " + "; ".join(r.why for r in bad))
-    dep = load(PROFILE, ROOT / ".sparkdeploy" / "perf-model")
+    dep = load(PROFILE, ROOT / DEFAULTS["state_dir"] / "perf-model")
     controller = urlsplit(dep.profile.model.endpoint or "").hostname or "127.0.0.1"
     _say(f"generating a {SIZE_MB} MB repo in {SHARDS} shards (cached after the first run)")
     srv = hub.start_hub(bind=controller, port=PORT, size_mb=SIZE_MB, shards=SHARDS,

@@ -24,7 +24,7 @@ import tarfile
 import time
 from pathlib import Path
 
-from sparkdeploy.deployment import Deployment, load
+from sparkdeploy.deployment import DEFAULTS, Deployment, load
 from sparkdeploy.nodeops import docker
 from sparkdeploy.steps import images, ship
 
@@ -85,7 +85,7 @@ def run() -> dict[str, float]:
     bad = [r for r in lifecycle.up(nodes=2, flavor=layout.DEFAULT_DOCKERD) if r.failed]
     if bad:
         raise SystemExit("lab.up failed: " + "; ".join(r.why for r in bad))
-    dep = load(PROFILE, ROOT / ".sparkdeploy" / "perf")
+    dep = load(PROFILE, ROOT / DEFAULTS["state_dir"] / "perf")
     layer = dep.profile.images.layer
     assert layer is not None
     _say("image.build (the derivative)")

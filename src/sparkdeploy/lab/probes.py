@@ -14,20 +14,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from invoke import Config, Context
+
+from sparkdeploy.config import ProfileError
+from sparkdeploy.deployment import from_context
+from sparkdeploy.events import rendering
+from sparkdeploy.lab.hub_repo import model_config
+from sparkdeploy.nodeops import NodeUnreachable, docker
 from sparkdeploy.packaged import helper
+from sparkdeploy.steps.registry import run_one
+from sparkdeploy.tasks import ns
 
 
 def _config_dir(given: str | None) -> str:
     if given:
         return given
-    from sparkdeploy.lab.hub_repo import model_config
-
     d = tempfile.mkdtemp(prefix="sparkdeploy-config-")
     Path(d, "config.json").write_text(json.dumps(model_config(), indent=2))
     return d
@@ -54,15 +60,12 @@ def config(expect: str, config_dir: str | None) -> int:
 
 
 def images(image: str | None, profile: str | None) -> int:
-    from sparkdeploy.config import ProfileError
-    from sparkdeploy.deployment import load
-    from sparkdeploy.events import rendering
-    from sparkdeploy.nodeops import NodeUnreachable, docker
-    from sparkdeploy.steps.registry import run_one
-
-    path = profile or os.environ.get("INVOKE_SPARKDEPLOY_PROFILE") or "configs/qwen3.5-122b-a10b-fp8.yaml"
+    # invoke's config as a task sees it: the collection's defaults, then INVOKE_SPARKDEPLOY_*
+    cfg = Config()
+    cfg.load_collection(ns.configuration())
+    cfg.load_shell_env()
     try:
-        dep = load(path, os.environ.get("INVOKE_SPARKDEPLOY_STATE_DIR", ".sparkdeploy"))
+        dep = from_context(Context(cfg), profile)
     except ProfileError as e:
         print(e, file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ from typing import Any
 from sparkdeploy.bench.client import BenchError, Settings
 from sparkdeploy.bench.report import level_name
 from sparkdeploy.bench.sweep import STEP, check_baseline, run_sweep, save_json
+from sparkdeploy.config import Bench
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.endpoint import url as endpoint_url
 from sparkdeploy.events import EventSink
@@ -37,13 +38,21 @@ def level_line(run: dict[str, Any]) -> str:
             f"{num(s['ttft_ms']['median'])} ms")
 
 
+def request_settings(b: Bench, **given: Any) -> Settings:
+    """A request's settings: what was given (None: not given), else the profile's ``bench``."""
+    chosen = {k: v for k, v in given.items() if v is not None}
+    return Settings(**{"input_tokens": b.input_tokens, "output_tokens": b.output_tokens,
+                       "timeout": b.timeout_s, "deadline": b.deadline_s, **chosen})
+
+
 def benchmark(events: EventSink, url: str, settings: Settings, *, concurrency: Sequence[int],
-              rates: Sequence[float] = (), requests: int = 16, warmup: int = 1,
+              rates: Sequence[float] = (), requests: int, warmup: int,
               max_concurrency: int | None = None, json_path: str | Path | None = None,
               plot_path: str | Path | None = None, save_dir: str | Path | None = None,
-              baseline: float | None = None, tolerance: float = 10.0) -> list[Result]:
+              baseline: tuple[float, float] | None = None) -> list[Result]:
     """Run the sweep; one result per level (``details["run"]`` holds it), one per file
-    written, and the baseline gate's when ``baseline`` is given. Failed requests are counted
+    written, and the baseline gate's when ``baseline`` (decode tok/s, tolerance %) is
+    given. Failed requests are counted
     in a level's summary; a level where none succeeded is a failed result, and when no level
     has a success nothing is written. An endpoint that cannot be benchmarked (unreachable, no
     model) is a failure too."""
@@ -86,7 +95,7 @@ def benchmark(events: EventSink, url: str, settings: Settings, *, concurrency: S
             write_atomic(path, lambda tmp: draw(doc["runs"], tmp, title=title))
         out.append(events.result(changed(STEP, f"wrote {path}", path=str(path))))
     if baseline is not None:
-        good, line = check_baseline(doc, baseline, tolerance)
+        good, line = check_baseline(doc, *baseline)
         out.append(events.result((ok if good else failed)(STEP, line)))
     return out
 
@@ -97,17 +106,18 @@ def run(dep: Deployment, url: str | None = None, settings: Settings | None = Non
         requests: int | None = None, warmup: int | None = None,
         max_concurrency: int | None = None, json_path: str | None = None,
         plot_path: str | None = None, save: bool = False, check: bool = False,
-        tolerance: float = 10.0) -> list[Result]:
+        tolerance: float | None = None) -> list[Result]:
     """Benchmark the profile's endpoint (or ``url``) with the profile's bench settings."""
     b = dep.profile.bench
     url = url or endpoint_url(dep)
     if not url:
         return [dep.report(failed(STEP, "no endpoint: none recorded by serve.up and the profile "
                                         "has none (endpoint)"))]
-    settings = settings or Settings(input_tokens=b.input_tokens, output_tokens=b.output_tokens)
+    settings = settings or request_settings(b)
+    gate = (b.baseline_decode_tok_s, b.baseline_tolerance_pct if tolerance is None else tolerance)
     return benchmark(dep.events, url, settings, concurrency=concurrency or list(b.concurrency),
                      rates=rates, requests=requests or b.requests,
                      warmup=b.warmup if warmup is None else warmup,
                      max_concurrency=max_concurrency, json_path=json_path, plot_path=plot_path,
                      save_dir=dep.state.path / "bench" if save else None,
-                     baseline=b.baseline_decode_tok_s if check else None, tolerance=tolerance)
+                     baseline=gate if check else None)

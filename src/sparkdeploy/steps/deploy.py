@@ -38,10 +38,10 @@ SMOKE_OUTPUT_TOKENS = 64  # a smoke, not a measurement: a few short answers at c
 
 
 def smoke_settings(dep: Deployment, runs: dict[str, StepRun]) -> Any:
-    from sparkdeploy.bench.client import Settings
+    from sparkdeploy.steps.bench import request_settings
 
     b = dep.profile.bench
-    return Settings(input_tokens=b.input_tokens, output_tokens=min(SMOKE_OUTPUT_TOKENS, b.output_tokens))
+    return request_settings(b, output_tokens=min(SMOKE_OUTPUT_TOKENS, b.output_tokens))
 
 
 # --- what each step depends on ---------------------------------------------------------------

@@ -2,14 +2,8 @@
 
 from invoke import Collection
 
+from sparkdeploy.deployment import DEFAULTS
 from sparkdeploy.tasks import bench, deploy, hosts, image, lab, model, profile, serve, services
 
 ns = Collection(profile, hosts, services, image, model, lab, bench, serve, deploy)
-ns.configure(
-    {
-        "sparkdeploy": {
-            "profile": "configs/qwen3.5-122b-a10b-fp8.yaml",
-            "state_dir": ".sparkdeploy",
-        }
-    }
-)
+ns.configure({"sparkdeploy": dict(DEFAULTS)})

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from invoke import Context
 from invoke.exceptions import Exit
 
-from sparkdeploy.bench.client import DAY_S, BenchError, Settings
+from sparkdeploy.bench.client import DAY_S, BenchError
 from sparkdeploy.config import Bench
+from sparkdeploy.deployment import state_dir
 from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks._flags import task
 
@@ -27,12 +26,15 @@ _HELP = {
     "api": "chat|completions",
     "json": "write the results JSON here",
     "plot": "write the four-panel PNG here",
-    "timeout": "seconds without data before a request fails (default 120, at most a day)",
-    "deadline": "seconds one whole request may take (default 1800, at most a day)",
+    "timeout": "seconds without data before a request fails (default: the profile's bench.timeout_s, "
+               "at most a day)",
+    "deadline": "seconds one whole request may take (default: the profile's bench.deadline_s, at "
+                "most a day)",
     "save": "also save JSON and PNG under <state_dir>/bench/",
     "check_baseline": "fail unless the concurrency-1 median decode rate is within "
                       "--baseline-tolerance of the profile's bench.baseline_decode_tok_s",
-    "baseline_tolerance": "allowed shortfall against the baseline (default 10%)",
+    "baseline_tolerance": "allowed shortfall against the baseline (default: the profile's "
+                          "bench.baseline_tolerance_pct)",
     "profile": "profile file (default: sparkdeploy.profile from invoke config)",
 }
 
@@ -56,20 +58,15 @@ def _profile(c: Context, profile: str | None, url: str | None):
         raise Exit(str(e), code=1) from None
 
 
-def _state_dir(c: Context) -> Path:
-    cfg = c.config.get("sparkdeploy", {}) or {}
-    return Path(cfg.get("state_dir") or ".sparkdeploy")
-
-
 @task(default=True, help=_HELP)
 def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=None,
         requests=None, input_tokens=None, output_tokens=None, warmup=None, thinking=None,
         api="chat", json=None, plot=None, timeout=None, deadline=None, save=False,
-        check_baseline=False, baseline_tolerance="10%", profile=None):
+        check_baseline=False, baseline_tolerance=None, profile=None):
     """Benchmark an endpoint: a concurrency (or rate) sweep, vLLM bench-serve metrics."""
     from sparkdeploy.bench.compare import parse_pct
     from sparkdeploy.bench.sweep import parse_levels
-    from sparkdeploy.steps.bench import benchmark
+    from sparkdeploy.steps.bench import benchmark, request_settings
     from sparkdeploy.tasks._common import stream
 
     # every flag first: a bad one exits 2 before the profile is read or a request is sent
@@ -83,9 +80,10 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
     k = flags.integer("--warmup", warmup, min=0)
     n_in = flags.integer("--input-tokens", input_tokens, min=1)
     n_out = flags.integer("--output-tokens", output_tokens, min=2)
-    secs = flags.number("--timeout", timeout, default=120.0, gt=0, max=DAY_S)
-    whole = flags.number("--deadline", deadline, default=1800.0, gt=0, max=DAY_S)
-    tolerance = flags.parsed("--baseline-tolerance", baseline_tolerance, parse_pct)
+    secs = flags.number("--timeout", timeout, gt=0, max=DAY_S)
+    whole = flags.number("--deadline", deadline, gt=0, max=DAY_S)
+    tolerance = None if baseline_tolerance is None else flags.parsed(
+        "--baseline-tolerance", baseline_tolerance, parse_pct)
     json_path = flags.output_file("--json", json)
     plot_path = flags.output_file("--plot", plot)
     if cap is not None and not rates:
@@ -95,16 +93,16 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
     url = url or endpoint
     if not url:
         raise Exit("the profile has no endpoint (sparkdeploy.endpoint): pass --url URL", code=2)
-    settings = Settings(api=api, model=model, input_tokens=n_in or bench.input_tokens,
-                        output_tokens=n_out or bench.output_tokens,
-                        thinking=None if thinking is None else thinking == "on", timeout=secs,
-                        deadline=whole)
+    settings = request_settings(bench, api=api, model=model, input_tokens=n_in, output_tokens=n_out,
+                                thinking=None if thinking is None else thinking == "on", timeout=secs,
+                                deadline=whole)
+    gate = (bench.baseline_decode_tok_s,
+            bench.baseline_tolerance_pct if tolerance is None else tolerance)
     stream(benchmark, url, settings, concurrency=levels or list(bench.concurrency), rates=rates,
            requests=n or bench.requests, warmup=bench.warmup if k is None else k,
            max_concurrency=cap, json_path=json_path, plot_path=plot_path,
-           save_dir=_state_dir(c) / "bench" if save else None,
-           baseline=bench.baseline_decode_tok_s if check_baseline else None,
-           tolerance=tolerance, show=_tables)
+           save_dir=state_dir(c) / "bench" if save else None,
+           baseline=gate if check_baseline else None, show=_tables)
 
 
 def _tables(results) -> None:

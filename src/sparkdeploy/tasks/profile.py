@@ -1,4 +1,5 @@
-"""`inv profile.check`: validate the profile and print it resolved, touching no node."""
+"""`inv profile.check`: validate the profile and print it resolved, touching no node;
+`profile.seed`: where the seed profile the package ships is."""
 
 import json
 
@@ -6,6 +7,7 @@ import yaml
 from invoke import Collection
 from invoke.exceptions import Exit
 
+from sparkdeploy import packaged
 from sparkdeploy.config import ProfileError, load_layered
 from sparkdeploy.overlays import REMOVED, UNSET, Merged, dotted
 from sparkdeploy.tasks._common import load
@@ -54,4 +56,10 @@ def check(c, profile=None):
     print(yaml.safe_dump({"sparkdeploy": p.model_dump(mode="json")}, sort_keys=False), end="")
 
 
-ns = Collection("profile", check)
+@task
+def seed(c):
+    """Print the path of the seed profile sparkdeploy ships (extend it, or copy it to start)."""
+    print(packaged.data(packaged.SEED_PROFILE))
+
+
+ns = Collection("profile", check, seed)
