@@ -2,15 +2,46 @@
 
 import nox
 
-nox.options.sessions = ["tests", "lint"]
+nox.options.sessions = ["tests", "lint", "typecheck"]
 nox.options.reuse_existing_virtualenvs = True
+
+
+def _pytest(session: nox.Session, *paths: str) -> None:
+    session.install("-e", ".[dev]")
+    session.run("pytest", *paths, *session.posargs)
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit and lab tests (lab tests need root and Linux; pass pytest args after --)."""
-    session.install("-e", ".[dev]")
-    session.run("pytest", *session.posargs)
+    _pytest(session)  # pyproject's testpaths: tests/unit, tests/lab
+
+
+@nox.session(default=False)
+def unit(session: nox.Session) -> None:
+    """Unit tests only (fast, no root)."""
+    _pytest(session, "tests/unit")
+
+
+@nox.session(default=False)
+def lab(session: nox.Session) -> None:
+    """Lab tests only (root, Linux: real sshd and dockerd in network namespaces)."""
+    _pytest(session, "tests/lab")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy over src/ (settings in pyproject.toml)."""
+    session.install("-e", ".[typecheck]")
+    session.run("mypy", *session.posargs)
+
+
+@nox.session(default=False)
+def install_check(session: nox.Session) -> None:
+    """`pip install .` (not editable), then the `sparkdeploy` command in an empty directory:
+    `--list`, and `--dry deploy.all` on the packaged seed profile (tests/install)."""
+    session.install(".", "pytest>=8.0")
+    session.run("pytest", "tests/install", *session.posargs)
 
 
 @nox.session

@@ -79,6 +79,9 @@ def from_context(ctx: Context, profile: str | None = None) -> Deployment:
     if not path:
         raise ProfileError("no profile: set sparkdeploy.profile in invoke.yaml or "
                            "INVOKE_SPARKDEPLOY_PROFILE=configs/X.yaml")
+    if path == DEFAULTS["profile"] and not Path(path).exists():
+        raise ProfileError(f"{path}: no such profile file (the default, for a checkout; else pass "
+                           "--profile FILE: `sparkdeploy profile.seed` prints the seed's)")
     return load(path, state_dir(ctx), ctx)
 
 
