@@ -15,13 +15,14 @@ import pytest
 from sparkdeploy.lab import hub
 from sparkdeploy.lab.hub_repo import RepoFile
 from sparkdeploy.outside import OutsideError, request
+from sparkdeploy.packaged import helper
 from sparkdeploy.records import HubMetadata
 from sparkdeploy.results import Status
-from sparkdeploy.steps import model
+from sparkdeploy.steps import model, model_verify
 from tests.unit.hostile import Hostile
 from tests.unit.model_fakes import Node, deployment
 
-HELPER = Path(__file__).resolve().parents[2] / "scripts" / "model_node.py"
+HELPER = helper("model_node.py")
 TOKEN = "hf_OutsideTestToken0123456789abcd"
 COMMIT = "c" * 40
 UNSAFE = ["../x", "/abs", "-x", "a/../../x", "a\\b", "a\nb", ""]
@@ -65,7 +66,7 @@ def test_a_hub_listing_an_unsafe_file_name_is_refused_before_the_node_is_touched
     try:
         dep, ctx = _dep(tmp_path, small_hub.url)
         before = _tree(tmp_path)
-        results = model.download(dep) + model.verify(dep)
+        results = model.download(dep) + model_verify.verify(dep)
     finally:
         del repo.files[name]
     assert [r.status for r in results] == [Status.FAILED, Status.FAILED]
