@@ -426,8 +426,7 @@ def test_a_receiver_killed_by_any_signal_takes_its_daemon_and_secret_along(tmp_p
     import socket
     import subprocess
 
-    script = os.path.join(os.path.dirname(model.__file__), "..", "..", "..", "scripts",
-                          "model_node.py")
+    script = str(helper("model_node.py"))
     (tmp_path / "dst").mkdir()
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"files": [{"path": "a.bin", "size": 5, "sha256": "1" * 64}]}))
