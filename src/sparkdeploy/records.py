@@ -3,13 +3,13 @@
 Each kind of record is one pydantic model below, stored in one envelope by one writer
 (``Records.write``) under the state dir::
 
-    decisions/image-probe.{json,md}    ImageDecision    image.probe: the image and why
-    decisions/serve.{json,md}          ServeDecision    serve.up: the engine and why
-    decisions/endpoint.json            Endpoint         serve.up: where the deployment serves
-    decisions/deploy-<time>.{json,md}  DeployRun        deploy.all: one record of a run
-    services/<profile>.json            StoppedServices  services.stop: the units to restore
-    runs/<plan>-<profile>.json         PlanMemory       the runner: each step's last outcome
-    model/<repo>@<revision>.json       HubMetadata      the hub's file list, cached
+    decisions/<profile>/image-probe.{json,md}    ImageDecision    the image and why
+    decisions/<profile>/serve.{json,md}          ServeDecision    the engine and why
+    decisions/<profile>/endpoint.json            Endpoint         where it serves
+    decisions/<profile>/deploy-<time>.{json,md}  DeployRun        one deploy.all run
+    services/<profile>.json                      StoppedServices  the units to restore
+    runs/<plan>-<profile>.json                   PlanMemory       each plan step's last outcome
+    model/<repo>@<revision>.json                 HubMetadata      the hub's file list, cached
 
 The envelope says when, by which step and for which profile a record was made::
 
@@ -57,11 +57,13 @@ class Envelope(BaseModel):
 
 
 class Record(BaseModel):
-    """One kind of record: where it lives (``FOLDER``, ``NAME`` unless the writer names it),
-    what it is called in an error (``WHAT``) and the step that makes it (``STEP``)."""
+    """One kind of record: where it lives (``FOLDER``, in a folder per profile when
+    ``PER_PROFILE``; ``NAME`` unless the writer names it), what it is called in an error
+    (``WHAT``) and the step that makes it (``STEP``)."""
 
     model_config = ConfigDict(extra="ignore")
     FOLDER: ClassVar[str] = DECISIONS
+    PER_PROFILE: ClassVar[bool] = True
     NAME: ClassVar[str | None] = None
     WHAT: ClassVar[str] = "record"
     STEP: ClassVar[str] = ""
@@ -144,6 +146,41 @@ class StepTiming(BaseModel):
     why: str
 
 
+class RunImage(BaseModel):
+    """The image a run served, by tag and ID, the base it was built from, and why."""
+
+    tag: str | None
+    id: str | None
+    base: str | None
+    base_id: str | None
+    engine: str | None
+    needs_layer: bool | None
+    summary: str | None
+    candidates: list[Candidate]
+
+
+class Tried(BaseModel):
+    """An engine that failed before the one serving: how, its diagnosis, the evidence lines."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    engine: str | None
+    outcome: str | None
+    diagnosis: str | None = Field(alias="class")
+    phase: str | None
+    why: str | None
+    fallback_after_s: float | None
+    evidence: list[list[Any]]
+
+
+class RunEngine(BaseModel):
+    chosen: str | None
+    tried: list[Tried]
+    decided: str | None
+    run_dir: str | None
+    serve_up: list[str]
+    """What serve.up said in the run."""
+
+
 class DeployRun(Record):
     WHAT = "deployment record"
     STEP = "deploy.all"
@@ -152,8 +189,8 @@ class DeployRun(Record):
     wall_s: float
     failed: bool
     changed: bool
-    image: dict[str, Any]
-    engine: dict[str, Any]
+    image: RunImage
+    engine: RunEngine
     endpoint: str | None
     steps: dict[str, StepTiming]
     bench: dict[str, Any] | None
@@ -166,6 +203,7 @@ class StoppedServices(Record):
     exactly these)."""
 
     FOLDER = "services"
+    PER_PROFILE = False
     WHAT = "stopped-services"
     STEP = "services.stop"
     units: dict[str, list[str]]
@@ -187,6 +225,7 @@ class PlanMemory(Record):
     """Per plan step, how it last ended and the fingerprint it ended with."""
 
     FOLDER = "runs"
+    PER_PROFILE = False
     WHAT = "plan state"
     steps: dict[str, StepMemory]
 
@@ -213,6 +252,7 @@ class HubMetadata(Record):
 
     model_config = ConfigDict(extra="forbid")
     FOLDER = "model"
+    PER_PROFILE = False
     WHAT = "hub metadata"
     STEP = "model.download"
     repo: str
@@ -263,13 +303,17 @@ class Records:
         self.clock = clock
 
     def path(self, kind: type[Record], name: str | None = None, suffix: str = ".json") -> Path:
-        """The file of record ``name`` (default: the kind's own name): one plain file name in
-        the kind's folder under the state dir (``files.under``), else a ``RecordError``."""
-        name = name or kind.NAME
-        if not name or "/" in name or name.startswith("."):
-            raise RecordError(f"bad record name {name!r}: not a plain file name")
+        """The file of record ``name`` (default: the kind's own name) in the kind's folder (its
+        profile's, for a kind kept per profile) under the state dir: every part one plain file
+        name (``files.under`` refuses the rest), else a ``RecordError``. The one place a
+        record's file name is made, from a profile's name or otherwise."""
+        name = name or kind.NAME or ""
+        parts = [self.profile_name, name] if kind.PER_PROFILE else [name]
+        for part in parts:
+            if not part or "/" in part or part.startswith("."):
+                raise RecordError(f"bad record name {part!r}: not a plain file name")
         try:
-            return under(self.state.path, f"{kind.FOLDER}/{name}{suffix}")
+            return under(self.state.path, "/".join([kind.FOLDER, *parts]) + suffix)
         except Escape as e:
             raise RecordError(f"bad record name {name!r}: {e}") from None
 

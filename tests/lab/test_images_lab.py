@@ -65,7 +65,7 @@ def worker_as_lab_up_left_it(dep):
 def test_probe_rejects_old_sglang_needs_layer_for_scitrera_accepts_vllm(state):
     r = inv(state, "image.probe")
     assert r.returncode == 0, r.stdout + r.stderr
-    envelope = json.loads((state / "decisions" / "image-probe.json").read_text())
+    envelope = json.loads(next((state / "decisions").glob("*-lab/image-probe.json")).read_text())
     assert envelope["step"] == "image.probe" and envelope["profile"].endswith("-lab")
     rec = envelope["data"]
     verdicts = {c["image"]: c for c in rec["candidates"]}
@@ -78,7 +78,7 @@ def test_probe_rejects_old_sglang_needs_layer_for_scitrera_accepts_vllm(state):
     assert verdicts[VLLM]["verdict"] == "viable"
     assert rec["chosen"]["image"] == SGLANG and rec["chosen"]["needs_layer"] is True
     assert rec["engines"]["vllm-ray"]["serve_image"] == VLLM
-    md = (state / "decisions" / "image-probe.md").read_text()
+    md = next((state / "decisions").glob("*-lab/image-probe.md")).read_text()
     assert f"- `{SGLANG_OLD}` (sglang): rejected:" in md
     # the table is printed too
     assert "needs-layer" in r.stdout and "rejected" in r.stdout

@@ -179,3 +179,13 @@ def test_a_fact_forgotten_while_gathered_is_not_kept():
 
     assert facts.get("spark1", "images", gather) == "old"
     assert facts.get("spark1", "images", gather) == "new"
+
+
+def test_the_probe_is_not_reused_once_its_decision_is_gone(lab):
+    from sparkdeploy.runner import diff_keys
+
+    dep, _, _ = lab
+    before = plans.fp_probe(dep)
+    assert before["decided"] is not None
+    dep.records.remove(ImageDecision)
+    assert diff_keys(before, plans.fp_probe(dep)) == ["decided"]

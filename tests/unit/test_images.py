@@ -6,6 +6,7 @@ import pytest
 from sparkdeploy.config import load_profile
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Host
+from sparkdeploy.records import ImageDecision
 from sparkdeploy.state import StateDir
 from sparkdeploy.steps import images, ship
 from tests.unit.test_profile import SEED
@@ -81,7 +82,7 @@ def test_judge_viable_and_decision(dep):
                              "needs_layer": True, "serve_image": "sparkdeploy/sglang-qwen3.5:latest"}
     assert rec["engines"]["vllm-ray"]["serve_image"] == "hellohal2064/vllm-qwen3.5-gb10"
     images.write_record(dep, rec)
-    md = (dep.state.path / "decisions/image-probe.md").read_text()
+    md = dep.records.path(ImageDecision, suffix=".md").read_text()
     assert "- `lmsysorg/sglang:spark` (sglang): missing: pull failed: no registry" in md
 
 
@@ -191,7 +192,7 @@ def test_the_decision_record_carries_who_and_when_and_ship_reads_it(dep):
                                                                 dep.profile.name)
     assert got.chosen.serve_image == "hellohal2064/vllm-qwen3.5-gb10"
     assert ship.default_image(dep) == "hellohal2064/vllm-qwen3.5-gb10"
-    md = (dep.state.path / "decisions/image-probe.md").read_text()
+    md = dep.records.path(ImageDecision, suffix=".md").read_text()
     assert "| hellohal2064/vllm-qwen3.5-gb10 | vllm | 0.17.1 | 4.57.1 | yes | no | linux/arm64 | viable |" in md
 
 

@@ -39,7 +39,7 @@ def decision() -> ImageDecision:
 def test_envelope_and_markdown(tmp_path):
     rec = records(tmp_path)
     w = rec.write(decision(), markdown="**chosen a:1**", title="Image decision")
-    assert w.json == tmp_path / "state/decisions/image-probe.json"
+    assert w.json == tmp_path / "state/decisions/qwen-lab/image-probe.json"
     env = json.loads(w.json.read_text())
     assert {k: env[k] for k in ("name", "step", "profile", "time", "time_iso")} == {
         "name": "image-probe", "step": "image.probe", "profile": "qwen-lab", "time": T,
@@ -57,8 +57,8 @@ def test_each_kind_has_its_home(tmp_path):
     rec = records(tmp_path)
     state = tmp_path / "state"
     homes = [
-        (rec.write(Endpoint(url="http://h:1", engine="sglang", model="m")), "decisions/endpoint.json"),
-        (rec.write(ServeDecision(chosen="sglang", run_dir="/r")), "decisions/serve.json"),
+        (rec.write(Endpoint(url="http://h:1", engine="sglang", model="m")), "decisions/qwen-lab/endpoint.json"),
+        (rec.write(ServeDecision(chosen="sglang", run_dir="/r")), "decisions/qwen-lab/serve.json"),
         (rec.write(StoppedServices(units={"spark1": ["a.service"]}), "qwen-lab"), "services/qwen-lab.json"),
         (rec.write(PlanMemory(steps={}), "deploy-qwen-lab"), "runs/deploy-qwen-lab.json"),
         (rec.write(HubMetadata(repo="o/m", revision="main", commit="c" * 40, files=[], fetched_at=T),
@@ -76,7 +76,7 @@ def test_a_missing_record_is_none_and_remove_takes_both_files(tmp_path):
     assert rec.read(ImageDecision) is None
     rec.write(decision(), markdown="x")
     rec.remove(ImageDecision)
-    assert rec.read(ImageDecision) is None and not list((tmp_path / "state/decisions").iterdir())
+    assert rec.read(ImageDecision) is None and not list((tmp_path / "state/decisions/qwen-lab").iterdir())
 
 
 def test_a_failed_write_keeps_the_old_record_and_leaves_no_temp_file(tmp_path, monkeypatch):
@@ -91,7 +91,7 @@ def test_a_failed_write_keeps_the_old_record_and_leaves_no_temp_file(tmp_path, m
         rec.write(Endpoint(url="http://h:2", engine="e", model="m"))
     monkeypatch.undo()
     assert rec.read(Endpoint).url == "http://h:1"
-    assert sorted(p.name for p in (tmp_path / "state/decisions").iterdir()) == ["endpoint.json"]
+    assert sorted(p.name for p in (tmp_path / "state/decisions/qwen-lab").iterdir()) == ["endpoint.json"]
 
 
 def test_secrets_never_reach_a_record(tmp_path):
@@ -128,7 +128,7 @@ def test_a_link_out_of_the_state_dir_is_refused(tmp_path):
 ])
 def test_a_broken_or_foreign_file_is_one_line_naming_it(tmp_path, text, why):
     rec = records(tmp_path)
-    path = tmp_path / "state/decisions/endpoint.json"
+    path = tmp_path / "state/decisions/qwen-lab/endpoint.json"
     path.parent.mkdir(parents=True)
     path.write_bytes(text.encode("latin-1"))
     with pytest.raises(RecordError) as e:
@@ -163,3 +163,10 @@ def test_a_deploy_run_needs_every_part(tmp_path):
 def test_markdown_table_escapes_and_fills():
     assert markdown_table(["a", "b"], [["x|y", None], ["two\nlines", 3]]) == (
         "| a | b |\n|---|---|\n| x\\|y | - |\n| two lines | 3 |")
+
+
+def test_two_profiles_in_one_state_dir_keep_their_own_decisions(tmp_path):
+    state = StateDir(tmp_path / "state")
+    Records(state, "seed").write(Endpoint(url="http://a:1", engine="sglang", model="m"))
+    assert Records(state, "lab").read(Endpoint) is None
+    assert Records(state, "seed").read(Endpoint).url == "http://a:1"

@@ -109,7 +109,7 @@ def test_sglang_comes_up_with_the_exact_containers_and_records_the_endpoint(lab)
     assert dep.records.read(Endpoint).url == "http://10.0.0.1:30000"
     assert dep.records.read(ServeDecision).chosen == "sglang"
     # the endpoint has one home: the engine decision does not repeat it
-    assert "10.0.0.1" not in (dep.state.path / "decisions/serve.json").read_text()
+    assert "10.0.0.1" not in dep.records.path(ServeDecision).read_text()
     # a second serve.up finds it serving and changes nothing
     before = len(runs(ctx, "spark1"))
     again = serve.up(dep)

@@ -25,7 +25,16 @@ from sparkdeploy.deployment import Deployment
 from sparkdeploy.endpoint import url as endpoint_url
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image
-from sparkdeploy.records import DeployRun, ServeDecision, Written, markdown_table
+from sparkdeploy.records import (
+    DeployRun,
+    RunEngine,
+    RunImage,
+    ServeDecision,
+    StepTiming,
+    Tried,
+    Written,
+    markdown_table,
+)
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.runner import Outcome, PlanStep, StepRun, flat
 from sparkdeploy.steps.images import decision
@@ -33,7 +42,7 @@ from sparkdeploy.steps.registry import step
 
 PURGE = "deploy.purge"
 LABEL_BUILT = "org.sparkdeploy.base.id"
-SMOKE = {"concurrency": [1], "requests": 3, "warmup": 0}
+SMOKE: dict[str, Any] = {"concurrency": [1], "requests": 3, "warmup": 0}
 SMOKE_OUTPUT_TOKENS = 64  # a smoke, not a measurement: a few short answers at concurrency 1
 
 
@@ -126,10 +135,13 @@ def fp_services(dep: Deployment) -> dict[str, Any]:
 
 
 def fp_probe(dep: Deployment) -> dict[str, Any]:
-    """The candidates by ID too: a tag that moved is a new candidate."""
+    """The candidates by ID too (a tag that moved is a new candidate), and the decision it left
+    (one gone or replaced since is no reason to reuse it)."""
     ids = {f"id[{c.ref}]": image_id(dep, c.ref) for c in dep.profile.images.candidates}
+    rec = decision(dep)
     return {**_section(dep, "images"), "model.repo": dep.profile.model.repo,
-            "model.revision": dep.profile.model.revision, **ids}
+            "model.revision": dep.profile.model.revision, **ids,
+            "decided": rec.made.time if rec and rec.made else None}
 
 
 def fp_build(dep: Deployment) -> dict[str, Any]:
@@ -351,7 +363,7 @@ def _level(run: dict[str, Any]) -> dict[str, Any]:
             "ttft_ms_median": med("ttft_ms"), "tpot_ms_median": med("tpot_ms")}
 
 
-def _engine(runs: dict[str, StepRun], dep: Deployment) -> dict[str, Any]:
+def _engine(runs: dict[str, StepRun], dep: Deployment) -> RunEngine:
     """The engine serving and why: serve.up's record (each engine tried, its diagnosis class
     and evidence lines), and what serve.up said in this run."""
     rec = dep.records.read(ServeDecision)
@@ -359,73 +371,84 @@ def _engine(runs: dict[str, StepRun], dep: Deployment) -> dict[str, Any]:
     said = [x.why for x in r.results] if r else []
     chosen = (rec.chosen if rec else None) or next(
         (x.details.get("engine") for x in reversed(r.results if r else []) if x.details.get("engine")), None)
-    tried = [{"engine": a.get("engine"), "outcome": a.get("outcome"), "class": a.get("class"),
-              "phase": a.get("phase"), "why": a.get("why"),
-              "fallback_after_s": a.get("fallback_after_s"),
-              "evidence": [list(e) for e in (a.get("evidence") or [])[:6]]}
+    tried = [Tried.model_validate({k: a.get(k) for k in ("engine", "outcome", "class", "phase", "why",
+                                                          "fallback_after_s")}
+                                  | {"evidence": [list(e) for e in (a.get("evidence") or [])[:6]]})
              for a in (rec.tried if rec else [])]
-    return {"chosen": chosen, "tried": tried, "decided": rec.made.time_iso if rec and rec.made else None,
-            "run_dir": rec.run_dir if rec else None, "serve_up": said}
+    return RunEngine(chosen=chosen, tried=tried, decided=rec.made.time_iso if rec and rec.made else None,
+                     run_dir=rec.run_dir if rec else None, serve_up=said)
 
 
-def _engine_markdown(engine: dict[str, Any]) -> list[str]:
-    md = [f"- serving with **{engine['chosen'] or 'none'}**"
-          + (f" (decided {engine['decided']})" if engine.get("decided") else "")]
-    if not engine["tried"]:
+def _engine_markdown(engine: RunEngine) -> list[str]:
+    md = [f"- serving with **{engine.chosen or 'none'}**"
+          + (f" (decided {engine.decided})" if engine.decided else "")]
+    if not engine.tried:
         md.append("- why: the profile's first engine, and it came up")
-    for a in engine["tried"]:
-        md.append(f"- {a['engine']} was tried first: {a['outcome']} in {a['phase'] or '?'}, "
-                  f"diagnosis `{a['class']}`: {a['why']}"
-                  + (f"; {a['fallback_after_s']:.1f}s from the hang's start to the fallback"
-                     if a.get("fallback_after_s") is not None else ""))
+    for a in engine.tried:
+        md.append(f"- {a.engine} was tried first: {a.outcome} in {a.phase or '?'}, "
+                  f"diagnosis `{a.diagnosis}`: {a.why}"
+                  + (f"; {a.fallback_after_s:.1f}s from the hang's start to the fallback"
+                     if a.fallback_after_s is not None else ""))
         md += [f"  - evidence: `{e[0]}:{e[1]}`: `{e[2]}`" if len(e) >= 3 else f"  - evidence: {e}"
-               for e in a["evidence"]]
-    if engine.get("run_dir"):
-        md.append(f"- engine logs: {engine['run_dir']}")
-    md += [f"- serve.up said: {w}" for w in engine["serve_up"]]
+               for e in a.evidence]
+    if engine.run_dir:
+        md.append(f"- engine logs: {engine.run_dir}")
+    md += [f"- serve.up said: {w}" for w in engine.serve_up]
     return md
 
 
-def write_record(dep: Deployment, out: Outcome, steps: list[PlanStep]) -> Written | None:
-    if dep.dry:
-        return None
+def _image(dep: Deployment) -> RunImage:
     rec = decision(dep)
-    c = chosen(dep)
-    serve_image = c.get("serve_image")
-    image = {"tag": serve_image, "id": image_id(dep, serve_image), "base": c.get("image"),
-             "base_id": image_id(dep, c.get("image")), "engine": c.get("engine"),
-             "needs_layer": c.get("needs_layer"), "summary": rec.summary if rec else None,
-             "candidates": [x.model_dump() for x in rec.candidates] if rec else []}
-    engine = _engine(out.runs, dep)
-    endpoint = endpoint_url(dep)
-    timing = {n: {"state": r.state, "elapsed": r.elapsed, "why": r.why} for n, r in out.runs.items()}
-    data = {"plan": describe_plan(steps), "serial": out.serial, "wall_s": out.wall,
-            "failed": out.failed, "changed": out.changed, "image": image, "engine": engine,
-            "endpoint": endpoint, "steps": timing, "bench": _bench_summary(out.runs)}
-    md = [f"**{'failed' if out.failed else 'deployed'}** in {out.wall:.1f} s"
-          f"{' (serial)' if out.serial else ''}; endpoint: {endpoint or '-'}", "",
-          "## Image", "",
-          f"- serving `{image['tag']}` = `{image['id'] or '?'}`"
-          + (f", built from `{image['base']}` = `{image['base_id'] or '?'}` + the transformers layer"
-             if image["needs_layer"] else ""),
-          f"- why: {image['summary'] or 'no image decision recorded'}", ""]
-    if image["candidates"]:
+    c = rec.chosen if rec else None
+    serve_image, base = (c.serve_image, c.image) if c else (None, None)
+    return RunImage(tag=serve_image, id=image_id(dep, serve_image), base=base,
+                    base_id=image_id(dep, base), engine=c.engine if c else None,
+                    needs_layer=c.needs_layer if c else None, summary=rec.summary if rec else None,
+                    candidates=rec.candidates if rec else [])
+
+
+def _image_markdown(image: RunImage) -> list[str]:
+    md = [f"- serving `{image.tag}` = `{image.id or '?'}`"
+          + (f", built from `{image.base}` = `{image.base_id or '?'}` + the transformers layer"
+             if image.needs_layer else ""),
+          f"- why: {image.summary or 'no image decision recorded'}", ""]
+    if image.candidates:
+        rows = [c.model_dump() for c in image.candidates]
         md.append(markdown_table(
             ["image", "engine", "engine version", "transformers", "verdict", "why"],
-            [[f"`{r.get('image')}`", r.get("engine"), r.get("engine_version"), r.get("transformers"),
-              r.get("verdict"), r.get("why")] for r in image["candidates"]]))
-    md += ["", "## Engine", "", *_engine_markdown(engine)]
+            [[f"`{r['image']}`", r["engine"], r.get("engine_version"), r.get("transformers"),
+              r["verdict"], r["why"]] for r in rows]))
+    return md
+
+
+def _run_markdown(run: DeployRun) -> str:
+    md = [f"**{'failed' if run.failed else 'deployed'}** in {run.wall_s:.1f} s"
+          f"{' (serial)' if run.serial else ''}; endpoint: {run.endpoint or '-'}", "",
+          "## Image", "", *_image_markdown(run.image)]
+    md += ["", "## Engine", "", *_engine_markdown(run.engine)]
     md += ["", "## Steps", "", markdown_table(
         ["step", "state", "seconds", "why"],
-        [[n, t["state"], f"{t['elapsed']:.1f}" if t["elapsed"] is not None else "-", t["why"]]
-         for n, t in timing.items()])]
-    bench = data["bench"]
+        [[n, t.state, f"{t.elapsed:.1f}" if t.elapsed is not None else "-", t.why]
+         for n, t in run.steps.items()])]
     md += ["", "## Bench (smoke)", ""]
+    bench = run.bench
     if bench and bench.get("levels"):
         md.append(markdown_table(list(bench["levels"][0]), [list(lv.values()) for lv in bench["levels"]]))
     else:
         md.append(f"- {bench['why'] if bench else 'not run'}")
-    name = time.strftime("deploy-%Y%m%d-%H%M%S")
-    return dep.records.write(DeployRun.model_validate(data), name, markdown="\n".join(md),
-                             title=f"Deployment of {dep.profile.name}")
+    return "\n".join(md)
 
+
+def write_record(dep: Deployment, out: Outcome, steps: list[PlanStep]) -> Written | None:
+    """The run's ``DeployRun`` record (``decisions/<profile>/deploy-<time>.{json,md}``)."""
+    if dep.dry:
+        return None
+    run = DeployRun(plan=describe_plan(steps), serial=out.serial, wall_s=out.wall,
+                    failed=out.failed, changed=out.changed, image=_image(dep),
+                    engine=_engine(out.runs, dep), endpoint=endpoint_url(dep),
+                    steps={n: StepTiming(state=r.state, elapsed=r.elapsed, why=r.why)
+                           for n, r in out.runs.items()},
+                    bench=_bench_summary(out.runs))
+    name = time.strftime("deploy-%Y%m%d-%H%M%S")
+    return dep.records.write(run, name, markdown=_run_markdown(run),
+                             title=f"Deployment of {dep.profile.name}")

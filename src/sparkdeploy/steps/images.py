@@ -271,7 +271,7 @@ def probe_markdown(record: dict[str, Any]) -> str:
 
 
 def write_record(dep: Deployment, record: dict[str, Any]) -> Written:
-    """The decision as ``ImageDecision`` (``<state_dir>/decisions/image-probe.{json,md}``)."""
+    """The decision as ``ImageDecision`` (``<state_dir>/decisions/<profile>/image-probe.{json,md}``)."""
     return dep.records.write(ImageDecision.model_validate(record), markdown=probe_markdown(record),
                              title=f"Image decision for {dep.profile.name}")
 
