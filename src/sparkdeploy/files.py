@@ -17,7 +17,7 @@ from sparkdeploy.checks import control_char
 T = TypeVar("T")
 
 
-def write_atomic(path: Path, write: Callable[[Path], None], mode: int | None = None) -> None:
+def write_atomic(path: Path, write: Callable[[Path], object], mode: int | None = None) -> None:
     """Call ``write(tmp)`` for a temporary file next to ``path``, then rename it over ``path``
     (with ``mode`` set first, when given): a failure leaves no half-written file behind."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + path.suffix, dir=path.parent)

@@ -355,12 +355,13 @@ def run_level(target: Target, s: Settings, requests: int, concurrency: int | Non
         probe.stop.set()
         sys.setswitchinterval(old_switch)
     parse0 = time.perf_counter()
-    metrics = [analyse(tl) for tl in level.timelines]
+    timelines = [tl for tl in level.timelines if tl is not None]  # all: every worker ran to the end
+    metrics = [analyse(tl) for tl in timelines]
     parse_s = time.perf_counter() - parse0
     summary = summarize(metrics)
     handling = [x * 1e6 for o in level.ov for x in o.handling_s]
-    lateness = [max(0.0, tl.start - tl.scheduled) * 1000.0 for tl in level.timelines
-                if tl is not None and tl.scheduled is not None]
+    lateness = [max(0.0, tl.start - tl.scheduled) * 1000.0 for tl in timelines
+                if tl.scheduled is not None]
     summary["client"] = {
         "workers": workers,
         "connections_failed": len(level.connect_errors),

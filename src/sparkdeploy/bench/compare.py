@@ -9,6 +9,7 @@ them is worse than BASE by more than ``max_regression_pct`` percent, or is missi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 HEADLINES = [
     ("aggregate output tok/s", ("output_tok_s",), True),
@@ -59,7 +60,7 @@ def _level(run: dict) -> str:
 
 
 def _get(summary: dict, keys):
-    v = summary
+    v: Any = summary
     for k in keys:
         v = v.get(k) if isinstance(v, dict) else None
     return v

@@ -79,7 +79,8 @@ def _text(d: dict) -> str:
 def analyse(tl: Timeline) -> RequestMetrics:
     """One request's metrics from its timeline (errors stay errors; parse errors become one)."""
     error = tl.error
-    first = last_text = last_any = None
+    first: float | None = None
+    last_text = last_any = 0.0
     itl: list[float] = []
     usage_out = usage_in = None
     chunks = 0
@@ -117,6 +118,7 @@ def analyse(tl: Timeline) -> RequestMetrics:
     if error is not None:
         return RequestMetrics(None, None, None, usage_in, [], None, None, None, error,
                               tl.start, tl.end)
+    assert first is not None  # no text is an error, returned above
     ttft = (first - tl.start) * 1000.0
     e2el = (last_any - tl.start) * 1000.0
     if usage_out is not None:
@@ -160,10 +162,10 @@ def summarize(reqs: list[RequestMetrics], duration_s: float | None = None) -> di
         "completed": len(ok),
         "failed": len(reqs) - len(ok),
         "duration_s": duration_s,
-        "ttft_ms": stats([r.ttft_ms for r in ok]),
+        "ttft_ms": stats([r.ttft_ms for r in ok if r.ttft_ms is not None]),
         "itl_ms": stats([x for r in ok for x in r.itl_ms]),
         "tpot_ms": stats([r.tpot_ms for r in ok if r.tpot_ms is not None]),
-        "e2el_ms": stats([r.e2el_ms for r in ok]),
+        "e2el_ms": stats([r.e2el_ms for r in ok if r.e2el_ms is not None]),
         "output_tok_s": out_tokens / duration_s if duration_s > 0 else 0.0,
         "requests_s": len(ok) / duration_s if duration_s > 0 else 0.0,
         "per_request_output_tok_s": stats([r.decode_tok_s for r in ok

@@ -14,10 +14,11 @@ import math
 import struct
 import zlib
 from pathlib import Path
+from typing import Any
 
 PNG_KEY = "sparkdeploy.bench"
 
-PANELS = [
+PANELS: list[tuple[str, str, list[tuple[str, tuple[str, ...]]]]] = [
     ("output_tok_s", "aggregate output tok/s", [("total", ("output_tok_s",))]),
     ("decode_tok_s", "per-request decode rate (tok/s)",
      [("median", ("per_request_output_tok_s", "median")),
@@ -28,7 +29,7 @@ PANELS = [
 
 
 def _get(summary: dict, keys: tuple[str, ...]):
-    v = summary
+    v: Any = summary
     for k in keys:
         v = v.get(k) if isinstance(v, dict) else None
     return v
@@ -38,11 +39,10 @@ def panel_data(runs: list[dict]) -> dict:
     """What the four panels should show, straight from the run summaries."""
     by_rate = any(r.get("rate") is not None for r in runs)
     xs = [r["rate"] if by_rate else r["concurrency"] for r in runs]
-    out = {"x": "rate" if by_rate else "concurrency", "panels": {}}
-    for key, _title, series in PANELS:
-        out["panels"][key] = {"x": xs, "series": {
-            name: [_get(r["summary"], path) for r in runs] for name, path in series}}
-    return out
+    panels = {key: {"x": xs, "series": {name: [_get(r["summary"], path) for r in runs]
+                                        for name, path in series}}
+              for key, _title, series in PANELS}
+    return {"x": "rate" if by_rate else "concurrency", "panels": panels}
 
 
 def _clean(v) -> float | None:

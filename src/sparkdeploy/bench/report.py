@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.console import JustifyMethod
 from rich.table import Table
 
 from sparkdeploy.bench.compare import Comparison
@@ -54,8 +55,10 @@ def run_table(run: dict) -> Table:
 def comparison_table(cmp: Comparison, base_name: str, new_name: str) -> Table:
     t = Table(title=f"{new_name} vs {base_name} (max regression {cmp.max_regression_pct:g}%)",
               title_justify="left")
-    for col, j in (("level", "left"), ("metric", "left"), ("base", "right"), ("new", "right"),
-                   ("change", "right"), ("", "left")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("level", "left"), ("metric", "left"), ("base", "right"), ("new", "right"),
+        ("change", "right"), ("", "left"))
+    for col, j in columns:
         t.add_column(col, justify=j)
     for r in cmp.rows:
         change = "-" if r.change_pct is None else f"{r.change_pct:+.1f}%"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, Field
 
@@ -49,7 +49,7 @@ def run_sweep(url: str, settings: Settings, *, concurrency: list[int] | None = N
         levels = [(max_concurrency, r) for r in rates]
     else:
         levels = [(c, None) for c in (concurrency or [1])]
-    doc = {
+    doc: dict[str, Any] = {
         "config": {"url": target.url, **settings.as_json(), "requests": requests,
                    "warmup": warmup, "concurrency": concurrency if not rates else None,
                    "rates": rates or None, "max_concurrency": max_concurrency,

@@ -69,7 +69,7 @@ def benchmark(events: EventSink, url: str, settings: Settings, *, concurrency: S
             out.append(events.result(ok(STEP, level_line(run), run=run)))
             continue
         errors = s.get("errors") or {}
-        first = max(errors, key=errors.get) if errors else "no request ran"
+        first = max(errors, key=lambda e: errors[e]) if errors else "no request ran"
         out.append(events.result(failed(STEP, f"{level_line(run)}: no request succeeded "
                                         f"(most often: {first})", run=run)))
     if not any(run["summary"]["completed"] for run in doc["runs"]):
