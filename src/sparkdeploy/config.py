@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import ErrorDetails
 
 from sparkdeploy import checks
 from sparkdeploy.overlays import Merged, ProfileError, load_merged, parse_dotted
@@ -169,7 +170,7 @@ class EngineRule(_Strict):
     ships its own Qwen3.5 config classes and needs transformers<5: no)."""
 
 
-def _default_rules() -> dict[str, EngineRule]:
+def _default_rules() -> dict[Literal["sglang", "vllm"], EngineRule]:
     return {
         "sglang": EngineRule(
             min_version="0.5.9",
@@ -292,7 +293,7 @@ def _loc(parts: tuple[Any, ...] | list[Any]) -> str:
     return out
 
 
-def _message(err: dict[str, Any]) -> str:
+def _message(err: ErrorDetails) -> str:
     kind = err["type"]
     ctx = err.get("ctx") or {}
     if kind == "extra_forbidden":

@@ -427,7 +427,7 @@ def _init_hang(log: Log) -> Finding | None:
                "ended: the cross-node message queue never connected (on two Sparks usually SGLANG_HOST_IP "
                "unset, so a rank advertised another interface's address)")
     else:
-        stage = min(opened, key=opened.get)[0]
+        stage = min(opened, key=lambda o: opened[o])[0]
         why = f"distributed init began and never completed: {stage} is still waiting"
     return Finding("nccl-init-hang", 30, why, evidence)
 
@@ -524,7 +524,7 @@ def main(paths: list[str], out: TextIO | None = None) -> int:
             return 2
     d = classify(logs)
     print(f"class: {d.cls}", file=out)
-    for e in d.evidence:
-        print(str(e), file=out)
+    for ev in d.evidence:
+        print(str(ev), file=out)
     print(f"why: {d.summary}", file=sys.stderr)
     return 0

@@ -300,8 +300,8 @@ class Runner:
         start = self.clock()
         for r in self.runs.values():
             self._state(r, PENDING)
-        for n, why in self.left_out.items():
-            self.dep.events.emit(StepState(n, SKIPPED, why))
+        for n, reason in self.left_out.items():
+            self.dep.events.emit(StepState(n, SKIPPED, reason))
         needs = graph(self.plan)
         ts = TopologicalSorter(needs)
         ts.prepare()

@@ -69,7 +69,7 @@ def build(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
             ports=ports, devices=("/dev/infiniband",) if nf.rdma_devices else (),
             secret_env=secret, deployment=profile.name))
     if len(specs) == 1:
-        stages = (Stage((specs[0],)),)
+        stages: tuple[Stage, ...] = (Stage((specs[0],)),)
     else:
         stages = (Stage((specs[0],), wait="dist-port"), Stage(tuple(specs[1:])))
     return Launch(engine, stages, head.name, engine.port, profile.model.repo,

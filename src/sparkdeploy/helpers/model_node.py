@@ -450,6 +450,7 @@ class _Fetch:
         rel = want["path"]
         st, why, new = check_one(self.root, want, {}, quick=False)
         if st == "ok":
+            assert new is not None  # an ok file always has its record
             append_record(self.root, new)
             self._count(want, "fetched")
             say(f"complete {rel}")

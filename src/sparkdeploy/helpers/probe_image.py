@@ -28,7 +28,7 @@ import sys
 try:
     from importlib import metadata as _metadata
 except ImportError:  # pragma: no cover - Python < 3.8
-    _metadata = None
+    _metadata = None  # type: ignore[assignment]  # no metadata API: packages read as absent
 
 PACKAGES = ("transformers", "sglang", "vllm", "torch", "ray")
 DEFAULT_ENGINES = ("sglang", "vllm")

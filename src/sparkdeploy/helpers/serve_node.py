@@ -64,7 +64,7 @@ def iface_facts(iface: str) -> dict:
 def gid_facts(hcas: list[str], addr: str, iface: str) -> dict:
     want = ipaddress.ip_address(addr)
     seen = []
-    found = []
+    found: list[dict] = []
     for hca in hcas:
         gids = f"{IB}/{hca}/ports/1/gids"
         if not os.path.isdir(gids):

@@ -199,7 +199,7 @@ def run_head(g: Group) -> None:
         needs = {c["node"] for c in stage["containers"]} - {g.spec["node"]}
         while True:
             states = watch_workers(k)
-            if all(states[n] is not None and states[n]["stage"] >= k for n in needs):
+            if all((states[n] or {"stage": -1})["stage"] >= k for n in needs):  # None: not heard
                 break
             if time.monotonic() > deadline:
                 raise Restart(f"workers did not start stage {k} in time")

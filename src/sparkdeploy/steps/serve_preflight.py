@@ -46,8 +46,8 @@ def facts_argv(dep: Deployment, script: str, node_name: str, ports: list[int],
     for p in ports:
         argv += ["--port", str(p)]
     argv += ["--model", dep.profile.model.path]
-    for p in peers:
-        argv += ["--peer", p]
+    for peer in peers:
+        argv += ["--peer", peer]
     return argv
 
 
