@@ -78,6 +78,8 @@ def validated(cls: type[T], data: Any, where: str) -> T:
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
         msg = str(err.get("ctx", {}).get("error") or err["msg"])
+        if err["type"] == "model_type":  # pydantic names its class: say what JSON was wanted
+            msg = f"not a JSON object ({type(err.get('input')).__name__})"
         raise OutsideError(f"{where}: {loc + ': ' if loc else ''}{msg}") from None
 
 

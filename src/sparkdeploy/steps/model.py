@@ -40,7 +40,7 @@ VERIFY = "model.verify"
 SCRIPT = "model_node.py"
 CONTAINER = "sparkdeploy-model-download"
 GB = 1e9
-HUB_DEADLINE_S = 60.0
+HUB_DEADLINE_S = 20.0
 """The whole of the hub's metadata call (a large repo's file list comes in well under it)."""
 
 
