@@ -36,7 +36,7 @@ from sparkdeploy.records import Endpoint, ServeDecision, markdown_table
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps import serve_preflight
 from sparkdeploy.steps.registry import step
-from sparkdeploy.steps.serve_containers import RAY_PROBE, ours, remove
+from sparkdeploy.steps.serve_containers import RAY_PROBE, active, installed, ours, remove, stop_units
 from sparkdeploy.steps.serve_watch import EngineFailed, Stalled, StartFailed, Watch, full_log
 
 STEP_UP = "serve.up"
@@ -245,8 +245,6 @@ def already_serving(dep: Deployment, engine: Engine) -> str | None:
 def _before(dep: Deployment, engines: list[Engine]) -> Result | None:
     """Already serving (ok), or run by persisted units (failed); else clear this deployment's
     old containers. Unreachable nodes are left to the preflight to report."""
-    from sparkdeploy.steps import serve_persist
-
     for eng in engines:
         try:
             url = already_serving(dep, eng)
@@ -258,7 +256,7 @@ def _before(dep: Deployment, engines: list[Engine]) -> Result | None:
     reachable = []
     for h in (dep.host(n.name) for n in dep.profile.nodes):
         try:
-            units[h.name] = serve_persist.active(h, serve_persist.installed(dep, h))
+            units[h.name] = active(h, installed(dep, h))
             reachable.append(h)
         except NodeUnreachable:
             continue
@@ -332,12 +330,10 @@ def up(dep: Deployment, engine: str | None = None) -> list[Result]:
 @step(STEP_DOWN, needs=("serve.unpersist",))
 def down(dep: Deployment) -> list[Result]:
     """Remove this deployment's engine containers on every node."""
-    from sparkdeploy.steps import serve_persist
-
     results: list[Result] = []
     for h in (dep.host(n.name) for n in dep.profile.nodes):
         try:
-            units = serve_persist.stop_units(dep, h)
+            units = stop_units(dep, h)
             found = ours(h, dep.profile.name)
         except NodeUnreachable as e:
             results.append(dep.report(failed(STEP_DOWN, f"unreachable: {e.why}", h.name)))

@@ -1,5 +1,5 @@
-"""This deployment's containers on the nodes (found by label, removed), and the Ray probe:
-shared by ``serve`` and ``serve_persist``."""
+"""This deployment's containers on the nodes (found by label, removed), its persisted units
+(found, stopped), and the Ray probe: shared by ``serve`` and ``serve_persist``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines.base import LABEL_DEPLOYMENT, LABEL_ENGINE
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import docker
+
+UNIT_DIR = "/etc/systemd/system"
 
 RAY_PROBE = (
     "import json, ray\n"
@@ -41,3 +43,32 @@ def remove(dep: Deployment, hosts: list[Host], engine: str | None = None) -> dic
             h.run(docker(h, "rm", "--force", "--volumes", *names), timeout=120)
             gone[h.name] = names
     return gone
+
+
+def unit_name(engine: str) -> str:
+    return f"sparkdeploy-{engine}.service"
+
+
+def installed(dep: Deployment, host: Host) -> list[str]:
+    """This deployment's unit files on the node (one per engine of the profile)."""
+    paths = [f"{UNIT_DIR}/{unit_name(e.name)}" for e in dep.profile.engines]
+    r = host.run(["sh", "-c", 'for f; do [ -e "$f" ] && echo "$f"; done; true', "sh", *paths],
+                 change=False)
+    return [p.rsplit("/", 1)[1] for p in r.stdout.split()]
+
+
+def active(host: Host, units: list[str]) -> list[str]:
+    if not units:
+        return []
+    r = host.run(["systemctl", "is-active", "--", *units], change=False)
+    states = r.stdout.split()
+    return [u for u, s in zip(units, states, strict=False) if s in ("active", "activating")]
+
+
+def stop_units(dep: Deployment, host: Host) -> list[str]:
+    """Stop this deployment's active units on the node (their ExecStop removes the
+    containers); the names stopped."""
+    units = active(host, installed(dep, host))
+    for u in units:
+        host.run(["systemctl", "stop", "--", u], sudo=True, timeout=180)
+    return units

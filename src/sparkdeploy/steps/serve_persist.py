@@ -8,7 +8,11 @@ head, and when one node's engine container dies every node's is restarted togeth
 (``Restart=on-failure``). Stopping a unit removes its node's containers.
 
 ``serve.persist`` hands the running deployment over to the units: it removes ``serve.up``'s
-containers, starts the units (workers first) and waits until the endpoint serves again.
+containers, starts the units (workers first) and waits until the endpoint serves again. The
+hand-over is a transaction: the files a node had are kept beside the new ones until the end,
+and when a unit does not start or the endpoint does not serve, the units that started are
+stopped, the files and the enablement are put back, and what ran before runs again (the
+previous units, or ``serve.up``'s containers).
 ``serve.unpersist`` stops, disables and removes the units and their files; it touches no
 other unit (``services.restore`` still brings back the head's original units).
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
 from sparkdeploy import checks
@@ -34,19 +39,24 @@ from sparkdeploy.nodeops import NodeUnreachable, docker
 from sparkdeploy.packaged import helper
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.registry import step
-from sparkdeploy.steps.serve_containers import RAY_PROBE, ours, remove
+from sparkdeploy.steps.serve import Run, bring_up
+from sparkdeploy.steps.serve_containers import (
+    RAY_PROBE,
+    UNIT_DIR,
+    active,
+    installed,
+    ours,
+    remove,
+    unit_name,
+)
+from sparkdeploy.steps.serve_watch import EngineFailed, Watch
 from sparkdeploy.wait import WaitTimeout, wait_for
 
 STEP_PERSIST = "serve.persist"
 STEP_UNPERSIST = "serve.unpersist"
-UNIT_DIR = "/etc/systemd/system"
 NODE_DIR = "/var/lib/sparkdeploy-node/serve"
 SUPERVISOR = "serve_unit.py"
 PYTHON = "/usr/bin/python3"
-
-
-def unit_name(engine: str) -> str:
-    return f"sparkdeploy-{engine}.service"
 
 
 class UnitValueError(ValueError):
@@ -118,12 +128,15 @@ def group_spec(dep: Deployment, lau: Launch, host: Host) -> dict[str, Any]:
 
 def put_file(host: Host, path: str, content: str, mode: str = "0644") -> bool:
     """Write ``content`` at ``path`` on the node (atomically) unless it is already there;
-    True when written."""
+    True when written. The version it replaces is kept as ``<path>.previous`` until the
+    hand-over ends (``restore_files`` puts it back, ``drop_previous`` removes it)."""
     want = hashlib.sha256(content.encode()).hexdigest()
     r = host.run(["sha256sum", "--", path], change=False)
     if r.ok and r.stdout.split()[:1] == [want]:
         return False
-    script = ('mkdir -p -- "$(dirname -- "$1")" && printf %s "$2" | base64 -d > "$1.part" '
+    script = ('mkdir -p -- "$(dirname -- "$1")" && rm -f -- "$1.previous" '
+              '&& { [ ! -e "$1" ] || cp -p -- "$1" "$1.previous"; } '
+              '&& printf %s "$2" | base64 -d > "$1.part" '
               '&& chmod "$3" "$1.part" && mv -f -- "$1.part" "$1"')
     encoded = base64.b64encode(content.encode()).decode()
     w = host.run(["sh", "-c", script, "sh", path, encoded, mode], sudo=True)
@@ -132,29 +145,30 @@ def put_file(host: Host, path: str, content: str, mode: str = "0644") -> bool:
     return True
 
 
-def installed(dep: Deployment, host: Host) -> list[str]:
-    """This deployment's unit files on the node (one per engine of the profile)."""
-    paths = [f"{UNIT_DIR}/{unit_name(e.name)}" for e in dep.profile.engines]
-    r = host.run(["sh", "-c", 'for f; do [ -e "$f" ] && echo "$f"; done; true', "sh", *paths],
-                 change=False)
-    return [p.rsplit("/", 1)[1] for p in r.stdout.split()]
+def restore_files(host: Host, paths: list[str]) -> bool:
+    """Each of ``paths`` back to the version ``put_file`` kept, or gone when there was none."""
+    script = ('for f; do if [ -e "$f.previous" ]; then mv -f -- "$f.previous" "$f"; '
+              'else rm -f -- "$f"; fi; done')
+    return host.run(["sh", "-c", script, "sh", *paths], sudo=True).ok
 
 
-def active(host: Host, units: list[str]) -> list[str]:
-    if not units:
-        return []
-    r = host.run(["systemctl", "is-active", "--", *units], change=False)
-    states = r.stdout.split()
-    return [u for u, s in zip(units, states, strict=False) if s in ("active", "activating")]
+def drop_previous(host: Host, paths: list[str]) -> None:
+    host.run(["rm", "-f", "--", *(f"{p}.previous" for p in paths)], sudo=True)
 
 
-def stop_units(dep: Deployment, host: Host) -> list[str]:
-    """Stop this deployment's active units on the node (their ExecStop removes the
-    containers); the names stopped."""
-    units = active(host, installed(dep, host))
-    for u in units:
-        host.run(["systemctl", "stop", "--", u], sudo=True, timeout=180)
-    return units
+@dataclass(eq=False)
+class Handover:
+    """One node's side of a hand-over: what it had before, what was done to it."""
+
+    host: Host
+    enabled: bool
+    active: bool
+    written: list[str] = field(default_factory=list)
+    started: bool = False
+
+
+def _enabled(host: Host, unit: str) -> bool:
+    return host.run(["systemctl", "is-enabled", "--", unit], change=False).stdout.strip() == "enabled"
 
 
 def _engine(dep: Deployment, name: str | None) -> Engine | None:
@@ -178,9 +192,102 @@ def _wait_endpoint(dep: Deployment, lau: Launch) -> str:
     return url
 
 
+def _install(dep: Deployment, eng: Engine, lau: Launch, h: Host, text: str) -> Handover:
+    """The unit's files on one node (the versions they replace kept), enabled; raises
+    HandoverFailed when enabling fails (the node's files then are as before)."""
+    unit = unit_name(eng.name)
+    ho = Handover(h, _enabled(h, unit), bool(active(h, [unit])))
+    files = {f"{NODE_DIR}/{SUPERVISOR}": (helper(SUPERVISOR).read_text(), "0755"),
+             f"{NODE_DIR}/{eng.name}.json":
+                 (json.dumps(group_spec(dep, lau, h), indent=2, sort_keys=True) + "\n", "0600"),
+             f"{UNIT_DIR}/{unit}": (text, "0644")}
+    for path, (content, mode) in files.items():
+        if put_file(h, path, content, mode):
+            ho.written.append(path)
+    h.run(["systemctl", "daemon-reload"], sudo=True)
+    r = h.run(["systemctl", "enable", "--", unit], sudo=True)
+    if not r.ok:
+        raise HandoverFailed(f"{h.name}: systemctl enable {unit}: {r.one_line_error()}", [ho])
+    return ho
+
+
+class HandoverFailed(Exception):
+    def __init__(self, why: str, nodes: list[Handover]):
+        super().__init__(why)
+        self.why, self.nodes = why, nodes
+
+
+def hand_over(dep: Deployment, eng: Engine, lau: Launch, nodes: list[Handover]) -> list[Result]:
+    """serve.up's containers (or the units' previous version) go, the units start (workers
+    first, then the head) and the endpoint serves; HandoverFailed at the first that does not."""
+    unit = unit_name(eng.name)
+    hosts = [n.host for n in nodes]
+    for n in nodes:
+        if n.active:
+            n.host.run(["systemctl", "stop", "--", unit], sudo=True, timeout=180)
+    remove(dep, hosts, eng.name)
+    results = []
+    for n in sorted(nodes, key=lambda n: n.host.name == lau.head):
+        n.started = True  # a unit whose start failed may still be activating: it is stopped too
+        r = n.host.run(["systemctl", "start", "--", unit], sudo=True, timeout=120)
+        if not r.ok:
+            raise HandoverFailed(f"{n.host.name}: systemctl start {unit}: {r.one_line_error()}",
+                                 nodes)
+        results.append(changed(STEP_PERSIST, f"{unit} written, enabled and started "
+                               f"({', '.join(c.name for c in lau.on(n.host.name))})", n.host.name))
+    try:
+        url = _wait_endpoint(dep, lau)
+    except WaitTimeout as e:
+        left = {h.name: [c["name"] for c in ours(h, dep.profile.name, eng.name)] for h in hosts}
+        raise HandoverFailed(f"{e}; containers: {left}", nodes) from None
+    return [*results, ok(STEP_PERSIST, f"endpoint: {url} (under systemd)", endpoint=url,
+                         engine=eng.name)]
+
+
+def roll_back(dep: Deployment, eng: Engine, lau: Launch, nodes: list[Handover],
+              containers_before: bool) -> str:
+    """The new units stopped (their containers go), their files back as they were, enabled as
+    they were; then what ran before runs again: the previous units (workers first), or
+    serve.up's containers. What is back, in words."""
+    unit = unit_name(eng.name)
+    began = any(n.started for n in nodes)  # else what ran is still running, untouched
+    for n in reversed(nodes):
+        if n.started:
+            n.host.run(["systemctl", "stop", "--", unit], sudo=True, timeout=180)
+    if began:
+        remove(dep, [n.host for n in nodes], eng.name)
+    problems = []
+    for n in nodes:
+        if n.written and not restore_files(n.host, n.written):
+            problems.append(f"{n.host.name}: the previous unit files could not be restored")
+        n.host.run(["systemctl", "daemon-reload"], sudo=True)
+        if not n.enabled:
+            n.host.run(["systemctl", "disable", "--", unit], sudo=True)
+    if not began:
+        back = "the running deployment was not touched"
+    elif any(n.active for n in nodes):
+        for n in sorted(nodes, key=lambda n: n.host.name == lau.head):
+            if n.active:
+                r = n.host.run(["systemctl", "start", "--", unit], sudo=True, timeout=120)
+                if not r.ok:
+                    problems.append(f"{n.host.name}: systemctl start {unit}: {r.one_line_error()}")
+        back = f"the previous {unit}"
+    elif containers_before:
+        back = f"serve.up's {eng.name} containers"
+        try:
+            bring_up(dep, lau, Run(dep), Watch(dep, STEP_PERSIST, dep.profile.serve.stall_s,
+                                               dep.profile.serve.poll_s))
+        except EngineFailed as e:
+            problems.append(f"{back}: {e}")
+    else:
+        back = "nothing ran before"
+    return f"rollback failed: {'; '.join(problems)}" if problems else f"rolled back: {back}"
+
+
 @step(STEP_PERSIST, needs=("serve.up", "bench.run"))
 def persist(dep: Deployment, engine: str | None = None) -> list[Result]:
-    """Install the deployment as systemd units on every node and hand it over to them."""
+    """Install the deployment as systemd units on every node and hand it over to them: all
+    units start and the endpoint serves, or the previous deployment is back."""
     if ep.api_key():
         return [dep.report(failed(STEP_PERSIST, f"{API_KEY_ENV} is set: a unit that comes back at "
                                   "boot would need the key stored on the node; not persisted"))]
@@ -190,74 +297,44 @@ def persist(dep: Deployment, engine: str | None = None) -> list[Result]:
                                   "--engine NAME"))]
     from sparkdeploy.steps.serve_preflight import node_facts
 
-    hosts = [dep.host(n.name) for n in dep.profile.nodes]
     facts = {}
-    for h in hosts:
-        got = node_facts(dep, h, [], [])
-        facts[h.name] = NodeFacts(got["gid"]["index"], bool(got["rdma_devices"]))
+    for n in dep.profile.nodes:
+        got = node_facts(dep, dep.host(n.name), [], [])
+        facts[n.name] = NodeFacts(got["gid"]["index"], bool(got["rdma_devices"]))
     try:
         lau = launch(dep.profile, eng, facts)
     except EngineError as e:
         return [dep.report(failed(STEP_PERSIST, str(e)))]
     unit = unit_name(eng.name)
-    results: list[Result] = []
-    wrote: dict[str, bool] = {}
-    supervisor = helper(SUPERVISOR).read_text()
+    hosts = [dep.host(n.name) for n in dep.profile.nodes if lau.on(n.name)]
+    if dep.dry:
+        for h in hosts:
+            h.run(["systemctl", "enable", "--", unit], sudo=True)
+        return [dep.report(skipped(STEP_PERSIST, f"would write {UNIT_DIR}/{unit} ("
+                                   f"{', '.join(c.role for c in lau.on(h.name))}) and enable it",
+                                   h.name)) for h in hosts]
     try:  # every unit file first: a value that cannot go into one writes none
-        units = {h.name: unit_text(dep, eng, h, [c.role for c in lau.on(h.name)])
-                 for h in hosts if lau.on(h.name)}
+        texts = {h.name: unit_text(dep, eng, h, [c.role for c in lau.on(h.name)]) for h in hosts}
     except UnitValueError as e:
         return [dep.report(failed(STEP_PERSIST, str(e)))]
-    for h in hosts:
-        if not lau.on(h.name):
-            continue
-        roles = [c.role for c in lau.on(h.name)]
-        if dep.dry:
-            h.run(["systemctl", "enable", "--", unit], sudo=True)
-            results.append(dep.report(skipped(STEP_PERSIST, f"would write {UNIT_DIR}/{unit} "
-                                              f"({', '.join(roles)}) and enable it", h.name)))
-            continue
-        w1 = put_file(h, f"{NODE_DIR}/{SUPERVISOR}", supervisor, "0755")
-        w2 = put_file(h, f"{NODE_DIR}/{eng.name}.json",
-                      json.dumps(group_spec(dep, lau, h), indent=2, sort_keys=True) + "\n", "0600")
-        w3 = put_file(h, f"{UNIT_DIR}/{unit}", units[h.name])
-        wrote[h.name] = w1 or w2 or w3
-        h.run(["systemctl", "daemon-reload"], sudo=True)
-        r = h.run(["systemctl", "enable", "--", unit], sudo=True)
-        if not r.ok:
-            results.append(dep.report(failed(STEP_PERSIST, f"systemctl enable {unit}: "
-                                             f"{r.one_line_error()}", h.name)))
-    if dep.dry or any(r.failed for r in results):
-        return results
-    running = {h.name: active(h, [unit]) for h in hosts if lau.on(h.name)}
-    if all(running.values()) and not any(wrote.values()):
-        results.append(dep.report(ok(STEP_PERSIST, f"{unit} installed and active on every node")))
-        return results
-    # hand over: serve.up's containers go, the units start (workers first, then the head)
-    for h in hosts:
-        if running.get(h.name):
-            h.run(["systemctl", "stop", "--", unit], sudo=True, timeout=180)
-    remove(dep, hosts, eng.name)
-    order = [h for h in hosts if h.name != lau.head] + [dep.host(lau.head)]
-    for h in order:
-        if not lau.on(h.name):
-            continue
-        r = h.run(["systemctl", "start", "--", unit], sudo=True, timeout=120)
-        if not r.ok:
-            results.append(dep.report(failed(STEP_PERSIST, f"systemctl start {unit}: "
-                                             f"{r.one_line_error()}", h.name)))
-            return results
-        results.append(dep.report(changed(STEP_PERSIST, f"{unit} written, enabled and started "
-                                          f"({', '.join(c.name for c in lau.on(h.name))})", h.name)))
+    containers_before = any(c["state"] == "running" for h in hosts
+                            for c in ours(h, dep.profile.name, eng.name))
+    nodes: list[Handover] = []
     try:
-        url = _wait_endpoint(dep, lau)
-    except WaitTimeout as e:
-        left = {h.name: [c["name"] for c in ours(h, dep.profile.name, eng.name)] for h in hosts}
-        results.append(dep.report(failed(STEP_PERSIST, f"{e}; containers: {left}")))
-        return results
-    results.append(dep.report(ok(STEP_PERSIST, f"endpoint: {url} (under systemd)", endpoint=url,
-                                 engine=eng.name)))
-    return results
+        for h in hosts:
+            nodes.append(_install(dep, eng, lau, h, texts[h.name]))
+        if all(n.active for n in nodes) and not any(n.written for n in nodes):
+            return [dep.report(ok(STEP_PERSIST, f"{unit} installed and active on every node"))]
+        results = hand_over(dep, eng, lau, nodes)
+    except (HandoverFailed, NodeUnreachable) as e:
+        nodes += [n for n in getattr(e, "nodes", []) if n not in nodes]
+        why = e.why if isinstance(e, HandoverFailed) else str(e)
+        return [dep.report(failed(STEP_PERSIST, f"{why}; "
+                                  f"{roll_back(dep, eng, lau, nodes, containers_before)}"))]
+    for ho in nodes:
+        if ho.written:
+            drop_previous(ho.host, ho.written)
+    return [dep.report(r) for r in results]
 
 
 @step(STEP_UNPERSIST)

@@ -1,0 +1,198 @@
+"""serve.persist's hand-over against scripted nodes with a systemd of their own: all units start
+and the endpoint serves, or the previous deployment is back (exact commands, end state)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass, field
+
+import pytest
+
+from sparkdeploy.engines import NodeFacts, launch
+from sparkdeploy.engines.base import run_args
+from sparkdeploy.results import Status
+from sparkdeploy.steps import serve, serve_persist
+from tests.unit.serve_fakes import FakeNode
+from tests.unit.test_serve import healthy_sglang, lab  # noqa: F401 - the fixture
+
+UNIT = "sparkdeploy-sglang.service"
+SPEC = f"{serve_persist.NODE_DIR}/sglang.json"
+UNIT_FILE = f"/etc/systemd/system/{UNIT}"
+FAILS = "Job for sparkdeploy-sglang.service failed because the control process exited with error code."
+
+
+@dataclass
+class Systemd:
+    """One node's files and units, as the persisted deployment's commands see them."""
+
+    files: dict[str, str] = field(default_factory=dict)
+    enabled: set[str] = field(default_factory=set)
+    running: set[str] = field(default_factory=set)
+    fail_start: int = 0
+    """How many of the next ``systemctl start`` fail."""
+
+
+def with_systemd(node: FakeNode) -> Systemd:
+    sd = Systemd()
+    answer = node.answer
+
+    def containers(unit: str) -> list[dict]:
+        spec = json.loads(sd.files[SPEC])
+        return [c for st in spec["stages"] for c in st["containers"] if c["node"] == node.name]
+
+    def systemctl(verb: str, units: list[str]) -> tuple[int, str, str]:
+        if verb == "daemon-reload":
+            return 0, "", ""
+        if verb == "is-active":
+            return 0, "".join("active\n" if u in sd.running else "inactive\n" for u in units), ""
+        if verb == "is-enabled":
+            return 0, "".join("enabled\n" if u in sd.enabled else "disabled\n" for u in units), ""
+        [u] = units
+        if verb in ("enable", "disable"):
+            (sd.enabled.add if verb == "enable" else sd.enabled.discard)(u)
+        elif verb == "start" and u not in sd.running:
+            if sd.fail_start:
+                sd.fail_start -= 1
+                return 1, "", FAILS
+            sd.running.add(u)
+            for c in containers(u):  # its supervisor runs this node's containers
+                node.docker(["run", *c["run"]], node.clock(), None)
+        elif verb == "stop" and u in sd.running:
+            sd.running.discard(u)
+            node.docker(["rm", "--force", "--volumes", *[c["name"] for c in containers(u)]],
+                        node.clock(), None)
+        return 0, "", ""
+
+    def files(argv: list[str]) -> tuple[int, str, str] | None:
+        if argv[:2] == ["sha256sum", "--"]:
+            import hashlib
+
+            got = sd.files.get(argv[2])
+            return (0, f"{hashlib.sha256(got.encode()).hexdigest()}  {argv[2]}\n", "") \
+                if got is not None else (1, "", "No such file or directory")
+        if argv[:2] == ["rm", "-f"]:
+            for p in argv[3:]:
+                sd.files.pop(p, None)
+            return 0, "", ""
+        if argv[:2] != ["sh", "-c"]:
+            return None
+        script, args = argv[2], argv[4:]
+        if "base64 -d" in script and ".previous" in script:  # put_file
+            path, content = args[0], base64.b64decode(args[1]).decode()
+            sd.files.pop(path + ".previous", None)
+            if path in sd.files:
+                sd.files[path + ".previous"] = sd.files[path]
+            sd.files[path] = content
+            return 0, "", ""
+        if script.startswith("for f; do if"):  # restore_files
+            for p in args:
+                prev = sd.files.pop(p + ".previous", None)
+                if prev is None:
+                    sd.files.pop(p, None)
+                else:
+                    sd.files[p] = prev
+            return 0, "", ""
+        if script.startswith("for f; do [ -e"):  # installed
+            return 0, "".join(p + "\n" for p in args if p in sd.files), ""
+        return None
+
+    def answer_with_systemd(argv: list[str], stdin: str | None) -> tuple[int, str, str]:
+        if argv[:3] == ["sudo", "-n", "--"]:
+            argv = argv[3:]
+        if argv[0] == "systemctl":
+            sd.calls.append(argv)
+            rest = [a for a in argv[2:] if a != "--"]
+            return systemctl(argv[1], rest)
+        got = files(argv)
+        return got if got is not None else answer(argv, stdin)
+
+    sd.calls = []  # type: ignore[attr-defined]
+    node.answer = answer_with_systemd  # type: ignore[method-assign]
+    return sd
+
+
+@pytest.fixture
+def units(lab):  # noqa: F811
+    dep, ctx, nodes, cluster, clock = lab
+    healthy_sglang(nodes)
+    sds = {name: with_systemd(n) for name, n in nodes.items()}
+    return dep, ctx, nodes, cluster, sds
+
+
+def serving_containers(nodes) -> dict[str, list[str]]:
+    now = nodes["spark1"].clock()
+    return {n: sorted(c.name for c in node.containers.values() if c.status(now)[0] == "running")
+            for n, node in nodes.items()}
+
+
+def test_a_start_failing_on_the_head_brings_serve_ups_containers_back(units):
+    dep, ctx, nodes, cluster, sds = units
+    assert serve.up(dep)[-1].status is Status.OK
+    up_runs = {n: [c.run_argv for c in node.containers.values()] for n, node in nodes.items()}
+    sds["spark1"].fail_start = 1
+    [res] = serve_persist.persist(dep)
+    assert res.status is Status.FAILED
+    assert res.why == f"spark1: systemctl start {UNIT}: {FAILS}; rolled back: serve.up's sglang containers"
+    # the worker's unit started, the head's failed: both stopped, disabled, their files gone
+    assert [(n, c[1:]) for n in ("spark1", "spark2") for c in sds[n].calls] == [
+        ("spark1", ["is-enabled", "--", UNIT]), ("spark1", ["is-active", "--", UNIT]),
+        ("spark1", ["daemon-reload"]), ("spark1", ["enable", "--", UNIT]),
+        ("spark1", ["start", "--", UNIT]), ("spark1", ["stop", "--", UNIT]),
+        ("spark1", ["daemon-reload"]), ("spark1", ["disable", "--", UNIT]),
+        ("spark2", ["is-enabled", "--", UNIT]), ("spark2", ["is-active", "--", UNIT]),
+        ("spark2", ["daemon-reload"]), ("spark2", ["enable", "--", UNIT]),
+        ("spark2", ["start", "--", UNIT]), ("spark2", ["stop", "--", UNIT]),
+        ("spark2", ["daemon-reload"]), ("spark2", ["disable", "--", UNIT])]
+    starts = [a for a, argv in ctx.calls if argv[3:5] == ["systemctl", "start"]]
+    assert starts == ["spark2", "spark1"]  # workers first
+    for sd in sds.values():
+        assert sd.files == {} and sd.enabled == set() and sd.running == set()
+    # serve.up's containers run again, from the same docker run argv, and the endpoint serves
+    assert serving_containers(nodes) == {"spark1": ["sparkdeploy-sglang-head"],
+                                         "spark2": ["sparkdeploy-sglang-worker"]}
+    assert {n: [c.run_argv for c in node.containers.values()] for n, node in nodes.items()} == up_runs
+    assert cluster.listening(30000)
+
+
+def test_a_failed_re_persist_puts_the_previous_units_back(units):
+    dep, ctx, nodes, cluster, sds = units
+    assert serve.up(dep)[-1].status is Status.OK
+    assert serve_persist.persist(dep)[-1].status is Status.OK
+    old = {n: dict(sd.files) for n, sd in sds.items()}
+    for sd in sds.values():  # an older spec on the nodes: persist hands over again
+        sd.files[SPEC] = sd.files[SPEC].replace('"ready_timeout_s": 600', '"ready_timeout_s": 60')
+    before = {n: dict(sd.files) for n, sd in sds.items()}
+    sds["spark1"].fail_start = 1
+    for sd in sds.values():
+        sd.calls.clear()
+    [res] = serve_persist.persist(dep)
+    assert res.status is Status.FAILED
+    assert res.why == f"spark1: systemctl start {UNIT}: {FAILS}; rolled back: the previous {UNIT}"
+    for n, sd in sds.items():
+        assert sd.files == before[n] != old[n]  # the older spec back, no copy left beside it
+        assert sd.enabled == {UNIT} and sd.running == {UNIT}
+    assert [c[1:] for c in sds["spark2"].calls] == [
+        ["is-enabled", "--", UNIT], ["is-active", "--", UNIT], ["daemon-reload"],
+        ["enable", "--", UNIT], ["stop", "--", UNIT], ["start", "--", UNIT],
+        ["stop", "--", UNIT], ["daemon-reload"], ["start", "--", UNIT]]
+    assert serving_containers(nodes) == {"spark1": ["sparkdeploy-sglang-head"],
+                                         "spark2": ["sparkdeploy-sglang-worker"]}
+
+
+def test_a_persist_that_starts_every_unit_keeps_no_previous_copy(units):
+    dep, ctx, nodes, cluster, sds = units
+    assert serve.up(dep)[-1].status is Status.OK
+    results = serve_persist.persist(dep)
+    assert [(r.status, r.node) for r in results] == [
+        (Status.CHANGED, "spark2"), (Status.CHANGED, "spark1"), (Status.OK, None)]
+    assert results[-1].why == "endpoint: http://10.0.0.1:30000 (under systemd)"
+    want = launch(dep.profile, dep.profile.engines[0],
+                  {"spark1": NodeFacts(3, False), "spark2": NodeFacts(3, False)})
+    for sd in sds.values():
+        assert set(sd.files) == {UNIT_FILE, SPEC, f"{serve_persist.NODE_DIR}/serve_unit.py"}
+        assert sd.enabled == {UNIT} and sd.running == {UNIT}
+        spec = json.loads(sd.files[SPEC])
+        assert [c["run"] for st in spec["stages"] for c in st["containers"]] == [
+            run_args(c) for c in want.containers]
+    assert serve_persist.persist(dep)[-1].why == f"{UNIT} installed and active on every node"
