@@ -3,7 +3,6 @@ and the endpoint serves, or the previous deployment is back (exact commands, end
 
 from __future__ import annotations
 
-import base64
 import json
 from dataclasses import dataclass, field
 
@@ -19,6 +18,7 @@ from tests.unit.test_serve import healthy_sglang, lab  # noqa: F401 - the fixtur
 UNIT = "sparkdeploy-sglang.service"
 SPEC = f"{serve_persist.NODE_DIR}/sglang.json"
 UNIT_FILE = f"/etc/systemd/system/{UNIT}"
+KEY = f"{serve_persist.NODE_DIR}/sglang.key"
 FAILS = "Job for sparkdeploy-sglang.service failed because the control process exited with error code."
 
 
@@ -27,6 +27,7 @@ class Systemd:
     """One node's files and units, as the persisted deployment's commands see them."""
 
     files: dict[str, str] = field(default_factory=dict)
+    modes: dict[str, str] = field(default_factory=dict)
     enabled: set[str] = field(default_factory=set)
     running: set[str] = field(default_factory=set)
     fail_start: int = 0
@@ -64,7 +65,7 @@ def with_systemd(node: FakeNode) -> Systemd:
                         node.clock(), None)
         return 0, "", ""
 
-    def files(argv: list[str]) -> tuple[int, str, str] | None:
+    def files(argv: list[str], stdin: str | None) -> tuple[int, str, str] | None:
         if argv[:2] == ["sha256sum", "--"]:
             import hashlib
 
@@ -78,12 +79,12 @@ def with_systemd(node: FakeNode) -> Systemd:
         if argv[:2] != ["sh", "-c"]:
             return None
         script, args = argv[2], argv[4:]
-        if "base64 -d" in script and ".previous" in script:  # put_file
-            path, content = args[0], base64.b64decode(args[1]).decode()
+        if 'cat > "$1.part"' in script and ".previous" in script:  # put_file, through stdin
+            path, sd.modes[args[0]] = args
             sd.files.pop(path + ".previous", None)
             if path in sd.files:
                 sd.files[path + ".previous"] = sd.files[path]
-            sd.files[path] = content
+            sd.files[path] = stdin
             return 0, "", ""
         if script.startswith("for f; do if"):  # restore_files
             for p in args:
@@ -104,7 +105,7 @@ def with_systemd(node: FakeNode) -> Systemd:
             sd.calls.append(argv)
             rest = [a for a in argv[2:] if a != "--"]
             return systemctl(argv[1], rest)
-        got = files(argv)
+        got = files(argv, stdin)
         return got if got is not None else answer(argv, stdin)
 
     sd.calls = []  # type: ignore[attr-defined]
@@ -189,9 +190,14 @@ def test_a_persist_that_starts_every_unit_keeps_no_previous_copy(units):
     assert results[-1].why == "endpoint: http://10.0.0.1:30000 (under systemd)"
     want = launch(dep.profile, dep.profile.engines[0],
                   {"spark1": NodeFacts(3, False), "spark2": NodeFacts(3, False)})
+    key = sds["spark1"].files[KEY]
     for sd in sds.values():
-        assert set(sd.files) == {UNIT_FILE, SPEC, f"{serve_persist.NODE_DIR}/serve_unit.py"}
+        assert set(sd.files) == {UNIT_FILE, SPEC, KEY, f"{serve_persist.NODE_DIR}/serve_unit.py"}
         assert sd.enabled == {UNIT} and sd.running == {UNIT}
+        # one group key on every node, 0600, sent over stdin: in no command line
+        assert sd.files[KEY] == key and len(key.strip()) == 64 and sd.modes[KEY] == "0600"
+        assert sd.modes[SPEC] == "0600" and json.loads(sd.files[SPEC])["key"] == KEY
+        assert not any(key.strip() in c for c in ctx.commands)
         spec = json.loads(sd.files[SPEC])
         assert [c["run"] for st in spec["stages"] for c in st["containers"]] == [
             run_args(c) for c in want.containers]

@@ -18,18 +18,26 @@ fast link, each publishing a small JSON state on ``<own fast-link address>:<grou
   containers and exits 1; systemd restarts it, and the group comes up again as a whole.
   Users of other launchers report a half-cluster left serving nothing after one rank died.
 - SIGTERM (``systemctl stop``) and ``stop`` remove this node's containers.
+- Peers authenticate each other with the group's key (``key``: a file of mode 0600 that
+  ``serve.persist`` writes on every node over stdin): a request carries its time, a fresh nonce
+  and an HMAC-SHA256 of both (``X-Sparkdeploy-Auth``); a request older or newer than
+  ``WINDOW_S`` or with another HMAC is refused (403). The answer carries an HMAC of the nonce and
+  its body, so a state is believed only from a holder of the key, and never replayed. The state
+  is published on the node's fast-link address only.
 
 The spec (JSON): ``docker`` (the docker CLI argv prefix for this node's engine), ``node``,
 ``role`` (``head``/``worker``), ``listen`` ([address, port]), ``head`` ([address, port]),
 ``workers`` ({node: [address, port]}), ``stages`` ([{"wait": null|"dist-port"|"ray-nodes",
 "containers": [{"node", "name", "run": [docker run args]}]}]), ``wait_addr``
 ([address, port] of the init port), ``ray_nodes`` ({address: gpus}), ``ray_probe`` (Python
-source run in the Ray head container), ``ready_timeout_s``.
+source run in the Ray head container), ``ready_timeout_s``, ``key`` (the group key's file).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import json
 import secrets
 import signal
@@ -38,10 +46,15 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 POLL = 1.0
+WINDOW_S = 30.0
+"""How far a request's time may be from the server's (clocks of the nodes, the network)."""
+AUTH = "X-Sparkdeploy-Auth"
 GRACE = 5
 """Polls a peer may miss before the group restarts (a short network blip is not a death)."""
 
@@ -50,9 +63,41 @@ def say(msg: str) -> None:
     print(f"serve_unit: {msg}", flush=True)
 
 
+def sign(key: bytes, *parts: str) -> str:
+    return hmac.new(key, "\n".join(parts).encode(), hashlib.sha256).hexdigest()
+
+
+def request_path(key: bytes, now: float) -> tuple[str, dict[str, str], str]:
+    """(path, headers, nonce) of one authenticated request for the state."""
+    nonce = secrets.token_hex(16)
+    path = "/state?" + urllib.parse.urlencode({"t": f"{now:.3f}", "nonce": nonce})
+    return path, {AUTH: sign(key, "GET", path)}, nonce
+
+
+def accepted(key: bytes, path: str, auth: str | None, now: float) -> str | None:
+    """The request's nonce when ``path`` and its HMAC ``auth`` are valid now, else None."""
+    q = urllib.parse.parse_qs(urllib.parse.urlsplit(path).query)
+    try:
+        t, nonce = float(q["t"][0]), q["nonce"][0]
+    except (KeyError, IndexError, ValueError):
+        return None
+    if not auth or abs(now - t) > WINDOW_S:
+        return None
+    return nonce if hmac.compare_digest(sign(key, "GET", path), auth) else None
+
+
+def read_key(path: str) -> bytes:
+    with open(path, "rb") as f:
+        key = f.read().strip()
+    if len(key) < 32:
+        raise ValueError(f"{path}: the group key is missing or too short")
+    return key
+
+
 class Group:
-    def __init__(self, spec: dict):
+    def __init__(self, spec: dict, key: bytes = b"", clock: Callable[[], float] = time.time):
         self.spec = spec
+        self.key, self.clock = key, clock
         self.state = {"node": spec["node"], "epoch": secrets.token_hex(6), "stage": -1,
                       "following": None, "accepting": spec["role"] == "head"}
         self.lock = threading.Lock()
@@ -64,9 +109,16 @@ class Group:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802
+                nonce = accepted(group.key, self.path, self.headers.get(AUTH), group.clock())
+                if nonce is None:
+                    self.send_response(403)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 with group.lock:
                     body = json.dumps(group.state).encode()
                 self.send_response(200)
+                self.send_header(AUTH, sign(group.key, "state", nonce, body.decode()))
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -124,12 +176,23 @@ class Restart(Exception):
     pass
 
 
-def peer(addr: list) -> dict | None:
+def peer(g: Group, addr: list) -> dict | None:
+    """A peer's state, when it answers with the group's key; else None (as a silent peer)."""
+    path, headers, nonce = request_path(g.key, g.clock())
+    req = urllib.request.Request(f"http://{addr[0]}:{addr[1]}{path}", headers=headers)
     try:
-        with urllib.request.urlopen(f"http://{addr[0]}:{addr[1]}/", timeout=2) as r:
-            return json.loads(r.read().decode())
+        with urllib.request.urlopen(req, timeout=2) as r:
+            body = r.read(65536).decode()
+            auth = r.headers.get(AUTH) or ""
     except (OSError, ValueError):
         return None
+    if not hmac.compare_digest(sign(g.key, "state", nonce, body), auth):
+        return None
+    try:
+        state = json.loads(body)
+    except ValueError:
+        return None
+    return state if isinstance(state, dict) else None
 
 
 def port_open(addr: list) -> bool:
@@ -167,7 +230,7 @@ def run_head(g: Group) -> None:
     workers = g.spec["workers"]
     say(f"epoch {g.state['epoch']}: waiting for {len(workers)} worker(s) to be ready")
     while True:
-        states = {n: peer(a) for n, a in workers.items()}
+        states = {n: peer(g, a) for n, a in workers.items()}
         if all(s is not None and s["stage"] == -1 for s in states.values()):
             break
         time.sleep(POLL)
@@ -176,7 +239,7 @@ def run_head(g: Group) -> None:
     joined: set[str] = set()
 
     def watch_workers(upto: int) -> dict[str, dict | None]:
-        states = {n: peer(a) for n, a in workers.items()}
+        states = {n: peer(g, a) for n, a in workers.items()}
         for n, s in states.items():
             w.seen(n, s is not None, f"worker {n} does not answer")
             if s is None:
@@ -224,7 +287,7 @@ def run_worker(g: Group) -> None:
     started = -1
     say(f"epoch {g.state['epoch']}: ready, waiting for the head")
     while True:
-        h = peer(g.spec["head"])
+        h = peer(g, g.spec["head"])
         if following is None:
             if h is not None and h["stage"] >= 0 and h.get("accepting"):
                 following = h["epoch"]
@@ -244,7 +307,12 @@ def run_worker(g: Group) -> None:
 
 
 def cmd_run(spec: dict) -> int:
-    g = Group(spec)
+    try:
+        key = read_key(spec["key"])
+    except (OSError, KeyError, ValueError) as e:
+        say(f"error: no group key: {e}")
+        return 2
+    g = Group(spec, key)
 
     def on_term(signum, frame) -> None:
         g.stopping = True

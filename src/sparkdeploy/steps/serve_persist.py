@@ -17,14 +17,16 @@ previous units, or ``serve.up``'s containers).
 other unit (``services.restore`` still brings back the head's original units).
 
 An API key is not persisted: a unit that comes back at boot would need the key stored on the
-node, and secrets are never written on a node. Persist without ``SPARKDEPLOY_API_KEY``.
+node, and secrets are never written on a node. Persist without ``SPARKDEPLOY_API_KEY``. The
+one secret on the nodes is the supervisors' own group key (``<engine>.key``, mode 0600, made
+here and sent over stdin), with which they authenticate each other on the fast link.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,26 +125,41 @@ def group_spec(dep: Deployment, lau: Launch, host: Host) -> dict[str, Any]:
         "ray_nodes": {n.link.address: n.gpus for n in prof.nodes},
         "ray_probe": RAY_PROBE,
         "ready_timeout_s": prof.serve.ready_timeout_s,
+        "key": key_path(lau.engine),
     }
 
 
 def put_file(host: Host, path: str, content: str, mode: str = "0644") -> bool:
-    """Write ``content`` at ``path`` on the node (atomically) unless it is already there;
-    True when written. The version it replaces is kept as ``<path>.previous`` until the
-    hand-over ends (``restore_files`` puts it back, ``drop_previous`` removes it)."""
-    want = hashlib.sha256(content.encode()).hexdigest()
-    r = host.run(["sha256sum", "--", path], change=False)
-    if r.ok and r.stdout.split()[:1] == [want]:
+    """Write ``content`` at ``path`` on the node (atomically, through stdin: never in argv)
+    unless it is already there; True when written. The version it replaces is kept as
+    ``<path>.previous`` until the hand-over ends (``restore_files`` puts it back,
+    ``drop_previous`` removes it)."""
+    if file_sum(host, path) == hashlib.sha256(content.encode()).hexdigest():
         return False
-    script = ('mkdir -p -- "$(dirname -- "$1")" && rm -f -- "$1.previous" '
+    script = ('umask 077 && mkdir -p -- "$(dirname -- "$1")" && rm -f -- "$1.previous" '
               '&& { [ ! -e "$1" ] || cp -p -- "$1" "$1.previous"; } '
-              '&& printf %s "$2" | base64 -d > "$1.part" '
-              '&& chmod "$3" "$1.part" && mv -f -- "$1.part" "$1"')
-    encoded = base64.b64encode(content.encode()).decode()
-    w = host.run(["sh", "-c", script, "sh", path, encoded, mode], sudo=True)
+              '&& cat > "$1.part" && chmod "$2" "$1.part" && mv -f -- "$1.part" "$1"')
+    w = host.run(["sh", "-c", script, "sh", path, mode], sudo=True, input=content)
     if not w.ok:
         raise NodeUnreachable(host.name, f"cannot write {path}: {w.one_line_error()}")
     return True
+
+
+def file_sum(host: Host, path: str) -> str | None:
+    """The sha256 of a file on the node (read as root: the specs and the key are 0600)."""
+    r = host.run(["sha256sum", "--", path], change=False, sudo=True)
+    return r.stdout.split()[0] if r.ok and r.stdout.split() else None
+
+
+def group_key(eng: Engine, hosts: list[Host]) -> str | None:
+    """None when every node holds one and the same group key already; else a new key, for all
+    (the supervisors authenticate each other with it)."""
+    sums = {file_sum(h, key_path(eng)) for h in hosts}
+    return None if len(sums) == 1 and None not in sums else secrets.token_hex(32)
+
+
+def key_path(eng: Engine) -> str:
+    return f"{NODE_DIR}/{eng.name}.key"
 
 
 def restore_files(host: Host, paths: list[str]) -> bool:
@@ -192,7 +209,8 @@ def _wait_endpoint(dep: Deployment, lau: Launch) -> str:
     return url
 
 
-def _install(dep: Deployment, eng: Engine, lau: Launch, h: Host, text: str) -> Handover:
+def _install(dep: Deployment, eng: Engine, lau: Launch, h: Host, text: str,
+             key: str | None) -> Handover:
     """The unit's files on one node (the versions they replace kept), enabled; raises
     HandoverFailed when enabling fails (the node's files then are as before)."""
     unit = unit_name(eng.name)
@@ -201,6 +219,8 @@ def _install(dep: Deployment, eng: Engine, lau: Launch, h: Host, text: str) -> H
              f"{NODE_DIR}/{eng.name}.json":
                  (json.dumps(group_spec(dep, lau, h), indent=2, sort_keys=True) + "\n", "0600"),
              f"{UNIT_DIR}/{unit}": (text, "0644")}
+    if key is not None:
+        files[key_path(eng)] = (key + "\n", "0600")
     for path, (content, mode) in files.items():
         if put_file(h, path, content, mode):
             ho.written.append(path)
@@ -321,8 +341,9 @@ def persist(dep: Deployment, engine: str | None = None) -> list[Result]:
                             for c in ours(h, dep.profile.name, eng.name))
     nodes: list[Handover] = []
     try:
+        key = group_key(eng, hosts)
         for h in hosts:
-            nodes.append(_install(dep, eng, lau, h, texts[h.name]))
+            nodes.append(_install(dep, eng, lau, h, texts[h.name], key))
         if all(n.active for n in nodes) and not any(n.written for n in nodes):
             return [dep.report(ok(STEP_PERSIST, f"{unit} installed and active on every node"))]
         results = hand_over(dep, eng, lau, nodes)
@@ -354,8 +375,8 @@ def unpersist(dep: Deployment) -> list[Result]:
             h.run(["systemctl", "stop", "--", u], sudo=True, timeout=180)
             h.run(["systemctl", "disable", "--", u], sudo=True)
         files = [f"{UNIT_DIR}/{u}" for u in units]
-        files += [f"{NODE_DIR}/{u.removeprefix('sparkdeploy-').removesuffix('.service')}.json"
-                  for u in units]
+        files += [f"{NODE_DIR}/{u.removeprefix('sparkdeploy-').removesuffix('.service')}{ext}"
+                  for u in units for ext in (".json", ".key")]
         h.run(["rm", "-f", "--", *files], sudo=True)
         h.run(["systemctl", "daemon-reload"], sudo=True)
         if dep.dry:
