@@ -249,3 +249,16 @@ def test_profile_refuses_bad_env_name_and_engine_name(tmp_path):
         d["engines"][0]["name"] = "--rm"
     with pytest.raises(ProfileError, match=r"engines\[0\]\.name: '--rm' is not a safe name"):
         _profile(tmp_path, bad_name)
+
+
+@pytest.mark.parametrize("name,secret", [
+    ("HF_TOKEN", True), ("HUGGING_FACE_HUB_TOKEN", True), ("OPENAI_API_KEY", True),
+    ("S3_ACCESS_KEY", True), ("KEY", True), ("AWS_SECRET_ACCESS_KEY", True),
+    ("DB_PASSWORD", True), ("GOOGLE_APPLICATION_CREDENTIALS", True), ("hf_token", True),
+    ("NCCL_DEBUG", False), ("NCCL_IB_GID_INDEX", False), ("MASTER_ADDR", False),
+    ("KEYBOARD_LAYOUT", False), ("MONKEY_PATCH", False), ("RAY_ADDRESS", False),
+])
+def test_which_engine_env_names_are_secrets(name, secret):
+    from sparkdeploy.engines.base import is_secret_name
+
+    assert is_secret_name(name) is secret

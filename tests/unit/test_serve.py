@@ -265,6 +265,28 @@ def test_api_key_reaches_vllm_on_stdin_only(lab, monkeypatch):
     assert "sk-local-test" not in journal
 
 
+def test_secrets_in_the_engines_env_reach_the_containers_on_stdin_only(lab):
+    """HF_TOKEN and *_KEY from the profile's engine env: on stdin (docker's env file), never an
+    --env argument on a node's command line or in the journal; the rest stays --env."""
+    dep, ctx, nodes, cluster, clock = lab
+    healthy_sglang(nodes)
+    eng = dep.profile.engines[0].model_copy(update={"env": {
+        "HF_TOKEN": "hf_ProfileTokenNeverOnArgv01", "S3_ACCESS_KEY": "ak-never-on-argv",
+        "NCCL_DEBUG": "INFO"}})
+    dep.profile = dep.profile.model_copy(update={"engines": [eng, *dep.profile.engines[1:]]})
+    assert serve.up(dep)[-1].why == "endpoint: http://10.0.0.1:30000"
+    want = "HF_TOKEN=hf_ProfileTokenNeverOnArgv01\nS3_ACCESS_KEY=ak-never-on-argv\n"
+    assert nodes["spark1"].stdin == {"sparkdeploy-sglang-head": want}
+    assert nodes["spark2"].stdin == {"sparkdeploy-sglang-worker": want}
+    for node in ("spark1", "spark2"):
+        [argv] = runs(ctx, node)
+        assert "--env-file=/dev/stdin" in argv and "--env=NCCL_DEBUG=INFO" in argv
+        assert not any("HF_TOKEN" in a or "S3_ACCESS_KEY" in a for a in argv)
+    assert not any("NeverOnArgv" in c or "never-on-argv" in c for c in ctx.commands)
+    journal = dep.state.journal_path.read_text()
+    assert "NeverOnArgv" not in journal and "never-on-argv" not in journal
+
+
 def test_down_removes_every_container_and_status_reports(lab):
     dep, ctx, nodes, cluster, clock = lab
     healthy_sglang(nodes)

@@ -202,3 +202,15 @@ def test_a_persist_that_starts_every_unit_keeps_no_previous_copy(units):
         assert [c["run"] for st in spec["stages"] for c in st["containers"]] == [
             run_args(c) for c in want.containers]
     assert serve_persist.persist(dep)[-1].why == f"{UNIT} installed and active on every node"
+
+
+def test_secrets_in_the_engines_env_are_not_persisted(units):
+    dep, ctx, nodes, cluster, sds = units
+    assert serve.up(dep)[-1].status is Status.OK
+    eng = dep.profile.engines[0].model_copy(update={"env": {"HF_TOKEN": "hf_NotOnTheNodes0123"}})
+    dep.profile = dep.profile.model_copy(update={"engines": [eng, *dep.profile.engines[1:]]})
+    [res] = serve_persist.persist(dep)
+    assert res.status is Status.FAILED
+    assert res.why == ("engines[sglang].env: HF_TOKEN would have to be stored on the nodes for a "
+                       "unit that comes back at boot (secrets are not); not persisted")
+    assert all(sd.files == {} and sd.calls == [] for sd in sds.values())

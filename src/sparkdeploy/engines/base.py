@@ -22,11 +22,14 @@ set all of these to the fast-link interface and addresses):
 The profile's engine ``env`` overrides any of them; a null value removes a variable.
 
 Secrets: the API key (``SPARKDEPLOY_API_KEY`` on the controller) is never part of a spec's
-argv or env. A spec names the variables it wants (``secret_env``) and the starter hands the
-values to ``docker run --env-file /dev/stdin`` through the ssh process's stdin: the key is not
-in any command line (ps, the journal, ``docker inspect``'s Args) and no file holds it on the
-node. ``docker inspect`` does show it under ``Config.Env``, as it shows every container
-variable: reading that needs access to the node's Docker socket, which is root on that node.
+argv or env, and the profile's engine ``env`` variables whose names say they are secrets
+(``is_secret_name``: ``HF_TOKEN``, ``*_KEY``, ``*SECRET*``, ``*PASSWORD*``, ...) are never
+``--env`` arguments: they go with the API key. A spec names the variables it wants
+(``secret_env``) and the starter hands the values to ``docker run --env-file /dev/stdin``
+through the ssh process's stdin: no secret is in any command line (ps, the journal, ``docker
+inspect``'s Args) and no file holds one on the node; ``serve.persist`` refuses a deployment
+that has any. ``docker inspect`` does show them under ``Config.Env``, as it shows every
+container variable: reading that needs the node's Docker socket, which is root on that node.
 """
 
 from __future__ import annotations
@@ -245,12 +248,29 @@ def run_args(spec: ContainerSpec, *, detach: bool = True, remove: bool = False,
         argv.append(f"--volumes-from={spec.volumes_from}")
     if spec.pid_from:
         argv.append(f"--pid=container:{spec.pid_from}")
-    if env_file and spec.secret_env:
+    if env_file and (spec.secret_env or profile_secrets(spec)):
         argv.append(f"--env-file={env_file}")
-    argv += [f"--env={k}={v}" for k, v in spec.env]
+    argv += [f"--env={k}={v}" for k, v in spec.env if not is_secret_name(k)]
     return [*argv, spec.image, *spec.argv]
 
 
+_SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|(?:^|_)(?:API_)?KEY(?:_|$)",
+                          re.IGNORECASE)
+
+
+def is_secret_name(name: str) -> bool:
+    """A variable whose value is a secret (``HF_TOKEN``, ``*_API_KEY``, ``*SECRET*``, ...): it
+    travels as the API key does, never as ``--env`` on a command line."""
+    return bool(_SECRET_NAME.search(name))
+
+
+def profile_secrets(spec: ContainerSpec) -> dict[str, str]:
+    """The secret variables the profile's engine ``env`` gives a spec."""
+    return {k: v for k, v in spec.env if is_secret_name(k)}
+
+
 def secret_lines(spec: ContainerSpec, secrets: dict[str, str]) -> str:
-    """The ``--env-file`` content for a spec's secret variables (only those that are set)."""
-    return "".join(f"{k}={secrets[k]}\n" for k in spec.secret_env if secrets.get(k))
+    """The ``--env-file`` content for a spec's secret variables (only those that are set): the
+    profile's engine ``env`` secrets, and the controller's secrets the spec names."""
+    values = {**profile_secrets(spec), **{k: secrets[k] for k in spec.secret_env if secrets.get(k)}}
+    return "".join(f"{k}={v}\n" for k, v in values.items())

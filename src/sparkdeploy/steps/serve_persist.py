@@ -17,7 +17,8 @@ previous units, or ``serve.up``'s containers).
 other unit (``services.restore`` still brings back the head's original units).
 
 An API key is not persisted: a unit that comes back at boot would need the key stored on the
-node, and secrets are never written on a node. Persist without ``SPARKDEPLOY_API_KEY``. The
+node, and secrets are never written on a node. Persist without ``SPARKDEPLOY_API_KEY``, and
+without secrets in the engine's ``env`` (they are refused the same way). The
 one secret on the nodes is the supervisors' own group key (``<engine>.key``, mode 0600, made
 here and sent over stdin), with which they authenticate each other on the fast link.
 """
@@ -35,7 +36,7 @@ from sparkdeploy import endpoint as ep
 from sparkdeploy.config import Engine
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import EngineError, Launch, NodeFacts, launch
-from sparkdeploy.engines.base import API_KEY_ENV, run_args
+from sparkdeploy.engines.base import API_KEY_ENV, profile_secrets, run_args
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import NodeUnreachable, docker
 from sparkdeploy.packaged import helper
@@ -325,6 +326,11 @@ def persist(dep: Deployment, engine: str | None = None) -> list[Result]:
         lau = launch(dep.profile, eng, facts)
     except EngineError as e:
         return [dep.report(failed(STEP_PERSIST, str(e)))]
+    kept = sorted({k for c in lau.containers for k in profile_secrets(c)})
+    if kept:
+        return [dep.report(failed(STEP_PERSIST, f"engines[{eng.name}].env: {', '.join(kept)} "
+                                  "would have to be stored on the nodes for a unit that comes "
+                                  "back at boot (secrets are not); not persisted"))]
     unit = unit_name(eng.name)
     hosts = [dep.host(n.name) for n in dep.profile.nodes if lau.on(n.name)]
     if dep.dry:
