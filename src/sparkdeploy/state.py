@@ -37,6 +37,16 @@ _FORMS: list[tuple[re.Pattern[str], str]] = [
 _SECRET_FLAG = re.compile(r"--?[\w-]*" + _WORD, re.I)
 
 
+_SECRET_NAME = re.compile(_WORD + r"(?![A-Za-z0-9])|(?:^|_)(?:key|credentials?)(?![A-Za-z0-9])",
+                          re.I)
+
+
+def is_secret_name(name: str) -> bool:
+    """A variable whose value is a secret: its name holds one of the words above, or a ``KEY``
+    or ``CREDENTIALS`` part (``HF_TOKEN``, ``S3_ACCESS_KEY``; not ``MAX_TOKENS``, ``KEYBOARD``)."""
+    return bool(_SECRET_NAME.search(name))
+
+
 def redact(text: str) -> str:
     """Hide what looks like a secret: HF tokens anywhere, a URL's credentials, Bearer/Basic
     values, quoted ``"KEY": "value"`` and ``KEY=value`` for secret keys, ``--secret-flag value``."""

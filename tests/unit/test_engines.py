@@ -257,8 +257,9 @@ def test_profile_refuses_bad_env_name_and_engine_name(tmp_path):
     ("DB_PASSWORD", True), ("GOOGLE_APPLICATION_CREDENTIALS", True), ("hf_token", True),
     ("NCCL_DEBUG", False), ("NCCL_IB_GID_INDEX", False), ("MASTER_ADDR", False),
     ("KEYBOARD_LAYOUT", False), ("MONKEY_PATCH", False), ("RAY_ADDRESS", False),
+    ("SGLANG_MAX_TOKENS", False), ("TOKENIZERS_PARALLELISM", False),
 ])
 def test_which_engine_env_names_are_secrets(name, secret):
-    from sparkdeploy.engines.base import is_secret_name
+    from sparkdeploy.state import is_secret_name
 
     assert is_secret_name(name) is secret

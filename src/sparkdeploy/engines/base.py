@@ -23,7 +23,7 @@ The profile's engine ``env`` overrides any of them; a null value removes a varia
 
 Secrets: the API key (``SPARKDEPLOY_API_KEY`` on the controller) is never part of a spec's
 argv or env, and the profile's engine ``env`` variables whose names say they are secrets
-(``is_secret_name``: ``HF_TOKEN``, ``*_KEY``, ``*SECRET*``, ``*PASSWORD*``, ...) are never
+(``state.is_secret_name``: ``HF_TOKEN``, ``*_KEY``, ``*_SECRET``, ``*_PASSWORD``, ...) are never
 ``--env`` arguments: they go with the API key. A spec names the variables it wants
 (``secret_env``) and the starter hands the values to ``docker run --env-file /dev/stdin``
 through the ssh process's stdin: no secret is in any command line (ps, the journal, ``docker
@@ -38,6 +38,7 @@ import re
 from dataclasses import dataclass
 
 from sparkdeploy.config import Engine, Node, Profile
+from sparkdeploy.state import is_secret_name
 
 PREFIX = "sparkdeploy"
 LABEL_DEPLOYMENT = "sparkdeploy.deployment"
@@ -252,16 +253,6 @@ def run_args(spec: ContainerSpec, *, detach: bool = True, remove: bool = False,
         argv.append(f"--env-file={env_file}")
     argv += [f"--env={k}={v}" for k, v in spec.env if not is_secret_name(k)]
     return [*argv, spec.image, *spec.argv]
-
-
-_SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|(?:^|_)(?:API_)?KEY(?:_|$)",
-                          re.IGNORECASE)
-
-
-def is_secret_name(name: str) -> bool:
-    """A variable whose value is a secret (``HF_TOKEN``, ``*_API_KEY``, ``*SECRET*``, ...): it
-    travels as the API key does, never as ``--env`` on a command line."""
-    return bool(_SECRET_NAME.search(name))
 
 
 def profile_secrets(spec: ContainerSpec) -> dict[str, str]:
