@@ -7,6 +7,7 @@ import importlib.util
 import json
 import urllib.error
 import urllib.request
+
 import pytest
 
 from sparkdeploy.packaged import helper
