@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from sparkdeploy.engines.base import API_KEY_ENV
+from sparkdeploy.hosts import Host
 from sparkdeploy.outside import ModelList, OutsideError, request
 from sparkdeploy.records import Endpoint, Records
 
@@ -33,21 +33,12 @@ def headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def controller_address(node: Any, ssh_config: str | None) -> str:
+def controller_address(host: Host) -> str:
     """The address the controller reaches a node at: its ssh alias resolved as ssh would
     (``ssh -G``: ssh_config ``HostName``), 127.0.0.1 for this machine."""
-    if node.ssh is None:
+    if host.node.local:
         return "127.0.0.1"
-    argv = ["ssh", *(["-F", ssh_config] if ssh_config else []), "-G", "--", node.ssh]
-    try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return node.ssh
-    for line in out.splitlines():
-        key, _, value = line.partition(" ")
-        if key == "hostname" and value.strip():
-            return value.strip()
-    return node.ssh
+    return host.ssh_view().get("hostname") or host.node.ssh or host.name
 
 
 def port_open(host: str, port: int, timeout: float = 2.0) -> bool:

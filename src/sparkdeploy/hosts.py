@@ -20,14 +20,11 @@ import io
 import os
 import shlex
 import stat
-import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from invoke import Context
@@ -37,7 +34,6 @@ from sparkdeploy.config import Node, SshSettings
 from sparkdeploy.events import Echo, EventSink
 from sparkdeploy.results import Result, failed
 from sparkdeploy.state import StateDir, redact
-from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 SSH_UNREACHABLE = 255
 PROBE_TIMEOUT_S = 120.0
@@ -117,15 +113,10 @@ def ssh_base_argv(ssh: SshSettings, control_dir: str | None = None) -> list[str]
     return argv
 
 
-def forward_argv(ssh: SshSettings, local: str, remote: str, dest: str) -> list[str]:
-    """An ssh of its own that forwards the unix socket ``remote`` to ``local`` until it ends.
-
-    Not through the shared master: a multiplexed client hands the forward to the master and
-    exits at once, leaving the forward (and its socket) to live as long as the master does.
-    ssh keeps the first value given for an option, so these come before the shared ones."""
-    base = ssh_base_argv(ssh)
-    return [base[0], "-o", "ControlMaster=no", "-o", "ControlPath=none", *base[1:],
-            "-N", "-o", "ExitOnForwardFailure=yes", "-L", f"{local}:{remote}", "--", dest]
+def peer_ssh_argv() -> list[str]:
+    """The ssh a node runs to reach a peer over the fast link: host keys checked, never a
+    prompt (the nodes trust each other's host keys)."""
+    return ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes"]
 
 
 def settings_tag(ssh: SshSettings) -> str:
@@ -223,6 +214,7 @@ class Host:
     clock: Callable[[], float] = time.monotonic
     """The deployment's clock (durations in the journal)."""
     _unreachable: str | None = None
+    _ssh_view: dict[str, str] | None = None
 
     @property
     def name(self) -> str:
@@ -258,8 +250,11 @@ class Host:
         timeout: float | None = None,
         on_stderr: Callable[[str], None] | None = None,
         input: str | Feed | None = None,
+        here: bool = False,
     ) -> CmdResult:
-        """Run ``argv`` on the node. ``change=False`` marks a read-only probe.
+        """Run ``argv`` on the node. ``change=False`` marks a read-only probe; ``here`` runs it
+        on this machine on the node's behalf (``ssh -G`` for its alias), echoed and journaled
+        as any other.
 
         ``timeout``: seconds before the command is ended (exit 124); by default
         ``PROBE_TIMEOUT_S`` for a probe, ``CHANGE_TIMEOUT_S`` for any other command.
@@ -283,7 +278,7 @@ class Host:
             self._say(shown)
         if self._unreachable is not None:
             raise NodeUnreachable(self.name, self._unreachable)
-        full = self.wrap(argv, sudo=sudo)
+        full = argv if here else self.wrap(argv, sudo=sudo)
         ctx = self.ctx or Context()
         start = self.clock()
         try:
@@ -307,7 +302,8 @@ class Host:
                             (e.result.stderr + f"\ntimed out after {timeout}s").strip(),
                             self.clock() - start)
         self._journal(res, change)
-        if not self.node.local and res.exit_code == SSH_UNREACHABLE and self._lost(ctx):
+        if (not self.node.local and not here and res.exit_code == SSH_UNREACHABLE
+                and self._lost(ctx)):
             # ssh itself failed (a command of ours may exit 255 too: then the node still answers)
             self._unreachable = res.one_line_error()
             raise NodeUnreachable(self.name, self._unreachable)
@@ -319,6 +315,21 @@ class Host:
                 f"(NOPASSWD) for the deploying user, or set privilege: none"
             )
         return res
+
+    def ssh_view(self) -> dict[str, str]:
+        """How ssh sees this node's alias (``ssh -G``: the profile's ssh_config applied), e.g.
+        ``hostname``, ``port``; empty for this machine. Asked once."""
+        if self.node.local:
+            return {}
+        if self._ssh_view is None:
+            r = self.run([*ssh_base_argv(self.ssh), "-G", "--", self.node.ssh or ""],
+                         change=False, here=True, timeout=10)
+            view = {}
+            for line in r.stdout.splitlines() if r.ok else []:
+                key, _, value = line.partition(" ")
+                view.setdefault(key, value.strip())
+            self._ssh_view = view
+        return self._ssh_view
 
     def _lost(self, ctx: Context) -> bool:
         r = ctx.run(shlex.join(self.wrap(["true"])), dry=False, echo=False, warn=True, hide=True,
@@ -339,53 +350,3 @@ class Host:
                 "stderr": res.stderr,
             }
         )
-
-    @contextmanager
-    def docker_client(self, timeout: int = 600) -> Iterator[Any]:
-        """A docker SDK client for this node's engine.
-
-        Remote nodes: the node's docker socket forwarded to a local unix socket over the same
-        OpenSSH connection settings (docker-py's own ssh transport ignores ssh_config files).
-        """
-        import docker  # imported late: only image and container work needs it
-
-        if self.node.local:
-            client = docker.DockerClient(base_url=f"unix://{self.node.docker_socket}", timeout=timeout)
-            try:
-                yield client
-            finally:
-                client.close()
-            return
-        tmp = Path(tempfile.mkdtemp(prefix="sd-docker-", dir=default_control_dir()))
-        sock = tmp / "d.sock"
-        fwd = forward_argv(self.ssh, str(sock), self.node.docker_socket, self.node.ssh or "")
-        proc = subprocess.Popen(fwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
-        try:
-            def forwarded() -> bool:
-                if proc.poll() is not None:
-                    err = (proc.stderr.read() if proc.stderr else b"").decode(errors="replace")
-                    raise Stop(err.strip().splitlines()[-1] if err.strip() else "ssh exited")
-                return sock.exists()
-
-            try:
-                wait_for(forwarded, deadline=self.ssh.connect_timeout + 5, interval=0.05,
-                         what="the docker socket forward")
-            except Stop as e:
-                raise NodeUnreachable(self.name, f"cannot forward the docker socket: {e}") from None
-            except WaitTimeout as e:
-                raise NodeUnreachable(self.name, str(e)) from None
-            client = docker.DockerClient(base_url=f"unix://{sock}", timeout=timeout)
-            try:
-                yield client
-            finally:
-                client.close()
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            sock.unlink(missing_ok=True)
-            tmp.rmdir()

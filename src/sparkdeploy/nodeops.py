@@ -17,7 +17,7 @@ from sparkdeploy.hosts import Host, HostError, NodeUnreachable
 from sparkdeploy.packaged import helper
 
 __all__ = ["ARCH", "HostError", "NodeUnreachable", "docker", "inspect_image",
-           "listed_tags", "node_arch", "stage", "stage_script", "check_staged", "verified"]
+           "listed_tags", "node_arch", "free_space", "stage", "stage_script", "check_staged", "verified"]
 
 ARCH = {"aarch64": "arm64", "arm64": "arm64", "x86_64": "amd64", "amd64": "amd64"}
 
@@ -39,6 +39,17 @@ def listed_tags(host: Host) -> set[str]:
     """Every ``repo:tag`` the node's engine lists (an incomplete image is not listed)."""
     r = host.run(docker(host, "image", "ls", "--format", "{{.Repository}}:{{.Tag}}"), change=False)
     return {ln.strip() for ln in r.stdout.splitlines() if ln.strip()} if r.ok else set()
+
+
+def free_space(host: Host, path: str) -> tuple[int, str] | None:
+    """(free bytes, mount point) of the filesystem that holds (or will hold) ``path``."""
+    script = 'p="$1"; while [ ! -e "$p" ]; do p=$(dirname "$p"); done; df -P -B1 -- "$p"'
+    r = host.run(["sh", "-c", script, "sh", path], change=False)
+    rows = r.stdout.strip().splitlines() if r.ok else []
+    if len(rows) < 2:
+        return None
+    cols = rows[-1].split()
+    return int(cols[3]), cols[-1]
 
 
 def node_arch(host: Host) -> str:

@@ -188,7 +188,7 @@ class FakeCluster:
             "health": lambda url: serving(url),
             "models": lambda url: [model] if serving(url) else [],
             "stream_chat": lambda url, m, **kw: "Hello" if serving(url) else "",
-            "controller_address": lambda node, cfg: self.addr,
+            "controller_address": lambda host: self.addr,
         }
 
 

@@ -12,7 +12,6 @@ from sparkdeploy.hosts import (
     Host,
     NodeUnreachable,
     elide,
-    forward_argv,
     ssh_base_argv,
 )
 
@@ -26,19 +25,6 @@ def test_wrap_uses_the_profile_ssh_files_and_quotes_the_remote_command():
     assert argv[:3] == ["ssh", "-F", "/lab/ssh_config"]
     assert "UserKnownHostsFile=/lab/known_hosts" in argv and "StrictHostKeyChecking=yes" in argv
     assert argv[-3:] == ["--", "spark1", "sudo -n -- sh -c 'echo $HOME; rm x' 'a b'"]
-
-
-def test_the_docker_socket_forward_has_its_own_connection_not_the_shared_master():
-    ssh = SshSettings(config="/lab/ssh_config", known_hosts="/lab/known_hosts")
-    argv = forward_argv(ssh, "/tmp/cm/f/d.sock", "/run/docker.sock", "spark1")
-    base = ssh_base_argv(ssh)
-    assert argv == ["ssh", "-o", "ControlMaster=no", "-o", "ControlPath=none", *base[1:], "-N",
-                    "-o", "ExitOnForwardFailure=yes", "-L", "/tmp/cm/f/d.sock:/run/docker.sock",
-                    "--", "spark1"]
-    # ssh keeps the first value of an option: the shared ones come later and lose
-    opts = [argv[i + 1] for i, a in enumerate(argv) if a == "-o"]
-    assert [o for o in opts if o.startswith("ControlPath=")][0] == "ControlPath=none"
-    assert [o for o in opts if o.startswith("ControlMaster=")][0] == "ControlMaster=no"
 
 
 def test_local_node_runs_argv_as_is():
@@ -206,3 +192,31 @@ def test_ssh_keeps_the_connection_alive_and_gives_up_on_a_dead_node():
     argv = ssh_base_argv(SshSettings())
     opts = [argv[i + 1] for i, a in enumerate(argv) if a == "-o"]
     assert "ServerAliveInterval=15" in opts and "ServerAliveCountMax=4" in opts
+
+
+def test_ssh_view_asks_ssh_dash_g_once_on_this_machine(tmp_path):
+    from sparkdeploy.state import StateDir
+
+    class G(Context):
+        def __init__(self):
+            super().__init__(Config(overrides={"run": {"dry": True}}))
+            self._set("seen", [])
+
+        def run(self, command, **kw):
+            self.seen.append(shlex.split(command))
+            return Result(stdout="hostname 10.1.2.3\nport 2222\nuser me\n", exited=0,
+                          command=command)
+
+    ctx, state = G(), StateDir(tmp_path / "state")
+    ssh = SshSettings(config="/lab/ssh_config")
+    h = Host(NODE, ssh, ctx, state)
+    assert h.ssh_view()["hostname"] == "10.1.2.3" and h.ssh_view()["port"] == "2222"
+    # once, here (not through ssh to the node), even under --dry: it changes nothing
+    assert ctx.seen == [[*ssh_base_argv(ssh), "-G", "--", "spark1"]]
+    from sparkdeploy import endpoint
+    from sparkdeploy.steps.hosts import resolve
+    assert endpoint.controller_address(h) == "10.1.2.3"
+    assert (resolve(h).host, resolve(h).port) == ("10.1.2.3", 2222)
+    local = Host(NODE.model_copy(update={"ssh": None}), ssh, ctx, state)
+    assert local.ssh_view() == {} and endpoint.controller_address(local) == "127.0.0.1"
+    assert len(ctx.seen) == 1

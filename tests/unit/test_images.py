@@ -166,19 +166,29 @@ def test_filter_report_is_read_from_stderr():
 def test_build_output_goes_to_the_stream_as_log_lines_and_step_progress(dep):
     from sparkdeploy.events import Log, Progress
 
-    chunks = [{"stream": "Step 1/3 : ARG BASE_IMAGE\n"}, {"stream": "\n"},
-              {"stream": "Step 2/3 : FROM x\n ---> 1234\n"},
-              {"stream": "Step 3/3 : RUN pip install\n"},
-              {"error": "The command returned a non-zero code: 1\n"}]
+    lines = ["Step 1/3 : ARG BASE_IMAGE", "", "Step 2/3 : FROM x", " ---> 1234",
+             "Step 3/3 : RUN pip install"]
+    log = images.BuildLog(dep, "spark1")
     with dep.events.collect() as got:
-        errors, tail = images.follow_build(dep, "spark1", chunks)
-    assert errors == ["The command returned a non-zero code: 1"]
+        for line in lines:
+            log.line(line)
+    tail = log.tail
     assert tail == ["Step 1/3 : ARG BASE_IMAGE", "Step 2/3 : FROM x", " ---> 1234",
                     "Step 3/3 : RUN pip install"]
     assert [e.text for e in got if isinstance(e, Log)] == tail
     assert [(e.done, e.total, e.unit, e.note) for e in got if isinstance(e, Progress)] == [
         (0, 3, "steps", "ARG BASE_IMAGE"), (1, 3, "steps", "FROM x"),
         (2, 3, "steps", "RUN pip install")]
+
+
+def test_the_build_is_one_docker_build_on_the_head_with_its_context_on_stdin(dep):
+    head = dep.host("spark1")
+    argv = images.build_argv(head, "sd/layer:1", {"BASE_IMAGE": "a b", "PIP_INDEX_URL": "-x"}, True)
+    assert argv == ["sh", "-c", 'base64 -d | DOCKER_BUILDKIT=0 "$@" 1>&2', "sh",
+                    "docker", "-H", "unix:///var/run/docker.sock", "build", "--tag=sd/layer:1",
+                    "--build-arg=BASE_IMAGE=a b", "--build-arg=PIP_INDEX_URL=-x",
+                    "--network=host", "--rm", "--force-rm", "--no-cache", "-"]
+    assert "--no-cache" not in images.build_argv(head, "t", {}, False)
 
 
 def test_the_decision_record_carries_who_and_when_and_ship_reads_it(dep):

@@ -192,7 +192,7 @@ class Ctx(Context):
                 out = "".join(f"{x}\n" for x in e.history)
             else:
                 out = "".join(f"{1_000_000_000}\n" for _ in e.images[tagged(argv[-1])]["RootFS"]["Layers"])
-        elif argv == ["df", "-P", "-B1", e.root_dir]:
+        elif argv[:2] == ["sh", "-c"] and "df -P -B1" in argv[2] and argv[3:] == ["sh", e.root_dir]:
             out = f"Filesystem 1-blocks Used Available Capacity Mounted\n/dev/x 1 1 {e.free} 1% /\n"
         elif argv == ["python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"]:
             if e.python is None:

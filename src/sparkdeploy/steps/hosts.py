@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.hosts import NodeUnreachable, ssh_base_argv
+from sparkdeploy.hosts import Host, NodeUnreachable
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.registry import step
 
@@ -47,18 +47,12 @@ class Target:
         return self.host if self.port == 22 else f"[{self.host}]:{self.port}"
 
 
-def resolve(dep: Deployment, alias: str) -> Target:
-    """Where ssh really connects for an alias (``ssh -G`` applies the profile's ssh_config)."""
-    argv = [*ssh_base_argv(dep.profile.ssh), "-G", "--", alias]
-    out = subprocess.run(argv, capture_output=True, text=True, check=False).stdout
-    host, port = alias, 22
-    for line in out.splitlines():
-        k, _, v = line.partition(" ")
-        if k == "hostname":
-            host = v.strip()
-        elif k == "port":
-            port = int(v)
-    return Target(host, port)
+def resolve(host: Host) -> Target:
+    """Where ssh really connects for a node's alias (``ssh -G`` applies the profile's
+    ssh_config)."""
+    view = host.ssh_view()
+    alias = host.node.ssh or host.name
+    return Target(view.get("hostname") or alias, int(view.get("port") or 22))
 
 
 def known_hosts_file(dep: Deployment) -> Path:
@@ -81,7 +75,7 @@ def _trust(dep: Deployment, node: str | None,
         if host.node.local:
             yield ok(STEP_TRUST, "this machine: no host key needed", host.name)
             continue
-        t = resolve(dep, host.node.ssh or host.name)
+        t = resolve(host)
         if kh.exists():
             known = subprocess.run(["ssh-keygen", "-F", t.known_hosts_name, "-f", str(kh)],
                                    capture_output=True, text=True, check=False)

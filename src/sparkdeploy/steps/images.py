@@ -10,12 +10,13 @@ image of the same recipe (base image ID, Dockerfile hash, version) already exist
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import json
 import re
 import tarfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -466,17 +467,14 @@ def _build(dep: Deployment, no_cache: bool = False) -> Result:
                   "PIP_INDEX_URL": derivative.index_url}
     if urlsplit(derivative.index_url).scheme == "http":
         build_args["PIP_TRUSTED_HOST"] = urlsplit(derivative.index_url).hostname or ""
-    context = build_context(dockerfile, config_text)
+    context = base64.b64encode(build_context(dockerfile, config_text)).decode()
     started = dep.clock()
-    with head.docker_client(timeout=3600) as client:
-        chunks = client.api.build(fileobj=io.BytesIO(context), custom_context=True,
-                                  tag=derivative.tag, buildargs=build_args, network_mode="host",
-                                  rm=True, forcerm=True, decode=True, pull=False,
-                                  nocache=no_cache)
-        errors, tail = follow_build(dep, head.name, chunks)
-    if errors:
-        return failed(STEP_BUILD, f"build failed: {errors[-1].splitlines()[-1]}", head.name,
-                      log_tail=tail)
+    log = BuildLog(dep, head.name)
+    r = head.run(build_argv(head, derivative.tag, build_args, no_cache), input=context,
+                 on_stderr=log.line, timeout=3600)
+    if not r.ok:
+        return failed(STEP_BUILD, f"build failed: {r.one_line_error()}", head.name,
+                      log_tail=log.tail)
     built = inspect_image(head, derivative.tag)
     if not built:
         return failed(STEP_BUILD, f"build finished but {derivative.tag} is not on {head.name}", head.name)
@@ -484,21 +482,31 @@ def _build(dep: Deployment, no_cache: bool = False) -> Result:
                    f"({built['Id'][:19]})", head.name, image_id=built["Id"], transformers=version)
 
 
-def follow_build(dep: Deployment, node: str, chunks: Iterable[dict]) -> tuple[list[str], list[str]]:
-    """Hand the build's output to the event stream as it comes (``Log`` per line, ``Progress``
-    per ``Step N/M``); returns (errors, the last 20 lines)."""
-    errors: list[str] = []
-    tail: list[str] = []
-    for chunk in chunks:
-        for line in chunk.get("stream", "").splitlines():
-            if not line.strip():
-                continue
-            tail = (tail + [line])[-20:]
-            dep.events.log(STEP_BUILD, node, line)
-            m = STEP_LINE.match(line)
-            if m:
-                dep.events.emit(Progress(STEP_BUILD, node, int(m[1]) - 1, int(m[2]), "steps",
-                                         line[m.end():][:60]))
-        if "error" in chunk:
-            errors.append(chunk["error"].strip())
-    return errors, tail
+def build_argv(head: Host, tag: str, build_args: dict[str, str], no_cache: bool) -> list[str]:
+    """``docker build`` on the head of the context that comes on stdin (a tar, base64: stdin
+    is text), with docker's classic builder (its ``Step N/M`` log), the log on stderr as it
+    comes. Every value is one ``--flag=value`` word: none can be read as an option."""
+    argv = docker(head, "build", f"--tag={tag}",
+                  *(f"--build-arg={k}={v}" for k, v in build_args.items()),
+                  "--network=host", "--rm", "--force-rm", *(["--no-cache"] if no_cache else []),
+                  "-")
+    return ["sh", "-c", 'base64 -d | DOCKER_BUILDKIT=0 "$@" 1>&2', "sh", *argv]
+
+
+class BuildLog:
+    """The build's output handed to the event stream as it comes (``Log`` per line,
+    ``Progress`` per ``Step N/M``); the last 20 lines kept."""
+
+    def __init__(self, dep: Deployment, node: str):
+        self.dep, self.node = dep, node
+        self.tail: list[str] = []
+
+    def line(self, line: str) -> None:
+        if not line.strip():
+            return
+        self.tail = (self.tail + [line])[-20:]
+        self.dep.events.log(STEP_BUILD, self.node, line)
+        m = STEP_LINE.match(line)
+        if m:
+            self.dep.events.emit(Progress(STEP_BUILD, self.node, int(m[1]) - 1, int(m[2]),
+                                          "steps", line[m.end():][:60]))

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image, stage, stage_script, verified
+from sparkdeploy.nodeops import NodeUnreachable, docker, free_space, inspect_image, stage, stage_script, verified
 from sparkdeploy.outside import HubName, OutsideError, request, validated
 from sparkdeploy.records import SHA1, SHA256, HubMetadata, RecordError
 from sparkdeploy.results import Result, changed, failed, ok, skipped
@@ -306,17 +306,6 @@ def node_state(dep: Deployment, host: Host, st: Staged, only: list[str] | None =
 
     return helper_json(host, verify_argv(dep, st, only, quick), "verify helper failed",
                        NodeState, change=False, on_stderr=on_line, timeout=6 * 3600)
-
-
-def free_space(host: Host, path: str) -> tuple[int, str] | None:
-    """(free bytes, mount point) of the filesystem that holds (or will hold) ``path``."""
-    script = 'p="$1"; while [ ! -e "$p" ]; do p=$(dirname "$p"); done; df -P -B1 -- "$p"'
-    r = host.run(["sh", "-c", script, "sh", path], change=False)
-    rows = r.stdout.strip().splitlines() if r.ok else []
-    if len(rows) < 2:
-        return None
-    cols = rows[-1].split()
-    return int(cols[3]), cols[-1]
 
 
 def disk_check(dep: Deployment, host: Host, need: int, step_name: str) -> Result | None:

@@ -32,6 +32,7 @@ import contextlib
 import json
 import queue
 import secrets as pysecrets
+import shlex
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -40,7 +41,7 @@ from typing import Any
 
 from sparkdeploy import threads
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.hosts import Feed, Host
+from sparkdeploy.hosts import Feed, Host, peer_ssh_argv
 from sparkdeploy.nodeops import NodeUnreachable
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.model import (
@@ -242,7 +243,7 @@ def send_argv(dep: Deployment, src: Host, dst: Host, files: list[str], port: int
     if port is not None:  # rsyncd
         return [*argv, "--password-file=-", "--", *srcs,
                 f"rsync://sparkdeploy@{dst.node.link.address}:{port}/model/"]
-    return [*argv, "-e", "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes", "--", *srcs,
+    return [*argv, "-e", shlex.join(peer_ssh_argv()), "--", *srcs,
             f"{dst.node.link.address}:{path}/"]
 
 

@@ -126,7 +126,7 @@ def bring_up(dep: Deployment, lau: Launch, run: Run, watch: Watch) -> str:
         elif stage.wait == "ray-nodes":
             watch.phase("Ray listing every node with its GPU",
                         lambda: _ray_nodes(dep, lau, watch), left())
-    addr = ep.controller_address(dep.profile.node(lau.head), dep.profile.ssh.config)
+    addr = ep.controller_address(dep.host(lau.head))
     url = f"http://{addr}:{lau.port}"
     watch.phase(f"port {addr}:{lau.port} open", lambda: ep.port_open(addr, lau.port), left())
     watch.phase(f"{url}/health", lambda: ep.health(url), left())

@@ -197,7 +197,7 @@ def _engine(dep: Deployment, name: str | None) -> Engine | None:
 
 
 def _wait_endpoint(dep: Deployment, lau: Launch) -> str:
-    addr = ep.controller_address(dep.profile.node(lau.head), dep.profile.ssh.config)
+    addr = ep.controller_address(dep.host(lau.head))
     url = f"http://{addr}:{lau.port}"
 
     def serving() -> bool:

@@ -22,8 +22,16 @@ from typing import Any
 
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.events import Progress
-from sparkdeploy.hosts import Host, HostError, NodeUnreachable
-from sparkdeploy.nodeops import check_staged, docker, inspect_image, listed_tags, stage, stage_script
+from sparkdeploy.hosts import Host, HostError, NodeUnreachable, peer_ssh_argv
+from sparkdeploy.nodeops import (
+    check_staged,
+    docker,
+    free_space,
+    inspect_image,
+    listed_tags,
+    stage,
+    stage_script,
+)
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.images import STEP_BUILD, chosen_image
 from sparkdeploy.steps.registry import step
@@ -85,14 +93,6 @@ def layer_sizes(host: Host, ref: str, layers: list[str], total: int) -> list[int
     return [total // max(len(layers), 1)] * len(layers)
 
 
-def free_bytes(host: Host, path: str) -> int | None:
-    r = host.run(["df", "-P", "-B1", path], change=False)
-    if not r.ok:
-        return None
-    rows = r.stdout.strip().splitlines()
-    return int(rows[-1].split()[3]) if len(rows) >= 2 else None
-
-
 def python_version(host: Host) -> tuple[int, int] | None:
     """The node's ``python3`` version, or None when it has none that runs."""
     r = host.run(["python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
@@ -137,8 +137,7 @@ def pipeline(src: Host, peer: Host, ref: str, filter_path: str | None, layers_fi
     if compression == "zstd":
         stages.append(["zstd", "-q", "-T0", "-3", "-c"])
         remote = f"zstd -q -d -c | {remote}"
-    stages.append(["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
-                   "--", peer.node.link.address, remote])
+    stages.append([*peer_ssh_argv(), "--", peer.node.link.address, remote])
     script = checks + "set -o pipefail; " + " | ".join(shlex.join(s) for s in stages)
     return ["bash", "-c", script]
 
@@ -200,7 +199,8 @@ def _ship_one(dep: Deployment, src: Host, peer: Host, ref: str, src_info: dict) 
         prefix = 0
     sizes = layer_sizes(src, ref, layers, int(src_info.get("Size") or 0))
     missing = sum(sizes[prefix:])
-    free = free_bytes(peer, facts.root_dir)
+    got = free_space(peer, facts.root_dir)
+    free = got[0] if got else None
     need = 2 * missing  # the archive is unpacked to a temp dir, then applied
     if free is not None and free < need:
         return failed(STEP, f"{peer.name} has {free / 1e9:.1f} GB free in {facts.root_dir}, needs "
