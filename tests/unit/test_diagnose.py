@@ -424,7 +424,7 @@ def test_standin_sglang_two_nodes_stall_is_diagnosed(tmp_path):
     env = {"SPARKDEPLOY_STANDIN_SYSFS_IB": str(tmp_path / "infiniband"), "NCCL_SOCKET_IFNAME": "lo",
            "SPARKDEPLOY_STANDIN_LAB_DIR": str(tmp_path / "lab")}
     args = ["--model-path", str(model), "--tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{dist}",
-            "--port", str(free_port())]
+            "--port", str(free_port()), "--watchdog-timeout", "1"]
     root = Path(__file__).resolve().parents[2]
     code = "import sys; from sparkdeploy.lab.standins import engine_server as e; sys.exit(e.sglang_main(sys.argv[1:]))"
     worker = subprocess.Popen([sys.executable, "-c", code, *args, "--node-rank", "1"],
@@ -433,7 +433,7 @@ def test_standin_sglang_two_nodes_stall_is_diagnosed(tmp_path):
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         lines = standin([*args, "--node-rank", "0"], "sglang_main",
-                        env={**env, "SGLANG_HOST_IP": "127.0.0.1"}, seconds=5)
+                        env={**env, "SGLANG_HOST_IP": "127.0.0.1"}, seconds=60)
     finally:
         worker.kill()
         worker.wait()
@@ -506,11 +506,14 @@ def test_vllm_goes_on_after_its_custom_allreduce_line():
     assert cls_of(head=lines[:1]) == "nccl-init-hang"
 
 
-def two_ranks(tmp_path, env: dict, seconds: float = 8) -> dict[str, list[str]]:
-    """Run the SGLang stand-in as two ranks meeting over loopback; their output, cut after ``seconds``."""
+def two_ranks(tmp_path, env: dict, seconds: float = 60) -> dict[str, list[str]]:
+    """Run the SGLang stand-in as two ranks meeting over loopback; their output once each has
+    ended (a hung rank is ended by SGLang's watchdog, ``--watchdog-timeout``) or serves (the
+    head is fired up, the worker ready); ``seconds`` only bounds a test gone wrong."""
     import os
     import subprocess
     import sys
+    import threading
 
     root = Path(__file__).resolve().parents[2]
     (tmp_path / "model").mkdir()
@@ -524,18 +527,31 @@ def two_ranks(tmp_path, env: dict, seconds: float = 8) -> dict[str, list[str]]:
     procs = {
         name: subprocess.Popen([sys.executable, "-u", "-c", code, "--model-path", str(tmp_path / "model"), "--tp",
                                 "2", "--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", dist,
-                                "--host", "127.0.0.1", "--port", str(free_port())],
+                                "--host", "127.0.0.1", "--port", str(free_port()),
+                                "--watchdog-timeout", "1"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=base)
         for rank, name in enumerate(("head", "worker"))
     }
-    out = {}
-    for name, p in procs.items():
-        try:
-            text, _ = p.communicate(timeout=seconds)
-        except subprocess.TimeoutExpired:
+    out: dict[str, list[str]] = {name: [] for name in procs}
+    serving = ("The server is fired up and ready to roll!", "Scheduler ready;")
+
+    def read(name: str, p: subprocess.Popen) -> None:
+        for line in p.stdout:
+            out[name].append(line.rstrip("\n"))
+            if any(s in line for s in serving):
+                return
+
+    readers = [threading.Thread(target=read, args=item, daemon=True) for item in procs.items()]
+    try:
+        for r in readers:
+            r.start()
+        for r in readers:
+            r.join(seconds)
+        assert not any(r.is_alive() for r in readers), f"the ranks neither ended nor served: {out}"
+    finally:
+        for p in procs.values():
             p.kill()
-            text, _ = p.communicate()
-        out[name] = text.splitlines()
+            p.wait()
     return out
 
 

@@ -93,6 +93,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import socket
 import sys
 import threading
@@ -1099,6 +1100,9 @@ def sglang_main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--api-key")
+    p.add_argument("--watchdog-timeout", type=float, default=None,
+                   help="SGLang's scheduler watchdog: a rank hung this long is killed (SIGKILL, "
+                   "exit -9), silently; off by default here (SGLang's is 300 s)")
     add_timing_flags(p)
     ns, unknown = p.parse_known_args(argv)
     model = ns.served_model_name or ns.model_path
@@ -1160,7 +1164,7 @@ def _sglang_multinode(ns, cfg: Config, env: dict) -> int:
             f"details), NCCL version {NCCL_VERSION}\nncclSystemError: System call (e.g. socket, "
             f"malloc) or external library call failed or device error.\nLast error:\n{plan.detail}")
     if not all(v[0] for v in verdicts):
-        _silence()  # a peer failed in NCCL init: this rank waits in its collective forever
+        _hang(ns.watchdog_timeout)  # a peer failed in NCCL init: this rank waits in its collective
     if any(v[1] == "other-network" for v in verdicts):
         _socket_retry_forever(slog, plan)  # no rank's connection reaches its peer
     for r in range(world):
@@ -1172,7 +1176,7 @@ def _sglang_multinode(ns, cfg: Config, env: dict) -> int:
     slog("CustomAllreduce is disabled because this process group spans across nodes.")
     outcome, _why = sglang_verdict(table, lab_faults())
     if outcome == "hang":
-        _silence()
+        _hang(ns.watchdog_timeout)
     slog(f"Init torch distributed ends. elapsed={time.perf_counter() - t0:.2f} s, mem usage=0.58 GB")
     _load_weights(slog, ns.model_path)
     rdv.allgather("loaded")
@@ -1225,6 +1229,15 @@ def _silence() -> None:
     """Wait like a rank parked in a collective: no output, until killed."""
     while True:
         time.sleep(3600)
+
+
+def _hang(watchdog_s: float | None) -> None:
+    """A rank wedged in a collective: silent until killed, or until SGLang's watchdog kills it
+    (``--watchdog-timeout``: SIGKILL, no word of its own)."""
+    if watchdog_s is None:
+        _silence()
+    time.sleep(watchdog_s)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _socket_retry_forever(slog: SglangLog, plan: LinkPlan) -> None:
