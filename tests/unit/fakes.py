@@ -1,12 +1,87 @@
-"""Scripted nodes for unit tests: an invoke Context whose ``run`` answers like systemd and
-nvidia-smi on simulated nodes, and records every command exactly as sparkdeploy sent it."""
+"""What the unit tests fake: one clock, one invoke Context (every fake node derives from it),
+and scripted nodes that answer like systemd and nvidia-smi."""
 
 from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from invoke import Config, Context, Result
+
+from sparkdeploy.config import Profile, load_profile
+from sparkdeploy.deployment import Deployment
+from sparkdeploy.hosts import Host
+from sparkdeploy.state import StateDir
+from tests.unit.profiles import SEED
+
+
+class FakeClock:
+    """A clock that moves only when slept on (``clock()``, ``clock.sleep(s)``); every sleep is
+    kept. ``min_sleep``: the least a sleep moves it (a loop that sleeps 0 still ends)."""
+
+    def __init__(self, now: float = 0.0, min_sleep: float = 0.0):
+        self.now = now
+        self.min_sleep = min_sleep
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.sleeps.append(s)
+        self.now += max(s, self.min_sleep)
+
+
+def split_command(command: str) -> tuple[str | None, list[str]]:
+    """(the node's ssh alias, the argv it runs) of a command as ``Host`` sent it; (None, argv)
+    for a command run on this machine."""
+    full = shlex.split(command)
+    # ssh's options end at "--", then the destination, then the remote command (one word)
+    if full[0] != "ssh" or len(full) < 3 or full[-3] != "--":
+        return None, full
+    return full[-2], shlex.split(full[-1])
+
+
+class FakeContext(Context):
+    """An invoke Context that runs nothing: each command is recorded as sent (``commands``) and
+    as (node alias, argv) (``calls``, see ``call``), and ``answer`` says what the node would.
+    ``stdin`` is what the command was given on its stdin (None when nothing)."""
+
+    def __init__(self, dry: bool = False):
+        super().__init__(Config(overrides={"run": {"dry": dry}}))
+        self._set("commands", [])
+        self._set("calls", [])
+
+    def run(self, command, **kw):
+        self.commands.append(command)
+        alias, argv = split_command(command)
+        stream = kw.get("in_stream")
+        stdin = stream.read() if stream not in (None, False) else None
+        self.calls.append(self.call(alias, argv, stdin))
+        return self.answer(alias, argv, stdin, command, kw)
+
+    def call(self, alias: str | None, argv: list[str], stdin: str | None) -> tuple:
+        return alias, argv
+
+    def answer(self, alias: str | None, argv: list[str], stdin: str | None, command: str,
+               kw: dict) -> Result:
+        raise NotImplementedError
+
+    @staticmethod
+    def result(command: str, exited: int = 0, stdout: str = "", stderr: str = "") -> Result:
+        return Result(stdout=stdout, stderr=stderr, exited=exited, command=command)
+
+
+def deployment(path: Path, state_dir: Path, ctx: Context | None = None, *, dry: bool = False,
+               clock: FakeClock | None = None, profile: Profile | None = None) -> Deployment:
+    """A deployment of the profile at ``path`` (or ``profile``, loaded from there) whose hosts
+    run through ``ctx``, with ``clock`` as its clock and sleep when given."""
+    prof = profile or load_profile(path)
+    state = StateDir(state_dir)
+    hosts = {n.name: Host(n, prof.ssh, ctx, state) for n in prof.nodes}
+    timing = {"clock": clock, "sleep": clock.sleep} if clock is not None else {}
+    return Deployment(prof, str(path), state, hosts, dry=dry, **timing)
 
 
 @dataclass
@@ -64,19 +139,20 @@ class FakeNode:
         raise AssertionError(f"unexpected command {argv}")
 
 
-class ScriptedContext(Context):
-    def __init__(self, nodes: dict[str, FakeNode], dry: bool = False):
-        super().__init__(Config(overrides={"run": {"dry": dry}}))
-        self._set("nodes", nodes)
-        self._set("calls", [])  # (node alias, remote argv)
-        self._set("commands", [])  # the exact local command strings
+def scripted(tmp_path: Path, nodes: dict[str, FakeNode], dry: bool = False,
+             profile: Path = SEED) -> tuple[Deployment, ScriptedContext, FakeClock]:
+    """A deployment of scripted nodes on a fake clock."""
+    ctx = ScriptedContext(nodes, dry=dry)
+    clock = FakeClock()
+    return deployment(profile, tmp_path / "state", ctx, dry=dry, clock=clock), ctx, clock
 
-    def run(self, command, **kwargs):
-        self.commands.append(command)
-        full = shlex.split(command)
-        assert full[0] == "ssh", command
-        alias, remote = full[-2], shlex.split(full[-1])
-        assert full[-3] == "--"
-        self.calls.append((alias, remote))
-        code, out, err = self.nodes[alias].answer(remote)
-        return Result(stdout=out, stderr=err, exited=code, command=command)
+
+class ScriptedContext(FakeContext):
+    def __init__(self, nodes: dict[str, FakeNode], dry: bool = False):
+        super().__init__(dry)
+        self._set("nodes", nodes)
+
+    def answer(self, alias, argv, stdin, command, kw):
+        assert alias is not None, command
+        code, out, err = self.nodes[alias].answer(argv)
+        return self.result(command, code, out, err)

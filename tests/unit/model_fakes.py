@@ -5,19 +5,18 @@ interpreter (it has huggingface_hub, as the images do) and the stdin the step ga
 
 from __future__ import annotations
 
-import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from invoke import Config, Context, Result
+from invoke import Result
 
 from sparkdeploy.config import load_profile
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.hosts import Host
-from sparkdeploy.state import StateDir
-from tests.unit.lab_profile import lab_profile_with_overlay
+from tests.unit.fakes import FakeContext
+from tests.unit.fakes import deployment as fake_deployment
+from tests.unit.profiles import lab_profile_with_overlay
 
 
 @dataclass
@@ -26,18 +25,15 @@ class Node:
     free: int | None = None  # what df says is free (None: the real df)
 
 
-class NodesCtx(Context):
+class NodesCtx(FakeContext):
     def __init__(self, nodes: dict[str, Node], dry: bool = False):
-        super().__init__(Config(overrides={"run": {"dry": dry}}))
+        super().__init__(dry)
         self._set("nodes", nodes)
-        self._set("calls", [])  # (node, argv, stdin text or None)
 
-    def run(self, command, **kw):
-        full = shlex.split(command)
-        alias, argv = full[-2], shlex.split(full[-1])
-        stream = kw.get("in_stream")
-        text = stream.read() if stream not in (None, False) else None
-        self.calls.append((alias, argv, text))
+    def call(self, alias, argv, stdin):
+        return alias, argv, stdin  # (node, argv, stdin text or None)
+
+    def answer(self, alias, argv, text, command, kw):
         node = self.nodes[alias]
         if argv[:2] == ["sh", "-c"] and "sha256sum -c" in argv[2] and 'exec "$@"' in argv[2]:
             checked = subprocess.run(argv[:4] + ["true"], capture_output=True, text=True)
@@ -88,6 +84,4 @@ def deployment(tmp_path: Path, nodes: dict[str, Node], endpoint: str, dry: bool 
                                       "disk_margin_mb": 1, **model})
     prof = prof.model_copy(update={"model": m})
     ctx = NodesCtx(nodes, dry=dry)
-    state = StateDir(tmp_path / "state")
-    hosts = {n.name: Host(n, prof.ssh, ctx, state) for n in prof.nodes}
-    return Deployment(prof, str(lab), state, hosts, dry=dry), ctx
+    return fake_deployment(lab, tmp_path / "state", ctx, dry=dry, profile=prof), ctx

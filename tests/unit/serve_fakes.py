@@ -5,25 +5,12 @@ from the same fake cluster."""
 from __future__ import annotations
 
 import datetime as dt
-import io
 import json
-import shlex
 from dataclasses import dataclass, field
 
-from invoke import Config, Context, Result
+from tests.unit.fakes import FakeClock, FakeContext
 
 BASE = dt.datetime(2026, 12, 2, 17, 0, 0, tzinfo=dt.UTC).timestamp()
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, s: float) -> None:
-        self.now += max(s, 0.01)
 
 
 def stamp(t: float) -> str:
@@ -62,7 +49,7 @@ class Container:
 @dataclass
 class FakeNode:
     name: str
-    clock: Clock
+    clock: FakeClock
     facts: dict = field(default_factory=dict)
     images: dict[str, str] = field(default_factory=dict)
     gpu: list[tuple[int, str]] = field(default_factory=list)
@@ -156,7 +143,7 @@ class FakeNode:
 class FakeCluster:
     """The nodes plus what the controller sees over HTTP."""
 
-    def __init__(self, clock: Clock, nodes: dict[str, FakeNode], head: str, controller_addr: str):
+    def __init__(self, clock: FakeClock, nodes: dict[str, FakeNode], head: str, controller_addr: str):
         self.clock = clock
         self.nodes = nodes
         self.head = head
@@ -192,21 +179,12 @@ class FakeCluster:
         }
 
 
-class FakeContext(Context):
+class ServeContext(FakeContext):
     def __init__(self, nodes: dict[str, FakeNode], dry: bool = False):
-        super().__init__(Config(overrides={"run": {"dry": dry}}))
+        super().__init__(dry)
         self._set("nodes", nodes)
-        self._set("calls", [])
-        self._set("commands", [])
 
-    def run(self, command, **kwargs):
-        self.commands.append(command)
-        full = shlex.split(command)
-        assert full[0] == "ssh", command
-        alias, remote = full[-2], shlex.split(full[-1])
-        assert full[-3] == "--"
-        stream = kwargs.get("in_stream")
-        stdin = stream.getvalue() if isinstance(stream, io.StringIO) else None
-        self.calls.append((alias, remote))
-        code, out, err = self.nodes[alias].answer(remote, stdin)
-        return Result(stdout=out, stderr=err, exited=code, command=command)
+    def answer(self, alias, argv, stdin, command, kw):
+        assert alias is not None, command
+        code, out, err = self.nodes[alias].answer(argv, stdin)
+        return self.result(command, code, out, err)

@@ -152,7 +152,7 @@ def test_the_registered_step_benchmarks_the_profiles_endpoint_with_progress(serv
     from sparkdeploy.events import Progress
     from sparkdeploy.results import Result, Status
     from sparkdeploy.steps.registry import run_one
-    from tests.unit.test_profile import SEED
+    from tests.unit.profiles import SEED
 
     prof = tmp_path / "bench.yaml"
     prof.write_text(f"extends: {SEED}\nsparkdeploy:\n  endpoint: http://127.0.0.1:{server.port}\n"

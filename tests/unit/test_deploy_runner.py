@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from invoke import Config, Context
@@ -20,9 +19,7 @@ from sparkdeploy.results import changed, failed, ok
 from sparkdeploy.runner import PlanError, PlanStep, Runner, diff_keys, flat, select
 from sparkdeploy.steps import registry
 from sparkdeploy.steps.registry import step
-
-ROOT = Path(__file__).resolve().parents[2]
-SEED = ROOT / "configs" / "qwen3.5-122b-a10b-fp8.yaml"
+from tests.unit.profiles import ROOT, SEED
 
 
 class Calls:

@@ -10,9 +10,9 @@ import yaml
 from sparkdeploy.config import load_profile
 from sparkdeploy.engines import NodeFacts, launch
 from sparkdeploy.engines.base import EngineError, apply_overrides, merge_args, run_args
+from tests.unit.profiles import SEED
 
 REPO = Path(__file__).resolve().parents[2]
-SEED = REPO / "configs" / "qwen3.5-122b-a10b-fp8.yaml"
 MODEL = "/srv/models/Qwen3.5-122B-A10B-FP8"
 REPO_ID = "Qwen/Qwen3.5-122B-A10B-FP8"
 FACTS = {"spark1": NodeFacts(gid_index=3, rdma_devices=True),

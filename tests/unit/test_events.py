@@ -9,6 +9,7 @@ from sparkdeploy.config import Link, Node
 from sparkdeploy.events import Echo, EventSink, Log, PlainRenderer, Progress, describe, renderer_for
 from sparkdeploy.hosts import Host
 from sparkdeploy.results import changed, failed, ok
+from tests.unit.fakes import FakeClock
 
 
 class Out(io.StringIO):
@@ -22,20 +23,12 @@ class Out(io.StringIO):
         self.at_flush.append(self.getvalue())
 
 
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
-
-
 def plain(out, clock, every=5.0):
     return PlainRenderer(out, progress_every=every, clock=clock, stamp=lambda: "12:00:00")
 
 
 def test_plain_lines_are_timestamped_and_flushed_one_by_one():
-    out, clock = Out(), Clock()
+    out, clock = Out(), FakeClock(now=100.0)
     r = plain(out, clock)
     r(changed("services.stop", "stopped a.service", "spark1"))
     r(Echo("spark2", "docker load", would=True))
@@ -52,7 +45,7 @@ def test_plain_lines_are_timestamped_and_flushed_one_by_one():
 
 
 def test_progress_is_throttled_per_step_and_node_but_completion_always_shows():
-    out, clock = Out(), Clock()
+    out, clock = Out(), FakeClock(now=100.0)
     r = plain(out, clock, every=5.0)
     gb = 1_000_000_000
     r(Progress("image.ship", "spark2", 0, 10 * gb))          # first: shown
@@ -87,7 +80,7 @@ def test_off_a_terminal_the_renderer_is_plain():
 def test_events_from_many_threads_arrive_whole_and_in_each_threads_order():
     sink = EventSink()
     out = Out()
-    sink.listeners.append(plain(out, Clock(), every=0.0))
+    sink.listeners.append(plain(out, FakeClock(now=100.0), every=0.0))
     n_threads, n = 8, 200
 
     def work(k):

@@ -2,7 +2,7 @@ import shlex
 import sys
 
 import pytest
-from invoke import Config, Context, Result
+from invoke import Context
 
 from sparkdeploy.config import Link, Node, SshSettings
 from sparkdeploy.hosts import (
@@ -14,6 +14,7 @@ from sparkdeploy.hosts import (
     elide,
     ssh_base_argv,
 )
+from tests.unit.fakes import FakeContext
 
 NODE = Node(name="spark1", role="head", ssh="spark1", link=Link(interface="e0", address="10.0.0.1"),
             privilege="sudo")
@@ -32,19 +33,20 @@ def test_local_node_runs_argv_as_is():
     assert Host(local).wrap(["ls", "-l"], sudo=True) == ["ls", "-l"]
 
 
-class Ctx(Context):
+class Ctx(FakeContext):
     def __init__(self, answers):
-        super().__init__(Config(overrides={"run": {"dry": False}}))
+        super().__init__()
         self._set("answers", answers)
-        self._set("seen", [])
         self._set("timeouts", [])
 
-    def run(self, command, **kw):
-        remote = shlex.split(command)[-1]
-        self.seen.append(remote)
+    @property
+    def seen(self):
+        return [shlex.join(argv) for _, argv in self.calls]
+
+    def answer(self, alias, argv, stdin, command, kw):
         self.timeouts.append(kw.get("timeout"))
-        code = self.answers.get(remote, 0)
-        return Result(stdout="", stderr="boom" if code else "", exited=code, command=command)
+        code = self.answers.get(shlex.join(argv), 0)
+        return self.result(command, code, stderr="boom" if code else "")
 
 
 def test_a_command_exiting_255_on_a_live_node_is_not_unreachable():
@@ -197,26 +199,20 @@ def test_ssh_keeps_the_connection_alive_and_gives_up_on_a_dead_node():
 def test_ssh_view_asks_ssh_dash_g_once_on_this_machine(tmp_path):
     from sparkdeploy.state import StateDir
 
-    class G(Context):
-        def __init__(self):
-            super().__init__(Config(overrides={"run": {"dry": True}}))
-            self._set("seen", [])
+    class G(FakeContext):
+        def answer(self, alias, argv, stdin, command, kw):
+            return self.result(command, stdout="hostname 10.1.2.3\nport 2222\nuser me\n")
 
-        def run(self, command, **kw):
-            self.seen.append(shlex.split(command))
-            return Result(stdout="hostname 10.1.2.3\nport 2222\nuser me\n", exited=0,
-                          command=command)
-
-    ctx, state = G(), StateDir(tmp_path / "state")
+    ctx, state = G(dry=True), StateDir(tmp_path / "state")
     ssh = SshSettings(config="/lab/ssh_config")
     h = Host(NODE, ssh, ctx, state)
     assert h.ssh_view()["hostname"] == "10.1.2.3" and h.ssh_view()["port"] == "2222"
     # once, here (not through ssh to the node), even under --dry: it changes nothing
-    assert ctx.seen == [[*ssh_base_argv(ssh), "-G", "--", "spark1"]]
+    assert ctx.calls == [(None, [*ssh_base_argv(ssh), "-G", "--", "spark1"])]
     from sparkdeploy import endpoint
     from sparkdeploy.steps.hosts import resolve
     assert endpoint.controller_address(h) == "10.1.2.3"
     assert (resolve(h).host, resolve(h).port) == ("10.1.2.3", 2222)
     local = Host(NODE.model_copy(update={"ssh": None}), ssh, ctx, state)
     assert local.ssh_view() == {} and endpoint.controller_address(local) == "127.0.0.1"
-    assert len(ctx.seen) == 1
+    assert len(ctx.calls) == 1

@@ -4,19 +4,15 @@ import shlex
 import pytest
 
 from sparkdeploy.config import load_profile
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.hosts import Host
 from sparkdeploy.records import ImageDecision
-from sparkdeploy.state import StateDir
 from sparkdeploy.steps import images, ship
-from tests.unit.test_profile import SEED
+from tests.unit.fakes import FakeContext, deployment
+from tests.unit.profiles import SEED
 
 
 @pytest.fixture
-def dep(tmp_path):
-    prof = load_profile(SEED)
-    state = StateDir(tmp_path / "state")
-    return Deployment(prof, str(SEED), state, {n.name: Host(n, prof.ssh, None, state) for n in prof.nodes})
+def dep(tmp_path, seed_path, seed_profile):
+    return deployment(seed_path, tmp_path / "state", profile=seed_profile)
 
 
 def test_probe_argv_is_exact(dep):
@@ -266,9 +262,7 @@ def build_dep(tmp_path, monkeypatch):
             layer = prof.images.layer.model_copy(update={"override_engine_requirement": True})
             prof = prof.model_copy(update={"images": prof.images.model_copy(update={"layer": layer})})
         ctx = BuildCtx(declares)
-        state = StateDir(tmp_path / "state")
-        hosts = {n.name: Host(n, prof.ssh, ctx, state) for n in prof.nodes}
-        return Deployment(prof, str(SEED), state, hosts, dry=True), ctx
+        return deployment(SEED, tmp_path / "state", ctx, dry=True, profile=prof), ctx
     return make
 
 
@@ -325,19 +319,13 @@ def test_build_no_cache_says_so_and_looks_for_no_earlier_build(build_dep):
         images._find_built = orig
 
 
-def test_probe_refuses_a_head_whose_arch_is_not_the_profiles(tmp_path):
-    from invoke import Config, Context, Result
+def test_probe_refuses_a_head_whose_arch_is_not_the_profiles(tmp_path, seed_path):
+    class Uname(FakeContext):
+        def answer(self, alias, argv, stdin, command, kw):
+            assert (alias, argv) == ("spark1", ["uname", "-m"]), command
+            return self.result(command, stdout="x86_64\n")
 
-    class Uname(Context):
-        def run(self, command, **kwargs):
-            assert shlex.split(shlex.split(command)[-1]) == ["uname", "-m"], command
-            return Result(stdout="x86_64\n", exited=0, command=command)
-
-    prof = load_profile(SEED)
-    state = StateDir(tmp_path / "state")
-    ctx = Uname(Config())
-    d = Deployment(prof, str(SEED), state, {n.name: Host(n, prof.ssh, ctx, state) for n in prof.nodes})
-    [r] = images.probe(d)
+    [r] = images.probe(deployment(seed_path, tmp_path / "state", Uname()))
     assert (r.status, r.node) == ("failed", "spark1")
     assert r.why == (f"spark1 is linux/amd64, the profile says arch: arm64 "
                      f"(fix nodes[].arch in {SEED})")

@@ -13,10 +13,7 @@ import yaml
 from sparkdeploy.config import ProfileError, load_layered, load_profile
 from sparkdeploy.lab import layout
 from sparkdeploy.overlays import REMOVED, UNSET, load_merged, parse_dotted
-from tests.unit.lab_profile import lab_profile_with_overlay
-
-ROOT = Path(__file__).resolve().parents[2]
-SEED = ROOT / "configs" / "qwen3.5-122b-a10b-fp8.yaml"
+from tests.unit.profiles import ROOT, SEED, lab_profile_with_overlay
 
 
 def child(path: Path, body: dict, extends=None) -> Path:

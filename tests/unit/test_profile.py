@@ -1,29 +1,16 @@
 import copy
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
 from sparkdeploy.config import ProfileError, load_profile
-
-ROOT = Path(__file__).resolve().parents[2]
-SEED = ROOT / "configs" / "qwen3.5-122b-a10b-fp8.yaml"
-
-
-def seed() -> dict:
-    return yaml.safe_load(SEED.read_text())
-
-
-def write(tmp_path: Path, data, name="x.yaml") -> Path:
-    p = tmp_path / name
-    p.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
-    return p
+from tests.unit.profiles import ROOT, SEED, seed_data, write_profile
 
 
 def mutate(fn):
-    d = seed()
+    d = seed_data()
     fn(d["sparkdeploy"])
     return d
 
@@ -169,7 +156,7 @@ BAD = [
 
 @pytest.mark.parametrize("mutation,expected", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_bad_profile_names_file_and_key(tmp_path, mutation, expected):
-    p = write(tmp_path, mutate(mutation))
+    p = write_profile(tmp_path, mutate(mutation))
     with pytest.raises(ProfileError) as e:
         load_profile(p)
     assert str(e.value) == f"{p}: {expected}"
@@ -189,7 +176,7 @@ FILE_CASES = [
 
 @pytest.mark.parametrize("text,expected", [c[1:] for c in FILE_CASES], ids=[c[0] for c in FILE_CASES])
 def test_bad_file(tmp_path, text, expected):
-    p = write(tmp_path, text)
+    p = write_profile(tmp_path, text)
     with pytest.raises(ProfileError) as e:
         load_profile(p)
     assert str(e.value).startswith(f"{p}: {expected}")
@@ -205,10 +192,10 @@ def test_non_utf8_file_is_one_line(tmp_path):
 
 
 def test_ssh_alias_forms_accepted(tmp_path):
-    d = seed()
+    d = seed_data()
     d["sparkdeploy"]["nodes"][0]["ssh"] = "admin@spark1.lan"
     d["sparkdeploy"]["nodes"][1]["ssh"] = "192.168.100.11"
-    p = load_profile(write(tmp_path, d))
+    p = load_profile(write_profile(tmp_path, d))
     assert [n.ssh for n in p.nodes] == ["admin@spark1.lan", "192.168.100.11"]
 
 
@@ -218,7 +205,7 @@ def test_missing_file(tmp_path):
 
 
 def test_any_number_of_nodes(tmp_path):
-    d = seed()
+    d = seed_data()
     nodes = d["sparkdeploy"]["nodes"]
     for i in range(3, 5):
         n = copy.deepcopy(nodes[1])
@@ -227,12 +214,12 @@ def test_any_number_of_nodes(tmp_path):
         nodes.append(n)
     for e in d["sparkdeploy"]["engines"]:
         e["tensor_parallel"] = 4
-    p = load_profile(write(tmp_path, d))
+    p = load_profile(write_profile(tmp_path, d))
     assert [n.name for n in p.workers] == ["spark2", "spark3", "spark4"]
 
 
 def test_inv_reports_bad_profile_in_one_line(tmp_path):
-    p = write(tmp_path, mutate(_set(["nodes", 1, "role"], "boss")))
+    p = write_profile(tmp_path, mutate(_set(["nodes", 1, "role"], "boss")))
     r = subprocess.run([sys.executable, "-m", "invoke", "profile.check"], cwd=ROOT,
                        capture_output=True, text=True,
                        env={"PATH": "/usr/bin:/bin", "INVOKE_SPARKDEPLOY_PROFILE": str(p)})
@@ -255,14 +242,14 @@ def test_ports_at_the_ends_of_the_range(tmp_path):
     def ends(d):
         d["engines"][0]["port"] = 65535
         d["engines"][0]["dist_port"] = 1
-    p = load_profile(write(tmp_path, mutate(ends)))
+    p = load_profile(write_profile(tmp_path, mutate(ends)))
     assert (p.engines[0].port, p.engines[0].dist_port) == (65535, 1)
     with pytest.raises(ProfileError, match=r"engines\[0\]\.port: 65536 is out of range \(1\.\.65535\)$"):
-        load_profile(write(tmp_path, mutate(_set(["engines", 0, "port"], 65536))))
+        load_profile(write_profile(tmp_path, mutate(_set(["engines", 0, "port"], 65536))))
 
 
 def test_engine_rules_default_when_the_profile_names_none(tmp_path):
-    p = load_profile(write(tmp_path, mutate(_del(["images", "rules"]))))
+    p = load_profile(write_profile(tmp_path, mutate(_del(["images", "rules"]))))
     sglang, vllm = p.images.rules["sglang"], p.images.rules["vllm"]
     assert (sglang.min_version, sglang.require_config) == ("0.5.9", True)
     assert sglang.model_files == ["sglang/srt/models/qwen3_5.py", "sglang/srt/models/qwen3_5_mtp.py"]

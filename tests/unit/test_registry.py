@@ -8,8 +8,7 @@ import pytest
 from sparkdeploy.events import Progress
 from sparkdeploy.results import Result, changed, ok
 from sparkdeploy.steps.registry import REGISTRY, get, load_all, run_one, step
-from tests.unit.fakes import FakeNode
-from tests.unit.test_services import deployment
+from tests.unit.fakes import FakeNode, scripted
 
 EXISTING = {"hosts.check", "hosts.trust", "services.stop", "services.restore", "services.status",
             "image.probe", "image.build", "image.ship", "bench.run"}
@@ -57,7 +56,7 @@ def test_unknown_step_names_the_known_ones():
 
 
 def test_run_one_puts_every_result_on_the_stream_exactly_once(scratch, tmp_path):
-    dep, _, _ = deployment(tmp_path, {"spark1": FakeNode()})
+    dep, _, _ = scripted(tmp_path, {"spark1": FakeNode()})
 
     @step("test.mixed")
     def mixed(dep, node=None):
@@ -76,7 +75,7 @@ def test_run_one_puts_every_result_on_the_stream_exactly_once(scratch, tmp_path)
 
 def test_steps_report_as_they_happen(tmp_path):
     """services.stop emits each node's result before it goes on to the next node."""
-    dep, ctx, _ = deployment(tmp_path, {"spark1": FakeNode(), "spark2": FakeNode()})
+    dep, ctx, _ = scripted(tmp_path, {"spark1": FakeNode(), "spark2": FakeNode()})
     seen_calls_at_result: list[tuple[str, int]] = []
     dep.events.listeners.append(
         lambda e: isinstance(e, Result) and seen_calls_at_result.append((e.node, len(ctx.calls))))

@@ -10,17 +10,14 @@ import yaml
 
 from sparkdeploy import endpoint as ep
 from sparkdeploy.config import ProfileError, load_profile
-from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import NodeFacts, launch
 from sparkdeploy.engines.base import run_args
-from sparkdeploy.hosts import Host
 from sparkdeploy.records import Endpoint, ServeDecision
 from sparkdeploy.results import Result, Status
-from sparkdeploy.state import StateDir
 from sparkdeploy.steps import serve
-from tests.unit.serve_fakes import Clock, FakeCluster, FakeContext, FakeNode, Script
+from tests.unit.fakes import FakeClock, deployment
+from tests.unit.serve_fakes import FakeCluster, FakeNode, Script, ServeContext
 
-SEED = Path(__file__).resolve().parents[2] / "configs" / "qwen3.5-122b-a10b-fp8.yaml"
 MODEL = "Qwen/Qwen3.5-122B-A10B-FP8"
 SG_IMAGE = "sparkdeploy/sglang-qwen3.5:latest"
 VL_IMAGE = "hellohal2064/vllm-qwen3.5-gb10"
@@ -41,8 +38,8 @@ def facts(addr, ports=(), model=True, up=True, gid=3, peers=()):
 
 
 @pytest.fixture
-def lab(tmp_path, monkeypatch):
-    data = yaml.safe_load(SEED.read_text())
+def lab(tmp_path, monkeypatch, seed_yaml):
+    data = seed_yaml
     body = data["sparkdeploy"]
     body["serve"] = {"stall_s": 30, "poll_s": 1, "ready_timeout_s": 600}
     for n in body["nodes"]:
@@ -50,7 +47,7 @@ def lab(tmp_path, monkeypatch):
     prof_path = tmp_path / "p.yaml"
     prof_path.write_text(yaml.safe_dump(data))
     prof = load_profile(prof_path)
-    clock = Clock()
+    clock = FakeClock(now=1000.0, min_sleep=0.01)
     nodes = {
         "spark1": FakeNode("spark1", clock, facts("192.168.100.10", peers=["192.168.100.11"]),
                            {SG_IMAGE: IMG, VL_IMAGE: IMG}),
@@ -65,10 +62,8 @@ def lab(tmp_path, monkeypatch):
         for p in ("config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")]}
     from sparkdeploy.steps import model
     monkeypatch.setattr(model, "metadata", lambda dep, refresh=True: (meta, ""))
-    ctx = FakeContext(nodes)
-    state = StateDir(tmp_path / "state")
-    hosts = {n.name: Host(n, prof.ssh, ctx, state) for n in prof.nodes}
-    dep = Deployment(prof, str(prof_path), state, hosts, sleep=clock.sleep, clock=clock)
+    ctx = ServeContext(nodes)
+    dep = deployment(prof_path, tmp_path / "state", ctx, clock=clock, profile=prof)
     return dep, ctx, nodes, cluster, clock
 
 

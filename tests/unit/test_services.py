@@ -3,31 +3,15 @@ import shlex
 
 import pytest
 
-from sparkdeploy.config import load_profile
-from sparkdeploy.deployment import Deployment
 from sparkdeploy.events import Echo, Progress, describe
-from sparkdeploy.hosts import Host
 from sparkdeploy.results import Result, Status
 from sparkdeploy.state import StateDir
 from sparkdeploy.steps import services
-from tests.unit.fakes import FakeNode, ScriptedContext
-from tests.unit.test_profile import SEED
+from tests.unit.fakes import FakeNode, ScriptedContext, scripted
+from tests.unit.profiles import SEED
 
 GLM = ["vllm-proxy.service", "vllm-embeddings.service", "vllm-reranker.service",
        "vllm-cluster.service"]
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-        self.sleeps = []
-
-    def __call__(self):
-        return self.now
-
-    def sleep(self, s):
-        self.sleeps.append(s)
-        self.now += s
 
 
 def glm_node(**kw) -> FakeNode:
@@ -38,14 +22,6 @@ def glm_node(**kw) -> FakeNode:
     return node
 
 
-def deployment(tmp_path, nodes, dry=False, profile=SEED):
-    ctx = ScriptedContext(nodes, dry=dry)
-    prof = load_profile(profile)
-    state = StateDir(tmp_path / "state")
-    hosts = {n.name: Host(n, prof.ssh, ctx, state) for n in prof.nodes}
-    clock = Clock()
-    dep = Deployment(prof, str(profile), state, hosts, dry=dry, sleep=clock.sleep, clock=clock)
-    return dep, ctx, clock
 
 
 def remote(ctx, alias="spark1"):
@@ -58,7 +34,7 @@ GPU = "nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv
 
 
 def test_stop_exact_commands_in_profile_order(tmp_path):
-    dep, ctx, _ = deployment(tmp_path, {"spark1": glm_node()})
+    dep, ctx, _ = scripted(tmp_path, {"spark1": glm_node()})
     results = services.stop(dep)
     assert remote(ctx) == [LIST] + [f"sudo -n -- systemctl stop {u}" for u in GLM] + [GPU]
     assert [(r.step, r.status) for r in results] == [
@@ -74,13 +50,13 @@ def test_privilege_none_runs_without_sudo(tmp_path):
     text = SEED.read_text().replace("privilege: sudo", "privilege: none")
     prof = tmp_path / "p.yaml"
     prof.write_text(text)
-    dep, ctx, _ = deployment(tmp_path, {"spark1": glm_node()}, profile=prof)
+    dep, ctx, _ = scripted(tmp_path, {"spark1": glm_node()}, profile=prof)
     services.stop(dep)
     assert f"systemctl stop {GLM[0]}" in remote(ctx)
 
 
 def test_gpu_busy_then_free_waits(tmp_path):
-    dep, ctx, clock = deployment(tmp_path, {"spark1": glm_node(gpu_lingers=3)})
+    dep, ctx, clock = scripted(tmp_path, {"spark1": glm_node(gpu_lingers=3)})
     with dep.events.collect() as events:
         results = services.stop(dep)
     assert results[-1].status is Status.OK
@@ -96,7 +72,7 @@ def test_gpu_busy_then_free_waits(tmp_path):
 
 
 def test_gpu_timeout_names_the_processes(tmp_path):
-    dep, ctx, clock = deployment(tmp_path, {"spark1": glm_node(gpu_lingers=10**6)})
+    dep, ctx, clock = scripted(tmp_path, {"spark1": glm_node(gpu_lingers=10**6)})
     results = services.stop(dep)
     assert results[-1].status is Status.FAILED
     assert results[-1].why == "GPU still busy after 120s: pid 4242 (python3)"
@@ -105,7 +81,7 @@ def test_gpu_timeout_names_the_processes(tmp_path):
 
 def test_missing_and_inactive_units_are_ok(tmp_path):
     node = FakeNode(units={"vllm-cluster.service": "inactive"})
-    dep, ctx, _ = deployment(tmp_path, {"spark1": node})
+    dep, ctx, _ = scripted(tmp_path, {"spark1": node})
     results = services.stop(dep)
     assert remote(ctx) == [LIST, GPU]
     assert results[0].status is Status.OK
@@ -116,7 +92,7 @@ def test_missing_and_inactive_units_are_ok(tmp_path):
 
 def test_stop_records_then_restore_starts_in_reverse_and_forgets(tmp_path):
     node = glm_node()
-    dep, ctx, _ = deployment(tmp_path, {"spark1": node})
+    dep, ctx, _ = scripted(tmp_path, {"spark1": node})
     services.stop(dep)
     record = json.loads((tmp_path / "state/services/qwen3.5-122b-a10b-fp8.json").read_text())
     assert (record["step"], record["profile"], record["data"]) == (
@@ -132,7 +108,7 @@ def test_stop_records_then_restore_starts_in_reverse_and_forgets(tmp_path):
 
 def test_stop_twice_keeps_the_record_then_restore(tmp_path):
     node = glm_node()
-    dep, ctx, _ = deployment(tmp_path, {"spark1": node})
+    dep, ctx, _ = scripted(tmp_path, {"spark1": node})
     services.stop(dep)
     second = services.stop(dep)
     assert second[0].status is Status.OK
@@ -143,7 +119,7 @@ def test_stop_twice_keeps_the_record_then_restore(tmp_path):
 
 def test_restore_after_partial_stop(tmp_path):
     node = glm_node(fail_stop={"vllm-reranker.service"})
-    dep, ctx, _ = deployment(tmp_path, {"spark1": node})
+    dep, ctx, _ = scripted(tmp_path, {"spark1": node})
     results = services.stop(dep)
     assert results[0].status is Status.FAILED
     assert results[0].why == "systemctl stop vllm-reranker.service: Job for vllm-reranker.service failed."
@@ -159,7 +135,7 @@ def test_restore_after_partial_stop(tmp_path):
 
 def test_restore_failure_keeps_the_record(tmp_path):
     node = glm_node()
-    dep, ctx, _ = deployment(tmp_path, {"spark1": node})
+    dep, ctx, _ = scripted(tmp_path, {"spark1": node})
     services.stop(dep)
     node.fail_start = {"vllm-cluster.service"}
     results = services.restore(dep)
@@ -171,7 +147,7 @@ def test_restore_failure_keeps_the_record(tmp_path):
 
 def test_dry_run_lists_and_changes_nothing(tmp_path, capsys):
     node = glm_node()
-    dep, ctx, _ = deployment(tmp_path, {"spark1": node}, dry=True)
+    dep, ctx, _ = scripted(tmp_path, {"spark1": node}, dry=True)
     with dep.events.collect() as events:
         results = services.stop(dep)
     # only read-only probes ran
@@ -185,7 +161,7 @@ def test_dry_run_lists_and_changes_nothing(tmp_path, capsys):
 
 
 def test_dry_run_unreachable_node_still_lists(tmp_path, capsys):
-    dep, ctx, _ = deployment(tmp_path, {"spark1": glm_node(unreachable=True)}, dry=True)
+    dep, ctx, _ = scripted(tmp_path, {"spark1": glm_node(unreachable=True)}, dry=True)
     with dep.events.collect() as events:
         results = services.stop(dep)
     out = "\n".join(describe(e) for e in events if isinstance(e, Echo))
@@ -198,7 +174,7 @@ def test_dry_run_unreachable_node_still_lists(tmp_path, capsys):
 
 
 def test_unreachable_node_fails_without_dry(tmp_path):
-    dep, _, _ = deployment(tmp_path, {"spark1": glm_node(unreachable=True)})
+    dep, _, _ = scripted(tmp_path, {"spark1": glm_node(unreachable=True)})
     results = services.stop(dep)
     assert results[0].status is Status.FAILED
     assert results[0].why.startswith("unreachable:")
@@ -207,13 +183,13 @@ def test_unreachable_node_fails_without_dry(tmp_path):
 def test_sudo_password_prompt_is_a_clear_error(tmp_path):
     from sparkdeploy.hosts import HostError
 
-    dep, _, _ = deployment(tmp_path, {"spark1": glm_node(sudo_password=True)})
+    dep, _, _ = scripted(tmp_path, {"spark1": glm_node(sudo_password=True)})
     with pytest.raises(HostError, match="sudo needs a password"):
         services.stop(dep)
 
 
 def test_status_reports_units_and_gpu(tmp_path):
-    dep, _, _ = deployment(tmp_path, {"spark1": glm_node(), "spark2": FakeNode()})
+    dep, _, _ = scripted(tmp_path, {"spark1": glm_node(), "spark2": FakeNode()})
     res = services.status(dep)
     assert res[0].why == ("vllm-proxy.service active, vllm-embeddings.service active, "
                           "vllm-reranker.service active, vllm-cluster.service active; "
@@ -242,7 +218,7 @@ def test_lock_excludes_a_second_run(tmp_path):
 
 
 def test_an_unreachable_node_is_one_failed_line_and_the_others_go_on(tmp_path):
-    dep, ctx, _ = deployment(tmp_path, {"spark1": glm_node(unreachable=True), "spark2": FakeNode()})
+    dep, ctx, _ = scripted(tmp_path, {"spark1": glm_node(unreachable=True), "spark2": FakeNode()})
     results = services.status(dep)
     assert [(r.node, r.status, r.why) for r in results] == [
         ("spark1", Status.FAILED, "unreachable: ssh: connect to host spark1 port 22: No route to host"),

@@ -18,19 +18,14 @@ import tarfile
 from pathlib import Path
 
 import pytest
-import yaml
-from invoke import Config, Context
 from invoke import Result as RunResult
 
-from sparkdeploy.config import load_profile
-from sparkdeploy.deployment import Deployment
 from sparkdeploy.events import Echo, Log, Progress
-from sparkdeploy.hosts import Host
 from sparkdeploy.results import Result, Status
-from sparkdeploy.state import StateDir
 from sparkdeploy.steps import ship
 from tests.unit import test_save_filter as tsf
-from tests.unit.test_profile import SEED
+from tests.unit.fakes import FakeContext, deployment
+from tests.unit.profiles import SEED, seed_data, write_profile
 
 ADDR = {"spark1": "192.168.100.10", "spark2": "192.168.100.11", "spark3": "192.168.100.12",
         "spark4": "192.168.100.13"}
@@ -141,21 +136,18 @@ class Engine:
         return 0, f"Loaded image: {loaded['_tag']}\n"
 
 
-class Ctx(Context):
+class Ctx(FakeContext):
     """Answers the docker/df/python3 commands per node and carries out staging and pipelines."""
 
     def __init__(self, engines, dry=False):
-        super().__init__(Config(overrides={"run": {"dry": dry}}))
+        super().__init__(dry)
         self._set("engines", engines)
         self._set("pipelines", [])  # (source, peer)
         self._set("haves", [])  # what each filter run was told the peer has
         self._set("filters", [])  # the options of each filter run
         self._set("compressed", [])  # whether each pipeline compressed the archive
 
-    def run(self, command, **kw):
-        full = split(command)
-        assert full[-3] == "--"
-        alias, argv = full[-2], split(full[-1])
+    def answer(self, alias, argv, stdin, command, kw):
         e = self.engines[alias]
         out, code, err = "", 0, ""
         if e.unreachable:  # ssh itself fails, for every command (the reachability check too)
@@ -278,7 +270,7 @@ class Ctx(Context):
 
 
 def profile_with(tmp_path, n_nodes: int, compression: str | None = None):
-    d = yaml.safe_load(SEED.read_text())
+    d = seed_data()
     if compression is not None:
         d["sparkdeploy"]["images"]["ship_compression"] = compression
     nodes = d["sparkdeploy"]["nodes"]
@@ -290,9 +282,7 @@ def profile_with(tmp_path, n_nodes: int, compression: str | None = None):
         nodes.append(n)
     for e in d["sparkdeploy"]["engines"]:
         e["tensor_parallel"] = n_nodes
-    p = tmp_path / "p.yaml"
-    p.write_text(yaml.safe_dump(d))
-    return p
+    return write_profile(tmp_path, d)
 
 
 @pytest.fixture
@@ -305,10 +295,7 @@ def make(tmp_path):
         ctx = Ctx(engines, dry=dry)
         path = (profile_with(tmp_path, len(engines), compression)
                 if len(engines) > 2 or compression else SEED)
-        prof = load_profile(path)
-        state = StateDir(tmp_path / "state")
-        hosts = {n.name: Host(n, prof.ssh, ctx, state) for n in prof.nodes}
-        return Deployment(prof, str(path), state, hosts, dry=dry), ctx
+        return deployment(path, tmp_path / "state", ctx, dry=dry), ctx
     return _make
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from sparkdeploy.files import write_atomic
 from sparkdeploy.tasks import _flags as flags
-from tests.unit.test_profile import ROOT, SEED
+from tests.unit.profiles import ROOT, SEED
 
 URL = "http://127.0.0.1:9"  # never contacted: the flags are refused first
 

@@ -3,19 +3,7 @@
 import pytest
 
 from sparkdeploy.wait import Stop, WaitTimeout, wait_for
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-        self.sleeps: list[float] = []
-
-    def __call__(self):
-        return self.now
-
-    def sleep(self, s):
-        self.sleeps.append(s)
-        self.now += s
+from tests.unit.fakes import FakeClock
 
 
 def answers(*values):
@@ -30,7 +18,7 @@ def answers(*values):
 
 
 def test_returns_the_first_truthy_value_ticking_in_between():
-    clock, ticks = Clock(), []
+    clock, ticks = FakeClock(), []
     probe, calls = answers(None, 0, "", {"ready": True})
     got = wait_for(probe, deadline=60, interval=2, clock=clock, sleep=clock.sleep,
                    tick=ticks.append)
@@ -41,7 +29,7 @@ def test_returns_the_first_truthy_value_ticking_in_between():
 
 
 def test_timeout_says_what_and_the_last_value():
-    clock = Clock()
+    clock = FakeClock()
     probe, calls = answers(*[[]] * 100)
     with pytest.raises(WaitTimeout) as e:
         wait_for(probe, deadline=5, interval=2, what="a free GPU", clock=clock,
@@ -53,14 +41,14 @@ def test_timeout_says_what_and_the_last_value():
 
 
 def test_timeout_without_a_last_value_is_one_clean_line():
-    clock = Clock()
+    clock = FakeClock()
     with pytest.raises(WaitTimeout, match=r"^timed out after 3s waiting for the port$"):
         wait_for(lambda: False, deadline=3, interval=1, what="the port", clock=clock,
                  sleep=clock.sleep)
 
 
 def test_stop_ends_the_wait_at_once():
-    clock = Clock()
+    clock = FakeClock()
     seen = []
 
     def probe():
@@ -75,7 +63,7 @@ def test_stop_ends_the_wait_at_once():
 
 
 def test_deadline_zero_probes_exactly_once():
-    clock = Clock()
+    clock = FakeClock()
     probe, calls = answers(None, True)
     with pytest.raises(WaitTimeout):
         wait_for(probe, deadline=0, interval=1, clock=clock, sleep=clock.sleep)

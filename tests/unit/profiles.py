@@ -1,14 +1,30 @@
-"""configs/lab.yaml for unit tests, without the machine's lab: lab.up writes the profile's
-generated parent (the hub's and the index's addresses); a test gets its own."""
+"""The profiles the unit tests use: the seed's (``SEED``; ``seed_data()`` a fresh copy of its
+YAML to change, ``write_profile`` to save a changed one) and configs/lab.yaml without the
+machine's lab (``lab_profile_with_overlay``: lab.up writes the profile's generated parent, the
+hub's and the index's addresses; a test gets its own). conftest.py has them as fixtures."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from sparkdeploy.lab import internet, layout
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED = ROOT / "configs" / "qwen3.5-122b-a10b-fp8.yaml"
+
+
+def seed_data() -> dict[str, Any]:
+    """The seed profile's YAML, parsed afresh (a test may change it)."""
+    return yaml.safe_load(SEED.read_text())
+
+
+def write_profile(tmp_path: Path, data: dict[str, Any] | str, name: str = "p.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return p
 
 
 def lab_profile_with_overlay(tmp_path: Path, controller: str = "10.77.0.1") -> Path:
