@@ -216,3 +216,36 @@ def test_ssh_view_asks_ssh_dash_g_once_on_this_machine(tmp_path):
     local = Host(NODE.model_copy(update={"ssh": None}), ssh, ctx, state)
     assert local.ssh_view() == {} and endpoint.controller_address(local) == "127.0.0.1"
     assert len(ctx.calls) == 1
+
+
+def test_trust_asks_ssh_and_adds_the_confirmed_key_every_command_through_the_host(tmp_path,
+                                                                                  seed_profile):
+    from sparkdeploy.steps.hosts import trust
+    from tests.unit.fakes import deployment
+
+    kh = tmp_path / "known_hosts"
+    kh.write_text("")
+    prof = seed_profile.model_copy(update={"ssh": seed_profile.ssh.model_copy(
+        update={"known_hosts": str(kh)})})
+    key = "10.1.2.3 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIFake"
+
+    class Keys(FakeContext):
+        def answer(self, alias, argv, stdin, command, kw):
+            assert alias is None, command  # all of it runs here, none on the node
+            if "-G" in argv:
+                return self.result(command, stdout="hostname 10.1.2.3\nport 22\n")
+            if argv[:2] == ["ssh-keygen", "-F"]:
+                return self.result(command, 1)
+            if argv[0] == "ssh-keyscan":
+                return self.result(command, stdout=key + "\n")
+            assert argv == ["ssh-keygen", "-l", "-f", "-"] and stdin == key + "\n", argv
+            return self.result(command, stdout="256 SHA256:abc 10.1.2.3 (ED25519)\n")
+
+    ctx = Keys()
+    dep = deployment(tmp_path / "p.yaml", tmp_path / "state", ctx, profile=prof)
+    [r] = trust(dep, "spark1", confirm=lambda node, fp: True)
+    assert (r.status.value, r.why) == ("changed", f"added 256 SHA256:abc 10.1.2.3 (ED25519) to {kh}")
+    assert kh.read_text() == key + "\n"
+    assert [argv[0] for _, argv in ctx.calls] == ["ssh", "ssh-keygen", "ssh-keyscan", "ssh-keygen"]
+    assert ctx.calls[2][1] == ["ssh-keyscan", "-T", "5", "-p", "22", "-t", "ed25519", "--",
+                               "10.1.2.3"]

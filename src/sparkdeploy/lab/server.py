@@ -12,6 +12,8 @@ from typing import Any
 
 from sparkdeploy.wait import WaitTimeout, wait_for
 
+ACCEPT_TIMEOUT_S = 0.5
+
 
 class LabServer(ThreadingHTTPServer):
     """A lab HTTP server served from a background thread (the hub and the package index)."""
@@ -22,6 +24,10 @@ class LabServer(ThreadingHTTPServer):
 
     def __init__(self, addr: tuple[str, int], handler: type[BaseHTTPRequestHandler]):
         super().__init__(addr, handler)
+        # a connection the client dropped between select and accept leaves accept waiting for
+        # the next one, and ``stop`` waiting for it: the wait is bounded (connections accepted
+        # are blocking as before)
+        self.socket.settimeout(ACCEPT_TIMEOUT_S)
         self._thread: threading.Thread | None = None
 
     @property

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,20 +76,20 @@ def _trust(dep: Deployment, node: str | None,
             continue
         t = resolve(host)
         if kh.exists():
-            known = subprocess.run(["ssh-keygen", "-F", t.known_hosts_name, "-f", str(kh)],
-                                   capture_output=True, text=True, check=False)
-            if known.returncode == 0 and known.stdout.strip():
+            known = host.run(["ssh-keygen", "-F", t.known_hosts_name, "-f", str(kh)],
+                             change=False, here=True)
+            if known.ok and known.stdout.strip():
                 yield ok(STEP_TRUST, f"{t.known_hosts_name} already in {kh}", host.name)
                 continue
-        scan = subprocess.run(["ssh-keyscan", "-T", "5", "-p", str(t.port), "-t", "ed25519",
-                               "--", t.host], capture_output=True, text=True, check=False)
+        scan = host.run(["ssh-keyscan", "-T", "5", "-p", str(t.port), "-t", "ed25519", "--",
+                         t.host], change=False, here=True, timeout=30)
         keys = [ln for ln in scan.stdout.splitlines() if ln and not ln.startswith("#")]
         if not keys:
             yield failed(STEP_TRUST, f"no host key from {t.known_hosts_name}: "
                          f"{scan.stderr.strip() or 'no answer'}", host.name)
             continue
-        fp = subprocess.run(["ssh-keygen", "-l", "-f", "-"], input="\n".join(keys) + "\n",
-                            capture_output=True, text=True, check=False).stdout.strip()
+        fp = host.run(["ssh-keygen", "-l", "-f", "-"], input="\n".join(keys) + "\n",
+                      change=False, here=True).stdout.strip()
         if dep.dry:
             yield skipped(STEP_TRUST, f"would ask to add {fp} to {kh}", host.name)
             continue
