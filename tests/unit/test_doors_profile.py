@@ -15,14 +15,9 @@ from sparkdeploy.config import ProfileError, load_profile
 from sparkdeploy.files import Escape, InputError, read_input, under
 from sparkdeploy.records import PlanMemory, RecordError, Records, StoppedServices
 from sparkdeploy.state import StateDir
+from tests.unit.profiles import ROOT, seed_data
 
-ROOT = Path(__file__).resolve().parents[2]
-SEED = ROOT / "configs" / "qwen3.5-122b-a10b-fp8.yaml"
 INJECTED = "x\nExecStartPre=/bin/sh -c 'touch /tmp/pwned'"
-
-
-def seed() -> dict:
-    return yaml.safe_load(SEED.read_text())
 
 
 def at(d: dict, path: str, value) -> dict:
@@ -107,7 +102,7 @@ BAD = [
 @pytest.mark.parametrize("path,value,says", BAD, ids=[f"{b[0]}={b[1]!r}"[:60] for b in BAD])
 def test_bad_profile_string_is_one_line_naming_the_key(tmp_path, path, value, says):
     p = tmp_path / "x.yaml"
-    p.write_text(yaml.safe_dump(at(seed(), path, value)))
+    p.write_text(yaml.safe_dump(at(seed_data(), path, value)))
     before = sorted(tmp_path.iterdir())
     with pytest.raises(ProfileError) as e:
         load_profile(p)
@@ -127,7 +122,7 @@ def _check(profile: Path, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_profile_check_refuses_a_name_carrying_a_unit_directive(tmp_path):
     p = tmp_path / "x.yaml"
-    p.write_text(yaml.safe_dump(at(seed(), "name", INJECTED)))
+    p.write_text(yaml.safe_dump(at(seed_data(), "name", INJECTED)))
     r = _check(p, tmp_path)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"{p}: sparkdeploy.name: ")
@@ -137,7 +132,7 @@ def test_profile_check_refuses_a_name_carrying_a_unit_directive(tmp_path):
 
 def test_profile_check_refuses_the_injection_from_an_extends_parent(tmp_path):
     parent = tmp_path / "parent.yaml"
-    parent.write_text(yaml.safe_dump(at(seed(), "name", INJECTED)))
+    parent.write_text(yaml.safe_dump(at(seed_data(), "name", INJECTED)))
     top = tmp_path / "top.yaml"
     top.write_text(yaml.safe_dump({"extends": "parent.yaml", "sparkdeploy": {"bench": {"warmup": 0}}}))
     r = _check(top, tmp_path)
@@ -149,7 +144,7 @@ def test_profile_check_refuses_the_injection_from_an_extends_parent(tmp_path):
 
 def test_profile_check_refuses_a_name_that_escapes_the_state_dir(tmp_path):
     p = tmp_path / "x.yaml"
-    p.write_text(yaml.safe_dump(at(seed(), "name", "../../outside")))
+    p.write_text(yaml.safe_dump(at(seed_data(), "name", "../../outside")))
     r = _check(p, tmp_path)
     assert r.returncode == 2 and "sparkdeploy.name: '../../outside' is not a safe name" in r.stderr
 

@@ -10,7 +10,7 @@ import yaml
 from sparkdeploy.config import load_profile
 from sparkdeploy.engines import NodeFacts, launch
 from sparkdeploy.engines.base import EngineError, apply_overrides, merge_args, run_args
-from tests.unit.profiles import SEED
+from tests.unit.profiles import SEED, seed_data
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "/srv/models/Qwen3.5-122B-A10B-FP8"
@@ -25,7 +25,7 @@ def _seed():
 
 
 def _profile(tmp_path, edit) -> object:
-    data = yaml.safe_load(SEED.read_text())
+    data = seed_data()
     edit(data["sparkdeploy"])
     p = tmp_path / "p.yaml"
     p.write_text(yaml.safe_dump(data))

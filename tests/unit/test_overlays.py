@@ -13,7 +13,7 @@ import yaml
 from sparkdeploy.config import ProfileError, load_layered, load_profile
 from sparkdeploy.lab import layout
 from sparkdeploy.overlays import REMOVED, UNSET, load_merged, parse_dotted
-from tests.unit.profiles import ROOT, SEED, lab_profile_with_overlay
+from tests.unit.profiles import ROOT, SEED, lab_profile_with_overlay, seed_data
 
 
 def child(path: Path, body: dict, extends=None) -> Path:
@@ -108,7 +108,7 @@ def test_bad_value_in_the_child_names_the_child(tmp_path, seed_copy):
 
 
 def test_bad_value_in_the_parent_names_the_parent_via_the_child(tmp_path):
-    whole = yaml.safe_load(SEED.read_text())
+    whole = seed_data()
     whole["sparkdeploy"]["nodes"][1]["role"] = "boss"
     parent = child(tmp_path / "p.yaml", whole["sparkdeploy"])
     c = child(tmp_path / "c.yaml", {"name": "c"}, "p.yaml")

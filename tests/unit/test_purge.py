@@ -12,8 +12,7 @@ import pytest
 
 from sparkdeploy.packaged import helper
 from sparkdeploy.steps.deploy import CREATED, remove_model_dir
-from tests.unit.fakes import FakeNode
-from tests.unit.test_services import deployment
+from tests.unit.fakes import FakeNode, scripted
 
 HELPER = helper("model_node.py")
 
@@ -37,7 +36,7 @@ class DiskNode(FakeNode):
 @pytest.mark.parametrize("path", ["/home/ubuntu", "/var/lib/docker", "/srv/models/given"])
 def test_a_dir_sparkdeploy_did_not_make_is_left_in_place(tmp_path, path):
     node = DiskNode()
-    dep, ctx, _ = deployment(tmp_path, {"spark1": node})
+    dep, ctx, _ = scripted(tmp_path, {"spark1": node})
     status, why = remove_model_dir(dep.host("spark1"), path)
     assert status == "skipped" and why.startswith(f"{path} was not made by sparkdeploy")
     assert node.removed == []
@@ -46,14 +45,14 @@ def test_a_dir_sparkdeploy_did_not_make_is_left_in_place(tmp_path, path):
 
 def test_a_dir_sparkdeploy_made_is_removed(tmp_path):
     node = DiskNode(files={f"/srv/models/m/{CREATED}"})
-    dep, _, _ = deployment(tmp_path, {"spark1": node})
+    dep, _, _ = scripted(tmp_path, {"spark1": node})
     assert remove_model_dir(dep.host("spark1"), "/srv/models/m") == ("changed", "removed /srv/models/m")
     assert node.removed == ["/srv/models/m"]
 
 
 def test_dry_run_removes_nothing(tmp_path):
     node = DiskNode(files={f"/srv/models/m/{CREATED}"})
-    dep, _, _ = deployment(tmp_path, {"spark1": node}, dry=True)
+    dep, _, _ = scripted(tmp_path, {"spark1": node}, dry=True)
     assert remove_model_dir(dep.host("spark1"), "/srv/models/m")[0] == "skipped"
     assert node.removed == []
 

@@ -9,7 +9,8 @@ import pytest
 
 from sparkdeploy.config import load_profile
 from sparkdeploy.steps.serve_persist import UnitValueError, unit_file, unit_text
-from tests.unit.test_doors_profile import INJECTED, SEED
+from tests.unit.profiles import SEED
+from tests.unit.test_doors_profile import INJECTED
 
 
 @pytest.mark.parametrize("value", ["a\nExecStartPre=/bin/true", "a\rb", "a\x1b[2Jb", "a\x00b",
