@@ -110,7 +110,7 @@ MAX_DEPTH = 32
 
 class _Loader(yaml.SafeLoader):
     """``yaml.SafeLoader`` without aliases (``*name``: an alias bomb expands a small file into
-    billions of nodes) and with bounded nesting."""
+    billions of nodes), with bounded nesting and without duplicate keys."""
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
@@ -126,6 +126,18 @@ class _Loader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         finally:
             self._depth = depth
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: set[Any] = set()
+        for k, _ in node.value:
+            key = self.construct_object(k, deep=deep)
+            if isinstance(key, (str, int, float, bool)) or key is None:
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (the second would silently win)",
+                        k.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _read(path: Path, label: str) -> dict[str, Any]:

@@ -166,6 +166,8 @@ FILES = [
      "invalid YAML: line 1, column 45: nested deeper than 32 levels"),
     ("too-big", lambda p: p.write_text("sparkdeploy: {}\n#" + "x" * (1 << 20) + "\n"),
      f"{(1 << 20) + 18} bytes, more than a profile file may hold (1048576 bytes)"),
+    ("duplicate-key", lambda p: p.write_text("sparkdeploy:\n  name: a\n  bench: {}\n  name: b\n"),
+     "invalid YAML: line 4, column 3: duplicate key 'name' (the second would silently win)"),
     ("fifo", lambda p: os.mkfifo(p),
      "not a regular file (a FIFO, a device or a socket), not a profile file"),
 ]
