@@ -153,6 +153,9 @@ def select(plan: Iterable[PlanStep], only: Iterable[str] = (), skip: Iterable[st
         if bad:
             raise PlanError(f"{flag}: no step {', '.join(repr(b) for b in bad)} in the plan "
                             f"(steps: {', '.join(names)})")
+    both = [n for n in only if n in skip]
+    if both:
+        raise PlanError(f"--only and --skip both name {', '.join(repr(b) for b in both)}")
     left: dict[str, str] = {}
     for n in names:
         if only and n not in only:

@@ -45,7 +45,17 @@ ROWS = [
     (["bench.run", "--baseline-tolerance", "lots", "--url", URL],
      "--baseline-tolerance: not a percentage: 'lots'"),
     (["image.ship", "--to", "nosuchnode"],
-     "--to: no node named 'nosuchnode' (nodes: spark1, spark2, or all)"),
+     "--to: no worker named 'nosuchnode' (workers: spark2, or all)"),
+    (["image.ship", "--to", "spark1"], "--to: no worker named 'spark1' (workers: spark2, or all)"),
+    (["model.sync", "--to", "spark1"], "--to: no worker named 'spark1' (workers: spark2, or all)"),
+    (["model.sync", "--to", ","], "--to: an empty name in ',' (NAME[,NAME...])"),
+    (["hosts.check", "--node", "spark1\n"], "--node: 'spark1\\n' holds a control character"),
+    (["deploy.all", "--only", "serve.up,,bench.run"],
+     "--only: an empty name in 'serve.up,,bench.run' (NAME[,NAME...])"),
+    (["deploy.all", "--only", "serve.up", "--skip", "serve.up"],
+     "--only and --skip both name 'serve.up'"),
+    (["bench.run", "--timeout", "nan", "--url", URL], "--timeout: must be a finite number, not 'nan'"),
+    (["bench.run", "--deadline", "inf", "--url", URL], "--deadline: must be a finite number, not 'inf'"),
     (["image.ship", "--image", "--privileged"],
      "--image: '--privileged' is not an image reference (repo[:tag][@digest], no leading '-')"),
     (["services.stop", "--node", "nosuchnode"],
@@ -55,7 +65,7 @@ ROWS = [
     (["hosts.check", "--node", "x"], "--node: no node named 'x' (nodes: spark1, spark2, or all)"),
     (["hosts.trust", "--node", "x"], "--node: no node named 'x' (nodes: spark1, spark2, or all)"),
     (["lab.up", "--nodes", "two"], "--nodes: must be an integer, not 'two'"),
-    (["model.sync", "--to", "x"], "--to: no node named 'x' (nodes: spark1, spark2, or all)"),
+    (["model.sync", "--to", "x"], "--to: no worker named 'x' (workers: spark2, or all)"),
     (["model.verify", "--node", "x"], "--node: no node named 'x' (nodes: spark1, spark2, or all)"),
     (["serve.logs", "--node", "x"], "--node: no node named 'x' (nodes: spark1, spark2, or all)"),
     (["serve.logs", "--tail", "-3"], "--tail: must be >= 1, not -3"),
@@ -125,3 +135,25 @@ def test_write_atomic_leaves_nothing_when_the_writer_fails(tmp_path):
     assert os.listdir(tmp_path) == []
     write_atomic(target, lambda tmp: tmp.write_text("{}"))
     assert os.listdir(tmp_path) == ["r.json"] and target.read_text() == "{}"
+
+
+@pytest.mark.parametrize("text,why", [
+    ('{"runs": [{"summary": {"output_tok_s": NaN}}]}', "not a benchmark JSON file"),
+    ("[" * 100_000 + "]" * 100_000, "not a benchmark JSON file"),
+])
+def test_compare_refuses_nan_and_deep_nesting_in_one_line(tmp_path, text, why):
+    base = tmp_path / "base.json"
+    base.write_text(text)
+    r = inv("bench.compare", str(base), str(base))
+    assert r.returncode == 2 and r.stderr.startswith(f"{base}: {why}") and r.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("make", [lambda p: os.mkfifo(p), lambda p: p.symlink_to("/dev/zero")],
+                         ids=["fifo", "device"])
+def test_compare_and_diagnose_refuse_a_fifo_or_a_device_at_once(tmp_path, make):
+    p = tmp_path / "in"
+    make(p)
+    r = inv("bench.compare", str(p), str(p))
+    assert (r.returncode, r.stderr.count("\n")) == (2, 1) and "not a regular file" in r.stderr
+    r = inv("serve.diagnose", "--log", str(p))
+    assert (r.returncode, r.stderr.count("\n")) == (2, 1) and "not a regular file" in r.stderr

@@ -56,9 +56,11 @@ def run_step(c: Context, name: str, *, profile: str | None = None, lock: bool = 
     a node that cannot be reached, a held lock, a wait that ran out or a broken record exits 1;
     each with one line."""
     dep = load(c, profile)
-    for flag in ("node", "to"):  # node-name flags: an unknown name is a usage error
-        if flag in options:
-            node_names(f"--{flag}", options[flag], dep.hosts)
+    # node-name flags: an unknown name is a usage error; --to names the head's peers (workers)
+    if "node" in options:
+        node_names("--node", options["node"], dep.hosts)
+    if "to" in options:
+        node_names("--to", options["to"], [n.name for n in dep.profile.workers], what="worker")
     engines = [e.name for e in dep.profile.engines]
     if options.get("engine") is not None and options["engine"] not in engines:
         raise usage("--engine", f"no engine named {options['engine']!r} (engines: {', '.join(engines)})")

@@ -118,18 +118,37 @@ def output_file(flag: str, value: str | None) -> Path | None:
 
 def input_file(flag: str, value: str) -> Path:
     path = Path(value)
+    if not path.exists():
+        raise usage(flag, f"{path}: no such file")
+    if path.is_dir():
+        raise usage(flag, f"{path}: is a directory")
     if not path.is_file():
-        raise usage(flag, f"{path}: no such file" if not path.exists() else f"{path} is not a file")
+        raise usage(flag, f"{path}: not a regular file (a FIFO, a device or a socket)")
     return path
 
 
-def node_names(flag: str, value: str | None, known: Iterable[str], *, allow_all: bool = True) -> None:
-    """Every name in ``value`` (``a,b`` or ``all``) must be a node of the profile."""
+def name_list(flag: str, value: str | None) -> list[str]:
+    """``a,b`` as names (spaces around a name are dropped); an empty name (``a,,b``, ``,``) or
+    one holding a control character is a usage error. None: no names."""
+    if value is None:
+        return []
+    names = [n.strip(" ") for n in str(value).split(",")]
+    for n in names:
+        if not n:
+            raise usage(flag, f"an empty name in {value!r} (NAME[,NAME...])")
+        if checks.control_char(n) is not None:
+            raise usage(flag, f"{n!r} holds a control character")
+    return names
+
+
+def node_names(flag: str, value: str | None, known: Iterable[str], *, allow_all: bool = True,
+               what: str = "node") -> None:
+    """Every name in ``value`` (``a,b`` or ``all``) must be one of ``known`` (the profile's
+    nodes, or its workers: ``what``)."""
     known = list(known)
     if value is None or (allow_all and value == "all"):
         return
-    names = [n.strip() for n in str(value).split(",")]
-    for n in names:
+    for n in name_list(flag, value):
         if n not in known:
-            raise usage(flag, f"no node named {n!r} (nodes: {', '.join(known)}"
+            raise usage(flag, f"no {what} named {n!r} ({what}s: {', '.join(known) or 'none'}"
                         + (", or all)" if allow_all else ")"))

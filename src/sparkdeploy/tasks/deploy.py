@@ -16,18 +16,16 @@ from sparkdeploy.records import RecordError
 from sparkdeploy.runner import Outcome, PlanError, Runner, select
 from sparkdeploy.state import LockHeld
 from sparkdeploy.steps import deploy as plans
+from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks._common import load
 from sparkdeploy.tasks._flags import task
-
-
-def _names(text: str | None) -> list[str]:
-    return [n.strip() for n in (text or "").split(",") if n.strip()]
 
 
 def _run(c, profile, steps_for, name, *, serial=False, only=None, skip=None) -> tuple:
     dep = load(c, profile)
     try:
-        steps, left = select(steps_for(dep), _names(only), _names(skip))
+        steps, left = select(steps_for(dep), flags.name_list("--only", only),
+                             flags.name_list("--skip", skip))
         runner = Runner(dep, steps, name=name, serial=serial or dep.dry, left_out=left)
     except PlanError as e:
         raise Exit(str(e), code=2) from None
