@@ -258,4 +258,4 @@ def test_a_fifo_is_not_a_compare_input(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(Exit) as e:
         bench_tasks.compare(Context(Config()), str(fifo), str(fifo))
-    assert e.value.code == 2 and "is not a file" in str(e.value)
+    assert e.value.code == 2 and "not a regular file (a FIFO, a device or a socket)" in str(e.value)
