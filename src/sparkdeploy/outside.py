@@ -92,6 +92,14 @@ def loads(cls: type[T], text: str | bytes, where: str) -> T:
     return validated(cls, data, where)
 
 
+def last_line(cls: type[T], text: str, where: str) -> T:
+    """The last line a node helper printed, read as ``cls`` (one line naming ``where``)."""
+    lines = text.strip().splitlines()
+    if not lines:
+        raise OutsideError(f"{where}: no answer")
+    return loads(cls, lines[-1], where)
+
+
 @dataclass
 class Response:
     status: int
@@ -169,5 +177,6 @@ def request(method: str, url: str, *, headers: dict[str, str] | None = None,
         conn.close()
 
 
-__all__ = ["HubName", "MAX_BODY", "ListedModel", "ModelList", "OutsideError", "Response", "loads", "name_problem",
+__all__ = ["HubName", "MAX_BODY", "ListedModel", "ModelList", "OutsideError", "Response",
+           "last_line", "loads", "name_problem",
            "request", "validated", "watchdog"]

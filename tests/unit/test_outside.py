@@ -296,3 +296,29 @@ def test_a_progress_line_with_no_count_is_not_progress(line):
     assert model.parse_progress("progress bytes=5 total=10 file=a b") == {"bytes": "5",
                                                                           "total": "10",
                                                                           "file": "a"}
+
+
+@pytest.mark.parametrize("printed", ["", "not json", '{"ip": "10.0.0.1"}', '[{"ip": 5}]',
+                                     '[{"ip": "10.0.0.1", "gpus": "NaN"}]'])
+def test_a_ray_probe_answer_that_does_not_fit_lists_no_node(printed):
+    from sparkdeploy.steps import serve
+
+    assert serve.ray_nodes(f"noise\n{printed}", "spark1") == []
+    [n] = serve.ray_nodes('[{"ip": "10.0.0.1", "gpus": 1, "x": 2}]', "spark1")
+    assert (n.ip, n.gpus) == ("10.0.0.1", 1.0)
+
+
+@pytest.mark.parametrize(("printed", "why"), [
+    ('{"gid": {}}', "iface: Field required"),
+    ('{"iface": {"exists": "maybe"}, "gid": {}}', "iface.exists: "),
+    ('{"iface": {"exists": true}, "gid": {}, "ports": {"x": {"free": true}}}', "ports.x.[key]: "),
+    ('{"iface": {"exists": true}, "gid": {"index": "a"}}', "gid.index: "),
+    ("[]", "not a JSON object (list)"),
+])
+def test_node_facts_that_do_not_fit_are_one_line(printed, why):
+    from sparkdeploy.outside import last_line
+    from sparkdeploy.steps.serve_preflight import FactsAnswer
+
+    with pytest.raises(OutsideError) as e:
+        last_line(FactsAnswer, printed, "spark1: serve_node.py facts")
+    assert str(e.value).startswith("spark1: serve_node.py facts: ") and why in str(e.value)

@@ -20,10 +20,11 @@ of a success is ``endpoint: http://<address>:<port>``.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel, Field, RootModel
 
 from sparkdeploy import endpoint as ep
 from sparkdeploy.config import Engine, ProfileError
@@ -32,6 +33,7 @@ from sparkdeploy.engines import EngineError, Launch, launch
 from sparkdeploy.engines.base import API_KEY_ENV, run_args, secret_lines
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import NodeUnreachable, docker, stage_script, verified
+from sparkdeploy.outside import OutsideError, last_line
 from sparkdeploy.records import Endpoint, ServeDecision, markdown_table
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps import serve_preflight
@@ -84,21 +86,39 @@ def _dist_port_open(dep: Deployment, lau: Launch) -> bool:
                                   str(lau.wait_port), "--source",
                                   dep.profile.node(worker).link.address]), change=False, timeout=30)
     try:
-        return bool(r.ok and json.loads(r.stdout.strip().splitlines()[-1]).get("open"))
-    except (ValueError, IndexError):
+        return r.ok and last_line(_Open, r.stdout, f"{worker}: connect").open
+    except OutsideError:
         return False
+
+
+class _Open(BaseModel):
+    open: bool = False
+
+
+class RayNode(BaseModel):
+    ip: str
+    gpus: float = Field(ge=0, allow_inf_nan=False)
+
+
+class _RayNodes(RootModel[list[RayNode]]):
+    pass
+
+
+def ray_nodes(stdout: str, node: str) -> list[RayNode]:
+    """The nodes the Ray probe lists ([] when its answer is not such a list)."""
+    try:
+        return last_line(_RayNodes, stdout, f"{node}: the Ray probe").root
+    except OutsideError:
+        return []
 
 
 def _ray_nodes(dep: Deployment, lau: Launch, watch: Watch) -> bool:
     head = dep.host(lau.head)
     ray_head = lau.stages[0].containers[0].name
     r = head.run(docker(head, "exec", ray_head, "python3", "-c", RAY_PROBE), change=False, timeout=60)
-    try:
-        seen = json.loads(r.stdout.strip().splitlines()[-1]) if r.ok else []
-    except (ValueError, IndexError):
-        seen = []
+    seen = ray_nodes(r.stdout, head.name) if r.ok else []
     want = {n.link.address: n.gpus for n in dep.profile.nodes}
-    have = {s["ip"]: s["gpus"] for s in seen if s.get("ip") in want}
+    have = {s.ip: s.gpus for s in seen if s.ip in want}
     if len(have) > watch.__dict__.setdefault("_ray_seen", 0):
         watch.__dict__["_ray_seen"] = len(have)
         watch.progress(f"Ray lists {len(have)} of {len(want)} node(s)")
@@ -363,11 +383,10 @@ def _ray_status(dep: Deployment, head: Host, containers: list[dict[str, str]]) -
     if not rh:
         return None
     r = head.run(docker(head, "exec", rh, "python3", "-c", RAY_PROBE), change=False, timeout=60)
-    try:
-        seen = json.loads(r.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
+    seen = ray_nodes(r.stdout, head.name)
+    if not seen:
         return "Ray: no answer"
-    return "Ray: " + ", ".join(f"{s['ip']} ({s['gpus']:g} GPU)" for s in seen)
+    return "Ray: " + ", ".join(f"{s.ip} ({s.gpus:g} GPU)" for s in seen)
 
 
 @step(STEP_STATUS)

@@ -8,15 +8,17 @@ facts the engines need (GID index, RDMA devices) come back for the container spe
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict
 
 from sparkdeploy.config import Engine
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import Launch, NodeFacts
 from sparkdeploy.hosts import Host, HostError
 from sparkdeploy.nodeops import NodeUnreachable, inspect_image, stage_script, verified
+from sparkdeploy.outside import OutsideError, last_line
 from sparkdeploy.results import Result, failed, ok
 from sparkdeploy.steps.services import gpu_processes
 from sparkdeploy.threads import each
@@ -51,17 +53,58 @@ def facts_argv(dep: Deployment, script: str, node_name: str, ports: list[int],
     return argv
 
 
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class _Iface(_Loose):
+    exists: bool
+    up: bool = False
+    addrs: list[str] = []
+
+
+class _Gid(_Loose):
+    index: int | None = None
+    why: str | None = None
+
+
+class _Port(_Loose):
+    free: bool
+    owner: str | None = None
+
+
+class _Found(_Loose):
+    present: bool = False
+    why: str | None = None
+
+
+class _Peer(_Loose):
+    reachable: bool = False
+    why: str | None = None
+
+
+class FactsAnswer(_Loose):
+    """What the node helper's ``facts`` says, as the checks read it."""
+
+    iface: _Iface
+    gid: _Gid
+    ports: dict[int, _Port] = {}
+    model: _Found = _Found()
+    peers: dict[str, _Peer] = {}
+    rdma_devices: Any = None
+
+
 def node_facts(dep: Deployment, host: Host, ports: list[int], peers: list[str]) -> dict[str, Any]:
     host.run(["true"], change=False)  # raises NodeUnreachable first, before staging
     script = stage_script(host, HELPER)
     r = host.run(verified([script], facts_argv(dep, script, host.name, ports, peers)),
                  change=False, timeout=60)
+    if not r.ok:
+        raise HostError(f"{host.name}: {HELPER} facts failed: {r.one_line_error()}")
     try:
-        if r.ok:
-            return json.loads(r.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        pass
-    raise HostError(f"{host.name}: {HELPER} facts failed: {r.one_line_error()}")
+        return last_line(FactsAnswer, r.stdout, f"{host.name}: {HELPER} facts").model_dump()
+    except OutsideError as e:
+        raise HostError(str(e)) from None
 
 
 def _check_verified(dep: Deployment, host: Host, meta: dict[str, Any], pf: Preflight) -> None:
