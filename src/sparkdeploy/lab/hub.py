@@ -256,7 +256,9 @@ class HubHandler(BaseHTTPRequestHandler):
 
     def _dispatch(self) -> None:
         t0 = time.monotonic()
-        self._status, self._bytes, self._file, self._limit = 0, 0, None, None
+        self._status, self._bytes = 0, 0
+        self._file: str | None = None
+        self._limit: int | None = None
         self._fault_fired = False
         url = urllib.parse.urlsplit(self.path)
         path = urllib.parse.unquote(url.path)
@@ -317,10 +319,10 @@ class HubHandler(BaseHTTPRequestHandler):
             if path.startswith(prefix):
                 rev, _, fpath = path[len(prefix):].partition("/")
                 commit = self._revision(repo, rev)
-                f = repo.files.get(fpath)
-                if f is None:
+                listed = repo.files.get(fpath)
+                if listed is None:
                     raise _Error(404, "EntryNotFound", f"{fpath} not in {repo.repo_id}", commit)
-                return self._resolve(repo, f)
+                return self._resolve(repo, listed)
         raise _Error(404, "RepoNotFound", f"not found: {path}")
 
     def _revision(self, repo: Repo, rev: str) -> str:

@@ -74,6 +74,7 @@ def import_into(node: str) -> str:
 def copy_image(src: str, dst: str, ref: str = layout.BASE_IMAGE) -> None:
     """``docker save`` on one node's dockerd piped into ``docker load`` on another's dockerd."""
     save = subprocess.Popen(docker(src, "save", ref), stdout=subprocess.PIPE)
+    assert save.stdout is not None  # stdout=PIPE
     load = subprocess.run(docker(dst, "load", "-q"), stdin=save.stdout, capture_output=True,
                           text=True, timeout=600)
     save.stdout.close()

@@ -51,7 +51,7 @@ def ensure_private_mounts(node: str, created: list[str]) -> list[str]:
     """Bind each node-private backing dir over its path inside the node; return those made."""
     f = layout.mntns_path(node)
     have = _mount_points(run(["nsenter", f"--mount={f}", "cat", "/proc/self/mountinfo"]).stdout)
-    made = []
+    made: list[str] = []
     for target, name in layout.PRIVATE_MOUNTS.items():
         src = layout.node_dir(node) / name
         src.mkdir(parents=True, exist_ok=True)
@@ -174,7 +174,7 @@ def _fast_ok(nodes: list[str], plan: AddressPlan, topology: str) -> bool:
     prefix = int(plan.fast_net.split("/")[1])
     for node in nodes:
         link = _links(layout.netns_name(node)).get(layout.FAST_IF)
-        if not _has_addr(link, plan.fast_addr(node), prefix):
+        if link is None or not _has_addr(link, plan.fast_addr(node), prefix):
             return False
         if link.get("mtu") != layout.FAST_MTU or "UP" not in link.get("flags", []):
             return False

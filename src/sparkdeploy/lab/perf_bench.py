@@ -44,6 +44,7 @@ def start_standin(port: int, ttft_ms: float, tok_s: float, extra: list[str] | No
 
     def port_open() -> bool:
         if proc.poll() is not None:
+            assert proc.stderr is not None  # stderr=PIPE
             raise Stop(f"stand-in exited: {proc.stderr.read().decode()[-300:]}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):

@@ -147,14 +147,19 @@ def reap_exited() -> None:
 
 def stop(rec: dict | None, timeout: float = 15) -> bool:
     """SIGTERM a recorded process, wait, then SIGKILL. True if it was running."""
-    if not alive(rec):
+    if rec is None or not alive(rec):
         return False
     pid = int(rec["pid"])
+
+    def gone() -> bool:
+        reap_exited()
+        return not alive(rec)
+
     _signal(pid, signal.SIGTERM)
-    if _quietly(lambda: reap_exited() or not alive(rec), timeout, 0.1):
+    if _quietly(gone, timeout, 0.1):
         return True
     _signal(pid, signal.SIGKILL)
-    _quietly(lambda: reap_exited() or not alive(rec), 5, 0.1)
+    _quietly(gone, 5, 0.1)
     return True
 
 

@@ -8,7 +8,7 @@ import time
 import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Self
 
 from sparkdeploy.wait import WaitTimeout, wait_for
 
@@ -33,14 +33,15 @@ class LabServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        host = host if ":" not in str(host) else f"[{host}]"
+        host = host.decode() if isinstance(host, bytes) else host
+        host = host if ":" not in host else f"[{host}]"
         return f"http://{host}:{port}"
 
     @property
     def port(self) -> int:
         return self.server_address[1]
 
-    def start(self) -> LabServer:
+    def start(self) -> Self:
         self._thread = threading.Thread(target=self.serve_forever, name=self.thread_name, daemon=True)
         self._thread.start()
         return self

@@ -90,6 +90,7 @@ Timing, ``--ttft-ms`` / ``SPARKDEPLOY_STANDIN_TTFT_MS`` (default 120) and ``--to
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -675,7 +676,7 @@ def make_server(cfg: Config) -> StandinServer:
     except OSError as e:
         raise StandinError(
             f"ERROR: [Errno {e.errno}] error while attempting to bind on address "
-            f"({cfg.host!r}, {cfg.port}): {e.strerror.lower()}"
+            f"({cfg.host!r}, {cfg.port}): {(e.strerror or str(e)).lower()}"
         ) from None
     finally:
         if holder:
@@ -773,7 +774,7 @@ def interfaces() -> list[tuple[str, str | None]]:
     import fcntl  # noqa: PLC0415  (Linux only)
     import struct  # noqa: PLC0415
 
-    out = []
+    out: list[tuple[str, str | None]] = []
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _index, name in socket.if_nameindex():
             try:
@@ -945,8 +946,8 @@ class Rendezvous:
                  warn=lambda line: None):
         self.host, self.port, self.rank, self.world = host, port, rank, world
         self.timeout, self.warn = timeout, warn
-        self.peers: dict[int, tuple[socket.socket, object]] = {}
-        self.conn: tuple[socket.socket, object] | None = None
+        self.peers: dict[int, tuple[socket.socket, io.BufferedRWPair]] = {}
+        self.conn: tuple[socket.socket, io.BufferedRWPair] | None = None
         self.link_ip = host
 
     def start(self) -> None:
@@ -1016,6 +1017,7 @@ class Rendezvous:
     def allgather(self, value) -> list:
         """Every rank's value, by rank. Raises DistError if a peer went away."""
         if self.rank != 0:
+            assert self.conn is not None  # connect() ran
             s, fh = self.conn
             try:
                 fh.write(json.dumps(value).encode() + b"\n")
@@ -1050,7 +1052,9 @@ class Rendezvous:
         while True:
             for key, _ in sel.select():
                 try:
-                    if not key.fileobj.recv(1, socket.MSG_PEEK):
+                    sock = key.fileobj
+                    assert isinstance(sock, socket.socket)  # only sockets registered
+                    if not sock.recv(1, socket.MSG_PEEK):
                         return
                 except OSError:
                     return
@@ -1185,7 +1189,12 @@ def _sglang_multinode(ns, cfg: Config, env: dict) -> int:
         slog("Scheduler ready; the HTTP server runs on node rank 0.")
         _silence()  # a worker rank: serves through rank 0, stays even if rank 0 dies
     lost = threading.Event()
-    threading.Thread(target=lambda: (rdv.wait_lost(), lost.set()), daemon=True).start()
+
+    def watch() -> None:
+        rdv.wait_lost()
+        lost.set()
+
+    threading.Thread(target=watch, daemon=True).start()
     return run_server(cfg, lost=lost)
 
 
