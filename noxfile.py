@@ -32,7 +32,7 @@ def lab(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy over src/ (settings in pyproject.toml)."""
-    session.install("-e", ".[typecheck]")
+    session.install("-e", ".[bench,typecheck]")
     session.run("mypy", *session.posargs)
 
 
