@@ -324,7 +324,7 @@ class Host:
         if self._ssh_view is None:
             r = self.run([*ssh_base_argv(self.ssh), "-G", "--", self.node.ssh or ""],
                          change=False, here=True, timeout=10)
-            view = {}
+            view: dict[str, str] = {}
             for line in r.stdout.splitlines() if r.ok else []:
                 key, _, value = line.partition(" ")
                 view.setdefault(key, value.strip())

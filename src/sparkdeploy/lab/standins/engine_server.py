@@ -103,6 +103,7 @@ import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import NoReturn
 
 ENV = "SPARKDEPLOY_STANDIN_"
 FAULT_KINDS = ("http500", "close", "stall")
@@ -1234,7 +1235,7 @@ def _nccl_lines(slog: SglangLog, env: dict, plan: LinkPlan, rank: int, world: in
     return True
 
 
-def _silence() -> None:
+def _silence() -> NoReturn:
     """Wait like a rank parked in a collective: no output, until killed."""
     while True:
         time.sleep(3600)
