@@ -61,7 +61,9 @@ T = TypeVar("T", bound=BaseModel)
 
 
 class ListedModel(BaseModel):
-    id: str = Field(min_length=1, max_length=512)
+    id: str = Field(min_length=1, max_length=512, pattern=r"^[^\x00-\x1f\x7f]+$")
+    """The served model's name: it goes into requests, tables and plot titles (no control
+    character)."""
 
 
 class ModelList(BaseModel):

@@ -220,7 +220,8 @@ def test_no_env_proxy_is_used(hostile, monkeypatch):
 # --- JSON from an endpoint ----------------------------------------------------------------------
 
 BAD_MODELS = [b"not json", b"[]", b'{"data": []}', b'{"data": [{"id": 5}]}', b'{"data": "x"}',
-              b'{"data": [{"id": ""}]}', b"[" * 100_000, b'{"data": [{"id": "' + b"x" * 600 + b'"}]}']
+              b'{"data": [{"id": ""}]}', b'{"data": [{"id": "m\\u001b[2J"}]}', b"[" * 100_000,
+              b'{"data": [{"id": "' + b"x" * 600 + b'"}]}']
 
 
 @pytest.mark.parametrize("body", BAD_MODELS)
