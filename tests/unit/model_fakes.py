@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from invoke import Result
 
 from sparkdeploy.config import load_profile
 from sparkdeploy.deployment import Deployment
+from sparkdeploy.hosts import Feed
 from tests.unit.fakes import FakeContext
 from tests.unit.fakes import deployment as fake_deployment
 from tests.unit.profiles import lab_profile_with_overlay
@@ -52,7 +54,21 @@ class NodesCtx(FakeContext):
         return self._local(argv, text, kw, command)
 
     def _local(self, argv, text, kw, command):
-        cp = subprocess.run(argv, input=text, capture_output=True, text=True)
+        if isinstance(kw.get("in_stream"), Feed):  # stdin open until the command ends
+            p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+            p.stdin.write(text or "")
+            p.stdin.flush()
+            err: list[str] = []
+            reader = threading.Thread(target=lambda: err.append(p.stderr.read()))
+            reader.start()
+            out = p.stdout.read()
+            p.wait()
+            reader.join()
+            p.stdin.close()
+            cp = subprocess.CompletedProcess(argv, p.returncode, out, err[0])
+        else:
+            cp = subprocess.run(argv, input=text, capture_output=True, text=True)
         cb = kw.get("err_stream")
         if cb is not None:
             cb.write(cp.stderr)

@@ -461,6 +461,39 @@ def _ppid(pid: int) -> int | None:
         return None
 
 
+def test_the_downloader_stops_when_its_stdin_ends(tmp_path, lab_hub):
+    """stdin is the controller's connection (kept open by model.download, attached with
+    ``docker run -i`` in a container): when it ends mid-download the helper stops at once,
+    leaving its partial files for a re-run, and the download lock is free again."""
+    import subprocess
+
+    dep, _ = _dep(tmp_path, lab_hub)
+    meta, _ = model.metadata(dep)
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({k: meta[k] for k in ("repo", "revision", "commit", "files")}))
+    lab_hub.set_knobs(bandwidth_bps=2_000_000)  # 48 MB: ~25 s, far longer than the test
+    root = tmp_path / "m"
+    p = subprocess.Popen([sys.executable, str(helper("model_node.py")), "fetch", "--dir", str(root),
+                          "--spec", str(spec), "--endpoint", lab_hub.url, "--workers", "1"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        p.stdin.write("\n")  # no token
+        p.stdin.flush()
+        for line in p.stderr:  # once bytes of a shard are in flight
+            if line.startswith("progress ") and int(line.split("bytes=")[1].split()[0]) > 0:
+                break
+        p.stdin.close()
+        assert p.wait(10) == 9
+        assert "error: the controller's connection ended" in p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert json.loads(subprocess.run(
+        [sys.executable, str(helper("model_node.py")), "verify", "--dir", str(root), "--spec",
+         str(spec), "--quick"], capture_output=True, text=True).stdout)["download_running"] is False
+
+
 def test_steps_are_registered_for_the_graph():
     from sparkdeploy.steps import registry
 

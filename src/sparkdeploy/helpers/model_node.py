@@ -12,7 +12,8 @@ Subcommands (each prints one JSON object on stdout; progress lines on stderr):
       Download what is missing or wrong with huggingface_hub (which must be importable: run it
       with a container's or a virtualenv's python, never the system's), hash each file as it
       completes and record it, so ``model.sync`` can send it at once. The token, if any, is the
-      first line of stdin; it is handed to huggingface_hub in memory only.
+      first line of stdin; it is handed to huggingface_hub in memory only. It runs for as long
+      as stdin stays open (in a container too: ``docker run -i``): at its end it stops.
   venv    --venv DIR --index-url URL
       Create (once) a virtualenv of sparkdeploy's own holding huggingface_hub; print its python.
   receive --dir D --spec S [--address A --port P --allow ADDR,...] [--jobs N]
@@ -460,9 +461,19 @@ class _Fetch:
             self.failures[rel] = f"downloaded but {why} (a re-run fetches it again)"
 
 
+def _end_with_stdin() -> None:
+    """stdin is the controller's connection: at its end (the controller or its SSH session
+    gone) the download stops at once. huggingface_hub's partial files stay, the next run
+    resumes them; the download lock goes with the process."""
+    for _ in sys.stdin:
+        pass
+    say("error: the controller's connection ended; the download stops (a re-run resumes it)")
+    os._exit(9)
+
+
 def cmd_fetch(a: argparse.Namespace) -> int:
     token = sys.stdin.readline().strip() or None
-    sys.stdin.close()
+    threading.Thread(target=_end_with_stdin, daemon=True).start()
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     try:

@@ -27,7 +27,7 @@ from urllib.parse import quote, urlsplit
 from pydantic import BaseModel, ConfigDict, Field
 
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.hosts import Host
+from sparkdeploy.hosts import Feed, Host
 from sparkdeploy.nodeops import NodeUnreachable, docker, free_space, inspect_image, stage, stage_script, verified
 from sparkdeploy.outside import HubName, OutsideError, request, validated
 from sparkdeploy.records import SHA1, SHA256, HubMetadata, RecordError
@@ -426,8 +426,15 @@ def run_fetch(dep: Deployment, host: Host, rt: Runtime, st: Staged, meta: dict[s
                                  "true allows it)")
     if withheld:
         dep.events.log(step_name, host.name, withheld)
-    r = host.run(fetch_argv(dep, host, rt, st, owner, only), on_stderr=on_line,
-                 input=(token or "") + "\n", timeout=24 * 3600)
+    # stdin stays open while the download runs: its end (this controller or its connection
+    # gone) ends the downloader on the node, in a container or not
+    feed = Feed()
+    feed.send((token or "") + "\n")
+    try:
+        r = host.run(fetch_argv(dep, host, rt, st, owner, only), on_stderr=on_line, input=feed,
+                     timeout=24 * 3600)
+    finally:
+        feed.close()
     out = last_json(r.stdout)
     if out is None:
         if "is already in use" in r.stderr and CONTAINER in r.stderr:
