@@ -473,7 +473,6 @@ def _end_with_stdin() -> None:
 
 def cmd_fetch(a: argparse.Namespace) -> int:
     token = sys.stdin.readline().strip() or None
-    threading.Thread(target=_end_with_stdin, daemon=True).start()
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     try:
@@ -494,6 +493,7 @@ def cmd_fetch(a: argparse.Namespace) -> int:
         return 5
     # small files first (config and tokenizer are there at once), then shards in order
     files.sort(key=lambda x: (x["size"] > 50_000_000, x["path"]))
+    threading.Thread(target=_end_with_stdin, daemon=True).start()
     out = _Fetch(a, spec, files, token).run(hf_hub_download)
     print(json.dumps(out))
     fcntl.flock(lockf, fcntl.LOCK_UN)
