@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +14,6 @@ from sparkdeploy.events import EventSink
 from sparkdeploy.facts import Facts
 from sparkdeploy.hosts import Host
 from sparkdeploy.records import Records
-from sparkdeploy.results import Result
 from sparkdeploy.state import StateDir
 
 DEFAULTS = {"profile": "configs/qwen3.5-122b-a10b-fp8.yaml", "state_dir": ".sparkdeploy"}
@@ -34,7 +33,8 @@ class Deployment:
     clock: Callable[[], float] = field(default=time.monotonic)
     """The one clock of a deployment (steps' durations, waits, the hosts' journal)."""
     events: EventSink = field(default_factory=EventSink)
-    """The one event stream of this deployment (steps' results and progress, hosts' echo)."""
+    """The one event stream of this deployment (steps' results and progress through their
+    ``StepContext``, hosts' echo)."""
     facts: Facts = field(init=False)
     """What this run knows of its nodes (gathered once per node, forgotten on a change)."""
 
@@ -48,14 +48,6 @@ class Deployment:
     @property
     def records(self) -> Records:
         return Records(self.state, self.profile.name)
-
-    def report(self, result: Result) -> Result:
-        """Emit a step's result as it happens; returns it (``out.append(dep.report(r))``)."""
-        return self.events.result(result)
-
-    def report_all(self, results: Iterable[Result]) -> list[Result]:
-        """Emit each result as it is produced (a step written as a generator) and return them."""
-        return [self.events.result(r) for r in results]
 
     def host(self, name: str) -> Host:
         try:

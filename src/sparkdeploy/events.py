@@ -1,7 +1,8 @@
 """The event stream: what steps and hosts report while they work, and how tasks show it.
 
-A deployment carries one ``EventSink``. Steps emit their ``Result``s as they happen and
-``Progress`` during long work; ``Host`` emits its command echo as ``Echo``; long-running
+A deployment carries one ``EventSink``. Steps report their ``Result``s as they happen and
+``Progress`` during long work through their ``StepContext`` (``steps/registry.py``), the one
+way a result enters the stream; ``Host`` emits its command echo as ``Echo``; long-running
 commands hand their output lines over as ``Log``. Nothing below the tasks prints: a task
 attaches a renderer to the sink (``live`` on a terminal, ``plain`` otherwise) and the
 renderer is the only thing that writes to stdout.
@@ -16,7 +17,6 @@ import re
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -77,27 +77,12 @@ class EventSink:
 
     listeners: list[Listener] = field(default_factory=list)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
-    _emitted: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary,
-                                                  repr=False)
-    """Results already emitted, by identity (weak: a result nobody holds is forgotten, and
-    its id, once reused, is not mistaken for it)."""
 
     def emit(self, event: Event) -> Event:
         with self._lock:
-            if isinstance(event, Result):
-                self._emitted[id(event)] = event
             for fn in list(self.listeners):
                 fn(event)
         return event
-
-    def result(self, result: Result) -> Result:
-        """Emit a step's result as it happens and hand it back (``out.append(dep.report(r))``)."""
-        self.emit(result)
-        return result
-
-    def seen(self, result: Result) -> bool:
-        """Whether this very result (not an equal one) was emitted already."""
-        return self._emitted.get(id(result)) is result
 
     def progress(self, step: str, node: str | None, done: float, total: float | None = None,
                  unit: str = "B", note: str = "") -> None:

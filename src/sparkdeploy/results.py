@@ -24,6 +24,9 @@ class Result:
     why: str
     node: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    superseded: bool = field(default=False, compare=False)
+    """A failure the step recovered from later (an engine it fell back from): shown as it
+    happened, not counted against the step's outcome (``StepContext.supersede``)."""
 
     @property
     def failed(self) -> bool:
@@ -37,6 +40,17 @@ class Result:
             "why": self.why,
             "details": self.details,
         }
+
+
+def final(results: list[Result]) -> list[Result]:
+    """The last result per (step, node), in the order each was last reported: a later result
+    for the same target supersedes an earlier one (an engine that failed, then the fallback
+    that serves). What a step's outcome (and a task's exit) is judged by."""
+    last: dict[tuple[str, str | None], Result] = {}
+    for x in results:
+        last.pop((x.step, x.node), None)
+        last[(x.step, x.node)] = x
+    return list(last.values())
 
 
 def ok(step: str, why: str, node: str | None = None, **details: Any) -> Result:

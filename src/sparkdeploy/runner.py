@@ -34,9 +34,10 @@ from sparkdeploy.events import StepState
 from sparkdeploy.hosts import HostError
 from sparkdeploy.nodeops import NodeUnreachable
 from sparkdeploy.records import PlanMemory, RecordError, StepMemory
-from sparkdeploy.results import Result, Status, failed, ok, skipped
+from sparkdeploy.results import Result, Status, final
 from sparkdeploy.state import LockHeld
 from sparkdeploy.steps import registry
+from sparkdeploy.steps.registry import StepContext
 from sparkdeploy.wait import WaitTimeout
 
 if TYPE_CHECKING:
@@ -87,13 +88,8 @@ class StepRun:
         return any(r.status is Status.CHANGED for r in self.results)
 
     def final(self) -> list[Result]:
-        """The last result per (step, node): a later result for the same target supersedes an
-        earlier one (an engine that failed, then the fallback that serves)."""
-        last: dict[tuple[str, str | None], Result] = {}
-        for x in self.results:
-            last.pop((x.step, x.node), None)
-            last[(x.step, x.node)] = x
-        return list(last.values())
+        """The last result per (step, node) (``results.final``)."""
+        return final(self.results)
 
     def to_dict(self) -> dict[str, Any]:
         return {"state": self.state, "why": self.why, "elapsed": self.elapsed,
@@ -234,16 +230,17 @@ class Runner:
         self.dep.events.emit(StepState(r.name, state, why, r.elapsed))
 
     # -- one step ---------------------------------------------------------------------------
-    def _call(self, name: str, options: dict[str, Any]) -> list[Result]:
+    def _call(self, ctx: StepContext, name: str, options: dict[str, Any]) -> list[Result]:
+        """Run step ``name`` as part of the plan step ``ctx`` reports for; its results."""
         if name not in registry.REGISTRY:
-            return [self.dep.report(skipped(name, "no such step in this version of sparkdeploy"))]
+            return [ctx.skipped("no such step in this version of sparkdeploy")]
         try:
-            return registry.run_one(self.dep, name, **options)
+            return ctx.call(name, **options)
         except EXPECTED as e:  # one line, as a task would say it
-            return [self.dep.report(failed(name, str(e), getattr(e, "node", None)))]
+            return [ctx.failed(str(e), getattr(e, "node", None))]
         except Exception as e:  # a step must not take the other threads down with it
             where = self._save_traceback(name)
-            return [self.dep.report(failed(name, f"{type(e).__name__}: {e}{where}"))]
+            return [ctx.failed(f"{type(e).__name__}: {e}{where}")]
 
     def _save_traceback(self, name: str) -> str:
         if self.dep.dry:
@@ -254,16 +251,18 @@ class Runner:
         return f" (traceback: {p})"
 
     def _execute(self, spec: PlanStep) -> None:
+        ctx = StepContext(spec.name, self.dep.events, self.dep)
         try:
-            self._execute_step(spec)
+            self._execute_step(spec, ctx)
         except EXPECTED as e:
-            self.runs[spec.name].results.append(self.dep.report(failed(spec.name, str(e))))
+            ctx.failed(str(e))
         except Exception as e:  # a fingerprint or a redo that raised: the step failed, the run goes on
             where = self._save_traceback(spec.name)
-            self.runs[spec.name].results.append(
-                self.dep.report(failed(spec.name, f"{type(e).__name__}: {e}{where}")))
+            ctx.failed(f"{type(e).__name__}: {e}{where}")
+        finally:
+            self.runs[spec.name].results = ctx.results
 
-    def _execute_step(self, spec: PlanStep) -> None:
+    def _execute_step(self, spec: PlanStep, ctx: StepContext) -> None:
         r = self.runs[spec.name]
         fp = spec.fingerprint(self.dep) if spec.fingerprint else {}
         r.fingerprint = fp
@@ -271,22 +270,19 @@ class Runner:
         changed_keys = diff_keys(before.get("fingerprint"), fp) if before else []
         if spec.reuse and before.get("state") == DONE and not changed_keys:
             r.reused = True
-            r.results = [self.dep.report(ok(spec.name, f"unchanged since the last run: {before.get('why')}"))]
+            ctx.ok(f"unchanged since the last run: {before.get('why')}")
             return
         if changed_keys and before.get("state") == DONE:
             shown = ", ".join(changed_keys[:4]) + (" ..." if len(changed_keys) > 4 else "")
-            if spec.redo:
-                self.dep.report(ok(spec.name, f"changed since the last run ({shown}): {spec.redo} "
-                                   f"first, then {spec.name} again"))
-                pre = self._call(spec.redo, {})
-                r.results.extend(pre)
-                if any(x.failed for x in pre):
-                    return
-            else:
-                self.dep.report(ok(spec.name, f"changed since the last run ({shown}): running it again"))
+            why = (f"{spec.redo} first, then {spec.name} again" if spec.redo
+                   else "running it again")
+            # a note on the stream, not an outcome: the step's own results decide its state
+            ctx.results.remove(ctx.ok(f"changed since the last run ({shown}): {why}"))
+            if spec.redo and any(x.failed for x in self._call(ctx, spec.redo, {})):
+                return
         options = {k: (v(self.dep, self.runs) if callable(v) else v) for k, v in spec.options.items()}
-        r.results.extend(self._call(spec.name, options))
-        if spec.reuse and spec.fingerprint and not self.dep.dry and not any(x.failed for x in r.results):
+        self._call(ctx, spec.name, options)
+        if spec.reuse and spec.fingerprint and not self.dep.dry and not any(x.failed for x in ctx.results):
             # what a reuse step's fingerprint probes is what the step made so: keep it as it is now
             r.fingerprint = spec.fingerprint(self.dep)
 

@@ -58,7 +58,7 @@ def calls(monkeypatch):
 
     def fake(name, *, needs=(), after_start=(), long=False, work=0.05, waits_for=None, sets=None,
              status=changed):
-        def fn(dep, **options):
+        def fn(ctx, **options):
             c.enter(name, options)
             try:
                 if sets:
@@ -66,11 +66,10 @@ def calls(monkeypatch):
                 if waits_for:
                     got = c.events.setdefault(waits_for, threading.Event()).wait(3)
                     if not got:
-                        return [dep.report(failed(name, f"{waits_for} never came"))]
+                        ctx.report(failed(name, f"{waits_for} never came"))
+                        return
                 time.sleep(work)
-                if name in c.fail:
-                    return [dep.report(failed(name, "broke"))]
-                return [dep.report(status(name, "did it"))]
+                ctx.report(failed(name, "broke") if name in c.fail else status(name, "did it"))
             finally:
                 c.leave(name)
 
@@ -110,11 +109,11 @@ def test_independent_steps_run_at_once(tmp_path, calls):
     barrier = threading.Barrier(3, timeout=3)
 
     def together(name):
-        def fn(dep, **options):
+        def fn(ctx, **options):
             calls.enter(name, options)
             try:
                 barrier.wait()  # breaks (raises) unless all three run at the same time
-                return [dep.report(ok(name, "met"))]
+                ctx.ok("met")
             finally:
                 calls.leave(name)
         step(name)(fn)
@@ -175,7 +174,7 @@ def test_a_failure_skips_what_needs_it_and_nothing_else(tmp_path, calls):
 
 
 def test_a_step_that_raises_fails_alone(tmp_path, calls):
-    def boom(dep, **options):
+    def boom(ctx, **options):
         raise RuntimeError("kaput")
     step("t.boom")(boom)
     calls.fake("t.fine")
@@ -229,9 +228,9 @@ def test_profile_change_redoes_the_step_and_names_the_keys(tmp_path, calls):
 def test_dry_run_writes_no_state_and_runs_steps_dry(tmp_path, calls):
     seen = {}
 
-    def look(dep, **options):
-        seen["dry"] = dep.dry
-        return [dep.report(ok("t.look", "would"))]
+    def look(ctx, **options):
+        seen["dry"] = ctx.dry
+        ctx.ok("would")
     step("t.look", needs=("t.unreachable",))(look)
     calls.fake("t.unreachable")
     calls.fail.add("t.unreachable")
@@ -354,7 +353,7 @@ def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
     # nothing changed the second time (every fake says ok): no bench smoke
     calls.log.clear()
     registry.REGISTRY["serve.up"] = registry.REGISTRY["hosts.check"].__class__(
-        "serve.up", lambda d, **o: [d.report(ok("serve.up", "already serving"))])
+        "serve.up", lambda ctx, **o: ctx.ok("already serving"))
     again = Runner(dep_for(tmp_path), plans.plan(dep)).run()
     assert again.runs["bench.run"].state == "skipped"
     assert again.runs["bench.run"].why.startswith("nothing changed")
@@ -379,14 +378,14 @@ def test_longest_chain_counts_after_start_from_the_start(calls):
 
 
 def test_a_later_result_for_the_same_target_supersedes_a_failure(tmp_path, calls):
-    def fallback(dep, **o):
-        return [dep.report(failed("t.up", "sglang hung; class: nccl-init-hang; falling back")),
-                dep.report(changed("t.up", "vllm serves", engine="vllm")),
-                dep.report(ok("t.up", "endpoint: http://x:1", endpoint="http://x:1"))]
+    def fallback(ctx, **o):
+        ctx.failed("sglang hung; class: nccl-init-hang; falling back")
+        ctx.changed("vllm serves", engine="vllm")
+        ctx.ok("endpoint: http://x:1", endpoint="http://x:1")
 
-    def per_node(dep, **o):
-        return [dep.report(failed("t.ship", "disk full", "spark2")),
-                dep.report(changed("t.ship", "shipped", "spark3"))]
+    def per_node(ctx, **o):
+        ctx.failed("disk full", "spark2")
+        ctx.changed("shipped", "spark3")
     step("t.up")(fallback)
     step("t.ship")(per_node)
     out = Runner(dep_for(tmp_path), [PlanStep("t.up"), PlanStep("t.ship")]).run()
@@ -420,11 +419,11 @@ def test_the_board_is_the_plan_as_a_checklist():
 def test_a_reuse_step_keeps_the_fingerprint_it_left_behind(tmp_path, calls):
     node = {"units": "active"}
 
-    def stop(dep, **o):
+    def stop(ctx, **o):
         calls.enter("t.stop", o)
         node["units"] = "inactive"
         calls.leave("t.stop")
-        return [dep.report(changed("t.stop", "stopped"))]
+        ctx.changed("stopped")
     step("t.stop")(stop)
     plan = [PlanStep("t.stop", fingerprint=lambda d: dict(node), reuse=True)]
     Runner(dep_for(tmp_path), plan).run()

@@ -8,7 +8,7 @@ import threading
 from sparkdeploy.config import Link, Node
 from sparkdeploy.events import Echo, EventSink, Log, PlainRenderer, Progress, describe, renderer_for
 from sparkdeploy.hosts import Host
-from sparkdeploy.results import changed, failed, ok
+from sparkdeploy.results import changed, failed
 from tests.unit.fakes import FakeClock
 
 
@@ -99,15 +99,6 @@ def test_events_from_many_threads_arrive_whole_and_in_each_threads_order():
     lines = out.getvalue().splitlines()
     assert len(lines) == n_threads * n
     assert all(re.fullmatch(r"12:00:00 \[n\d\] line \d+", ln) for ln in lines)
-
-
-def test_a_result_is_seen_by_identity_only():
-    sink = EventSink()
-    a = ok("x", "same", "n")
-    twin = ok("x", "same", "n")
-    sink.result(a)
-    assert sink.seen(a)
-    assert a == twin and not sink.seen(twin)
 
 
 def test_collect_stops_listening_after_the_block():

@@ -20,6 +20,7 @@ from sparkdeploy.runner import Runner
 from sparkdeploy.state import StateDir
 from sparkdeploy.steps import deploy as plans
 from sparkdeploy.steps import registry
+from sparkdeploy.steps.registry import StepContext
 from tests.unit.fakes import FakeNode, ScriptedContext
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,8 +79,8 @@ def fake_steps():
 
     def install(status):
         for name, spec in saved.items():
-            def fn(dep, _name=name, **options):
-                return [dep.report(status(_name, "did it", dep.profile.head.name))]
+            def fn(ctx, _name=name, **options):
+                ctx.report(status(_name, "did it", ctx.dep.profile.head.name))
             registry.REGISTRY[name] = registry.StepSpec(name, fn, needs=spec.needs,
                                                        after_start=spec.after_start, long=spec.long)
     yield install
@@ -120,10 +121,10 @@ def test_a_change_on_a_node_asks_that_node_again(lab):
     assert plans.image_id(dep, LAYER, "spark2") == IDS[LAYER]
     nodes["spark1"].images[LAYER] = "sha256:" + "d" * 64
     assert plans.image_id(dep, LAYER) == IDS[LAYER]  # the snapshot, not the node, until ...
-    dep.report(changed("image.build", "built", "spark1"))  # ... a step changed the node
+    StepContext("image.build", dep.events, dep).changed("built", "spark1")  # ... a step changed the node
     assert plans.image_id(dep, LAYER) == "sha256:" + "d" * 64
     assert plans.image_id(dep, LAYER, "spark2") == IDS[LAYER]
-    dep.report(ok("image.ship", "already there", "spark2"))  # no change: nothing forgotten
+    StepContext("image.ship", dep.events, dep).ok("already there", "spark2")  # no change: nothing forgotten
     assert facts_asked(ctx) == {("spark1", tuple(IMAGE_LS)): 2, ("spark2", tuple(IMAGE_LS)): 1}
 
 
@@ -131,7 +132,7 @@ def test_services_fingerprint_sees_the_units_stopped_after_the_stop(lab):
     dep, ctx, nodes = lab
     assert plans.fp_services(dep)["units_now.vllm-cluster.service"] == "active"
     nodes["spark1"].units = {u: "inactive" for u in GLM}
-    dep.report(changed("services.stop", "stopped", "spark1"))
+    StepContext("services.stop", dep.events, dep).changed("stopped", "spark1")
     assert plans.fp_services(dep)["units_now.vllm-cluster.service"] == "inactive"
     assert facts_asked(ctx)[("spark1", tuple(LIST_UNITS))] == 2
 

@@ -161,10 +161,11 @@ def test_filter_report_is_read_from_stderr():
 
 def test_build_output_goes_to_the_stream_as_log_lines_and_step_progress(dep):
     from sparkdeploy.events import Log, Progress
+    from sparkdeploy.steps.registry import StepContext
 
     lines = ["Step 1/3 : ARG BASE_IMAGE", "", "Step 2/3 : FROM x", " ---> 1234",
              "Step 3/3 : RUN pip install"]
-    log = images.BuildLog(dep, "spark1")
+    log = images.BuildLog(StepContext("image.build", dep.events, dep), "spark1")
     with dep.events.collect() as got:
         for line in lines:
             log.line(line)

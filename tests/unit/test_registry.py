@@ -1,13 +1,15 @@
-"""The step registry: every step registered under its name, needs that form a graph, a
-duplicate name refused, and every result on the stream exactly once."""
+"""The step registry and its protocol: every step registered under its name, needs that form a
+graph, a duplicate name refused, every result on the stream exactly once through the step's
+context, and an unreachable node one failed result for that node."""
 
 import graphlib
 
 import pytest
 
 from sparkdeploy.events import Progress
-from sparkdeploy.results import Result, changed, ok
-from sparkdeploy.steps.registry import REGISTRY, get, load_all, run_one, step
+from sparkdeploy.hosts import NodeUnreachable
+from sparkdeploy.results import Result, Status
+from sparkdeploy.steps.registry import REGISTRY, StepContext, get, load_all, run_one, step
 from tests.unit.fakes import FakeNode, scripted
 
 EXISTING = {"hosts.check", "hosts.trust", "services.stop", "services.restore", "services.status",
@@ -27,8 +29,7 @@ def test_every_existing_step_is_registered_and_the_needs_form_a_graph():
     steps = load_all()
     assert EXISTING <= set(steps)
     for spec in steps.values():
-        assert spec.name == spec.fn.step_name
-        assert (spec.fn.__doc__ or "").strip(), f"{spec.name} has no docstring"
+        assert (spec.body.__doc__ or "").strip(), f"{spec.name} has no docstring"
         assert set(spec.needs) | set(spec.after_start) <= set(steps), \
             f"{spec.name} needs an unknown step"
     order = list(graphlib.TopologicalSorter({n: s.needs for n, s in steps.items()}).static_order())
@@ -39,15 +40,18 @@ def test_every_existing_step_is_registered_and_the_needs_form_a_graph():
 
 def test_a_second_step_under_a_taken_name_is_refused(scratch):
     @step("test.one")
-    def one(dep):
+    def one(ctx):
         """One."""
-        return []
 
     step("test.one")(one)  # the same function again (a module re-imported) is fine
+    with pytest.raises(TypeError, match="'test.gen': a body reports through its context"):
+        @step("test.gen")
+        def gen(ctx):
+            yield ctx.ok("not like this")
     with pytest.raises(ValueError, match="'test.one' registered twice"):
         @step("test.one")
-        def other(dep):
-            return []
+        def other(ctx):
+            pass
 
 
 def test_unknown_step_names_the_known_ones():
@@ -55,22 +59,80 @@ def test_unknown_step_names_the_known_ones():
         get("nope")
 
 
-def test_run_one_puts_every_result_on_the_stream_exactly_once(scratch, tmp_path):
+def test_a_step_reports_through_its_context_each_result_once_in_order(scratch, tmp_path):
     dep, _, _ = scripted(tmp_path, {"spark1": FakeNode()})
 
-    @step("test.mixed")
-    def mixed(dep, node=None):
-        """Reports one result as it happens, returns another without emitting it."""
-        first = dep.report(changed("test.mixed", f"did it on {node}", node))
-        dep.events.emit(Progress("test.mixed", node, 1, 2, "steps"))
-        return [first, ok("test.mixed", "and this", node)]
+    @step("test.inner")
+    def inner(ctx, node=None):
+        """Run by test.outer."""
+        ctx.ok("inner's", node)
+
+    @step("test.outer")
+    def outer(ctx, node=None):
+        """Reports, shows progress, runs another step, says what it would do."""
+        ctx.changed(f"did it on {node}", node)
+        ctx.progress(node, 1, 2, "steps")
+        assert [r.why for r in ctx.call("test.inner", node=node)] == ["inner's"]
+        ctx.would("do more", node)
 
     with dep.events.collect() as got:
-        results = run_one(dep, "test.mixed", node="spark1")
-    assert [r.why for r in results] == ["did it on spark1", "and this"]
-    on_stream = [e for e in got if isinstance(e, Result)]
-    assert [r.why for r in on_stream] == ["did it on spark1", "and this"]
-    assert [type(e).__name__ for e in got] == ["Result", "Progress", "Result"]
+        results = outer(dep, node="spark1")
+    assert [(r.step, r.status, r.why) for r in results] == [
+        ("test.outer", Status.CHANGED, "did it on spark1"), ("test.inner", Status.OK, "inner's"),
+        ("test.outer", Status.SKIPPED, "would do more")]
+    assert [e for e in got if isinstance(e, Result)] == results
+    assert [type(e).__name__ for e in got] == ["Result", "Progress", "Result", "Result"]
+    assert got[1] == Progress("test.outer", "spark1", 1, 2, "steps")
+    assert run_one(dep, "test.inner") == [Result("test.inner", Status.OK, "inner's")]
+
+
+def test_an_unreachable_node_is_one_failed_result_for_it_and_the_others_go_on(scratch, tmp_path):
+    dep, _, _ = scripted(tmp_path, {"spark1": FakeNode()})
+    done = []
+
+    def work(host_name):
+        if host_name == "b":
+            raise NodeUnreachable("b", "no route to host")
+        done.append(host_name)
+        return host_name.upper()
+
+    class H:
+        def __init__(self, name):
+            self.name = name
+
+    @step("test.fan")
+    def fan(ctx, parallel=False):
+        """Fans out over three nodes, the second unreachable."""
+        got = ctx.each([H("a"), H("b"), H("c")], lambda h: work(h.name), parallel=parallel)
+        assert got == ["A", None, "C"]
+        ctx.ok("after the fan-out")
+
+    @step("test.stops")
+    def stops(ctx):
+        """Stops at an unreachable node."""
+        raise NodeUnreachable("spark1", "connection refused")
+
+    for parallel in (False, True):
+        done.clear()
+        results = fan(dep, parallel=parallel)
+        assert [(r.status, r.node, r.why) for r in results] == [
+            (Status.FAILED, "b", "unreachable: no route to host"),
+            (Status.OK, None, "after the fan-out")]
+        assert sorted(done) == ["a", "c"]
+    assert [(r.step, r.status, r.node, r.why) for r in stops(dep)] == [
+        ("test.stops", Status.FAILED, "spark1", "unreachable: connection refused")]
+
+
+def test_a_context_without_a_deployment_reports_but_has_no_dep():
+    from sparkdeploy.events import EventSink
+
+    ctx = StepContext("bench.run", EventSink())
+    with ctx.events.collect() as got:
+        ctx.failed("no endpoint")
+    assert got == ctx.results == [Result("bench.run", Status.FAILED, "no endpoint")]
+    assert ctx.dry is False
+    with pytest.raises(RuntimeError, match="bench.run runs without a deployment"):
+        _ = ctx.dep
 
 
 def test_steps_report_as_they_happen(tmp_path):
@@ -85,3 +147,19 @@ def test_steps_report_as_they_happen(tmp_path):
     assert (n1, n2) == ("spark1", "spark2") and calls1 < calls2
     assert all(a == "spark1" for a, _ in ctx.calls[:calls1])
 
+
+
+def test_a_superseded_failure_stays_failed_on_the_stream_but_does_not_fail_the_task():
+    from invoke.exceptions import Exit
+
+    from sparkdeploy.events import EventSink
+    from sparkdeploy.tasks._common import summarize
+
+    ctx = StepContext("serve.up", EventSink())
+    first = ctx.failed("sglang hang; falling back to vllm-ray")
+    ctx.ok("endpoint: http://x:1")
+    with pytest.raises(Exit, match="1 step"):
+        summarize(ctx.results)
+    ctx.supersede([first])
+    summarize(ctx.results)
+    assert first.failed and first in ctx.results

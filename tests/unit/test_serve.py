@@ -165,16 +165,17 @@ def test_missing_image_on_the_worker_is_shipped_first(lab, monkeypatch):
     del nodes["spark2"].images[SG_IMAGE]
     shipped = []
 
-    def fake_ship(d, to, image=None, progress=None):
+    def fake_ship(ctx, to, image=None):
         shipped.append((to, image))
         nodes["spark2"].images[image] = IMG
-        from sparkdeploy.results import changed
-        return [changed("image.ship", "sent", to)]
+        ctx.changed("sent", to)
 
-    from sparkdeploy.steps import ship
-    monkeypatch.setattr(ship, "ship", fake_ship)
+    from sparkdeploy.steps import registry
+    monkeypatch.setitem(registry.REGISTRY, "image.ship",
+                        registry.StepSpec("image.ship", fake_ship))  # serve.up runs the step
     results = serve.up(dep, engine="sglang")
     assert shipped == [("spark2", SG_IMAGE)]
+    assert ("image.ship", "spark2", "sent") in [(r.step, r.node, r.why) for r in results]
     assert results[-1].why == "endpoint: http://10.0.0.1:30000"
 
 
@@ -188,8 +189,10 @@ def test_hang_is_diagnosed_removed_everywhere_and_falls_back_to_vllm(lab):
     t0 = clock()
     with dep.events.collect() as events:
         results = serve.up(dep)
-    # vLLM served: the step succeeded (exit 0); the replaced engine is in the stream and record
-    assert [r for r in results if r.failed] == []
+    # vLLM served: the step succeeded (exit 0: the replaced engine's failure is superseded; it
+    # is in the results, the stream and the record)
+    assert [r for r in results if r.failed and not r.superseded] == []
+    assert [r.why.split(":")[0] for r in results if r.failed] == ["sglang hang"]
     assert [r.status for r in results[-2:]] == [Status.CHANGED, Status.OK]
     sg_fail = next(e for e in events if isinstance(e, Result) and e.failed)
     assert sg_fail.why.startswith("sglang hang: no log output and no readiness step for 30s")
@@ -221,7 +224,7 @@ def test_an_exited_container_fails_at_once_with_its_last_lines(lab):
     t0 = clock()
     with dep.events.collect() as events:
         results = serve.up(dep, engine="sglang")
-    assert [r for r in results if r.failed] == []
+    assert [r for r in results if r.failed and not r.superseded] == []
     [bad] = [e for e in events if isinstance(e, Result) and e.failed]
     assert bad.why.startswith("sglang exited: spark1: sparkdeploy-sglang-head exited (exit code 1) "
                               "during the head's init port 192.168.100.10:20000")

@@ -22,6 +22,7 @@ from sparkdeploy.lab.heartbeat import Heartbeat
 from sparkdeploy.lab.layout import AddressPlan
 from sparkdeploy.lab.proc import LabError
 from sparkdeploy.results import Result, changed, failed, ok, skipped
+from sparkdeploy.steps.registry import StepContext
 from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 
@@ -38,16 +39,16 @@ class _Run:
     """What one ``lab.up`` needs while it works: the results so far (each emitted as it lands),
     the state, the heartbeat naming the phase, and the slow cache builds started early."""
 
-    def __init__(self, events: EventSink, beat: Heartbeat, st: dict, names: list[str],
+    def __init__(self, ctx: StepContext, beat: Heartbeat, st: dict, names: list[str],
                  flavor: str, jobs: dict[str, Future]):
-        self.events, self.beat, self.st, self.names = events, beat, st, names
+        self.ctx, self.beat, self.st, self.names = ctx, beat, st, names
         self.flavor, self.jobs = flavor, jobs
         self.results: list[Result] = []
         self.plan: AddressPlan | None = None
 
     def add(self, r: Result) -> Result:
         self.results.append(r)
-        return self.events.result(r)
+        return self.ctx.report(r)
 
     def save(self) -> None:
         lab_state.save(self.st)
@@ -60,24 +61,24 @@ class _Run:
 
 
 def up(nodes: int = 2, flavor: str = layout.DEFAULT_DOCKERD, seed_worker: bool = False,
-       mgmt_net: str | None = None, events: EventSink | None = None) -> list[Result]:
+       mgmt_net: str | None = None, ctx: StepContext | None = None) -> list[Result]:
     """Bring the lab up (idempotent). ``mgmt_net``: None keeps the recorded management /24
     (or picks the first that does not clash), ``"fallback"`` forces the first fallback, a
     candidate CIDR picks that one; a lab on another /24 is moved in place."""
-    events = events or EventSink()
+    ctx = ctx or StepContext("lab.up", EventSink())
+    events = ctx.events
     why = preflight()
     if why:
-        return [events.result(failed("lab.up", why))]
+        return [ctx.failed(why)]
     if flavor not in layout.DOCKERDS:
-        return [events.result(failed(
-            "lab.up", f"--dockerd: must be one of {', '.join(layout.DOCKERDS)}, not {flavor!r}"))]
+        return [ctx.failed(f"--dockerd: must be one of {', '.join(layout.DOCKERDS)}, not {flavor!r}")]
     if nodes < 1 or nodes > 9:
-        return [events.result(failed("lab.up", f"--nodes must be 1..9, not {nodes}"))]
+        return [ctx.failed(f"--nodes must be 1..9, not {nodes}")]
     events.log("lab.up", None, f"{nodes} node(s), dockerd {flavor}; state in {layout.LAB_DIR}")
     t0 = time.monotonic()
     pool = threads.pool(4)
     with Heartbeat(events) as beat:
-        run = _Run(events, beat, {}, layout.node_names(nodes), flavor, {})
+        run = _Run(ctx, beat, {}, layout.node_names(nodes), flavor, {})
         try:
             with lab_state.locked():
                 run.st = lab_state.load()
@@ -413,15 +414,16 @@ def _sweep_node(x: str) -> int:
     return len(proc.kill_pids(sorted(pids))) if pids else 0
 
 
-def down(events: EventSink | None = None) -> list[Result]:
-    events = events or EventSink()
+def down(ctx: StepContext | None = None) -> list[Result]:
+    ctx = ctx or StepContext("lab.down", EventSink())
+    events = ctx.events
     why = preflight()
     if why:
-        return [events.result(failed("lab.down", why))]
+        return [ctx.failed(why)]
     results: list[Result] = []
 
     def add(r: Result) -> None:
-        results.append(events.result(r))
+        results.append(ctx.report(r))
 
     try:
         with lab_state.locked(), Heartbeat(events) as beat, beat.phase("lab.down"):
@@ -465,11 +467,9 @@ def down(events: EventSink | None = None) -> list[Result]:
 # --- status ------------------------------------------------------------------------------
 
 
-def status(events: EventSink | None = None) -> list[Result]:
-    out = _status()
-    for r in out:
-        (events or EventSink()).result(r)
-    return out
+def status(ctx: StepContext | None = None) -> list[Result]:
+    ctx = ctx or StepContext("lab.status", EventSink())
+    return [ctx.report(r) for r in _status()]
 
 
 def _status() -> list[Result]:

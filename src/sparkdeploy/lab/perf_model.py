@@ -130,7 +130,7 @@ def measure(dep: Deployment, srv) -> dict[str, float]:
     r = dep.host(worker).run(["rm", "-f", "--", f"{PATH}/{largest}"])
     assert r.ok
     t1 = time.monotonic()
-    alone = model_sync.sync_files(dep, [dep.host(worker)], meta, only=[largest])
+    [alone] = model_sync.sync(dep, worker, only=[largest])
     alone_s = time.monotonic() - t1
     if alone.failed:
         raise SystemExit(f"sync of {largest} alone failed: {alone.why}")

@@ -16,12 +16,9 @@ from sparkdeploy.bench.client import BenchError, Settings
 from sparkdeploy.bench.report import level_name
 from sparkdeploy.bench.sweep import STEP, check_baseline, run_sweep, save_json
 from sparkdeploy.config import Bench
-from sparkdeploy.deployment import Deployment
 from sparkdeploy.endpoint import url as endpoint_url
-from sparkdeploy.events import EventSink
 from sparkdeploy.files import write_atomic
-from sparkdeploy.results import Result, changed, failed, ok
-from sparkdeploy.steps.registry import step
+from sparkdeploy.steps.registry import StepContext, step
 
 
 def level_line(run: dict[str, Any]) -> str:
@@ -45,36 +42,36 @@ def request_settings(b: Bench, **given: Any) -> Settings:
                        "timeout": b.timeout_s, "deadline": b.deadline_s, **chosen})
 
 
-def benchmark(events: EventSink, url: str, settings: Settings, *, concurrency: Sequence[int],
+def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Sequence[int],
               rates: Sequence[float] = (), requests: int, warmup: int,
               max_concurrency: int | None = None, json_path: str | Path | None = None,
               plot_path: str | Path | None = None, save_dir: str | Path | None = None,
-              baseline: tuple[float, float] | None = None) -> list[Result]:
-    """Run the sweep; one result per level (``details["run"]`` holds it), one per file
-    written, and the baseline gate's when ``baseline`` (decode tok/s, tolerance %) is
-    given. Failed requests are counted
-    in a level's summary; a level where none succeeded is a failed result, and when no level
-    has a success nothing is written. An endpoint that cannot be benchmarked (unreachable, no
-    model) is a failure too."""
-    out: list[Result] = []
+              baseline: tuple[float, float] | None = None) -> None:
+    """Run the sweep (no deployment needed: ``ctx`` may have none); one result per level
+    (``details["run"]`` holds it), one per file written, and the baseline gate's when
+    ``baseline`` (decode tok/s, tolerance %) is given. Failed requests are counted in a level's
+    summary; a level where none succeeded is a failed result, and when no level has a success
+    nothing is written. An endpoint that cannot be benchmarked (unreachable, no model) is a
+    failure too."""
     try:
         doc = run_sweep(url, settings, concurrency=list(concurrency), rates=list(rates),
                         requests=requests, warmup=warmup, max_concurrency=max_concurrency,
-                        events=events)
+                        events=ctx.events)
     except BenchError as e:
-        return [events.result(failed(STEP, str(e)))]
+        ctx.failed(str(e))
+        return
     for run in doc["runs"]:
         s = run["summary"]
         if s["completed"]:
-            out.append(events.result(ok(STEP, level_line(run), run=run)))
+            ctx.ok(level_line(run), run=run)
             continue
         errors = s.get("errors") or {}
         first = max(errors, key=lambda e: errors[e]) if errors else "no request ran"
-        out.append(events.result(failed(STEP, f"{level_line(run)}: no request succeeded "
-                                        f"(most often: {first})", run=run)))
+        ctx.failed(f"{level_line(run)}: no request succeeded (most often: {first})", run=run)
     if not any(run["summary"]["completed"] for run in doc["runs"]):
         # nothing measured: no JSON or PNG that could pass for a result
-        return out + [events.result(failed(STEP, "every request failed: nothing written"))]
+        ctx.failed("every request failed: nothing written")
+        return
     targets: list[tuple[str, Path]] = []
     if json_path:
         targets.append(("json", Path(json_path)))
@@ -93,31 +90,31 @@ def benchmark(events: EventSink, url: str, settings: Settings, *, concurrency: S
             from sparkdeploy.bench.plot import plot as draw
 
             write_atomic(path, lambda tmp: draw(doc["runs"], tmp, title=title))
-        out.append(events.result(changed(STEP, f"wrote {path}", path=str(path))))
+        ctx.changed(f"wrote {path}", path=str(path))
     if baseline is not None:
         good, line = check_baseline(doc, *baseline)
-        out.append(events.result((ok if good else failed)(STEP, line)))
-    return out
+        (ctx.ok if good else ctx.failed)(line)
 
 
 @step(STEP, needs=("serve.up",))
-def run(dep: Deployment, url: str | None = None, settings: Settings | None = None,
+def run(ctx: StepContext, url: str | None = None, settings: Settings | None = None,
         concurrency: Sequence[int] | None = None, rates: Sequence[float] = (),
         requests: int | None = None, warmup: int | None = None,
         max_concurrency: int | None = None, json_path: str | None = None,
         plot_path: str | None = None, save: bool = False, check: bool = False,
-        tolerance: float | None = None) -> list[Result]:
+        tolerance: float | None = None) -> None:
     """Benchmark the profile's endpoint (or ``url``) with the profile's bench settings."""
+    dep = ctx.dep
     b = dep.profile.bench
     url = url or endpoint_url(dep)
     if not url:
-        return [dep.report(failed(STEP, "no endpoint: none recorded by serve.up and the profile "
-                                        "has none (endpoint)"))]
+        ctx.failed("no endpoint: none recorded by serve.up and the profile has none (endpoint)")
+        return
     settings = settings or request_settings(b)
     gate = (b.baseline_decode_tok_s, b.baseline_tolerance_pct if tolerance is None else tolerance)
-    return benchmark(dep.events, url, settings, concurrency=concurrency or list(b.concurrency),
-                     rates=rates, requests=requests or b.requests,
-                     warmup=b.warmup if warmup is None else warmup,
-                     max_concurrency=max_concurrency, json_path=json_path, plot_path=plot_path,
-                     save_dir=dep.state.path / "bench" if save else None,
-                     baseline=gate if check else None)
+    benchmark(ctx, url, settings, concurrency=concurrency or list(b.concurrency),
+              rates=rates, requests=requests or b.requests,
+              warmup=b.warmup if warmup is None else warmup,
+              max_concurrency=max_concurrency, json_path=json_path, plot_path=plot_path,
+              save_dir=dep.state.path / "bench" if save else None,
+              baseline=gate if check else None)

@@ -19,11 +19,12 @@ step's timing, the endpoint, the bench summary.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.endpoint import url as endpoint_url
-from sparkdeploy.hosts import Host
+from sparkdeploy.hosts import CmdResult, Host
 from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image
 from sparkdeploy.records import (
     DeployRun,
@@ -35,10 +36,10 @@ from sparkdeploy.records import (
     Written,
     markdown_table,
 )
-from sparkdeploy.results import Result, changed, failed, ok, skipped
+from sparkdeploy.results import Result
 from sparkdeploy.runner import Outcome, PlanStep, StepRun, flat
 from sparkdeploy.steps.images import decision
-from sparkdeploy.steps.registry import step
+from sparkdeploy.steps.registry import StepContext, step
 
 PURGE = "deploy.purge"
 LABEL_BUILT = "org.sparkdeploy.base.id"
@@ -311,27 +312,29 @@ def _shipped_refs(dep: Deployment) -> list[str]:
 
 
 @step(PURGE, needs=("serve.down",))
-def purge(dep: Deployment, **_: Any) -> list[Result]:
+def purge(ctx: StepContext, **_: Any) -> None:
     """Remove the weights and sparkdeploy's images (built on any node, shipped to workers)."""
-    out: list[Result] = []
+    dep = ctx.dep
     workers = {n.name for n in dep.profile.workers}
-    for node in dep.profile.nodes:
-        host = dep.host(node.name)
+
+    def said(r: CmdResult) -> Callable[..., Result]:
+        return ctx.skipped if r.dry else ctx.changed if r.ok else ctx.failed
+
+    def one(host: Host) -> None:
         status, why = remove_model_dir(host, dep.profile.model.path)
-        out.append(dep.report({"skipped": skipped, "changed": changed, "failed": failed}[status](
-            PURGE, why, host.name)))
+        {"skipped": ctx.skipped, "changed": ctx.changed, "failed": ctx.failed}[status](why, host.name)
         ls = host.run(docker(host, "image", "ls", "-q", "--filter", f"label={LABEL_BUILT}"), change=False)
         ids = sorted(set(ls.stdout.split())) if ls.ok else []
         refs = [ref for ref in _shipped_refs(dep) if host.name in workers and inspect_image(host, ref)]
         gone = ids + refs
         if not gone:
-            out.append(dep.report(ok(PURGE, "no sparkdeploy image here", host.name)))
-            continue
+            ctx.ok("no sparkdeploy image here", host.name)
+            return
         r = host.run(docker(host, "image", "rm", "--force", "--", *gone))
-        out.append(dep.report((skipped if r.dry else changed if r.ok else failed)(
-            PURGE, (f"removed images {', '.join(x[:19] for x in gone)}" if r.ok
-                    else f"docker image rm: {r.one_line_error()}"), host.name)))
-    return out
+        said(r)(f"removed images {', '.join(x[:19] for x in gone)}" if r.ok
+                else f"docker image rm: {r.one_line_error()}", host.name)
+
+    ctx.each([dep.host(n.name) for n in dep.profile.nodes], one)
 
 
 # --- the record ------------------------------------------------------------------------------

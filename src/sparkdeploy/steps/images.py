@@ -16,14 +16,13 @@ import io
 import json
 import re
 import tarfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from sparkdeploy import packaged
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.events import Progress
 from sparkdeploy.files import MB, Escape, InputError, read_input, under
 from sparkdeploy.hosts import Host, HostError, NodeUnreachable
 from sparkdeploy.nodeops import (
@@ -36,8 +35,8 @@ from sparkdeploy.nodeops import (
     verified,
 )
 from sparkdeploy.records import ImageDecision, Written, markdown_table
-from sparkdeploy.results import Result, changed, failed, ok, skipped
-from sparkdeploy.steps.registry import step
+from sparkdeploy.results import Result, Status, changed, failed, ok, skipped
+from sparkdeploy.steps.registry import StepContext, step
 
 STEP_PROBE = "image.probe"
 STEP_BUILD = "image.build"
@@ -140,55 +139,45 @@ def image_arch(info: dict) -> str:
 
 
 @step(STEP_PROBE, needs=("hosts.check",))
-def probe(dep: Deployment, only: str | None = None) -> list[Result]:
+def probe(ctx: StepContext, only: str | None = None) -> None:
     """Probe every candidate (or only the image ``only``) on the head, decide, and write the
-    decision record ``image-probe`` (not in a dry run)."""
-    return dep.report_all(_probe(dep, only))
-
-
-def _probe(dep: Deployment, only: str | None) -> Iterator[Result]:
+    decision record ``image-probe`` (not in a dry run): the decision is the last result."""
+    dep = ctx.dep
     head = dep.host(dep.profile.head.name)
     candidates = [c for c in dep.profile.images.candidates if only is None or c.ref == only]
     if not candidates:
-        yield failed(STEP_PROBE, f"{only} is not a candidate of the profile", head.name)
+        ctx.failed(f"{only} is not a candidate of the profile", head.name)
         return
     try:
         arch = head.node.arch
         real = node_arch(head)
         if real != arch:
-            yield failed(STEP_PROBE, f"{head.name} is linux/{real}, the profile says arch: {arch} "
-                         f"(fix nodes[].arch in {dep.profile_path})", head.name)
+            ctx.failed(f"{head.name} is linux/{real}, the profile says arch: {arch} "
+                       f"(fix nodes[].arch in {dep.profile_path})", head.name)
             return
         text, source = model_config_text(dep, head)
         config_path = stage(head, "model/config.json", text)
         probe_path = stage_script(head, "probe_image.py")
-    except NodeUnreachable as e:
-        yield e.as_result(STEP_PROBE)
-        return
+    except NodeUnreachable:
+        raise  # not a HostError of the step's own: one failed result for the node (the context)
     except (HostError, ConfigUnavailable) as e:
-        yield failed(STEP_PROBE, str(e), head.name)
+        ctx.failed(str(e), head.name)
         return
     rows: list[dict[str, Any]] = []
     for i, cand in enumerate(candidates):
-        dep.events.emit(Progress(STEP_PROBE, head.name, i, len(candidates), "images", cand.ref))
-        try:
-            row = _probe_one(dep, head, cand.ref, cand.engine, arch, probe_path, config_path)
-        except NodeUnreachable as e:
-            yield e.as_result(STEP_PROBE)
-            return
+        ctx.progress(head.name, i, len(candidates), "images", cand.ref)
+        row = _probe_one(dep, head, cand.ref, cand.engine, arch, probe_path, config_path)
         rows.append(row)
-        status = ok if row["verdict"] in ("viable", "needs-layer") else skipped
-        yield status(STEP_PROBE, f"{cand.ref}: {row['verdict']}: {row['why']}", head.name,
-                     **{k: v for k, v in row.items() if k not in ("probe", "why")})
+        status = Status.OK if row["verdict"] in ("viable", "needs-layer") else Status.SKIPPED
+        ctx.report(Result(STEP_PROBE, status, f"{cand.ref}: {row['verdict']}: {row['why']}",
+                          head.name, {k: v for k, v in row.items() if k not in ("probe", "why")}))
     record = decide(dep, head.name, arch, source, rows)
     if dep.dry:
-        yield skipped(STEP_PROBE, "would write the decision record: " + record["summary"],
-                      head.name)
+        ctx.would("write the decision record: " + record["summary"], head.name)
         return
     written = write_record(dep, record)
-    status = changed if record["chosen"] else failed
-    yield status(STEP_PROBE, f"{record['summary']} (record: {written.markdown})", head.name,
-                 chosen=record["chosen"])
+    (ctx.changed if record["chosen"] else ctx.failed)(
+        f"{record['summary']} (record: {written.markdown})", head.name, chosen=record["chosen"])
 
 
 def _probe_one(dep: Deployment, head: Host, ref: str, engine: str, arch: str, probe_path: str,
@@ -390,20 +379,17 @@ def _find_built(head: Host, labels: dict[str, str]) -> str | None:
 
 
 @step(STEP_BUILD, needs=(STEP_PROBE,), long=True)
-def build(dep: Deployment, no_cache: bool = False) -> list[Result]:
+def build(ctx: StepContext, no_cache: bool = False) -> None:
     """Build the derivative image on the head (ok without building when already built;
     ``no_cache``: build again from the base, docker's layer cache unused)."""
-    try:
-        res = _build(dep, no_cache)
-    except NodeUnreachable as e:
-        res = e.as_result(STEP_BUILD)
-    return [dep.report(res)]
+    ctx.report(_build(ctx, no_cache))
 
 
 STEP_LINE = re.compile(r"^Step (\d+)/(\d+) : ")
 
 
-def _build(dep: Deployment, no_cache: bool = False) -> Result:
+def _build(ctx: StepContext, no_cache: bool = False) -> Result:
+    dep = ctx.dep
     derivative = dep.profile.images.layer
     head = dep.host(dep.profile.head.name)
     if derivative is None:
@@ -469,7 +455,7 @@ def _build(dep: Deployment, no_cache: bool = False) -> Result:
         build_args["PIP_TRUSTED_HOST"] = urlsplit(derivative.index_url).hostname or ""
     context = base64.b64encode(build_context(dockerfile, config_text)).decode()
     started = dep.clock()
-    log = BuildLog(dep, head.name)
+    log = BuildLog(ctx, head.name)
     r = head.run(build_argv(head, derivative.tag, build_args, no_cache), input=context,
                  on_stderr=log.line, timeout=3600)
     if not r.ok:
@@ -497,16 +483,15 @@ class BuildLog:
     """The build's output handed to the event stream as it comes (``Log`` per line,
     ``Progress`` per ``Step N/M``); the last 20 lines kept."""
 
-    def __init__(self, dep: Deployment, node: str):
-        self.dep, self.node = dep, node
+    def __init__(self, ctx: StepContext, node: str):
+        self.ctx, self.node = ctx, node
         self.tail: list[str] = []
 
     def line(self, line: str) -> None:
         if not line.strip():
             return
         self.tail = (self.tail + [line])[-20:]
-        self.dep.events.log(STEP_BUILD, self.node, line)
+        self.ctx.log(self.node, line)
         m = STEP_LINE.match(line)
         if m:
-            self.dep.events.emit(Progress(STEP_BUILD, self.node, int(m[1]) - 1, int(m[2]),
-                                          "steps", line[m.end():][:60]))
+            self.ctx.progress(self.node, int(m[1]) - 1, int(m[2]), "steps", line[m.end():][:60])

@@ -28,11 +28,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Feed, Host
-from sparkdeploy.nodeops import NodeUnreachable, docker, free_space, inspect_image, stage, stage_script, verified
+from sparkdeploy.nodeops import docker, free_space, inspect_image, stage, stage_script, verified
 from sparkdeploy.outside import HubName, OutsideError, request, validated
 from sparkdeploy.records import SHA1, SHA256, HubMetadata, RecordError
 from sparkdeploy.results import Result, changed, failed, ok, skipped
-from sparkdeploy.steps.registry import step
+from sparkdeploy.steps.registry import StepContext, step
 from sparkdeploy.threads import together
 
 DOWNLOAD = "model.download"
@@ -293,16 +293,18 @@ def verify_argv(dep: Deployment, st: Staged, only: list[str] | None = None,
     return st.run(argv)
 
 
-def node_state(dep: Deployment, host: Host, st: Staged, only: list[str] | None = None,
-               quick: bool = False, step_name: str = VERIFY, progress: bool = True) -> dict[str, Any]:
-    """What the node holds, per the helper's verify (``quick``: records only, reads nothing)."""
+def node_state(ctx: StepContext, host: Host, st: Staged, only: list[str] | None = None,
+               quick: bool = False, progress: bool = True) -> dict[str, Any]:
+    """What the node holds, per the helper's verify (``quick``: records only, reads nothing);
+    its hashing is progress of the step ``ctx`` reports for."""
+    dep = ctx.dep
     quick = quick or dep.dry  # a dry run neither hashes nor writes records
 
     def on_line(line: str) -> None:
         p = parse_progress(line)
         if p and progress:
-            dep.events.progress(step_name, host.name, int(p.get("bytes", 0)),
-                                int(p.get("total", 0)) or None, "B", "hashing")
+            ctx.progress(host.name, int(p.get("bytes", 0)), int(p.get("total", 0)) or None, "B",
+                         "hashing")
 
     return helper_json(host, verify_argv(dep, st, only, quick), "verify helper failed",
                        NodeState, change=False, on_stderr=on_line, timeout=6 * 3600)
@@ -396,9 +398,10 @@ def fetch_argv(dep: Deployment, host: Host, rt: Runtime, st: Staged, owner: str,
                          rt.image or "", st.script, *helper))
 
 
-def run_fetch(dep: Deployment, host: Host, rt: Runtime, st: Staged, meta: dict[str, Any],
-              only: list[str] | None, step_name: str) -> tuple[dict[str, Any] | None, str]:
+def run_fetch(ctx: StepContext, host: Host, rt: Runtime, st: Staged, meta: dict[str, Any],
+              only: list[str] | None) -> tuple[dict[str, Any] | None, str]:
     """Run the downloader on the node; (its report, the one line of why when it failed)."""
+    dep = ctx.dep
     m = dep.profile.model
     mk = host.run(["python3", st.script, "mkroot", "--dir", m.path])
     if not mk.ok:
@@ -413,19 +416,19 @@ def run_fetch(dep: Deployment, host: Host, rt: Runtime, st: Staged, meta: dict[s
         if p:
             done = int(p.get("bytes", 0))
             secs = max(dep.clock() - started, 1e-6)
-            dep.events.progress(step_name, host.name, done, int(p.get("total", 0)) or None, "B",
-                                f"{p.get('files', '?')}/{p.get('of', '?')} files, "
-                                f"{done / secs / 1e6:.0f} MB/s")
+            ctx.progress(host.name, done, int(p.get("total", 0)) or None, "B",
+                         f"{p.get('files', '?')}/{p.get('of', '?')} files, "
+                         f"{done / secs / 1e6:.0f} MB/s")
         elif line.startswith("retry "):
             retries.append(line)
-            dep.events.log(step_name, host.name, line)
+            ctx.log(host.name, line)
 
     token, withheld = hub_token(dep)
     if token and rt.kind == "container" and not m.token_to_image:
         token, withheld = None, (f"the token is not handed to {rt.image} (model.token_to_image: "
                                  "true allows it)")
     if withheld:
-        dep.events.log(step_name, host.name, withheld)
+        ctx.log(host.name, withheld)
     # stdin stays open while the download runs: its end (this controller or its connection
     # gone) ends the downloader on the node, in a container or not
     feed = Feed()
@@ -455,22 +458,31 @@ def in_gb(n: float) -> str:
     return f"{n / GB:.2f} GB"
 
 
-def download(dep: Deployment, node: str | None = None) -> list[Result]:
+@step(DOWNLOAD, long=True)
+def download(ctx: StepContext, node: str | None = None) -> None:
+    """Download the weights on the head, verified (resumes; only what is missing)."""
+    dep = ctx.dep
     host = dep.host(node or dep.profile.head.name)
     try:
         meta, note = metadata(dep)
-    except ModelError as e:
-        return [dep.report(failed(DOWNLOAD, str(e), host.name))]
-    return [dep.report(download_on(dep, host, meta, note))]
+    except ModelError as e:  # refused before anything is held or written
+        ctx.failed(str(e), host.name)
+        return
+    with own_lock(dep, DOWNLOAD):
+        ctx.report(download_on(ctx, host, meta, note))
 
 
-def download_on(dep: Deployment, host: Host, meta: dict[str, Any], note: str = "",
-                only: list[str] | None = None, step_name: str = DOWNLOAD) -> Result:
+def download_on(ctx: StepContext, host: Host, meta: dict[str, Any], note: str = "",
+                only: list[str] | None = None) -> Result:
+    """Fetch what the node lacks (of ``only``), as the step ``ctx`` reports for (a repair by
+    ``model.verify`` too)."""
+    dep = ctx.dep
+    step_name = ctx.name
     m = dep.profile.model
     note = f" ({note})" if note else ""
     try:
         st = stage_for(host, meta)
-        have = node_state(dep, host, st, only=only, quick=True, step_name=step_name)
+        have = node_state(ctx, host, st, only=only, quick=True)
         todo = have["missing"] + list(have["differ"]) + have["unchecked"]
         total = total_bytes(meta, only)
         if not todo:
@@ -485,12 +497,12 @@ def download_on(dep: Deployment, host: Host, meta: dict[str, Any], note: str = "
             return skipped(step_name, f"{host.name}: would download {len(todo)} files "
                            f"(up to {in_gb(missing)}) of {m.repo}@{meta['commit'][:12]} into {m.path} "
                            f"with {rt.why}{note}", host.name)
-        dep.events.log(step_name, host.name, f"downloader: {rt.why}")
+        ctx.log(host.name, f"downloader: {rt.why}")
         started = dep.clock()
-        out, why = run_fetch(dep, host, rt, st, meta, todo, step_name)
+        out, why = run_fetch(ctx, host, rt, st, meta, todo)
         secs = dep.clock() - started
-    except (ModelError, NodeUnreachable) as e:
-        return failed(step_name, str(e) if isinstance(e, ModelError) else f"{e}", host.name)
+    except ModelError as e:
+        return failed(step_name, str(e), host.name)
     if why:
         return failed(step_name, f"{host.name}: {why}", host.name)
     assert out is not None
@@ -511,10 +523,3 @@ def own_lock(dep: Deployment, name: str) -> Iterator[None]:
         return
     with dep.state.lock(name, name=f"{name}.lock"):
         yield
-
-
-@step(DOWNLOAD, long=True)
-def download_step(dep: Deployment, **options: Any) -> list[Result]:
-    """Download the weights on the head, verified (resumes; only what is missing)."""
-    with own_lock(dep, DOWNLOAD):
-        return download(dep, options.get("node"))

@@ -64,7 +64,7 @@ from sparkdeploy.steps.model import (
     stage_for,
     total_bytes,
 )
-from sparkdeploy.steps.registry import step
+from sparkdeploy.steps.registry import StepContext, step
 from sparkdeploy.threads import each, together
 from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
@@ -106,9 +106,10 @@ class Receiver:
     lines while it runs. Waiting for its word ends when it says nothing (not even the progress
     of hashing what the node holds) for ``model.sync.stall_timeout_s``."""
 
-    def __init__(self, dep: Deployment, host: Host, st: Staged, scope: list[str],
-                 secret: str | None, allow: list[str], step_name: str):
-        self.dep, self.host, self.step_name = dep, host, step_name
+    def __init__(self, ctx: StepContext, host: Host, st: Staged, scope: list[str],
+                 secret: str | None, allow: list[str]):
+        self.ctx, self.host = ctx, host
+        dep = ctx.dep
         self.port: int | None = None
         self.error: str | None = None
         self.ending = False  # end() was called
@@ -147,8 +148,8 @@ class Receiver:
             self._ready = True
             self._heard.set()
         elif (p := parse_progress(line)) is not None:
-            self.dep.events.progress(self.step_name, self.host.name, int(p.get("bytes", 0)),
-                                     int(p.get("total", 0)) or None, "B", "hashing")
+            self.ctx.progress(self.host.name, int(p.get("bytes", 0)),
+                              int(p.get("total", 0)) or None, "B", "hashing")
         else:
             self._lines.append(line)
 
@@ -325,22 +326,31 @@ class Plan:
         return all(not files or dst in self.failed for dst, files in self.need.items())
 
 
-def sync(dep: Deployment, to: str = "all") -> list[Result]:
+@step(SYNC, after_start=(DOWNLOAD,), long=True)
+def sync(ctx: StepContext, to: str = "all", only: list[str] | None = None) -> None:
+    """Copy the weights (or the files ``only``) to the workers over the fast link, file by file
+    as the head completes them (starts while model.download runs: no need on it)."""
+    dep = ctx.dep
     head = dep.profile.head.name
     targets = [h for h in (dep.select(to) if to != "all" else
                            [dep.host(n.name) for n in dep.profile.workers]) if h.name != head]
     if not targets:
-        return [dep.report(ok(SYNC, "no worker to sync to"))]
+        ctx.ok("no worker to sync to")
+        return
     try:
         meta, note = metadata(dep)
     except ModelError as e:
-        return [dep.report(failed(SYNC, str(e)))]
-    res = sync_files(dep, targets, meta, note=note)
-    return [dep.report(res)]
+        ctx.failed(str(e))
+        return
+    with own_lock(dep, SYNC):
+        ctx.report(sync_files(ctx, targets, meta, only=only, note=note))
 
 
-def sync_files(dep: Deployment, targets: list[Host], meta: dict[str, Any],
-               only: list[str] | None = None, step_name: str = SYNC, note: str = "") -> Result:
+def sync_files(ctx: StepContext, targets: list[Host], meta: dict[str, Any],
+               only: list[str] | None = None, note: str = "") -> Result:
+    """Send ``targets`` the files (of ``only``) they lack, as the step ``ctx`` reports for
+    (``model.verify --repair`` too); one result."""
+    dep, step_name = ctx.dep, ctx.name
     m = dep.profile.model
     s = m.sync
     head = dep.host(dep.profile.head.name)
@@ -358,18 +368,17 @@ def sync_files(dep: Deployment, targets: list[Host], meta: dict[str, Any],
         staged[h.name] = stage_for(h, meta)
         if h is head:  # what the head holds already (records only); rsync there
             state, rsync = together(
-                lambda: node_state(dep, h, staged[h.name], only=order, quick=True,
-                                   step_name=step_name),
+                lambda: node_state(ctx, h, staged[h.name], only=order, quick=True),
                 lambda: rsync_available(h))
             return {"state": state, "rsync": rsync}
         if dep.dry:  # records only; nothing starts on the node
-            state = node_state(dep, h, staged[h.name], only=order, quick=True, step_name=step_name)
+            state = node_state(ctx, h, staged[h.name], only=order, quick=True)
             need = _lacking(order, state)
             return {"need": need,
                     "short": disk_check(dep, h, total_bytes(meta, need), step_name) if need else None,
                     "rsync": rsync_available(h) if need else None}
         # the receiver hashes what is there without a record, then waits to hear what comes
-        r = receivers[h.name] = Receiver(dep, h, staged[h.name], order, secret, allow, step_name)
+        r = receivers[h.name] = Receiver(ctx, h, staged[h.name], order, secret, allow)
         state = r.state()
         need = _lacking(order, state)
         short = short_of(dep, h, total_bytes(meta, need), state["free"], state["mount"],
@@ -404,9 +413,9 @@ def sync_files(dep: Deployment, targets: list[Host], meta: dict[str, Any],
         for f in head_state["ok"]:
             plan.holders.setdefault(f, []).append(head.name)
         sending_to = {k: r for k, r in receivers.items() if k in plan.need}
-        return _Transfers(dep, head, targets, plan, staged, sending_to, secret, order,
-                          step_name, head_state).run(note)
-    except (ModelError, NodeUnreachable) as e:
+        return _Transfers(ctx, head, targets, plan, staged, sending_to, secret, order,
+                          head_state).run(note)
+    except ModelError as e:
         return failed(step_name, str(e), getattr(e, "node", None))
     finally:
         # a receiver's daemon stops when its stdin ends, whatever happened here
@@ -423,12 +432,13 @@ class _Transfers:
     """One sync under way, the state its parts share: the plan, the rsyncs running, what each
     receiver has checked so far, and the head's download as it goes on."""
 
-    def __init__(self, dep: Deployment, head: Host, targets: list[Host], plan: Plan,
+    def __init__(self, ctx: StepContext, head: Host, targets: list[Host], plan: Plan,
                  staged: dict[str, Staged], receivers: dict[str, Receiver], secret: str | None,
-                 order: list[str], step_name: str, head_state: dict[str, Any]):
-        self.dep, self.head, self.targets, self.plan = dep, head, targets, plan
+                 order: list[str], head_state: dict[str, Any]):
+        self.ctx, self.head, self.targets, self.plan = ctx, head, targets, plan
+        self.dep = dep = ctx.dep
         self.staged, self.receivers, self.secret = staged, receivers, secret
-        self.order, self.step_name = order, step_name
+        self.order, self.step_name = order, ctx.name
         self.s = dep.profile.model.sync
         self.hosts = {h.name: h for h in [head, *targets]}
         self.totals = {k: sum(plan.sizes[f] for f in v) for k, v in plan.need.items()}
@@ -487,8 +497,7 @@ class _Transfers:
                    and any(f in v for v in plan.need.values())]
         if not waiting:
             return
-        state = node_state(self.dep, head, self.staged[head.name], only=waiting, quick=True,
-                           step_name=self.step_name)
+        state = node_state(self.ctx, head, self.staged[head.name], only=waiting, quick=True)
         for f in state["ok"]:
             plan.holders.setdefault(f, []).insert(0, head.name)
         self.head_running = bool(state.get("download_running"))
@@ -537,8 +546,8 @@ class _Transfers:
                 plan.resolved(f, dst, state == "ok")
                 if state == "ok":
                     self.moved[dst] += plan.sizes[f]
-                    self.dep.events.progress(
-                        self.step_name, dst, self.moved[dst], self.totals[dst], "B",
+                    self.ctx.progress(
+                        dst, self.moved[dst], self.totals[dst], "B",
                         f"{len(self.order) - len(plan.need[dst])}/{len(self.order)} files")
                 elif dst not in plan.failed:
                     self.fail(dst, f"{f} arrived on {dst} but {why}" if state == "differ"
@@ -585,15 +594,6 @@ def _kept(plan: Plan, targets: list[Host], order: list[str]) -> str:
     parts = [f"{t.name} has {len(order) - len(plan.need.get(t.name, []))}/{len(order)} files "
              f"verified" for t in targets]
     return "; ".join(parts)
-
-
-
-@step(SYNC, after_start=(DOWNLOAD,), long=True)
-def sync_step(dep: Deployment, **options: Any) -> list[Result]:
-    """Copy the weights to the workers over the fast link, file by file as the head completes
-    them (starts while model.download runs: no need on it)."""
-    with own_lock(dep, SYNC):
-        return sync(dep, options.get("to") or "all")
 
 
 __all__ = ["SYNC", "Plan", "Receiver", "receive_argv", "send_argv", "sync", "sync_files", "SCRIPT"]

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import NodeUnreachable
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.model import (
     DOWNLOAD,
@@ -24,18 +22,19 @@ from sparkdeploy.steps.model import (
     total_bytes,
 )
 from sparkdeploy.steps.model_sync import SYNC, sync_files
-from sparkdeploy.steps.registry import step
+from sparkdeploy.steps.registry import StepContext, step
 
 
-def verify(dep: Deployment, node: str | None = None, repair: bool = False) -> list[Result]:
+@step(VERIFY, needs=(DOWNLOAD, SYNC))
+def verify(ctx: StepContext, node: str | None = None, repair: bool = False) -> None:
+    """Verify the weights on every node against the hub's metadata (cached for offline use)."""
+    dep = ctx.dep
     try:
         meta, note = metadata(dep)
     except ModelError as e:
-        return [dep.report(failed(VERIFY, str(e)))]
-    out = []
-    for host in dep.select(node):
-        out.append(dep.report(verify_on(dep, host, meta, note, repair)))
-    return out
+        ctx.failed(str(e))
+        return
+    ctx.each(dep.select(node), lambda host: ctx.report(verify_on(ctx, host, meta, note, repair)))
 
 
 def describe_bad(state: dict[str, Any], limit: int = 3) -> str:
@@ -45,14 +44,15 @@ def describe_bad(state: dict[str, Any], limit: int = 3) -> str:
     return f"{len(bad)} files differ: {shown}{more}"
 
 
-def verify_on(dep: Deployment, host: Host, meta: dict[str, Any], note: str = "",
+def verify_on(ctx: StepContext, host: Host, meta: dict[str, Any], note: str = "",
               repair: bool = False) -> Result:
+    dep = ctx.dep
     m = dep.profile.model
     note = f" ({note})" if note else ""
     try:
         st = stage_for(host, meta)
-        state = node_state(dep, host, st)
-    except (ModelError, NodeUnreachable) as e:
+        state = node_state(ctx, host, st)
+    except ModelError as e:
         return failed(VERIFY, str(e), host.name)
     if not state.get("present"):
         return failed(VERIFY, f"{host.name}: no weights in {m.path} (model.download on the head, "
@@ -73,16 +73,10 @@ def verify_on(dep: Deployment, host: Host, meta: dict[str, Any], note: str = "",
                       differ=state["differ"], missing=state["missing"])
     names = state["missing"] + list(state["differ"])
     if host.name == dep.profile.head.name:
-        res = download_on(dep, host, meta, only=names, step_name=VERIFY)
+        res = download_on(ctx, host, meta, only=names)
     else:
-        res = sync_files(dep, [host], meta, only=names, step_name=VERIFY)
+        res = sync_files(ctx, [host], meta, only=names)
     if res.failed:
         return failed(VERIFY, f"{host.name}: {what}; repair failed: {res.why}", host.name)
     return changed(VERIFY, f"{host.name}: {what}; repaired ({res.why})", host.name,
                    repaired=names)
-
-
-@step(VERIFY, needs=(DOWNLOAD, SYNC))
-def verify_step(dep: Deployment, **options: Any) -> list[Result]:
-    """Verify the weights on every node against the hub's metadata (cached for offline use)."""
-    return verify(dep, options.get("node"), bool(options.get("repair")))

@@ -1,29 +1,146 @@
-"""The step registry: every step under its name, with the steps it needs.
+"""The step registry and the step protocol: every step under its name, with the steps it needs,
+and the one context through which a running step reports.
 
-A step is ``fn(dep, **options) -> list[Result]``. It emits each ``Result`` through
-``dep.events`` as it happens (``dep.report(r)``) and ``Progress`` during long work, and returns
-all of them. Records it makes go through ``dep.records``. ``deploy.all`` runs the registry as a
-graph (``graphlib.TopologicalSorter`` over ``needs``); single tasks call ``run_one``.
+A step is a body ``fn(ctx: StepContext, **options) -> None`` registered with ``@step(name,
+needs=...)``. The body reports only through ``ctx``: a result per node (``ctx.ok``,
+``ctx.changed``, ``ctx.skipped``, ``ctx.failed``, ``ctx.would`` under a dry run, or
+``ctx.report`` of a result built elsewhere), ``ctx.progress`` and ``ctx.log`` during long work,
+``ctx.each(hosts, fn)`` to fan out over nodes, ``ctx.call(name, ...)`` to run another registered
+step. A node that cannot be reached is one failed result for that node, whether it stops one
+node's part of a fan-out or the whole step. Each result is
+on the event stream once, as it happens. ``@step`` gives back ``fn(dep, **options) ->
+list[Result]``: the step run on a deployment, its results in order. Records a step makes go
+through ``ctx.dep.records``. This registry is the one place the edges of every plan are declared
+(``needs``, ``after_start``); ``deploy.all`` runs the registry as a graph.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import inspect
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from sparkdeploy.results import Result
+from sparkdeploy import threads
+from sparkdeploy.events import EventSink, Log, Progress
+from sparkdeploy.hosts import NodeUnreachable
+from sparkdeploy.results import Result, Status
 
 if TYPE_CHECKING:
     from sparkdeploy.deployment import Deployment
+    from sparkdeploy.hosts import Host
 
+Body = Callable[..., None]
 StepFn = Callable[..., list[Result]]
+T = TypeVar("T")
+
+
+class StepContext:
+    """What a running step reports through, and the only way it does: each result goes on the
+    event stream once, as it happens, and into ``results`` (and its caller's, for a step run
+    by another with ``call``)."""
+
+    def __init__(self, name: str, events: EventSink, dep: Deployment | None = None,
+                 parent: StepContext | None = None):
+        self.name = name
+        self.events = events
+        self._dep = dep
+        self.parent = parent
+        self.results: list[Result] = []
+
+    @property
+    def dep(self) -> Deployment:
+        if self._dep is None:
+            raise RuntimeError(f"{self.name} runs without a deployment")
+        return self._dep
+
+    @property
+    def dry(self) -> bool:
+        return bool(self._dep and self._dep.dry)
+
+    # -- results ----------------------------------------------------------------------------
+    def report(self, result: Result) -> Result:
+        """Put ``result`` on the stream and in the results; hand it back."""
+        self.events.emit(result)
+        ctx: StepContext | None = self
+        while ctx is not None:
+            ctx.results.append(result)
+            ctx = ctx.parent
+        return result
+
+    def _say(self, status: Status, why: str, node: str | None, details: dict[str, Any]) -> Result:
+        return self.report(Result(self.name, status, why, node, details))
+
+    def ok(self, why: str, node: str | None = None, **details: Any) -> Result:
+        return self._say(Status.OK, why, node, details)
+
+    def changed(self, why: str, node: str | None = None, **details: Any) -> Result:
+        return self._say(Status.CHANGED, why, node, details)
+
+    def skipped(self, why: str, node: str | None = None, **details: Any) -> Result:
+        return self._say(Status.SKIPPED, why, node, details)
+
+    def failed(self, why: str, node: str | None = None, **details: Any) -> Result:
+        return self._say(Status.FAILED, why, node, details)
+
+    def would(self, what: str, node: str | None = None, **details: Any) -> Result:
+        """What the step would do, under a dry run: skipped, ``would <what>``."""
+        return self._say(Status.SKIPPED, f"would {what}", node, details)
+
+    def supersede(self, results: Iterable[Result]) -> None:
+        """Failures this step recovered from (already on the stream, as they happened): they
+        no longer count against its outcome."""
+        for r in results:
+            r.superseded = True
+
+    def unreachable(self, e: NodeUnreachable, **details: Any) -> Result:
+        """The one failed result for a node that cannot be reached."""
+        return self.failed(f"unreachable: {e.why}", e.node, **details)
+
+    # -- long work --------------------------------------------------------------------------
+    def progress(self, node: str | None, done: float, total: float | None = None,
+                 unit: str = "B", note: str = "") -> None:
+        self.events.emit(Progress(self.name, node, done, total, unit, note))
+
+    def log(self, node: str | None, text: str) -> None:
+        self.events.emit(Log(self.name, node, text))
+
+    # -- nodes and other steps --------------------------------------------------------------
+    def each(self, hosts: Iterable[Host], fn: Callable[[Host], T], *,
+             parallel: bool = False) -> list[T | None]:
+        """``fn(host)`` for each node, in order (``parallel``: all at once); a node that cannot
+        be reached is one failed result for that node and None in the list."""
+        def one(host: Host) -> T | None:
+            try:
+                return fn(host)
+            except NodeUnreachable as e:
+                self.unreachable(e)
+                return None
+
+        return threads.each(one, hosts) if parallel else [one(h) for h in hosts]
+
+    def call(self, name: str, **options: Any) -> list[Result]:
+        """Run the registered step ``name`` as part of this one; its results (under its own
+        name) are this step's too."""
+        child = StepContext(name, self.events, self._dep, parent=self)
+        child.run(**options)
+        return child.results
+
+    def run(self, *args: Any, **options: Any) -> list[Result]:
+        """Run this context's registered step; a node that cannot be reached, and so stops
+        the step, is one failed result for that node."""
+        try:
+            get(self.name).body(self, *args, **options)
+        except NodeUnreachable as e:
+            self.unreachable(e)
+        return self.results
 
 
 @dataclass(frozen=True)
 class StepSpec:
     name: str
-    fn: StepFn
+    body: Body
     needs: tuple[str, ...] = ()
     """Steps that must have finished (and not failed) first, when a plan holds them: the one
     place the edges of every plan are declared."""
@@ -37,16 +154,26 @@ REGISTRY: dict[str, StepSpec] = {}
 
 
 def step(name: str, *, needs: tuple[str, ...] = (), after_start: tuple[str, ...] = (),
-         long: bool = False) -> Callable[[StepFn], StepFn]:
-    """Register ``fn`` as step ``name`` (``image.ship``), needing the steps in ``needs`` (and
-    starting once those in ``after_start`` started) wherever a plan holds them."""
+         long: bool = False) -> Callable[[Body], StepFn]:
+    """Register the body ``fn(ctx, **options)`` as step ``name`` (``image.ship``), needing the
+    steps in ``needs`` (and starting once those in ``after_start`` started) wherever a plan
+    holds them; returns the step as ``fn(dep, **options) -> list[Result]``."""
 
-    def deco(fn: StepFn) -> StepFn:
-        if name in REGISTRY and REGISTRY[name].fn is not fn:
+    def deco(body: Body) -> StepFn:
+        body = getattr(body, "body", body)  # a module imported again registers the same body
+        if inspect.isgeneratorfunction(body):
+            raise TypeError(f"step {name!r}: a body reports through its context, it yields nothing")
+        if name in REGISTRY and REGISTRY[name].body is not body:
             raise ValueError(f"step {name!r} registered twice")
-        REGISTRY[name] = StepSpec(name, fn, tuple(needs), tuple(after_start), long)
-        fn.step_name = name  # type: ignore[attr-defined]
-        return fn
+        REGISTRY[name] = StepSpec(name, body, tuple(needs), tuple(after_start), long)
+
+        @functools.wraps(body)
+        def run(dep: Deployment, *args: Any, **options: Any) -> list[Result]:
+            return StepContext(name, dep.events, dep).run(*args, **options)
+
+        run.step_name = name  # type: ignore[attr-defined]
+        run.body = body  # type: ignore[attr-defined]
+        return run
 
     return deco
 
@@ -85,13 +212,8 @@ def get(name: str) -> StepSpec:
 
 
 def run_one(dep: Deployment, name: str, **options: Any) -> list[Result]:
-    """Run one registered step; results it returned without emitting are emitted here, so the
-    stream always carries every result exactly once."""
-    results = get(name).fn(dep, **options)
-    for r in results:
-        if not dep.events.seen(r):
-            dep.events.emit(r)
-    return results
+    """Run one registered step on ``dep``; its results, each already on the stream."""
+    return StepContext(name, dep.events, dep).run(**options)
 
 
 def load_all() -> dict[str, StepSpec]:

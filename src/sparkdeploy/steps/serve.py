@@ -2,12 +2,12 @@
 ``serve.logs``.
 
 ``serve.up`` tries the profile's engines in order (``--engine NAME`` starts with that one).
-For each: preflight on every node (nothing is started when anything is wrong), the image put
-on nodes that lack it (``image.ship``), then the engine's stages started and waited on in
-phases, each bounded: containers running (one that exits fails the engine at once, with its
-last lines), the SGLang head's init port / Ray listing every node with its GPU, the HTTP port
-open, ``/health``, ``/v1/models`` listing the model, one streamed chat completion returning
-tokens. A phase with no new log line and no readiness step for ``serve.stall_s`` is a hang.
+For each: its preflight on every node (a part of ``serve.up``: nothing is started when anything
+is wrong), the image put on nodes that lack it (the ``image.ship`` step), then the engine's
+stages started and waited on in phases, each bounded: containers running (one that exits fails
+the engine at once, with its last lines), the SGLang head's init port / Ray listing every node
+with its GPU, the HTTP port open, ``/health``, ``/v1/models`` listing the model, one streamed
+chat completion returning tokens. A phase with no new log line and no readiness step for ``serve.stall_s`` is a hang.
 
 An engine that fails after starting is diagnosed from every container's log
 (``sparkdeploy.diagnose.classify``), its logs are saved under the run's directory
@@ -35,9 +35,9 @@ from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import NodeUnreachable, docker, stage_script, verified
 from sparkdeploy.outside import OutsideError, last_line
 from sparkdeploy.records import Endpoint, ServeDecision, markdown_table
-from sparkdeploy.results import Result, changed, failed, ok, skipped
+from sparkdeploy.results import Result
 from sparkdeploy.steps import serve_preflight
-from sparkdeploy.steps.registry import step
+from sparkdeploy.steps.registry import StepContext, step
 from sparkdeploy.steps.serve_containers import RAY_PROBE, active, installed, ours, remove, stop_units
 from sparkdeploy.steps.serve_watch import EngineFailed, Stalled, StartFailed, Watch, full_log
 
@@ -157,40 +157,35 @@ def bring_up(dep: Deployment, lau: Launch, run: Run, watch: Watch) -> str:
     return url
 
 
-def try_engine(dep: Deployment, engine: Engine, run: Run) -> tuple[str | None, list[Result]]:
-    """Preflight, ship, bring up one engine: (url or None, results). Raises EngineFailed."""
+def try_engine(ctx: StepContext, engine: Engine, run: Run) -> str | None:
+    """Preflight, ship (the ``image.ship`` step), bring up one engine: the url, or None when it
+    did not come up (said why). Raises EngineFailed."""
+    dep = ctx.dep
     try:
         draft = launch(dep.profile, engine, {}, bool(run.secrets))
     except EngineError as e:
-        return None, [dep.report(failed(STEP_UP, str(e)))]
-    pf = serve_preflight.run(dep, engine, draft)
+        ctx.failed(str(e))
+        return None
+    pf = serve_preflight.check(ctx, engine, draft)
     if pf.problems:
-        for p in pf.problems:
-            dep.report(p)
-        return None, pf.problems
-    results: list[Result] = []
+        return None
     if pf.ship_to:
-        from sparkdeploy.steps import ship
-
-        shipped = ship.ship(dep, ",".join(pf.ship_to), engine.image)
-        results += [dep.report(r) if not dep.events.seen(r) else r for r in shipped]
+        shipped = ctx.call("image.ship", to=",".join(pf.ship_to), image=engine.image)
         if any(r.failed for r in shipped):
-            return None, results
+            return None
     lau = launch(dep.profile, engine, pf.facts, bool(run.secrets))
     if dep.dry:
         for c in lau.containers:
             start(dep, dep.host(c.node), c, run.secrets)
-        results.append(dep.report(skipped(STEP_UP, f"would start {engine.name}: "
-                                          + ", ".join(f"{c.name}@{c.node}" for c in lau.containers))))
-        return None, results
-    watch = Watch(dep, STEP_UP, dep.profile.serve.stall_s, dep.profile.serve.poll_s)
+        ctx.would(f"start {engine.name}: " + ", ".join(f"{c.name}@{c.node}" for c in lau.containers))
+        return None
+    watch = Watch(ctx, dep.profile.serve.stall_s, dep.profile.serve.poll_s)
     try:
-        url = bring_up(dep, lau, run, watch)
+        return bring_up(dep, lau, run, watch)
     except EngineFailed as e:
         e.watch = watch  # type: ignore[attr-defined]
         e.launch = lau  # type: ignore[attr-defined]
         raise
-    return url, results
 
 
 def _diagnose(logs: dict[str, list[str]]) -> Any:
@@ -262,16 +257,18 @@ def already_serving(dep: Deployment, engine: Engine) -> str | None:
     return None
 
 
-def _before(dep: Deployment, engines: list[Engine]) -> Result | None:
-    """Already serving (ok), or run by persisted units (failed); else clear this deployment's
-    old containers. Unreachable nodes are left to the preflight to report."""
+def _before(ctx: StepContext, engines: list[Engine]) -> bool:
+    """Already serving (ok), or run by persisted units (failed): True, said so; else clear this
+    deployment's old containers. Unreachable nodes are left to the preflight to report."""
+    dep = ctx.dep
     for eng in engines:
         try:
             url = already_serving(dep, eng)
         except NodeUnreachable:
             url = None
         if url:
-            return dep.report(ok(STEP_UP, f"endpoint: {url}", endpoint=url, engine=eng.name))
+            ctx.ok(f"endpoint: {url}", endpoint=url, engine=eng.name)
+            return True
     units: dict[str, list[str]] = {}
     reachable = []
     for h in (dep.host(n.name) for n in dep.profile.nodes):
@@ -281,100 +278,95 @@ def _before(dep: Deployment, engines: list[Engine]) -> Result | None:
         except NodeUnreachable:
             continue
     if any(units.values()):
-        return dep.report(failed(STEP_UP, "the persisted units run this deployment (" + "; ".join(
+        ctx.failed("the persisted units run this deployment (" + "; ".join(
             f"{n}: {', '.join(u)}" for n, u in units.items() if u) + "): serve.down or "
-            "serve.unpersist first"))
+            "serve.unpersist first")
+        return True
     if not dep.dry:
         stale = remove(dep, reachable)
         if stale:
-            dep.report(changed(STEP_UP, "removed this deployment's old containers: " + ", ".join(
-                f"{n}: {', '.join(c)}" for n, c in stale.items())))
-    return None
+            ctx.changed("removed this deployment's old containers: " + ", ".join(
+                f"{n}: {', '.join(c)}" for n, c in stale.items()))
+    return False
 
 
 @step(STEP_UP, needs=("services.stop", "image.ship", "model.verify"))
-def up(dep: Deployment, engine: str | None = None) -> list[Result]:
+def up(ctx: StepContext, engine: str | None = None) -> None:
     """Bring the model up across the nodes, falling back to the next engine on a failure."""
+    dep = ctx.dep
     engines = _order(dep, engine)
-    done = _before(dep, engines)
-    if done is not None:
-        return [done]
+    if _before(ctx, engines):
+        return
     run = Run(dep)
-    results: list[Result] = []
     replaced: list[Result] = []  # engines that failed: the outcome only when none serves
     for i, eng in enumerate(engines):
         try:
-            url, res = try_engine(dep, eng, run)
+            url = try_engine(ctx, eng, run)
         except EngineFailed as e:
             attempt = give_up(dep, eng, e, run)
             run.attempts.append(attempt)
             nxt = engines[i + 1].name if i + 1 < len(engines) else None
             ev = "; ".join(f"{a}:{b}: {c}" for a, b, c in attempt["evidence"][:2])
-            replaced.append(dep.report(failed(
-                STEP_UP, f"{eng.name} {e.kind}: {e.why}; class: {attempt['class']}"
+            replaced.append(ctx.failed(
+                f"{eng.name} {e.kind}: {e.why}; class: {attempt['class']}"
                 + (f" ({ev})" if ev else "") + (f"; falling back to {nxt}" if nxt else ""),
                 diagnosis=attempt["class"], evidence=attempt["evidence"], engine=eng.name,
-                logs=attempt["logs"])))
+                logs=attempt["logs"]))
             if attempt["left"]:
-                results.append(dep.report(failed(STEP_UP, f"containers left after removal: "
-                                                 f"{attempt['left']}")))
+                ctx.failed(f"containers left after removal: {attempt['left']}")
                 break
             if nxt and "hang_start" in attempt:
                 # the fallback starts now: the next engine's preflight
                 attempt["fallback_after_s"] = round(dep.clock() - attempt["hang_start"], 1)
             continue
-        results += res
         if url is None:
             if not dep.dry and run.attempts:
                 write_record(dep, run, None, None)
-            return [*replaced, *results]
+            return
         write_record(dep, run, eng.name, url)
         dep.records.write(Endpoint(url=url, engine=eng.name, model=dep.profile.model.repo,
                                    api_key_env=API_KEY_ENV if run.secrets else None))
         tried = [a["engine"] for a in run.attempts]
         note = f" (after {', '.join(tried)} failed)" if tried else ""
-        results.append(dep.report(changed(
-            STEP_UP, f"{eng.name} serves {dep.profile.model.repo}{note}", engine=eng.name,
-            tried=tried, fallback=bool(tried), endpoint=url,
-            diagnosis=run.attempts[-1]["class"] if tried else None)))
-        results.append(dep.report(ok(STEP_UP, f"endpoint: {url}", endpoint=url, engine=eng.name)))
+        ctx.changed(f"{eng.name} serves {dep.profile.model.repo}{note}", engine=eng.name,
+                    tried=tried, fallback=bool(tried), endpoint=url,
+                    diagnosis=run.attempts[-1]["class"] if tried else None)
+        ctx.ok(f"endpoint: {url}", endpoint=url, engine=eng.name)
         # the step succeeded: the engines it replaced stay in the stream and the record
-        return results
+        ctx.supersede(replaced)
+        return
     write_record(dep, run, None, None)
-    return [*replaced, *results]
 
 
 # --- down, status, logs -------------------------------------------------------------------
 
 
 @step(STEP_DOWN, needs=("serve.unpersist",))
-def down(dep: Deployment) -> list[Result]:
+def down(ctx: StepContext) -> None:
     """Remove this deployment's engine containers on every node."""
-    results: list[Result] = []
-    for h in (dep.host(n.name) for n in dep.profile.nodes):
-        try:
-            units = stop_units(dep, h)
-            found = ours(h, dep.profile.name)
-        except NodeUnreachable as e:
-            results.append(dep.report(failed(STEP_DOWN, f"unreachable: {e.why}", h.name)))
-            continue
-        if not found and not units:
-            results.append(dep.report(ok(STEP_DOWN, "no engine container", h.name)))
-            continue
-        names = [c["name"] for c in found]
-        if names:
-            h.run(docker(h, "rm", "--force", "--volumes", *names), timeout=120)
-        what = ", ".join([*([f"stopped {', '.join(units)}"] if units else []), *names])
-        if dep.dry:
-            results.append(dep.report(skipped(STEP_DOWN, f"would remove {what}", h.name)))
-            continue
-        left = ours(h, dep.profile.name)
-        if left:
-            results.append(dep.report(failed(STEP_DOWN, "still there: " + ", ".join(
-                c["name"] for c in left), h.name)))
-        else:
-            results.append(dep.report(changed(STEP_DOWN, f"removed {what}", h.name)))
-    return results
+    dep = ctx.dep
+    ctx.each([dep.host(n.name) for n in dep.profile.nodes], lambda h: _down_node(ctx, h))
+
+
+def _down_node(ctx: StepContext, h: Host) -> None:
+    dep = ctx.dep
+    units = stop_units(dep, h)
+    found = ours(h, dep.profile.name)
+    if not found and not units:
+        ctx.ok("no engine container", h.name)
+        return
+    names = [c["name"] for c in found]
+    if names:
+        h.run(docker(h, "rm", "--force", "--volumes", *names), timeout=120)
+    what = ", ".join([*([f"stopped {', '.join(units)}"] if units else []), *names])
+    if dep.dry:
+        ctx.would(f"remove {what}", h.name)
+        return
+    left = ours(h, dep.profile.name)
+    if left:
+        ctx.failed("still there: " + ", ".join(c["name"] for c in left), h.name)
+    else:
+        ctx.changed(f"removed {what}", h.name)
 
 
 def _ray_status(dep: Deployment, head: Host, containers: list[dict[str, str]]) -> str | None:
@@ -390,56 +382,47 @@ def _ray_status(dep: Deployment, head: Host, containers: list[dict[str, str]]) -
 
 
 @step(STEP_STATUS)
-def status(dep: Deployment) -> list[Result]:
+def status(ctx: StepContext) -> None:
     """Engine containers per node, Ray's nodes, and the endpoint's health."""
-    results: list[Result] = []
-    head_containers: list[dict[str, str]] = []
-    for h in (dep.host(n.name) for n in dep.profile.nodes):
-        try:
-            found = ours(h, dep.profile.name)
-        except NodeUnreachable as e:
-            results.append(dep.report(failed(STEP_STATUS, f"unreachable: {e.why}", h.name)))
-            continue
-        if h.name == dep.profile.head.name:
-            head_containers = found
+    dep = ctx.dep
+
+    def one(h: Host) -> list[dict[str, str]]:
+        found = ours(h, dep.profile.name)
         text = ", ".join(f"{c['name']} {c['state']}" for c in found) or "no engine container"
-        results.append(dep.report(ok(STEP_STATUS, text, h.name, containers=found)))
-    ray = _ray_status(dep, dep.host(dep.profile.head.name), head_containers)
+        ctx.ok(text, h.name, containers=found)
+        return found
+
+    hosts = [dep.host(n.name) for n in dep.profile.nodes]
+    found = dict(zip((h.name for h in hosts), ctx.each(hosts, one), strict=True))
+    head = dep.profile.head.name
+    ray = _ray_status(dep, dep.host(head), found.get(head) or [])
     if ray:
-        results.append(dep.report(ok(STEP_STATUS, ray, dep.profile.head.name)))
+        ctx.ok(ray, head)
     rec = ep.recorded(dep.records)
     url = ep.url(dep)
     if not url:
-        results.append(dep.report(ok(STEP_STATUS, "no endpoint recorded (serve.up records it)")))
-        return results
+        ctx.ok("no endpoint recorded (serve.up records it)")
+        return
     listed = ep.models(url)
     if ep.health(url) and dep.profile.model.repo in listed:
         engine = f" ({rec.engine})" if rec else ""
-        results.append(dep.report(ok(STEP_STATUS, f"endpoint: {url} healthy{engine}, serves "
-                                     f"{dep.profile.model.repo}", endpoint=url)))
+        ctx.ok(f"endpoint: {url} healthy{engine}, serves {dep.profile.model.repo}", endpoint=url)
     else:
-        results.append(dep.report(failed(STEP_STATUS, f"endpoint: {url} not healthy", endpoint=url)))
-    return results
+        ctx.failed(f"endpoint: {url} not healthy", endpoint=url)
 
 
 @step(STEP_LOGS)
-def logs(dep: Deployment, node: str | None = None, tail: int | None = None) -> list[Result]:
+def logs(ctx: StepContext, node: str | None = None, tail: int | None = None) -> None:
     """Each engine container's log on the nodes, as Log events."""
-    results: list[Result] = []
-    for h in dep.select(node):
-        try:
-            found = ours(h, dep.profile.name)
-        except NodeUnreachable as e:
-            results.append(dep.report(failed(STEP_LOGS, f"unreachable: {e.why}", h.name)))
-            continue
+    def one(h: Host) -> None:
+        found = ours(h, ctx.dep.profile.name)
         if not found:
-            results.append(dep.report(ok(STEP_LOGS, "no engine container", h.name)))
-            continue
+            ctx.ok("no engine container", h.name)
         for c in found:
             lines = full_log(h, c["name"])
             for line in lines[-tail:] if tail else lines:
-                dep.events.log(STEP_LOGS, h.name, f"{c['name']}: {line}")
-            results.append(dep.report(ok(STEP_LOGS, f"{c['name']} ({c['state']}): {len(lines)} "
-                                         f"line(s)", h.name)))
-    return results
+                ctx.log(h.name, f"{c['name']}: {line}")
+            ctx.ok(f"{c['name']} ({c['state']}): {len(lines)} line(s)", h.name)
+
+    ctx.each(ctx.dep.select(node), one)
 

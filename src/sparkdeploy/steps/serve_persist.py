@@ -40,8 +40,8 @@ from sparkdeploy.engines.base import API_KEY_ENV, profile_secrets, run_args
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import NodeUnreachable, docker
 from sparkdeploy.packaged import helper
-from sparkdeploy.results import Result, changed, failed, ok, skipped
-from sparkdeploy.steps.registry import step
+from sparkdeploy.results import Result, changed, ok
+from sparkdeploy.steps.registry import StepContext, step
 from sparkdeploy.steps.serve import Run, bring_up
 from sparkdeploy.steps.serve_containers import (
     RAY_PROBE,
@@ -196,7 +196,8 @@ def _engine(dep: Deployment, name: str | None) -> Engine | None:
     return next((e for e in dep.profile.engines if e.name == name), None)
 
 
-def _wait_endpoint(dep: Deployment, lau: Launch) -> str:
+def _wait_endpoint(ctx: StepContext, lau: Launch) -> str:
+    dep = ctx.dep
     addr = ep.controller_address(dep.host(lau.head))
     url = f"http://{addr}:{lau.port}"
 
@@ -206,7 +207,7 @@ def _wait_endpoint(dep: Deployment, lau: Launch) -> str:
 
     wait_for(serving, deadline=dep.profile.serve.ready_timeout_s, interval=dep.profile.serve.poll_s,
              what=f"{url} to serve under systemd", clock=dep.clock, sleep=dep.sleep,
-             tick=lambda el: dep.events.progress(STEP_PERSIST, None, el, None, "s", "waiting"))
+             tick=lambda el: ctx.progress(None, el, None, "s", "waiting"))
     return url
 
 
@@ -238,9 +239,11 @@ class HandoverFailed(Exception):
         self.why, self.nodes = why, nodes
 
 
-def hand_over(dep: Deployment, eng: Engine, lau: Launch, nodes: list[Handover]) -> list[Result]:
+def hand_over(ctx: StepContext, eng: Engine, lau: Launch, nodes: list[Handover]) -> list[Result]:
     """serve.up's containers (or the units' previous version) go, the units start (workers
-    first, then the head) and the endpoint serves; HandoverFailed at the first that does not."""
+    first, then the head) and the endpoint serves (the results to report); HandoverFailed at
+    the first that does not."""
+    dep = ctx.dep
     unit = unit_name(eng.name)
     hosts = [n.host for n in nodes]
     for n in nodes:
@@ -257,7 +260,7 @@ def hand_over(dep: Deployment, eng: Engine, lau: Launch, nodes: list[Handover]) 
         results.append(changed(STEP_PERSIST, f"{unit} written, enabled and started "
                                f"({', '.join(c.name for c in lau.on(n.host.name))})", n.host.name))
     try:
-        url = _wait_endpoint(dep, lau)
+        url = _wait_endpoint(ctx, lau)
     except WaitTimeout as e:
         left = {h.name: [c["name"] for c in ours(h, dep.profile.name, eng.name)] for h in hosts}
         raise HandoverFailed(f"{e}; containers: {left}", nodes) from None
@@ -265,11 +268,12 @@ def hand_over(dep: Deployment, eng: Engine, lau: Launch, nodes: list[Handover]) 
                          engine=eng.name)]
 
 
-def roll_back(dep: Deployment, eng: Engine, lau: Launch, nodes: list[Handover],
+def roll_back(ctx: StepContext, eng: Engine, lau: Launch, nodes: list[Handover],
               containers_before: bool) -> str:
     """The new units stopped (their containers go), their files back as they were, enabled as
     they were; then what ran before runs again: the previous units (workers first), or
     serve.up's containers. What is back, in words."""
+    dep = ctx.dep
     unit = unit_name(eng.name)
     began = any(n.started for n in nodes)  # else what ran is still running, untouched
     for n in reversed(nodes):
@@ -296,7 +300,7 @@ def roll_back(dep: Deployment, eng: Engine, lau: Launch, nodes: list[Handover],
     elif containers_before:
         back = f"serve.up's {eng.name} containers"
         try:
-            bring_up(dep, lau, Run(dep), Watch(dep, STEP_PERSIST, dep.profile.serve.stall_s,
+            bring_up(dep, lau, Run(dep), Watch(ctx, dep.profile.serve.stall_s,
                                                dep.profile.serve.poll_s))
         except EngineFailed as e:
             problems.append(f"{back}: {e}")
@@ -306,16 +310,18 @@ def roll_back(dep: Deployment, eng: Engine, lau: Launch, nodes: list[Handover],
 
 
 @step(STEP_PERSIST, needs=("serve.up", "bench.run"))
-def persist(dep: Deployment, engine: str | None = None) -> list[Result]:
+def persist(ctx: StepContext, engine: str | None = None) -> None:
     """Install the deployment as systemd units on every node and hand it over to them: all
     units start and the endpoint serves, or the previous deployment is back."""
+    dep = ctx.dep
     if ep.api_key():
-        return [dep.report(failed(STEP_PERSIST, f"{API_KEY_ENV} is set: a unit that comes back at "
-                                  "boot would need the key stored on the node; not persisted"))]
+        ctx.failed(f"{API_KEY_ENV} is set: a unit that comes back at boot would need the key "
+                   "stored on the node; not persisted")
+        return
     eng = _engine(dep, engine)
     if eng is None:
-        return [dep.report(failed(STEP_PERSIST, "no engine to persist: serve.up first, or "
-                                  "--engine NAME"))]
+        ctx.failed("no engine to persist: serve.up first, or --engine NAME")
+        return
     from sparkdeploy.steps.serve_preflight import node_facts
 
     facts = {}
@@ -325,24 +331,26 @@ def persist(dep: Deployment, engine: str | None = None) -> list[Result]:
     try:
         lau = launch(dep.profile, eng, facts)
     except EngineError as e:
-        return [dep.report(failed(STEP_PERSIST, str(e)))]
+        ctx.failed(str(e))
+        return
     kept = sorted({k for c in lau.containers for k in profile_secrets(c)})
     if kept:
-        return [dep.report(failed(STEP_PERSIST, f"engines[{eng.name}].env: {', '.join(kept)} "
-                                  "would have to be stored on the nodes for a unit that comes "
-                                  "back at boot (secrets are not); not persisted"))]
+        ctx.failed(f"engines[{eng.name}].env: {', '.join(kept)} would have to be stored on the "
+                   "nodes for a unit that comes back at boot (secrets are not); not persisted")
+        return
     unit = unit_name(eng.name)
     hosts = [dep.host(n.name) for n in dep.profile.nodes if lau.on(n.name)]
     if dep.dry:
         for h in hosts:
             h.run(["systemctl", "enable", "--", unit], sudo=True)
-        return [dep.report(skipped(STEP_PERSIST, f"would write {UNIT_DIR}/{unit} ("
-                                   f"{', '.join(c.role for c in lau.on(h.name))}) and enable it",
-                                   h.name)) for h in hosts]
+            ctx.would(f"write {UNIT_DIR}/{unit} ({', '.join(c.role for c in lau.on(h.name))}) "
+                      "and enable it", h.name)
+        return
     try:  # every unit file first: a value that cannot go into one writes none
         texts = {h.name: unit_text(dep, eng, h, [c.role for c in lau.on(h.name)]) for h in hosts}
     except UnitValueError as e:
-        return [dep.report(failed(STEP_PERSIST, str(e)))]
+        ctx.failed(str(e))
+        return
     containers_before = any(c["state"] == "running" for h in hosts
                             for c in ours(h, dep.profile.name, eng.name))
     nodes: list[Handover] = []
@@ -351,49 +359,47 @@ def persist(dep: Deployment, engine: str | None = None) -> list[Result]:
         for h in hosts:
             nodes.append(_install(dep, eng, lau, h, texts[h.name], key))
         if all(n.active for n in nodes) and not any(n.written for n in nodes):
-            return [dep.report(ok(STEP_PERSIST, f"{unit} installed and active on every node"))]
-        results = hand_over(dep, eng, lau, nodes)
-    except (HandoverFailed, NodeUnreachable) as e:
+            ctx.ok(f"{unit} installed and active on every node")
+            return
+        results = hand_over(ctx, eng, lau, nodes)
+    except (HandoverFailed, NodeUnreachable) as e:  # a node lost mid-way: the rest rolls back
         nodes += [n for n in getattr(e, "nodes", []) if n not in nodes]
         why = e.why if isinstance(e, HandoverFailed) else str(e)
-        return [dep.report(failed(STEP_PERSIST, f"{why}; "
-                                  f"{roll_back(dep, eng, lau, nodes, containers_before)}"))]
+        ctx.failed(f"{why}; {roll_back(ctx, eng, lau, nodes, containers_before)}")
+        return
     for ho in nodes:
         if ho.written:
             drop_previous(ho.host, ho.written)
-    return [dep.report(r) for r in results]
+    for r in results:
+        ctx.report(r)
 
 
 @step(STEP_UNPERSIST)
-def unpersist(dep: Deployment) -> list[Result]:
+def unpersist(ctx: StepContext) -> None:
     """Stop, disable and remove the deployment's units and their files on every node."""
-    results: list[Result] = []
-    for h in (dep.host(n.name) for n in dep.profile.nodes):
-        try:
-            units = installed(dep, h)
-        except NodeUnreachable as e:
-            results.append(dep.report(failed(STEP_UNPERSIST, f"unreachable: {e.why}", h.name)))
-            continue
-        if not units:
-            results.append(dep.report(ok(STEP_UNPERSIST, "no sparkdeploy unit", h.name)))
-            continue
-        for u in units:
-            h.run(["systemctl", "stop", "--", u], sudo=True, timeout=180)
-            h.run(["systemctl", "disable", "--", u], sudo=True)
-        files = [f"{UNIT_DIR}/{u}" for u in units]
-        files += [f"{NODE_DIR}/{u.removeprefix('sparkdeploy-').removesuffix('.service')}{ext}"
-                  for u in units for ext in (".json", ".key")]
-        h.run(["rm", "-f", "--", *files], sudo=True)
-        h.run(["systemctl", "daemon-reload"], sudo=True)
-        if dep.dry:
-            results.append(dep.report(skipped(STEP_UNPERSIST, f"would remove {', '.join(units)}",
-                                              h.name)))
-            continue
-        left = installed(dep, h)
-        if left:
-            results.append(dep.report(failed(STEP_UNPERSIST, f"still there: {', '.join(left)}",
-                                             h.name)))
-        else:
-            results.append(dep.report(changed(STEP_UNPERSIST, f"stopped, disabled and removed "
-                                              f"{', '.join(units)}", h.name)))
-    return results
+    dep = ctx.dep
+    ctx.each([dep.host(n.name) for n in dep.profile.nodes], lambda h: _unpersist_node(ctx, h))
+
+
+def _unpersist_node(ctx: StepContext, h: Host) -> None:
+    dep = ctx.dep
+    units = installed(dep, h)
+    if not units:
+        ctx.ok("no sparkdeploy unit", h.name)
+        return
+    for u in units:
+        h.run(["systemctl", "stop", "--", u], sudo=True, timeout=180)
+        h.run(["systemctl", "disable", "--", u], sudo=True)
+    files = [f"{UNIT_DIR}/{u}" for u in units]
+    files += [f"{NODE_DIR}/{u.removeprefix('sparkdeploy-').removesuffix('.service')}{ext}"
+              for u in units for ext in (".json", ".key")]
+    h.run(["rm", "-f", "--", *files], sudo=True)
+    h.run(["systemctl", "daemon-reload"], sudo=True)
+    if dep.dry:
+        ctx.would(f"remove {', '.join(units)}", h.name)
+        return
+    left = installed(dep, h)
+    if left:
+        ctx.failed(f"still there: {', '.join(left)}", h.name)
+    else:
+        ctx.changed(f"stopped, disabled and removed {', '.join(units)}", h.name)

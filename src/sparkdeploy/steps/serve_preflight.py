@@ -1,9 +1,11 @@
-"""Before ``serve.up`` starts anything: every node reachable, its fast link up with the
-profile's address, the RoCE GID index readable, the weights there, the GPU free, the engine's
-ports free, the head reaching each worker on the fast link, and one image ID everywhere.
+"""``serve.up``'s preflight, a part of that step: before it starts anything, every node
+reachable, its fast link up with the profile's address, the RoCE GID index readable, the weights
+there, the GPU free, the engine's ports free, the head reaching each worker on the fast link,
+and one image ID everywhere.
 
-Each problem is one failed result with one line; any problem means nothing is started. The
-facts the engines need (GID index, RDMA devices) come back for the container specs.
+Each problem is one failed result of ``serve.up`` with one line (``details["part"]`` is
+``preflight``); any problem means nothing is started. The facts the engines need (GID index,
+RDMA devices) come back for the container specs.
 """
 
 from __future__ import annotations
@@ -19,24 +21,34 @@ from sparkdeploy.engines import Launch, NodeFacts
 from sparkdeploy.hosts import Host, HostError
 from sparkdeploy.nodeops import NodeUnreachable, inspect_image, stage_script, verified
 from sparkdeploy.outside import OutsideError, last_line
-from sparkdeploy.results import Result, failed, ok
+from sparkdeploy.results import Result
+from sparkdeploy.steps.registry import StepContext
 from sparkdeploy.steps.services import gpu_processes
-from sparkdeploy.threads import each
 
-STEP = "serve.preflight"
+PART = "preflight"
 HELPER = "serve_node.py"
 
 
 @dataclass
 class Preflight:
+    ctx: StepContext
+    """The step the preflight is part of: each problem is one of its failed results."""
     facts: dict[str, NodeFacts] = field(default_factory=dict)
-    problems: list[Result] = field(default_factory=list)
     ship_to: list[str] = field(default_factory=list)
     """Nodes without the engine's image (``image.ship`` puts it there from the head)."""
     image_id: str | None = None
+    start: int = 0
+    """Where the preflight's results begin among the step's."""
+
+    def __post_init__(self) -> None:
+        self.start = len(self.ctx.results)
+
+    @property
+    def problems(self) -> list[Result]:
+        return [r for r in self.ctx.results[self.start:] if r.failed]
 
     def fail(self, node: str | None, why: str) -> None:
-        self.problems.append(failed(STEP, why, node))
+        self.ctx.failed(why, node, part=PART)
 
 
 def facts_argv(dep: Deployment, script: str, node_name: str, ports: list[int],
@@ -113,8 +125,7 @@ def _check_verified(dep: Deployment, host: Host, meta: dict[str, Any], pf: Prefl
     from sparkdeploy.steps import model, model_verify
 
     try:
-        state = model.node_state(dep, host, model.stage_for(host, meta), quick=True,
-                                 step_name=STEP)
+        state = model.node_state(pf.ctx, host, model.stage_for(host, meta), quick=True)
     except model.ModelError as e:
         pf.fail(host.name, str(e).removeprefix(f"{host.name}: "))
         return
@@ -197,40 +208,37 @@ def _check_images(dep: Deployment, ref: str, hosts: list[Host], pf: Preflight) -
     pf.ship_to = [n for n, i in ids.items() if i is None]
 
 
-def run(dep: Deployment, engine: Engine, lau: Launch) -> Preflight:
-    """Check every node the launch uses; nothing is changed on any node."""
-    pf = Preflight()
+def check(ctx: StepContext, engine: Engine, lau: Launch) -> Preflight:
+    """Check every node the launch uses, reporting as part of ``ctx``'s step; nothing is
+    changed on any node."""
+    dep = ctx.dep
+    pf = Preflight(ctx)
     names = list(dict.fromkeys(c.node for c in lau.containers))
     hosts = [dep.host(n) for n in names]
     head = dep.profile.head.name
     peers = [dep.profile.node(n).link.address for n in names if n != head]
 
-    def one(h: Host) -> tuple[Host, dict[str, Any] | str]:
+    def one(h: Host) -> dict[str, Any] | str:
         ports = sorted({p for c in lau.on(h.name) for p in c.ports})
         try:
-            return h, node_facts(dep, h, ports, peers if h.name == head else [])
-        except NodeUnreachable as e:
-            return h, f"unreachable: {e.why}"
+            return node_facts(dep, h, ports, peers if h.name == head else [])
+        except NodeUnreachable:
+            raise  # one failed result for the node, from the fan-out
         except HostError as e:
-            return h, str(e).removeprefix(f"{h.name}: ")
+            return str(e).removeprefix(f"{h.name}: ")
 
-    gathered = each(one, hosts)
+    gathered = ctx.each(hosts, one, parallel=True)
     meta, why = model_metadata(dep)
-    reachable = []
-    for h, got in gathered:
+    for h, got in zip(hosts, gathered, strict=True):
         if isinstance(got, str):
             pf.fail(h.name, got)
-            continue
-        reachable.append(h)
-        _check_node(dep, engine, h, got, pf, meta)
-        _check_gpu(h, pf)
-    if len(reachable) == len(hosts):
-        try:
-            _check_images(dep, engine.image, hosts, pf)
-        except NodeUnreachable as e:
-            pf.fail(e.node, f"unreachable: {e.why}")
+        elif got is not None:
+            _check_node(dep, engine, h, got, pf, meta)
+            _check_gpu(h, pf)
+    if None not in gathered:
+        _check_images(dep, engine.image, hosts, pf)
     if not pf.problems:
         ship = f"; image to ship to {', '.join(pf.ship_to)}" if pf.ship_to else ""
         weights = "weights verified" if meta is not None else f"weights present (not verified: {why})"
-        dep.report(ok(STEP, f"{len(hosts)} node(s) ready for {engine.name}: {weights}{ship}"))
+        ctx.ok(f"{len(hosts)} node(s) ready for {engine.name}: {weights}{ship}", part=PART)
     return pf

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines.base import ContainerSpec
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import docker
+from sparkdeploy.steps.registry import StepContext
 from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 T = TypeVar("T")
@@ -100,9 +100,9 @@ def full_log(host: Host, name: str) -> list[str]:
 
 
 class Watch:
-    def __init__(self, dep: Deployment, step: str, stall_s: float, poll_s: float):
-        self.dep = dep
-        self.step = step
+    def __init__(self, ctx: StepContext, stall_s: float, poll_s: float):
+        self.ctx = ctx
+        self.dep = dep = ctx.dep
         self.stall_s = stall_s
         self.poll_s = poll_s
         self.followed: list[Followed] = []
@@ -146,7 +146,7 @@ class Watch:
                 f.lines += new
                 self.progress(f"log of {f.spec.name}")
                 for line in new:
-                    self.dep.events.log(self.step, f.host.name, f"{f.spec.name}: {line}")
+                    self.ctx.log(f.host.name, f"{f.spec.name}: {line}")
         by_host: dict[str, list[Followed]] = {}
         for f in self.followed:
             by_host.setdefault(f.host.name, []).append(f)
@@ -173,12 +173,11 @@ class Watch:
                 self.progress(what)
             return v
 
-        self.dep.events.progress(self.step, None, 0, None, "s", what)
+        self.ctx.progress(None, 0, None, "s", what)
         try:
             return wait_for(p, deadline=max(deadline, 0.0), interval=self.poll_s, what=what,
                             clock=self.dep.clock, sleep=self.dep.sleep,
-                            tick=lambda el: self.dep.events.progress(self.step, None, el, None, "s",
-                                                                     what))
+                            tick=lambda el: self.ctx.progress(None, el, None, "s", what))
         except WaitTimeout as e:
             raise TimedOut(str(e), what) from None
 

@@ -8,15 +8,13 @@ recorded units in reverse order and then forgets them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.events import Progress
 from sparkdeploy.hosts import Host, NodeUnreachable
 from sparkdeploy.records import StoppedServices
 from sparkdeploy.results import Result, changed, failed, ok, skipped
-from sparkdeploy.steps.registry import step
+from sparkdeploy.steps.registry import StepContext, step
 from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 STEP_STOP = "services.stop"
@@ -117,10 +115,17 @@ def gpu_processes(host: Host) -> tuple[list[GpuProcess] | None, str]:
     return parse_compute_apps(r.stdout), ""
 
 
-def wait_gpu_free(dep: Deployment, host: Host) -> Result:
-    """Wait until no process is on the node's GPU (a dry run only looks once)."""
+@step(STEP_GPU)
+def gpu_free(ctx: StepContext, node: str | None = None) -> None:
+    """Wait until no process is on each node's GPU (a dry run only looks once)."""
+    for host in ctx.dep.select(node):
+        _wait_gpu_free(ctx, host)
+
+
+def _wait_gpu_free(ctx: StepContext, host: Host) -> None:
+    dep = ctx.dep
     timeout = dep.profile.services.gpu_free_timeout_s
-    would = f"would wait up to {timeout:g}s for a free GPU"
+    would = f"wait up to {timeout:g}s for a free GPU"
     on_gpu: list[GpuProcess] = []
 
     def free() -> bool:
@@ -131,44 +136,48 @@ def wait_gpu_free(dep: Deployment, host: Host) -> Result:
         return not procs
 
     def tick(elapsed: float) -> None:
-        dep.events.emit(Progress(STEP_GPU, host.name, elapsed, timeout, "s",
-                                 "on the GPU: " + ", ".join(map(str, on_gpu))))
+        ctx.progress(host.name, elapsed, timeout, "s", "on the GPU: " + ", ".join(map(str, on_gpu)))
 
     try:
         wait_for(free, deadline=0 if dep.dry else timeout, interval=dep.profile.services.gpu_poll_s,
                  what=f"a free GPU on {host.name}", clock=dep.clock, sleep=dep.sleep, tick=tick)
     except NodeUnreachable as e:
-        return skipped(STEP_GPU, f"{would} (unreachable: {e.why})", host.name) if dep.dry \
-            else e.as_result(STEP_GPU)
+        if not dep.dry:
+            raise
+        ctx.would(f"{would} (unreachable: {e.why})", host.name)
     except Stop as e:
-        return skipped(STEP_GPU, f"{would} ({e})", host.name) if dep.dry \
-            else failed(STEP_GPU, str(e), host.name)
+        if dep.dry:
+            ctx.would(f"{would} ({e})", host.name)
+        else:
+            ctx.failed(str(e), host.name)
     except WaitTimeout:
         busy = ", ".join(map(str, on_gpu))
         details = {"processes": [p.__dict__ for p in on_gpu]}
         if dep.dry:
-            return skipped(STEP_GPU, f"{would}; now on it: {busy}", host.name, **details)
-        return failed(STEP_GPU, f"GPU still busy after {timeout:g}s: {busy}", host.name, **details)
-    return ok(STEP_GPU, "no process on the GPU", host.name)
+            ctx.would(f"{would}; now on it: {busy}", host.name, **details)
+        else:
+            ctx.failed(f"GPU still busy after {timeout:g}s: {busy}", host.name, **details)
+    else:
+        ctx.ok("no process on the GPU", host.name)
 
 
-def _stop_node(dep: Deployment, host: Host, units: list[str]) -> Iterator[Result]:
+def _stop_node(ctx: StepContext, host: Host, units: list[str]) -> bool:
+    """Stop the node's active units (recorded first); whether to go on to the GPU wait."""
+    dep = ctx.dep
     try:
         states, err = probe_units(host, units)
     except NodeUnreachable as e:
-        states, err = None, f"unreachable: {e.why}"
         if not dep.dry:
-            yield e.as_result(STEP_STOP)
-            return
+            raise
+        states, err = None, f"unreachable: {e.why}"  # a dry run still lists what would run
     if states is None:
         if not dep.dry:
-            yield failed(STEP_STOP, err, host.name)
-            return
+            ctx.failed(err, host.name)
+            return False
         for u in units:
             host.run(["systemctl", "stop", u], sudo=True)
-        yield skipped(STEP_STOP, f"{err}; listed what would run", host.name)
-        yield wait_gpu_free(dep, host)
-        return
+        ctx.skipped(f"{err}; listed what would run", host.name)
+        return True
     active = [u for u in units if states.get(u) == "active"]
     absent = [u for u in units if u not in states]
     record = read_record(dep)
@@ -180,63 +189,61 @@ def _stop_node(dep: Deployment, host: Host, units: list[str]) -> Iterator[Result
     for u in active:
         r = host.run(["systemctl", "stop", u], sudo=True)
         if not r.ok:
-            yield failed(STEP_STOP, f"systemctl stop {u}: {r.one_line_error()}", host.name,
-                         stopped=stopped, recorded=merged)
-            return
+            ctx.failed(f"systemctl stop {u}: {r.one_line_error()}", host.name,
+                       stopped=stopped, recorded=merged)
+            return False
         stopped.append(u)
     note = f" ({len(absent)} absent: {', '.join(absent)})" if absent else ""
     if active and dep.dry:
-        yield skipped(STEP_STOP, f"would stop {', '.join(active)}{note}", host.name,
-                      would_stop=active, absent=absent)
+        ctx.would(f"stop {', '.join(active)}{note}", host.name, would_stop=active, absent=absent)
     elif active:
-        yield changed(STEP_STOP, f"stopped {', '.join(active)}{note}", host.name,
-                      stopped=active, absent=absent, recorded=merged)
+        ctx.changed(f"stopped {', '.join(active)}{note}", host.name,
+                    stopped=active, absent=absent, recorded=merged)
     else:
-        yield ok(STEP_STOP, f"{len(units)} unit(s) already inactive or absent{note}", host.name,
-                 absent=absent, recorded=merged)
-    yield wait_gpu_free(dep, host)
+        ctx.ok(f"{len(units)} unit(s) already inactive or absent{note}", host.name,
+               absent=absent, recorded=merged)
+    return True
 
 
 @step(STEP_STOP, needs=("hosts.check",))
-def stop(dep: Deployment, node: str | None = None) -> list[Result]:
+def stop(ctx: StepContext, node: str | None = None) -> None:
     """Stop each node's configured units in order, then wait until its GPU is free."""
-    return dep.report_all(_stop(dep, node))
-
-
-def _stop(dep: Deployment, node: str | None) -> Iterator[Result]:
+    dep = ctx.dep
     plan = dep.profile.services.stop
     hosts = dep.select(node) if node else [dep.host(n) for n in plan]
     if not hosts:
-        yield ok(STEP_STOP, "the profile names no services to stop")
+        ctx.ok("the profile names no services to stop")
         return
-    for host in hosts:
+
+    def one(host: Host) -> None:
         units = plan.get(host.name, [])
         if not units:
-            yield ok(STEP_STOP, "no services configured for this node", host.name)
-            yield wait_gpu_free(dep, host)
-            continue
-        yield from _stop_node(dep, host, units)
+            ctx.ok("no services configured for this node", host.name)
+        elif not _stop_node(ctx, host, units):
+            return
+        ctx.call(STEP_GPU, node=host.name)
+
+    ctx.each(hosts, one)
 
 
 @step(STEP_RESTORE, needs=("serve.down",))
-def restore(dep: Deployment, node: str | None = None) -> list[Result]:
+def restore(ctx: StepContext, node: str | None = None) -> None:
     """Start exactly the recorded units, in reverse stop order, then forget them."""
+    dep = ctx.dep
     record = read_record(dep)
     names = [h.name for h in dep.select(node)] if node else list(record)
     if not any(record.get(n) for n in names):
-        return [dep.report(ok(STEP_RESTORE, "nothing recorded to restore"))]
-    results: list[Result] = []
-    for name in names:
-        units = record.get(name, [])
-        if not units:
-            results.append(dep.report(ok(STEP_RESTORE, "nothing recorded for this node", name)))
-            continue
-        try:
-            res = _restore_node(dep, dep.host(name), units, record)
-        except NodeUnreachable as e:
-            res = e.as_result(STEP_RESTORE, recorded=units)
-        results.append(dep.report(res))
-    return results
+        ctx.ok("nothing recorded to restore")
+        return
+
+    def one(host: Host) -> None:
+        units = record.get(host.name, [])
+        if units:
+            ctx.report(_restore_node(dep, host, units, record))
+        else:
+            ctx.ok("nothing recorded for this node", host.name)
+
+    ctx.each([dep.host(n) for n in names], one)
 
 
 def _restore_node(dep: Deployment, host: Host, units: list[str],
@@ -272,19 +279,17 @@ def _restore_node(dep: Deployment, host: Host, units: list[str],
 
 
 @step(STEP_STATUS)
-def status(dep: Deployment, node: str | None = None) -> list[Result]:
+def status(ctx: StepContext, node: str | None = None) -> None:
     """Each node's configured and recorded units, and what is on its GPU."""
+    dep = ctx.dep
     record = read_record(dep)
-    results: list[Result] = []
-    for host in dep.select(node):
+
+    def one(host: Host) -> None:
         units = list(dict.fromkeys([*dep.profile.services.stop.get(host.name, []),
                                     *record.get(host.name, [])]))
-        try:
-            res = _status_node(host, units, record.get(host.name, []))
-        except NodeUnreachable as e:
-            res = e.as_result(STEP_STATUS)
-        results.append(dep.report(res))
-    return results
+        ctx.report(_status_node(host, units, record.get(host.name, [])))
+
+    ctx.each(dep.select(node), one)
 
 
 def _status_node(host: Host, units: list[str], recorded: list[str]) -> Result:

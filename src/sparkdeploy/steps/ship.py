@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.events import Progress
 from sparkdeploy.hosts import Host, HostError, NodeUnreachable, peer_ssh_argv
 from sparkdeploy.nodeops import (
     check_staged,
@@ -34,8 +33,7 @@ from sparkdeploy.nodeops import (
 )
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.images import STEP_BUILD, chosen_image
-from sparkdeploy.steps.registry import step
-from sparkdeploy.threads import each
+from sparkdeploy.steps.registry import StepContext, step
 
 STEP = "image.ship"
 CONTAINERD = "io.containerd.snapshotter.v1"
@@ -170,18 +168,20 @@ def verify(peer: Host, ref: str, src_info: dict, peer_store_containerd: bool) ->
     return None
 
 
-def ship_one(dep: Deployment, src: Host, peer: Host, ref: str, src_info: dict) -> Result:
-    """Ship ``ref`` from ``src`` to ``peer``; one result, emitted as soon as it is known."""
+def ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict) -> Result:
+    """Ship ``ref`` from ``src`` to ``peer``; one result, reported as soon as it is known (a
+    node that cannot be reached is left to the fan-out: one failed result for it)."""
     try:
-        res = _ship_one(dep, src, peer, ref, src_info)
-    except NodeUnreachable as e:
-        res = e.as_result(STEP)
+        res = _ship_one(ctx, src, peer, ref, src_info)
+    except NodeUnreachable:
+        raise
     except HostError as e:
         res = failed(STEP, str(e), peer.name)
-    return dep.report(res)
+    return ctx.report(res)
 
 
-def _ship_one(dep: Deployment, src: Host, peer: Host, ref: str, src_info: dict) -> Result:
+def _ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict) -> Result:
+    dep = ctx.dep
     facts = daemon_facts(peer)
     layers = src_info["RootFS"]["Layers"]
     if verify(peer, ref, src_info, facts.containerd_store) is None:
@@ -213,7 +213,7 @@ def _ship_one(dep: Deployment, src: Host, peer: Host, ref: str, src_info: dict) 
         return skipped(STEP, f"would send {ref} from {src.name} to {peer.name}: {what}", peer.name)
     compression = dep.profile.images.ship_compression
     started = dep.clock()
-    dep.events.log(STEP, peer.name, f"sending {ref} from {src.name}: {what}")
+    ctx.log(peer.name, f"sending {ref} from {src.name}: {what}")
     # the filter runs on full ships too, as a pass-through, so that every ship shows progress
     filter_path = stage_script(src, "save_filter.py") if filter_runs else None
     layers_file = have_file = None
@@ -230,7 +230,7 @@ def _ship_one(dep: Deployment, src: Host, peer: Host, ref: str, src_info: dict) 
             # the image's size is an estimate of the archive's (tar headers add a little): past
             # it, the total is unknown until the archive ends
             total = estimate if read[0] < estimate else None
-            dep.events.emit(Progress(STEP, peer.name, read[0], total, "B", f"from {src.name}"))
+            ctx.progress(peer.name, read[0], total, "B", f"from {src.name}")
 
     r = src.run(pipeline(src, peer, ref, filter_path, layers_file, have_file, compression),
                 on_stderr=on_line, timeout=6 * 3600)
@@ -248,8 +248,8 @@ def _ship_one(dep: Deployment, src: Host, peer: Host, ref: str, src_info: dict) 
         return failed(STEP, f"transfer to {peer.name} failed: {r.one_line_error()}{note}", peer.name)
     if read[0]:
         done = int(report.get("bytes_in") or read[0])
-        dep.events.emit(Progress(STEP, peer.name, done, done, "B", f"from {src.name}"))
-    dep.events.log(STEP, peer.name, f"checking {ref} on {peer.name}")
+        ctx.progress(peer.name, done, done, "B", f"from {src.name}")
+    ctx.log(peer.name, f"checking {ref} on {peer.name}")
     problem = verify(peer, ref, src_info, facts.containerd_store)
     if problem:
         return failed(STEP, f"after the transfer: {problem}{note}", peer.name)
@@ -269,30 +269,34 @@ def default_image(dep: Deployment) -> str:
 
 
 @step(STEP, needs=(STEP_BUILD,), long=True)
-def ship(dep: Deployment, to: str = "all", image: str | None = None) -> list[Result]:
+def ship(ctx: StepContext, to: str = "all", image: str | None = None) -> None:
     """Copy an image (default: the chosen one) from the head to peers over the fast link,
     sending only the layers a peer lacks; peers that have it serve the next ones."""
+    dep = ctx.dep
     ref = image or default_image(dep)
     head = dep.host(dep.profile.head.name)
     peers = [h for h in dep.select(to) if h.name != head.name] if to != "all" else \
         [dep.host(n.name) for n in dep.profile.workers]
     if not peers:
-        return [dep.report(ok(STEP, "no peer to ship to"))]
-    try:
-        src_info = inspect_image(head, ref)
-    except NodeUnreachable as e:
-        return [dep.report(e.as_result(STEP))]
+        ctx.ok("no peer to ship to")
+        return
+    src_info = inspect_image(head, ref)
     if src_info is None:
-        return [dep.report(failed(STEP, f"{head.name} has no image {ref}", head.name))]
+        ctx.failed(f"{head.name} has no image {ref}", head.name)
+        return
     sources = [head]
     pending = list(peers)
-    results: list[Result] = []
     while pending:
         batch, pending = pending[: len(sources)], pending[len(sources):]
-        pairs = list(zip(sources, batch, strict=False))
-        done = each(lambda p: ship_one(dep, p[0], p[1], ref, src_info), pairs)
-        for (_, peer), res in zip(pairs, done, strict=True):
-            results.append(res)
-            if res.status in ("ok", "changed") and not dep.dry:
-                sources.append(peer)
-    return results
+        sources += _ship_batch(ctx, batch, sources, ref, src_info)
+
+
+def _ship_batch(ctx: StepContext, batch: list[Host], sources: list[Host], ref: str,
+                src_info: dict) -> list[Host]:
+    """Ship to every peer of ``batch`` at once, each from a source of its own; the peers that
+    hold the image now (and can serve the next ones)."""
+    source_of = {p.name: s for s, p in zip(sources, batch, strict=False)}
+    done = ctx.each(batch, lambda p: ship_one(ctx, source_of[p.name], p, ref, src_info),
+                    parallel=True)
+    return [p for p, res in zip(batch, done, strict=True)
+            if res is not None and res.status in ("ok", "changed") and not ctx.dry]

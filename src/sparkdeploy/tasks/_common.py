@@ -17,7 +17,7 @@ from sparkdeploy.hosts import HostError
 from sparkdeploy.records import RecordError
 from sparkdeploy.results import Result
 from sparkdeploy.state import LockHeld
-from sparkdeploy.steps.registry import run_one
+from sparkdeploy.steps.registry import StepContext, run_one
 from sparkdeploy.tasks._flags import node_names, usage
 from sparkdeploy.wait import WaitTimeout
 
@@ -30,8 +30,9 @@ def load(c: Context, profile: str | None = None) -> Deployment:
 
 
 def summarize(results: Iterable[Result]) -> None:
-    """Exit 1 naming how many results failed (the results themselves were already shown)."""
-    bad = [r for r in results if r.failed]
+    """Exit 1 naming how many results failed and were not superseded (the results themselves
+    were already shown)."""
+    bad = [r for r in results if r.failed and not r.superseded]
     if bad:
         raise Exit(f"{len(bad)} step(s) failed", code=1)
 
@@ -81,17 +82,16 @@ def run_step(c: Context, name: str, *, profile: str | None = None, lock: bool = 
     return results
 
 
-def stream(fn: Callable[..., list[Result]], *args: Any,
+def stream(name: str, fn: Callable[..., None], *args: Any,
            show: Callable[[list[Result]], None] | None = None, live: bool = True,
            **kwargs: Any) -> list[Result]:
-    """Run ``fn(sink, *args, **kwargs)``, work that needs no deployment, with its event stream
-    rendered as for a step; then ``show(results)`` and exit 1 on a failure."""
-    sink = EventSink()
-    with rendering(sink, live=live):
-        results = fn(sink, *args, **kwargs)
-        for r in results:
-            if not sink.seen(r):
-                sink.emit(r)
+    """Run ``fn(ctx, *args, **kwargs)``, work that needs no deployment, reporting as ``name``
+    through ``ctx`` with its event stream rendered as for a step; then ``show(results)`` and
+    exit 1 on a failure."""
+    ctx = StepContext(name, EventSink())
+    with rendering(ctx.events, live=live):
+        fn(ctx, *args, **kwargs)
+    results = ctx.results
     if show is not None:
         show(results)
     summarize(results)

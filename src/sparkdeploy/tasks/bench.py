@@ -66,7 +66,7 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
     """Benchmark an endpoint: a concurrency (or rate) sweep, vLLM bench-serve metrics."""
     from sparkdeploy.bench.compare import parse_pct
     from sparkdeploy.bench.sweep import parse_levels
-    from sparkdeploy.steps.bench import benchmark, request_settings
+    from sparkdeploy.steps.bench import STEP, benchmark, request_settings
     from sparkdeploy.tasks._common import stream
 
     # every flag first: a bad one exits 2 before the profile is read or a request is sent
@@ -98,7 +98,7 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
                                 deadline=whole)
     gate = (bench.baseline_decode_tok_s,
             bench.baseline_tolerance_pct if tolerance is None else tolerance)
-    stream(benchmark, url, settings, concurrency=levels or list(bench.concurrency), rates=rates,
+    stream(STEP, benchmark, url, settings, concurrency=levels or list(bench.concurrency), rates=rates,
            requests=n or bench.requests, warmup=bench.warmup if k is None else k,
            max_concurrency=cap, json_path=json_path, plot_path=plot_path,
            save_dir=state_dir(c) / "bench" if save else None,

@@ -25,20 +25,20 @@ def up(c, nodes=None, dockerd=layout.DEFAULT_DOCKERD, seed_worker=False, mgmt_ne
     if mgmt_net not in (None, "fallback", *layout.MGMT_CANDIDATES):
         raise Exit(f"--mgmt-net: must be 'fallback' or one of {', '.join(layout.MGMT_CANDIDATES)}, "
                    f"not {mgmt_net!r}", code=2)
-    stream(lambda sink: lifecycle.up(nodes=n, flavor=dockerd, seed_worker=seed_worker,
-                                     mgmt_net=mgmt_net, events=sink))
+    stream("lab.up", lambda ctx: lifecycle.up(nodes=n, flavor=dockerd, seed_worker=seed_worker,
+                                              mgmt_net=mgmt_net, ctx=ctx))
 
 
 @task(default=True)
 def status(c):
     """Show the lab's nodes, addresses, daemons and images per node."""
-    stream(lambda sink: lifecycle.status(events=sink))
+    stream("lab.status", lambda ctx: lifecycle.status(ctx=ctx))
 
 
 @task
 def down(c):
     """Stop what the lab started and remove its namespaces, links, mounts and data (keeps caches)."""
-    stream(lambda sink: lifecycle.down(events=sink))
+    stream("lab.down", lambda ctx: lifecycle.down(ctx=ctx))
 
 
 @task(help={"name": "sglang-hang (SGLang's ranks hang in init even when all is right), "
