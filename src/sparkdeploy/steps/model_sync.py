@@ -108,7 +108,7 @@ class Receiver:
 
     def __init__(self, ctx: StepContext, host: Host, st: Staged, scope: list[str],
                  secret: str | None, allow: list[str]):
-        self.ctx, self.host = ctx, host
+        self.ctx, self.host, self.dep = ctx, host, ctx.dep
         dep = ctx.dep
         self.port: int | None = None
         self.error: str | None = None
