@@ -276,6 +276,50 @@ def test_a_controller_killed_mid_sync_leaves_no_listener(lab, dep, tmp_path):
     assert model_verify.verify(dep, "spark2")[0].status is Status.OK
 
 
+def test_a_receive_helper_killed_mid_sync_leaves_no_daemon_and_no_secret(lab, dep):
+    """kill -9 of the receiving helper itself on the worker (its SSH session still open): the
+    guard of its daemon reads EOF on the pipe only the helper held, stops the daemon and
+    removes the directory holding its secret; the sync fails, and a re-run completes."""
+    assert model.download(dep)[0].status is Status.CHANGED
+    meta, _ = model.metadata(dep)
+    first = sorted(f["path"] for f in meta["files"] if f["path"].endswith(".safetensors"))[0]
+    _with(dep, sync=dep.profile.model.sync.model_copy(update={"streams": 1, "bwlimit_mb_s": 15.0}))
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", model_sync.sync(dep, "spark2")))
+    t.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not _on_worker(lab, first) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ps = lab.ssh("spark2", ["ps", "-eo", "pid=,args="]).stdout
+        helpers = [ln.split()[0] for ln in ps.splitlines()  # the helper, not a shell around it
+                   if "model_node.py receive" in ln and PATH in ln
+                   and ln.split()[1].endswith("python3")]
+        conf = next(a for ln in ps.splitlines() if "rsync --daemon" in ln
+                    for a in ln.split() if a.startswith("--config="))[len("--config="):]
+        private = os.path.dirname(conf)
+        assert len(helpers) == 1 and "rsync" in _listeners("spark2"), ps
+        assert lab.ssh("spark2", ["test", "-f", f"{private}/secrets"], check=False).returncode == 0
+        lab.ssh("spark2", ["kill", "-KILL", helpers[0]])
+
+        def gone() -> bool:
+            return ("rsync" not in _listeners("spark2")
+                    and lab.ssh("spark2", ["test", "-e", private], check=False).returncode != 0)
+
+        deadline = time.monotonic() + 10
+        while not gone() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert gone(), _listeners("spark2")
+    finally:
+        t.join(300)
+    [res] = box["r"]
+    assert res.status is Status.FAILED, res.why
+    [again] = model_sync.sync(dep, "spark2")
+    assert again.status is Status.CHANGED, again.why
+    assert model_verify.verify(dep, "spark2")[0].status is Status.OK
+    assert "rsync" not in _listeners("spark2")
+
+
 def test_a_corrupted_file_on_the_worker_is_named_and_repaired(lab, dep):
     assert model.download(dep)[0].status is Status.CHANGED
     assert model_sync.sync(dep, "spark2")[0].status is Status.CHANGED
