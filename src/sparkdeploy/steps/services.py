@@ -1,5 +1,6 @@
-"""Free the GPUs: stop what holds them (systemd units), wait until no process is on the GPU,
-and put the stopped units back later.
+"""Free the GPUs: stop what holds them (systemd units), wait until no process is on the GPU
+(``services.gpu-free``, a step of its own that ``services.stop`` runs for each node it
+stopped), and put the stopped units back later.
 
 Before stopping, the controller records which units were active (``services/<profile>.json``
 in the state dir); ``stop`` only ever adds to that record, ``restore`` starts exactly the
