@@ -12,6 +12,17 @@ import re
 import unicodedata
 from urllib.parse import urlsplit
 
+# Bounds shared by the profile's bench section and bench.run's flags: beyond them a run would
+# exhaust the controller (threads, memory) or never end, not measure anything.
+MAX_CONCURRENCY = 4096
+MAX_REQUESTS = 10**6
+MAX_WARMUP = 10**4
+MAX_TOKENS = 10**6
+"""Prompt or output length in tokens (no served context is longer)."""
+RATE_RANGE = (1e-3, 1e4)
+"""Poisson arrival rates, requests per second (one per 1000 s .. 10000 a second)."""
+
+
 NAME_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
 """Node and engine names: one DNS label, lower case (also a safe path segment, container name
 and image tag component)."""

@@ -235,11 +235,12 @@ class Serve(_Strict):
 
 
 class Bench(_Strict):
-    concurrency: list[Annotated[int, Field(ge=1, le=4096)]] = Field(default_factory=lambda: [1, 8])
-    requests: int = Field(default=16, ge=1, le=10**6)
-    input_tokens: int = Field(default=512, ge=1, le=10**7)
-    output_tokens: int = Field(default=256, ge=2, le=10**7)
-    warmup: int = Field(default=1, ge=0, le=10**4)
+    concurrency: list[Annotated[int, Field(ge=1, le=checks.MAX_CONCURRENCY)]] = Field(
+        default_factory=lambda: [1, 8])
+    requests: int = Field(default=16, ge=1, le=checks.MAX_REQUESTS)
+    input_tokens: int = Field(default=512, ge=1, le=checks.MAX_TOKENS)
+    output_tokens: int = Field(default=256, ge=2, le=checks.MAX_TOKENS)
+    warmup: int = Field(default=1, ge=0, le=checks.MAX_WARMUP)
     baseline_decode_tok_s: float = Field(default=27.0, gt=0, le=1e7)
     baseline_tolerance_pct: float = Field(default=10.0, ge=0, lt=100)
     """``bench.run --check-baseline``: the allowed shortfall of the concurrency-1 median decode

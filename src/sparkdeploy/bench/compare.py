@@ -50,6 +50,8 @@ def parse_pct(text: str | float) -> float:
         raise ValueError(f"not a percentage: {text!r}") from None
     if v < 0:
         raise ValueError(f"must not be negative: {text!r}")
+    if not v <= 100:  # nan fails this too; beyond 100% a gate lets everything through
+        raise ValueError(f"must be a percentage from 0 to 100: {text!r}")
     return v
 
 

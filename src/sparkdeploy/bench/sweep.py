@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field
 
+from sparkdeploy import checks
 from sparkdeploy.bench.client import BenchError, Settings, Target, default_model, run_level
 from sparkdeploy.events import EventSink
 from sparkdeploy.files import MB, InputError, read_input
@@ -18,9 +19,11 @@ STEP = "bench.run"
 
 
 def parse_levels(text: str | None, kind=int) -> list:
-    """``"1,8,64"`` -> [1, 8, 64]; BenchError on anything else."""
+    """``"1,8,64"`` -> [1, 8, 64] (concurrencies), or rates with ``kind=float``; BenchError on
+    anything else, or on a level beyond ``checks.MAX_CONCURRENCY`` / ``checks.RATE_RANGE``."""
     if text is None or str(text).strip() == "":
         return []
+    lo, hi = (1, checks.MAX_CONCURRENCY) if kind is int else checks.RATE_RANGE
     out = []
     for part in str(text).split(","):
         try:
@@ -29,6 +32,8 @@ def parse_levels(text: str | None, kind=int) -> list:
             raise BenchError(f"not a number: {part.strip()!r}") from None
         if v <= 0:
             raise BenchError(f"must be positive: {part.strip()!r}")
+        if not lo <= v <= hi:  # nan fails this too
+            raise BenchError(f"{part.strip()!r} is out of range ({lo:g}..{hi:g})")
         out.append(v)
     return out
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from invoke import Context
 from invoke.exceptions import Exit
 
+from sparkdeploy import checks
 from sparkdeploy.bench.client import DAY_S, BenchError
 from sparkdeploy.config import Bench
 from sparkdeploy.deployment import state_dir
@@ -75,11 +76,11 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
     flags.choice("--thinking", thinking, ("on", "off"))
     levels = flags.parsed("--concurrency", concurrency, parse_levels, (BenchError,))
     rates = flags.parsed("--rate", rate, lambda v: parse_levels(v, float), (BenchError,))
-    cap = flags.integer("--max-concurrency", max_concurrency, min=1)
-    n = flags.integer("--requests", requests, min=1)
-    k = flags.integer("--warmup", warmup, min=0)
-    n_in = flags.integer("--input-tokens", input_tokens, min=1)
-    n_out = flags.integer("--output-tokens", output_tokens, min=2)
+    cap = flags.integer("--max-concurrency", max_concurrency, min=1, max=checks.MAX_CONCURRENCY)
+    n = flags.integer("--requests", requests, min=1, max=checks.MAX_REQUESTS)
+    k = flags.integer("--warmup", warmup, min=0, max=checks.MAX_WARMUP)
+    n_in = flags.integer("--input-tokens", input_tokens, min=1, max=checks.MAX_TOKENS)
+    n_out = flags.integer("--output-tokens", output_tokens, min=2, max=checks.MAX_TOKENS)
     secs = flags.number("--timeout", timeout, gt=0, max=DAY_S)
     whole = flags.number("--deadline", deadline, gt=0, max=DAY_S)
     tolerance = None if baseline_tolerance is None else flags.parsed(
