@@ -108,7 +108,8 @@ class ModelSync(_Strict):
 
 
 class Model(_Strict):
-    repo: str = Field(pattern=r"^[\w.-]+/[\w.-]+$")
+    repo: str = Field(pattern=r"^[A-Za-z0-9_][\w.-]*/[A-Za-z0-9_][\w.-]*$")
+    """``owner/name`` on the hub, each part starting with a letter, digit or '_' (never '..')."""
     revision: str = Field(default="main", pattern=r"^[A-Za-z0-9_][A-Za-z0-9_./-]{0,254}$")
     path: AbsPath
     """Where the weights live on every node."""

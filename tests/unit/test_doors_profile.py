@@ -80,6 +80,8 @@ BAD = [
     ("model.venv", "relative/venv", "is not a plain absolute path (or ~/...)"),
     ("model.allow_patterns", ["-rf"], "is not a file pattern"),
     ("model.revision", "--upload", "is not of the form"),
+    ("model.repo", "../x", "is not of the form"),
+    ("model.repo", "Qwen/..", "is not of the form"),
     ("model.revision", "main\n", "is not of the form"),
     ("services.stop.spark1", ["-.service"], "is not a systemd unit name"),
     ("services.stop.spark1", ["a.service; reboot"], "is not a systemd unit name"),

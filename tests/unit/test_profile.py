@@ -86,7 +86,7 @@ BAD = [
     ("no-candidates", _set(["images", "candidates"], []),
      "sparkdeploy.images.candidates: must not be empty"),
     ("repo-form", _set(["model", "repo"], "just-a-name"),
-     "sparkdeploy.model.repo: 'just-a-name' is not of the form ^[\\w.-]+/[\\w.-]+$"),
+     "sparkdeploy.model.repo: 'just-a-name' is not of the form ^[A-Za-z0-9_][\\w.-]*/[A-Za-z0-9_][\\w.-]*$"),
     ("nodes-not-list", _set(["nodes"], {"spark1": {}}), "sparkdeploy.nodes: must be a list"),
     ("dup-address", _set(["nodes", 1, "link", "address"], "192.168.100.10"),
      "sparkdeploy.nodes[1].link.address: 192.168.100.10 is also nodes[0]'s address"),
