@@ -43,7 +43,7 @@ class Comparison:
 
 def parse_pct(text: str | float) -> float:
     """``"5%"``, ``"5"`` or ``5`` -> 5.0 (percent)."""
-    s = str(text).strip().rstrip("%").strip()
+    s = str(text).strip().removesuffix("%").strip()
     try:
         v = float(s)
     except ValueError:

@@ -72,6 +72,7 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
 
     # every flag first: a bad one exits 2 before the profile is read or a request is sent
     url = flags.url("--url", url)
+    model = None if model is None else flags.parsed("--model", model, checks.no_control)
     flags.choice("--api", api, ("chat", "completions"))
     flags.choice("--thinking", thinking, ("on", "off"))
     levels = flags.parsed("--concurrency", concurrency, parse_levels, (BenchError,))
