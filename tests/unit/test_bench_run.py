@@ -237,6 +237,7 @@ def test_a_huge_timeout_never_leaves_the_main_thread_at_a_barrier():
     ('{"runs": [{"summary": {"itl_ms": []}}]}', "runs.0.summary.itl_ms: "),
     ("{" * 50_000, "not JSON"),
     ("\x00\xff", "not JSON"),
+    ('{"runs": [{"summary": {"x": NaN}}]}', "runs.0: a run names its level"),
 ])
 def test_a_compare_input_that_does_not_fit_is_one_line_naming_the_file(tmp_path, doc, why):
     good = tmp_path / "good.json"
@@ -249,6 +250,24 @@ def test_a_compare_input_that_does_not_fit_is_one_line_naming_the_file(tmp_path,
             bench_tasks.compare(c, str(args[0]), str(args[1]))
         msg = str(e.value)
         assert e.value.code == 2 and msg.startswith(f"{bad}: ") and why in msg and "\n" not in msg
+
+
+def test_levels_without_a_metric_on_both_sides_compare_nothing(tmp_path):
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps(_doc(None, None, None, None)))
+    c = Context(Config())
+    with pytest.raises(Exit) as e:
+        bench_tasks.compare(c, str(empty), str(empty))
+    assert (e.value.code, str(e.value)) == (
+        2, "no headline metric in both files at a common level: nothing to compare")
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(_doc(100, 20, 50, 10)))
+    with pytest.raises(Exit) as e:   # NEW lost every metric BASE had: regressions, not nothing
+        bench_tasks.compare(c, str(good), str(empty))
+    assert (e.value.code, str(e.value)) == (1, "4 regression(s) beyond 5%")
+    with pytest.raises(Exit) as e:   # BASE had nothing to regress from
+        bench_tasks.compare(c, str(empty), str(good))
+    assert e.value.code == 2
 
 
 def test_a_fifo_is_not_a_compare_input(tmp_path):

@@ -10,9 +10,9 @@ import subprocess
 import zipfile
 from pathlib import Path
 
+import docker
 import pytest
 
-import docker
 from sparkdeploy.lab import images, layout
 from sparkdeploy.results import Status
 

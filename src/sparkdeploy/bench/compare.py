@@ -40,6 +40,12 @@ class Comparison:
     def regressions(self) -> list[Row]:
         return [r for r in self.rows if r.regressed]
 
+    @property
+    def compared(self) -> list[Row]:
+        """The rows with a value in both files (a row with one side missing compares nothing,
+        unless NEW lost what BASE had: that is a regression, and counted there)."""
+        return [r for r in self.rows if r.regressed or (r.base is not None and r.new is not None)]
+
 
 def parse_pct(text: str | float) -> float:
     """``"5%"``, ``"5"`` or ``5`` -> 5.0 (percent)."""

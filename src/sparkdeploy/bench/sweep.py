@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from sparkdeploy import checks
 from sparkdeploy.bench.client import BenchError, Settings, Target, default_model, run_level
@@ -103,6 +103,12 @@ class _Run(BaseModel):
     concurrency: int | None = Field(default=None, ge=1)
     rate: Finite | None = Field(default=None, gt=0)
     summary: _Summary
+
+    @model_validator(mode="after")
+    def _names_its_level(self) -> _Run:
+        if self.concurrency is None and self.rate is None:
+            raise ValueError("a run names its level: a concurrency or a rate")
+        return self
 
 
 class _Doc(BaseModel):

@@ -147,6 +147,9 @@ def compare(c, base, new, max_regression="5%"):
         console.print(f"{level}: only in {new}")
     if not result.rows:
         raise Exit("no level in common between the two files", code=2)
+    if not result.compared:
+        raise Exit("no headline metric in both files at a common level: nothing to compare",
+                   code=2)
     bad = result.regressions
     if bad:
         raise Exit(f"{len(bad)} regression(s) beyond {threshold:g}%", code=1)
