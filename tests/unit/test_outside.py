@@ -291,6 +291,21 @@ def test_a_helper_answer_that_does_not_fit_is_one_line(printed, why):
     assert line.startswith("spark1: verify helper failed: ") and why in line and "\n" not in line
 
 
+@pytest.mark.parametrize(("said", "port"), [({"port": 8873, "private": "/tmp/x"}, 8873),
+                                            ({"port": None, "private": None}, None),
+                                            ({}, None)])
+def test_a_receivers_ready_line_names_its_daemons_port_or_none(said, port):
+    # None: no daemon listens, the ssh transport carries the files (what the helper says then)
+    assert model.answer(model.ReadyReport, said, "spark2: receive: ready")["port"] == port
+
+
+@pytest.mark.parametrize("said", [{"port": 0}, {"port": 70000}, {"port": "x"}])
+def test_a_ready_line_with_a_port_that_is_no_port_is_one_line(said):
+    with pytest.raises(model.ModelError) as e:
+        model.answer(model.ReadyReport, said, "spark2: receive: ready")
+    assert str(e.value).startswith("spark2: receive: ready: port: ") and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("line", ["progress bytes=x total=10", "progress bytes=1e9"])
 def test_a_progress_line_with_no_count_is_not_progress(line):
     assert model.parse_progress(line) is None

@@ -252,7 +252,8 @@ class FileReport(BaseModel):
 
 
 class ReadyReport(_Answer):
-    port: int = Field(ge=1, le=65535)
+    port: int | None = Field(default=None, ge=1, le=65535)
+    """None when no daemon listens (the ssh transport sends through the helper's own rsync)."""
 
 
 def answer(cls: type[Any], data: Any, where: str) -> dict[str, Any]:
