@@ -1,5 +1,6 @@
 """Small node-side helpers every step shares: the docker CLI argv, JSON probes, staging a file
-on a node, the node's architecture.
+on a node, the node's architecture, and ``run_helper``: the one way a step runs a node helper
+(staged, checked against its sha256, its ``progress k=v ...`` lines read, its JSON answer typed).
 
 A node that cannot be reached raises ``NodeUnreachable`` (from ``Host.run``; re-exported here);
 a node that answers but cannot do what is asked raises ``HostError``."""
@@ -11,13 +12,20 @@ import hashlib
 import json
 import re
 import shlex
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
-from sparkdeploy.hosts import Host, HostError, NodeUnreachable
+from pydantic import BaseModel
+
+from sparkdeploy.hosts import Feed, Host, HostError, NodeUnreachable
+from sparkdeploy.outside import OutsideError, last_line
 from sparkdeploy.packaged import helper
 
+T = TypeVar("T", bound=BaseModel)
+
 __all__ = ["ARCH", "HostError", "NodeUnreachable", "docker", "inspect_image",
-           "listed_tags", "node_arch", "free_space", "stage", "stage_script", "check_staged", "verified"]
+           "listed_tags", "node_arch", "free_space", "stage", "stage_script", "check_staged", "verified",
+           "HelperFailed", "run_helper", "parse_progress", "helper_error"]
 
 ARCH = {"aarch64": "arm64", "arm64": "arm64", "x86_64": "amd64", "amd64": "amd64"}
 
@@ -122,3 +130,72 @@ def verified(paths: list[str], argv: list[str]) -> list[str]:
     checks = "; ".join(check_staged(p) for p in paths)
     return ["sh", "-c", f'{checks}; exec "$@"', "sh", *argv]
 
+
+
+# --- running a node helper ----------------------------------------------------------------------
+# Every helper speaks one progress dialect on stderr: ``progress k=v ...`` (``bytes`` done,
+# ``total`` expected, counts in digits, other keys free text without spaces), written by the
+# small ``progress`` function each helper carries (they stay standalone scripts). ``error: ...``
+# lines say why it failed; its answer is one JSON object, the last line of its stdout.
+
+class HelperFailed(HostError):
+    """A node helper that failed, or answered what its type does not accept (one line); its
+    stderr kept for a caller that tells one failure from another."""
+
+    def __init__(self, why: str, stderr: str = "") -> None:
+        super().__init__(why)
+        self.stderr = stderr
+
+
+def parse_progress(line: str) -> dict[str, str] | None:
+    """A helper's ``progress k=v ...`` line (its counts are digits), else None."""
+    if not line.startswith("progress "):
+        return None
+    out = dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
+    counts = ("bytes", "total", "files", "of", "out")
+    return out if all(out[k].isdigit() for k in counts if k in out) else None
+
+
+def helper_error(stderr: str, fallback: str) -> str:
+    """Why a helper failed: its last ``error:`` line, else its last line that is not progress."""
+    errs = [ln[len("error: "):] for ln in stderr.splitlines() if ln.startswith("error: ")]
+    if errs:
+        return errs[-1]
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip() and not ln.startswith("progress ")]
+    return lines[-1] if lines else fallback
+
+
+def run_helper(host: Host, name: str, args: Sequence[str], *, result: type[T], where: str,
+               also: Sequence[str] = (), script: str | None = None,
+               wrap: Callable[[str], list[str]] | None = None, input: str | Feed | None = None,
+               timeout: float = 300, change: bool = False,
+               on_progress: Callable[[dict[str, str]], None] | None = None,
+               on_line: Callable[[str], None] | None = None, answers_failing: bool = False) -> T:
+    """Run the helper ``name`` on ``host`` with ``args`` and return its answer as ``result``.
+
+    The helper is staged (``script``: staged already) and runs only while it and the staged
+    files ``also`` match their sha256; ``wrap`` builds the argv from the staged path when the
+    helper does not run as ``python3 <helper> args`` (in a container, in a virtualenv).
+    ``on_progress`` receives each progress line, ``on_line`` every other stderr line. A failure
+    or an answer that does not fit raises ``HelperFailed("<where>: why")``; ``answers_failing``:
+    the helper answers even when it exits non-zero (a partial result), read then too."""
+    path = script or stage_script(host, name)
+    argv = wrap(path) if wrap else ["python3", path, *args]
+
+    def on_stderr(line: str) -> None:
+        p = parse_progress(line)
+        if p is not None:
+            if on_progress:
+                on_progress(p)
+        elif on_line:
+            on_line(line)
+
+    r = host.run(verified([path, *also], argv), change=change, input=input, timeout=timeout,
+                 on_stderr=on_stderr if on_progress or on_line else None)
+    answered = r.stdout.strip().splitlines()[-1:] if answers_failing and r.exit_code > 0 else []
+    if not r.ok and not (answered and answered[0].startswith("{")):
+        raise HelperFailed(f"{where}: {helper_error(r.stderr, r.one_line_error())}", r.stderr)
+    try:
+        return last_line(result, r.stdout, where)
+    except OutsideError as e:
+        raise HelperFailed(str(e), r.stderr) from None

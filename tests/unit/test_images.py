@@ -155,7 +155,7 @@ def test_ship_pipeline_argv(dep):
 
 
 def test_filter_report_is_read_from_stderr():
-    err = "progress bytes_in=1 bytes_out=1\n" + json.dumps({"bytes_in": 10, "bytes_out": 4}) + "\n"
+    err = "progress bytes=1 out=1\n" + json.dumps({"bytes_in": 10, "bytes_out": 4}) + "\n"
     assert ship._report(err) == {"bytes_in": 10, "bytes_out": 4}
 
 

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from sparkdeploy import nodeops
 from sparkdeploy.lab import hub
 from sparkdeploy.lab.hub_repo import RepoFile
-from sparkdeploy.outside import OutsideError, request
+from sparkdeploy.outside import OutsideError, request, validated
 from sparkdeploy.packaged import helper
 from sparkdeploy.records import HubMetadata
 from sparkdeploy.results import Status
@@ -284,11 +285,12 @@ def test_a_helper_answer_that_does_not_fit_is_one_line(printed, why):
 
     local = Host(Node(name="spark1", role="head", ssh=None, privilege="none",
                       link=Link(interface="e0", address="10.0.0.1")))
-    with pytest.raises(model.ModelError) as e:
-        model.helper_json(local, [sys.executable, "-c", f"print({printed!r})"],
-                          "verify helper failed", model.NodeState)
+    with pytest.raises(nodeops.HelperFailed) as e:  # the real helper staged, its answer faked
+        nodeops.run_helper(local, "model_node.py", [], result=model.NodeState,
+                           where="spark1: model_node.py verify",
+                           wrap=lambda _: [sys.executable, "-c", f"print({printed!r})"])
     line = str(e.value)
-    assert line.startswith("spark1: verify helper failed: ") and why in line and "\n" not in line
+    assert line.startswith("spark1: model_node.py verify: ") and why in line and "\n" not in line
 
 
 @pytest.mark.parametrize(("said", "port"), [({"port": 8873, "private": "/tmp/x"}, 8873),
@@ -296,22 +298,38 @@ def test_a_helper_answer_that_does_not_fit_is_one_line(printed, why):
                                             ({}, None)])
 def test_a_receivers_ready_line_names_its_daemons_port_or_none(said, port):
     # None: no daemon listens, the ssh transport carries the files (what the helper says then)
-    assert model.answer(model.ReadyReport, said, "spark2: receive: ready")["port"] == port
+    assert validated(model.ReadyReport, said, "spark2: receive: ready").port == port
 
 
 @pytest.mark.parametrize("said", [{"port": 0}, {"port": 70000}, {"port": "x"}])
 def test_a_ready_line_with_a_port_that_is_no_port_is_one_line(said):
-    with pytest.raises(model.ModelError) as e:
-        model.answer(model.ReadyReport, said, "spark2: receive: ready")
+    with pytest.raises(OutsideError) as e:
+        validated(model.ReadyReport, said, "spark2: receive: ready")
     assert str(e.value).startswith("spark2: receive: ready: port: ") and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("line", ["progress bytes=x total=10", "progress bytes=1e9"])
+@pytest.mark.parametrize("line", ["progress bytes=x total=10", "progress bytes=1e9",
+                                  "progress bytes=1 out=-1", "progressing bytes=1"])
 def test_a_progress_line_with_no_count_is_not_progress(line):
-    assert model.parse_progress(line) is None
-    assert model.parse_progress("progress bytes=5 total=10 file=a b") == {"bytes": "5",
-                                                                          "total": "10",
-                                                                          "file": "a"}
+    assert nodeops.parse_progress(line) is None
+    assert nodeops.parse_progress("progress bytes=5 total=10 file=a b") == {"bytes": "5",
+                                                                            "total": "10",
+                                                                            "file": "a"}
+
+
+def test_a_failed_helper_says_its_last_error_line_not_its_progress():
+    from sparkdeploy.config import Link, Node
+    from sparkdeploy.hosts import Host
+
+    local = Host(Node(name="spark1", role="head", ssh=None, privilege="none",
+                      link=Link(interface="e0", address="10.0.0.1")))
+    seen: list[dict[str, str]] = []
+    say = "import sys; sys.stderr.write('progress bytes=3 total=9\\nerror: no room\\nprogress bytes=4\\n'); sys.exit(3)"
+    with pytest.raises(nodeops.HelperFailed) as e:
+        nodeops.run_helper(local, "model_node.py", [], result=model.NodeState, where="spark1: x",
+                           wrap=lambda _: [sys.executable, "-c", say], on_progress=seen.append)
+    assert str(e.value) == "spark1: x: no room"
+    assert seen == [{"bytes": "3", "total": "9"}, {"bytes": "4"}]
 
 
 @pytest.mark.parametrize("printed", ["", "not json", '{"ip": "10.0.0.1"}', '[{"ip": 5}]',

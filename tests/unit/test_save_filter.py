@@ -443,7 +443,7 @@ def test_progress_lines(tmp_path):
     )  # fmt: skip
     assert cp.returncode == 0
     # the final count is always printed, whatever the period
-    assert cp.stderr.decode().splitlines() == [f"progress bytes_in={len(raw)} bytes_out={len(raw)}"]
+    assert cp.stderr.decode().splitlines() == [f"progress bytes={len(raw)} out={len(raw)}"]
 
 
 @pytest.mark.parametrize("layout", ["oci", "legacy"])
@@ -644,10 +644,10 @@ def _progress(raw: bytes, period: float) -> tuple[list[str], "sf.Filter"]:
 def test_progress_every_period_and_always_the_final_count():
     _, raw, _, _ = _oci()
     lines, f = _progress(raw, 1000)
-    assert lines == [f"progress bytes_in={len(raw)} bytes_out={len(raw)}"]
+    assert lines == [f"progress bytes={len(raw)} out={len(raw)}"]
     lines, f = _progress(raw, 1e-9)  # a line at each write, counts only growing
     counts = [tuple(int(kv.split("=")[1]) for kv in ln.split()[1:]) for ln in lines]
-    assert len(lines) > 5 and all(ln.startswith("progress bytes_in=") for ln in lines)
+    assert len(lines) > 5 and all(ln.startswith("progress bytes=") for ln in lines)
     assert counts == sorted(counts) and counts[-1] == (len(raw), len(raw))
 
 

@@ -79,6 +79,13 @@ def say(text: str) -> None:
         sys.stderr.flush()
 
 
+def progress(**counts: object) -> None:
+    """One progress line in the dialect every sparkdeploy node helper writes on stderr:
+    ``progress k=v ...`` (``bytes`` done, ``total`` expected; values hold no space). Each helper
+    carries these few lines of its own: helpers are standalone scripts."""
+    say("progress " + " ".join(f"{k}={str(v).replace(' ', '_')}" for k, v in counts.items()))
+
+
 # --- records -------------------------------------------------------------------------------
 
 def make_root(root: str) -> None:
@@ -314,7 +321,7 @@ def check_files(root: str, files: list[dict], quick: bool, jobs: int) -> dict:
         with lock:
             done[0] += want["size"]
             if not quick:
-                say(f"progress bytes={done[0]} total={total} file={want['path']}")
+                progress(bytes=done[0], total=total, file=want["path"])
         return want, res
 
     writable = os.access(root, os.W_OK)
@@ -401,8 +408,7 @@ class _Fetch:
             self.stop.set()
         compact_records(self.root)
         st = self.state
-        say(f"progress bytes={st['complete']} total={self.total} files={st['files']} "
-            f"of={len(self.files)}")
+        progress(bytes=st["complete"], total=self.total, files=st["files"], of=len(self.files))
         return {"fetched_bytes": st["fetched"], "files": st["files"], "present": st["present"],
                 "failed": self.failures, "seconds": round(time.monotonic() - started, 3),
                 "total": self.total}
@@ -412,8 +418,8 @@ class _Fetch:
             with self.lock:
                 done = self.state["complete"]
                 nfiles = self.state["files"]
-            say(f"progress bytes={done + in_flight(self.root)} total={self.total} files={nfiles} "
-                f"of={len(self.files)}")
+            progress(bytes=done + in_flight(self.root), total=self.total, files=nfiles,
+                     of=len(self.files))
 
     def _count(self, want: dict, *keys: str) -> None:
         with self.lock:

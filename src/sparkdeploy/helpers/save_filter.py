@@ -165,6 +165,15 @@ class Plan:
         return None
 
 
+def progress(err, **counts):
+    """One progress line in the dialect every sparkdeploy node helper writes on stderr:
+    ``progress k=v ...`` (``bytes``: done so far; values hold no space). Each helper carries
+    these few lines of its own: helpers are standalone scripts."""
+    err.write("progress " + " ".join(f"{k}={str(v).replace(' ', '_')}"
+                                     for k, v in counts.items()) + "\n")
+    err.flush()
+
+
 class Filter:
     def __init__(self, plan, src, dst, progress=None, err=sys.stderr):
         self.plan = plan
@@ -205,8 +214,7 @@ class Filter:
         now = time.monotonic()
         if force or now - self._last_progress >= self.progress:
             self._last_progress = now
-            self.err.write(f"progress bytes_in={self.bytes_in} bytes_out={self.bytes_out}\n")
-            self.err.flush()
+            progress(self.err, bytes=self.bytes_in, out=self.bytes_out)
 
     def _data(self, size, keep, capture):
         """Copy (keep) or skip the padded data of one member; return captured bytes or None."""
@@ -427,7 +435,7 @@ def parse_args(argv):
         "--progress",
         type=float,
         metavar="SECONDS",
-        help="print 'progress bytes_in=N bytes_out=M' to stderr this often",
+        help="print 'progress bytes=N out=M' (read, written) to stderr this often",
     )
     p.add_argument("--quiet", action="store_true", help="no report on stderr")
     args = p.parse_args(argv)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
-import json
 import re
 import tarfile
 from collections.abc import Callable
@@ -21,24 +20,28 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from pydantic import BaseModel, ConfigDict
+
 from sparkdeploy import packaged
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.files import MB, Escape, InputError, read_input, under
 from sparkdeploy.hosts import Host, HostError, NodeUnreachable
 from sparkdeploy.nodeops import (
     ARCH,
+    HelperFailed,
     docker,
     inspect_image,
     node_arch,
+    run_helper,
     stage,
     stage_script,
-    verified,
 )
 from sparkdeploy.records import ImageDecision, Written, markdown_table
 from sparkdeploy.results import Result, Status, changed, failed, ok, skipped
 from sparkdeploy.steps.registry import StepContext, step
 
 STEP_PROBE = "image.probe"
+PROBE = "probe_image.py"
 STEP_BUILD = "image.build"
 LABEL_BASE_ID = "org.sparkdeploy.base.id"
 LABEL_TF = "org.sparkdeploy.transformers.version"
@@ -78,6 +81,29 @@ def model_config_text(dep: Deployment, head: Host) -> tuple[str, str]:
 
 
 # -- probe -------------------------------------------------------------------------------------
+
+
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class EngineProbe(_Loose):
+    """What ``probe_image.py`` says of one engine in an image."""
+
+    installed: bool = False
+    version: str | None = None
+    model_files: dict[str, bool] = {}
+    requires: dict[str, str] = {}
+    ok: bool = False
+    reasons: list[str] = []
+
+
+class ProbeReport(_Loose):
+    """``probe_image.py``'s answer (what is read of it is checked, the rest kept)."""
+
+    packages: dict[str, str | None] = {}
+    config: dict[str, Any] | None = None
+    engines: dict[str, EngineProbe] = {}
 
 
 def probe_argv(dep: Deployment, head: Host, ref: str, probe_path: str, config_dir: str) -> list[str]:
@@ -157,7 +183,7 @@ def probe(ctx: StepContext, only: str | None = None) -> None:
             return
         text, source = model_config_text(dep, head)
         config_path = stage(head, "model/config.json", text)
-        probe_path = stage_script(head, "probe_image.py")
+        probe_path = stage_script(head, PROBE)
     except NodeUnreachable:
         raise  # not a HostError of the step's own: one failed result for the node (the context)
     except (HostError, ConfigUnavailable) as e:
@@ -197,14 +223,12 @@ def _probe_one(dep: Deployment, head: Host, ref: str, engine: str, arch: str, pr
             err = f"not on the head, pull failed: {pull.one_line_error()}"
     report = None
     if info is not None:
-        r = head.run(verified([probe_path, config_path],
-                              probe_argv(dep, head, ref, probe_path, config_dir)),
-                     change=False, timeout=300)
         try:
-            report = json.loads(r.stdout) if r.ok else None
-            err = None if r.ok else r.one_line_error()
-        except json.JSONDecodeError:
-            err = f"probe printed no JSON: {r.stdout.strip()[:120]}"
+            report = run_helper(head, PROBE, [], result=ProbeReport, script=probe_path,
+                                also=[config_path], where=f"{head.name}: {PROBE} in {ref}",
+                                wrap=lambda p: probe_argv(dep, head, ref, p, config_dir)).model_dump()
+        except HelperFailed as e:
+            err = str(e)
     return judge(dep, ref, engine, arch, info, report, err)
 
 
@@ -334,21 +358,22 @@ def engine_requires(dep: Deployment, head: Host, ref: str) -> tuple[str, str, st
     kind = next((c.engine for c in dep.profile.images.candidates if c.ref == ref), None)
     if kind is None:
         return None
-    probe_path = stage_script(head, "probe_image.py")
-    argv = docker(head, "run", "--rm", "--network", "none",
-                  "-v", f"{probe_path}:/sparkdeploy/probe_image.py:ro",
-                  "--entrypoint", "python3", ref, "/sparkdeploy/probe_image.py", "--engine", kind)
-    r = head.run(verified([probe_path], argv), change=False, timeout=300)
+    def argv(path: str) -> list[str]:
+        return docker(head, "run", "--rm", "--network", "none",
+                      "-v", f"{path}:/sparkdeploy/probe_image.py:ro", "--entrypoint", "python3",
+                      ref, "/sparkdeploy/probe_image.py", "--engine", kind)
+
     try:
-        eng = json.loads(r.stdout)["engines"][kind] if r.ok else None
-    except (json.JSONDecodeError, KeyError, TypeError):
-        eng = None
-    if eng is None:
-        raise ResolveError(f"cannot read what {kind} in {ref} requires: {r.one_line_error()}")
-    spec = (eng.get("requires") or {}).get("transformers")
-    if not eng.get("installed") or spec is None:
+        report = run_helper(head, PROBE, [], result=ProbeReport, wrap=argv,
+                            where=f"{head.name}: {PROBE} in {ref}")
+        eng = report.engines[kind]
+    except (HelperFailed, KeyError) as e:
+        why = e if isinstance(e, HelperFailed) else f"it names no engine {kind}"
+        raise ResolveError(f"cannot read what {kind} in {ref} requires: {why}") from None
+    spec = eng.requires.get("transformers")
+    if not eng.installed or spec is None:
         return None
-    return kind, str(eng.get("version")), spec
+    return kind, str(eng.version), spec
 
 
 def legacy_dockerfile(text: str) -> str:

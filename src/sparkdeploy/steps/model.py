@@ -28,8 +28,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Feed, Host
-from sparkdeploy.nodeops import docker, free_space, inspect_image, stage, stage_script, verified
-from sparkdeploy.outside import HubName, OutsideError, request, validated
+from sparkdeploy.nodeops import (
+    HelperFailed,
+    docker,
+    free_space,
+    inspect_image,
+    run_helper,
+    stage,
+    stage_script,
+    verified,
+)
+from sparkdeploy.outside import HubName, OutsideError, request
 from sparkdeploy.records import SHA1, SHA256, HubMetadata, RecordError
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.registry import StepContext, step
@@ -182,25 +191,6 @@ def stage_for(host: Host, meta: dict[str, Any]) -> Staged:
     return Staged(script, spec_path)
 
 
-def last_json(text: str) -> dict[str, Any] | None:
-    for line in reversed(text.strip().splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except ValueError:
-                return None
-    return None
-
-
-def error_line(stderr: str, fallback: str) -> str:
-    errs = [ln[len("error: "):] for ln in stderr.splitlines() if ln.startswith("error: ")]
-    if errs:
-        return errs[-1]
-    lines = [ln for ln in stderr.strip().splitlines() if ln.strip() and not ln.startswith("progress ")]
-    return lines[-1] if lines else fallback
-
-
 Count = Annotated[int, Field(ge=0)]
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
@@ -256,42 +246,25 @@ class ReadyReport(_Answer):
     """None when no daemon listens (the ssh transport sends through the helper's own rsync)."""
 
 
-def answer(cls: type[Any], data: Any, where: str) -> dict[str, Any]:
-    """A helper's JSON as ``cls`` checked it (a dict, as the steps read it); ModelError."""
-    try:
-        return validated(cls, data, where).model_dump()
-    except OutsideError as e:
-        raise ModelError(f"{e} (not what the helper answers)") from None
-
-
-def helper_json(host: Host, argv: list[str], what: str, cls: type[Any],
+def helper_json(host: Host, st: Staged, args: list[str], what: str, cls: type[Any],
                 **run: Any) -> dict[str, Any]:
-    """Run a node helper that prints one JSON object, checked as ``cls``; ModelError naming
-    ``what`` otherwise."""
-    r = host.run(argv, **run)
-    out = last_json(r.stdout) if r.ok else None
-    if out is None:
-        raise ModelError(f"{host.name}: {what}: {error_line(r.stderr, r.one_line_error())}")
-    return answer(cls, out, f"{host.name}: {what}")
+    """The staged model helper's answer to ``args``, checked as ``cls`` (a dict, as the steps
+    read it); ModelError naming ``what`` otherwise."""
+    try:
+        return run_helper(host, SCRIPT, args, result=cls, where=f"{host.name}: {what}",
+                          script=st.script, also=[st.spec], **run).model_dump()
+    except HelperFailed as e:
+        raise ModelError(str(e)) from None
 
 
-def parse_progress(line: str) -> dict[str, str] | None:
-    """A helper's ``progress k=v ...`` line (its counts are digits), else None."""
-    if not line.startswith("progress "):
-        return None
-    out = dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
-    counts = ("bytes", "total", "files", "of")
-    return out if all(out[k].isdigit() for k in counts if k in out) else None
-
-
-def verify_argv(dep: Deployment, st: Staged, only: list[str] | None = None,
+def verify_args(dep: Deployment, st: Staged, only: list[str] | None = None,
                 quick: bool = False) -> list[str]:
-    argv = ["python3", st.script, "verify", "--dir", dep.profile.model.path, "--spec", st.spec]
+    args = ["verify", "--dir", dep.profile.model.path, "--spec", st.spec]
     if quick:
-        argv.append("--quick")
+        args.append("--quick")
     if only:  # after "--": a file name is never read as an option
-        argv += ["--", *only]
-    return st.run(argv)
+        args += ["--", *only]
+    return args
 
 
 def node_state(ctx: StepContext, host: Host, st: Staged, only: list[str] | None = None,
@@ -301,14 +274,13 @@ def node_state(ctx: StepContext, host: Host, st: Staged, only: list[str] | None 
     dep = ctx.dep
     quick = quick or dep.dry  # a dry run neither hashes nor writes records
 
-    def on_line(line: str) -> None:
-        p = parse_progress(line)
-        if p and progress:
-            ctx.progress(host.name, int(p.get("bytes", 0)), int(p.get("total", 0)) or None, "B",
-                         "hashing")
+    def on_progress(p: dict[str, str]) -> None:
+        ctx.progress(host.name, int(p.get("bytes", 0)), int(p.get("total", 0)) or None, "B",
+                     "hashing")
 
-    return helper_json(host, verify_argv(dep, st, only, quick), "verify helper failed",
-                       NodeState, change=False, on_stderr=on_line, timeout=6 * 3600)
+    return helper_json(host, st, verify_args(dep, st, only, quick), "verify helper failed",
+                       NodeState, on_progress=on_progress if progress else None,
+                       timeout=6 * 3600)
 
 
 def disk_check(dep: Deployment, host: Host, need: int, step_name: str) -> Result | None:
@@ -372,9 +344,8 @@ def choose_runtime(dep: Deployment, host: Host, st: Staged) -> Runtime:
     m = dep.profile.model
     if dep.dry:
         return Runtime("venv", python=m.venv, why=f"a virtualenv at {m.venv} (would create it)")
-    out = helper_json(host, st.run(["python3", st.script, "venv", "--venv", m.venv, "--index-url",
-                                    m.index_url]), "no environment for the downloader", VenvAnswer,
-                      timeout=1800)
+    out = helper_json(host, st, ["venv", "--venv", m.venv, "--index-url", m.index_url],
+                      "no environment for the downloader", VenvAnswer, change=True, timeout=1800)
     return Runtime("venv", python=out["python"],
                    why=f"the virtualenv {out['python'].rsplit('/bin/', 1)[0]}"
                    + (" (created)" if out.get("created") else ""))
@@ -382,21 +353,22 @@ def choose_runtime(dep: Deployment, host: Host, st: Staged) -> Runtime:
 
 def fetch_argv(dep: Deployment, host: Host, rt: Runtime, st: Staged, owner: str,
                only: list[str] | None = None) -> list[str]:
+    """The downloader's argv (``run_helper`` runs it only while its staged files match)."""
     m = dep.profile.model
     helper = ["fetch", "--dir", m.path, "--spec", st.spec, "--workers", str(m.download_workers),
               "--endpoint", endpoint(dep)]
     if only:  # after "--": a file name is never read as an option
         helper += ["--", *only]
     if rt.kind == "venv":
-        return st.run([rt.python or "python3", st.script, *helper])
+        return [rt.python or "python3", st.script, *helper]
     # -i: the token arrives on stdin; never -e (docker keeps env in the container's config)
     mounts = ["-v", f"{m.path}:{m.path}"]
     for d in dict.fromkeys(os.path.dirname(p) for p in (st.script, st.spec)):
         mounts += ["-v", f"{d}:{d}:ro"]
-    return st.run(docker(host, "run", "--rm", "-i", "--name", CONTAINER, "--network", "host",
+    return docker(host, "run", "--rm", "-i", "--name", CONTAINER, "--network", "host",
                          "--user", owner, "-e", "HF_HOME=/tmp/hf-home", "-e",
                          "HF_HUB_DISABLE_TELEMETRY=1", *mounts, "--entrypoint", "python3", "--",
-                         rt.image or "", st.script, *helper))
+                         rt.image or "", st.script, *helper)
 
 
 def run_fetch(ctx: StepContext, host: Host, rt: Runtime, st: Staged, meta: dict[str, Any],
@@ -412,15 +384,14 @@ def run_fetch(ctx: StepContext, host: Host, rt: Runtime, st: Staged, meta: dict[
     started = dep.clock()
     retries: list[str] = []
 
+    def on_progress(p: dict[str, str]) -> None:
+        done = int(p.get("bytes", 0))
+        secs = max(dep.clock() - started, 1e-6)
+        ctx.progress(host.name, done, int(p.get("total", 0)) or None, "B",
+                     f"{p.get('files', '?')}/{p.get('of', '?')} files, {done / secs / 1e6:.0f} MB/s")
+
     def on_line(line: str) -> None:
-        p = parse_progress(line)
-        if p:
-            done = int(p.get("bytes", 0))
-            secs = max(dep.clock() - started, 1e-6)
-            ctx.progress(host.name, done, int(p.get("total", 0)) or None, "B",
-                         f"{p.get('files', '?')}/{p.get('of', '?')} files, "
-                         f"{done / secs / 1e6:.0f} MB/s")
-        elif line.startswith("retry "):
+        if line.startswith("retry "):
             retries.append(line)
             ctx.log(host.name, line)
 
@@ -435,16 +406,17 @@ def run_fetch(ctx: StepContext, host: Host, rt: Runtime, st: Staged, meta: dict[
     feed = Feed()
     feed.send((token or "") + "\n")
     try:
-        r = host.run(fetch_argv(dep, host, rt, st, owner, only), on_stderr=on_line, input=feed,
-                     timeout=24 * 3600)
+        out = run_helper(host, SCRIPT, [], result=FetchAnswer, script=st.script, also=[st.spec],
+                         wrap=lambda _: fetch_argv(dep, host, rt, st, owner, only), change=True,
+                         where=f"{host.name}: the downloader's report", on_progress=on_progress,
+                         on_line=on_line, input=feed, timeout=24 * 3600,
+                         answers_failing=True).model_dump()
+    except HelperFailed as e:
+        if "is already in use" in e.stderr and CONTAINER in e.stderr:
+            return None, f"a download is already running (container {CONTAINER})"
+        return None, str(e).removeprefix(f"{host.name}: the downloader's report: ")
     finally:
         feed.close()
-    out = last_json(r.stdout)
-    if out is None:
-        if "is already in use" in r.stderr and CONTAINER in r.stderr:
-            return None, f"a download is already running (container {CONTAINER})"
-        return None, error_line(r.stderr, r.one_line_error())
-    out = answer(FetchAnswer, out, f"{host.name}: the downloader's report")
     if out.get("failed"):
         name, why = next(iter(out["failed"].items()))
         more = f" and {len(out['failed']) - 1} more" if len(out["failed"]) > 1 else ""

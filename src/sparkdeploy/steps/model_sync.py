@@ -39,10 +39,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel
+
 from sparkdeploy import threads
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Feed, Host, peer_ssh_argv
-from sparkdeploy.nodeops import NodeUnreachable
+from sparkdeploy.nodeops import NodeUnreachable, helper_error, parse_progress
+from sparkdeploy.outside import OutsideError, loads
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.model import (
     DOWNLOAD,
@@ -53,13 +56,10 @@ from sparkdeploy.steps.model import (
     ReadyReport,
     ReceiverState,
     Staged,
-    answer,
     disk_check,
-    error_line,
     metadata,
     node_state,
     own_lock,
-    parse_progress,
     short_of,
     stage_for,
     total_bytes,
@@ -129,11 +129,13 @@ class Receiver:
     def _on_line(self, line: str) -> None:
         self._last_word = self.dep.clock()
         kind, _, rest = line.partition(" ")
-        types = {"file": FileReport, "state": ReceiverState, "ready": ReadyReport}
+        types: dict[str, type[BaseModel]] = {"file": FileReport, "state": ReceiverState,
+                                             "ready": ReadyReport}
         if kind in types:
             try:
-                d = answer(types[kind], json.loads(rest), f"{self.host.name}: receive: {kind}")
-            except (ValueError, ModelError) as e:  # not JSON, or not what the helper says
+                where = f"{self.host.name}: receive: {kind}"
+                d: dict[str, Any] = loads(types[kind], rest, where).model_dump()
+            except OutsideError as e:  # not JSON, or not what the helper says
                 self.error = self.error or str(e).splitlines()[0]
                 self._lines.append(line)
                 self._heard.set()
@@ -159,7 +161,7 @@ class Receiver:
                               timeout=HELPER_TIMEOUT_S)
             if not r.ok:
                 self.error = (f"{self.host.name}: receiving failed: "
-                              f"{error_line(chr(10).join(self._lines), r.one_line_error())}")
+                              f"{helper_error(chr(10).join(self._lines), r.one_line_error())}")
         except NodeUnreachable as e:
             self.error = str(e)
         finally:
@@ -483,7 +485,7 @@ class _Transfers:
         if any(k in text for k in DISK_FULL):
             return f"disk full on {dst} ({self.dep.profile.model.path})"
         return (f"sending {len(files)} files {src} -> {dst} failed: "
-                f"{error_line(text, r.one_line_error())}")
+                f"{helper_error(text, r.one_line_error())}")
 
     def fail(self, dst: str, why: str) -> None:
         self.errors.setdefault(dst, why)

@@ -32,7 +32,7 @@ from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import EngineError, Launch, launch
 from sparkdeploy.engines.base import API_KEY_ENV, run_args, secret_lines
 from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import NodeUnreachable, docker, stage_script, verified
+from sparkdeploy.nodeops import HelperFailed, NodeUnreachable, docker, run_helper
 from sparkdeploy.outside import OutsideError, last_line
 from sparkdeploy.records import Endpoint, ServeDecision, markdown_table
 from sparkdeploy.results import Result
@@ -80,14 +80,13 @@ def _dist_port_open(dep: Deployment, lau: Launch) -> bool:
     """The head's init port answers, seen from the first worker over the fast link."""
     worker = next(c.node for c in lau.containers if c.node != lau.head)
     w = dep.host(worker)
-    script = stage_script(w, serve_preflight.HELPER)
     head_addr = dep.profile.node(lau.head).link.address
-    r = w.run(verified([script], ["python3", script, "connect", "--addr", head_addr, "--port",
-                                  str(lau.wait_port), "--source",
-                                  dep.profile.node(worker).link.address]), change=False, timeout=30)
     try:
-        return r.ok and last_line(_Open, r.stdout, f"{worker}: connect").open
-    except OutsideError:
+        return run_helper(w, serve_preflight.HELPER, [
+            "connect", "--addr", head_addr, "--port", str(lau.wait_port), "--source",
+            dep.profile.node(worker).link.address], result=_Open, where=f"{worker}: connect",
+            timeout=30).open
+    except HelperFailed:
         return False
 
 

@@ -19,8 +19,7 @@ from sparkdeploy.config import Engine
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import Launch, NodeFacts
 from sparkdeploy.hosts import Host, HostError
-from sparkdeploy.nodeops import NodeUnreachable, inspect_image, stage_script, verified
-from sparkdeploy.outside import OutsideError, last_line
+from sparkdeploy.nodeops import NodeUnreachable, inspect_image, run_helper
 from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext
 from sparkdeploy.steps.services import gpu_processes
@@ -51,10 +50,9 @@ class Preflight:
         self.ctx.failed(why, node, part=PART)
 
 
-def facts_argv(dep: Deployment, script: str, node_name: str, ports: list[int],
-               peers: list[str]) -> list[str]:
+def facts_args(dep: Deployment, node_name: str, ports: list[int], peers: list[str]) -> list[str]:
     node = dep.profile.node(node_name)
-    argv = ["python3", script, "facts", "--iface", node.link.interface, "--addr", node.link.address]
+    argv = ["facts", "--iface", node.link.interface, "--addr", node.link.address]
     for h in node.link.hcas:
         argv += ["--hca", h]
     for p in ports:
@@ -108,15 +106,8 @@ class FactsAnswer(_Loose):
 
 def node_facts(dep: Deployment, host: Host, ports: list[int], peers: list[str]) -> dict[str, Any]:
     host.run(["true"], change=False)  # raises NodeUnreachable first, before staging
-    script = stage_script(host, HELPER)
-    r = host.run(verified([script], facts_argv(dep, script, host.name, ports, peers)),
-                 change=False, timeout=60)
-    if not r.ok:
-        raise HostError(f"{host.name}: {HELPER} facts failed: {r.one_line_error()}")
-    try:
-        return last_line(FactsAnswer, r.stdout, f"{host.name}: {HELPER} facts").model_dump()
-    except OutsideError as e:
-        raise HostError(str(e)) from None
+    return run_helper(host, HELPER, facts_args(dep, host.name, ports, peers), result=FactsAnswer,
+                      where=f"{host.name}: {HELPER} facts", timeout=60).model_dump()
 
 
 def _check_verified(dep: Deployment, host: Host, meta: dict[str, Any], pf: Preflight) -> None:

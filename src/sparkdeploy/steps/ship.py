@@ -20,6 +20,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Host, HostError, NodeUnreachable, peer_ssh_argv
 from sparkdeploy.nodeops import (
@@ -28,9 +30,11 @@ from sparkdeploy.nodeops import (
     free_space,
     inspect_image,
     listed_tags,
+    parse_progress,
     stage,
     stage_script,
 )
+from sparkdeploy.outside import OutsideError, loads
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.images import STEP_BUILD, chosen_image
 from sparkdeploy.steps.registry import StepContext, step
@@ -140,13 +144,22 @@ def pipeline(src: Host, peer: Host, ref: str, filter_path: str | None, layers_fi
     return ["bash", "-c", script]
 
 
+class SaveReport(BaseModel):
+    """The report ``save_filter.py`` writes last on stderr (its stdout is the archive)."""
+
+    model_config = ConfigDict(extra="allow")
+    bytes_in: int = Field(0, ge=0)
+    bytes_out: int = Field(0, ge=0)
+
+
 def _report(stderr: str) -> dict[str, Any]:
+    """The filter's last report that fits ``SaveReport`` (as set), else {} (it said none)."""
     for line in reversed(stderr.splitlines()):
         line = line.strip()
         if line.startswith("{"):
             try:
-                return json.loads(line)
-            except json.JSONDecodeError:
+                return loads(SaveReport, line, "save_filter.py").model_dump(exclude_unset=True)
+            except OutsideError:
                 continue
     return {}
 
@@ -224,9 +237,8 @@ def _ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict)
     read = [0]
 
     def on_line(line: str) -> None:
-        if line.startswith("progress "):
-            kv = dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
-            read[0] = int(kv.get("bytes_in", 0))
+        if (p := parse_progress(line)) is not None:
+            read[0] = int(p.get("bytes", 0))
             # the image's size is an estimate of the archive's (tar headers add a little): past
             # it, the total is unknown until the archive ends
             total = estimate if read[0] < estimate else None
