@@ -135,7 +135,7 @@ def profile_name(v: str) -> str:
     return v
 
 
-_REL_RE = re.compile(r"[A-Za-z0-9_+@=-][A-Za-z0-9_./+@=-]*")
+_REL_RE = re.compile(r"[A-Za-z0-9_+@=][A-Za-z0-9_./+@=-]*")
 
 
 def relative_path(v: str) -> str:
@@ -214,7 +214,7 @@ def unit(v: str) -> str:
 def pattern(v: str) -> str:
     """A file name pattern (``*.safetensors``): no control character, no leading '-' or '/'."""
     no_control(v)
-    if not v or v.startswith(("-", "/")) or "\0" in v:
+    if not v or v.startswith(("-", "/")):
         raise ValueError(f"{v!r} is not a file pattern (no leading '-' or '/')")
     return v
 

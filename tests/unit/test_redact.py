@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from sparkdeploy.state import REDACTED, StateDir, redact, redact_argv
@@ -33,6 +33,7 @@ FORMS = [
 @pytest.mark.parametrize("form", FORMS)
 @given(secret=SECRETS)
 def test_every_form_hides_the_secret(form, secret):
+    assume(secret not in form)  # a secret drawn as part of the text around it ("SPARKDEP")
     text = form.format(s=secret)
     out = redact(text)
     assert secret not in out
