@@ -13,7 +13,15 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import ErrorDetails
 
 from sparkdeploy import checks
@@ -137,9 +145,22 @@ class Model(_Strict):
     sync: ModelSync = Field(default_factory=ModelSync)
 
 
+Software = Literal["sglang", "vllm"]
+"""The serving software in an image (candidates' ``engine:``, ``images.rules``): both vLLM
+kinds run the same vLLM, so both are judged by the ``vllm`` rule."""
+EngineKind = Literal["sglang", "vllm", "vllm-ray"]
+"""How an engine runs across the nodes: ``vllm`` is vLLM's own multi-node mode (no Ray),
+``vllm-ray`` vLLM on a Ray cluster."""
+
+
+def software_of(kind: EngineKind) -> Software:
+    """The software an engine kind runs (what its image is probed and judged for)."""
+    return "vllm" if kind == "vllm-ray" else kind
+
+
 class Candidate(_Strict):
     ref: ImageRef
-    engine: Literal["sglang", "vllm"]
+    engine: Software
 
 
 class DerivativeImage(_Strict):
@@ -171,7 +192,7 @@ class EngineRule(_Strict):
     ships its own Qwen3.5 config classes and needs transformers<5: no)."""
 
 
-def _default_rules() -> dict[Literal["sglang", "vllm"], EngineRule]:
+def _default_rules() -> dict[Software, EngineRule]:
     return {
         "sglang": EngineRule(
             min_version="0.5.9",
@@ -189,7 +210,7 @@ def _default_rules() -> dict[Literal["sglang", "vllm"], EngineRule]:
 
 class Images(_Strict):
     candidates: list[Candidate] = Field(min_length=1)
-    rules: dict[Literal["sglang", "vllm"], EngineRule] = Field(default_factory=_default_rules)
+    rules: dict[Software, EngineRule] = Field(default_factory=_default_rules)
     layer: DerivativeImage | None = None
     ship_compression: Literal["none", "zstd"] = "none"
 
@@ -204,11 +225,12 @@ class ServiceSettings(_Strict):
 class Engine(_Strict):
     name: Name
     """Part of the container names (``sparkdeploy-<name>-<role>``)."""
-    kind: Literal["sglang", "vllm"]
+    kind: EngineKind
     image: ImageRef
     port: Port
     dist_port: Port | None = None
-    """SGLang's --dist-init-addr port, or the Ray GCS port for vLLM on Ray."""
+    """SGLang's --dist-init-addr port, vLLM's --master-port, or the Ray GCS port for vLLM on
+    Ray."""
     tensor_parallel: int = Field(default=1, ge=1, le=1024)
     pipeline_parallel: int = Field(default=1, ge=1, le=1024)
     args: list[Text] = Field(default_factory=list)
@@ -222,6 +244,26 @@ class Engine(_Strict):
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
                 raise ValueError(f"{k!r} is not an environment variable name")
         return v
+
+    @model_validator(mode="after")
+    def _no_ray_in_native(self) -> Engine:
+        if self.kind == "vllm" and _ray_backend(self.args):
+            raise ValueError("kind vllm is vLLM's own multi-node mode (no Ray); for "
+                             "--distributed-executor-backend ray write kind: vllm-ray")
+        return self
+
+    @property
+    def software(self) -> Software:
+        return software_of(self.kind)
+
+
+def _ray_backend(args: list[str]) -> bool:
+    """Whether ``args`` select vLLM's Ray executor (``--distributed-executor-backend ray``)."""
+    flag = "--distributed-executor-backend"
+    for i, a in enumerate(args):
+        if a == f"{flag}=ray" or (a == flag and args[i + 1:i + 2] == ["ray"]):
+            return True
+    return False
 
 
 class Serve(_Strict):

@@ -77,6 +77,7 @@ def test_judge_viable_and_decision(dep):
     assert rec["chosen"] == {"engine": "sglang", "kind": "sglang", "image": "scitrera/dgx-spark-sglang:0.5.10rc0",
                              "needs_layer": True, "serve_image": "sparkdeploy/sglang-qwen3.5:latest"}
     assert rec["engines"]["vllm-ray"]["serve_image"] == "hellohal2064/vllm-qwen3.5-gb10"
+    assert rec["engines"]["vllm-ray"]["kind"] == "vllm-ray"  # judged by the vllm software's rule
     images.write_record(dep, rec)
     md = dep.records.path(ImageDecision, suffix=".md").read_text()
     assert "- `lmsysorg/sglang:spark` (sglang): missing: pull failed: no registry" in md

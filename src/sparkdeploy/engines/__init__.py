@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from sparkdeploy.config import Engine, Profile
-from sparkdeploy.engines import sglang, vllm
+from sparkdeploy.engines import sglang, vllm, vllm_ray
 from sparkdeploy.engines.base import ContainerSpec, EngineError, Launch, NodeFacts, Stage
 
-BUILDERS = {"sglang": sglang.build, "vllm": vllm.build}
+BUILDERS = {"sglang": sglang.build, "vllm": vllm.build, "vllm-ray": vllm_ray.build}
 
 
 def launch(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],

@@ -237,7 +237,7 @@ def decide(dep: Deployment, node: str, arch: str, source: str, rows: list[dict])
     per_engine: dict[str, Any] = {}
     for eng in dep.profile.engines:
         for row in rows:
-            if row["engine"] == eng.kind and row["verdict"] in ("viable", "needs-layer"):
+            if row["engine"] == eng.software and row["verdict"] in ("viable", "needs-layer"):
                 per_engine[eng.name] = {"image": row["image"], "kind": eng.kind,
                                         "needs_layer": row["verdict"] == "needs-layer",
                                         "serve_image": (dep.profile.images.layer.tag

@@ -370,7 +370,7 @@ def _down_node(ctx: StepContext, h: Host) -> None:
 
 def _ray_status(dep: Deployment, head: Host, containers: list[dict[str, str]]) -> str | None:
     rh = next((c["name"] for c in containers if c["role"] == "head" and c["state"] == "running"
-               and c["engine"] in {e.name for e in dep.profile.engines if e.kind == "vllm"}), None)
+               and c["engine"] in {e.name for e in dep.profile.engines if e.kind == "vllm-ray"}), None)
     if not rh:
         return None
     r = head.run(docker(head, "exec", rh, "python3", "-c", RAY_PROBE), change=False, timeout=60)
