@@ -16,7 +16,7 @@ How it decides (docs/diagnose.md has the table with the real log lines behind ea
    the waiting it leaves behind on the other node; Ray's missing worker and a link NCCL or Gloo
    cannot use beat the hang they cause; an init hang is what is left when distributed init
    started and never completed.
-4. ``unknown`` when nothing matched.
+4. ``unknown`` when nothing matched, with the last lines of each log as its evidence.
 
 To add a rule, add a line to ``RULES`` (and a real log excerpt under tests/unit/data/engine_logs/).
 """
@@ -37,10 +37,16 @@ CLASSES = (
     "nccl-init-hang",
     "link-misconfigured",
     "ray-worker-missing",
+    "ray-version-mismatch",
     "out-of-memory",
+    "weights-unreadable",
+    "disk-full",
     "arch-unsupported",
-    "port-in-use",
+    "shm-too-small",
+    "cuda-driver-too-old",
     "model-config-unrecognized",
+    "image-without-ray",
+    "port-in-use",
     "unknown",
 )
 
@@ -167,6 +173,13 @@ RULES: tuple[Rule, ...] = (
          pat(r"\[Errno 98\]|\berrno:? 98\b|EADDRINUSE|address already in use",
              "errno", "eaddrinuse", "address already in use"),
          "a port it needs is already in use (another engine, a stale container or a host service holds it)"),
+    # -- the image has no Ray, but the engine was asked to run on Ray --
+    Rule("image-without-ray", 96,
+         pat(r"(?:ModuleNotFoundError|ImportError): No module named '?ray'?(?![.\w])|Ray is not installed"
+             r"|Failed to import Ray\b|\bray: (?:command )?not found|\"ray\": executable file not found",
+             "no module named", "ray is not installed", "failed to import ray", "ray: ", "\"ray\": executable"),
+         "the image has no Ray (vLLM's images dropped it as a dependency): use an image with Ray for kind "
+         "vllm-ray, or vLLM's own multi-node mode", void_after=READY),
     # -- transformers/the engine does not know the model --
     Rule("model-config-unrecognized", 95,
          pat(r"does not recognize this architecture|Unrecognized model in |Unrecognized configuration class"
@@ -179,6 +192,22 @@ RULES: tuple[Rule, ...] = (
     Rule("model-config-unrecognized", 95, pat(r"\bKeyError: '[A-Za-z][\w.-]*'", "keyerror", icase=False),
          "the image's transformers has no config class for the model type (too old for this model)",
          context=CONFIG_LOOKUP),
+    # -- the host's driver is older than the image's CUDA --
+    Rule("cuda-driver-too-old", 93,
+         pat(r"CUDA driver version is insufficient for CUDA runtime version|cudaErrorInsufficientDriver"
+             r"|The NVIDIA driver on your system is too old|requirement error: unsatisfied condition: cuda ?>="
+             r"|This container was built for NVIDIA Driver Release [\d.]+ or later",
+             "driver version is insufficient", "insufficientdriver", "driver on your system is too old",
+             "unsatisfied condition", "built for nvidia driver"),
+         "the node's NVIDIA driver is older than the CUDA the image was built for (DGX OS ships the driver: "
+         "use an image built for the node's CUDA, see `nvidia-smi`)"),
+    # -- /dev/shm too small for NCCL or torch's shared memory (docker's default is 64 MB) --
+    Rule("shm-too-small", 91,
+         pat(r"Error while creating shared memory segment|posix_fallocate failed|unable to write to file </torch_"
+             r"|ncclShmOpen|insufficient shared memory \(shm\)|/dev/shm\S*: No space left on device",
+             "shared memory", "posix_fallocate", "</torch_", "shm"),
+         "/dev/shm is too small for NCCL's or torch's shared memory (docker gives 64 MB: run the engine with "
+         "--ipc=host or a larger --shm-size)"),
     # -- kernels not built for this GPU (GB10 is sm_121) --
     Rule("arch-unsupported", 90,
          pat(r"no kernel image is available for execution|cudaErrorNoKernelImageForDevice"
@@ -195,6 +224,19 @@ RULES: tuple[Rule, ...] = (
              r".*(?:not supported|unsupported|no kernel)",
              "architecture", "supported", "no kernel"),
          "a kernel library does not support this GPU architecture"),
+    # -- a disk ran full (a truncated download then reads as unreadable weights: the disk is the cause) --
+    Rule("disk-full", 89,
+         pat(r"No space left on device|\[Errno 28\]|\bENOSPC\b|Not enough free disk space to download"
+             r"|Disk quota exceeded",
+             "no space left", "errno 28", "enospc", "free disk space", "disk quota"),
+         "a disk is full (the model path, docker's data root or a cache): free space or point it elsewhere"),
+    # -- the weight files are there but cannot be read as weights --
+    Rule("weights-unreadable", 87,
+         pat(r"SafetensorError|Error while deserializing header|Cannot find any model weights with"
+             r"|incomplete metadata, file not fully covered",
+             "safetensor", "deserializing header", "model weights", "not fully covered"),
+         "the weight files are missing, truncated or corrupt (a broken or partial download): verify them "
+         "against the hub (`inv model.verify`) and fetch them again"),
     # -- memory --
     Rule("out-of-memory", 85,
          pat(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|cudaErrorMemoryAllocation"
@@ -206,6 +248,11 @@ RULES: tuple[Rule, ...] = (
              "memory", "oom"),
          "it ran out of memory (GB10's memory is unified: lower --gpu-memory-utilization / "
          "--mem-fraction-static, or free what else holds it)"),
+    # -- the nodes run different Ray or Python (different images on head and worker) --
+    Rule("ray-version-mismatch", 75,
+         pat(r"Version mismatch: The cluster was started with", "version mismatch"),
+         "the nodes run different Ray or Python versions (different images): run the same image ID on every "
+         "node (`inv image.ship`)"),
     # -- Ray cluster lacks a node or its GPU --
     Rule("ray-worker-missing", 70,
          pat(r"Waiting for creating a placement group of specs"
@@ -443,10 +490,12 @@ def classify(logs: Mapping[str, Sequence[str]]) -> Diagnosis:
     """Classify engine logs (``{label: lines}``, one per node) into one failure class."""
     findings: list[Finding] = []
     ready: list[Evidence] = []
+    tails: list[Evidence] = []
     total = 0
     for label, raw in logs.items():
         log = Log.of(label, raw)
         total += len(log.lines)
+        tails += _tail(log)
         findings += _rule_findings(log)
         for rule in SEQUENCE_RULES:
             f = rule(log)
@@ -460,7 +509,8 @@ def classify(logs: Mapping[str, Sequence[str]]) -> Diagnosis:
     if not findings:
         if ready:
             return Diagnosis("unknown", ready, "no failure pattern; the engine reported ready")
-        return Diagnosis("unknown", [], f"no known failure pattern in {len(logs)} log(s), {total} line(s)")
+        return Diagnosis("unknown", tails, f"no known failure pattern in {len(logs)} log(s), {total} line(s); "
+                         "the last lines of each are the evidence")
     top = max(f.priority for f in findings)
     best = [f for f in findings if f.priority == top]
     cls = best[0].cls
@@ -482,6 +532,12 @@ def classify(logs: Mapping[str, Sequence[str]]) -> Diagnosis:
     ) and ready:
         summary += "; note: the engine had reported ready, so a collective wedged while serving"
     return Diagnosis(cls, evidence, _one_line(summary))
+
+
+def _tail(log: Log) -> list[Evidence]:
+    """A log's last non-blank lines (what it said before it stopped), oldest first."""
+    last = [i for i in range(len(log.lines) - 1, -1, -1) if log.lines[i].strip()][:MAX_EVIDENCE_PER_LOG]
+    return [log.ev(i) for i in reversed(last)]
 
 
 def _one_line(text: str) -> str:

@@ -52,6 +52,36 @@ EXPECTED: dict[str, dict[str, list[int]]] = {
     "ray-worker-missing/ray-head-gcs-unreachable.log": {"": [3, 4]},
     "link-misconfigured/nccl-roce-completion-error-gid.log": {"": [2]},
     "nccl-init-hang/sglang-ipv6-tp16-custom-allreduce-last.log": {"": [3, 12, 13]},
+    # the classes real multi-node bring-ups hit that the first table lacked, and their neighbours
+    "ray-version-mismatch/logic-rl-ray-2.12-vs-2.42.log": {"": [2]},
+    "ray-version-mismatch/ray-start-address-python-patch.log": {"": [2]},
+    "ray-version-mismatch/gcp-cluster-worker-python.log": {"": [2]},
+    "ray-version-mismatch/aml-head-2.2-worker-2.3.log": {"": [2]},
+    "shm-too-small/nccl-posix-fallocate-horovod.log": {"": [8]},
+    "shm-too-small/nccl-shm-segment-kubeflow.log": {"": [2, 4]},
+    "shm-too-small/nccl-dev-shm-segment-docker.log": {"": [2]},
+    "shm-too-small/torch-unable-to-write-torch-shm.log": {"": [2]},
+    "disk-full/docker-pull-register-layer-nemo.log": {"": [2]},
+    "disk-full/docker-getimageblob-no-space.log": {"": [2]},
+    "disk-full/hf-hub-not-enough-free-disk.log": {"": [2, 4]},
+    "disk-full/pip-install-errno-28.log": {"": [2]},
+    "weights-unreadable/vllm-safetensors-metadata-incomplete.log": {"": [4]},
+    "weights-unreadable/transformers-header-too-large.log": {"": [6]},
+    "weights-unreadable/vllm-cannot-find-model-weights.log": {"": [2]},
+    "weights-unreadable/safetensors-header-too-large-lowercase.log": {"": [5]},
+    "cuda-driver-too-old/torch-driver-too-old-11040.log": {"": [2]},
+    "cuda-driver-too-old/nvidia-container-cli-cuda-12.8.log": {"": [4]},
+    "cuda-driver-too-old/cuda-error-35-llama-cpp.log": {"": [2]},
+    "cuda-driver-too-old/torch-cuda-init-warning-11000.log": {"": [2]},
+    "cuda-driver-too-old/ngc-banner-driver-580-on-spark.log": {"": [2]},
+    "image-without-ray/vllm-ray-utils-no-module.log": {"": [2]},
+    "image-without-ray/aphrodite-tp8-no-module-ray.log": {"": [9]},
+    "image-without-ray/ray-command-not-found.log": {"": [3]},
+    "image-without-ray/vllm-ray-not-installed.log": {"": [8]},
+    "port-in-use/torchrun-29500-eaddrinuse.log": {"": [2]},
+    # nothing matched: the evidence is each log's last lines
+    "unknown/vllm-illegal-memory-access.log": {"": [5, 6, 7]},
+    "unknown/vllm-pp-worker-illegal-address.log": {"": [8, 9, 10]},
 }
 
 
@@ -162,6 +192,49 @@ def test_priority_order_of_named_causes():
         "model-config-unrecognized"
 
 
+# real lines of the classes added for multi-node bring-ups (each from its fixture)
+NO_SPACE = "Could not install packages due to an OSError: [Errno 28] No space left on device"
+HEADER = "safetensors_rust.SafetensorError: Error while deserializing header: HeaderTooLarge"
+FALLOCATE = ("gpu2-ru7:2143:2561 [1] include/shm.h:28 NCCL WARN Call to posix_fallocate failed : "
+             "No space left on device")
+MISMATCH = "RuntimeError: Version mismatch: The cluster was started with:"
+NO_RAY = "bash: ray: command not found"
+NO_RAY_WARNING = ("WARNING 04-22 21:56:34 ray_utils.py:46] Failed to import Ray with ModuleNotFoundError(\"No "
+                  "module named 'ray'\"). For distributed inference, please install Ray with `pip install ray`.")
+OLD_DRIVER = ("RuntimeError: The NVIDIA driver on your system is too old (found version 11040). Please update "
+              "your GPU driver")
+READY_LINE = "INFO:     Application startup complete."
+
+
+def test_a_cause_wins_over_the_symptom_it_leaves():
+    # a full disk truncates the download, which then reads as unreadable weights
+    assert cls_of(download=[NO_SPACE], head=[HEADER]) == "disk-full"
+    assert cls_of(head=[HEADER]) == "weights-unreadable"
+    # /dev/shm full says "No space left on device" too: shared memory is the cause
+    d = dx.classify({"head": [SG_BEGIN, FALLOCATE]})
+    assert (d.cls, [e.line_no for e in d.evidence]) == ("shm-too-small", [2])
+    # a worker from another image never joins, so the head waits for its placement group
+    assert cls_of(head=[PG_WAIT], worker=[MISMATCH]) == "ray-version-mismatch"
+    assert cls_of(head=[PG_WAIT], worker=[NO_RAY]) == "image-without-ray"
+    # an old driver is why nothing after it works
+    assert cls_of(head=[OLD_DRIVER, SG_BEGIN, OOM]) == "cuda-driver-too-old"
+    assert cls_of(head=[OLD_DRIVER, "RuntimeError: CUDA error: no kernel image is available for execution"]) == \
+        "cuda-driver-too-old"
+
+
+def test_no_ray_in_an_image_that_then_served_is_no_failure():
+    assert cls_of(head=[NO_RAY_WARNING]) == "image-without-ray"
+    assert cls_of(head=[NO_RAY_WARNING, READY_LINE]) == "unknown"
+    assert cls_of(head=["ModuleNotFoundError: No module named 'ray.core.generated.ray.protocol'"]) == "unknown"
+
+
+def test_unknown_gives_each_logs_last_lines():
+    d = dx.classify({"head": ["a", "b", "c", "d", "", "  "], "worker": ["only"]})
+    assert d.cls == "unknown" and "last lines" in d.summary
+    assert [(e.label, e.line_no, e.text) for e in d.evidence] == [
+        ("head", 2, "b"), ("head", 3, "c"), ("head", 4, "d"), ("worker", 1, "only")]
+
+
 def test_bare_keyerror_is_only_a_weak_hint():
     assert cls_of(a=["KeyError: 'qwen3_5_moe'"]) == "model-config-unrecognized"
     assert cls_of(a=["KeyError: 'qwen3_5_moe'", PG_WAIT]) == "ray-worker-missing"
@@ -225,6 +298,7 @@ CASES = [load(rel) for rel in sorted(EXPECTED)] + [
     {"a": [SG_BEGIN, NO_IFACE]}, {"a": [SG_BEGIN, NCCL_NO_IB, NCCL_COMPLETE, SG_SPANS]},
     {"a": ["KeyError: 'qwen3_5_moe'"]}, {"a": [TORCH_GB10]}, {"a": [PG_WAIT]},
     {"a": ["x", SG_SPANS]}, {"a": ["KeyError: 'model.layers.0.mlp.experts.w13_weight'"]},
+    {"download": [NO_SPACE], "head": [HEADER]}, {"a": [NO_RAY_WARNING, READY_LINE]},
 ]
 
 
