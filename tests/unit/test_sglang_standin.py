@@ -242,3 +242,63 @@ def test_a_port_probe_on_the_init_port_does_not_disturb_the_rendezvous(pair, tmp
         for p in procs:
             p.kill()
             p.wait()
+
+
+def _stream_tokens(port: int, n: int, timeout: float) -> int:
+    """How many token chunks a streamed chat answer delivers before ``timeout`` (no byte)."""
+    body = json.dumps({"model": "Qwen/Q", "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": n, "stream": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                 {"Content-Type": "application/json"})
+    got = 0
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for line in r:
+                if line.startswith(b"data: {") and (b'"content":"' in line and b'"role"' not in line
+                                                    or b'"reasoning_content"' in line):
+                    got += 1
+    except OSError:  # the read timed out: the stream stalled
+        pass
+    return got
+
+
+def test_every_token_needs_the_worker_rank_a_stopped_one_stalls_the_stream(pair):
+    # tensor parallel: the head cannot make a token without every rank; /health still says 200
+    start, tmp = pair
+    port = start({"SGLANG_HOST_IP": "127.0.0.1"}, {"SGLANG_HOST_IP": "127.0.0.1"})
+    assert _health(port) == 200, (tmp / "rank0.log").read_text()
+    assert _stream_tokens(port, 6, 10) == 6
+    worker = start.procs[1]
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        assert _health(port, 2) == 200
+        assert _stream_tokens(port, 6, 1.5) == 0
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+    assert _stream_tokens(port, 6, 10) == 6
+
+
+def test_decode_steps_share_a_round_and_wait_for_one_begun_after_the_call():
+    import threading
+
+    rounds: list[int] = []
+    gate = threading.Event()
+
+    def exchange(k: int) -> None:
+        rounds.append(k)
+        gate.wait(5)
+
+    steps = es.DecodeSteps(exchange)
+    done = []
+    ts = [threading.Thread(target=lambda: (steps.step(), done.append(1))) for _ in range(8)]
+    for t in ts:
+        t.start()
+    deadline = time.monotonic() + 5
+    while not rounds and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert done == []  # round 1 has not ended: nobody has its token
+    gate.set()
+    for t in ts:
+        t.join(5)
+    assert len(done) == 8
+    assert len(rounds) <= 2  # the eight waiters shared the rounds (a call during round 1 waits for round 2)

@@ -23,8 +23,11 @@ Entry points (what the image shims call)
     ``NCCL_IB_DISABLE``, ``NCCL_IB_GID_INDEX`` against ``/sys/class/infiniband``). Then:
 
     - all right: ``Init torch distributed ends``, the model directory's files are read, rank 0
-      serves the API, the other ranks stay (silent); a rank that dies later leaves a
-      half-cluster: rank 0 answers ``/health`` 503 and never answers a request;
+      serves the API and every token it streams needs every other rank (``DecodeSteps``: one
+      message to each rank and its answer per decode step, over the ``--dist-init-addr``
+      connections), as tensor parallel does; a rank that is stopped or wedged (SIGSTOP,
+      ``docker pause``) stalls every stream while ``/health`` still answers 200; a rank that
+      dies leaves a half-cluster: rank 0 answers ``/health`` 503 and never answers a request;
     - a rank advertising an address other than its fast-link one, or the lab fault
       ``sglang-hang`` (``faults.json`` in the node's lab view): every rank's last line is
       ``CustomAllreduce is disabled because this process group spans across nodes.``, then
@@ -200,6 +203,8 @@ class Config:
     engine: str = "standin"
     log_requests: bool = False
     workers: list = field(default_factory=list)
+    steps: DecodeSteps | None = None
+    """Tensor parallel's lockstep with the other ranks (multi-node): every token waits for one."""
     api_key: str | None = None
     """``--api-key`` (SGLang, vLLM) or ``VLLM_API_KEY``: /v1/* then need ``Authorization: Bearer``."""
 
@@ -499,6 +504,12 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             st.done()
 
+    def _step(self) -> None:
+        """One decode step: with other ranks, it needs every one of them (see DecodeSteps)."""
+        steps = self.server.state.cfg.steps
+        if steps is not None:
+            steps.step()
+
     def _answer(self, chat: bool, body: dict, arrival: float, rule: FaultRule | None) -> None:
         cfg = self.server.state.cfg
         ttft, gap = cfg.ttft_ms / 1000.0, cfg.gap_ms / 1000.0
@@ -520,7 +531,9 @@ class Handler(BaseHTTPRequestHandler):
         obj = "chat.completion" if chat else "text_completion"
 
         if not body.get("stream"):
-            _sleep_until(arrival + ttft + (n - 1) * gap)
+            for i in range(n):
+                _sleep_until(arrival + ttft + i * gap)
+                self._step()
             if rule and rule.kind == "stall":
                 time.sleep(rule.seconds)
             if rule and rule.kind == "close":
@@ -598,6 +611,7 @@ class Handler(BaseHTTPRequestHandler):
                 choice = {"index": 0, "text": _token(i), "logprobs": None, "finish_reason": fin}
             data = event(choice)
             _sleep_until(start + i * gap)
+            self._step()
             self._chunk(data)
         tail = b""
         if include_usage:
@@ -1042,6 +1056,37 @@ class Rendezvous:
             fh.flush()
         return out
 
+    def step_round(self, k: int) -> None:
+        """Rank 0's side of one decode step: ``{"step": k}`` to every other rank, then each one's
+        answer. Blocks while any rank does not answer (stopped, wedged); DistError when one went."""
+        for r, (_s, fh) in sorted(self.peers.items()):
+            try:
+                fh.write(b'{"step":%d}\n' % k)
+                fh.flush()
+            except OSError:
+                raise DistError(f"torch.distributed.DistNetworkError: rank {r} closed its connection") from None
+        for r, (_s, fh) in sorted(self.peers.items()):
+            try:
+                line = fh.readline()
+            except OSError:
+                line = b""
+            if not line:
+                raise DistError(f"torch.distributed.DistNetworkError: rank {r} closed its connection")
+
+    def serve_steps(self) -> None:
+        """A worker rank's side: answer each decode step of rank 0 until its connection closes."""
+        assert self.conn is not None  # connect() ran
+        _s, fh = self.conn
+        while True:
+            try:
+                line = fh.readline()
+                if not line:
+                    return
+                fh.write(line)
+                fh.flush()
+            except OSError:
+                return
+
     def wait_lost(self) -> None:
         """Block until a peer connection closes (a rank died)."""
         conns = [self.conn[0]] if self.conn else [c for c, _ in self.peers.values()]
@@ -1060,6 +1105,47 @@ class Rendezvous:
                 except OSError:
                     return
                 time.sleep(0.5)
+
+
+class DecodeSteps:
+    """Tensor parallel's lockstep: every generated token needs every rank. A stream calls
+    ``step()`` before each token; it returns once a round that began after the call has ended,
+    ``exchange(k)`` having heard from every rank (rank 0's message to each, each one's answer,
+    over the ``--dist-init-addr`` connections on the fast link). Streams waiting at the same time
+    share a round (one batch), so the cost follows the decode steps, not the streams. A rank that
+    stops answering (SIGSTOPped, wedged) ends no round: every stream on rank 0 stalls while its
+    ``/health`` still answers; a rank that is gone fails the round and the streams stall too."""
+
+    def __init__(self, exchange) -> None:
+        self.exchange = exchange
+        self.cond = threading.Condition()
+        self.begun = self.done = self.wanted = 0
+        self.failed: str | None = None
+        threading.Thread(target=self._loop, daemon=True, name="decode-steps").start()
+
+    def step(self) -> None:
+        with self.cond:
+            target = self.begun + 1
+            self.wanted = max(self.wanted, target)
+            self.cond.notify_all()
+            while self.done < target:
+                self.cond.wait()
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while self.wanted <= self.begun:
+                    self.cond.wait()
+                self.begun += 1
+                k = self.begun
+            try:
+                self.exchange(k)
+            except DistError as e:
+                self.failed = str(e)  # no round ends again: the streams stall, as a half-cluster's
+                return
+            with self.cond:
+                self.done = k
+                self.cond.notify_all()
 
 
 def errno_name(n: int | None) -> str:
@@ -1188,8 +1274,10 @@ def _sglang_multinode(ns, cfg: Config, env: dict) -> int:
     slog("KV Cache is allocated. #tokens: 262144, K size: 3.00 GB, V size: 3.00 GB")
     if ns.node_rank != 0:
         slog("Scheduler ready; the HTTP server runs on node rank 0.")
-        _silence()  # a worker rank: serves through rank 0, stays even if rank 0 dies
+        rdv.serve_steps()  # every token of rank 0's streams needs this rank
+        _silence()  # rank 0 is gone: this rank stays, waiting in its collective
     lost = threading.Event()
+    cfg.steps = DecodeSteps(rdv.step_round)
 
     def watch() -> None:
         rdv.wait_lost()
