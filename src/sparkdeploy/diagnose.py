@@ -141,7 +141,8 @@ class Stage:
 
 INIT_STAGES: tuple[Stage, ...] = (
     Stage("torch distributed init (SGLang)",
-          pat(r"Init torch distributed begin", "init torch distributed begin", icase=False), TORCH_DIST_ENDS),
+          pat(r"Init torch distributed begin|Init nccl begin", "init torch distributed begin", "init nccl begin",
+              icase=False), TORCH_DIST_ENDS),
     Stage("NCCL communicator init",
           pat(r"NCCL INFO .*Init START", "init start", icase=False),
           pat(r"Init COMPLETE", "init complete", icase=False)),
@@ -224,6 +225,10 @@ RULES: tuple[Rule, ...] = (
              r".*(?:not supported|unsupported|no kernel)",
              "architecture", "supported", "no kernel"),
          "a kernel library does not support this GPU architecture"),
+    Rule("arch-unsupported", 90,
+         pat(r"out of resource: shared memory, Required: \d+, Hardware limit: \d+", "out of resource"),
+         "a Triton kernel's configuration needs more shared memory per block than this GPU has (GB10: "
+         "101376 bytes, like sm_86/sm_120): its tuned configs are for another GPU"),
     # -- a disk ran full (a truncated download then reads as unreadable weights: the disk is the cause) --
     Rule("disk-full", 89,
          pat(r"No space left on device|\[Errno 28\]|\bENOSPC\b|Not enough free disk space to download"
@@ -243,9 +248,10 @@ RULES: tuple[Rule, ...] = (
              r"|Cuda failure 'out of memory'|No available memory for the cache blocks"
              r"|Not enough memory\. Please try to increase --mem-fraction-static"
              r"|larger than the available KV cache memory|is less than desired GPU memory utilization"
+             r"|is larger than the maximum number of tokens that can be stored in KV cache"
              r"|NV_ERR_NO_MEMORY|Out of memory: Killed process|oom-kill(?:er)?\b|OOM killer"
              r"|node running low on memory",
-             "memory", "oom"),
+             "memory", "oom", "stored in kv cache"),
          "it ran out of memory (GB10's memory is unified: lower --gpu-memory-utilization / "
          "--mem-fraction-static, or free what else holds it)"),
     # -- the nodes run different Ray or Python (different images on head and worker) --
@@ -282,7 +288,8 @@ RULES: tuple[Rule, ...] = (
              r"|\[c10d\].*failed to connect.*(?:No route to host|Network is unreachable)"
              r"|Failed to execute operation Connect from rank|operation=Connect, res=\d+"
              r"|NET/IB.*(?:Unable to open device|No IB device found)"
-             r"|gloo.*(?:Connection refused|Connection reset by peer|No route to host|Timed out waiting)",
+             r"|gloo.*(?:Connection refused|Connection reset by peer|No route to host|Timed out waiting)"
+             r"|Gloo connectFullMesh failed",
              "interface", "connect", "af_inet", "ibv_", "net/ib", "unable to find", "gloo", "got completion",
              "operation"),
          "NCCL/Gloo cannot use the fast link (check NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME, NCCL_IB_HCA, "
@@ -298,8 +305,10 @@ RULES: tuple[Rule, ...] = (
              r"|Watchdog caught collective operation timeout"
              r"|client socket has timed out after \d+m?s while trying to connect"
              r"|client socket has failed to connect to"
-             r"|DistNetworkError",
-             "timed out", "diststore", "watchdog", "client socket", "distnetwork", icase=False),
+             r"|DistNetworkError|Timeout waiting for key|Timeout at NCCL work: \d+"
+             r"|Some NCCL operations have failed or timed out|detected by watchdog at work",
+             "timed out", "diststore", "watchdog", "client socket", "distnetwork", "timeout waiting for key",
+             "timeout at nccl work", icase=False),
          "distributed init timed out: a rank never joined (c10d store or NCCL collective timeout)"),
     # -- weak hints, used only when nothing else matched --
     Rule("arch-unsupported", 15,
@@ -527,9 +536,7 @@ def classify(logs: Mapping[str, Sequence[str]]) -> Diagnosis:
     evidence.sort(key=lambda e: (order.get(e.label, 0), e.line_no))
     where = sorted({e.label for f in best if f.cls == cls for e in f.evidence}, key=lambda x: order.get(x, 0))
     summary = f"{best[0].why} ({', '.join(where)})" if where else best[0].why
-    if cls == "nccl-init-hang" and any(
-        "Watchdog caught" in e.text for e in evidence
-    ) and ready:
+    if cls == "nccl-init-hang" and any("watchdog" in e.text.lower() for e in evidence) and ready:
         summary += "; note: the engine had reported ready, so a collective wedged while serving"
     return Diagnosis(cls, evidence, _one_line(summary))
 

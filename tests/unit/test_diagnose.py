@@ -79,6 +79,12 @@ EXPECTED: dict[str, dict[str, list[int]]] = {
     "image-without-ray/ray-command-not-found.log": {"": [3]},
     "image-without-ray/vllm-ray-not-installed.log": {"": [8]},
     "port-in-use/torchrun-29500-eaddrinuse.log": {"": [2]},
+    # old classes in other engines' and versions' wording, checked after the corpus, then added
+    "out-of-memory/vllm-v0-max-seq-len-over-kv-cache.log": {"": [3]},
+    "nccl-init-hang/c10d-nccl-unique-id-store-timeout.log": {"": [2]},
+    "nccl-init-hang/sglang-two-h200-nodes-watchdog-work-timeout.log": {"": [2, 3, 4]},
+    "link-misconfigured/vllm-ray-gloo-connectfullmesh.log": {"": [3]},
+    "arch-unsupported/triton-out-of-resource-shared-memory-101376.log": {"": [2]},
     # nothing matched: the evidence is each log's last lines
     "unknown/vllm-illegal-memory-access.log": {"": [5, 6, 7]},
     "unknown/vllm-pp-worker-illegal-address.log": {"": [8, 9, 10]},
@@ -147,6 +153,13 @@ def test_spans_nodes_line_alone_is_a_hang_when_nothing_follows():
     assert cls_of(head=["x", SG_SPANS]) == "nccl-init-hang"
     # ... but not once init went on (vLLM prints a similar line and carries on)
     assert cls_of(head=["x", SG_SPANS, SG_END, "Load weight begin. avail mem=100 GB"]) == "unknown"
+
+
+def test_older_sglang_init_nccl_begin_is_a_stage():
+    # SGLang of mid-2024 printed "Init nccl begin." (sgl-project/sglang#958: it "just stopped at 'Init nccl begin'")
+    assert cls_of(head=["Init nccl begin."]) == "nccl-init-hang"
+    assert cls_of(head=["Init nccl begin.", "Load weight begin. avail mem=20 GB"]) == \
+        "unknown"
 
 
 def test_init_that_ended_is_not_a_hang():
