@@ -6,6 +6,7 @@ The lab stays up after the run (a developer's re-run is then fast); set
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import subprocess
@@ -61,3 +62,22 @@ def lab() -> Lab:
               known_hosts=facts["known_hosts"], state=facts, up_results=results)
     if os.environ.get("SPARKDEPLOY_LAB_DOWN") == "1":
         lifecycle.down()
+
+
+@contextlib.contextmanager
+def lab_with(lab: Lab, n: int):
+    """The lab with ``n`` nodes for a module's tests, then the pair again (as the rest of the
+    suite expects it): the extra nodes come and go around spark1 and spark2."""
+    results = lifecycle.up(nodes=n, flavor=layout.DEFAULT_DOCKERD)
+    try:
+        bad = [r for r in results if r.failed]
+        if bad:
+            pytest.fail(f"lab.up --nodes {n} failed: " + "; ".join(
+                f"{r.step} {r.node or ''}: {r.why}" for r in bad), pytrace=False)
+        facts = lifecycle.lab_facts()
+        yield Lab(nodes=facts["nodes"], ssh_config=facts["ssh_config"],
+                  known_hosts=facts["known_hosts"], state=facts, up_results=results)
+    finally:
+        back = [r for r in lifecycle.up(nodes=len(lab.nodes), flavor=layout.DEFAULT_DOCKERD)
+                if r.failed]
+        assert not back, f"putting the {len(lab.nodes)}-node lab back failed: {back}"

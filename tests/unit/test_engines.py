@@ -263,3 +263,87 @@ def test_which_engine_env_names_are_secrets(name, secret):
     from sparkdeploy.state import is_secret_name
 
     assert is_secret_name(name) is secret
+
+
+# --- 2, 3 and 4 nodes, tensor x pipeline parallel ---------------------------------------------
+
+ADDR = {1: "192.168.100.10", 2: "192.168.100.11", 3: "192.168.100.12", 4: "192.168.100.13"}
+GID = {1: 3, 2: 5, 3: 7, 4: 9}
+
+
+def _n_nodes(tmp_path, n: int, tp: int, pp: int):
+    def edit(d):
+        for i in range(3, n + 1):
+            d["nodes"].append({"name": f"spark{i}", "role": "worker", "ssh": f"spark{i}",
+                               "link": {"interface": "enp1s0f0np0", "address": ADDR[i],
+                                        "hcas": ["rocep1s0f0", "roceP2p1s0f0"]}})
+        for e in d["engines"]:
+            e["tensor_parallel"], e["pipeline_parallel"] = tp, pp
+    return _profile(tmp_path, edit)
+
+
+N_FACTS = {f"spark{i}": NodeFacts(gid_index=GID[i], rdma_devices=True) for i in ADDR}
+SHAPES = [(2, 2, 1), (2, 1, 2), (3, 3, 1), (3, 1, 3), (4, 4, 1), (4, 2, 2), (4, 1, 4)]
+
+
+def _role(i: int, n: int) -> str:
+    return "head" if i == 1 else "worker" if n == 2 else f"worker{i - 1}"
+
+
+@pytest.mark.parametrize(("n", "tp", "pp"), SHAPES)
+def test_sglang_n_nodes_exact_argv_and_env_of_every_rank(tmp_path, n, tp, pp):
+    p = _n_nodes(tmp_path, n, tp, pp)
+    lau = launch(p, p.engines[0], N_FACTS)
+    want = []
+    for i in range(1, n + 1):
+        role = _role(i, n)
+        want.append([
+            *common(f"sparkdeploy-sglang-{role}", "sglang", role),
+            *envs([*link("enp1s0f0np0", GID[i], ADDR[1]), ("SGLANG_HOST_IP", ADDR[i])]),
+            "sparkdeploy/sglang-qwen3.5:latest", "python3", "-m", "sglang.launch_server",
+            "--model-path", MODEL, "--served-model-name", REPO_ID, "--tp", str(tp),
+            *(["--pp-size", str(pp)] if pp > 1 else []), "--nnodes", str(n), "--node-rank",
+            str(i - 1), "--dist-init-addr", f"{ADDR[1]}:20000", "--host", "0.0.0.0", "--port",
+            "30000", *SGLANG_ARGS])
+    assert [run_args(c) for c in lau.containers] == want
+    assert [c.node for c in lau.containers] == [f"spark{i}" for i in range(1, n + 1)]
+    assert [(s.wait, len(s.containers)) for s in lau.stages] == [("dist-port", 1), (None, n - 1)]
+    assert [c.ports for c in lau.containers] == [(30000, 20000)] + [()] * (n - 1)
+
+
+@pytest.mark.parametrize(("n", "tp", "pp"), SHAPES)
+def test_vllm_ray_n_nodes_exact_argv_and_env_of_every_container(tmp_path, n, tp, pp):
+    p = _n_nodes(tmp_path, n, tp, pp)
+    lau = launch(p, p.engines[1], N_FACTS)
+    ray = [("RAY_memory_monitor_refresh_ms", "0")]
+    image = "hellohal2064/vllm-qwen3.5-gb10"
+    want = [[*common("sparkdeploy-vllm-ray-head", "vllm-ray", "head"), "--volume=/tmp/ray",
+             *envs([*link("enp1s0f0np0", 3, ADDR[1]), ("VLLM_HOST_IP", ADDR[1]), *ray]),
+             image, "ray", "start", "--head", "--port", "6379", "--node-ip-address", ADDR[1],
+             "--num-gpus", "1", "--disable-usage-stats", "--block"]]
+    for i in range(2, n + 1):
+        role = _role(i, n)
+        want.append([*common(f"sparkdeploy-vllm-ray-{role}", "vllm-ray", role),
+                     *envs([*link("enp1s0f0np0", GID[i], ADDR[1]), ("VLLM_HOST_IP", ADDR[i]),
+                            *ray]),
+                     image, *ray_worker(ADDR[i])])
+    want.append([
+        *common("sparkdeploy-vllm-ray-api", "vllm-ray", "api"),
+        "--volumes-from=sparkdeploy-vllm-ray-head", "--pid=container:sparkdeploy-vllm-ray-head",
+        *envs([*link("enp1s0f0np0", 3, ADDR[1]), ("VLLM_HOST_IP", ADDR[1]), *ray,
+               ("RAY_ADDRESS", f"{ADDR[1]}:6379")]),
+        image, "vllm", "serve", MODEL, "--served-model-name", REPO_ID, "--host", "0.0.0.0",
+        "--port", "8000", "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
+        *VLLM_ARGS])
+    assert [run_args(c) for c in lau.containers] == want
+    assert [(s.wait, len(s.containers)) for s in lau.stages] == [
+        (None, 1), ("ray-nodes", n - 1), (None, 1)]
+
+
+@pytest.mark.parametrize(("n", "tp", "pp"), [(3, 2, 1), (3, 2, 2), (4, 3, 1), (4, 1, 2)])
+def test_n_nodes_product_other_than_the_gpus_is_refused(tmp_path, n, tp, pp):
+    from sparkdeploy.config import ProfileError
+
+    with pytest.raises(ProfileError, match=rf"tensor_parallel x pipeline_parallel = {tp * pp}, "
+                                           rf"but the nodes declare {n} GPUs"):
+        _n_nodes(tmp_path, n, tp, pp)

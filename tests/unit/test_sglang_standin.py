@@ -302,3 +302,26 @@ def test_decode_steps_share_a_round_and_wait_for_one_begun_after_the_call():
         t.join(5)
     assert len(done) == 8
     assert len(rounds) <= 2  # the eight waiters shared the rounds (a call during round 1 waits for round 2)
+
+
+@pytest.mark.parametrize(("tp", "pp", "nnodes", "per_node"), [
+    # one GPU a node: each node one (pp_rank, tp_rank), every rank of the tp x pp grid once
+    (2, 1, 2, [[(0, 0)], [(0, 1)]]),
+    (1, 3, 3, [[(0, 0)], [(1, 0)], [(2, 0)]]),
+    (2, 2, 4, [[(0, 0)], [(0, 1)], [(1, 0)], [(1, 1)]]),
+    (4, 1, 4, [[(0, 0)], [(0, 1)], [(0, 2)], [(0, 3)]]),
+    # more ranks than nodes: a node holds several
+    (2, 2, 2, [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]),
+    (4, 1, 2, [[(0, 0), (0, 1)], [(0, 2), (0, 3)]]),
+])
+def test_sglang_ranks_per_node(tp, pp, nnodes, per_node):
+    assert [es.sglang_ranks(tp, pp, nnodes, r) for r in range(nnodes)] == per_node
+
+
+def test_sglang_refuses_more_ranks_than_the_nodes_gpus(capsys, monkeypatch):
+    monkeypatch.setenv(es.ENV + "GPUS", "1")
+    rc = es.sglang_main(["--model-path", "/nonexistent", "--tp", "2", "--pp-size", "2",
+                         "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "127.0.0.1:1"])
+    assert rc == 1
+    assert ("RuntimeError: CUDA error: invalid device ordinal (tp_size=2 x pp_size=2 over 2 "
+            "node(s) puts 2 ranks on this node; it has 1 GPU(s))") in capsys.readouterr().err

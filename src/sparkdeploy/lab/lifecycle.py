@@ -161,11 +161,14 @@ def _networks(run: _Run) -> None:
     for x in run.names:
         run.add(_ensure_node(x, st, plan))
     topo = node.fast_topology(len(run.names))
-    fast_changed = node.ensure_fast(run.names, plan)
+    made = node.ensure_fast(run.names, plan)
     st["fast_topology"] = topo
     run.save()
-    desc = f"{topo}: " + ", ".join(f"{x} {layout.FAST_IF} {plan.fast_addr(x)}" for x in run.names)
-    run.add((changed if fast_changed else ok)("network.fast", f"{desc} mtu {layout.FAST_MTU}"))
+    desc = (f"{topo} {layout.FAST_BRIDGE} in netns {layout.FAST_NETNS}: " if topo != "none"
+            else "none: ") + ", ".join(f"{x} {layout.FAST_IF} {plan.fast_addr(x)}"
+                                        for x in run.names)
+    run.add((changed if made else ok)("network.fast", f"{desc} mtu {layout.FAST_MTU}"
+                                      + (f"; made {', '.join(made)}" if made else "")))
 
 
 def _ensure_node(x: str, st: dict, plan: AddressPlan) -> Result:

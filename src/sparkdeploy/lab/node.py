@@ -167,22 +167,19 @@ def ensure_mgmt_link(node: str, plan: AddressPlan) -> bool:
 
 
 def fast_topology(n: int) -> str:
-    return "none" if n < 2 else "pair" if n == 2 else "bridge"
+    return "none" if n < 2 else "bridge"
 
 
-def _fast_ok(nodes: list[str], plan: AddressPlan, topology: str) -> bool:
+def _fast_node_ok(node: str, plan: AddressPlan, ports: dict[str, dict]) -> bool:
+    """The node's fast interface has its address, jumbo MTU and is up, and its peer end is a
+    port of the fast bridge."""
     prefix = int(plan.fast_net.split("/")[1])
-    for node in nodes:
-        link = _links(layout.netns_name(node)).get(layout.FAST_IF)
-        if link is None or not _has_addr(link, plan.fast_addr(node), prefix):
-            return False
-        if link.get("mtu") != layout.FAST_MTU or "UP" not in link.get("flags", []):
-            return False
-    if topology == "pair":
-        return not netns_exists(layout.FAST_NETNS)
-    ports = _links(layout.FAST_NETNS)
-    return all(ports.get(layout.fast_peer_veth(n), {}).get("master") == layout.FAST_BRIDGE
-               for n in nodes)
+    link = _links(layout.netns_name(node)).get(layout.FAST_IF)
+    if link is None or not _has_addr(link, plan.fast_addr(node), prefix):
+        return False
+    if link.get("mtu") != layout.FAST_MTU or "UP" not in link.get("flags", []):
+        return False
+    return ports.get(layout.fast_peer_veth(node), {}).get("master") == layout.FAST_BRIDGE
 
 
 def remove_fast(nodes: list[str]) -> None:
@@ -194,37 +191,47 @@ def remove_fast(nodes: list[str]) -> None:
         run(["ip", "netns", "del", layout.FAST_NETNS], check=False)
 
 
-def ensure_fast(nodes: list[str], plan: AddressPlan) -> bool:
-    """The fast link: a veth pair for two nodes, a bridge in ``lab-fast`` for more."""
-    topo = fast_topology(len(nodes))
-    if topo == "none":
+def _ensure_fast_bridge(mtu: str) -> bool:
+    fns = layout.FAST_NETNS
+    made = ensure_netns(fns)
+    br = _links(fns).get(layout.FAST_BRIDGE)
+    if br is None:
+        run(["ip", "-n", fns, "link", "add", layout.FAST_BRIDGE, "mtu", mtu, "type", "bridge"])
+        made = True
+    if br is None or "UP" not in br.get("flags", []):
+        run(["ip", "-n", fns, "link", "set", layout.FAST_BRIDGE, "up"])
+        made = True
+    return made
+
+
+def ensure_fast(nodes: list[str], plan: AddressPlan) -> list[str]:
+    """The fast link: a switch (a bridge in ``lab-fast``) with one port per node, whatever the
+    node count, so that a node coming or going leaves the others' links alone. Returns the
+    nodes whose link was (re)made (``lab-fast`` when the bridge itself was)."""
+    if fast_topology(len(nodes)) == "none":
         remove_fast(nodes)
-        return False
-    if _fast_ok(nodes, plan, topo):
-        return False
-    remove_fast(nodes)
+        return []
     mtu = str(layout.FAST_MTU)
     prefix = plan.fast_net.split("/")[1]
-    if topo == "pair":
-        a, b = (layout.netns_name(x) for x in nodes)
-        run(["ip", "link", "add", layout.FAST_IF, "netns", a, "mtu", mtu, "type", "veth",
-             "peer", "name", layout.FAST_IF, "netns", b, "mtu", mtu])
-    else:
-        ensure_netns(layout.FAST_NETNS)
-        fns = layout.FAST_NETNS
-        run(["ip", "-n", fns, "link", "add", layout.FAST_BRIDGE, "mtu", mtu, "type", "bridge"])
-        run(["ip", "-n", fns, "link", "set", layout.FAST_BRIDGE, "up"])
-        for node in nodes:
-            peer = layout.fast_peer_veth(node)
-            run(["ip", "link", "add", layout.FAST_IF, "netns", layout.netns_name(node), "mtu",
-                 mtu, "type", "veth", "peer", "name", peer, "netns", fns, "mtu", mtu])
-            run(["ip", "-n", fns, "link", "set", peer, "master", layout.FAST_BRIDGE, "up"])
+    fns = layout.FAST_NETNS
+    made = [fns] if _ensure_fast_bridge(mtu) else []
+    ports = _links(fns)
     for node in nodes:
-        ns = layout.netns_name(node)
+        if _fast_node_ok(node, plan, ports):
+            continue
+        ns, peer = layout.netns_name(node), layout.fast_peer_veth(node)
+        if layout.FAST_IF in _links(ns):  # half a link (or a pair from an older lab)
+            run(["ip", "-n", ns, "link", "del", layout.FAST_IF], check=False)
+        if peer in ports:
+            run(["ip", "-n", fns, "link", "del", peer], check=False)
+        run(["ip", "link", "add", layout.FAST_IF, "netns", ns, "mtu", mtu, "type", "veth",
+             "peer", "name", peer, "netns", fns, "mtu", mtu])
+        run(["ip", "-n", fns, "link", "set", peer, "master", layout.FAST_BRIDGE, "up"])
         run(["ip", "-n", ns, "addr", "add", f"{plan.fast_addr(node)}/{prefix}", "dev",
              layout.FAST_IF])
         run(["ip", "-n", ns, "link", "set", layout.FAST_IF, "up"])
-    return True
+        made.append(node)
+    return made
 
 
 def node_addresses(node: str) -> dict[str, list[str]]:

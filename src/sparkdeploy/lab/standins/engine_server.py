@@ -12,7 +12,7 @@ Entry points (what the image shims call)
     The generic server (flags below). Returns an exit code.
 ``sglang_main(argv=None)``
     ``python3 -m sglang.launch_server ...``: takes SGLang's flags (``--model-path --tp[-size]
-    --nnodes --node-rank --dist-init-addr --host --port --trust-remote-code ...``; unknown flags
+    --pp-size --nnodes --node-rank --dist-init-addr --host --port --trust-remote-code ...``; unknown flags
     tolerated). With ``--nnodes`` > 1 the ranks really meet: rank 0 listens on
     ``--dist-init-addr`` (the port the head's "init port" probe sees open), the others connect
     (c10d-style retries and timeouts) and they exchange, per rank, the address it advertises
@@ -1158,16 +1158,18 @@ def errno_name(n: int | None) -> str:
 
 
 class SglangLog:
-    """SGLang's log lines for one rank (``[time TPn] msg``) and NCCL's (``host:pid:tid [0] NCCL``)."""
+    """SGLang's log lines for one rank (``[time TPn] msg``, ``[time PPm TPn] msg`` with pipeline
+    stages) and NCCL's (``host:pid:tid [0] NCCL``)."""
 
-    def __init__(self, tp_rank: int | None):
-        self.tp = tp_rank
+    def __init__(self, tp_rank: int | None, pp_rank: int | None = None):
+        self.tp, self.pp = tp_rank, pp_rank
         self.host = socket.gethostname()
         self.pid = os.getpid()
         self.tid = self.pid + 77
 
     def __call__(self, msg: str) -> None:
-        tag = f" TP{self.tp}" if self.tp is not None else ""
+        tag = (f" PP{self.pp}" if self.pp is not None else "") + (
+            f" TP{self.tp}" if self.tp is not None else "")
         print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}{tag}] {msg}", flush=True)
 
     def nccl(self, msg: str, main: bool = False) -> None:
@@ -1184,6 +1186,7 @@ def sglang_main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-path", "--model", required=True)
     p.add_argument("--served-model-name")
     p.add_argument("--tp", "--tp-size", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("--pp-size", "--pipeline-parallel-size", dest="pp", type=int, default=1)
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--dist-init-addr")
@@ -1201,11 +1204,18 @@ def sglang_main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(ns, engine="sglang", api_key=ns.api_key)
     log(
         f"server_args=ServerArgs(model_path={ns.model_path!r}, tp_size={ns.tp}, "
-        f"nnodes={ns.nnodes}, node_rank={ns.node_rank}, dist_init_addr={ns.dist_init_addr!r}, "
+        f"pp_size={ns.pp}, nnodes={ns.nnodes}, node_rank={ns.node_rank}, dist_init_addr={ns.dist_init_addr!r}, "
         f"host={ns.host!r}, port={ns.port}, trust_remote_code={ns.trust_remote_code})"
         + (f" (ignored flags: {' '.join(unknown)})" if unknown else ""),
         engine="sglang",
     )
+    layout = sglang_ranks(ns.tp, ns.pp, ns.nnodes, ns.node_rank)
+    gpus = int(os.environ.get(ENV + "GPUS", "1"))
+    if len(layout) > gpus:
+        print(f"RuntimeError: CUDA error: invalid device ordinal (tp_size={ns.tp} x pp_size={ns.pp}"
+              f" over {ns.nnodes} node(s) puts {len(layout)} ranks on this node; it has {gpus} "
+              "GPU(s))", file=sys.stderr, flush=True)
+        return 1
     if ns.nnodes <= 1:
         return run_server(cfg)
     if ns.dist_init_addr is None:
@@ -1224,14 +1234,25 @@ def sglang_main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def sglang_ranks(tp: int, pp: int, nnodes: int, node_rank: int) -> list[tuple[int, int]]:
+    """The (pp_rank, tp_rank) pairs SGLang starts on one node: the nodes split into ``pp``
+    groups of ``nnodes // pp`` (at least 1) that share a stage's tensor-parallel ranks."""
+    per_tp_group = max(nnodes // pp, 1)
+    tp_per_node = max(tp // per_tp_group, 1)
+    pp_per_node = max(pp // nnodes, 1)
+    tp0 = tp_per_node * (node_rank % per_tp_group)
+    pp0 = pp_per_node * (node_rank // per_tp_group)
+    return [(q, t) for q in range(pp0, pp0 + pp_per_node) for t in range(tp0, tp0 + tp_per_node)]
+
+
 def _sglang_multinode(ns, cfg: Config, env: dict) -> int:
     host, _, port = ns.dist_init_addr.rpartition(":")
     world = ns.nnodes
-    per_node = max(1, ns.tp // ns.nnodes)
-    slog = SglangLog(ns.node_rank * per_node)
+    pp_rank, tp_rank = sglang_ranks(ns.tp, ns.pp, ns.nnodes, ns.node_rank)[0]
+    slog = SglangLog(tp_rank, pp_rank if ns.pp > 1 else None)
     t0 = time.perf_counter()
     slog("Init torch distributed begin.")
-    slog(f"world_size={ns.tp} rank={ns.node_rank * per_node} local_rank=0 "
+    slog(f"world_size={ns.tp * ns.pp} rank={pp_rank * ns.tp + tp_rank} local_rank=0 "
          f"distributed_init_method=tcp://{ns.dist_init_addr} backend=nccl")
     timeout = float(env.get(ENV + "DIST_TIMEOUT_S", "600"))
     rdv = Rendezvous(host.strip("[]"), int(port), ns.node_rank, world, timeout,
