@@ -275,6 +275,16 @@ class Serve(_Strict):
     poll_s: float = Field(default=2, gt=0, le=3600)
     group_port: Port = 29990
     """Where the persisted units' supervisors publish their state on the fast link."""
+    watch_s: float = Field(default=30, ge=1, le=DAY)
+    """The watchdog (the persisted supervisors, ``serve.watch``): a canary this often."""
+    canary_s: float = Field(default=30, ge=1, le=3600)
+    """The canary's deadline for its first token; none in time is a wedge."""
+    max_restarts: int = Field(default=3, ge=0, le=100)
+    """Restarts of the whole deployment within ``restart_window_s`` before the watchdog gives up."""
+    restart_window_s: float = Field(default=3600, gt=0, le=7 * DAY)
+    restart_backoff_s: float = Field(default=30, ge=0, le=DAY)
+    """The second restart in a window waits this long after the first, each next one twice as long."""
+    restart_backoff_max_s: float = Field(default=600, ge=0, le=DAY)
 
 
 class Bench(_Strict):

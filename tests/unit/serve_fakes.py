@@ -59,6 +59,8 @@ class FakeNode:
     removed: list[str] = field(default_factory=list)
     cluster: FakeCluster | None = None
     stdin: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+    """Files the node holds (what ``cat`` reads), e.g. the watchdog's restart record."""
     verify: dict = field(default_factory=lambda: {
         "ok": ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"],
         "missing": [], "differ": {}, "unchecked": [], "hashed_bytes": 0, "reused": 3,
@@ -84,6 +86,12 @@ class FakeNode:
         if argv[0] == "python3" and argv[2] == "connect":
             port = int(argv[argv.index("--port") + 1])
             return 0, json.dumps({"open": self.cluster.listening(port)}) + "\n", ""
+        if argv[:3] == ["sudo", "-n", "--"]:
+            argv = argv[3:]
+        if argv[:2] == ["cat", "--"]:
+            if argv[2] in self.files:
+                return 0, self.files[argv[2]], ""
+            return 1, "", f"cat: {argv[2]}: No such file or directory"
         if argv[0] == "nvidia-smi":
             return 0, "".join(f"{p}, {n}, [N/A]\n" for p, n in self.gpu), ""
         assert argv[:3] == ["docker", "-H", f"unix:///run/{self.name}.sock"], argv

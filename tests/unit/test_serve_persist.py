@@ -10,6 +10,7 @@ import pytest
 
 from sparkdeploy.engines import NodeFacts, launch
 from sparkdeploy.engines.base import run_args
+from sparkdeploy.packaged import helper
 from sparkdeploy.results import Status
 from sparkdeploy.steps import serve, serve_persist
 from tests.unit.serve_fakes import FakeNode
@@ -192,7 +193,8 @@ def test_a_persist_that_starts_every_unit_keeps_no_previous_copy(units):
                   {"spark1": NodeFacts(3, False), "spark2": NodeFacts(3, False)})
     key = sds["spark1"].files[KEY]
     for sd in sds.values():
-        assert set(sd.files) == {UNIT_FILE, SPEC, KEY, f"{serve_persist.NODE_DIR}/serve_unit.py"}
+        assert set(sd.files) == {UNIT_FILE, SPEC, KEY, f"{serve_persist.NODE_DIR}/serve_unit.py",
+                                 f"{serve_persist.NODE_DIR}/serve_watchdog.py"}
         assert sd.enabled == {UNIT} and sd.running == {UNIT}
         # one group key on every node, 0600, sent over stdin: in no command line
         assert sd.files[KEY] == key and len(key.strip()) == 64 and sd.modes[KEY] == "0600"
@@ -201,6 +203,13 @@ def test_a_persist_that_starts_every_unit_keeps_no_previous_copy(units):
         spec = json.loads(sd.files[SPEC])
         assert [c["run"] for st in spec["stages"] for c in st["containers"]] == [
             run_args(c) for c in want.containers]
+        # the watchdog: the profile's policy, the head's own endpoint, where its records go
+        assert spec["watch"] == {"watch_s": 30.0, "canary_s": 30.0, "max_restarts": 3,
+                                 "window_s": 3600.0, "backoff_s": 30.0, "backoff_max_s": 600.0}
+        assert spec["canary"] == {"port": 30000, "model": dep.profile.model.repo}
+        assert (spec["engine"], spec["unit"], spec["nodes"]) == ("sglang", UNIT, ["spark1", "spark2"])
+        assert sd.files[f"{serve_persist.NODE_DIR}/serve_watchdog.py"] == \
+            helper("serve_watchdog.py").read_text()
     assert serve_persist.persist(dep)[-1].why == f"{UNIT} installed and active on every node"
 
 

@@ -13,10 +13,21 @@ fast link, each publishing a small JSON state on ``<own fast-link address>:<grou
   its containers of every stage the head has published; the head waits for them, then for the
   stage's condition (``dist-port``: the head's init port answers; ``ray-nodes``: Ray lists
   every node with its GPUs), then goes on.
-- Restarted together: a supervisor whose own container stopped, whose head changed epoch or
-  vanished (a worker), or whose worker vanished or is not following it (the head), removes its
-  containers and exits 1; systemd restarts it, and the group comes up again as a whole.
-  Users of other launchers report a half-cluster left serving nothing after one rank died.
+- Restarted together: every supervisor reads its own ranks each poll (``serve_watchdog``:
+  the container gone or exited, its engine process gone, stopped (state T) or a zombie) and
+  publishes what is wrong (``ranks``); the head also runs a canary (a short streamed
+  completion on its own endpoint) every ``watch_s`` once the group serves. A rank that is wrong
+  anywhere, or a canary without a token within ``canary_s``, is a wedge: the head decides
+  (the budget and the backoff of ``serve_watchdog.next_restart``), writes the restart record
+  on its node, publishes ``restarting`` (each worker then saves its own logs under the
+  restart's id and exits 1), saves its own, removes its containers, waits the backoff and
+  exits 1; systemd restarts every supervisor and the group comes up again as a whole. When the
+  head next serves, the record gets ``served_again_after_s``. A spent budget: the head
+  records ``gave-up``, removes its containers and stays (publishing ``gave_up``; the workers
+  remove theirs). A worker whose head changed epoch or vanished, or a head whose worker
+  vanished or is not following it, exits 1 as before. Users of other launchers report a
+  half-cluster left serving nothing after one rank died, and ranks wedged while ``/health``
+  answered 200.
 - SIGTERM (``systemctl stop``) and ``stop`` remove this node's containers.
 - Peers authenticate each other with the group's key (``key``: a file of mode 0600 that
   ``serve.persist`` writes on every node over stdin): a request carries its time, a fresh nonce
@@ -30,7 +41,10 @@ The spec (JSON): ``docker`` (the docker CLI argv prefix for this node's engine),
 ``workers`` ({node: [address, port]}), ``stages`` ([{"wait": null|"dist-port"|"ray-nodes",
 "containers": [{"node", "name", "run": [docker run args]}]}]), ``wait_addr``
 ([address, port] of the init port), ``ray_nodes`` ({address: gpus}), ``ray_probe`` (Python
-source run in the Ray head container), ``ready_timeout_s``, ``key`` (the group key's file).
+source run in the Ray head container), ``ready_timeout_s``, ``key`` (the group key's file),
+``watch`` (``serve_watchdog.Policy`` as a dict), ``canary`` ({"port", "model"}: the head's
+endpoint on 127.0.0.1), ``engine``, ``unit``, ``node_dir`` (where records and logs go),
+``nodes`` (every node of the group).
 """
 
 from __future__ import annotations
@@ -50,6 +64,11 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+try:  # beside this file on a node; in the package on the controller (tests)
+    import serve_watchdog as wd  # type: ignore[import-not-found]
+except ImportError:  # the package's own import path
+    from sparkdeploy.helpers import serve_watchdog as wd
 
 POLL = 1.0
 WINDOW_S = 30.0
@@ -95,13 +114,15 @@ def read_key(path: str) -> bytes:
 
 
 class Group:
-    def __init__(self, spec: dict, key: bytes = b"", clock: Callable[[], float] = time.time):
+    def __init__(self, spec: dict, key: bytes = b"", clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], None] = time.sleep, run=subprocess.run):
         self.spec = spec
-        self.key, self.clock = key, clock
+        self.key, self.clock, self.sleep, self.run = key, clock, sleep, run
         self.state = {"node": spec["node"], "epoch": secrets.token_hex(6), "stage": -1,
                       "following": None, "accepting": spec["role"] == "head"}
         self.lock = threading.Lock()
         self.stopping = False
+        self.policy = wd.Policy.of(spec.get("watch") or {})
 
     # -- the published state ---------------------------------------------------------------
     def serve(self) -> ThreadingHTTPServer:
@@ -139,8 +160,8 @@ class Group:
 
     # -- docker ------------------------------------------------------------------------------
     def docker(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([*self.spec["docker"], *args], capture_output=True, text=True,
-                              timeout=timeout)
+        return self.run([*self.spec["docker"], *args], capture_output=True, text=True,
+                        timeout=timeout)
 
     def mine(self) -> list[dict]:
         return [c for st in self.spec["stages"] for c in st["containers"]
@@ -159,21 +180,34 @@ class Group:
                     raise Restart(f"docker run {c['name']}: {(r.stderr or r.stdout).strip()[-300:]}")
                 say(f"started {c['name']} (stage {k})")
 
-    def check_mine(self, upto: int) -> None:
+    def check_mine(self, upto: int) -> dict[str, str]:
+        """What is wrong with this node's ranks of the stages up to ``upto`` (published as
+        ``ranks``: {"node: container": why}; {} when every one serves)."""
         names = [c["name"] for k, st in enumerate(self.spec["stages"]) if k <= upto
                  for c in st["containers"] if c["node"] == self.spec["node"]]
-        if not names:
-            return
-        r = self.docker("inspect", "--format", "{{.Name}} {{.State.Status}}", *names)
-        running = {ln.split()[0].lstrip("/") for ln in r.stdout.splitlines()
-                   if ln.split()[1:] == ["running"]}
-        for n in names:
-            if n not in running:
-                raise Restart(f"{n} is not running")
+        got = wd.inspect_ranks(self.spec["docker"], names, run=self.run) if names else {}
+        bad = {f"{self.spec['node']}: {n}": p for n, p in got.items() if p}
+        self.set(ranks=bad)
+        return bad
+
+    def save_logs(self, rid: str) -> str:
+        d, _ = wd.save_logs(self.spec["docker"], [c["name"] for c in self.mine()], rid,
+                            self.node_dir, run=self.run)
+        return d
+
+    @property
+    def node_dir(self) -> str:
+        return self.spec.get("node_dir") or wd.NODE_DIR
 
 
 class Restart(Exception):
-    pass
+    def __init__(self, why: str, wait_s: float = 0.0):
+        super().__init__(why)
+        self.wait_s = wait_s
+
+
+class GaveUp(Exception):
+    """The restart budget is spent: the group stays down, the supervisor stays (said why)."""
 
 
 def peer(g: Group, addr: list) -> dict | None:
@@ -226,6 +260,33 @@ class Watcher:
             raise Restart(why)
 
 
+def wedged(g: Group, w: wd.Wedge) -> None:
+    """The head's decision on a wedge: record it, tell the workers (they save their logs and
+    exit), save this node's logs; then Restart (after the backoff) or GaveUp."""
+    now = g.clock()
+    path = wd.record_path(g.spec["engine"], g.node_dir)
+    recs = wd.read_records(path)
+    go, wait, n = wd.next_restart(recs, now, g.policy)
+    rid = wd.restart_id(now, g.state["epoch"][:4])
+    logs = {node: f"{g.node_dir}/logs/{rid}" for node in g.spec["nodes"]}
+    recs.append(wd.entry(w, rid=rid, t=now, by=g.spec["unit"], engine=g.spec["engine"], n=n,
+                         backoff_s=wait, gave_up=not go, logs=logs))
+    wd.write_records(path, recs)
+    g.set(restarting={"id": rid, "why": w.why, "gave_up": not go})
+    say(f"wedge: {w.why}; " + (f"restart {n} of {g.policy.max_restarts} (id {rid})" if go else
+                               f"the restart budget is spent ({g.policy.max_restarts} within "
+                               f"{g.policy.window_s:g}s): giving up (id {rid})"))
+    g.save_logs(rid)
+    g.sleep(3 * POLL)  # the workers read ``restarting`` and save their logs
+    if not go:
+        raise GaveUp(w.why)
+    raise Restart(w.why, wait)
+
+
+class Recorded(Restart):
+    """A Restart the head decided and recorded already."""
+
+
 def run_head(g: Group) -> None:
     workers = g.spec["workers"]
     say(f"epoch {g.state['epoch']}: waiting for {len(workers)} worker(s) to be ready")
@@ -234,11 +295,21 @@ def run_head(g: Group) -> None:
         if all(s is not None and s["stage"] == -1 for s in states.values()):
             break
         time.sleep(POLL)
+    try:
+        _head_group(g)
+    except Restart as e:
+        if isinstance(e, Recorded):
+            raise
+        wedged(g, wd.Wedge("group", str(e), [str(e)]))
+
+
+def _head_group(g: Group) -> None:
+    workers = g.spec["workers"]
     epoch = g.state["epoch"]
     w = Watcher()
     joined: set[str] = set()
 
-    def watch_workers(upto: int) -> dict[str, dict | None]:
+    def watch_workers(upto: int, canary_error: str | None = None) -> dict[str, dict | None]:
         states = {n: peer(g, a) for n, a in workers.items()}
         for n, s in states.items():
             w.seen(n, s is not None, f"worker {n} does not answer")
@@ -252,7 +323,16 @@ def run_head(g: Group) -> None:
                 raise Restart(f"worker {n} follows another head epoch")
         if joined == set(workers) and g.state["accepting"]:
             g.set(accepting=False)
-        g.check_mine(upto)
+        bad = dict(g.check_mine(upto))
+        for s in states.values():
+            if s is not None and s.get("following") == epoch and isinstance(s.get("ranks"), dict):
+                bad.update({str(k): str(v) for k, v in s["ranks"].items()})
+        found = wd.wedge(canary_error, bad)
+        if found is not None:
+            try:
+                wedged(g, found)
+            except Restart as e:
+                raise Recorded(str(e), e.wait_s) from None
         return states
 
     deadline = time.monotonic() + float(g.spec["ready_timeout_s"])
@@ -275,9 +355,28 @@ def run_head(g: Group) -> None:
             time.sleep(POLL)
         say(f"stage {k} up")
     last = len(g.spec["stages"]) - 1
-    say("all stages up; watching the group")
+    say("all stages up; waiting for the endpoint to serve")
+    canary = g.spec.get("canary")
+    served = canary is None
+    next_canary = 0.0
     while True:
-        watch_workers(last)
+        err = None
+        if canary is not None and time.monotonic() >= next_canary:
+            err = wd.canary("127.0.0.1", int(canary["port"]), canary["model"], g.policy.canary_s)
+            next_canary = time.monotonic() + (g.policy.watch_s if served or err is None else POLL)
+            if err is None and not served:
+                served = True
+                say("serving; the watchdog runs a canary every " f"{g.policy.watch_s:g}s")
+                path = wd.record_path(g.spec["engine"], g.node_dir)
+                recs = wd.read_records(path)
+                if wd.served_again(recs, g.clock()):
+                    wd.write_records(path, recs)
+            elif err is not None and not served:
+                if time.monotonic() > deadline:
+                    raise Restart(f"the endpoint did not serve within {g.spec['ready_timeout_s']}s "
+                                  f"({err})")
+                err = None  # still coming up: not a wedge yet
+        watch_workers(last, err)
         time.sleep(POLL)
 
 
@@ -285,6 +384,8 @@ def run_worker(g: Group) -> None:
     w = Watcher()
     following = None
     started = -1
+    bad_since: float | None = None
+    patience = g.policy.canary_s + 10 * POLL  # the head decides; this node only if it never does
     say(f"epoch {g.state['epoch']}: ready, waiting for the head")
     while True:
         h = peer(g, g.spec["head"])
@@ -298,11 +399,23 @@ def run_worker(g: Group) -> None:
             if h is not None:
                 if h["epoch"] != following:
                     raise Restart("the head restarted")
+                r = h.get("restarting")
+                if isinstance(r, dict) and isinstance(r.get("id"), str):
+                    g.save_logs(r["id"])
+                    if r.get("gave_up"):
+                        raise GaveUp(f"the head gave up: {r.get('why')}")
+                    raise Restart(f"the head restarts the group: {r.get('why')}")
                 while started < h["stage"]:
                     started += 1
                     g.start_stage(started)
                     g.set(stage=started)
-            g.check_mine(started)
+            bad = g.check_mine(started)
+            if not bad:
+                bad_since = None
+            elif bad_since is None:
+                bad_since = time.monotonic()
+            elif time.monotonic() - bad_since > patience:
+                raise Restart(f"{'; '.join(bad.values())}, and the head did not restart the group")
         time.sleep(POLL)
 
 
@@ -330,7 +443,15 @@ def cmd_run(spec: dict) -> int:
         say(f"restarting the group: {e}")
         srv.shutdown()
         g.remove_mine()
+        if e.wait_s > 0:
+            say(f"backoff: {e.wait_s:.0f}s before the group starts again")
+            time.sleep(e.wait_s)
         return 1
+    except GaveUp as e:
+        g.remove_mine()
+        say(f"given up, the group stays down: {e} (serve.status shows the record)")
+        while True:  # active, so systemd does not restart it; `systemctl stop` ends it
+            time.sleep(3600)
     return 0
 
 

@@ -39,7 +39,15 @@ from sparkdeploy.results import Result
 from sparkdeploy.steps import serve_preflight
 from sparkdeploy.steps.registry import StepContext, step
 from sparkdeploy.steps.serve_containers import RAY_PROBE, active, installed, ours, remove, stop_units
-from sparkdeploy.steps.serve_watch import EngineFailed, Stalled, StartFailed, Watch, full_log
+from sparkdeploy.steps.serve_watch import (
+    EngineFailed,
+    Stalled,
+    StartFailed,
+    Watch,
+    describe,
+    full_log,
+    read_restarts,
+)
 
 STEP_UP = "serve.up"
 STEP_DOWN = "serve.down"
@@ -380,6 +388,17 @@ def _ray_status(dep: Deployment, head: Host, containers: list[dict[str, str]]) -
     return "Ray: " + ", ".join(f"{s.ip} ({s.gpus:g} GPU)" for s in seen)
 
 
+RESTARTS_SHOWN = 5
+
+
+def _restarts(ctx: StepContext, head: Host) -> None:
+    """The watchdog's restart records on the head (the last few, per engine)."""
+    for eng in ctx.dep.profile.engines:
+        recs = read_restarts(head, eng.name)
+        for r in recs[-RESTARTS_SHOWN:]:
+            ctx.ok(f"{eng.name}: {describe(r)}", head.name, restart=r)
+
+
 @step(STEP_STATUS)
 def status(ctx: StepContext) -> None:
     """Engine containers per node, Ray's nodes, and the endpoint's health."""
@@ -397,6 +416,7 @@ def status(ctx: StepContext) -> None:
     ray = _ray_status(dep, dep.host(head), found.get(head) or [])
     if ray:
         ctx.ok(ray, head)
+    _restarts(ctx, dep.host(head))
     rec = ep.recorded(dep.records)
     url = ep.url(dep)
     if not url:

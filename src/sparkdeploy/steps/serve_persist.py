@@ -5,7 +5,9 @@ Each node gets ``sparkdeploy-<engine>.service`` running ``helpers/serve_unit.py`
 container specs ``serve.up`` starts: the same ``docker run`` arguments, stage by stage. The
 supervisors form a group over the fast link (see ``helpers/serve_unit.py``): workers before the
 head, and when one node's engine container dies every node's is restarted together
-(``Restart=on-failure``). Stopping a unit removes its node's containers.
+(``Restart=on-failure``), and a wedged rank or a canary that brings no token is found and
+restarted the same way, recorded on the head (``serve_watchdog``). Stopping a unit removes its
+node's containers.
 
 ``serve.persist`` hands the running deployment over to the units: it removes ``serve.up``'s
 containers, starts the units (workers first) and waits until the endpoint serves again. The
@@ -52,13 +54,15 @@ from sparkdeploy.steps.serve_containers import (
     remove,
     unit_name,
 )
-from sparkdeploy.steps.serve_watch import EngineFailed, Watch
+from sparkdeploy.steps.serve_watch import EngineFailed, Watch, policy
 from sparkdeploy.wait import WaitTimeout, wait_for
 
 STEP_PERSIST = "serve.persist"
 STEP_UNPERSIST = "serve.unpersist"
 NODE_DIR = "/var/lib/sparkdeploy-node/serve"
 SUPERVISOR = "serve_unit.py"
+WATCHDOG = "serve_watchdog.py"
+"""The watchdog's decisions, beside the supervisor (it imports them)."""
 PYTHON = "/usr/bin/python3"
 
 
@@ -127,6 +131,12 @@ def group_spec(dep: Deployment, lau: Launch, host: Host) -> dict[str, Any]:
         "ray_probe": RAY_PROBE,
         "ready_timeout_s": prof.serve.ready_timeout_s,
         "key": key_path(lau.engine),
+        "watch": policy(prof.serve).as_dict(),
+        "canary": {"port": lau.port, "model": lau.served_model},
+        "engine": lau.engine.name,
+        "unit": unit_name(lau.engine.name),
+        "node_dir": NODE_DIR,
+        "nodes": sorted({c.node for c in lau.containers}),
     }
 
 
@@ -218,6 +228,7 @@ def _install(dep: Deployment, eng: Engine, lau: Launch, h: Host, text: str,
     unit = unit_name(eng.name)
     ho = Handover(h, _enabled(h, unit), bool(active(h, [unit])))
     files = {f"{NODE_DIR}/{SUPERVISOR}": (helper(SUPERVISOR).read_text(), "0755"),
+             f"{NODE_DIR}/{WATCHDOG}": (helper(WATCHDOG).read_text(), "0644"),
              f"{NODE_DIR}/{eng.name}.json":
                  (json.dumps(group_spec(dep, lau, h), indent=2, sort_keys=True) + "\n", "0600"),
              f"{UNIT_DIR}/{unit}": (text, "0644")}

@@ -1,5 +1,6 @@
 """Following engine containers while they come up: their state, their new log lines, and
-whether anything moves at all.
+whether anything moves at all; and, once they serve, the watchdog's policy and its restart
+records on the head (``helpers/serve_watchdog.py`` has the decisions and the record's shape).
 
 ``Watch.poll()`` fetches each followed container's new log lines (``docker logs --timestamps
 --since``), emits them as ``Log`` events and checks the containers' states. A container that
@@ -15,7 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from sparkdeploy.config import Serve
 from sparkdeploy.engines.base import ContainerSpec
+from sparkdeploy.helpers import serve_watchdog as wd
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import docker
 from sparkdeploy.steps.registry import StepContext
@@ -188,3 +191,30 @@ class Watch:
             lines = full_log(f.host, f.spec.name)
             out[f.label] = lines or f.lines
         return out
+
+
+# --- the watchdog: its policy, its records on the head ------------------------------------------
+
+
+def policy(s: Serve) -> wd.Policy:
+    """The profile's ``serve`` values the watchdog decides by."""
+    return wd.Policy(watch_s=s.watch_s, canary_s=s.canary_s, max_restarts=s.max_restarts,
+                     window_s=s.restart_window_s, backoff_s=s.restart_backoff_s,
+                     backoff_max_s=s.restart_backoff_max_s)
+
+
+def read_restarts(head: Host, engine: str) -> list[dict]:
+    """The restart records on the head for ``engine``, oldest first ([] when none)."""
+    r = head.run(["cat", "--", wd.record_path(engine)], change=False, sudo=True)
+    return wd.parse_records(r.stdout) if r.ok else []
+
+
+def describe(rec: dict) -> str:
+    """One line for a restart record (what ``serve.status`` says)."""
+    again = rec.get("served_again_after_s")
+    served = (f"served again after {again:g}s" if isinstance(again, (int, float))
+              else "not serving again yet")
+    what = "gave up" if rec.get("outcome") == "gave-up" else f"restart {rec.get('restart')}"
+    cls = f"; class {rec['class']}" if rec.get("class") else ""
+    return f"{what} at {rec.get('at')} by {rec.get('by')}: {rec.get('why')}{cls}; " + (
+        served if rec.get("outcome") != "gave-up" else "the group stays down")
