@@ -58,6 +58,58 @@ def test_unknown_fault_names_the_argument(lab_dirs):
     assert not (lab_dirs / "faults.json").exists()
 
 
+def test_rank_wedged_stops_every_process_of_the_nodes_engine_containers_and_none_continues_them(
+        lab_dirs, monkeypatch):
+    rec = lab_dirs / "faults.json"
+    calls, kills = [], []
+    state = {}
+
+    def run(argv, **kw):
+        calls.append(argv)
+        out = "sparkdeploy-sglang-worker\n" if "ps" in argv else "4242\n"
+        return subprocess.CompletedProcess(argv, 0, out, "")
+
+    def kill(pid, sig):
+        kills.append((pid, sig))
+        state[pid] = "T" if sig == faults.signal.SIGSTOP else "S"
+
+    monkeypatch.setattr(faults.subprocess, "run", run)
+    monkeypatch.setattr(faults.os, "kill", kill)
+    monkeypatch.setattr(faults.wd, "process_tree", lambda pid: {pid: "S", pid + 1: "S"})
+    monkeypatch.setattr(faults.wd, "proc_stat", lambda pid: (state[pid], 1) if pid in state else None)
+    [r] = faults.set_fault("rank-wedged", rec, node="spark2")
+    sock = f"unix://{layout.docker_socket('spark2')}"
+    assert calls == [["docker", "-H", sock, "ps", "--filter", "label=sparkdeploy.engine",
+                      "--format", "{{.Names}}"],
+                     ["docker", "-H", sock, "inspect", "--format", "{{.State.Pid}}",
+                      "sparkdeploy-sglang-worker"]]
+    assert kills == [(4242, faults.signal.SIGSTOP), (4243, faults.signal.SIGSTOP)]
+    assert r.status == "changed" and r.why.startswith("rank-wedged on spark2: every process")
+    assert json.loads(rec.read_text())["stopped"] == {"spark2": [4242, 4243]}
+    state[4243] = "S"  # continued by someone else meanwhile: left alone
+    kills.clear()
+    [c] = faults.set_fault("none", rec)
+    assert kills == [(4242, faults.signal.SIGCONT)]
+    assert "continued 1 stopped process(es)" in c.why and "stopped" not in json.loads(rec.read_text())
+
+
+def test_rank_exit_kills_the_engine_process_only(lab_dirs, monkeypatch):
+    kills = []
+    monkeypatch.setattr(faults.subprocess, "run", lambda argv, **kw: subprocess.CompletedProcess(
+        argv, 0, "sparkdeploy-sglang-head\n" if "ps" in argv else "77\n", ""))
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: kills.append((pid, sig)))
+    [r] = faults.set_fault("rank-exit", lab_dirs / "faults.json", node="spark1")
+    assert kills == [(77, faults.signal.SIGKILL)] and r.status == "changed"
+    assert not (lab_dirs / "faults.json").exists()  # nothing to undo
+
+
+def test_an_action_on_a_node_without_an_engine_fails(lab_dirs, monkeypatch):
+    monkeypatch.setattr(faults.subprocess, "run",
+                        lambda argv, **kw: subprocess.CompletedProcess(argv, 0, "", ""))
+    [r] = faults.set_fault("rank-wedged", lab_dirs / "faults.json", node="spark2")
+    assert r.failed and r.why == "spark2: no engine container running"
+
+
 def test_lab_fault_task_exits_2_on_a_bad_name():
     cp = subprocess.run([sys.executable, "-m", "invoke", "lab.fault", "nope"], capture_output=True,
                         text=True, cwd=Path(__file__).resolve().parents[2],

@@ -325,3 +325,18 @@ def test_sglang_refuses_more_ranks_than_the_nodes_gpus(capsys, monkeypatch):
     assert rc == 1
     assert ("RuntimeError: CUDA error: invalid device ordinal (tp_size=2 x pp_size=2 over 2 "
             "node(s) puts 2 ranks on this node; it has 1 GPU(s))") in capsys.readouterr().err
+
+
+def test_the_lab_fault_oom_at_load_fails_every_rank_as_a_cuda_oom(pair):
+    from sparkdeploy.diagnose import classify
+
+    start, tmp = pair
+    (tmp / "lab" / "faults.json").write_text(json.dumps({"faults": ["oom-at-load"]}))
+    start({"SGLANG_HOST_IP": "127.0.0.1"}, {"SGLANG_HOST_IP": "127.0.0.1"})
+    assert [p.wait(timeout=60) for p in start.procs] == [1, 1]
+    logs = {f"rank{r}": (tmp / f"rank{r}.log").read_text().splitlines() for r in (0, 1)}
+    for lines in logs.values():
+        text = "\n".join(lines)
+        assert "Load weight begin." in text and "Load weight end." not in text
+        assert "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate" in text
+    assert classify(logs).cls == "out-of-memory"

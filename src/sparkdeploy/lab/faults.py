@@ -2,6 +2,14 @@
 ``inv lab.fault none`` clears it (it lasts across ``lab.up``; ``lab.down`` removes it with the
 rest of the lab's data).
 
+Two sorts. ``FAULTS`` are read by the engine stand-ins when they start (``sglang-hang``,
+``oom-at-load``). ``ACTIONS`` act at once on the engine containers running on one node
+(``--node``, default: the last worker): ``rank-wedged`` SIGSTOPs every process of them (a rank
+that is alive and serves nothing: ``ps`` shows state T, the head's streams stall while its
+``/health`` answers), ``rank-exit`` SIGKILLs their engine process (the container exits 137).
+The PIDs the lab stopped are kept in the record, and ``lab.fault none`` continues them (only
+those, and only while they are still stopped).
+
 The record is ``<lab>/faults.json``; each node gets a copy in its stand-ins' container view
 (``/opt/sparkdeploy-lab/container/faults.json`` on the node), which the NVIDIA container
 runtime stand-in mounts read-only at ``/run/sparkdeploy-lab`` in every GPU container: the
@@ -11,15 +19,26 @@ engine stand-ins read it there, and the steps never see it.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 from pathlib import Path
 
+from sparkdeploy.engines.base import LABEL_ENGINE
 from sparkdeploy.files import write_if_changed
-from sparkdeploy.lab import layout
+from sparkdeploy.helpers import serve_watchdog as wd
+from sparkdeploy.lab import dockerd, layout
 from sparkdeploy.results import Result, changed, failed, ok
 
 FAULTS: dict[str, str] = {
     "sglang-hang": "SGLang's ranks hang after `CustomAllreduce is disabled ...` even when every "
                    "rank advertises its fast-link address",
+    "oom-at-load": "every engine stand-in runs out of GPU memory while it loads the weights "
+                   "(torch.OutOfMemoryError: CUDA out of memory, exit 1)",
+}
+ACTIONS: dict[str, str] = {
+    "rank-wedged": "every process of the node's engine containers SIGSTOPped (state T)",
+    "rank-exit": "the engine process of the node's engine containers SIGKILLed (exit 137)",
 }
 RECORD = layout.LAB_DIR / "faults.json"
 VIEW = "container"
@@ -39,8 +58,11 @@ def view_dir(node: str) -> Path:
     return layout.node_dir(node) / layout.PRIVATE_MOUNTS[layout.STANDIN_DIR] / VIEW
 
 
-def _write(path: Path, names: list[str]) -> bool:
-    return write_if_changed(path, json.dumps({"faults": names}, indent=1) + "\n", 0o644)
+def _write(path: Path, names: list[str], stopped: dict[str, list[int]] | None = None) -> bool:
+    data: dict = {"faults": names}
+    if stopped:
+        data["stopped"] = stopped
+    return write_if_changed(path, json.dumps(data, indent=1) + "\n", 0o644)
 
 
 def sync_node(node: str, record: Path | None = None) -> bool:
@@ -54,18 +76,85 @@ def nodes() -> list[str]:
     return sorted((p.name for p in layout.NODES_DIR.iterdir() if p.is_dir()), key=lambda s: (len(s), s))
 
 
-def set_fault(name: str, record: Path | None = None) -> list[Result]:
-    """``name`` one of FAULTS (added to the record) or ``none`` (clears every fault)."""
+def _stopped(record: Path) -> dict[str, list[int]]:
+    try:
+        data = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return {}
+    got = data.get("stopped") if isinstance(data, dict) else None
+    return {str(k): [int(p) for p in v if isinstance(p, int)] for k, v in got.items()
+            if isinstance(v, list)} if isinstance(got, dict) else {}
+
+
+def engine_pids(node: str, tree: bool = True) -> dict[str, list[int]]:
+    """{container: PIDs} of the node's running engine containers (the engine process and, with
+    ``tree``, every process under it): host PIDs, the lab's nodes share this machine's."""
+    ps = subprocess.run(dockerd.docker(node, "ps", "--filter", f"label={LABEL_ENGINE}",
+                                       "--format", "{{.Names}}"),
+                        capture_output=True, text=True, timeout=30)
+    out: dict[str, list[int]] = {}
+    for name in ps.stdout.split():
+        r = subprocess.run(dockerd.docker(node, "inspect", "--format", "{{.State.Pid}}", name),
+                           capture_output=True, text=True, timeout=30)
+        pid = int(r.stdout.strip()) if r.stdout.strip().isdigit() else 0
+        if pid > 0:
+            out[name] = sorted(wd.process_tree(pid)) if tree else [pid]
+    return out
+
+
+def act(name: str, node: str, record: Path | None = None) -> list[Result]:
+    """One of ACTIONS on ``node``'s engine containers now."""
     record = record or RECORD
+    pids = engine_pids(node, tree=name == "rank-wedged")
+    if not pids:
+        return [failed("lab.fault", f"{node}: no engine container running")]
+    sig = signal.SIGSTOP if name == "rank-wedged" else signal.SIGKILL
+    hit = []
+    for ps in pids.values():
+        for p in ps:
+            try:
+                os.kill(p, sig)
+                hit.append(p)
+            except ProcessLookupError:
+                continue
+    if name == "rank-wedged":
+        stopped = _stopped(record)
+        stopped[node] = sorted(set(stopped.get(node, [])) | set(hit))
+        _write(record, current(record), stopped)
+    return [changed("lab.fault", f"{name} on {node}: {ACTIONS[name]} ({', '.join(pids)}: "
+                    f"{len(hit)} process(es))", node=node, pids=hit)]
+
+
+def _continue(record: Path) -> list[int]:
+    """SIGCONT to the PIDs the lab stopped that are still stopped; they leave the record."""
+    done = []
+    for pids in _stopped(record).values():
+        for p in pids:
+            st = wd.proc_stat(p)
+            if st is not None and st[0] in ("T", "t"):
+                os.kill(p, signal.SIGCONT)
+                done.append(p)
+    return done
+
+
+def set_fault(name: str, record: Path | None = None, node: str | None = None) -> list[Result]:
+    """``name`` one of FAULTS (added to the record), one of ACTIONS (on ``node``: default the
+    last node), or ``none`` (clears every fault, continues what the lab stopped)."""
+    record = record or RECORD
+    if name in ACTIONS:
+        return act(name, node or (nodes() or ["spark2"])[-1], record)
     if name != "none" and name not in FAULTS:
-        return [failed("lab.fault", f"NAME: unknown fault {name!r} (one of none, {', '.join(FAULTS)})")]
+        return [failed("lab.fault", f"NAME: unknown fault {name!r} (one of none, "
+                                    f"{', '.join([*FAULTS, *ACTIONS])})")]
     before = current(record)
     want = [] if name == "none" else sorted(set(before) | {name})
-    did = _write(record, want)
+    resumed = _continue(record) if name == "none" else []
+    did = _write(record, want, {} if name == "none" else _stopped(record)) or bool(resumed)
     synced = [x for x in nodes() if sync_node(x, record)]
     what = ", ".join(want) or "none"
     why = (f"faults now: {what}" + (f" (nodes updated: {', '.join(synced)})" if synced else "")
-           + ("" if nodes() else "; no lab nodes yet: lab.up applies it"))
+           + ("" if nodes() else "; no lab nodes yet: lab.up applies it")
+           + (f"; continued {len(resumed)} stopped process(es)" if resumed else ""))
     if name != "none":
         why += (f". {name}: {FAULTS[name]}. It shows in engines started from now on; one "
                 "already serving keeps serving (`inv serve.down` first, and the next "

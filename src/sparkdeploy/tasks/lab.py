@@ -42,12 +42,19 @@ def down(c):
 
 
 @task(help={"name": "sglang-hang (SGLang's ranks hang in init even when all is right), "
-                    "or none to clear every fault"})
-def fault(c, name):
+                    "oom-at-load (engines run out of GPU memory loading weights), rank-wedged "
+                    "(SIGSTOP a node's engine containers now), rank-exit (SIGKILL their engine "
+                    "process now), or none to clear every fault",
+            "node": "the node rank-wedged and rank-exit act on (default: the last node)"})
+def fault(c, name, node=None):
     """Force a failure the lab's stand-ins show until `inv lab.fault none` (lasts across lab.up)."""
-    if name != "none" and name not in faults.FAULTS:
-        raise flags.usage("NAME", f"unknown fault {name!r} (one of none, {', '.join(faults.FAULTS)})")
-    render(faults.set_fault(name), "lab.fault")
+    names = [*faults.FAULTS, *faults.ACTIONS]
+    if name != "none" and name not in names:
+        raise flags.usage("NAME", f"unknown fault {name!r} (one of none, {', '.join(names)})")
+    if node is not None and (name not in faults.ACTIONS or node not in faults.nodes()):
+        raise flags.usage("--node", f"{node!r}: only with {' or '.join(faults.ACTIONS)}, and one "
+                          f"of the lab's nodes ({', '.join(faults.nodes()) or 'none'})")
+    render(faults.set_fault(name, node=node), "lab.fault")
 
 
 ns = Collection("lab", up, status, down, fault)

@@ -73,7 +73,8 @@ jitter does not accumulate). Output length is ``max_tokens`` with ``ignore_eos``
 Faults (environment, flags, or ``POST /_control``)
 ------------------------------------------------
 Startup, ``SPARKDEPLOY_STANDIN_STARTUP_FAULT`` / ``--startup-fault``:
-``hang`` (log lines forever, port never opened), ``oom`` (CUDA-OOM-like traceback, exit 1),
+``hang`` (log lines forever, port never opened), ``oom`` (CUDA-OOM-like traceback, exit 1;
+also the lab fault ``oom-at-load``: SGLang's ranks and vLLM while loading the weights),
 ``port_in_use`` (binds the port twice: the real ``[Errno 98] Address already in use``, exit 1;
 a port that really is taken gives the same).
 
@@ -659,24 +660,38 @@ def _startup(cfg: Config) -> None:
             i += 1
             log(f"Init: waiting for distributed workers ({i * 10}s elapsed)", engine=eng)
             time.sleep(10)
-    if cfg.startup_fault == "oom":
+    if cfg.startup_fault == "oom" or (eng == "vllm" and OOM_AT_LOAD in lab_faults()):
         log(f"Loading model {cfg.model} ...", engine=eng)
         time.sleep(min(cfg.startup_s, 5))
-        print(
-            "Traceback (most recent call last):\n"
-            '  File "model_runner.py", line 412, in load_model\n'
-            "    self.model = get_model(model_config=self.model_config)\n"
-            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has "
-            "a total capacity of 119.70 GiB of which 1.12 GiB is free. Including non-PyTorch "
-            "memory, this process has 117.31 GiB memory in use. Of the allocated memory 116.02 "
-            "GiB is allocated by PyTorch, and 812.44 MiB is reserved by PyTorch but unallocated.",
-            file=sys.stderr,
-            flush=True,
-        )
+        cuda_oom("vllm/model_executor/model_loader/default_loader.py", "load_weights")
         raise SystemExit(1)
     if cfg.startup_s > 0:
         log(f"Loading model {cfg.model} ({cfg.startup_s:.0f}s) ...", engine=eng)
         time.sleep(cfg.startup_s)
+
+
+OOM_AT_LOAD = "oom-at-load"
+"""The lab fault (``inv lab.fault oom-at-load``): every engine runs out of memory loading weights."""
+
+
+def cuda_oom(path: str, func: str) -> None:
+    """What PyTorch prints when a weight load runs out of GPU memory (the caching allocator's
+    message of torch 2.x, as real SGLang and vLLM logs show it), on stderr."""
+    print(
+        "Traceback (most recent call last):\n"
+        f'  File "/usr/local/lib/python3.12/dist-packages/{path}", line 412, in {func}\n'
+        "    param.data.copy_(loaded_weight)\n"
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has "
+        "a total capacity of 119.70 GiB of which 1.12 GiB is free. Including non-PyTorch "
+        "memory, this process has 117.31 GiB memory in use. Of the allocated memory 116.02 "
+        "GiB is allocated by PyTorch, and 812.44 MiB is reserved by PyTorch but unallocated. "
+        "If reserved but unallocated memory is large try setting "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
+        "documentation for Memory Management  "
+        "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def make_server(cfg: Config) -> StandinServer:
@@ -1373,6 +1388,14 @@ def _load_weights(slog: SglangLog, model_path: str) -> None:
     hold_gpu("python3")
     slog("Load weight begin. avail mem=101.72 GB")
     slog("Using model weights format ['*.safetensors']")
+    if OOM_AT_LOAD in lab_faults():
+        print("Loading safetensors checkpoint shards:   0% Completed | 0/"
+              f"{max(len(shards), 1)} [00:00<?, ?it/s]", flush=True)
+        slog("Scheduler hit an exception: ")
+        cuda_oom("sglang/srt/model_loader/loader.py", "load_weights_and_postprocess")
+        print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] Received sigquit from a child process. "
+              "It usually means the child failed.", file=sys.stderr, flush=True)
+        raise SystemExit(1)
     total = 0
     done = 0
     for f in files:
