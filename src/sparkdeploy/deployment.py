@@ -32,6 +32,8 @@ class Deployment:
     sleep: Callable[[float], None] = field(default=time.sleep)
     clock: Callable[[], float] = field(default=time.monotonic)
     """The one clock of a deployment (steps' durations, waits, the hosts' journal)."""
+    wall: Callable[[], float] = field(default=time.time)
+    """The time of day, for what is stamped on the nodes (when a container started)."""
     events: EventSink = field(default_factory=EventSink)
     """The one event stream of this deployment (steps' results and progress through their
     ``StepContext``, hosts' echo)."""

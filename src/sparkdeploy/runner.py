@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from sparkdeploy import threads
 from sparkdeploy.config import ProfileError
 from sparkdeploy.events import StepState
+from sparkdeploy.fingerprint import diff_keys
 from sparkdeploy.hosts import HostError
 from sparkdeploy.nodeops import NodeUnreachable
 from sparkdeploy.records import PlanMemory, RecordError, StepMemory
@@ -114,28 +115,6 @@ class Outcome:
 
     def results(self) -> list[Result]:
         return [res for r in self.runs.values() for res in r.results]
-
-
-def diff_keys(old: dict[str, Any] | None, new: dict[str, Any] | None) -> list[str]:
-    """Keys whose value differs between two fingerprints (added and removed keys too)."""
-    old, new = old or {}, new or {}
-    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-
-
-def flat(value: Any, prefix: str = "") -> dict[str, Any]:
-    """A nested mapping/list as ``{"a.b[0].c": leaf}`` (JSON-comparable leaves)."""
-    out: dict[str, Any] = {}
-    if isinstance(value, dict):
-        for k, v in value.items():
-            out.update(flat(v, f"{prefix}.{k}" if prefix else str(k)))
-    elif isinstance(value, list | tuple):
-        for i, v in enumerate(value):
-            out.update(flat(v, f"{prefix}[{i}]"))
-        if not value:
-            out[prefix] = []
-    else:
-        out[prefix] = value if isinstance(value, str | int | float | bool | None) else str(value)
-    return out
 
 
 def select(plan: Iterable[PlanStep], only: Iterable[str] = (), skip: Iterable[str] = ()) -> tuple[

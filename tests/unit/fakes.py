@@ -80,8 +80,13 @@ def deployment(path: Path, state_dir: Path, ctx: Context | None = None, *, dry: 
     prof = profile or load_profile(path)
     state = StateDir(state_dir)
     hosts = {n.name: Host(n, prof.ssh, ctx, state) for n in prof.nodes}
-    timing = {"clock": clock, "sleep": clock.sleep} if clock is not None else {}
+    timing = {"clock": clock, "sleep": clock.sleep,
+              "wall": lambda: WALL + clock()} if clock is not None else {}
     return Deployment(prof, str(path), state, hosts, dry=dry, **timing)
+
+
+WALL = 1_796_000_000.0
+"""The time of day at a fake clock's 0 (2026-11-30T00:53:20Z): what a container's ``started`` label says."""
 
 
 @dataclass

@@ -5,7 +5,9 @@ from the same fake cluster."""
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 
 from tests.unit.fakes import FakeClock, FakeContext
@@ -35,6 +37,10 @@ class Container:
     script: Script
     labels: dict[str, str]
     run_argv: list[str]
+
+    @property
+    def id(self) -> str:
+        return hashlib.sha256(self.name.encode()).hexdigest()
 
     def status(self, now: float) -> tuple[str, int]:
         if self.script.exit_at is not None and now - self.started >= self.script.exit_at:
@@ -103,15 +109,12 @@ class FakeNode:
             if ref not in self.images:
                 return 1, "", f"Error: No such image: {ref}"
             return 0, json.dumps({"Id": self.images[ref]}) + "\n", ""
-        if a[:2] == ["ps", "-a"]:
-            filters = [a[i + 1] for i, x in enumerate(a) if x == "--filter"]
-            out = []
-            for c in self.containers.values():
-                wanted = [f.removeprefix("label=").split("=", 1) for f in filters]
-                if all(c.labels.get(k) == v for k, v in wanted):
-                    out.append(f"{c.name}|{c.status(now)[0]}|{c.labels['sparkdeploy.engine']}|"
-                               f"{c.labels['sparkdeploy.role']}")
-            return 0, "\n".join(out) + ("\n" if out else ""), ""
+        if a[:2] == ["ps", "--all"]:
+            filters = [a[i + 1].removeprefix("label=") for i, x in enumerate(a) if x == "--filter"]
+            fmt = a[a.index("--format") + 1]
+            out = [ps_line(fmt, c, now) for c in self.containers.values()
+                   if all(has_label(c.labels, f) for f in filters)]
+            return 0, "".join(f"{line}\n" for line in out), ""
         if a[0] == "run":
             name = next(x.split("=", 1)[1] for x in a if x.startswith("--name="))
             labels = dict(x.removeprefix("--label=").split("=", 1) for x in a
@@ -146,6 +149,27 @@ class FakeNode:
         if a[0] == "exec":
             return 0, json.dumps(self.cluster.ray_nodes()) + "\n", ""
         raise AssertionError(f"unexpected docker {a}")
+
+
+def has_label(labels: dict[str, str], want: str) -> bool:
+    """docker's ``--filter label=K`` (the key is there) or ``label=K=V`` (with that value)."""
+    k, _, v = want.partition("=")
+    return k in labels and (not _ or labels[k] == v)
+
+
+def ps_line(fmt: str, c: Container, now: float) -> str:
+    """One ``docker ps --format`` line: ``{{json .Field}}`` and ``{{json (.Label "k")}}`` (a
+    missing label is ''), as docker's template renders them."""
+    state, code = c.status(now)
+    fields = {".ID": c.id, ".Names": c.name, ".State": state,
+              ".Status": "Up 1 second" if state == "running" else f"Exited ({code}) 1 second ago"}
+
+    def value(m: re.Match) -> str:
+        expr = m.group(1)
+        label = re.fullmatch(r'\(\.Label "([^"]+)"\)', expr)
+        return json.dumps(c.labels.get(label.group(1), "") if label else fields[expr])
+
+    return re.sub(r"\{\{json (.+?)\}\}", value, fmt)
 
 
 class FakeCluster:

@@ -14,9 +14,10 @@ from invoke import Config, Context
 
 from sparkdeploy import deployment
 from sparkdeploy.events import PlainRenderer, StepState
+from sparkdeploy.fingerprint import diff_keys, flat
 from sparkdeploy.records import Endpoint, ImageDecision, PlanMemory, ServeDecision
 from sparkdeploy.results import changed, failed, ok
-from sparkdeploy.runner import PlanError, PlanStep, Runner, diff_keys, flat, select
+from sparkdeploy.runner import PlanError, PlanStep, Runner, select
 from sparkdeploy.steps import registry
 from sparkdeploy.steps.registry import step
 from tests.unit.profiles import ROOT, SEED

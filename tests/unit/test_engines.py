@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,8 @@ import yaml
 from sparkdeploy.config import load_profile
 from sparkdeploy.engines import NodeFacts, launch
 from sparkdeploy.engines.base import EngineError, apply_overrides, merge_args, run_args
+from sparkdeploy.fingerprint import digest, key_digests
+from sparkdeploy.labels import engine_fingerprint
 from tests.unit.profiles import SEED, seed_data
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,9 +54,22 @@ def link(iface, own_gid, master, hcas="rocep1s0f0,roceP2p1s0f0"):
     return [*env, ("MASTER_ADDR", master)]
 
 
-def common(name, engine, role, deployment="qwen3.5-122b-a10b-fp8", rdma=True):
-    return ["run", "--detach", f"--name={name}", f"--label=sparkdeploy.deployment={deployment}",
-            f"--label=sparkdeploy.engine={engine}", f"--label=sparkdeploy.role={role}",
+def label_args(p, eng, role, rank):
+    """The labels every engine container carries, in run_args' order (by key)."""
+    fp = engine_fingerprint(p, eng)
+    return [f"--label=org.sparkdeploy.deployment={p.name}",
+            f"--label=org.sparkdeploy.engine={eng.name}",
+            f"--label=org.sparkdeploy.engine.kind={eng.kind}",
+            f"--label=org.sparkdeploy.fingerprint={digest(fp)}",
+            "--label=org.sparkdeploy.fingerprint.keys="
+            + json.dumps(key_digests(fp), separators=(",", ":")),
+            f"--label=org.sparkdeploy.port={eng.port}",
+            f"--label=org.sparkdeploy.rank={rank}",
+            f"--label=org.sparkdeploy.role={role}"]
+
+
+def common(name, role, rank, p, eng, rdma=True):
+    return ["run", "--detach", f"--name={name}", *label_args(p, eng, role, rank),
             "--network=host", "--ipc=host", "--ulimit=memlock=-1", "--ulimit=stack=67108864",
             "--gpus=all", *(["--device=/dev/infiniband"] if rdma else []),
             f"--volume={MODEL}:{MODEL}:ro"]
@@ -83,11 +99,11 @@ def test_sglang_seed_profile_exact_argv_and_env():
     head, worker = lau.containers
     assert (head.node, head.ports, worker.node, worker.ports) == ("spark1", (30000, 20000), "spark2", ())
     assert run_args(head) == [
-        *common("sparkdeploy-sglang-head", "sglang", "head"),
+        *common("sparkdeploy-sglang-head", "head", 0, p, p.engines[0]),
         *envs([*link("enp1s0f0np0", 3, "192.168.100.10"), ("SGLANG_HOST_IP", "192.168.100.10")]),
         "sparkdeploy/sglang-qwen3.5:latest", *sglang_argv(0, 2, 2)]
     assert run_args(worker) == [
-        *common("sparkdeploy-sglang-worker", "sglang", "worker"),
+        *common("sparkdeploy-sglang-worker", "worker", 1, p, p.engines[0]),
         *envs([*link("enp1s0f0np0", 5, "192.168.100.10"), ("SGLANG_HOST_IP", "192.168.100.11")]),
         "sparkdeploy/sglang-qwen3.5:latest", *sglang_argv(1, 2, 2)]
     assert lau.wait_port == 20000 and lau.port == 30000 and lau.served_model == REPO_ID
@@ -113,16 +129,16 @@ def test_vllm_ray_seed_profile_exact_argv_and_env():
     head, worker, api = lau.containers
     ray = [("RAY_memory_monitor_refresh_ms", "0")]
     assert run_args(head) == [
-        *common("sparkdeploy-vllm-ray-head", "vllm-ray", "head"), "--volume=/tmp/ray",
+        *common("sparkdeploy-vllm-ray-head", "head", 0, p, p.engines[1]), "--volume=/tmp/ray",
         *envs([*link("enp1s0f0np0", 3, "192.168.100.10"), ("VLLM_HOST_IP", "192.168.100.10"), *ray]),
         "hellohal2064/vllm-qwen3.5-gb10", "ray", "start", "--head", "--port", "6379",
         "--node-ip-address", "192.168.100.10", "--num-gpus", "1", "--disable-usage-stats", "--block"]
     assert run_args(worker) == [
-        *common("sparkdeploy-vllm-ray-worker", "vllm-ray", "worker"),
+        *common("sparkdeploy-vllm-ray-worker", "worker", 1, p, p.engines[1]),
         *envs([*link("enp1s0f0np0", 5, "192.168.100.10"), ("VLLM_HOST_IP", "192.168.100.11"), *ray]),
         "hellohal2064/vllm-qwen3.5-gb10", *ray_worker("192.168.100.11")]
     assert run_args(api) == [
-        *common("sparkdeploy-vllm-ray-api", "vllm-ray", "api"),
+        *common("sparkdeploy-vllm-ray-api", "api", 0, p, p.engines[1]),
         "--volumes-from=sparkdeploy-vllm-ray-head", "--pid=container:sparkdeploy-vllm-ray-head",
         *envs([*link("enp1s0f0np0", 3, "192.168.100.10"), ("VLLM_HOST_IP", "192.168.100.10"), *ray,
                ("RAY_ADDRESS", "192.168.100.10:6379")]),
@@ -138,7 +154,7 @@ def test_three_nodes_sglang_ranks_and_own_addresses(tmp_path):
                      "sparkdeploy-sglang-worker2"]
     w2 = lau.containers[2]
     assert run_args(w2) == [
-        *common("sparkdeploy-sglang-worker2", "sglang", "worker2", rdma=False),
+        *common("sparkdeploy-sglang-worker2", "worker2", 2, p, p.engines[0], rdma=False),
         *envs([*link("enp1s0f1np1", 7, "192.168.100.10", "rocep1s0f1,roceP2p1s0f1"),
                ("SGLANG_HOST_IP", "192.168.100.12")]),
         "sparkdeploy/sglang-qwen3.5:latest", *sglang_argv(2, 3, 3)]

@@ -183,7 +183,7 @@ def test_a_fact_forgotten_while_gathered_is_not_kept():
 
 
 def test_the_probe_is_not_reused_once_its_decision_is_gone(lab):
-    from sparkdeploy.runner import diff_keys
+    from sparkdeploy.fingerprint import diff_keys
 
     dep, _, _ = lab
     before = plans.fp_probe(dep)

@@ -6,13 +6,15 @@ import pytest
 from sparkdeploy.config import load_profile
 from sparkdeploy.records import ImageDecision
 from sparkdeploy.steps import images, ship
-from tests.unit.fakes import FakeContext, deployment
+from tests.unit.fakes import WALL, FakeContext, deployment
 from tests.unit.profiles import SEED
 
 
 @pytest.fixture
 def dep(tmp_path, seed_path, seed_profile):
-    return deployment(seed_path, tmp_path / "state", profile=seed_profile)
+    d = deployment(seed_path, tmp_path / "state", profile=seed_profile)
+    d.wall = lambda: WALL
+    return d
 
 
 def test_probe_argv_is_exact(dep):
@@ -20,6 +22,9 @@ def test_probe_argv_is_exact(dep):
     argv = images.probe_argv(dep, head, "scitrera/dgx-spark-sglang:0.5.10rc0", "/s/probe_image.py", "/s/model")
     assert shlex.join(argv) == (
         "docker -H unix:///var/run/docker.sock run --rm --network none "
+        "--label=org.sparkdeploy.deployment=qwen3.5-122b-a10b-fp8 --label=org.sparkdeploy.role=probe "
+        "--label=org.sparkdeploy.started=2026-11-30T00:53:20Z "
+        "--label=org.sparkdeploy.started.by=image.probe "
         "-e HF_HUB_OFFLINE=1 -e TRANSFORMERS_OFFLINE=1 "
         "-v /s/probe_image.py:/sparkdeploy/probe_image.py:ro -v /s/model:/sparkdeploy/model:ro "
         "--entrypoint python3 scitrera/dgx-spark-sglang:0.5.10rc0 /sparkdeploy/probe_image.py "

@@ -15,6 +15,7 @@ from sparkdeploy.packaged import helper
 from sparkdeploy.records import HubMetadata
 from sparkdeploy.results import Status
 from sparkdeploy.steps import model, model_sync, model_verify
+from tests.unit.fakes import WALL
 from tests.unit.model_fakes import Node, deployment
 
 TOKEN = "hf_UnitTestToken0123456789abcdef"
@@ -55,6 +56,7 @@ def _fetches(ctx):
 
 def test_download_runs_in_a_container_with_the_token_on_stdin_only(tmp_path, lab_hub, token):
     dep, ctx = _dep(tmp_path, lab_hub)
+    dep.wall = lambda: WALL
     with dep.events.collect() as events:
         [res] = model.download(dep)
     assert res.status is Status.CHANGED, res.why
@@ -64,7 +66,9 @@ def test_download_runs_in_a_container_with_the_token_on_stdin_only(tmp_path, lab
     sock = dep.profile.head.docker_socket
     assert argv[:argv.index("--user")] == [
         "docker", "-H", f"unix://{sock}", "run", "--rm", "-i", "--name", model.CONTAINER,
-        "--network", "host"]
+        f"--label=org.sparkdeploy.deployment={dep.profile.name}",
+        "--label=org.sparkdeploy.role=download", "--label=org.sparkdeploy.started=2026-11-30T00:53:20Z",
+        "--label=org.sparkdeploy.started.by=model.download", "--network", "host"]
     assert argv[argv.index("--entrypoint"):argv.index("--entrypoint") + 4] == [
         "--entrypoint", "python3", "--", IMAGE]
     assert ["-v", f"{path}:{path}"] == argv[argv.index("-v"):argv.index("-v") + 2]

@@ -3,19 +3,22 @@ diagnosis -> fallback, an exited container failing at once, the API key only on 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import yaml
 
 from sparkdeploy import endpoint as ep
+from sparkdeploy import labels
 from sparkdeploy.config import ProfileError, load_profile
 from sparkdeploy.engines import NodeFacts, launch
 from sparkdeploy.engines.base import run_args
+from sparkdeploy.fingerprint import digest, key_digests
 from sparkdeploy.records import Endpoint, ServeDecision
 from sparkdeploy.results import Result, Status
 from sparkdeploy.steps import serve
-from tests.unit.fakes import FakeClock, deployment
+from tests.unit.fakes import WALL, FakeClock, deployment
 from tests.unit.serve_fakes import FakeCluster, FakeNode, Script, ServeContext
 
 MODEL = "Qwen/Qwen3.5-122B-A10B-FP8"
@@ -95,9 +98,25 @@ def test_sglang_comes_up_with_the_exact_containers_and_records_the_endpoint(lab)
     assert [r.status for r in results][-1] is Status.OK
     assert results[-1].why == "endpoint: http://10.0.0.1:30000"
     want = launch(dep.profile, dep.profile.engines[0],
-                  {"spark1": NodeFacts(3, False), "spark2": NodeFacts(3, False)})
-    assert runs(ctx, "spark1") == [run_args(want.containers[0])]
-    assert runs(ctx, "spark2") == [run_args(want.containers[1])]
+                  {"spark1": NodeFacts(3, False), "spark2": NodeFacts(3, False)}, image_id=IMG)
+    [head], [worker] = runs(ctx, "spark1"), runs(ctx, "spark2")
+    assert head == run_args(want.containers[0], started=labels.started("serve.up", WALL + 1000))
+    assert worker == run_args(want.containers[1], started=labels.started("serve.up", WALL + 1002))
+    fp = labels.engine_fingerprint(dep.profile, dep.profile.engines[0])
+    assert sorted(a for a in head if a.startswith("--label=")) == [
+        "--label=org.sparkdeploy.deployment=qwen3.5-122b-a10b-fp8",
+        "--label=org.sparkdeploy.engine.kind=sglang",
+        "--label=org.sparkdeploy.engine=sglang",
+        f"--label=org.sparkdeploy.fingerprint.keys={json.dumps(key_digests(fp), separators=(',', ':'))}",
+        f"--label=org.sparkdeploy.fingerprint={digest(fp)}",
+        f"--label=org.sparkdeploy.image.id={IMG}",
+        "--label=org.sparkdeploy.port=30000",
+        "--label=org.sparkdeploy.rank=0",
+        "--label=org.sparkdeploy.role=head",
+        "--label=org.sparkdeploy.started.by=serve.up",
+        "--label=org.sparkdeploy.started=2026-11-30T01:10:00Z",
+    ]
+    assert "--label=org.sparkdeploy.rank=1" in worker and "--label=org.sparkdeploy.role=worker" in worker
     # the worker started only after the head's init port answered over the fast link
     order = [(a, argv) for a, argv in ctx.calls if argv[3:4] == ["run"] or "connect" in argv]
     assert [a for a, _ in order][:2] == ["spark1", "spark2"] and "connect" in order[1][1]
@@ -108,7 +127,9 @@ def test_sglang_comes_up_with_the_exact_containers_and_records_the_endpoint(lab)
     # a second serve.up finds it serving and changes nothing
     before = len(runs(ctx, "spark1"))
     again = serve.up(dep)
-    assert [(r.status, r.why) for r in again] == [(Status.OK, "endpoint: http://10.0.0.1:30000")]
+    assert [(r.status, r.why) for r in again] == [
+        (Status.OK, "sglang serves as the profile says, since 2026-11-30T01:10:00Z"),
+        (Status.OK, "endpoint: http://10.0.0.1:30000")]
     assert len(runs(ctx, "spark1")) == before
 
 
@@ -291,8 +312,10 @@ def test_down_removes_every_container_and_status_reports(lab):
     serve.up(dep)
     st = serve.status(dep)
     assert [(r.node, r.why) for r in st] == [
-        ("spark1", "sparkdeploy-sglang-head running"), ("spark2", "sparkdeploy-sglang-worker running"),
-        (None, f"endpoint: http://10.0.0.1:30000 healthy (sglang), serves {MODEL}")]
+        ("spark1", "sparkdeploy-sglang-head running since 2026-11-30T01:10:00Z by serve.up"),
+        ("spark2", "sparkdeploy-sglang-worker running since 2026-11-30T01:10:02Z by serve.up"),
+        (None, "endpoint: http://10.0.0.1:30000 healthy (sglang since 2026-11-30T01:10:00Z), "
+               f"serves {MODEL}")]
     down = serve.down(dep)
     assert [(r.node, r.status, r.why) for r in down] == [
         ("spark1", Status.CHANGED, "removed sparkdeploy-sglang-head"),
@@ -319,3 +342,63 @@ def test_serve_node_facts_argv(lab):
                          "--hca", "roceP2p1s0f0", "--port", "20000", "--port", "30000", "--model",
                          "/srv/models/Qwen3.5-122B-A10B-FP8", "--peer", "192.168.100.11"]
     assert facts[0] == "python3" and facts[1].endswith("/serve_node.py") and facts[1] in wrapped[2]
+
+
+def test_a_second_controller_reads_the_deployment_from_the_nodes(lab, tmp_path):
+    """Another state dir (a fresh clone): status, serve.up and serve.down read the nodes' labels."""
+    dep, ctx, nodes, cluster, clock = lab
+    healthy_sglang(nodes)
+    serve.up(dep)
+    other = deployment(Path(dep.profile_path), tmp_path / "other", ctx, clock=clock,
+                       profile=dep.profile)
+    assert other.records.read(Endpoint) is None
+    st = serve.status(other)
+    assert st[-1].why == ("endpoint: http://10.0.0.1:30000 healthy (sglang since "
+                          f"2026-11-30T01:10:00Z), serves {MODEL}")
+    before = len(runs(ctx, "spark1"))
+    again = serve.up(other)
+    assert [r.why for r in again] == ["sglang serves as the profile says, since 2026-11-30T01:10:00Z",
+                                      "endpoint: http://10.0.0.1:30000"]
+    assert len(runs(ctx, "spark1")) == before
+    assert other.records.read(Endpoint).url == "http://10.0.0.1:30000"  # the cache, refilled
+    assert [r.why for r in serve.down(other)] == ["removed sparkdeploy-sglang-head",
+                                                  "removed sparkdeploy-sglang-worker"]
+
+
+def test_a_deployment_serving_something_else_says_what_and_is_redeployed(lab, tmp_path):
+    dep, ctx, nodes, cluster, clock = lab
+    healthy_sglang(nodes)
+    serve.up(dep)
+    eng = dep.profile.engines[0].model_copy(update={"args": [*dep.profile.engines[0].args, "--x"]})
+    other = deployment(Path(dep.profile_path), tmp_path / "other", ctx, clock=clock,
+                       profile=dep.profile.model_copy(update={"engines": [eng]}))
+    st = serve.status(other)
+    assert (st[-1].status, st[-1].why) == (Status.FAILED,
+                                          "sglang on the nodes differs from the profile: engine.args[5]")
+    healthy_sglang(nodes)
+    res = serve.up(other)
+    assert res[0].why == ("removed this deployment's old containers (sglang on the nodes differs "
+                          "from the profile: engine.args[5]): spark1: sparkdeploy-sglang-head, "
+                          "spark2: sparkdeploy-sglang-worker")
+    assert res[-1].why == "endpoint: http://10.0.0.1:30000"
+    [head] = [c for c in nodes["spark1"].containers.values()]
+    assert "--x" in head.run_argv
+
+
+def test_an_interrupted_start_removes_what_it_started(lab):
+    """Ctrl-C (or a node lost) while the engine comes up: its containers go on every node."""
+    dep, ctx, nodes, cluster, clock = lab
+    healthy_sglang(nodes)
+    real = serve.bring_up
+
+    def interrupted(dep_, lau, run, watch):
+        serve.start(dep_, dep_.host("spark1"), lau.containers[0], {})
+        raise KeyboardInterrupt
+
+    serve.bring_up = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            serve.up(dep)
+    finally:
+        serve.bring_up = real
+    assert nodes["spark1"].containers == {} and nodes["spark1"].removed == ["sparkdeploy-sglang-head"]

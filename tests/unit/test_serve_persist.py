@@ -8,13 +8,16 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from sparkdeploy import labels
 from sparkdeploy.engines import NodeFacts, launch
 from sparkdeploy.engines.base import run_args
 from sparkdeploy.packaged import helper
+from sparkdeploy.helpers import serve_unit
 from sparkdeploy.results import Status
 from sparkdeploy.steps import serve, serve_persist
+from tests.unit.fakes import WALL
 from tests.unit.serve_fakes import FakeNode
-from tests.unit.test_serve import healthy_sglang, lab  # noqa: F401 - the fixture
+from tests.unit.test_serve import IMG, healthy_sglang, lab  # noqa: F401 - the fixture
 
 UNIT = "sparkdeploy-sglang.service"
 SPEC = f"{serve_persist.NODE_DIR}/sglang.json"
@@ -58,8 +61,9 @@ def with_systemd(node: FakeNode) -> Systemd:
                 sd.fail_start -= 1
                 return 1, "", FAILS
             sd.running.add(u)
+            group = serve_unit.Group(json.loads(sd.files[SPEC]), clock=lambda: WALL + node.clock())
             for c in containers(u):  # its supervisor runs this node's containers
-                node.docker(["run", *c["run"]], node.clock(), None)
+                node.docker(group.run_args(c), node.clock(), None)
         elif verb == "stop" and u in sd.running:
             sd.running.discard(u)
             node.docker(["rm", "--force", "--volumes", *[c["name"] for c in containers(u)]],
@@ -132,6 +136,9 @@ def test_a_start_failing_on_the_head_brings_serve_ups_containers_back(units):
     dep, ctx, nodes, cluster, sds = units
     assert serve.up(dep)[-1].status is Status.OK
     up_runs = {n: [c.run_argv for c in node.containers.values()] for n, node in nodes.items()}
+    started = (f"--label={labels.STARTED}=", f"--label={labels.STARTED_BY}=serve.up")
+    assert all(any(a.startswith(started[0]) for a in argv) and started[1] in argv
+               for runs in up_runs.values() for argv in runs)
     sds["spark1"].fail_start = 1
     [res] = serve_persist.persist(dep)
     assert res.status is Status.FAILED
@@ -153,7 +160,12 @@ def test_a_start_failing_on_the_head_brings_serve_ups_containers_back(units):
     # serve.up's containers run again, from the same docker run argv, and the endpoint serves
     assert serving_containers(nodes) == {"spark1": ["sparkdeploy-sglang-head"],
                                          "spark2": ["sparkdeploy-sglang-worker"]}
-    assert {n: [c.run_argv for c in node.containers.values()] for n, node in nodes.items()} == up_runs
+    def unstamped(runs):  # the same containers, started again (a later time)
+        return {n: [[a for a in argv if not a.startswith(started[0])] for argv in r]
+                for n, r in runs.items()}
+
+    assert unstamped({n: [c.run_argv for c in node.containers.values()]
+                      for n, node in nodes.items()}) == unstamped(up_runs)
     assert cluster.listening(30000)
 
 
@@ -190,7 +202,7 @@ def test_a_persist_that_starts_every_unit_keeps_no_previous_copy(units):
         (Status.CHANGED, "spark2"), (Status.CHANGED, "spark1"), (Status.OK, None)]
     assert results[-1].why == "endpoint: http://10.0.0.1:30000 (under systemd)"
     want = launch(dep.profile, dep.profile.engines[0],
-                  {"spark1": NodeFacts(3, False), "spark2": NodeFacts(3, False)})
+                  {"spark1": NodeFacts(3, False), "spark2": NodeFacts(3, False)}, image_id=IMG)
     key = sds["spark1"].files[KEY]
     for sd in sds.values():
         assert set(sd.files) == {UNIT_FILE, SPEC, KEY, f"{serve_persist.NODE_DIR}/serve_unit.py",
@@ -210,6 +222,12 @@ def test_a_persist_that_starts_every_unit_keeps_no_previous_copy(units):
         assert (spec["engine"], spec["unit"], spec["nodes"]) == ("sglang", UNIT, ["spark1", "spark2"])
         assert sd.files[f"{serve_persist.NODE_DIR}/serve_watchdog.py"] == \
             helper("serve_watchdog.py").read_text()
+        assert spec["started_labels"] == {"at": "org.sparkdeploy.started",
+                                          "by": "org.sparkdeploy.started.by", "by_value": UNIT}
+    # the supervisors started them, saying so in their labels
+    for node in nodes.values():
+        for c in node.containers.values():
+            assert f"--label=org.sparkdeploy.started.by={UNIT}" in c.run_argv[:3]
     assert serve_persist.persist(dep)[-1].why == f"{UNIT} installed and active on every node"
 
 

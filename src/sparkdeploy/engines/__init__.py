@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from sparkdeploy import labels
 from sparkdeploy.config import Engine, Profile
 from sparkdeploy.engines import sglang, vllm, vllm_ray
 from sparkdeploy.engines.base import ContainerSpec, EngineError, Launch, NodeFacts, Stage
@@ -10,9 +13,19 @@ BUILDERS = {"sglang": sglang.build, "vllm": vllm.build, "vllm-ray": vllm_ray.bui
 
 
 def launch(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
-           api_key: bool = False) -> Launch:
-    """The containers ``engine`` runs on the profile's nodes, in start order."""
-    return BUILDERS[engine.kind](profile, engine, facts, api_key)
+           api_key: bool = False, image_id: str | None = None) -> Launch:
+    """The containers ``engine`` runs on the profile's nodes, in start order, each labelled
+    with what it is (``labels.engine_labels``; ``image_id``: the image's ID on the nodes)."""
+    lau = BUILDERS[engine.kind](profile, engine, facts, api_key)
+    fp = labels.engine_fingerprint(profile, engine)
+
+    def labelled(c: ContainerSpec) -> ContainerSpec:
+        return replace(c, labels=tuple(sorted(labels.engine_labels(
+            deployment=profile.name, engine=engine.name, kind=engine.kind, role=c.role,
+            rank=c.rank, port=lau.port, fingerprint=fp, image_id=image_id).items())))
+
+    return replace(lau, stages=tuple(replace(s, containers=tuple(map(labelled, s.containers)))
+                                     for s in lau.stages))
 
 
 __all__ = ["ContainerSpec", "EngineError", "Launch", "NodeFacts", "Stage", "launch"]

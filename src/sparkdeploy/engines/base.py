@@ -37,13 +37,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from sparkdeploy import labels as lbl
 from sparkdeploy.config import Engine, Node, Profile
 from sparkdeploy.state import is_secret_name
 
 PREFIX = "sparkdeploy"
-LABEL_DEPLOYMENT = "sparkdeploy.deployment"
-LABEL_ENGINE = "sparkdeploy.engine"
-LABEL_ROLE = "sparkdeploy.role"
 API_KEY_ENV = "SPARKDEPLOY_API_KEY"
 """The controller's environment variable holding the endpoint's API key (optional)."""
 
@@ -98,7 +96,9 @@ class ContainerSpec:
     """A container whose process namespace this one joins (``--pid=container:NAME``)."""
     secret_env: tuple[str, ...] = ()
     """Variables whose values come from the controller's secrets when the container starts."""
-    deployment: str = ""
+    labels: tuple[tuple[str, str], ...] = ()
+    """What the container says about itself on the node (``sparkdeploy.labels``): set for
+    every engine kind by ``engines.launch``."""
 
     @property
     def name(self) -> str:
@@ -220,11 +220,13 @@ def model_mount(profile: Profile) -> Mount:
 
 
 def run_args(spec: ContainerSpec, *, detach: bool = True, remove: bool = False,
-             env_file: str | None = None) -> list[str]:
+             env_file: str | None = None, started: dict[str, str] | None = None) -> list[str]:
     """``docker run`` arguments (after ``docker -H ...``) for a spec.
 
     ``env_file`` is where docker reads the secret variables (``/dev/stdin`` when serve.up
-    pipes them in); single-argument ``--flag=value`` forms so no value is read as a flag."""
+    pipes them in); ``started``: the labels saying when and by what (``labels.started``; a
+    persisted unit's supervisor adds its own when it starts the container); single-argument
+    ``--flag=value`` forms so no value is read as a flag."""
     argv = ["run"]
     if detach:
         argv.append("--detach")
@@ -232,9 +234,7 @@ def run_args(spec: ContainerSpec, *, detach: bool = True, remove: bool = False,
         argv.append("--rm")
     argv += [
         f"--name={spec.name}",
-        f"--label={LABEL_DEPLOYMENT}={spec.deployment}",
-        f"--label={LABEL_ENGINE}={spec.engine}",
-        f"--label={LABEL_ROLE}={spec.role}",
+        *lbl.args({**dict(spec.labels), **(started or {})}),
         "--network=host",
         "--ipc=host",
         "--ulimit=memlock=-1",

@@ -67,7 +67,7 @@ def build(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
             node=node.name, engine=engine.name, role=role, rank=rank, image=engine.image,
             argv=tuple(argv), env=tuple(env.items()), mounts=(model_mount(profile),),
             ports=ports, devices=("/dev/infiniband",) if nf.rdma_devices else (),
-            secret_env=secret, deployment=profile.name))
+            secret_env=secret))
     if len(specs) == 1:
         stages: tuple[Stage, ...] = (Stage((specs[0],)),)
     else:

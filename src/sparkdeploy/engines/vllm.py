@@ -62,8 +62,7 @@ def node_spec(profile: Profile, engine: Engine, facts: dict[str, NodeFacts], nod
     return ContainerSpec(
         node=node.name, engine=engine.name, role=role, rank=rank, image=engine.image,
         argv=tuple(argv), env=tuple(env.items()), mounts=(model_mount(profile),),
-        ports=ports, devices=("/dev/infiniband",) if nf.rdma_devices else (),
-        deployment=profile.name, **kw)
+        ports=ports, devices=("/dev/infiniband",) if nf.rdma_devices else (), **kw)
 
 
 def single(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],

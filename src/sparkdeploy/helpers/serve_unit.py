@@ -44,7 +44,9 @@ The spec (JSON): ``docker`` (the docker CLI argv prefix for this node's engine),
 source run in the Ray head container), ``ready_timeout_s``, ``key`` (the group key's file),
 ``watch`` (``serve_watchdog.Policy`` as a dict), ``canary`` ({"port", "model"}: the head's
 endpoint on 127.0.0.1), ``engine``, ``unit``, ``node_dir`` (where records and logs go),
-``nodes`` (every node of the group).
+``nodes`` (every node of the group), ``started_labels`` (``at``, ``by``: the label names saying
+when and by what a container was started, ``by_value``: this unit's name; added to each
+``docker run`` as it starts).
 """
 
 from __future__ import annotations
@@ -172,10 +174,20 @@ class Group:
         if names:
             self.docker("rm", "--force", "--volumes", *names)
 
+    def run_args(self, c: dict) -> list[str]:
+        """A container's ``docker run`` arguments with the labels saying when and by what it
+        started (the spec's ``started_labels`` names them)."""
+        lab = self.spec.get("started_labels")
+        if not lab:
+            return list(c["run"])
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.clock()))
+        return [c["run"][0], f"--label={lab['at']}={now}", f"--label={lab['by']}={lab['by_value']}",
+                *c["run"][1:]]
+
     def start_stage(self, k: int) -> None:
         for c in self.spec["stages"][k]["containers"]:
             if c["node"] == self.spec["node"]:
-                r = self.docker(*c["run"], timeout=300)
+                r = self.docker(*self.run_args(c), timeout=300)
                 if r.returncode != 0:
                     raise Restart(f"docker run {c['name']}: {(r.stderr or r.stdout).strip()[-300:]}")
                 say(f"started {c['name']} (stage {k})")

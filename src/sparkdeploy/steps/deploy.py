@@ -22,8 +22,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from sparkdeploy import labels as lbl
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.endpoint import url as endpoint_url
+from sparkdeploy.fingerprint import flat
 from sparkdeploy.hosts import CmdResult, Host
 from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image
 from sparkdeploy.records import (
@@ -37,12 +39,12 @@ from sparkdeploy.records import (
     markdown_table,
 )
 from sparkdeploy.results import Result
-from sparkdeploy.runner import Outcome, PlanStep, StepRun, flat
+from sparkdeploy.runner import Outcome, PlanStep, StepRun
 from sparkdeploy.steps.images import decision
 from sparkdeploy.steps.registry import StepContext, step
 
 PURGE = "deploy.purge"
-LABEL_BUILT = "org.sparkdeploy.base.id"
+LABEL_BUILT = lbl.BASE_ID
 SMOKE: dict[str, Any] = {"concurrency": [1], "requests": 3, "warmup": 0}
 SMOKE_OUTPUT_TOKENS = 64  # a smoke, not a measurement: a few short answers at concurrency 1
 

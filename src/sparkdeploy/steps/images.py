@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict
 
+from sparkdeploy import labels as lbl
 from sparkdeploy import packaged
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.files import MB, Escape, InputError, read_input, under
@@ -43,11 +44,11 @@ from sparkdeploy.steps.registry import StepContext, step
 STEP_PROBE = "image.probe"
 PROBE = "probe_image.py"
 STEP_BUILD = "image.build"
-LABEL_BASE_ID = "org.sparkdeploy.base.id"
-LABEL_TF = "org.sparkdeploy.transformers.version"
-LABEL_DOCKERFILE = "org.sparkdeploy.dockerfile.sha256"
-LABEL_REQUIREMENT = "org.sparkdeploy.transformers.requirement"
-LABEL_ENGINE_REQUIRES = "org.sparkdeploy.engine.requires"
+LABEL_BASE_ID = lbl.BASE_ID
+LABEL_TF = lbl.TRANSFORMERS
+LABEL_DOCKERFILE = lbl.DOCKERFILE
+LABEL_REQUIREMENT = lbl.REQUIREMENT
+LABEL_ENGINE_REQUIRES = lbl.ENGINE_REQUIRES
 DOCKER_DIR = "docker"
 """The Dockerfiles sparkdeploy ships (``sparkdeploy/data/docker/``): the only files
 ``images.layer.dockerfile`` may name."""
@@ -110,6 +111,7 @@ def probe_argv(dep: Deployment, head: Host, ref: str, probe_path: str, config_di
     rules = dep.profile.images.rules
     args = [
         "run", "--rm", "--network", "none",
+        *lbl.of_run(dep.profile.name, "probe", STEP_PROBE, dep.wall()),
         "-e", "HF_HUB_OFFLINE=1", "-e", "TRANSFORMERS_OFFLINE=1",
         "-v", f"{probe_path}:/sparkdeploy/probe_image.py:ro",
         "-v", f"{config_dir}:/sparkdeploy/model:ro",
@@ -360,6 +362,7 @@ def engine_requires(dep: Deployment, head: Host, ref: str) -> tuple[str, str, st
         return None
     def argv(path: str) -> list[str]:
         return docker(head, "run", "--rm", "--network", "none",
+                      *lbl.of_run(dep.profile.name, "probe", STEP_BUILD, dep.wall()),
                       "-v", f"{path}:/sparkdeploy/probe_image.py:ro", "--entrypoint", "python3",
                       ref, "/sparkdeploy/probe_image.py", "--engine", kind)
 

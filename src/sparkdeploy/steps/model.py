@@ -26,6 +26,7 @@ from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sparkdeploy import labels
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Feed, Host
 from sparkdeploy.nodeops import (
@@ -331,8 +332,10 @@ def choose_runtime(dep: Deployment, host: Host, st: Staged) -> Runtime:
         for ref in candidate_images(dep):
             if inspect_image(host, ref) is None:
                 continue
-            r = host.run(docker(host, "run", "--rm", "--network", "none", "--entrypoint", "python3",
-                                "--", ref, "-c", "import huggingface_hub as h; print(h.__version__)"),
+            r = host.run(docker(host, "run", "--rm", "--network", "none",
+                                *labels.of_run(dep.profile.name, "probe", DOWNLOAD, dep.wall()),
+                                "--entrypoint", "python3", "--", ref, "-c",
+                                "import huggingface_hub as h; print(h.__version__)"),
                          change=False, timeout=300)
             if r.ok:
                 return Runtime("container", image=ref,
@@ -365,7 +368,9 @@ def fetch_argv(dep: Deployment, host: Host, rt: Runtime, st: Staged, owner: str,
     mounts = ["-v", f"{m.path}:{m.path}"]
     for d in dict.fromkeys(os.path.dirname(p) for p in (st.script, st.spec)):
         mounts += ["-v", f"{d}:{d}:ro"]
-    return docker(host, "run", "--rm", "-i", "--name", CONTAINER, "--network", "host",
+    return docker(host, "run", "--rm", "-i", "--name", CONTAINER,
+                         *labels.of_run(dep.profile.name, "download", DOWNLOAD, dep.wall()),
+                         "--network", "host",
                          "--user", owner, "-e", "HF_HOME=/tmp/hf-home", "-e",
                          "HF_HUB_DISABLE_TELEMETRY=1", *mounts, "--entrypoint", "python3", "--",
                          rt.image or "", st.script, *helper)

@@ -27,6 +27,7 @@ from typing import Any
 from pydantic import BaseModel, Field, RootModel
 
 from sparkdeploy import endpoint as ep
+from sparkdeploy import labels
 from sparkdeploy.config import Engine, ProfileError
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import EngineError, Launch, launch
@@ -38,7 +39,16 @@ from sparkdeploy.records import Endpoint, ServeDecision, markdown_table
 from sparkdeploy.results import Result
 from sparkdeploy.steps import serve_preflight
 from sparkdeploy.steps.registry import StepContext, step
-from sparkdeploy.steps.serve_containers import RAY_PROBE, active, installed, ours, remove, stop_units
+from sparkdeploy.steps.serve_containers import (
+    RAY_PROBE,
+    Serving,
+    active,
+    installed,
+    ours,
+    remove,
+    serving,
+    stop_units,
+)
 from sparkdeploy.steps.serve_watch import (
     EngineFailed,
     Stalled,
@@ -78,7 +88,8 @@ class Run:
 
 def start(dep: Deployment, host: Host, spec: Any, secrets: dict[str, str]) -> None:
     lines = secret_lines(spec, secrets)
-    argv = docker(host, *run_args(spec, env_file="/dev/stdin" if lines else None))
+    argv = docker(host, *run_args(spec, env_file="/dev/stdin" if lines else None,
+                                  started=labels.started(STEP_UP, dep.wall())))
     r = host.run(argv, input=lines if lines else None, timeout=300)
     if not r.ok:
         raise StartFailed(f"{host.name}: docker run {spec.name}: {r.one_line_error()}", "start")
@@ -180,7 +191,7 @@ def try_engine(ctx: StepContext, engine: Engine, run: Run) -> str | None:
         shipped = ctx.call("image.ship", to=",".join(pf.ship_to), image=engine.image)
         if any(r.failed for r in shipped):
             return None
-    lau = launch(dep.profile, engine, pf.facts, bool(run.secrets))
+    lau = launch(dep.profile, engine, pf.facts, bool(run.secrets), image_id=pf.image_id)
     if dep.dry:
         for c in lau.containers:
             start(dep, dep.host(c.node), c, run.secrets)
@@ -209,7 +220,7 @@ def give_up(dep: Deployment, engine: Engine, err: EngineFailed, run: Run) -> dic
     diag = _diagnose(logs)
     hosts = [dep.host(n.name) for n in dep.profile.nodes]
     removed = remove(dep, hosts, engine.name)
-    left = {h.name: [c["name"] for c in ours(h, dep.profile.name, engine.name)] for h in hosts}
+    left = {h.name: [c.name for c in ours(h, dep.profile.name, engine.name)] for h in hosts}
     attempt = {
         "engine": engine.name, "outcome": err.kind, "phase": err.phase, "why": err.why,
         "class": diag.cls, "summary": getattr(diag, "summary", ""),
@@ -250,32 +261,38 @@ def _order(dep: Deployment, first: str | None) -> list[Engine]:
     return engines[names.index(first):]
 
 
-def already_serving(dep: Deployment, engine: Engine) -> str | None:
+def record_endpoint(dep: Deployment, url: str, engine: str, keyed: bool) -> None:
+    """The endpoint into the controller's cache (``bench.run`` and the run's last line read it)
+    unless it holds just that already."""
     rec = ep.recorded(dep.records)
-    if not rec or rec.engine != engine.name:
-        return None
-    head = dep.host(dep.profile.head.name)
-    running = [c for c in ours(head, dep.profile.name, engine.name) if c["state"] == "running"]
-    if not running:
-        return None
-    url = rec.url
-    if ep.health(url) and dep.profile.model.repo in ep.models(url):
-        return url
-    return None
+    env = API_KEY_ENV if keyed else None
+    if rec and (rec.url, rec.engine, rec.model, rec.api_key_env) == (
+            url, engine, dep.profile.model.repo, env):
+        return
+    dep.records.write(Endpoint(url=url, engine=engine, model=dep.profile.model.repo,
+                               api_key_env=env))
 
 
 def _before(ctx: StepContext, engines: list[Engine]) -> bool:
-    """Already serving (ok), or run by persisted units (failed): True, said so; else clear this
-    deployment's old containers. Unreachable nodes are left to the preflight to report."""
+    """Already serving what the profile says, by the nodes' labels (ok), or run by persisted
+    units (failed): True, said so; else clear this deployment's old containers, saying what
+    differed. Unreachable nodes are left to the preflight to report."""
     dep = ctx.dep
+    seen: list[Serving] = []
     for eng in engines:
         try:
-            url = already_serving(dep, eng)
+            got = serving(dep, eng)
         except NodeUnreachable:
-            url = None
-        if url:
-            ctx.ok(f"endpoint: {url}", endpoint=url, engine=eng.name)
+            continue
+        if got.url:
+            if not dep.dry:
+                record_endpoint(dep, got.url, eng.name, bool(ep.api_key()))
+            ctx.ok(f"{eng.name} serves as the profile says, since {got.since or '?'}",
+                   engine=eng.name, since=got.since)
+            ctx.ok(f"endpoint: {got.url}", endpoint=got.url, engine=eng.name)
             return True
+        if got.why:
+            seen.append(got)
     units: dict[str, list[str]] = {}
     reachable = []
     for h in (dep.host(n.name) for n in dep.profile.nodes):
@@ -289,12 +306,33 @@ def _before(ctx: StepContext, engines: list[Engine]) -> bool:
             f"{n}: {', '.join(u)}" for n, u in units.items() if u) + "): serve.down or "
             "serve.unpersist first")
         return True
-    if not dep.dry:
-        stale = remove(dep, reachable)
-        if stale:
-            ctx.changed("removed this deployment's old containers: " + ", ".join(
-                f"{n}: {', '.join(c)}" for n, c in stale.items()))
+    why = f" ({'; '.join(s.why for s in seen)})" if seen else ""
+    if dep.dry:
+        if seen:
+            ctx.would(f"replace what the nodes run{why}")
+        return False
+    stale = remove(dep, reachable)
+    if stale:
+        ctx.changed("removed this deployment's old containers" + why + ": " + ", ".join(
+            f"{n}: {', '.join(c)}" for n, c in stale.items()))
     return False
+
+
+def _attempt(ctx: StepContext, eng: Engine, run: Run) -> str | None:
+    """``try_engine``; anything but the engine failing (Ctrl-C, a node lost, a bug) removes
+    what it started on every node it reaches before it goes on up."""
+    try:
+        return try_engine(ctx, eng, run)
+    except EngineFailed:
+        raise
+    except BaseException:
+        if not ctx.dep.dry:
+            for h in (ctx.dep.host(n.name) for n in ctx.dep.profile.nodes):
+                try:
+                    remove(ctx.dep, [h], eng.name)
+                except Exception:  # noqa: BLE001 - the first error is the one to show
+                    continue
+        raise
 
 
 @step(STEP_UP, needs=("services.stop", "image.ship", "model.verify"))
@@ -308,7 +346,7 @@ def up(ctx: StepContext, engine: str | None = None) -> None:
     replaced: list[Result] = []  # engines that failed: the outcome only when none serves
     for i, eng in enumerate(engines):
         try:
-            url = try_engine(ctx, eng, run)
+            url = _attempt(ctx, eng, run)
         except EngineFailed as e:
             attempt = give_up(dep, eng, e, run)
             run.attempts.append(attempt)
@@ -331,8 +369,7 @@ def up(ctx: StepContext, engine: str | None = None) -> None:
                 write_record(dep, run, None, None)
             return
         write_record(dep, run, eng.name, url)
-        dep.records.write(Endpoint(url=url, engine=eng.name, model=dep.profile.model.repo,
-                                   api_key_env=API_KEY_ENV if run.secrets else None))
+        record_endpoint(dep, url, eng.name, bool(run.secrets))
         tried = [a["engine"] for a in run.attempts]
         note = f" (after {', '.join(tried)} failed)" if tried else ""
         ctx.changed(f"{eng.name} serves {dep.profile.model.repo}{note}", engine=eng.name,
@@ -362,7 +399,7 @@ def _down_node(ctx: StepContext, h: Host) -> None:
     if not found and not units:
         ctx.ok("no engine container", h.name)
         return
-    names = [c["name"] for c in found]
+    names = [c.name for c in found]
     if names:
         h.run(docker(h, "rm", "--force", "--volumes", *names), timeout=120)
     what = ", ".join([*([f"stopped {', '.join(units)}"] if units else []), *names])
@@ -371,14 +408,28 @@ def _down_node(ctx: StepContext, h: Host) -> None:
         return
     left = ours(h, dep.profile.name)
     if left:
-        ctx.failed("still there: " + ", ".join(c["name"] for c in left), h.name)
+        ctx.failed("still there: " + ", ".join(c.name for c in left), h.name)
     else:
         ctx.changed(f"removed {what}", h.name)
 
 
-def _ray_status(dep: Deployment, head: Host, containers: list[dict[str, str]]) -> str | None:
-    rh = next((c["name"] for c in containers if c["role"] == "head" and c["state"] == "running"
-               and c["engine"] in {e.name for e in dep.profile.engines if e.kind == "vllm-ray"}), None)
+def _ray_head(dep: Deployment, containers: list[labels.Container]) -> str | None:
+    """The running Ray head container among the head's (the first container of an engine whose
+    launch waits for Ray to list every node), or None."""
+    running = {c.name for c in containers if c.running}
+    for eng in dep.profile.engines:
+        try:
+            stages = launch(dep.profile, eng, {}).stages
+        except EngineError:
+            continue
+        ray_head = stages[0].containers[0].name
+        if any(s.wait == "ray-nodes" for s in stages) and ray_head in running:
+            return ray_head
+    return None
+
+
+def _ray_status(dep: Deployment, head: Host, containers: list[labels.Container]) -> str | None:
+    rh = _ray_head(dep, containers)
     if not rh:
         return None
     r = head.run(docker(head, "exec", rh, "python3", "-c", RAY_PROBE), change=False, timeout=60)
@@ -399,15 +450,23 @@ def _restarts(ctx: StepContext, head: Host) -> None:
             ctx.ok(f"{eng.name}: {describe(r)}", head.name, restart=r)
 
 
+def describe_container(c: labels.Container) -> str:
+    """One container as ``serve.status`` shows it: name, state, since when, started by what."""
+    since = f" since {c.started}" if c.started else ""
+    by = f" by {c.started_by}" if c.started_by else ""
+    return f"{c.name} {c.state}{since}{by}"
+
+
 @step(STEP_STATUS)
 def status(ctx: StepContext) -> None:
-    """Engine containers per node, Ray's nodes, and the endpoint's health."""
+    """What the nodes run of this deployment (by their containers' labels: engine, role, since
+    when), Ray's nodes, and whether it serves what the profile says."""
     dep = ctx.dep
 
-    def one(h: Host) -> list[dict[str, str]]:
+    def one(h: Host) -> list[labels.Container]:
         found = ours(h, dep.profile.name)
-        text = ", ".join(f"{c['name']} {c['state']}" for c in found) or "no engine container"
-        ctx.ok(text, h.name, containers=found)
+        ctx.ok(", ".join(map(describe_container, found)) or "no engine container", h.name,
+               containers=[c.__dict__ for c in found])
         return found
 
     hosts = [dep.host(n.name) for n in dep.profile.nodes]
@@ -417,15 +476,26 @@ def status(ctx: StepContext) -> None:
     if ray:
         ctx.ok(ray, head)
     _restarts(ctx, dep.host(head))
-    rec = ep.recorded(dep.records)
+    engines = {c.engine for cs in found.values() for c in cs or []}
+    for eng in (e for e in dep.profile.engines if e.name in engines):
+        got = serving(dep, eng)
+        if got.url:
+            ctx.ok(f"endpoint: {got.url} healthy ({eng.name} since {got.since or '?'}), serves "
+                   f"{dep.profile.model.repo}", endpoint=got.url, engine=eng.name, since=got.since)
+        else:
+            ctx.failed(got.why, engine=eng.name)
+    unknown = sorted(engines - {e.name for e in dep.profile.engines})
+    if unknown:
+        ctx.failed(f"the nodes run engine(s) the profile does not name: {', '.join(unknown)} "
+                   "(serve.down removes them)")
+    if engines:
+        return
     url = ep.url(dep)
     if not url:
-        ctx.ok("no endpoint recorded (serve.up records it)")
-        return
-    listed = ep.models(url)
-    if ep.health(url) and dep.profile.model.repo in listed:
-        engine = f" ({rec.engine})" if rec else ""
-        ctx.ok(f"endpoint: {url} healthy{engine}, serves {dep.profile.model.repo}", endpoint=url)
+        ctx.ok("nothing of this deployment serves (serve.up)")
+    elif ep.health(url) and dep.profile.model.repo in ep.models(url):
+        ctx.ok(f"endpoint: {url} healthy, serves {dep.profile.model.repo} (not run by "
+               "sparkdeploy on these nodes)", endpoint=url)
     else:
         ctx.failed(f"endpoint: {url} not healthy", endpoint=url)
 
@@ -438,10 +508,10 @@ def logs(ctx: StepContext, node: str | None = None, tail: int | None = None) -> 
         if not found:
             ctx.ok("no engine container", h.name)
         for c in found:
-            lines = full_log(h, c["name"])
+            lines = full_log(h, c.name)
             for line in lines[-tail:] if tail else lines:
-                ctx.log(h.name, f"{c['name']}: {line}")
-            ctx.ok(f"{c['name']} ({c['state']}): {len(lines)} line(s)", h.name)
+                ctx.log(h.name, f"{c.name}: {line}")
+            ctx.ok(f"{c.name} ({c.state}): {len(lines)} line(s)", h.name)
 
     ctx.each(ctx.dep.select(node), one)
 

@@ -1,12 +1,16 @@
-"""This deployment's containers on the nodes (found by label, removed), its persisted units
-(found, stopped), and the Ray probe: shared by ``serve`` and ``serve_persist``."""
+"""This deployment's containers on the nodes (found by their labels, checked against the
+profile, removed), its persisted units (found, stopped), and the Ray probe: shared by
+``serve`` and ``serve_persist``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from sparkdeploy import labels
+from sparkdeploy.config import Engine
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.engines.base import LABEL_DEPLOYMENT, LABEL_ENGINE
 from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import docker
+from sparkdeploy.nodeops import docker, inspect_image
 
 UNIT_DIR = "/etc/systemd/system"
 
@@ -19,26 +23,75 @@ RAY_PROBE = (
 
 
 
-def ours(host: Host, deployment: str, engine: str | None = None) -> list[dict[str, str]]:
-    """This deployment's containers on a node: [{name, state, engine, role}]."""
-    args = ["ps", "-a", "--filter", f"label={LABEL_DEPLOYMENT}={deployment}"]
-    if engine:
-        args += ["--filter", f"label={LABEL_ENGINE}={engine}"]
-    fmt = '{{.Names}}|{{.State}}|{{.Label "sparkdeploy.engine"}}|{{.Label "sparkdeploy.role"}}'
-    r = host.run(docker(host, *args, "--format", fmt), change=False)
-    out = []
-    for line in r.stdout.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) == 4:
-            out.append(dict(zip(("name", "state", "engine", "role"), parts, strict=True)))
-    return out
+def ours(host: Host, deployment: str, engine: str | None = None) -> list[labels.Container]:
+    """This deployment's engine containers on a node (of one engine, or all), by their labels."""
+    r = host.run(docker(host, *labels.ps_args(deployment, engine)), change=False)
+    return labels.parse_ps(r.stdout) if r.ok else []
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What the nodes run of one engine of this deployment, read from its containers' labels
+    and checked against the profile."""
+
+    engine: str
+    url: str | None = None
+    """The endpoint, when every container runs what the profile says and it serves."""
+    why: str = ""
+    """Why not (empty when nothing of the engine is on the nodes)."""
+    containers: tuple[labels.Container, ...] = ()
+
+    @property
+    def since(self) -> str:
+        return min((c.started for c in self.containers if c.started), default="")
+
+
+def serving(dep: Deployment, engine: Engine) -> Serving:
+    """Whether the nodes serve ``engine`` as the profile says: every container of its launch
+    running on its node, with the profile's fingerprint and the image ID the head holds under
+    the engine's tag now, and the endpoint (the head, the labelled port) answering with the
+    model. Raises NodeUnreachable."""
+    from sparkdeploy import endpoint as ep
+    from sparkdeploy.engines import launch
+
+    prof = dep.profile
+    want = launch(prof, engine, {}).containers
+    have: dict[tuple[str, str], labels.Container] = {}
+    for node in dict.fromkeys(c.node for c in want):
+        have.update({(node, c.name): c for c in ours(dep.host(node), prof.name, engine.name)})
+    found = tuple(have.values())
+    if not have:
+        return Serving(engine.name)
+    down = [f"{c.node}: {c.name}" for c in want
+            if not (have.get((c.node, c.name)) and have[(c.node, c.name)].running)]
+    if down:
+        return Serving(engine.name, why=f"{engine.name} is incomplete on the nodes (not running: "
+                       f"{', '.join(down)})", containers=found)
+    fp = labels.engine_fingerprint(prof, engine)
+    keys = sorted({k for c in found for k in c.differs(fp)})
+    if keys:
+        more = f" and {len(keys) - 6} more" if len(keys) > 6 else ""
+        return Serving(engine.name, why=f"{engine.name} on the nodes differs from the profile: "
+                       f"{', '.join(keys[:6])}{more}", containers=found)
+    head = dep.host(prof.head.name)
+    info = inspect_image(head, engine.image)
+    now, ran = (info or {}).get("Id"), {c.image_id for c in found}
+    if now and ran != {now}:
+        return Serving(engine.name, why=f"{engine.name} runs image {', '.join(sorted(ran))[:19]}, "
+                       f"the head's {engine.image} is now {now[:19]}", containers=found)
+    port = next((c.port for c in found if c.port), engine.port)
+    url = f"http://{ep.controller_address(head)}:{port}"
+    if ep.health(url) and prof.model.repo in ep.models(url):
+        return Serving(engine.name, url=url, containers=found)
+    return Serving(engine.name, why=f"{engine.name} runs but {url} does not serve "
+                   f"{prof.model.repo}", containers=found)
 
 
 def remove(dep: Deployment, hosts: list[Host], engine: str | None = None) -> dict[str, list[str]]:
     """Remove this deployment's containers (of one engine, or all) on the nodes; {node: names}."""
     gone: dict[str, list[str]] = {}
     for h in hosts:
-        names = [c["name"] for c in ours(h, dep.profile.name, engine)]
+        names = [c.name for c in ours(h, dep.profile.name, engine)]
         if names:
             h.run(docker(h, "rm", "--force", "--volumes", *names), timeout=120)
             gone[h.name] = names

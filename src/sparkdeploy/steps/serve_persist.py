@@ -33,14 +33,14 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparkdeploy import checks
+from sparkdeploy import checks, labels
 from sparkdeploy import endpoint as ep
 from sparkdeploy.config import Engine
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import EngineError, Launch, NodeFacts, launch
 from sparkdeploy.engines.base import API_KEY_ENV, profile_secrets, run_args
 from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import NodeUnreachable, docker
+from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image
 from sparkdeploy.packaged import helper
 from sparkdeploy.results import Result, changed, ok
 from sparkdeploy.steps.registry import StepContext, step
@@ -137,6 +137,8 @@ def group_spec(dep: Deployment, lau: Launch, host: Host) -> dict[str, Any]:
         "unit": unit_name(lau.engine.name),
         "node_dir": NODE_DIR,
         "nodes": sorted({c.node for c in lau.containers}),
+        "started_labels": {"at": labels.STARTED, "by": labels.STARTED_BY,
+                           "by_value": unit_name(lau.engine.name)},
     }
 
 
@@ -273,7 +275,7 @@ def hand_over(ctx: StepContext, eng: Engine, lau: Launch, nodes: list[Handover])
     try:
         url = _wait_endpoint(ctx, lau)
     except WaitTimeout as e:
-        left = {h.name: [c["name"] for c in ours(h, dep.profile.name, eng.name)] for h in hosts}
+        left = {h.name: [c.name for c in ours(h, dep.profile.name, eng.name)] for h in hosts}
         raise HandoverFailed(f"{e}; containers: {left}", nodes) from None
     return [*results, ok(STEP_PERSIST, f"endpoint: {url} (under systemd)", endpoint=url,
                          engine=eng.name)]
@@ -340,7 +342,8 @@ def persist(ctx: StepContext, engine: str | None = None) -> None:
         got = node_facts(dep, dep.host(n.name), [], [])
         facts[n.name] = NodeFacts(got["gid"]["index"], bool(got["rdma_devices"]))
     try:
-        lau = launch(dep.profile, eng, facts)
+        lau = launch(dep.profile, eng, facts,
+                     image_id=(inspect_image(dep.host(dep.profile.head.name), eng.image) or {}).get("Id"))
     except EngineError as e:
         ctx.failed(str(e))
         return
@@ -362,7 +365,7 @@ def persist(ctx: StepContext, engine: str | None = None) -> None:
     except UnitValueError as e:
         ctx.failed(str(e))
         return
-    containers_before = any(c["state"] == "running" for h in hosts
+    containers_before = any(c.running for h in hosts
                             for c in ours(h, dep.profile.name, eng.name))
     nodes: list[Handover] = []
     try:
