@@ -59,7 +59,8 @@ def test_one_container_per_node_head_serves_workers_headless(tmp_path, nodes, tp
     for rank, c in enumerate(lau.containers):
         assert c.node == f"spark{rank + 1}"
         assert run_args(c) == [
-            *common(f"sparkdeploy-vllm-{roles[rank]}", "vllm", roles[rank], rdma=rank < 2),
+            *common(f"sparkdeploy-vllm-{roles[rank]}", roles[rank], rank, p, p.engines[0],
+                    rdma=rank < 2),
             *envs([*link(IFACES[rank], GIDS[rank], "192.168.100.10", HCAS[rank]),
                    ("VLLM_HOST_IP", ADDRS[rank])]),
             IMAGE, *serve(nodes, rank, tp, pp)]

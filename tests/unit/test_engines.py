@@ -314,7 +314,7 @@ def test_sglang_n_nodes_exact_argv_and_env_of_every_rank(tmp_path, n, tp, pp):
     for i in range(1, n + 1):
         role = _role(i, n)
         want.append([
-            *common(f"sparkdeploy-sglang-{role}", "sglang", role),
+            *common(f"sparkdeploy-sglang-{role}", role, i - 1, p, p.engines[0]),
             *envs([*link("enp1s0f0np0", GID[i], ADDR[1]), ("SGLANG_HOST_IP", ADDR[i])]),
             "sparkdeploy/sglang-qwen3.5:latest", "python3", "-m", "sglang.launch_server",
             "--model-path", MODEL, "--served-model-name", REPO_ID, "--tp", str(tp),
@@ -333,18 +333,18 @@ def test_vllm_ray_n_nodes_exact_argv_and_env_of_every_container(tmp_path, n, tp,
     lau = launch(p, p.engines[1], N_FACTS)
     ray = [("RAY_memory_monitor_refresh_ms", "0")]
     image = "hellohal2064/vllm-qwen3.5-gb10"
-    want = [[*common("sparkdeploy-vllm-ray-head", "vllm-ray", "head"), "--volume=/tmp/ray",
+    want = [[*common("sparkdeploy-vllm-ray-head", "head", 0, p, p.engines[1]), "--volume=/tmp/ray",
              *envs([*link("enp1s0f0np0", 3, ADDR[1]), ("VLLM_HOST_IP", ADDR[1]), *ray]),
              image, "ray", "start", "--head", "--port", "6379", "--node-ip-address", ADDR[1],
              "--num-gpus", "1", "--disable-usage-stats", "--block"]]
     for i in range(2, n + 1):
         role = _role(i, n)
-        want.append([*common(f"sparkdeploy-vllm-ray-{role}", "vllm-ray", role),
+        want.append([*common(f"sparkdeploy-vllm-ray-{role}", role, i - 1, p, p.engines[1]),
                      *envs([*link("enp1s0f0np0", GID[i], ADDR[1]), ("VLLM_HOST_IP", ADDR[i]),
                             *ray]),
                      image, *ray_worker(ADDR[i])])
     want.append([
-        *common("sparkdeploy-vllm-ray-api", "vllm-ray", "api"),
+        *common("sparkdeploy-vllm-ray-api", "api", 0, p, p.engines[1]),
         "--volumes-from=sparkdeploy-vllm-ray-head", "--pid=container:sparkdeploy-vllm-ray-head",
         *envs([*link("enp1s0f0np0", 3, ADDR[1]), ("VLLM_HOST_IP", ADDR[1]), *ray,
                ("RAY_ADDRESS", f"{ADDR[1]}:6379")]),
