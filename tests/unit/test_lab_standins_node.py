@@ -79,7 +79,7 @@ def test_rank_wedged_stops_every_process_of_the_nodes_engine_containers_and_none
     monkeypatch.setattr(faults.wd, "proc_stat", lambda pid: (state[pid], 1) if pid in state else None)
     [r] = faults.set_fault("rank-wedged", rec, node="spark2")
     sock = f"unix://{layout.docker_socket('spark2')}"
-    assert calls == [["docker", "-H", sock, "ps", "--filter", "label=sparkdeploy.engine",
+    assert calls == [["docker", "-H", sock, "ps", "--filter", "label=org.sparkdeploy.engine",
                       "--format", "{{.Names}}"],
                      ["docker", "-H", sock, "inspect", "--format", "{{.State.Pid}}",
                       "sparkdeploy-sglang-worker"]]

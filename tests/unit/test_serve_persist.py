@@ -11,8 +11,8 @@ import pytest
 from sparkdeploy import labels
 from sparkdeploy.engines import NodeFacts, launch
 from sparkdeploy.engines.base import run_args
-from sparkdeploy.packaged import helper
 from sparkdeploy.helpers import serve_unit
+from sparkdeploy.packaged import helper
 from sparkdeploy.results import Status
 from sparkdeploy.steps import serve, serve_persist
 from tests.unit.fakes import WALL

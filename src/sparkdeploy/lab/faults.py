@@ -24,10 +24,10 @@ import signal
 import subprocess
 from pathlib import Path
 
-from sparkdeploy.engines.base import LABEL_ENGINE
 from sparkdeploy.files import write_if_changed
 from sparkdeploy.helpers import serve_watchdog as wd
 from sparkdeploy.lab import dockerd, layout
+from sparkdeploy.labels import ENGINE as LABEL_ENGINE
 from sparkdeploy.results import Result, changed, failed, ok
 
 FAULTS: dict[str, str] = {
