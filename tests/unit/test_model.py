@@ -542,7 +542,13 @@ def test_plan_takes_a_file_only_from_a_node_that_holds_it_and_one_stream_per_rec
 def test_plan_passes_over_a_busy_worker_to_the_next_source():
     plan = model_sync.Plan(need={"w2": ["a"], "w3": ["a"]}, holders={"a": ["head", "w1"]},
                            out_load={"w1": 1})
-    # w1 already sends its one stream; the head serves both
+    # w1 already sends its one stream; the head sent a once (w1 has it): w1 serves when free
+    assert plan.next_transfers(streams=1, head="head") == []
+    plan.out_load["w1"] = 0
+    assert plan.next_transfers(streams=1, head="head") == [(("a",), "w1", "w2")]
+    # a worker only the head's copy would serve (w1 lost): the head sends it again
+    plan = model_sync.Plan(need={"w2": ["a"]}, holders={"a": ["head", "w1"]},
+                           lost={"w1": "unreachable"})
     assert plan.next_transfers(streams=1, head="head") == [(("a",), "head", "w2")]
     plan = model_sync.Plan(need={"w2": ["a"]}, holders={"a": ["head", "w1", "w3"]},
                            out_load={"w1": 1})
@@ -558,3 +564,68 @@ def test_a_plan_whose_receivers_all_failed_is_done():
     assert not plan.done()
     plan.failed["w1"] = "disk full"
     assert plan.done()
+
+
+def test_plan_a_lost_sender_serves_no_more_and_what_it_did_not_deliver_goes_again():
+    plan = model_sync.Plan(need={"w1": [], "w2": ["a", "b"], "w3": ["a"]},
+                           holders={"a": ["head", "w1"], "b": ["head"]})
+    first = plan.next_transfers(streams=2, head="head")
+    # w1 holds a: it serves a (the head sent it once); b only the head has
+    assert first == [(("a",), "w1", "w2"), (("b",), "head", "w2"), (("a",), "w1", "w3")]
+    plan.lose("w1", "w1: unreachable")
+    for batch in (first[0], first[2]):
+        plan.sent(batch)
+    assert plan.retry("a", "w2") is True and plan.retry("a", "w3") is True
+    assert not plan.waiting_only("w3")  # not ended: a comes again
+    finish(plan, first[1], ["b"])
+    assert plan.retry("b", "w2") is False  # its sender is fine
+    # only the head's copy is left: it sends a again, once; w3 waits for w2
+    assert plan.next_transfers(streams=2, head="head") == [(("a",), "head", "w2")]
+    finish(plan, (("a",), "head", "w2"), ["a"])
+    assert plan.next_transfers(streams=2, head="head") == [(("a",), "w2", "w3")]
+    assert plan.sources("a", "w3", "head") == ["w2"]
+
+
+def test_plan_a_failed_receiver_is_no_sender():
+    plan = model_sync.Plan(need={"w1": ["b"], "w2": ["a"]}, holders={"a": ["head", "w1"]})
+    plan.failed["w1"] = "disk full on w1"
+    assert plan.next_transfers(streams=1, head="head") == [(("a",), "head", "w2")]
+
+
+def test_plan_four_nodes_each_worker_serves_the_next_and_the_head_sends_once():
+    files = list("abcd")
+    plan = model_sync.Plan(need={w: list(files) for w in ("w1", "w2", "w3")},
+                           holders={f: ["head"] for f in files})
+    sent_by: dict[str, int] = {}
+    while not plan.done():
+        batches = plan.next_transfers(streams=1, head="head")
+        assert batches
+        for b in batches:
+            sent_by[b[1]] = sent_by.get(b[1], 0) + len(b[0])
+            finish(plan, b, list(b[0]))
+    # 12 file copies in all; the head sends each file once, the workers the rest
+    assert sum(sent_by.values()) == 12
+    assert sent_by["head"] == len(files)
+
+
+def test_the_receiver_expects_a_missing_file_again(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("model_node_t", helper("model_node.py"))
+    mn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mn)
+    data = b"x" * 10
+    arr = mn.Arrivals(str(tmp_path), {"f": {"path": "f", "size": 10,
+                                            "sha256": hashlib.sha256(data).hexdigest()}}, 1)
+    try:
+        arr.settled.add("f")
+        arr.step()
+        assert arr.counts["missing"] == 1 and "f" not in arr.pending
+        arr.again(["f", "not-ours"])
+        assert arr.pending == {"f"} and "f" not in arr.settled
+        (tmp_path / "f").write_bytes(data)
+        while arr.pending or arr.hashing:
+            arr.step()
+        assert arr.counts["ok"] == 1
+    finally:
+        arr.close()

@@ -72,8 +72,9 @@ class Engine:
     def __init__(self, images=(), containerd=False, refuse_partial=False, free=10**12,
                  layout="oci", python="3.11", load_rewrites_config=False, load_untagged=False,
                  root_dir="/var/lib/docker", history=None, info_fails=False, unreachable=False,
-                 load_error=None):
+                 load_error=None, dies_serving=False):
         self.images = {img["_tag"]: img for img in images}
+        self.dies_serving = dies_serving  # the node goes away as it starts sending an image
         self.root_dir = root_dir
         self.history = history  # `docker history` sizes, newest first (default: 1 GB a layer)
         self.info_fails = info_fails
@@ -210,6 +211,9 @@ class Ctx(FakeContext):
 
     def pipeline(self, alias: str, script: str) -> tuple[int, str]:
         src = self.engines[alias]
+        if src.dies_serving:
+            src.unreachable = True
+            return 255, f"ssh: connect to host {alias} port 22: No route to host"
         checks, _, body = script.rpartition("set -o pipefail; ")
         for digest, path in re.findall(r"printf '([0-9a-f]{64})  (\S+)\\n' \| sha256sum", checks):
             if hashlib.sha256(src.files.get(path, b"")).hexdigest() != digest:
@@ -456,11 +460,39 @@ def test_later_peers_ship_from_earlier_ones(make):
     dep, ctx = make(*peers)
     results = ship.ship(dep, "all", "img:1")
     assert [r.status for r in results] == [Status.CHANGED] * 3
-    # spark2 from the head; then spark3 from the head and spark4 from spark2, at once
-    assert sorted(ctx.pipelines) == [("spark1", "spark2"), ("spark1", "spark3"), ("spark2", "spark4")]
+    # spark2 from the head; then spark3 from spark2 and spark4 from the head, at once
+    assert ctx.pipelines[0] == ("spark1", "spark2")
+    assert sorted(ctx.pipelines[1:]) == [("spark1", "spark4"), ("spark2", "spark3")]
     assert {r.node: r.details["source"] for r in results} == {
-        "spark2": "spark1", "spark3": "spark1", "spark4": "spark2"}
+        "spark2": "spark1", "spark3": "spark2", "spark4": "spark1"}
     assert all(p.images["img:1"]["Id"] == IMG["Id"] for p in peers)
+
+
+def test_a_peer_that_fails_leaves_the_next_ones_to_other_sources(make):
+    # spark2 has no room: it fails before anything is sent, and serves no one
+    peers = [Engine(free=10), Engine(), Engine()]
+    dep, ctx = make(*peers)
+    results = ship.ship(dep, "all", "img:1")
+    assert [(r.node, r.status) for r in results] == [
+        ("spark2", Status.FAILED), ("spark3", Status.CHANGED), ("spark4", Status.CHANGED)]
+    assert ctx.pipelines == [("spark1", "spark3"), ("spark3", "spark4")]
+    assert "img:1" not in peers[0].images
+    assert all(p.images["img:1"]["Id"] == IMG["Id"] for p in peers[1:])
+
+
+def test_a_source_lost_while_sending_leaves_its_receiver_to_another(make):
+    # spark2 gets the image, then goes away as it starts sending it to spark3: spark4 (from the
+    # head, beside it) serves spark3 in the next round
+    peers = [Engine(dies_serving=True), Engine(), Engine()]
+    dep, ctx = make(*peers)
+    results = ship.ship(dep, "all", "img:1")
+    assert sorted((r.node, r.status.value, r.details.get("source")) for r in results) == [
+        ("spark2", "changed", "spark1"), ("spark2", "failed", None),
+        ("spark3", "changed", "spark4"), ("spark4", "changed", "spark1")]
+    assert [r.why for r in results if r.failed] == [
+        "unreachable: ssh: connect to host spark2 port 22: No route to host"]
+    assert ctx.pipelines == [("spark1", "spark2"), ("spark1", "spark4"), ("spark4", "spark3")]
+    assert all(p.images["img:1"]["Id"] == IMG["Id"] for p in peers[1:])
 
 
 def test_an_old_python_on_the_source_sends_the_image_whole_and_says_why(make):
@@ -491,10 +523,13 @@ def test_a_staged_filter_changed_on_the_source_is_not_run(make, monkeypatch):
         return path
 
     monkeypatch.setattr(ship, "stage_script", stage_then_tamper)
-    [res] = ship.ship(dep, "spark2", "img:1")
+    res, stranded = ship.ship(dep, "spark2", "img:1")
     assert (res.step, res.status, res.node) == ("image.ship", Status.FAILED, "spark1")
     assert res.why.startswith("spark1: /tmp/sparkdeploy-stage-0/")
     assert res.why.endswith("/save_filter.py differs from its sha256: not run")
+    # the only source is out: the peer is left without one, and says so
+    assert (stranded.status, stranded.node) == (Status.FAILED, "spark2")
+    assert stranded.why == f"no node left to send from (spark1: {res.why})"
     assert ctx.haves == [] and ctx.pipelines == [] and "img:1" not in peer.images
 
 

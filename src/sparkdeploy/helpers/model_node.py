@@ -777,6 +777,14 @@ class Arrivals:
     def done(self) -> bool:
         return self.ending and not self.pending and not self.hashing
 
+    def again(self, rels: list[str]) -> None:
+        """Files reported missing that will be sent again: expected anew."""
+        for rel in rels:
+            if rel in self.files and rel not in self.hashing.values():
+                self.settled.discard(rel)
+                self.base[rel] = _ident(os.path.join(self.root, rel))
+                self.pending.add(rel)
+
     def _report(self, rel: str, state: str, why: str) -> None:
         self.counts[state] += 1
         say("file " + json.dumps({"path": rel, "state": state, "why": why}))
@@ -824,7 +832,8 @@ def cmd_receive(a: argparse.Namespace) -> int:
     present without a record, plus ``free`` and ``mount``), then waits for ``expect <JSON
     list>``: the files that will be sent. With --address it starts the daemon then, and says
     ``ready {"port", "private"}``. Then ``settle <JSON list>`` for each batch whose transfer
-    ended. A file counts as landed once it has its size and another inode or mtime than at
+    ended, and ``expect <JSON list>`` again for files reported missing that another sender
+    will send. A file counts as landed once it has its size and another inode or mtime than at
     ``expect`` (rsync renames a finished file into place); it is hashed at once, beside the
     transfers still running, and reported (``file {"path", "state", "why"}``). A settled file
     that has not landed is reported missing. When stdin ends the daemon stops, what landed is
@@ -881,6 +890,8 @@ def cmd_receive(a: argparse.Namespace) -> int:
                         daemon = None
                 elif cmd.startswith("settle "):
                     arrivals.settled.update(json.loads(cmd[7:]))
+                elif cmd.startswith("expect "):  # reported missing: sent again, from another
+                    arrivals.again(json.loads(cmd[7:]))
             busy = arrivals.step() or busy
             if time.monotonic() > deadline:
                 say(f"error: still receiving after {a.max_seconds}s")

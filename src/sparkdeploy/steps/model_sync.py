@@ -43,6 +43,7 @@ from pydantic import BaseModel
 
 from sparkdeploy import threads
 from sparkdeploy.deployment import Deployment
+from sparkdeploy.fanout import Outcome, pick_source
 from sparkdeploy.hosts import Feed, Host, peer_ssh_argv
 from sparkdeploy.nodeops import NodeUnreachable, helper_error, parse_progress
 from sparkdeploy.outside import OutsideError, loads
@@ -213,6 +214,11 @@ class Receiver:
         with contextlib.suppress(ValueError):  # the helper has ended: its end is what counts
             self._feed.send("settle " + json.dumps(files) + "\n")
 
+    def again(self, files: list[str]) -> None:
+        """``files``, reported missing, will be sent again (from another sender)."""
+        with contextlib.suppress(ValueError):  # the helper has ended: its end is what counts
+            self._feed.send("expect " + json.dumps(files) + "\n")
+
     def end(self) -> None:
         """Nothing more comes: the daemon stops; what is left is reported."""
         self.ending = True
@@ -269,6 +275,8 @@ class Plan:
     in_load: dict[str, int] = field(default_factory=dict)  # streams a node receives
     busy: set[tuple[str, str]] = field(default_factory=set)  # (file, receiver) in flight
     failed: dict[str, str] = field(default_factory=dict)  # receiver -> why it stopped
+    lost: dict[str, str] = field(default_factory=dict)  # sender -> why it sends no more
+    via: dict[tuple[str, str], str] = field(default_factory=dict)  # (file, receiver) -> sender
 
     def _batches(self, files: list[str], k: int) -> list[tuple[str, ...]]:
         """``files`` over up to ``k`` streams, even in bytes (each file, largest first, onto the
@@ -284,28 +292,57 @@ class Plan:
         pos = {f: i for i, f in enumerate(files)}
         return [tuple(sorted(b, key=pos.__getitem__)) for b in bins]
 
+    def sources(self, f: str, dst: str, head: str) -> list[str]:
+        """The nodes that may send ``f`` to ``dst``: they hold it verified, and neither failed
+        as a receiver nor was lost as a sender. The head sends each file once: not while a
+        worker holds it, or it is on its way to one, from the head."""
+        ok = [h for h in self.holders.get(f, [])
+              if h != dst and h not in self.failed and h not in self.lost]
+        if head in ok and (any(h != head for h in ok) or any(
+                g == f and self.via.get((g, x)) == head and x not in self.failed
+                for g, x in self.busy)):
+            ok.remove(head)
+        return ok
+
     def next_transfers(self, streams: int, head: str) -> list[Batch]:
-        """Batches to start now. A worker holding a file serves it before the head does; no node
-        sends or receives more than ``streams`` streams at once; the files ready for a receiver
-        are spread over the streams free for it."""
+        """Batches to start now, as a tree per file (``fanout.pick_source``): the head sends each
+        file once, the workers holding it serve the rest, the least loaded first (so the
+        holders double); no node sends or receives
+        more than ``streams`` streams at once; the files ready for a receiver are spread over
+        the streams free for it."""
         out: list[Batch] = []
         for dst, files in self.need.items():
             if dst in self.failed:
                 continue
-            avail = [f for f in files if (f, dst) not in self.busy
-                     and any(h != dst for h in self.holders.get(f, []))]
-            srcs = {h for f in avail for h in self.holders[f] if h != dst}
-            for src in sorted(srcs, key=lambda s: (s == head, self.out_load.get(s, 0), s)):
+            may = {f: self.sources(f, dst, head) for f in files if (f, dst) not in self.busy}
+            avail = [f for f in files if may.get(f)]
+            srcs = list(dict.fromkeys(h for f in avail for h in may[f]))
+            while srcs:
+                src = pick_source(srcs, head, self.out_load)
+                srcs.remove(src)
                 k = min(streams - self.in_load.get(dst, 0), streams - self.out_load.get(src, 0))
-                mine = [f for f in avail if src in self.holders[f] and (f, dst) not in self.busy]
+                mine = [f for f in avail if src in may[f] and (f, dst) not in self.busy]
                 if k <= 0 or not mine:
                     continue
                 for b in self._batches(mine, k):
                     self.busy.update((f, dst) for f in b)
+                    self.via.update(((f, dst), src) for f in b)
                     out.append((b, src, dst))
                     self.out_load[src] = self.out_load.get(src, 0) + 1
                     self.in_load[dst] = self.in_load.get(dst, 0) + 1
         return out
+
+    def lose(self, src: str, why: str) -> None:
+        """``src`` failed while sending: it sends no more; what it did not deliver waits for
+        another sender."""
+        self.lost.setdefault(src, why)
+
+    def retry(self, f: str, dst: str) -> bool:
+        """``f`` did not reach ``dst`` because its sender was lost: it waits for another."""
+        if self.via.get((f, dst)) not in self.lost:
+            return False
+        self.busy.discard((f, dst))
+        return True
 
     def sent(self, batch: Batch) -> None:
         """rsync of ``batch`` ended: its streams are free; its files await their check."""
@@ -322,7 +359,9 @@ class Plan:
 
     def waiting_only(self, dst: str) -> bool:
         """Everything ``dst`` still needs is in flight (or it failed): nothing more goes to it."""
-        return dst in self.failed or all((f, dst) in self.busy for f in self.need[dst])
+        return dst in self.failed or all(
+            (f, dst) in self.busy and self.via.get((f, dst)) not in self.lost
+            for f in self.need[dst])
 
     def done(self) -> bool:
         return all(not files or dst in self.failed for dst, files in self.need.items())
@@ -469,8 +508,9 @@ class _Transfers:
             self.pool.shutdown(wait=True)
         return self.outcome(self.dep.clock() - started, note)
 
-    def send(self, batch: Batch) -> str | None:
-        """rsync one batch; None, or why it failed (what arrived is still verified)."""
+    def send(self, batch: Batch) -> tuple[Outcome, str]:
+        """rsync one batch: ``OK``, or whose failure it was and why (what arrived is still
+        verified). A sender that cannot be reached is the sender's failure."""
         files, src, dst = batch
         try:
             r = self.hosts[src].run(
@@ -478,14 +518,14 @@ class _Transfers:
                           self.receivers[dst].port),
                 input=(self.secret + "\n") if self.secret else None, timeout=HELPER_TIMEOUT_S)
         except NodeUnreachable as e:
-            return str(e)
+            return (Outcome.SOURCE if e.node == src else Outcome.TARGET), str(e)
         if r.ok:
-            return None
+            return Outcome.OK, ""
         text = r.stderr
         if any(k in text for k in DISK_FULL):
-            return f"disk full on {dst} ({self.dep.profile.model.path})"
-        return (f"sending {len(files)} files {src} -> {dst} failed: "
-                f"{helper_error(text, r.one_line_error())}")
+            return Outcome.TARGET, f"disk full on {dst} ({self.dep.profile.model.path})"
+        return Outcome.TARGET, (f"sending {len(files)} files {src} -> {dst} failed: "
+                                f"{helper_error(text, r.one_line_error())}")
 
     def fail(self, dst: str, why: str) -> None:
         self.errors.setdefault(dst, why)
@@ -530,11 +570,14 @@ class _Transfers:
         """The rsyncs that ended: their streams take the next files while the last are checked."""
         done = [f for f in self.sending if f.done()]
         for fut in done:
-            files, _, dst = batch = self.sending.pop(fut)
+            files, src, dst = batch = self.sending.pop(fut)
             self.plan.sent(batch)
-            err = fut.result()
-            if err is not None:
-                self.fail(dst, err)
+            outcome, why = fut.result()
+            if outcome is Outcome.SOURCE:
+                self.plan.lose(src, why)
+                self.errors.setdefault(src, why)
+            elif outcome is Outcome.TARGET:
+                self.fail(dst, why)
             self.receivers[dst].settle(list(files))
         return bool(done)
 
@@ -551,6 +594,8 @@ class _Transfers:
                     self.ctx.progress(
                         dst, self.moved[dst], self.totals[dst], "B",
                         f"{len(self.order) - len(plan.need[dst])}/{len(self.order)} files")
+                elif plan.retry(f, dst):
+                    rcv.again([f])  # its sender was lost: another sends it
                 elif dst not in plan.failed:
                     self.fail(dst, f"{f} arrived on {dst} but {why}" if state == "differ"
                               else f"{f} did not arrive on {dst}")

@@ -10,7 +10,8 @@ partial archive "loads" into an incomplete image) get the whole archive, and so 
 that refuses a partial one. A ship succeeds only when the peer lists the image under its tag with
 the source's diff IDs (and, on the classic store, the same config digest). ``docker load`` tags
 only after the whole archive arrived, so a killed transfer leaves nothing tagged and a re-run
-completes. With several peers, peers that have the image serve the next ones.
+completes. With several peers the ship is a tree (``sparkdeploy.fanout``): peers that have the image
+serve the next ones, one each per round, so the holders double each round.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sparkdeploy import fanout, threads
 from sparkdeploy.deployment import Deployment
+from sparkdeploy.fanout import Outcome
 from sparkdeploy.hosts import Host, HostError, NodeUnreachable, peer_ssh_argv
 from sparkdeploy.nodeops import (
     check_staged,
@@ -283,7 +286,8 @@ def default_image(dep: Deployment) -> str:
 @step(STEP, needs=(STEP_BUILD,), long=True)
 def ship(ctx: StepContext, to: str = "all", image: str | None = None) -> None:
     """Copy an image (default: the chosen one) from the head to peers over the fast link,
-    sending only the layers a peer lacks; peers that have it serve the next ones."""
+    sending only the layers a peer lacks; as a tree: peers that have it serve the next ones
+    (``fanout``), and a peer that fails leaves the others to other sources."""
     dep = ctx.dep
     ref = image or default_image(dep)
     head = dep.host(dep.profile.head.name)
@@ -296,19 +300,18 @@ def ship(ctx: StepContext, to: str = "all", image: str | None = None) -> None:
     if src_info is None:
         ctx.failed(f"{head.name} has no image {ref}", head.name)
         return
-    sources = [head]
-    pending = list(peers)
-    while pending:
-        batch, pending = pending[: len(sources)], pending[len(sources):]
-        sources += _ship_batch(ctx, batch, sources, ref, src_info)
+    hosts = {h.name: h for h in [head, *peers]}
 
+    def transfer(src: str, dst: str) -> tuple[Outcome, str]:
+        try:
+            res = ship_one(ctx, hosts[src], hosts[dst], ref, src_info)
+        except NodeUnreachable as e:
+            ctx.unreachable(e)
+            return (Outcome.SOURCE if e.node == src else Outcome.TARGET), str(e)
+        if res.status in ("ok", "changed", "skipped"):  # skipped: a dry run's "would send"
+            return Outcome.OK, res.why
+        return (Outcome.SOURCE if res.node == src else Outcome.TARGET), res.why
 
-def _ship_batch(ctx: StepContext, batch: list[Host], sources: list[Host], ref: str,
-                src_info: dict) -> list[Host]:
-    """Ship to every peer of ``batch`` at once, each from a source of its own; the peers that
-    hold the image now (and can serve the next ones)."""
-    source_of = {p.name: s for s, p in zip(sources, batch, strict=False)}
-    done = ctx.each(batch, lambda p: ship_one(ctx, source_of[p.name], p, ref, src_info),
-                    parallel=True)
-    return [p for p, res in zip(batch, done, strict=True)
-            if res is not None and res.status in ("ok", "changed") and not ctx.dry]
+    fan = fanout.run(fanout.FanOut(head.name, [p.name for p in peers]), transfer, threads.each)
+    for target in fan.stranded:
+        ctx.failed(fan.failed[target], target)
