@@ -35,6 +35,9 @@ FAULTS: dict[str, str] = {
                    "rank advertises its fast-link address",
     "oom-at-load": "every engine stand-in runs out of GPU memory while it loads the weights "
                    "(torch.OutOfMemoryError: CUDA out of memory, exit 1)",
+    "vllm-wrong-address": "vLLM's headless workers advertise 127.0.1.1 (VLLM_HOST_IP as `hostname "
+                          "-i` gives it on a stock node): the head never reaches their message "
+                          "queues and waits after loading the weights",
 }
 ACTIONS: dict[str, str] = {
     "rank-wedged": "every process of the node's engine containers SIGSTOPped (state T)",

@@ -1281,25 +1281,7 @@ def _sglang_multinode(ns, cfg: Config, env: dict) -> int:
           f"connected peer ranks is : {world - 1}", flush=True)
     slog("Found nccl from library libnccl.so.2")
     slog(f"sglang is using nccl=={NCCL_VERSION}")
-    plan = nccl_plan(env, ifaces, read_hcas(), rdv.link_ip)
-    ok = _nccl_lines(slog, env, plan, ns.node_rank, world)
-    verdicts = rdv.allgather([ok, plan.problem])
-    if not ok:
-        raise DistError(
-            "torch.distributed.DistBackendError: NCCL error in: /pytorch/torch/csrc/distributed/"
-            f"c10d/ProcessGroupNCCL.cpp:3699, unhandled system error (run with NCCL_DEBUG=INFO for "
-            f"details), NCCL version {NCCL_VERSION}\nncclSystemError: System call (e.g. socket, "
-            f"malloc) or external library call failed or device error.\nLast error:\n{plan.detail}")
-    if not all(v[0] for v in verdicts):
-        _hang(ns.watchdog_timeout)  # a peer failed in NCCL init: this rank waits in its collective
-    if any(v[1] == "other-network" for v in verdicts):
-        _socket_retry_forever(slog, plan)  # no rank's connection reaches its peer
-    for r in range(world):
-        if r != ns.node_rank:
-            slog.nccl(f"Channel 00/0 : {ns.node_rank}[0] -> {r}[0] [send] via NET/{plan.net}/0")
-    slog.nccl("Connected all rings, use ring PXN 0 GDR 1")
-    slog.nccl(f"ncclCommInitRank comm 0x{abs(hash(slog.host)) % 16**8:08x} rank {ns.node_rank} "
-              f"nranks {world} cudaDev 0 nvmlDev 0 busId f01000 commId 0x{int(port):x} - Init COMPLETE")
+    nccl_init(slog, env, ifaces, rdv, world, int(port), lambda: _hang(ns.watchdog_timeout))
     slog("CustomAllreduce is disabled because this process group spans across nodes.")
     outcome, _why = sglang_verdict(table, lab_faults())
     if outcome == "hang":
@@ -1321,6 +1303,34 @@ def _sglang_multinode(ns, cfg: Config, env: dict) -> int:
 
     threading.Thread(target=watch, daemon=True).start()
     return run_server(cfg, lost=lost)
+
+
+def nccl_init(slog: SglangLog, env: dict, ifaces: list[tuple[str, str | None]], rdv: Rendezvous,
+              world: int, comm_id: int, hang) -> None:
+    """NCCL's communicator init across the nodes (one rank per node), as the ranks see it: each
+    plans its transport (``nccl_plan``), they compare, and either all complete (``Init
+    COMPLETE``), or this rank fails (DistError), or it waits in its collective for a peer that
+    failed (``hang()``), or sockets on a network that does not reach the peers retry forever."""
+    rank = rdv.rank
+    plan = nccl_plan(env, ifaces, read_hcas(), rdv.link_ip)
+    ok = _nccl_lines(slog, env, plan, rank, world)
+    verdicts = rdv.allgather([ok, plan.problem])
+    if not ok:
+        raise DistError(
+            "torch.distributed.DistBackendError: NCCL error in: /pytorch/torch/csrc/distributed/"
+            f"c10d/ProcessGroupNCCL.cpp:3699, unhandled system error (run with NCCL_DEBUG=INFO for "
+            f"details), NCCL version {NCCL_VERSION}\nncclSystemError: System call (e.g. socket, "
+            f"malloc) or external library call failed or device error.\nLast error:\n{plan.detail}")
+    if not all(v[0] for v in verdicts):
+        hang()  # a peer failed in NCCL init: this rank waits in its collective
+    if any(v[1] == "other-network" for v in verdicts):
+        _socket_retry_forever(slog, plan)  # no rank's connection reaches its peer
+    for r in range(world):
+        if r != rank:
+            slog.nccl(f"Channel 00/0 : {rank}[0] -> {r}[0] [send] via NET/{plan.net}/0")
+    slog.nccl("Connected all rings, use ring PXN 0 GDR 1")
+    slog.nccl(f"ncclCommInitRank comm 0x{abs(hash(slog.host)) % 16**8:08x} rank {rank} "
+              f"nranks {world} cudaDev 0 nvmlDev 0 busId f01000 commId 0x{comm_id:x} - Init COMPLETE")
 
 
 def _nccl_lines(slog: SglangLog, env: dict, plan: LinkPlan, rank: int, world: int) -> bool:
@@ -1382,13 +1392,12 @@ def _socket_retry_forever(slog: SglangLog, plan: LinkPlan) -> None:
 
 
 def _load_weights(slog: SglangLog, model_path: str) -> None:
-    """Read every file of the model directory (the weights' bytes really come off the disk)."""
-    files = sorted(p for p in Path(model_path).rglob("*") if p.is_file())
-    shards = [p for p in files if p.suffix == ".safetensors"]
+    """SGLang's weight loading (``read_weights``) between its begin and end lines."""
     hold_gpu("python3")
     slog("Load weight begin. avail mem=101.72 GB")
     slog("Using model weights format ['*.safetensors']")
     if OOM_AT_LOAD in lab_faults():
+        shards = list(Path(model_path).rglob("*.safetensors"))
         print("Loading safetensors checkpoint shards:   0% Completed | 0/"
               f"{max(len(shards), 1)} [00:00<?, ?it/s]", flush=True)
         slog("Scheduler hit an exception: ")
@@ -1396,6 +1405,16 @@ def _load_weights(slog: SglangLog, model_path: str) -> None:
         print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] Received sigquit from a child process. "
               "It usually means the child failed.", file=sys.stderr, flush=True)
         raise SystemExit(1)
+    total = read_weights(model_path)
+    slog(f"Load weight end. type=Qwen3_5MoeForCausalLM, dtype=torch.bfloat16, avail mem=41.20 GB, "
+         f"mem usage={total / 2**30:.2f} GB.")
+
+
+def read_weights(model_path: str) -> int:
+    """Read every file of the model directory (the weights' bytes really come off the disk), with
+    the safetensors progress lines both engines print; the bytes read."""
+    files = sorted(p for p in Path(model_path).rglob("*") if p.is_file())
+    shards = [p for p in files if p.suffix == ".safetensors"]
     total = 0
     done = 0
     for f in files:
@@ -1407,8 +1426,7 @@ def _load_weights(slog: SglangLog, model_path: str) -> None:
             pct = int(100 * done / len(shards))
             print(f"Loading safetensors checkpoint shards: {pct:3d}% Completed | {done}/{len(shards)} "
                   "[00:00<00:00, 10.00it/s]", flush=True)
-    slog(f"Load weight end. type=Qwen3_5MoeForCausalLM, dtype=torch.bfloat16, avail mem=41.20 GB, "
-         f"mem usage={total / 2**30:.2f} GB.")
+    return total
 
 
 
@@ -1507,6 +1525,147 @@ def join_ray(env: dict):
     return ray
 
 
+VLLM_VERSION = "0.17.0+standin"
+LOOPBACK_HOSTNAME_IP = "127.0.1.1"
+"""What ``hostname -i`` gives on a stock Debian/Ubuntu node (its own name on 127.0.1.1 in
+/etc/hosts): the lab fault ``vllm-wrong-address`` gives it to headless workers as VLLM_HOST_IP."""
+
+
+def vlog(msg: str, src: str, who: str | None = None, level: str = "INFO") -> None:
+    """A vLLM log line: ``(Worker pid=N) INFO mm-dd hh:mm:ss [file.py:line] msg``."""
+    prefix = f"({who} pid={os.getpid()}) " if who else ""
+    print(f"{prefix}{level} {time.strftime('%m-%d %H:%M:%S')} [{src}] {msg}", flush=True)
+
+
+def advertised_ip(env: dict, headless: bool, faults: set[str]) -> str:
+    """The address a vLLM rank advertises to its peers (``get_ip()``: VLLM_HOST_IP, else the
+    default route's source). The lab fault ``vllm-wrong-address`` sets a headless worker's
+    VLLM_HOST_IP to ``hostname -i``'s answer on a stock node (127.0.1.1), as a launcher that
+    takes VLLM_HOST_IP from ``hostname -i`` would."""
+    if headless and "vllm-wrong-address" in faults:
+        env = {**env, "VLLM_HOST_IP": LOOPBACK_HOSTNAME_IP}
+    return vllm_host_ip(env, ip_by_remote)
+
+
+def _reach(addr: str, port: int, hello: bytes) -> tuple[socket.socket, io.BufferedRWPair]:
+    """Connect to a rank's message queue at the address it advertises, retrying for ever and
+    silently (a ZeroMQ subscriber's connect: it never reports an address that does not answer)."""
+    while True:
+        try:
+            s = socket.create_connection((addr, port), timeout=5)
+        except OSError:
+            time.sleep(1.0)
+            continue
+        s.settimeout(None)
+        fh = s.makefile("rwb")
+        fh.write(hello)
+        fh.flush()
+        return s, fh
+
+
+def _accept_head(srv: socket.socket) -> tuple[socket.socket, io.BufferedRWPair]:
+    """A worker's side: wait (for ever, silently) until the head's subscriber connects; a port
+    probe or a client that does not say who it is is dropped."""
+    while True:
+        conn, _ = srv.accept()
+        conn.settimeout(5.0)
+        fh = conn.makefile("rwb")
+        try:
+            hello = json.loads(fh.readline() or b"null")
+            if int(hello["rank"]) == 0:
+                conn.settimeout(None)
+                return conn, fh
+        except (OSError, ValueError, TypeError, KeyError):
+            pass
+        conn.close()
+
+
+def _vllm_multinode(ns, cfg: Config, env: dict) -> int:
+    """vLLM's own multi-node mode (``--distributed-executor-backend mp --nnodes N``), one process
+    per node standing for the node's ranks, as vLLM 0.17 runs it (``multiproc_executor.py``):
+
+    1. the ranks meet in torch.distributed's TCP store on ``--master-addr:--master-port`` (the
+       head listens; c10d's retry lines and timeouts), then NCCL's communicator (``nccl_init``)
+       and the model-parallel groups: every rank prints ``rank R in world size W is assigned as
+       DP rank 0, PP rank p, TP rank t``;
+    2. each rank reads the weights (``Model loading took ...``);
+    3. the message queues: each worker opens its queue on its fast-link address and advertises
+       it at VLLM_HOST_IP (vLLM's ``get_ip()``); the head connects to every worker there and
+       waits, silently and for ever, until it has them all (ZeroMQ's connect). A worker whose
+       advertised address is not the one its queue is on is never reached: both sides wait
+       after loading the weights, with no further line. An advertised address the worker does
+       not have fails as vLLM's bind does (``ZMQError: Cannot assign requested address``);
+    4. the head serves the API; every token it streams goes through every worker over the queues
+       (``DecodeSteps``); the workers stay, silent, and end their part when the head goes.
+    """
+    world = ns.tensor_parallel_size * ns.pipeline_parallel_size
+    nodes, rank_node = ns.nnodes, ns.node_rank
+    local = max(1, world // nodes)
+    rank = rank_node * local
+    addr, port = ns.master_addr, ns.master_port
+    who = f"Worker_TP{rank % ns.tensor_parallel_size}" if ns.tensor_parallel_size > 1 else "Worker"
+    headless = rank_node > 0
+    adv = advertised_ip(env, headless, lab_faults())
+    if headless:
+        vlog(f"Launching vLLM (v{VLLM_VERSION}) headless multiproc executor, with head node address "
+             f"{addr}:{port} for torch.distributed process group.", "serve.py:216")
+    else:
+        vlog(f"DP group leader: node_rank=0, node_rank_within_dp=0, master_addr={addr}, "
+             f"mq_connect_ip={adv} (local), world_size={world}, local_world_size={local}",
+             "multiproc_executor.py:131", "EngineCore_DP0")
+    vlog(f"world_size={world} rank={rank} local_rank=0 distributed_init_method=tcp://{addr}:{port} "
+         "backend=nccl", "parallel_state.py:1208", who)
+    timeout = float(env.get(ENV + "DIST_TIMEOUT_S", "600"))
+    rdv = Rendezvous(addr.strip("[]"), port, rank_node, nodes, timeout,
+                     warn=lambda line: print(line, file=sys.stderr, flush=True))
+    rdv.start()
+    vlog("Found nccl from library libnccl.so.2", "pynccl.py:70", who)
+    vlog(f"vLLM is using nccl=={NCCL_VERSION}", "pynccl.py:71", who)
+    nccl_init(SglangLog(None), env, interfaces(), rdv, nodes, port, _silence)
+    tp = ns.tensor_parallel_size
+    for r in range(rank, rank + local):
+        vlog(f"rank {r} in world size {world} is assigned as DP rank 0, PP rank {r // tp}, "
+             f"TP rank {r % tp}, EP rank {r % tp}", "parallel_state.py:1326", who)
+    hold_gpu("VLLM::Worker")
+    t0 = time.perf_counter()
+    vlog(f"Starting to load model {ns.model_path}...", "gpu_model_runner.py:2338", who)
+    if OOM_AT_LOAD in lab_faults():
+        cuda_oom("vllm/model_executor/model_loader/default_loader.py", "load_weights")
+        return 1
+    total = read_weights(ns.model_path)
+    vlog(f"Model loading took {total / 2**30:.4f} GiB memory and {time.perf_counter() - t0:.6f} "
+         "seconds", "gpu_model_runner.py:2370", who)
+    mq = Rendezvous(addr, 0, rank_node, nodes, timeout)  # the queues' connections, same shape
+    if headless:
+        try:
+            with socket.socket() as probe:  # vLLM binds its queue on VLLM_HOST_IP
+                probe.bind((adv, 0))
+        except OSError as e:
+            raise DistError(f"zmq.error.ZMQError: {os.strerror(e.errno or 99)} "
+                            f"(addr='tcp://{adv}:0')") from None
+        srv = socket.create_server((rdv.link_ip, 0))
+        rdv.allgather({"rank": rank_node, "addr": adv, "port": srv.getsockname()[1]})
+        mq.conn = _accept_head(srv)
+        mq.serve_steps()  # every token of the head's streams needs this rank
+        _silence()  # the head is gone: this rank stays, waiting in its collective
+    handles = rdv.allgather(None)
+    for h in handles[1:]:
+        mq.peers[int(h["rank"])] = _reach(h["addr"], int(h["port"]), b'{"rank":0}\n')
+    vlog("Available KV cache memory: 40.12 GiB", "gpu_worker.py:298", who)
+    vlog("GPU KV cache size: 262,144 tokens", "kv_cache_utils.py:1087", "EngineCore_DP0")
+    vlog("init engine (profile, create kv cache, warmup model) took 3.05 seconds", "core.py:210",
+         "EngineCore_DP0")
+    lost = threading.Event()
+
+    def watch() -> None:
+        mq.wait_lost()
+        lost.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    cfg.steps = DecodeSteps(mq.step_round)
+    return run_server(cfg, lost=lost)
+
+
 def vllm_main(argv: list[str] | None = None) -> int:
     """The ``vllm`` console script: ``vllm serve MODEL ...``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -1514,7 +1673,7 @@ def vllm_main(argv: list[str] | None = None) -> int:
         print("usage: vllm serve MODEL [options]", file=sys.stderr)
         return 0 if argv else 2
     if argv[0] == "--version":
-        print("0.17.0+standin")
+        print(VLLM_VERSION)
         return 0
     if argv[0] != "serve":
         print(f"vllm: stand-in supports only 'serve', not {argv[0]!r}", file=sys.stderr)
@@ -1526,6 +1685,11 @@ def vllm_main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--distributed-executor-backend", choices=["ray", "mp", "uni", "external_launcher"])
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=29501)
+    p.add_argument("--headless", action="store_true")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--trust-remote-code", action="store_true")
@@ -1540,7 +1704,8 @@ def vllm_main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(ns, engine="vllm", api_key=ns.api_key)
     world = ns.tensor_parallel_size * ns.pipeline_parallel_size
     log(
-        f"vLLM API server version 0.17.0+standin; model={model_path!r} "
+        ("vLLM headless" if ns.headless else f"vLLM API server version {VLLM_VERSION};")
+        + f" model={model_path!r} "
         f"tensor_parallel_size={ns.tensor_parallel_size} "
         f"pipeline_parallel_size={ns.pipeline_parallel_size} "
         f"distributed_executor_backend={ns.distributed_executor_backend}"
@@ -1549,6 +1714,9 @@ def vllm_main(argv: list[str] | None = None) -> int:
     )
     actors: list = []
     try:
+        if ns.nnodes > 1 and ns.distributed_executor_backend != "ray":
+            ns.model_path = model_path
+            return _vllm_multinode(ns, cfg, dict(os.environ))
         if ns.distributed_executor_backend == "ray":
             env = dict(os.environ)
             ray = join_ray(env)
@@ -1562,7 +1730,7 @@ def vllm_main(argv: list[str] | None = None) -> int:
                 f"ValueError: tensor_parallel_size x pipeline_parallel_size = {world} exceeds the "
                 f"GPUs on this node; use --distributed-executor-backend ray across nodes"
             )
-    except StandinError as e:
+    except (StandinError, DistError) as e:
         print(str(e), file=sys.stderr, flush=True)
         return 1
     cfg.workers = actors  # keep the GPU actors while serving
