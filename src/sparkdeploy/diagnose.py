@@ -35,6 +35,7 @@ from sparkdeploy.files import MB, InputError, read_input
 
 CLASSES = (
     "nccl-init-hang",
+    "worker-never-joined",
     "link-misconfigured",
     "ray-worker-missing",
     "ray-version-mismatch",
@@ -151,6 +152,18 @@ INIT_STAGES: tuple[Stage, ...] = (
               "is using nccl", icase=False), DIST_ENDS),
     Stage("the cross-node message queue (after CustomAllreduce)", SPANS_NODES, DIST_ENDS),
 )
+# vLLM's own multi-node mode (multiproc_executor.py): the head's leader line (world_size above
+# local_world_size: other nodes' ranks must join it), the weights loaded on it, what the engine
+# prints once it has every worker (KV cache sizing and after), and the store's timeout.
+MP_LEADER = pat(r"DP group leader: .*\bworld_size=(\d+), local_world_size=(\d+)", "dp group leader",
+                icase=False)
+WEIGHTS_LOADED = pat(r"Model loading took", "model loading took", icase=False)
+ENGINE_INIT = pat(r"Available KV cache memory|GPU KV cache size|# GPU blocks|init engine \(profile"
+                  r"|Memory profiling takes|Starting vLLM API server|Uvicorn running on"
+                  r"|Application startup complete",
+                  "kv cache", "gpu blocks", "init engine", "memory profiling", "api server",
+                  "uvicorn running", "startup complete", icase=False)
+STORE_TIMEOUT = pat(r"waiting for clients\. \d+/\d+ clients joined", "clients joined", icase=False)
 READY = pat(r"Application startup complete|The server is fired up and ready to roll|Uvicorn running on",
             "startup complete", "ready to roll", "uvicorn running")
 CRASH = pat(
@@ -386,7 +399,8 @@ class Log:
 
 def patterns(rules: Sequence[Rule] | None = None) -> list[Pat]:
     """Every pattern the classifier tries (the rules' and the sequence rules' markers)."""
-    pats = [PAST_INIT, READY, CRASH, KILLED, NCCL_WORKS, CONFIG_LOOKUP]
+    pats = [PAST_INIT, READY, CRASH, KILLED, NCCL_WORKS, CONFIG_LOOKUP, MP_LEADER, WEIGHTS_LOADED,
+            ENGINE_INIT, STORE_TIMEOUT]
     pats += [p for st in INIT_STAGES for p in (st.begin, st.end)]
     for r in RULES if rules is None else rules:
         pats += [p for p in (r.pattern, r.context, r.void_after) if p is not None]
@@ -488,8 +502,46 @@ def _init_hang(log: Log) -> Finding | None:
     return Finding("nccl-init-hang", 30, why, evidence)
 
 
+def _worker_never_joined(log: Log) -> Finding | None:
+    """vLLM's own multi-node mode: the head (its leader line says ranks of other nodes belong to
+    it) never got to the engine's init (KV cache sizing) and did not crash: it waits for a worker
+    rank, at its store on --master-addr:--master-port (before NCCL init, or the store's timeout),
+    or, weights loaded, for a worker's message queue it cannot reach at the address the worker
+    advertises (VLLM_HOST_IP)."""
+    lead = log.last(MP_LEADER)
+    if lead is None:
+        return None
+    m = MP_LEADER.regex.search(log.lines[lead])
+    if m is None or int(m.group(1)) <= int(m.group(2)) or log.last(ENGINE_INIT, lead) is not None:
+        return None  # one node's ranks only, or the head got past waiting for its workers
+    fix = ("check each worker's --master-addr (the head's fast-link address) and that its VLLM_HOST_IP is "
+           "its own fast-link address (not 127.0.1.1 from `hostname -i`)")
+    timeout = log.last(STORE_TIMEOUT, lead)
+    if timeout is not None:
+        return Finding("worker-never-joined", 45, "a worker rank never joined vLLM's head: the store on "
+                       f"--master-addr:--master-port timed out waiting for it; {fix}",
+                       [log.ev(lead), log.ev(timeout)])
+    if log.last(CRASH, lead + 1) is not None and log.last(KILLED, lead + 1) is None:
+        return None  # it died: the crash rules name why
+    loaded = log.last(WEIGHTS_LOADED, lead)
+    if loaded is not None:
+        where, mark = ("the head loaded the weights and waits for a worker's message queue, which it "
+                       "cannot reach at the address the worker advertises"), loaded
+    elif log.last(INIT_STAGES[1].begin, lead) is None and log.last(DIST_ENDS, lead) is None:
+        where = "the head waits for a worker at its store on --master-addr:--master-port"
+        mark = log.last(INIT_STAGES[2].begin, lead) or lead
+    else:
+        return None  # inside NCCL init or later: the init-hang rule says where
+    evidence = [log.ev(lead)] + ([log.ev(mark)] if mark != lead else [])
+    last = next((j for j in range(len(log.lines) - 1, mark, -1) if log.lines[j].strip()), None)
+    if last is not None:
+        evidence.append(log.ev(last))
+    return Finding("worker-never-joined", 45, f"a worker rank never joined vLLM's head: {where}; {fix}",
+                   evidence)
+
+
 SequenceRule = Callable[[Log], "Finding | None"]
-SEQUENCE_RULES: tuple[SequenceRule, ...] = (_init_hang,)
+SEQUENCE_RULES: tuple[SequenceRule, ...] = (_init_hang, _worker_never_joined)
 
 
 # --- classification ---------------------------------------------------------------------

@@ -46,9 +46,12 @@ def ranks(tmp_path):
     procs = []
 
     def start(*envs, tp=1):
+        """The head, then (once its master port answers, as serve.up waits) the workers."""
         dist, port = _free_port(), _free_port()
+        procs.append(_rank(0, len(envs), dist, port, model, envs[0], tmp_path, tp=tp))
+        _master_port_open(dist)
         procs.extend(_rank(r, len(envs), dist, port, model, env, tmp_path, tp=tp)
-                     for r, env in enumerate(envs))
+                     for r, env in enumerate(envs) if r)
         return port
 
     start.procs = procs
@@ -56,6 +59,17 @@ def ranks(tmp_path):
     for p in procs:
         p.kill()
         p.wait()
+
+
+def _master_port_open(port: int) -> None:
+    deadline = time.monotonic() + 20
+    while True:  # serve.up's wait for the head's master port: connect, close
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
 
 
 def log_of(tmp, r) -> str:
@@ -164,15 +178,64 @@ def test_a_probe_of_the_master_port_does_not_disturb_the_store(ranks):
     dist, port = _free_port(), _free_port()
     head = _rank(0, 2, dist, port, tmp / "model", LINK, tmp)
     start.procs.append(head)
-    deadline = time.monotonic() + 20
-    while True:  # serve.up's wait for the head's master port: connect, close
-        try:
-            socket.create_connection(("127.0.0.1", dist), timeout=1).close()
-            break
-        except OSError:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+    _master_port_open(dist)
+    socket.create_connection(("127.0.0.1", dist), timeout=1).close()  # and once more
     start.procs.append(_rank(1, 2, dist, port, tmp / "model", LINK, tmp))
     assert _health(port, 30) == 200, log_of(tmp, 0)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
         assert json.loads(r.read())["data"][0]["id"] == "Qwen/Q"
+
+
+# --- what the diagnosis makes of these logs --------------------------------------------------
+
+
+def _logs(tmp, n=2) -> dict[str, list[str]]:
+    return {f"spark{r + 1}-sparkdeploy-vllm-{'head' if r == 0 else 'worker'}.log":
+            log_of(tmp, r).splitlines() for r in range(n)}
+
+
+def test_the_unreached_worker_is_diagnosed_as_a_worker_that_never_joined(ranks):
+    from sparkdeploy import diagnose as dx
+
+    start, tmp = ranks
+    port = start(LINK, {"VLLM_HOST_IP": "127.0.1.1"})
+    _waits_after_loading(tmp, start.procs, port)
+    logs = _logs(tmp)
+    d = dx.classify(logs)
+    assert d.cls == "worker-never-joined", d
+    head = "spark1-sparkdeploy-vllm-head.log"
+    texts = [e.text for e in d.evidence if e.label == head]
+    assert "DP group leader: node_rank=0" in texts[0] and "Model loading took" in texts[-1]
+    assert "waits for a worker's message queue" in d.summary and "VLLM_HOST_IP" in d.summary
+
+
+def test_a_head_alone_at_its_store_is_a_worker_that_never_joined(tmp_path):
+    from sparkdeploy import diagnose as dx
+
+    model = tmp_path / "m"
+    model.mkdir()
+    p = _rank(0, 2, _free_port(), _free_port(), model, {"SPARKDEPLOY_STANDIN_DIST_TIMEOUT_S": "1"}, tmp_path)
+    assert p.wait(timeout=20) == 1
+    d = dx.classify({"head": log_of(tmp_path, 0).splitlines()})
+    assert d.cls == "worker-never-joined" and "store on --master-addr:--master-port timed out" in d.summary
+    assert "1/2 clients joined" in d.evidence[-1].text
+    # still waiting (the store's timeout not reached): the head's log stops at its init line
+    waiting = [ln for ln in log_of(tmp_path, 0).splitlines() if "DistStoreError" not in ln]
+    d = dx.classify({"head": waiting})
+    assert d.cls == "worker-never-joined" and "waits for a worker at its store" in d.summary
+    assert "distributed_init_method=tcp://127.0.0.1:" in d.evidence[-1].text
+
+
+def test_a_served_pair_and_a_single_node_leader_are_not_that(ranks):
+    from sparkdeploy import diagnose as dx
+
+    start, tmp = ranks
+    port = start(LINK, LINK)
+    assert _health(port) == 200
+    assert dx.classify(_logs(tmp)).cls == "unknown"
+    one = ["(EngineCore_DP0 pid=7) INFO 12-04 05:01:03 [multiproc_executor.py:131] DP group leader: "
+           "node_rank=0, node_rank_within_dp=0, master_addr=127.0.0.1, mq_connect_ip=10.0.0.1 (local), "
+           "world_size=2, local_world_size=2",
+           "(Worker pid=9) INFO 12-04 05:02:03 [gpu_model_runner.py:2370] Model loading took 60.1 GiB memory "
+           "and 70.2 seconds"]
+    assert dx.classify({"one-node": one}).cls != "worker-never-joined"  # both ranks on the node
