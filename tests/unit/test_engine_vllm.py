@@ -54,7 +54,8 @@ def test_one_container_per_node_head_serves_workers_headless(tmp_path, nodes, tp
     roles = ["head"] + (["worker"] if nodes == 2 else [f"worker{i}" for i in range(1, nodes)])
     assert [(s.wait, [c.name for c in s.containers]) for s in lau.stages] == [
         ("dist-port", ["sparkdeploy-vllm-head"]),
-        (None, [f"sparkdeploy-vllm-{r}" for r in roles[1:]])]
+        ("ranks-joined", [f"sparkdeploy-vllm-{r}" for r in roles[1:]])]
+    assert lau.stages[1].joined == r"rank \d+ in world size \d+ is assigned as DP rank"
     assert (lau.head, lau.port, lau.wait_port, lau.served_model) == ("spark1", 8000, 29501, REPO_ID)
     for rank, c in enumerate(lau.containers):
         assert c.node == f"spark{rank + 1}"

@@ -23,7 +23,7 @@ def test_seed_profile_loads():
         "vllm-proxy.service", "vllm-embeddings.service", "vllm-reranker.service",
         "vllm-cluster.service",
     ]
-    assert [e.kind for e in p.engines] == ["sglang", "vllm-ray"]
+    assert [e.kind for e in p.engines] == ["sglang", "vllm-ray", "vllm"]
     assert p.bench.baseline_decode_tok_s == 27.0
 
 

@@ -264,9 +264,10 @@ def test_ray_missing_worker_gpu_is_a_hang_not_a_success(lab):
     healthy_vllm(nodes, cluster)
     cluster.ray_gpus.pop("192.168.100.11")
     results = serve.up(dep, engine="vllm-ray")
-    [bad] = [r for r in results if r.failed]
-    assert bad.why.startswith("vllm-ray hang: no log output and no readiness step for 30s during "
-                              "Ray listing every node with its GPU")
+    bad = [r for r in results if r.failed]
+    assert bad[0].why.startswith("vllm-ray hang: no log output and no readiness step for 30s during "
+                                 "Ray listing every node with its GPU")
+    assert bad[0].why.endswith("; falling back to vllm")  # the next engine, which has no script here
     assert not nodes["spark1"].containers and not nodes["spark2"].containers
 
 
@@ -326,7 +327,7 @@ def test_down_removes_every_container_and_status_reports(lab):
 
 def test_unknown_engine_is_one_line(lab):
     dep, *_ = lab
-    with pytest.raises(ProfileError, match=r"^--engine: no engine named 'tgi' \(engines: sglang, vllm-ray\)$"):
+    with pytest.raises(ProfileError, match=r"^--engine: no engine named 'tgi' \(engines: sglang, vllm-ray, vllm\)$"):
         serve.up(dep, engine="tgi")
 
 

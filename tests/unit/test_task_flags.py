@@ -84,7 +84,7 @@ ROWS = [
     (["model.verify", "--node", "x"], "--node: no node named 'x' (nodes: spark1, spark2, or all)"),
     (["serve.logs", "--node", "x"], "--node: no node named 'x' (nodes: spark1, spark2, or all)"),
     (["serve.logs", "--tail", "-3"], "--tail: must be >= 1, not -3"),
-    (["serve.up", "--engine", "x"], "--engine: no engine named 'x' (engines: sglang, vllm-ray)"),
+    (["serve.up", "--engine", "x"], "--engine: no engine named 'x' (engines: sglang, vllm-ray, vllm)"),
 ]
 
 

@@ -116,7 +116,10 @@ class Stage:
     containers: tuple[ContainerSpec, ...]
     wait: str | None = None
     """``dist-port``: the head's init port answers; ``ray-nodes``: Ray lists every node with
-    its GPUs at its fast-link address."""
+    its GPUs at its fast-link address; ``ranks-joined``: every container of the stage printed
+    ``joined`` (containers without an API: their rank joined the head, read from their log)."""
+    joined: str | None = None
+    """The regular expression a ``ranks-joined`` container's log line matches once it joined."""
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ Every node runs ``vllm serve MODEL --tensor-parallel-size T --pipeline-parallel-
 --master-port <dist_port>``; the head (rank 0) serves the OpenAI API, the workers add
 ``--headless`` (no API server: they run their GPU workers and take part in every step). The
 head starts first; once its rendezvous port (``--master-port``, torch.distributed's TCP store)
-answers, the workers start and join it. Each node advertises its own fast-link address
+answers, the workers start and join it; a worker has joined once its log shows its rank in the
+model-parallel groups (``RANK_JOINED``): it has no API to ask. Each node advertises its own fast-link address
 (``VLLM_HOST_IP``): a rank advertising another address never joins, and the head waits in
 distributed init for it.
 
@@ -31,6 +32,9 @@ from sparkdeploy.engines.base import (
     role_of,
 )
 
+RANK_JOINED = r"rank \d+ in world size \d+ is assigned as DP rank"
+"""What every vLLM rank prints once it is in the model-parallel groups (``parallel_state.py``):
+a headless worker's sign that it joined the head."""
 DEFAULT_MASTER_PORT = 29501
 """vLLM's own default ``--master-port``."""
 API_KEY_VAR = "VLLM_API_KEY"
@@ -93,5 +97,6 @@ def build(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
                                serve_argv(profile, engine, "mp", multinode),
                                (engine.port, port) if rank == 0 else (),
                                secret_env=secret if rank == 0 else ()))
-    stages = (Stage((specs[0],), wait="dist-port"), Stage(tuple(specs[1:])))
+    stages = (Stage((specs[0],), wait="dist-port"),
+              Stage(tuple(specs[1:]), wait="ranks-joined", joined=RANK_JOINED))
     return Launch(engine, stages, head.name, engine.port, profile.model.repo, wait_port=port)

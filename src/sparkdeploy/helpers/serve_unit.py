@@ -12,7 +12,9 @@ fast link, each publishing a small JSON state on ``<own fast-link address>:<grou
 - The head starts its own containers stage by stage and publishes the stage; a worker starts
   its containers of every stage the head has published; the head waits for them, then for the
   stage's condition (``dist-port``: the head's init port answers; ``ray-nodes``: Ray lists
-  every node with its GPUs), then goes on.
+  every node with its GPUs; ``ranks-joined``: each of the stage's containers printed its
+  ``joined`` line, read by the supervisor of its node from its log and published in
+  ``joined``), then goes on.
 - Restarted together: every supervisor reads its own ranks each poll (``serve_watchdog``:
   the container gone or exited, its engine process gone, stopped (state T) or a zombie) and
   publishes what is wrong (``ranks``); the head also runs a canary (a short streamed
@@ -38,8 +40,9 @@ fast link, each publishing a small JSON state on ``<own fast-link address>:<grou
 
 The spec (JSON): ``docker`` (the docker CLI argv prefix for this node's engine), ``node``,
 ``role`` (``head``/``worker``), ``listen`` ([address, port]), ``head`` ([address, port]),
-``workers`` ({node: [address, port]}), ``stages`` ([{"wait": null|"dist-port"|"ray-nodes",
-"containers": [{"node", "name", "run": [docker run args]}]}]), ``wait_addr``
+``workers`` ({node: [address, port]}), ``stages`` ([{"wait": null|"dist-port"|"ray-nodes"|
+"ranks-joined", "joined": regex or null, "containers": [{"node", "name", "run": [docker run
+args]}]}]), ``wait_addr``
 ([address, port] of the init port), ``ray_nodes`` ({address: gpus}), ``ray_probe`` (Python
 source run in the Ray head container), ``ready_timeout_s``, ``key`` (the group key's file),
 ``watch`` (``serve_watchdog.Policy`` as a dict), ``canary`` ({"port", "model"}: the head's
@@ -55,6 +58,7 @@ import argparse
 import hashlib
 import hmac
 import json
+import re
 import secrets
 import signal
 import socket
@@ -121,7 +125,7 @@ class Group:
         self.spec = spec
         self.key, self.clock, self.sleep, self.run = key, clock, sleep, run
         self.state = {"node": spec["node"], "epoch": secrets.token_hex(6), "stage": -1,
-                      "following": None, "accepting": spec["role"] == "head"}
+                      "following": None, "accepting": spec["role"] == "head", "joined": []}
         self.lock = threading.Lock()
         self.stopping = False
         self.policy = wd.Policy.of(spec.get("watch") or {})
@@ -192,6 +196,21 @@ class Group:
                     raise Restart(f"docker run {c['name']}: {(r.stderr or r.stdout).strip()[-300:]}")
                 say(f"started {c['name']} (stage {k})")
 
+    def note_joined(self, upto: int) -> None:
+        """Publish this node's containers (of stages up to ``upto`` that wait for their ranks)
+        whose log now shows their stage's ``joined`` line."""
+        done = set(self.state["joined"])
+        for st in self.spec["stages"][:upto + 1]:
+            if st.get("wait") != "ranks-joined":
+                continue
+            for c in st["containers"]:
+                if c["node"] == self.spec["node"] and c["name"] not in done:
+                    r = self.docker("logs", c["name"], timeout=60)
+                    if re.search(st.get("joined") or r"$^", r.stdout + r.stderr, re.MULTILINE):
+                        done.add(c["name"])
+                        say(f"{c['name']} joined")
+        self.set(joined=sorted(done))
+
     def check_mine(self, upto: int) -> dict[str, str]:
         """What is wrong with this node's ranks of the stages up to ``upto`` (published as
         ``ranks``: {"node: container": why}; {} when every one serves)."""
@@ -247,6 +266,20 @@ def port_open(addr: list) -> bool:
             return True
     except OSError:
         return False
+
+
+def stage_ready(g: Group, stage: dict, states: dict[str, dict | None]) -> bool:
+    """The stage's condition (``wait``) holds."""
+    wait = stage.get("wait")
+    if wait == "dist-port":
+        return port_open(g.spec["wait_addr"])
+    if wait == "ray-nodes":
+        return ray_ready(g)
+    if wait == "ranks-joined":
+        g.note_joined(len(g.spec["stages"]) - 1)
+        joined = set(g.state["joined"]).union(*((s or {}).get("joined") or [] for s in states.values()))
+        return {c["name"] for c in stage["containers"]} <= joined
+    return True
 
 
 def ray_ready(g: Group) -> bool:
@@ -359,11 +392,10 @@ def _head_group(g: Group) -> None:
             if time.monotonic() > deadline:
                 raise Restart(f"workers did not start stage {k} in time")
             time.sleep(POLL)
-        wait = stage.get("wait")
-        while wait and not (port_open(g.spec["wait_addr"]) if wait == "dist-port" else ray_ready(g)):
-            watch_workers(k)
+        while not stage_ready(g, stage, states):
+            states = watch_workers(k)
             if time.monotonic() > deadline:
-                raise Restart(f"stage {k}: {wait} not reached in time")
+                raise Restart(f"stage {k}: {stage.get('wait')} not reached in time")
             time.sleep(POLL)
         say(f"stage {k} up")
     last = len(g.spec["stages"]) - 1
@@ -422,6 +454,7 @@ def run_worker(g: Group) -> None:
                     g.start_stage(started)
                     g.set(stage=started)
             bad = g.check_mine(started)
+            g.note_joined(started)
             if not bad:
                 bad_since = None
             elif bad_since is None:

@@ -5,7 +5,7 @@
 For each: its preflight on every node (a part of ``serve.up``: nothing is started when anything
 is wrong), the image put on nodes that lack it (the ``image.ship`` step), then the engine's
 stages started and waited on in phases, each bounded: containers running (one that exits fails
-the engine at once, with its last lines), the SGLang head's init port / Ray listing every node
+the engine at once, with its last lines), the SGLang or vLLM head's init port / Ray listing every node
 with its GPU, the HTTP port open, ``/health``, ``/v1/models`` listing the model, one streamed
 chat completion returning tokens. A phase with no new log line and no readiness step for ``serve.stall_s`` is a hang.
 
@@ -20,7 +20,9 @@ of a success is ``endpoint: http://<address>:<port>``.
 
 from __future__ import annotations
 
+import re
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,7 @@ from sparkdeploy import endpoint as ep
 from sparkdeploy import labels
 from sparkdeploy.config import Engine, ProfileError
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.engines import EngineError, Launch, launch
+from sparkdeploy.engines import EngineError, Launch, Stage, launch
 from sparkdeploy.engines.base import API_KEY_ENV, run_args, secret_lines
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import HelperFailed, NodeUnreachable, docker, run_helper
@@ -143,6 +145,19 @@ def _ray_nodes(dep: Deployment, lau: Launch, watch: Watch) -> bool:
     return all(have.get(a, 0) >= g for a, g in want.items())
 
 
+def _ranks_joined(stage: Stage, watch: Watch) -> bool:
+    """Every container of the stage printed its ``joined`` line (each one new is a step)."""
+    rx = re.compile(stage.joined or r"$^")
+    names = {c.name for c in stage.containers}
+    joined = {f.spec.name for f in watch.followed
+              if f.spec.name in names and any(rx.search(line) for line in f.lines)}
+    seen = watch.__dict__.setdefault("_joined", set())
+    for name in sorted(joined - seen):
+        watch.progress(f"{name} joined")
+    seen |= joined
+    return joined == names
+
+
 def bring_up(dep: Deployment, lau: Launch, run: Run, watch: Watch) -> str:
     """Start the stages and wait through the phases; the endpoint URL, or EngineFailed."""
     s = dep.profile.serve
@@ -164,6 +179,8 @@ def bring_up(dep: Deployment, lau: Launch, run: Run, watch: Watch) -> str:
         elif stage.wait == "ray-nodes":
             watch.phase("Ray listing every node with its GPU",
                         lambda: _ray_nodes(dep, lau, watch), left())
+        elif stage.wait == "ranks-joined":
+            watch.phase(f"{names}: rank joined", partial(_ranks_joined, stage, watch), left())
     addr = ep.controller_address(dep.host(lau.head))
     url = f"http://{addr}:{lau.port}"
     watch.phase(f"port {addr}:{lau.port} open", lambda: ep.port_open(addr, lau.port), left())

@@ -123,7 +123,7 @@ def group_spec(dep: Deployment, lau: Launch, host: Host) -> dict[str, Any]:
         "head": [head.link.address, port],
         "workers": {n.name: [n.link.address, port] for n in prof.workers
                     if any(c.node == n.name for c in lau.containers)},
-        "stages": [{"wait": s.wait,
+        "stages": [{"wait": s.wait, "joined": s.joined,
                     "containers": [{"node": c.node, "name": c.name, "run": run_args(c)}
                                    for c in s.containers]} for s in lau.stages],
         "wait_addr": [head.link.address, lau.wait_port] if lau.wait_port else None,
