@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import pytest
 
+from sparkdeploy import labels
 from sparkdeploy.engines import NodeFacts, launch
 from sparkdeploy.engines.base import run_args
 from sparkdeploy.records import Endpoint, ServeDecision
 from sparkdeploy.results import Status
 from sparkdeploy.steps import serve
+from tests.unit.fakes import WALL
 from tests.unit.serve_fakes import Script
-from tests.unit.test_serve import healthy_vllm, lab, runs  # noqa: F401  (the fixture)
+from tests.unit.test_serve import IMG, healthy_vllm, lab, runs  # noqa: F401  (the fixture)
 
 LEADER = ("(EngineCore_DP0 pid=7) INFO 12-04 05:01:03 [multiproc_executor.py:131] DP group leader: "
           "node_rank=0, node_rank_within_dp=0, master_addr=192.168.100.10, "
@@ -55,9 +57,10 @@ def test_the_head_then_the_headless_worker_and_no_ray(lab):  # noqa: F811
     results = serve.up(dep)
     assert results[-1].status is Status.OK and results[-1].why == "endpoint: http://10.0.0.1:8000"
     want = launch(dep.profile, dep.profile.engines[0],
-                  {"spark1": NodeFacts(3, False), "spark2": NodeFacts(3, False)})
-    assert runs(ctx, "spark1") == [run_args(want.containers[0])]
-    assert runs(ctx, "spark2") == [run_args(want.containers[1])]
+                  {"spark1": NodeFacts(3, False), "spark2": NodeFacts(3, False)}, image_id=IMG)
+    [head], [worker] = runs(ctx, "spark1"), runs(ctx, "spark2")
+    assert head == run_args(want.containers[0], started=labels.started("serve.up", WALL + 1000))
+    assert worker == run_args(want.containers[1], started=labels.started("serve.up", WALL + 1002))
     # the worker starts once the head's master port answers from the worker's side of the link
     order = [(a, argv) for a, argv in ctx.calls if argv[3:4] == ["run"] or "connect" in argv]
     assert [a for a, _ in order][:2] == ["spark1", "spark2"] and "29501" in order[1][1]
