@@ -170,7 +170,8 @@ def run_helper(host: Host, name: str, args: Sequence[str], *, result: type[T], w
                wrap: Callable[[str], list[str]] | None = None, input: str | Feed | None = None,
                timeout: float = 300, change: bool = False,
                on_progress: Callable[[dict[str, str]], None] | None = None,
-               on_line: Callable[[str], None] | None = None, answers_failing: bool = False) -> T:
+               on_line: Callable[[str], None] | None = None, answers_failing: bool = False,
+               sudo: bool = False) -> T:
     """Run the helper ``name`` on ``host`` with ``args`` and return its answer as ``result``.
 
     The helper is staged (``script``: staged already) and runs only while it and the staged
@@ -178,7 +179,8 @@ def run_helper(host: Host, name: str, args: Sequence[str], *, result: type[T], w
     helper does not run as ``python3 <helper> args`` (in a container, in a virtualenv).
     ``on_progress`` receives each progress line, ``on_line`` every other stderr line. A failure
     or an answer that does not fit raises ``HelperFailed("<where>: why")``; ``answers_failing``:
-    the helper answers even when it exits non-zero (a partial result), read then too."""
+    the helper answers even when it exits non-zero (a partial result), read then too;
+    ``sudo``: as root where the node's privilege is sudo (it writes under the node's state dir)."""
     path = script or stage_script(host, name)
     argv = wrap(path) if wrap else ["python3", path, *args]
 
@@ -191,7 +193,7 @@ def run_helper(host: Host, name: str, args: Sequence[str], *, result: type[T], w
             on_line(line)
 
     r = host.run(verified([path, *also], argv), change=change, input=input, timeout=timeout,
-                 on_stderr=on_stderr if on_progress or on_line else None)
+                 on_stderr=on_stderr if on_progress or on_line else None, sudo=sudo)
     answered = r.stdout.strip().splitlines()[-1:] if answers_failing and r.exit_code > 0 else []
     if not r.ok and not (answered and answered[0].startswith("{")):
         raise HelperFailed(f"{where}: {helper_error(r.stderr, r.one_line_error())}", r.stderr)

@@ -302,3 +302,80 @@ def test_persisted_units_start_in_order_restart_together_and_go(clean):
     st = lab.ssh("spark1", ["systemctl", "is-active", "vllm-cluster.service"], check=False)
     assert st.stdout.strip() == "active"
     assert inv(state, prof, "services.stop").returncode == 0
+
+
+def _streams(url: str, timeout: float) -> bool:
+    """A short streamed completion brings a token, no read waiting more than ``timeout``."""
+    http = requests.Session()
+    http.trust_env = False
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "stream": True}
+    try:
+        with http.post(f"{url}/v1/chat/completions", json=body, stream=True, timeout=timeout) as r:
+            for line in r.iter_lines(decode_unicode=True):
+                if line.startswith("data: {") and ('"content":"' in line and '"role"' not in line
+                                                   or '"reasoning_content"' in line):
+                    return True
+    except requests.RequestException:
+        return False
+    return False
+
+
+RECORD = "/var/lib/sparkdeploy-node/serve/sglang.restarts.json"
+
+
+def test_a_frozen_worker_rank_is_found_restarted_as_a_whole_and_streams_again(env):
+    lab, tmp, state, prof, dep = env
+    watch = profile(tmp, "lab-watch", serve={**SERVE, "watch_s": 5, "canary_s": 5,
+                                             "restart_backoff_s": 0})
+    fault(state, watch, "none")
+    lab.ssh("spark1", ["rm", "-rf", "--", RECORD, "/var/lib/sparkdeploy-node/serve/logs"])
+    try:
+        cp = inv(state, watch, "serve.up")
+        assert cp.returncode == 0, cp.stdout[-2000:]
+        url = results(cp.stdout)[-1][3].split(" ", 1)[1]
+        cp = inv(state, watch, "serve.persist")
+        assert cp.returncode == 0, cp.stdout[-3000:] + cp.stderr
+        assert _streams(url, 10)
+        head0 = _started_at(lab, "spark1", "sparkdeploy-sglang-head")
+        # every process of the worker's container stopped: alive (health 200), serving nothing
+        t0 = time.monotonic()
+        fault(state, watch, "rank-wedged")
+        assert requests.get(f"{url}/health", timeout=5).status_code == 200
+        assert not _streams(url, 2)
+        end = t0 + 240
+        while not _streams(url, 3):
+            assert time.monotonic() < end, "not serving again within 240 s of the freeze"
+            time.sleep(0.5)
+        took = time.monotonic() - t0
+        print(f"\nfreeze of the worker rank -> streaming again: {took:.1f} s")
+        # restarted as a whole: the head's container is a new one too
+        assert _started_at(lab, "spark1", "sparkdeploy-sglang-head") != head0
+        assert lab.ssh("spark2", ["docker", "inspect", "--format", "{{.State.Status}}",
+                                  "sparkdeploy-sglang-worker"]).stdout.strip() == "running"
+        # the record on the head, with its reason and when it served again; serve.status shows it
+        end = time.monotonic() + 30
+        while True:
+            [rec] = json.loads(lab.ssh("spark1", ["cat", RECORD]).stdout)["restarts"]
+            if rec["served_again_after_s"] is not None or time.monotonic() > end:
+                break
+            time.sleep(1)
+        assert rec["kind"] == "rank" and rec["outcome"] == "restarted"
+        assert rec["why"].startswith("spark2: sparkdeploy-sglang-worker stopped (state T: pid ")
+        assert 0 < rec["served_again_after_s"] < took
+        for node in ("spark1", "spark2"):
+            logs = lab.ssh(node, ["ls", rec["logs"][node]]).stdout.split()
+            assert logs == [f"sparkdeploy-sglang-{'head' if node == 'spark1' else 'worker'}.log"]
+        cp = inv(state, watch, "serve.status")
+        assert cp.returncode == 0, cp.stdout[-2000:]
+        assert (f"sglang: restart 1 at {rec['at']} by sparkdeploy-sglang.service: {rec['why']}"
+                in cp.stdout), cp.stdout[-2000:]
+        assert f"served again after {rec['served_again_after_s']:g}s" in cp.stdout
+    finally:
+        fault(state, watch, "none")
+        assert inv(state, watch, "serve.unpersist").returncode == 0
+        inv(state, watch, "serve.down")
+        lab.ssh("spark1", ["rm", "-rf", "--", RECORD, "/var/lib/sparkdeploy-node/serve/logs"])
+        lab.ssh("spark2", ["rm", "-rf", "--", "/var/lib/sparkdeploy-node/serve/logs"])
+    for node in ("spark1", "spark2"):
+        assert ours(lab, node) == [], f"{node} still has engine containers"

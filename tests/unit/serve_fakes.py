@@ -10,6 +10,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from sparkdeploy.helpers import serve_watchdog as wd
 from tests.unit.fakes import FakeClock, FakeContext
 
 BASE = dt.datetime(2026, 12, 2, 17, 0, 0, tzinfo=dt.UTC).timestamp()
@@ -67,6 +68,9 @@ class FakeNode:
     stdin: dict[str, str] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)
     """Files the node holds (what ``cat`` reads), e.g. the watchdog's restart record."""
+    frozen: set[str] = field(default_factory=set)
+    """Containers whose processes are stopped (SIGSTOP): running, state T."""
+    saved: list[tuple[str, list[str]]] = field(default_factory=list)
     verify: dict = field(default_factory=lambda: {
         "ok": ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"],
         "missing": [], "differ": {}, "unchecked": [], "hashed_bytes": 0, "reused": 3,
@@ -76,6 +80,8 @@ class FakeNode:
         now = self.clock()
         if self.unreachable:
             return 255, "", f"ssh: connect to host {self.name} port 22: No route to host"
+        if argv[:3] == ["sudo", "-n", "--"]:
+            argv = argv[3:]
         if argv == ["true"]:
             return 0, "", ""
         if argv[:2] == ["sh", "-c"] and argv[2].startswith("set -eu") and "base64 -d" in argv[2]:
@@ -92,16 +98,46 @@ class FakeNode:
         if argv[0] == "python3" and argv[2] == "connect":
             port = int(argv[argv.index("--port") + 1])
             return 0, json.dumps({"open": self.cluster.listening(port)}) + "\n", ""
-        if argv[:3] == ["sudo", "-n", "--"]:
-            argv = argv[3:]
         if argv[:2] == ["cat", "--"]:
             if argv[2] in self.files:
                 return 0, self.files[argv[2]], ""
             return 1, "", f"cat: {argv[2]}: No such file or directory"
+        if argv[:2] == ["sha256sum", "--"]:
+            got = self.files.get(argv[2])
+            return (0, f"{hashlib.sha256(got.encode()).hexdigest()}  {argv[2]}\n", "") \
+                if got is not None else (1, "", f"sha256sum: {argv[2]}: No such file or directory")
+        if argv[:2] == ["sh", "-c"] and 'cat > "$1.part"' in argv[2]:  # put_file, through stdin
+            self.files[argv[4]] = stdin or ""
+            return 0, "", ""
+        if argv[:3] == ["rm", "-f", "--"]:
+            for f in argv[3:]:
+                self.files.pop(f, None)
+            return 0, "", ""
+        if argv[0] == "python3" and argv[2] in ("ranks", "save-logs"):
+            return self.watchdog(argv[2], argv[3:], now)
         if argv[0] == "nvidia-smi":
             return 0, "".join(f"{p}, {n}, [N/A]\n" for p, n in self.gpu), ""
         assert argv[:3] == ["docker", "-H", f"unix:///run/{self.name}.sock"], argv
         return self.docker(argv[3:], now, stdin)
+
+    def watchdog(self, cmd: str, args: list[str], now: float) -> tuple[int, str, str]:
+        """The node side of serve.watch (helpers/serve_watchdog.py): what it reads of each rank
+        (the container's state; a frozen one's processes in state T), where it saves logs."""
+        assert [a for a in args if a.startswith("--docker=")] == [
+            "--docker=docker", "--docker=-H", f"--docker=unix:///run/{self.name}.sock"], args
+        names = [a.removeprefix("--name=") for a in args if a.startswith("--name=")]
+        if cmd == "save-logs":
+            rid = args[args.index("--id") + 1]
+            self.saved.append((rid, names))
+            d = f"{wd.NODE_DIR}/logs/{rid}"
+            return 0, json.dumps({"dir": d, "files": [f"{d}/{n}.log" for n in names]}) + "\n", ""
+        out = {}
+        for n in names:
+            c = self.containers.get(n)
+            st, code = c.status(now) if c else ("gone", -1)
+            procs = {100: "T" if n in self.frozen else "S"}
+            out[n] = wd.rank_problem(st, code, 100 if c else 0, procs)
+        return 0, json.dumps({"ranks": out}) + "\n", ""
 
     def docker(self, a: list[str], now: float, stdin: str | None) -> tuple[int, str, str]:
         if a[:2] == ["image", "inspect"]:
@@ -181,6 +217,8 @@ class FakeCluster:
         self.head = head
         self.addr = controller_addr
         self.ray_gpus: dict[str, float] = {}
+        self.stalled = False
+        """The endpoint answers and streams no token (a wedge the ranks do not show)."""
         for n in nodes.values():
             n.cluster = self
 
@@ -206,7 +244,7 @@ class FakeCluster:
             "port_open": port_open,
             "health": lambda url: serving(url),
             "models": lambda url: [model] if serving(url) else [],
-            "stream_chat": lambda url, m, **kw: "Hello" if serving(url) else "",
+            "stream_chat": lambda url, m, **kw: "Hello" if serving(url) and not self.stalled else "",
             "controller_address": lambda host: self.addr,
         }
 

@@ -201,11 +201,25 @@ def _enabled(host: Host, unit: str) -> bool:
     return host.run(["systemctl", "is-enabled", "--", unit], change=False).stdout.strip() == "enabled"
 
 
-def _engine(dep: Deployment, name: str | None) -> Engine | None:
+def engine_of(dep: Deployment, name: str | None) -> Engine | None:
+    """The engine named, else the one ``serve.up`` recorded."""
     if name is None:
         rec = ep.recorded(dep.records)
         name = rec.engine if rec else None
     return next((e for e in dep.profile.engines if e.name == name), None)
+
+
+def running_launch(dep: Deployment, eng: Engine) -> Launch:
+    """The engine's containers as ``serve.up`` starts them on these nodes (their GID index and
+    RDMA devices read afresh); EngineError when the profile cannot launch it."""
+    from sparkdeploy.steps.serve_preflight import node_facts
+
+    facts = {}
+    for n in dep.profile.nodes:
+        got = node_facts(dep, dep.host(n.name), [], [])
+        facts[n.name] = NodeFacts(got["gid"]["index"], bool(got["rdma_devices"]))
+    image = inspect_image(dep.host(dep.profile.head.name), eng.image) or {}
+    return launch(dep.profile, eng, facts, image_id=image.get("Id"))
 
 
 def _wait_endpoint(ctx: StepContext, lau: Launch) -> str:
@@ -331,19 +345,12 @@ def persist(ctx: StepContext, engine: str | None = None) -> None:
         ctx.failed(f"{API_KEY_ENV} is set: a unit that comes back at boot would need the key "
                    "stored on the node; not persisted")
         return
-    eng = _engine(dep, engine)
+    eng = engine_of(dep, engine)
     if eng is None:
         ctx.failed("no engine to persist: serve.up first, or --engine NAME")
         return
-    from sparkdeploy.steps.serve_preflight import node_facts
-
-    facts = {}
-    for n in dep.profile.nodes:
-        got = node_facts(dep, dep.host(n.name), [], [])
-        facts[n.name] = NodeFacts(got["gid"]["index"], bool(got["rdma_devices"]))
     try:
-        lau = launch(dep.profile, eng, facts,
-                     image_id=(inspect_image(dep.host(dep.profile.head.name), eng.image) or {}).get("Id"))
+        lau = running_launch(dep, eng)
     except EngineError as e:
         ctx.failed(str(e))
         return

@@ -1,5 +1,5 @@
-"""`inv serve.*`: bring the model up across the nodes, watch it, persist it, take it down, and
-say why when it does not come up."""
+"""`inv serve.*`: bring the model up across the nodes, watch it (restarting it whole when it
+wedges), persist it, take it down, and say why when it does not come up."""
 
 from invoke import Collection
 from invoke.exceptions import Exit
@@ -47,6 +47,13 @@ def unpersist(c, profile=None):
     run_step(c, "serve.unpersist", profile=profile)
 
 
+@task(help={"checks": "look this many times, then end (default: until interrupted)", **_P})
+def watch(c, checks=None, profile=None):
+    """Watch an unpersisted deployment: a canary every serve.watch_s; a wedge restarts every rank."""
+    n = integer("--checks", checks, min=1)
+    run_step(c, "serve.watch", profile=profile, checks=n)
+
+
 @task(iterable=["log"], help={"log": "an engine log file, one per node (repeat --log for each)"})
 def diagnose(c, log=None):
     """Classify engine logs: prints `class: NAME`, then the evidence lines as FILE:LINE: text."""
@@ -59,4 +66,4 @@ def diagnose(c, log=None):
         raise Exit(code=code)
 
 
-ns = Collection("serve", up, down, status, logs, persist, unpersist, diagnose)
+ns = Collection("serve", up, down, status, logs, watch, persist, unpersist, diagnose)
