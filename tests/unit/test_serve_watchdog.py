@@ -271,3 +271,61 @@ def test_a_worker_told_of_a_restart_saves_its_logs_and_restarts(tmp_path, monkey
         serve_unit.run_worker(g)
     assert calls == [[*DOCKER, "logs", "--timestamps", "--tail", "2000", "worker"]]
     assert json.loads(json.dumps(g.state))["following"] == "h1"
+
+
+def _head(tmp_path, monkeypatch, canaries: list, worker_ranks: list):
+    """A head whose group is up: the worker follows it; the canary and the worker's published
+    ranks answer from the lists, one per look."""
+    clock, calls = Clock(), []
+    g = _group(tmp_path, clock, calls)
+    g.mono = clock
+    g.spec.update(workers={"spark2": ["10.0.0.2", 1]}, ready_timeout_s=100,
+                  canary={"port": 30000, "model": "m"})
+    ranks = iter(worker_ranks)
+    monkeypatch.setattr(serve_unit, "peer", lambda g_, addr: {
+        "stage": 0, "following": g.state["epoch"], "ranks": next(ranks, {})})
+    monkeypatch.setattr(serve_unit.Group, "start_stage", lambda self, k: None)
+    monkeypatch.setattr(serve_unit.Group, "check_mine", lambda self, upto: {})
+    seen = []
+
+    def canary(host, port, model, deadline_s):
+        seen.append((host, port, model, deadline_s, clock.t))
+        return canaries.pop(0) if canaries else None
+
+    monkeypatch.setattr(serve_unit.wd, "canary", canary)
+    return g, clock, seen
+
+
+def test_the_head_waits_for_serving_then_a_canary_without_a_token_restarts_the_group(
+        tmp_path, monkeypatch):
+    # still coming up (refused twice), serving, serving, then no token: a wedge
+    g, clock, seen = _head(tmp_path, monkeypatch,
+                           ["ConnectionRefusedError: refused", "ConnectionRefusedError: refused",
+                            None, None, "no token within 20s"], [])
+    wd.write_records(str(tmp_path / "sglang.restarts.json"),
+                     [{"t": clock.t - 50, "outcome": "restarted", "id": "before"}])
+    with pytest.raises(serve_unit.Restart, match="canary: no token within 20s") as e:
+        serve_unit._head_group(g)
+    assert isinstance(e.value, serve_unit.Recorded)
+    assert [s[:4] for s in seen] == [("127.0.0.1", 30000, "m", 20)] * 5
+    gaps = [b[4] - a[4] for a, b in zip(seen, seen[1:], strict=False)]
+    assert gaps == [serve_unit.POLL, serve_unit.POLL, 30, 30]  # watch_s once serving
+    before, rec = wd.read_records(str(tmp_path / "sglang.restarts.json"))
+    assert before["served_again_after_s"] == 52.0  # when the canary first brought a token
+    assert (rec["kind"], rec["why"], rec["restart"]) == ("canary", "canary: no token within 20s", 2)
+
+
+def test_a_rank_a_worker_publishes_as_wrong_restarts_the_group_at_once(tmp_path, monkeypatch):
+    g, clock, seen = _head(tmp_path, monkeypatch, [],
+                           [{}, {}, {"spark2: worker": "stopped (state T: pid 9)"}])
+    with pytest.raises(serve_unit.Recorded, match=r"spark2: worker stopped \(state T: pid 9\)"):
+        serve_unit._head_group(g)
+    [rec] = wd.read_records(str(tmp_path / "sglang.restarts.json"))
+    assert rec["kind"] == "rank" and rec["evidence"] == ["spark2: worker stopped (state T: pid 9)"]
+
+
+def test_a_head_that_never_serves_within_the_ready_timeout_restarts(tmp_path, monkeypatch):
+    g, clock, seen = _head(tmp_path, monkeypatch, ["HTTP 503"] * 1000, [])
+    with pytest.raises(serve_unit.Restart, match=r"did not serve within 100s \(HTTP 503\)") as e:
+        serve_unit._head_group(g)
+    assert not isinstance(e.value, serve_unit.Recorded)  # run_head records it as a group wedge

@@ -121,9 +121,10 @@ def read_key(path: str) -> bytes:
 
 class Group:
     def __init__(self, spec: dict, key: bytes = b"", clock: Callable[[], float] = time.time,
-                 sleep: Callable[[float], None] = time.sleep, run=subprocess.run):
+                 sleep: Callable[[float], None] = time.sleep, run=subprocess.run,
+                 mono: Callable[[], float] = time.monotonic):
         self.spec = spec
-        self.key, self.clock, self.sleep, self.run = key, clock, sleep, run
+        self.key, self.clock, self.sleep, self.run, self.mono = key, clock, sleep, run, mono
         self.state = {"node": spec["node"], "epoch": secrets.token_hex(6), "stage": -1,
                       "following": None, "accepting": spec["role"] == "head", "joined": []}
         self.lock = threading.Lock()
@@ -380,7 +381,7 @@ def _head_group(g: Group) -> None:
                 raise Recorded(str(e), e.wait_s) from None
         return states
 
-    deadline = time.monotonic() + float(g.spec["ready_timeout_s"])
+    deadline = g.mono() + float(g.spec["ready_timeout_s"])
     for k, stage in enumerate(g.spec["stages"]):
         g.start_stage(k)
         g.set(stage=k)
@@ -389,14 +390,14 @@ def _head_group(g: Group) -> None:
             states = watch_workers(k)
             if all((states[n] or {"stage": -1})["stage"] >= k for n in needs):  # None: not heard
                 break
-            if time.monotonic() > deadline:
+            if g.mono() > deadline:
                 raise Restart(f"workers did not start stage {k} in time")
-            time.sleep(POLL)
+            g.sleep(POLL)
         while not stage_ready(g, stage, states):
             states = watch_workers(k)
-            if time.monotonic() > deadline:
+            if g.mono() > deadline:
                 raise Restart(f"stage {k}: {stage.get('wait')} not reached in time")
-            time.sleep(POLL)
+            g.sleep(POLL)
         say(f"stage {k} up")
     last = len(g.spec["stages"]) - 1
     say("all stages up; waiting for the endpoint to serve")
@@ -405,9 +406,9 @@ def _head_group(g: Group) -> None:
     next_canary = 0.0
     while True:
         err = None
-        if canary is not None and time.monotonic() >= next_canary:
+        if canary is not None and g.mono() >= next_canary:
             err = wd.canary("127.0.0.1", int(canary["port"]), canary["model"], g.policy.canary_s)
-            next_canary = time.monotonic() + (g.policy.watch_s if served or err is None else POLL)
+            next_canary = g.mono() + (g.policy.watch_s if served or err is None else POLL)
             if err is None and not served:
                 served = True
                 say("serving; the watchdog runs a canary every " f"{g.policy.watch_s:g}s")
@@ -416,12 +417,12 @@ def _head_group(g: Group) -> None:
                 if wd.served_again(recs, g.clock()):
                     wd.write_records(path, recs)
             elif err is not None and not served:
-                if time.monotonic() > deadline:
+                if g.mono() > deadline:
                     raise Restart(f"the endpoint did not serve within {g.spec['ready_timeout_s']}s "
                                   f"({err})")
                 err = None  # still coming up: not a wedge yet
         watch_workers(last, err)
-        time.sleep(POLL)
+        g.sleep(POLL)
 
 
 def run_worker(g: Group) -> None:
@@ -458,10 +459,10 @@ def run_worker(g: Group) -> None:
             if not bad:
                 bad_since = None
             elif bad_since is None:
-                bad_since = time.monotonic()
-            elif time.monotonic() - bad_since > patience:
+                bad_since = g.mono()
+            elif g.mono() - bad_since > patience:
                 raise Restart(f"{'; '.join(bad.values())}, and the head did not restart the group")
-        time.sleep(POLL)
+        g.sleep(POLL)
 
 
 def cmd_run(spec: dict) -> int:
