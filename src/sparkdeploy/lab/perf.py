@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, str] = {
     "model": "sparkdeploy.lab.perf_model:run",
     "deploy": "sparkdeploy.lab.perf_deploy:run",
     "diagnose": "sparkdeploy.lab.perf_diagnose:run",
+    "watchdog": "sparkdeploy.lab.perf_watchdog:run",
 }
 
 
