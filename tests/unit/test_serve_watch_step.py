@@ -8,7 +8,8 @@ import json
 
 from sparkdeploy.helpers import serve_watchdog as wd
 from sparkdeploy.results import Status
-from sparkdeploy.steps import serve, serve_watch
+from sparkdeploy.steps import serve
+from sparkdeploy.steps import watchdog as serve_watch
 from tests.unit.serve_fakes import Script
 from tests.unit.test_serve import healthy_sglang, lab  # noqa: F401 - the fixture
 
