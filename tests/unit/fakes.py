@@ -3,6 +3,8 @@ and scripted nodes that answer like systemd and nvidia-smi."""
 
 from __future__ import annotations
 
+import json
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +91,36 @@ WALL = 1_796_000_000.0
 """The time of day at a fake clock's 0 (2026-11-30T00:53:20Z): what a container's ``started`` label says."""
 
 
+def has_label(labels: dict[str, str], want: str) -> bool:
+    """docker's ``--filter label=K`` (the key is there) or ``label=K=V`` (with that value)."""
+    k, _, v = want.partition("=")
+    return k in labels and (not _ or labels[k] == v)
+
+
+def ps_line(fmt: str, cid: str, name: str, state: str, code: int, labels: dict[str, str]) -> str:
+    """One ``docker ps --format`` line: ``{{json .Field}}`` and ``{{json (.Label "k")}}`` (a
+    missing label is ''), as docker's template renders them."""
+    fields = {".ID": cid, ".Names": name, ".State": state,
+              ".Status": "Up 1 second" if state == "running" else f"Exited ({code}) 1 second ago"}
+
+    def value(m: re.Match) -> str:
+        expr = m.group(1)
+        label = re.fullmatch(r'\(\.Label "([^"]+)"\)', expr)
+        return json.dumps(labels.get(label.group(1), "") if label else fields[expr])
+
+    return re.sub(r"\{\{json (.+?)\}\}", value, fmt)
+
+
+@dataclass
+class EngineContainer:
+    """A container on a scripted node: its labels and the host PIDs of its processes."""
+
+    name: str
+    labels: dict[str, str]
+    pids: list[int]
+    state: str = "running"
+
+
 @dataclass
 class FakeNode:
     units: dict[str, str] = field(default_factory=dict)  # unit -> active|inactive|failed
@@ -99,6 +131,19 @@ class FakeNode:
     sudo_password: bool = False
     fail_stop: set[str] = field(default_factory=set)
     fail_start: set[str] = field(default_factory=set)
+    containers: list[EngineContainer] = field(default_factory=list)
+
+    def docker(self, a: list[str]) -> tuple[int, str, str]:
+        if a[0] == "ps":
+            filters = [a[i + 1].removeprefix("label=") for i, x in enumerate(a) if x == "--filter"]
+            fmt = a[a.index("--format") + 1]
+            return 0, "".join(ps_line(fmt, c.name + "-id", c.name, c.state, 0, c.labels) + "\n"
+                              for c in self.containers
+                              if all(has_label(c.labels, f) for f in filters)), ""
+        if a[0] == "top" and a[2:] == ["-eo", "pid"]:
+            [c] = [c for c in self.containers if c.name + "-id" == a[1]]
+            return 0, "PID\n" + "".join(f"{p}\n" for p in c.pids), ""
+        raise AssertionError(f"unexpected docker {a}")
 
     def answer(self, argv: list[str]) -> tuple[int, str, str]:
         if self.unreachable:
@@ -141,6 +186,8 @@ class FakeNode:
             return 0, "".join(f"{pid}, {name}, [N/A]\n" for pid, name in self.gpu), ""
         if argv == ["true"]:
             return 0, "", ""
+        if argv[:2] == ["docker", "-H"]:
+            return self.docker(argv[3:])
         raise AssertionError(f"unexpected command {argv}")
 
 

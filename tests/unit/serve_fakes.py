@@ -7,11 +7,10 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-import re
 from dataclasses import dataclass, field
 
 from sparkdeploy.helpers import serve_watchdog as wd
-from tests.unit.fakes import FakeClock, FakeContext
+from tests.unit.fakes import FakeClock, FakeContext, has_label, ps_line
 
 BASE = dt.datetime(2026, 12, 2, 17, 0, 0, tzinfo=dt.UTC).timestamp()
 
@@ -148,8 +147,11 @@ class FakeNode:
         if a[:2] == ["ps", "--all"]:
             filters = [a[i + 1].removeprefix("label=") for i, x in enumerate(a) if x == "--filter"]
             fmt = a[a.index("--format") + 1]
-            out = [ps_line(fmt, c, now) for c in self.containers.values()
-                   if all(has_label(c.labels, f) for f in filters)]
+            out = []
+            for c in self.containers.values():
+                state, code = c.status(now)
+                if all(has_label(c.labels, f) for f in filters):
+                    out.append(ps_line(fmt, c.id, c.name, state, code, c.labels))
             return 0, "".join(f"{line}\n" for line in out), ""
         if a[0] == "run":
             name = next(x.split("=", 1)[1] for x in a if x.startswith("--name="))
@@ -185,27 +187,6 @@ class FakeNode:
         if a[0] == "exec":
             return 0, json.dumps(self.cluster.ray_nodes()) + "\n", ""
         raise AssertionError(f"unexpected docker {a}")
-
-
-def has_label(labels: dict[str, str], want: str) -> bool:
-    """docker's ``--filter label=K`` (the key is there) or ``label=K=V`` (with that value)."""
-    k, _, v = want.partition("=")
-    return k in labels and (not _ or labels[k] == v)
-
-
-def ps_line(fmt: str, c: Container, now: float) -> str:
-    """One ``docker ps --format`` line: ``{{json .Field}}`` and ``{{json (.Label "k")}}`` (a
-    missing label is ''), as docker's template renders them."""
-    state, code = c.status(now)
-    fields = {".ID": c.id, ".Names": c.name, ".State": state,
-              ".Status": "Up 1 second" if state == "running" else f"Exited ({code}) 1 second ago"}
-
-    def value(m: re.Match) -> str:
-        expr = m.group(1)
-        label = re.fullmatch(r'\(\.Label "([^"]+)"\)', expr)
-        return json.dumps(c.labels.get(label.group(1), "") if label else fields[expr])
-
-    return re.sub(r"\{\{json (.+?)\}\}", value, fmt)
 
 
 class FakeCluster:

@@ -150,11 +150,13 @@ def test_dry_run_lists_and_changes_nothing(tmp_path, capsys):
     dep, ctx, _ = scripted(tmp_path, {"spark1": node}, dry=True)
     with dep.events.collect() as events:
         results = services.stop(dep)
-    # only read-only probes ran
-    assert remote(ctx) == [LIST, GPU]
+    # only read-only probes ran (who holds the busy GPU: no engine container of ours)
+    [ps] = remote(ctx)[2:]
+    assert remote(ctx)[:2] == [LIST, GPU] and ps.startswith(PS)
     out = [describe(e) for e in events if isinstance(e, Echo)]
-    assert out == [f"[spark1] $ {LIST}"] + [
+    assert out[:-1] == [f"[spark1] $ {LIST}"] + [
         f"[spark1] would run: sudo -n systemctl stop {u}" for u in GLM] + [f"[spark1] $ {GPU}"]
+    assert out[-1].startswith(f"[spark1] $ {PS}")
     assert all(node.units[u] == "active" for u in GLM)
     assert not (tmp_path / "state").exists()
     assert [r.status for r in results] == [Status.SKIPPED, Status.SKIPPED]
@@ -257,3 +259,57 @@ def test_an_unknown_node_is_bad_input_exit_2(tmp_path):
     with pytest.raises(Exit, match="no node named 'spark9'") as e:
         tasks.status(ctx, node="spark9")
     assert e.value.code == 2
+
+
+def engine_container(name, deployment, pids, engine="sglang"):
+    from tests.unit.fakes import EngineContainer
+
+    return EngineContainer(name, {"org.sparkdeploy.deployment": deployment,
+                                  "org.sparkdeploy.engine": engine, "org.sparkdeploy.role": "head",
+                                  "org.sparkdeploy.started": "2026-12-04T05:00:00Z"}, pids)
+
+
+PS = ("docker -H unix:///var/run/docker.sock ps --all --no-trunc --filter "
+      "label=org.sparkdeploy.deployment --filter label=org.sparkdeploy.engine --format ")
+
+
+def test_gpu_held_by_this_deployments_engine_is_said_at_once(tmp_path):
+    """No wait for a GPU our own engine holds: it is named, with its deployment (ok: serve.up
+    keeps or replaces it)."""
+    node = FakeNode(gpu=[(17112, "python3")], gpu_lingers=10**6, containers=[
+        engine_container("sparkdeploy-sglang-head", "qwen3.5-122b-a10b-fp8", [17100, 17112])])
+    node._gone = (17112, "python3")
+    dep, ctx, clock = scripted(tmp_path, {"spark1": node})
+    [res] = services.gpu_free(dep, node="spark1")
+    assert (res.status, res.node) == (Status.OK, "spark1")
+    assert res.why == (
+        "the GPU is held by this deployment's own engine: sparkdeploy-sglang-head (deployment "
+        "qwen3.5-122b-a10b-fp8, engine sglang, since 2026-12-04T05:00:00Z); serve.up keeps it if "
+        "it serves what the profile says, else replaces it (serve.down frees the GPU)")
+    assert clock.sleeps == []
+    cmds = remote(ctx)
+    assert cmds[0] == GPU and cmds[1].startswith(PS)
+    assert cmds[2] == "docker -H unix:///var/run/docker.sock top sparkdeploy-sglang-head-id -eo pid"
+
+
+def test_gpu_held_by_another_deployments_engine_fails_at_once(tmp_path):
+    node = FakeNode(gpu=[(900, "python3")], containers=[
+        engine_container("sparkdeploy-vllm-head", "other-lab", [900], engine="vllm")])
+    node._gone = (900, "python3")
+    node.gpu_lingers = 10**6
+    dep, ctx, clock = scripted(tmp_path, {"spark1": node})
+    [res] = services.gpu_free(dep, node="spark1")
+    assert res.status is Status.FAILED and clock.sleeps == []
+    assert res.why.startswith("the GPU is held by sparkdeploy's engine of another deployment: "
+                              "sparkdeploy-vllm-head (deployment other-lab, engine vllm, since ")
+    assert res.details["deployments"] == ["other-lab"]
+
+
+def test_a_gpu_process_outside_our_containers_is_waited_on(tmp_path):
+    node = glm_node(gpu_lingers=2, containers=[
+        engine_container("sparkdeploy-sglang-head", "qwen3.5-122b-a10b-fp8", [17112])])
+    dep, ctx, clock = scripted(tmp_path, {"spark1": node})
+    results = services.stop(dep)
+    assert results[-1].status is Status.OK and results[-1].why == "no process on the GPU"
+    assert clock.sleeps == [2, 2]
+    assert sum(c.startswith(PS) for c in remote(ctx)) == 1  # looked once for the same processes

@@ -2,6 +2,11 @@
 (``services.gpu-free``, a step of its own that ``services.stop`` runs for each node it
 stopped), and put the stopped units back later.
 
+A GPU whose every process runs in a sparkdeploy engine container (found by the containers'
+labels and ``docker top``) is not waited on: the step says at once whose it is. This
+deployment's own engine is ``ok`` (``serve.up`` keeps it or replaces it); another deployment's
+fails, naming the container and its deployment.
+
 Before stopping, the controller records which units were active (``services/<profile>.json``
 in the state dir); ``stop`` only ever adds to that record, ``restore`` starts exactly the
 recorded units in reverse order and then forgets them.
@@ -11,8 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sparkdeploy import labels
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Host, NodeUnreachable
+from sparkdeploy.nodeops import docker
 from sparkdeploy.records import StoppedServices
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.registry import StepContext, step
@@ -116,6 +123,50 @@ def gpu_processes(host: Host) -> tuple[list[GpuProcess] | None, str]:
     return parse_compute_apps(r.stdout), ""
 
 
+def gpu_holders(host: Host, procs: list[GpuProcess]) -> dict[int, labels.Container]:
+    """{pid: the sparkdeploy engine container (of any deployment) it runs in} for the GPU's
+    processes, from the containers' labels and ``docker top`` (host PIDs, as nvidia-smi's)."""
+    r = host.run(docker(host, *labels.ps_args()), change=False)
+    want = {p.pid for p in procs}
+    held: dict[int, labels.Container] = {}
+    for c in labels.parse_ps(r.stdout) if r.ok else []:
+        if not c.running or set(held) == want:
+            continue
+        top = host.run(docker(host, "top", c.id, "-eo", "pid"), change=False)
+        pids = {int(x) for x in top.stdout.split() if x.isdigit()} if top.ok else set()
+        held.update({pid: c for pid in pids & want})
+    return held
+
+
+class Held(Stop):
+    """Every process on the GPU is in a sparkdeploy engine container: waiting frees nothing."""
+
+    def __init__(self, containers: list[labels.Container]):
+        super().__init__("held by sparkdeploy's engine")
+        self.containers = containers
+
+
+def _say_held(ctx: StepContext, host: Host, e: Held) -> None:
+    dep = ctx.dep
+    cs = e.containers
+    def one(c: labels.Container) -> str:
+        since = f", since {c.started}" if c.started else ""
+        return f"{c.name} (deployment {c.deployment}, engine {c.engine}{since})"
+
+    details = {"containers": [c.name for c in cs], "deployments": sorted({c.deployment for c in cs})}
+    if all(c.deployment == dep.profile.name for c in cs):
+        ctx.ok("the GPU is held by this deployment's own engine: " + ", ".join(map(one, cs))
+               + "; serve.up keeps it if it serves what the profile says, else replaces it "
+               "(serve.down frees the GPU)", host.name, **details)
+        return
+    why = ("the GPU is held by sparkdeploy's engine of another deployment: "
+           + ", ".join(map(one, cs)) + "; serve.down with that deployment's profile frees it")
+    if dep.dry:
+        ctx.would(f"fail: {why}", host.name, **details)
+    else:
+        ctx.failed(why, host.name, **details)
+
+
 @step(STEP_GPU)
 def gpu_free(ctx: StepContext, node: str | None = None) -> None:
     """Wait until no process is on each node's GPU (a dry run only looks once)."""
@@ -129,11 +180,19 @@ def _wait_gpu_free(ctx: StepContext, host: Host) -> None:
     would = f"wait up to {timeout:g}s for a free GPU"
     on_gpu: list[GpuProcess] = []
 
+    looked: set[frozenset[int]] = set()
+
     def free() -> bool:
         procs, err = gpu_processes(host)
         if procs is None:
             raise Stop(err)
         on_gpu[:] = procs
+        pids = frozenset(p.pid for p in procs)
+        if pids and pids not in looked:  # who holds it: once for each set of processes
+            looked.add(pids)
+            held = gpu_holders(host, procs)
+            if set(held) == pids:
+                raise Held(list({c.name: c for c in held.values()}.values()))
         return not procs
 
     def tick(elapsed: float) -> None:
@@ -146,6 +205,8 @@ def _wait_gpu_free(ctx: StepContext, host: Host) -> None:
         if not dep.dry:
             raise
         ctx.would(f"{would} (unreachable: {e.why})", host.name)
+    except Held as e:
+        _say_held(ctx, host, e)
     except Stop as e:
         if dep.dry:
             ctx.would(f"{would} ({e})", host.name)
