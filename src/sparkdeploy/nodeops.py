@@ -25,7 +25,8 @@ T = TypeVar("T", bound=BaseModel)
 
 __all__ = ["ARCH", "HostError", "NodeUnreachable", "docker", "inspect_image",
            "listed_tags", "node_arch", "free_space", "stage", "stage_script", "check_staged", "verified",
-           "HelperFailed", "run_helper", "parse_progress", "helper_error"]
+           "HelperFailed", "run_helper", "parse_progress", "helper_error", "NODE_STATE",
+           "read_node_file", "write_node_file"]
 
 ARCH = {"aarch64": "arm64", "arm64": "arm64", "x86_64": "amd64", "amd64": "amd64"}
 
@@ -130,6 +131,38 @@ def verified(paths: list[str], argv: list[str]) -> list[str]:
     checks = "; ".join(check_staged(p) for p in paths)
     return ["sh", "-c", f'{checks}; exec "$@"', "sh", *argv]
 
+
+
+# --- the node's own records ----------------------------------------------------------------------
+# What must outlive the controller that made it (the units services.stop stopped, the persisted
+# units' specs, the watchdog's restarts) lives on the node, under NODE_STATE, readable by
+# anyone (no secret goes there), written by root through stdin, atomically.
+
+NODE_STATE = "/var/lib/sparkdeploy-node"
+
+_WRITE_SH = ('umask 022 && mkdir -p -- "$(dirname -- "$1")" && cat > "$1.part" '
+             '&& mv -f -- "$1.part" "$1"')
+
+
+def read_node_file(host: Host, path: str) -> str | None:
+    """A file of the node's records (None when there is none)."""
+    r = host.run(["cat", "--", path], change=False)
+    if r.ok:
+        return r.stdout
+    if "No such file" in r.stderr:
+        return None
+    raise HostError(f"{host.name}: cannot read {path}: {r.one_line_error()}")
+
+
+def write_node_file(host: Host, path: str, content: str | None) -> None:
+    """Write ``content`` at ``path`` on the node (through stdin, never argv; a reader sees the
+    old file or the new one), or remove the file when ``content`` is None."""
+    if content is None:
+        r = host.run(["rm", "-f", "--", path], sudo=True)
+    else:
+        r = host.run(["sh", "-c", _WRITE_SH, "sh", path], sudo=True, input=content)
+    if not r.ok:
+        raise HostError(f"{host.name}: cannot write {path}: {r.one_line_error()}")
 
 
 # --- running a node helper ----------------------------------------------------------------------

@@ -7,7 +7,6 @@ Each kind of record is one pydantic model below, stored in one envelope by one w
     decisions/<profile>/serve.{json,md}          ServeDecision    the engine and why
     decisions/<profile>/endpoint.json            Endpoint         where it serves
     decisions/<profile>/deploy-<time>.{json,md}  DeployRun        one deploy.all run
-    services/<profile>.json                      StoppedServices  the units to restore
     runs/<plan>-<profile>.json                   PlanMemory       each plan step's last outcome
     model/<repo>@<revision>.json                 HubMetadata      the hub's file list, cached
 
@@ -197,21 +196,6 @@ class DeployRun(Record):
 
 
 # --- what steps remember ----------------------------------------------------------------------
-
-class StoppedServices(Record):
-    """The units ``services.stop`` stopped, per node in stop order (``services.restore`` starts
-    exactly these)."""
-
-    FOLDER = "services"
-    PER_PROFILE = False
-    WHAT = "stopped-services"
-    STEP = "services.stop"
-    units: dict[str, list[str]]
-
-    @classmethod
-    def from_bare(cls, raw: Any) -> Record | None:
-        return cls.model_validate({"units": raw})
-
 
 class StepMemory(BaseModel):
     state: str

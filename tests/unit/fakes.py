@@ -132,6 +132,8 @@ class FakeNode:
     fail_stop: set[str] = field(default_factory=set)
     fail_start: set[str] = field(default_factory=set)
     containers: list[EngineContainer] = field(default_factory=list)
+    node_files: dict[str, str] = field(default_factory=dict)
+    """The node's own files (its records), by path."""
 
     def docker(self, a: list[str]) -> tuple[int, str, str]:
         if a[0] == "ps":
@@ -145,13 +147,31 @@ class FakeNode:
             return 0, "PID\n" + "".join(f"{p}\n" for p in c.pids), ""
         raise AssertionError(f"unexpected docker {a}")
 
-    def answer(self, argv: list[str]) -> tuple[int, str, str]:
+    def file(self, argv: list[str], stdin: str | None) -> tuple[int, str, str] | None:
+        """``cat``, ``rm -f`` and the atomic write through stdin of the node's record files."""
+        if argv[:2] == ["cat", "--"]:
+            if argv[2] in self.node_files:
+                return 0, self.node_files[argv[2]], ""
+            return 1, "", f"cat: {argv[2]}: No such file or directory"
+        if argv[:3] == ["rm", "-f", "--"]:
+            for f in argv[3:]:
+                self.node_files.pop(f, None)
+            return 0, "", ""
+        if argv[:2] == ["sh", "-c"] and argv[2].endswith('mv -f -- "$1.part" "$1"'):
+            self.node_files[argv[4]] = stdin or ""
+            return 0, "", ""
+        return None
+
+    def answer(self, argv: list[str], stdin: str | None = None) -> tuple[int, str, str]:
         if self.unreachable:
             return 255, "", "ssh: connect to host spark1 port 22: No route to host"
         if argv[:2] == ["sudo", "-n"]:
             if self.sudo_password:
                 return 1, "", "sudo: a password is required"
             argv = argv[3:] if argv[2] == "--" else argv[2:]
+        done = self.file(argv, stdin)
+        if done is not None:
+            return done
         if argv[:2] == ["systemctl", "list-units"]:
             names = argv[argv.index("--") + 1:]
             lines = [f"{u} loaded {s} {'running' if s == 'active' else 'dead'} unit {u}"
@@ -206,5 +226,5 @@ class ScriptedContext(FakeContext):
 
     def answer(self, alias, argv, stdin, command, kw):
         assert alias is not None, command
-        code, out, err = self.nodes[alias].answer(argv)
+        code, out, err = self.nodes[alias].answer(argv, stdin)
         return self.result(command, code, out, err)

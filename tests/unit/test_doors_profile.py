@@ -14,7 +14,7 @@ import yaml
 
 from sparkdeploy.config import ProfileError, load_profile
 from sparkdeploy.files import Escape, InputError, read_input, under
-from sparkdeploy.records import PlanMemory, RecordError, Records, StoppedServices
+from sparkdeploy.records import PlanMemory, RecordError, Records
 from sparkdeploy.state import StateDir
 from tests.unit.profiles import ROOT, seed_data
 
@@ -239,5 +239,5 @@ def test_state_dir_writes_nothing_outside_itself(tmp_path):
     with pytest.raises(RecordError, match="bad record name"):
         records.write(PlanMemory(steps={}), "deploy-../../../x")
     with pytest.raises(RecordError, match="bad record name"):
-        records.remove(StoppedServices, "..")
+        records.remove(PlanMemory, "..")
     assert sorted(p.name for p in tmp_path.rglob("*")) == []

@@ -43,15 +43,15 @@ class DockerNode(FakeNode):
         super().__init__(**kw)
         self.images = dict(images)
 
-    def answer(self, argv):
+    def answer(self, argv, stdin=None):
         if self.unreachable:
-            return super().answer(argv)
+            return super().answer(argv, stdin)
         if argv[:3] == SOCK and argv[3:5] == ["image", "ls"]:
             return 0, "".join(f"{t} {i}\n" for t, i in self.images.items()), ""
         if argv[:3] == SOCK and argv[3:5] == ["image", "inspect"]:
             found = self.images.get(argv[-1])
             return (0, json.dumps({"Id": found}), "") if found else (1, "", "No such image")
-        return super().answer(argv)
+        return super().answer(argv, stdin)
 
 
 @pytest.fixture

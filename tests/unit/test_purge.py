@@ -22,7 +22,7 @@ class DiskNode(FakeNode):
     files: set[str] = field(default_factory=set)
     removed: list[str] = field(default_factory=list)
 
-    def answer(self, argv):
+    def answer(self, argv, stdin=None):
         if argv[:2] == ["sudo", "-n"]:
             argv = argv[3:] if argv[2] == "--" else argv[2:]
         if argv[:2] == ["test", "-f"]:
@@ -30,7 +30,7 @@ class DiskNode(FakeNode):
         if argv[:3] == ["rm", "-rf", "--"]:
             self.removed.append(argv[3])
             return 0, "", ""
-        return super().answer(argv)
+        return super().answer(argv, stdin)
 
 
 @pytest.mark.parametrize("path", ["/home/ubuntu", "/var/lib/docker", "/srv/models/given"])

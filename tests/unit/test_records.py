@@ -15,7 +15,6 @@ from sparkdeploy.records import (
     RecordError,
     Records,
     ServeDecision,
-    StoppedServices,
     markdown_table,
 )
 from sparkdeploy.state import StateDir
@@ -59,14 +58,13 @@ def test_each_kind_has_its_home(tmp_path):
     homes = [
         (rec.write(Endpoint(url="http://h:1", engine="sglang", model="m")), "decisions/qwen-lab/endpoint.json"),
         (rec.write(ServeDecision(chosen="sglang", run_dir="/r")), "decisions/qwen-lab/serve.json"),
-        (rec.write(StoppedServices(units={"spark1": ["a.service"]}), "qwen-lab"), "services/qwen-lab.json"),
         (rec.write(PlanMemory(steps={}), "deploy-qwen-lab"), "runs/deploy-qwen-lab.json"),
         (rec.write(HubMetadata(repo="o/m", revision="main", commit="c" * 40, files=[], fetched_at=T),
                    "o--m@main"), "model/o--m@main.json"),
     ]
     assert [w.json for w, _ in homes] == [state / p for _, p in homes]
     assert all(w.markdown is None for w, _ in homes)
-    assert rec.read(StoppedServices, "qwen-lab").units == {"spark1": ["a.service"]}
+    assert rec.read(PlanMemory, "deploy-qwen-lab").steps == {}
     assert rec.read(Endpoint).url == "http://h:1"
     assert rec.read(ServeDecision).tried == []
 
@@ -105,7 +103,7 @@ def test_secrets_never_reach_a_record(tmp_path):
 @pytest.mark.parametrize("name", ["", "../x", "a/b", ".hidden", "..", "a\nb", "a\0b"])
 def test_names_that_would_leave_the_folder_are_refused(tmp_path, name):
     with pytest.raises(RecordError, match="bad record name"):
-        records(tmp_path).write(StoppedServices(units={}), name or None)
+        records(tmp_path).write(PlanMemory(steps={}), name or None)
     assert not (tmp_path / "state").exists()
 
 
@@ -113,9 +111,9 @@ def test_a_link_out_of_the_state_dir_is_refused(tmp_path):
     rec = records(tmp_path)
     (tmp_path / "state").mkdir()
     (tmp_path / "elsewhere").mkdir()
-    (tmp_path / "state/services").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "state/runs").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(RecordError, match="leads out of"):
-        rec.write(StoppedServices(units={"n": ["u"]}), "qwen-lab")
+        rec.write(PlanMemory(steps={}), "deploy-qwen-lab")
     assert not list((tmp_path / "elsewhere").iterdir())
 
 
@@ -141,16 +139,13 @@ def test_a_broken_or_foreign_file_is_one_line_naming_it(tmp_path, text, why):
 def test_records_written_before_the_envelope_still_read(tmp_path):
     rec = records(tmp_path)
     state = tmp_path / "state"
-    (state / "services").mkdir(parents=True)
-    (state / "services/qwen-lab.json").write_text(json.dumps({"spark1": ["a.service"]}))
-    (state / "runs").mkdir()
+    (state / "runs").mkdir(parents=True)
     (state / "runs/deploy-qwen-lab.json").write_text(json.dumps({"steps": {"image.probe": {
         "state": "done", "why": "chosen", "elapsed": 1.0, "fingerprint": {"x": 1}, "time": T}}}))
-    assert rec.read(StoppedServices, "qwen-lab").units == {"spark1": ["a.service"]}
     assert rec.read(PlanMemory, "deploy-qwen-lab").steps["image.probe"].fingerprint == {"x": 1}
-    (state / "services/qwen-lab.json").write_text(json.dumps({"spark1": "a.service"}))
-    with pytest.raises(RecordError, match="bad stopped-services record"):
-        rec.read(StoppedServices, "qwen-lab")
+    (state / "runs/deploy-qwen-lab.json").write_text(json.dumps({"steps": {"x": "done"}}))
+    with pytest.raises(RecordError, match="bad plan state record"):
+        rec.read(PlanMemory, "deploy-qwen-lab")
 
 
 def test_a_deploy_run_needs_every_part(tmp_path):

@@ -31,12 +31,22 @@ def remote(ctx, alias="spark1"):
 LIST = ("systemctl list-units --all --plain --no-legend --no-pager --type=service -- "
         + " ".join(GLM))
 GPU = "nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader"
+RECORD = "/var/lib/sparkdeploy-node/services/qwen3.5-122b-a10b-fp8.json"
+CAT = f"cat -- {RECORD}"
+WRITE = ("sudo -n -- sh -c 'umask 022 && mkdir -p -- \"$(dirname -- \"$1\")\" && cat > \"$1.part\" "
+         f"&& mv -f -- \"$1.part\" \"$1\"' sh {RECORD}")
+
+
+def stopped(node) -> list[str] | None:
+    """The units the node's own record says services.stop stopped (None: no record)."""
+    text = node.node_files.get(RECORD)
+    return json.loads(text)["units"] if text is not None else None
 
 
 def test_stop_exact_commands_in_profile_order(tmp_path):
     dep, ctx, _ = scripted(tmp_path, {"spark1": glm_node()})
     results = services.stop(dep)
-    assert remote(ctx) == [LIST] + [f"sudo -n -- systemctl stop {u}" for u in GLM] + [GPU]
+    assert remote(ctx) == [LIST, CAT, WRITE] + [f"sudo -n -- systemctl stop {u}" for u in GLM] + [GPU]
     assert [(r.step, r.status) for r in results] == [
         ("services.stop", Status.CHANGED), ("services.gpu-free", Status.OK)]
     # the whole local command line: OpenSSH, batch mode, host key checking, multiplexing
@@ -83,66 +93,68 @@ def test_missing_and_inactive_units_are_ok(tmp_path):
     node = FakeNode(units={"vllm-cluster.service": "inactive"})
     dep, ctx, _ = scripted(tmp_path, {"spark1": node})
     results = services.stop(dep)
-    assert remote(ctx) == [LIST, GPU]
+    assert remote(ctx) == [LIST, CAT, GPU]
     assert results[0].status is Status.OK
     assert "3 absent" in results[0].why
-    assert services.read_record(dep) == {}
-    assert not (tmp_path / "state/services/qwen3.5-122b-a10b-fp8.json").exists()
+    assert stopped(node) is None and not (tmp_path / "state/services").exists()
 
 
 def test_stop_records_then_restore_starts_in_reverse_and_forgets(tmp_path):
     node = glm_node()
-    dep, ctx, _ = scripted(tmp_path, {"spark1": node})
+    dep, ctx, _ = scripted(tmp_path, {"spark1": node, "spark2": FakeNode()})
     services.stop(dep)
-    record = json.loads((tmp_path / "state/services/qwen3.5-122b-a10b-fp8.json").read_text())
-    assert (record["step"], record["profile"], record["data"]) == (
-        "services.stop", "qwen3.5-122b-a10b-fp8", {"units": {"spark1": GLM}})
+    # the record is the node's own (written by root through stdin), not the controller's
+    [write] = [argv for a, argv in ctx.calls if "$1.part" in " ".join(argv)]
+    assert write[:3] == ["sudo", "-n", "--"] and write[-2:] == ["sh", RECORD]
+    assert json.loads(node.node_files[RECORD]) == {
+        "deployment": "qwen3.5-122b-a10b-fp8", "units": GLM, "time": "2026-11-30T00:53:20Z"}
+    assert not (tmp_path / "state/services").exists()
     ctx.calls.clear()
     results = services.restore(dep)
-    assert remote(ctx) == [LIST] + [f"sudo -n -- systemctl start {u}" for u in reversed(GLM)] + [LIST]
+    assert remote(ctx) == [CAT, LIST] + [f"sudo -n -- systemctl start {u}" for u in reversed(GLM)] + [
+        LIST, f"sudo -n -- rm -f -- {RECORD}"]
     assert results[0].status is Status.CHANGED
     assert all(node.units[u] == "active" for u in GLM)
-    assert not (tmp_path / "state/services/qwen3.5-122b-a10b-fp8.json").exists()
-    assert services.restore(dep)[0].why == "nothing recorded to restore"
+    assert stopped(node) is None
+    assert [r.why for r in services.restore(dep)] == ["nothing recorded to restore"] * 2
 
 
 def test_stop_twice_keeps_the_record_then_restore(tmp_path):
     node = glm_node()
-    dep, ctx, _ = scripted(tmp_path, {"spark1": node})
+    dep, ctx, _ = scripted(tmp_path, {"spark1": node, "spark2": FakeNode()})
     services.stop(dep)
     second = services.stop(dep)
     assert second[0].status is Status.OK
-    assert services.read_record(dep) == {"spark1": GLM}
+    assert stopped(node) == GLM
     services.restore(dep)
     assert all(node.units[u] == "active" for u in GLM)
 
 
 def test_restore_after_partial_stop(tmp_path):
     node = glm_node(fail_stop={"vllm-reranker.service"})
-    dep, ctx, _ = scripted(tmp_path, {"spark1": node})
+    dep, ctx, _ = scripted(tmp_path, {"spark1": node, "spark2": FakeNode()})
     results = services.stop(dep)
     assert results[0].status is Status.FAILED
     assert results[0].why == "systemctl stop vllm-reranker.service: Job for vllm-reranker.service failed."
     # every unit that was active is recorded before anything stopped
-    assert services.read_record(dep) == {"spark1": GLM}
+    assert stopped(node) == GLM
     ctx.calls.clear()
     services.restore(dep)
     # the two that did stop come back; the two still running are not started again
-    assert remote(ctx)[1:3] == ["sudo -n -- systemctl start vllm-embeddings.service",
+    assert remote(ctx)[2:4] == ["sudo -n -- systemctl start vllm-embeddings.service",
                                 "sudo -n -- systemctl start vllm-proxy.service"]
     assert all(node.units[u] == "active" for u in GLM)
 
 
 def test_restore_failure_keeps_the_record(tmp_path):
     node = glm_node()
-    dep, ctx, _ = scripted(tmp_path, {"spark1": node})
+    dep, ctx, _ = scripted(tmp_path, {"spark1": node, "spark2": FakeNode()})
     services.stop(dep)
     node.fail_start = {"vllm-cluster.service"}
     results = services.restore(dep)
     assert results[0].status is Status.FAILED
     assert "vllm-cluster.service" in results[0].why
-    assert services.read_record(dep) == {
-        "spark1": ["vllm-cluster.service"]}
+    assert stopped(node) == ["vllm-cluster.service"]
 
 
 def test_dry_run_lists_and_changes_nothing(tmp_path, capsys):
@@ -151,10 +163,10 @@ def test_dry_run_lists_and_changes_nothing(tmp_path, capsys):
     with dep.events.collect() as events:
         results = services.stop(dep)
     # only read-only probes ran (who holds the busy GPU: no engine container of ours)
-    [ps] = remote(ctx)[2:]
-    assert remote(ctx)[:2] == [LIST, GPU] and ps.startswith(PS)
+    [ps] = remote(ctx)[3:]
+    assert remote(ctx)[:3] == [LIST, CAT, GPU] and ps.startswith(PS)
     out = [describe(e) for e in events if isinstance(e, Echo)]
-    assert out[:-1] == [f"[spark1] $ {LIST}"] + [
+    assert out[:-1] == [f"[spark1] $ {LIST}", f"[spark1] $ {CAT}"] + [
         f"[spark1] would run: sudo -n systemctl stop {u}" for u in GLM] + [f"[spark1] $ {GPU}"]
     assert out[-1].startswith(f"[spark1] $ {PS}")
     assert all(node.units[u] == "active" for u in GLM)
@@ -226,7 +238,7 @@ def test_an_unreachable_node_is_one_failed_line_and_the_others_go_on(tmp_path):
         ("spark1", Status.FAILED, "unreachable: ssh: connect to host spark1 port 22: No route to host"),
         ("spark2", Status.OK, "GPU free")]
     # spark1 was asked once and checked once, then never again
-    assert [argv[0] for a, argv in ctx.calls if a == "spark1"] == ["systemctl", "true"]
+    assert [argv[0] for a, argv in ctx.calls if a == "spark1"] == ["cat", "true"]
 
 
 @pytest.mark.parametrize("task,argv", [("status", []), ("stop", ["--node", "spark1"])])

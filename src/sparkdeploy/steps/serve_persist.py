@@ -40,7 +40,7 @@ from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import EngineError, Launch, NodeFacts, launch
 from sparkdeploy.engines.base import API_KEY_ENV, profile_secrets, run_args
 from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image
+from sparkdeploy.nodeops import NODE_STATE, NodeUnreachable, docker, inspect_image
 from sparkdeploy.packaged import helper
 from sparkdeploy.results import Result, changed, ok
 from sparkdeploy.steps.registry import StepContext, step
@@ -59,7 +59,7 @@ from sparkdeploy.wait import WaitTimeout, wait_for
 
 STEP_PERSIST = "serve.persist"
 STEP_UNPERSIST = "serve.unpersist"
-NODE_DIR = "/var/lib/sparkdeploy-node/serve"
+NODE_DIR = f"{NODE_STATE}/serve"
 SUPERVISOR = "serve_unit.py"
 WATCHDOG = "serve_watchdog.py"
 """The watchdog's decisions, beside the supervisor (it imports them)."""

@@ -7,20 +7,23 @@ labels and ``docker top``) is not waited on: the step says at once whose it is. 
 deployment's own engine is ``ok`` (``serve.up`` keeps it or replaces it); another deployment's
 fails, naming the container and its deployment.
 
-Before stopping, the controller records which units were active (``services/<profile>.json``
-in the state dir); ``stop`` only ever adds to that record, ``restore`` starts exactly the
-recorded units in reverse order and then forgets them.
+Before stopping, the node records which units were active (its own record,
+``/var/lib/sparkdeploy-node/services/<profile>.json``: any controller with the profile restores
+them); ``stop`` only ever adds to that record, ``restore`` starts exactly the recorded units in
+reverse order and then forgets them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import BaseModel
+
 from sparkdeploy import labels
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.hosts import Host, NodeUnreachable
-from sparkdeploy.nodeops import docker
-from sparkdeploy.records import StoppedServices
+from sparkdeploy.hosts import Host, HostError, NodeUnreachable
+from sparkdeploy.nodeops import NODE_STATE, docker, read_node_file, write_node_file
+from sparkdeploy.outside import OutsideError, last_line
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.registry import StepContext, step
 from sparkdeploy.wait import Stop, WaitTimeout, wait_for
@@ -85,18 +88,33 @@ def parse_compute_apps(text: str) -> list[GpuProcess]:
     return procs
 
 
-def read_record(dep: Deployment) -> dict[str, list[str]]:
-    """{node: units stopped by services.stop, in stop order} (``StoppedServices``)."""
-    rec = dep.records.read(StoppedServices, dep.profile.name)
-    return dict(rec.units) if rec else {}
+class NodeStopped(BaseModel):
+    """What ``services.stop`` stopped on a node for a deployment (the node's own record)."""
+
+    deployment: str
+    units: list[str]
+    time: str
 
 
-def _write_record(dep: Deployment, record: dict[str, list[str]]) -> None:
-    record = {k: v for k, v in record.items() if v}
-    if record:
-        dep.records.write(StoppedServices(units=record), dep.profile.name)
-    else:
-        dep.records.remove(StoppedServices, dep.profile.name)
+def record_path(dep: Deployment) -> str:
+    return f"{NODE_STATE}/services/{dep.profile.name}.json"
+
+
+def recorded(dep: Deployment, host: Host) -> list[str]:
+    """The units ``services.stop`` stopped on the node for this deployment, in stop order
+    (from the node: any controller restores them)."""
+    text = read_node_file(host, record_path(dep))
+    if text is None:
+        return []
+    try:
+        return last_line(NodeStopped, text, f"{host.name}: {record_path(dep)}").units
+    except OutsideError as e:
+        raise HostError(str(e)) from None
+
+
+def _record(dep: Deployment, host: Host, units: list[str]) -> None:
+    rec = NodeStopped(deployment=dep.profile.name, units=units, time=labels.stamp(dep.wall()))
+    write_node_file(host, record_path(dep), rec.model_dump_json() + "\n" if units else None)
 
 
 def _merge(previous: list[str], new: list[str], order: list[str]) -> list[str]:
@@ -242,11 +260,10 @@ def _stop_node(ctx: StepContext, host: Host, units: list[str]) -> bool:
         return True
     active = [u for u in units if states.get(u) == "active"]
     absent = [u for u in units if u not in states]
-    record = read_record(dep)
-    merged = _merge(record.get(host.name, []), active, units)
-    if merged != record.get(host.name, []) and not dep.dry:
-        record[host.name] = merged
-        _write_record(dep, record)
+    before = recorded(dep, host)
+    merged = _merge(before, active, units)
+    if merged != before and not dep.dry:
+        _record(dep, host, merged)
     stopped: list[str] = []
     for u in active:
         r = host.run(["systemctl", "stop", u], sudo=True)
@@ -292,24 +309,18 @@ def stop(ctx: StepContext, node: str | None = None) -> None:
 def restore(ctx: StepContext, node: str | None = None) -> None:
     """Start exactly the recorded units, in reverse stop order, then forget them."""
     dep = ctx.dep
-    record = read_record(dep)
-    names = [h.name for h in dep.select(node)] if node else list(record)
-    if not any(record.get(n) for n in names):
-        ctx.ok("nothing recorded to restore")
-        return
 
     def one(host: Host) -> None:
-        units = record.get(host.name, [])
+        units = recorded(dep, host)
         if units:
-            ctx.report(_restore_node(dep, host, units, record))
+            ctx.report(_restore_node(dep, host, units))
         else:
-            ctx.ok("nothing recorded for this node", host.name)
+            ctx.ok("nothing recorded to restore", host.name)
 
-    ctx.each([dep.host(n) for n in names], one)
+    ctx.each(dep.select(node), one)
 
 
-def _restore_node(dep: Deployment, host: Host, units: list[str],
-                  record: dict[str, list[str]]) -> Result:
+def _restore_node(dep: Deployment, host: Host, units: list[str]) -> Result:
     name = host.name
     states, err = probe_units(host, units)
     if states is None and not dep.dry:
@@ -329,12 +340,10 @@ def _restore_node(dep: Deployment, host: Host, units: list[str],
     after, err = probe_units(host, units)
     not_active = [u for u in units if (after or {}).get(u) != "active"]
     if problems or not_active:
-        record[name] = not_active or units
-        _write_record(dep, record)
+        _record(dep, host, not_active or units)
         why = "; ".join(problems) or f"not active after start: {', '.join(not_active)}"
         return failed(STEP_RESTORE, why, name, started=started)
-    record.pop(name, None)
-    _write_record(dep, record)
+    _record(dep, host, [])
     if started:
         return changed(STEP_RESTORE, f"started {', '.join(started)}", name, started=started)
     return ok(STEP_RESTORE, "recorded units already active", name)
@@ -344,12 +353,11 @@ def _restore_node(dep: Deployment, host: Host, units: list[str],
 def status(ctx: StepContext, node: str | None = None) -> None:
     """Each node's configured and recorded units, and what is on its GPU."""
     dep = ctx.dep
-    record = read_record(dep)
 
     def one(host: Host) -> None:
-        units = list(dict.fromkeys([*dep.profile.services.stop.get(host.name, []),
-                                    *record.get(host.name, [])]))
-        ctx.report(_status_node(host, units, record.get(host.name, [])))
+        mine = recorded(dep, host)
+        units = list(dict.fromkeys([*dep.profile.services.stop.get(host.name, []), *mine]))
+        ctx.report(_status_node(host, units, mine))
 
     ctx.each(dep.select(node), one)
 
