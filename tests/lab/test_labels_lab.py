@@ -5,7 +5,8 @@ killed (SIGKILL) mid-serve.up leaves containers that the next serve.up from the 
 removes before it serves; serve.down from any clone leaves no engine container on any node.
 
 Afterwards the lab is as the other tests expect it: nothing of ours serving, the head's GLM
-units back (services.restore from the clone that stopped them)."""
+units back (deploy.rollback from the second clone, by the head's own record of what
+services.stop stopped)."""
 
 from __future__ import annotations
 
@@ -68,10 +69,12 @@ def clones(lab, tmp_path_factory):
     assert cp.returncode == 0, cp.stdout[-4000:] + cp.stderr[-2000:]
     print(f"\nclone A deploy.all: {took:.1f}s")
     yield lab, a, b
-    inv(b, "serve.down")
-    assert everywhere(lab) == {n: {} for n in NODES}
-    cp, _ = inv(a, "services.restore")
+    # rolled back from the clone that never stopped the head's units: the node's record says
+    cp, _ = inv(b, "deploy.rollback")
     assert cp.returncode == 0, cp.stdout[-2000:] + cp.stderr[-2000:]
+    assert everywhere(lab) == {n: {} for n in NODES}
+    st = lab.ssh("spark1", ["systemctl", "is-active", "vllm-cluster.service"], check=False)
+    assert st.stdout.strip() == "active"
 
 
 def test_a_second_clone_sees_names_and_adopts_the_deployment(clones):
@@ -123,6 +126,9 @@ def test_a_controller_killed_mid_start_leaves_nothing_after_the_next_run(clones)
     left = everywhere(lab)
     print(f"left by the killed controller: {left}")
     assert left["spark1"], left
+    gpu = lab.ssh("spark1", ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory",
+                             "--format=csv,noheader"]).stdout
+    print(f"spark1's GPU after the kill: {gpu.strip() or 'free'}")
     # the other clone's serve.up finds them by their labels, removes them, and serves
     up, took = inv(b, "serve.up")
     print(f"clone B serve.up after the kill: {took:.1f}s")
