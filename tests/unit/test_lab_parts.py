@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from pathlib import Path
 
 from sparkdeploy.lab import dockerd, keys, layout, proc
 from sparkdeploy.lab.layout import AddressPlan
+from sparkdeploy.wait import wait_for
 
 N = "/var/lib/sparkdeploy/lab/nodes/spark2"
 ENTER = ["nsenter", "--mount=/var/lib/sparkdeploy/lab/ns/spark2.mnt",
@@ -100,3 +102,18 @@ def test_heartbeat_speaks_only_after_a_quiet_spell_inside_a_phase():
             assert beat.beat() is False
     assert got[0] == Progress("wheels", None, 12, None, "s", "elapsed, pip download")
     assert got[1] == Progress("wheels", "spark1", 11, None, "s", "elapsed, inner")
+
+
+def test_a_daemon_of_ours_that_died_leaves_no_zombie_once_stopped(tmp_path):
+    rec = proc.spawn(["sleep", "60"], tmp_path / "sleep.log")
+    os.kill(rec["pid"], signal.SIGKILL)
+    wait_for(lambda: not proc.alive(rec), deadline=5, interval=0.02)
+    assert Path(f"/proc/{rec['pid']}").exists()  # a zombie: dead, not reaped
+    assert proc.stop(rec) is False  # it was not running
+    assert not Path(f"/proc/{rec['pid']}").exists()
+
+
+def test_our_children_killed_by_pid_leave_no_zombie(tmp_path):
+    recs = [proc.spawn(["sleep", "60"], tmp_path / f"s{i}.log") for i in range(2)]
+    assert sorted(proc.kill_pids([r["pid"] for r in recs])) == sorted(r["pid"] for r in recs)
+    assert not [r for r in recs if Path(f"/proc/{r['pid']}").exists()]

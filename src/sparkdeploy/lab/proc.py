@@ -146,8 +146,12 @@ def reap_exited() -> None:
 
 
 def stop(rec: dict | None, timeout: float = 15) -> bool:
-    """SIGTERM a recorded process, wait, then SIGKILL. True if it was running."""
+    """SIGTERM a recorded process, wait, then SIGKILL. True if it was running.
+
+    A daemon of ours that already died is a zombie until we reap it: reaped here too, so no
+    entry of it stays in ``/proc``."""
     if rec is None or not alive(rec):
+        reap_exited()
         return False
     pid = int(rec["pid"])
 
@@ -217,4 +221,5 @@ def kill_pids(pids: Sequence[int], timeout: float = 10) -> list[int]:
         if alive(r):
             _signal(r["pid"], signal.SIGKILL)
     _quietly(lambda: not any(alive(r) for r in recs), 5, 0.1)
+    reap_exited()  # those that were our own children leave no zombie behind
     return [r["pid"] for r in recs]
