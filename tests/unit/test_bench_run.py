@@ -278,3 +278,26 @@ def test_a_fifo_is_not_a_compare_input(tmp_path):
     with pytest.raises(Exit) as e:
         bench_tasks.compare(Context(Config()), str(fifo), str(fifo))
     assert e.value.code == 2 and "not a regular file (a FIFO, a device or a socket)" in str(e.value)
+
+
+def test_the_api_key_travels_in_the_header_and_nowhere_in_what_is_written(tmp_path, monkeypatch,
+                                                                          capsys):
+    secret = "k3y-" + "7f" * 8
+    srv = es.start_in_thread(es.Config(port=0, ttft_ms=1, gap_ms=1, api_key=secret))
+    try:
+        out = tmp_path / "r.json"
+        url = f"http://127.0.0.1:{srv.port}/v1"
+        monkeypatch.delenv("SPARKDEPLOY_API_KEY", raising=False)
+        with pytest.raises(Exit):  # no key: /v1/models answers 401, one line
+            bench_tasks.run(ctx(tmp_path), url=url, concurrency="1", requests=2,
+                            output_tokens=3, input_tokens=4, warmup=0, json=str(out))
+        assert "HTTP 401" in capsys.readouterr().out and not out.exists()
+        monkeypatch.setenv("SPARKDEPLOY_API_KEY", secret)
+        bench_tasks.run(ctx(tmp_path), url=url, concurrency="1", requests=2, output_tokens=3,
+                        input_tokens=4, warmup=0, json=str(out))
+        doc = out.read_text()
+        assert json.loads(doc)["runs"][0]["summary"]["completed"] == 2
+        assert secret not in doc and secret not in capsys.readouterr().out
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -28,6 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from sparkdeploy.bench.metrics import Timeline, analyse, stats, summarize
+from sparkdeploy.endpoint import headers as auth_headers
 from sparkdeploy.events import EventSink, Progress
 from sparkdeploy.outside import ModelList, OutsideError, request, watchdog
 
@@ -94,7 +95,7 @@ def default_model(target: Target, deadline: float = 10.0) -> str:
     """The first model ``/v1/models`` lists; one BenchError line naming the URL otherwise."""
     url = f"{target.url}/v1/models"
     try:
-        r = request("GET", url, deadline=deadline)
+        r = request("GET", url, headers=auth_headers(), deadline=deadline)
         if r.status != 200:
             raise BenchError(f"{url}: HTTP {r.status} {r.body[:200]!r}")
         return r.json(ModelList, url).data[0].id
@@ -139,7 +140,9 @@ class Overhead:
 
 def _stream(conn, target: Target, path: str, body: bytes, tl: Timeline, ov: Overhead) -> None:
     """Send one request, record every SSE data payload with its arrival time."""
-    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+    # the API key (SPARKDEPLOY_API_KEY) as the readiness checks send it: a header, never argv
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream",
+               **auth_headers()}
     perf = time.perf_counter
     # format the request first, take the start time, then send: the timestamp covers only
     # the send itself
