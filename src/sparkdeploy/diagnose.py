@@ -164,6 +164,8 @@ ENGINE_INIT = pat(r"Available KV cache memory|GPU KV cache size|# GPU blocks|ini
                   "kv cache", "gpu blocks", "init engine", "memory profiling", "api server",
                   "uvicorn running", "startup complete", icase=False)
 STORE_TIMEOUT = pat(r"waiting for clients\. \d+/\d+ clients joined", "clients joined", icase=False)
+# A line vLLM's own multiproc executor logged (a worker's traceback comes through it).
+MP_EXECUTOR = pat(r"\[multiproc_executor\.py:\d+\]", "multiproc_executor", icase=False)
 READY = pat(r"Application startup complete|The server is fired up and ready to roll|Uvicorn running on",
             "startup complete", "ready to roll", "uvicorn running")
 CRASH = pat(
@@ -400,7 +402,7 @@ class Log:
 def patterns(rules: Sequence[Rule] | None = None) -> list[Pat]:
     """Every pattern the classifier tries (the rules' and the sequence rules' markers)."""
     pats = [PAST_INIT, READY, CRASH, KILLED, NCCL_WORKS, CONFIG_LOOKUP, MP_LEADER, WEIGHTS_LOADED,
-            ENGINE_INIT, STORE_TIMEOUT]
+            ENGINE_INIT, STORE_TIMEOUT, MP_EXECUTOR]
     pats += [p for st in INIT_STAGES for p in (st.begin, st.end)]
     for r in RULES if rules is None else rules:
         pats += [p for p in (r.pattern, r.context, r.void_after) if p is not None]
@@ -502,6 +504,11 @@ def _init_hang(log: Log) -> Finding | None:
     return Finding("nccl-init-hang", 30, why, evidence)
 
 
+JOIN_FIX = ("check each worker's --master-addr (the head's fast-link address) and that its VLLM_HOST_IP is "
+            "its own fast-link address (not 127.0.1.1 from `hostname -i`)")
+STORE_CONTEXT = 12  # lines before a store timeout in which vLLM's executor must have logged
+
+
 def _worker_never_joined(log: Log) -> Finding | None:
     """vLLM's own multi-node mode: the head (its leader line says ranks of other nodes belong to
     it) never got to the engine's init (KV cache sizing) and did not crash: it waits for a worker
@@ -510,12 +517,11 @@ def _worker_never_joined(log: Log) -> Finding | None:
     advertises (VLLM_HOST_IP)."""
     lead = log.last(MP_LEADER)
     if lead is None:
-        return None
+        return _executor_store_timeout(log)
     m = MP_LEADER.regex.search(log.lines[lead])
     if m is None or int(m.group(1)) <= int(m.group(2)) or log.last(ENGINE_INIT, lead) is not None:
         return None  # one node's ranks only, or the head got past waiting for its workers
-    fix = ("check each worker's --master-addr (the head's fast-link address) and that its VLLM_HOST_IP is "
-           "its own fast-link address (not 127.0.1.1 from `hostname -i`)")
+    fix = JOIN_FIX
     timeout = log.last(STORE_TIMEOUT, lead)
     if timeout is not None:
         return Finding("worker-never-joined", 45, "a worker rank never joined vLLM's head: the store on "
@@ -538,6 +544,26 @@ def _worker_never_joined(log: Log) -> Finding | None:
         evidence.append(log.ev(last))
     return Finding("worker-never-joined", 45, f"a worker rank never joined vLLM's head: {where}; {fix}",
                    evidence)
+
+
+def _executor_store_timeout(log: Log) -> Finding | None:
+    """No leader line (an excerpt of the head's log, or a vLLM that prints none): the rendezvous
+    store timed out waiting for clients inside a worker of vLLM's own multiproc executor (its
+    traceback, logged by ``multiproc_executor.py``, just before the timeout). In that executor the
+    clients that never came are ranks of another node: a local worker that dies takes the executor
+    down at once, long before the store's timeout. Not so for a bare c10d, SGLang or Ray store
+    timeout, which stays a generic init hang."""
+    timeout = log.last(STORE_TIMEOUT)
+    if timeout is None:
+        return None
+    window = range(timeout, max(-1, timeout - 1 - STORE_CONTEXT), -1)
+    executor = next((j for j in window if log.hit(MP_EXECUTOR, j)), None)
+    if executor is None:
+        return None
+    evidence = [log.ev(j) for j in sorted({executor, timeout})]
+    return Finding("worker-never-joined", 45, "a worker rank never joined vLLM's head: the store on "
+                   "--master-addr:--master-port timed out waiting for it (in vLLM's multiproc executor); "
+                   f"{JOIN_FIX}", evidence)
 
 
 SequenceRule = Callable[[Log], "Finding | None"]

@@ -85,6 +85,9 @@ EXPECTED: dict[str, dict[str, list[int]]] = {
     "nccl-init-hang/sglang-two-h200-nodes-watchdog-work-timeout.log": {"": [2, 3, 4]},
     "link-misconfigured/vllm-ray-gloo-connectfullmesh.log": {"": [3]},
     "arch-unsupported/triton-out-of-resource-shared-memory-101376.log": {"": [2]},
+    # worker-never-joined (vLLM's own multi-node mode) from real logs, written against the lab's stand-in
+    # first: held out when the rule for a store timeout without the leader line was written
+    "worker-never-joined/vllm-no-ray-head-store-1of2.log": {"": [7, 9]},
     # nothing matched: the evidence is each log's last lines
     "unknown/vllm-illegal-memory-access.log": {"": [5, 6, 7]},
     "unknown/vllm-pp-worker-illegal-address.log": {"": [8, 9, 10]},
@@ -660,6 +663,23 @@ def test_standin_sglang_without_host_ip_hangs_unless_loopback_is_the_default(tmp
     d = dx.classify(logs)
     served = any("fired up" in line for line in logs["head"])
     assert d.cls == ("unknown" if served else "nccl-init-hang"), (d, logs)
+
+
+STORE_1OF2 = "torch.distributed.DistStoreError: Timed out after 601 seconds waiting for clients. 1/2 clients joined."
+EXECUTOR_LINE = ("(Worker pid=213) ERROR 08-03 13:35:33 [multiproc_executor.py:912]     store, rank, world_size = "
+                 "next(rendezvous_iterator)")
+
+
+def test_a_store_timeout_inside_vllms_executor_is_a_worker_that_never_joined():
+    d = dx.classify({"head": ["x", EXECUTOR_LINE, STORE_1OF2]})
+    assert d.cls == "worker-never-joined" and [e.line_no for e in d.evidence] == [2, 3]
+    assert "VLLM_HOST_IP" in d.summary
+    # c10d's, SGLang's or a torchrun store alone says nothing of vLLM's nodes: the generic hang
+    assert cls_of(head=["x", STORE_1OF2]) == "nccl-init-hang"
+    # the executor's line must belong to the timeout's traceback, not to another part of the log
+    assert cls_of(head=[EXECUTOR_LINE] + ["x"] * 12 + [STORE_1OF2]) == "nccl-init-hang"
+    # a named cause still wins over the wait it leaves
+    assert cls_of(head=[EXECUTOR_LINE, STORE_1OF2], worker=[PORT]) == "port-in-use"
 
 
 def test_a_hang_ended_by_a_watchdog_kill_is_still_the_hang():
