@@ -287,6 +287,20 @@ class Serve(_Strict):
     restart_backoff_max_s: float = Field(default=600, ge=0, le=DAY)
 
 
+class Fit(_Strict):
+    """``model.fit``: what an engine needs per GPU beside its slice of the weights."""
+
+    reserve_gib: float = Field(default=8.0, ge=0, le=4096)
+    """GiB per GPU beside the weights: CUDA context and NCCL buffers (~1.5), the activations of
+    the engine's memory profiling run (~3), CUDA graphs (~1.5), a minimal KV cache (~2). An
+    estimate to refuse what cannot work, not a measurement."""
+    engines: dict[str, Annotated[float, Field(ge=0, le=4096)]] = Field(default_factory=dict)
+    """``reserve_gib`` per engine name, where one engine needs another figure."""
+
+    def reserve(self, engine: str) -> float:
+        return self.engines.get(engine, self.reserve_gib)
+
+
 class Bench(_Strict):
     concurrency: list[Annotated[int, Field(ge=1, le=checks.MAX_CONCURRENCY)]] = Field(
         default_factory=lambda: [1, 8])
@@ -315,6 +329,7 @@ class Profile(_Strict):
     engines: list[Engine] = Field(min_length=1)
     bench: Bench = Field(default_factory=Bench)
     serve: Serve = Field(default_factory=Serve)
+    fit: Fit = Field(default_factory=Fit)
     endpoint: Url | None = None
     """The deployed OpenAI-compatible endpoint, when known (bench's default target)."""
 
@@ -428,6 +443,9 @@ def _cross_checks(p: Profile) -> tuple[str, str] | None:
             )
         if e.dist_port is not None and e.dist_port == e.port:
             return f"sparkdeploy.engines[{i}].dist_port", "must differ from port"
+    for name in p.fit.engines:
+        if name not in names:
+            return f"sparkdeploy.fit.engines.{name}", "no engine by that name"
     return None
 
 

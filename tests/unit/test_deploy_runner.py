@@ -323,7 +323,7 @@ def test_task_bad_step_name_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [
         "--only: no step 'nope' in the plan (steps: model.download, hosts.check, services.stop, "
-        "image.probe, image.build, image.ship, model.sync, model.verify, serve.up, bench.run)"]
+        "model.fit, image.probe, image.build, image.ship, model.sync, model.verify, serve.up, bench.run)"]
 
 
 def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
@@ -348,7 +348,11 @@ def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
         out = Runner(dep, steps).run()
     assert not out.failed, [r.why for r in out.results()]
     launched = [s for s, st in states(got) if st == "running"]
-    assert launched[:2] == ["model.download", "model.sync"]  # the long step first, its follower next
+    # the head's units stopped, the fit checked, then the long step first, its follower next
+    assert calls.log.index("end services.stop") < calls.log.index("start model.fit")
+    assert calls.log.index("end model.fit") < calls.log.index("start model.download")
+    i = launched.index("model.download")
+    assert launched[i:i + 2] == ["model.download", "model.sync"]
     assert calls.log.index("start model.sync") < calls.log.index("end model.download")
     assert calls.log.index("start image.ship") < calls.log.index("end model.download"), " ".join(calls.log)
     assert out.runs["image.build"].state == "skipped"

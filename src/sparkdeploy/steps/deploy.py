@@ -2,10 +2,10 @@
 
 The plan (data, run by ``sparkdeploy.runner``)::
 
-    hosts.check -> services.stop (head)
+    hosts.check -> services.stop (head) -> model.fit (every node's memory against its share)
     hosts.check -> image.probe -> image.build (when the chosen image needs the layer) ->
     image.ship (workers)
-    model.download (head, long: starts first) ~> model.sync (workers; starts once the download
+    model.fit -> model.download (head, long: starts first) ~> model.sync (workers; starts once the download
     has started and follows it file by file) -> model.verify (every node, from the records)
     all of the above -> serve.up (with fallback) -> bench.run (a smoke: a few requests at
     concurrency 1, when something changed or with --bench) -> serve.persist (with --persist)
@@ -166,6 +166,13 @@ def fp_model(dep: Deployment) -> dict[str, Any]:
     return {**_section(dep, "model"), "head": dep.profile.head.name}
 
 
+def fp_fit(dep: Deployment) -> dict[str, Any]:
+    """The model, the engines, the nodes and the reserve: unchanged since a fit that passed, the
+    fit is not measured again (this deployment's own engine, serving by then, holds the memory
+    a second measurement would miss)."""
+    return _section(dep, "model", "engines", "nodes", "fit")
+
+
 def fp_sync(dep: Deployment) -> dict[str, Any]:
     return {**_section(dep, "model"), "workers": [n.name for n in dep.profile.workers]}
 
@@ -221,6 +228,7 @@ def plan(dep: Deployment, *, bench: bool = False, persist: bool = False) -> list
         PlanStep("model.download", {"node": head}, fingerprint=fp_model),
         PlanStep("hosts.check", fingerprint=fp_hosts),
         PlanStep("services.stop", {"node": head}, fingerprint=fp_services, reuse=True),
+        PlanStep("model.fit", fingerprint=fp_fit, reuse=True),
         # the probe runs CPU-only containers (no GPU, no network): it need not wait for the GPU
         PlanStep("image.probe", fingerprint=fp_probe, reuse=True),
         PlanStep("image.build", fingerprint=fp_build, when=why_skip_build),

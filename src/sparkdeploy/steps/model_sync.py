@@ -367,7 +367,7 @@ class Plan:
         return all(not files or dst in self.failed for dst, files in self.need.items())
 
 
-@step(SYNC, after_start=(DOWNLOAD,), long=True)
+@step(SYNC, needs=("model.fit",), after_start=(DOWNLOAD,), long=True)
 def sync(ctx: StepContext, to: str = "all", only: list[str] | None = None) -> None:
     """Copy the weights (or the files ``only``) to the workers over the fast link, file by file
     as the head completes them (starts while model.download runs: no need on it)."""

@@ -31,4 +31,11 @@ def sync(c, to="all", profile=None):
     run_step(c, "model.sync", to=to, profile=profile, lock=False)
 
 
-ns = Collection("model", download, verify, sync)
+@task(help={"profile": "profile file"})
+def fit(c, profile=None):
+    """Check that each node's share of the weights, plus the engine's reserve, and the engine's
+    memory fraction fit the memory the node reports (before downloading; exit 1 when not)."""
+    run_step(c, "model.fit", profile=profile, lock=False)
+
+
+ns = Collection("model", download, verify, sync, fit)

@@ -1,0 +1,139 @@
+"""Does the model fit? The decision ``model.fit`` makes before a byte is downloaded, as pure
+arithmetic over what the hub and the nodes report (no node, no hub here).
+
+For one engine on one node:
+
+- the node's share of the weights: the weight files' bytes / (tensor x pipeline parallel) per
+  GPU (each rank holds one slice), times the GPUs the profile gives the node;
+- plus the engine's reserve per GPU (``fit.reserve_gib``: CUDA context and NCCL buffers,
+  activations at the engine's memory profiling, CUDA graphs, a minimal KV cache);
+- against what the node reports usable (``NodeMemory.gpu_usable`` per GPU: on a GB10 the
+  operating system's ``MemAvailable``, never ``MemTotal``);
+- and, when the engine's args name a memory fraction (``--gpu-memory-utilization``,
+  ``--mem-fraction-static``), fraction x the node's total against the same usable figure: an
+  engine that asks for more than the node can give fails at start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+GIB = 1024 ** 3
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+"""The files that are weights; when a repo has none of them, every file counts."""
+FRACTION_FLAGS = ("--gpu-memory-utilization", "--mem-fraction-static")
+
+
+class FitError(ValueError):
+    """An engine's args that cannot be read (a fraction that is no number in (0, 1])."""
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def weight_bytes(files: Sequence[dict]) -> int:
+    """The bytes of the weight files among ``files`` (``{"path", "size"}``, as the hub's
+    metadata lists them); all files' bytes when none is a weight file."""
+    weights = [f for f in files if str(f["path"]).endswith(WEIGHT_SUFFIXES)]
+    return sum(int(f["size"]) for f in (weights or files))
+
+
+def memory_fraction(args: Sequence[str]) -> tuple[str, float] | None:
+    """(flag, value) of the memory fraction ``args`` set (the last one wins, as argparse
+    reads it); None when they set none. ``FitError`` for a value that is not in (0, 1]."""
+    found: tuple[str, str] | None = None
+    for i, a in enumerate(args):
+        for flag in FRACTION_FLAGS:
+            if a == flag and i + 1 < len(args):
+                found = (flag, args[i + 1])
+            elif a.startswith(flag + "="):
+                found = (flag, a.split("=", 1)[1])
+    if found is None:
+        return None
+    flag, text = found
+    try:
+        value = float(text)
+    except ValueError:
+        raise FitError(f"{flag} {text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise FitError(f"{flag} {text} is not a fraction in (0, 1]")
+    return flag, value
+
+
+@dataclass(frozen=True)
+class Check:
+    """One engine on one node: what it needs and what the node gives (bytes, whole node)."""
+
+    node: str
+    engine: str
+    gpus: int
+    weights: float
+    reserve: float
+    usable: int
+    total: int
+    fraction: tuple[str, float] | None = None
+
+    @property
+    def need(self) -> float:
+        return self.weights + self.reserve
+
+    @property
+    def asks(self) -> float | None:
+        """What the memory fraction asks of the node (None: the args set none)."""
+        return self.fraction[1] * self.total if self.fraction else None
+
+    @property
+    def weights_fit(self) -> bool:
+        return self.need <= self.usable
+
+    @property
+    def fraction_fits(self) -> bool:
+        asks = self.asks
+        return asks is None or asks <= self.usable
+
+    @property
+    def fits(self) -> bool:
+        return self.weights_fit and self.fraction_fits
+
+    def demands(self) -> str:
+        """What the engine needs here, in words."""
+        out = f"{gib(self.need)} needed ({gib(self.weights)} of weights + {gib(self.reserve)} reserve)"
+        if self.fraction:
+            flag, value = self.fraction
+            out += f", {flag} {value:g} x {gib(self.total)} = {gib(self.asks or 0)}"
+        return out
+
+    def line(self) -> str:
+        """One line: fits or not, both numbers of each comparison that fails."""
+        if self.fits:
+            return (f"{self.node}: {self.engine} fits: {self.demands()}; {gib(self.usable)} "
+                    f"usable of {gib(self.total)}")
+        short = []
+        if not self.weights_fit:
+            short.append(f"{gib(self.need)} needed ({gib(self.weights)} of weights + "
+                         f"{gib(self.reserve)} reserve) > {gib(self.usable)} usable")
+        if not self.fraction_fits and self.fraction:
+            flag, value = self.fraction
+            short.append(f"{flag} {value:g} x {gib(self.total)} = {gib(self.asks or 0)} > "
+                         f"{gib(self.usable)} usable")
+        return f"{self.node}: {self.engine} does not fit: {'; '.join(short)}"
+
+
+def check(node: str, engine: str, *, gpus: int, weights: int, parallel: int, reserve_gib: float,
+          gpu_usable: int, gpu_total: int, args: Sequence[str] = ()) -> Check:
+    """``engine`` (``parallel`` = tensor x pipeline ranks, ``args``) on ``node`` (``gpus`` of
+    them in the profile; ``gpu_usable`` / ``gpu_total`` per GPU, as the node reports them)."""
+    return Check(node=node, engine=engine, gpus=gpus, weights=weights / parallel * gpus,
+                 reserve=reserve_gib * GIB * gpus, usable=gpu_usable * gpus,
+                 total=gpu_total * gpus, fraction=memory_fraction(args))
+
+
+def verdict(checks: dict[str, list[Check]]) -> tuple[str | None, list[Check]]:
+    """{engine: its check on every node, in profile order} -> (the first engine that fits on
+    every node, or None; the checks to report: per node, that engine's, or, when none fits,
+    the first engine's: the one ``serve.up`` tries first)."""
+    fitting = next((e for e, cs in checks.items() if all(c.fits for c in cs)), None)
+    first = fitting if fitting is not None else next(iter(checks), None)
+    return fitting, list(checks.get(first, [])) if first is not None else []

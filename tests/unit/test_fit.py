@@ -1,0 +1,248 @@
+"""model.fit: the weights' share of each node plus the engine's reserve against the memory the
+node reports, and the engine's memory fraction against what the node can give. Figures from
+outputs recorded on a real DGX Spark (GB10: nvidia-smi's [N/A], /proc/meminfo) and discrete GPUs
+(tests/unit/data/memory), lines asserted exactly."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from sparkdeploy import fit
+from sparkdeploy.helpers import memory_node as mn
+from sparkdeploy.memory import NodeMemory
+from sparkdeploy.records import HubMetadata
+from sparkdeploy.results import Status
+from sparkdeploy.steps import model_fit, registry
+from sparkdeploy.steps.model import cache_name
+from tests.unit.fakes import FakeContext, deployment
+from tests.unit.profiles import SEED, seed_data, write_profile
+
+DATA = Path(__file__).parent / "data" / "memory"
+MIB = 1024 * 1024
+KIB = 1024
+GIB = 1024 ** 3
+SEED_WEIGHTS = 125_000_000_000  # the seed model's FP8 weights, about 125 GB on the hub
+
+
+def gb10(meminfo: str | None = None) -> dict:
+    """The memory helper's answer on a GB10: nvidia-smi's [N/A] row, and the recorded
+    /proc/meminfo (or ``meminfo``)."""
+    text = meminfo if meminfo is not None else (DATA / "gb10-meminfo.txt").read_text()
+    rows = mn.parse_gpus("0, NVIDIA GB10, [N/A], [N/A]\n", mn.QUERY)
+    return mn.judge(rows, mn.parse_meminfo(text))
+
+
+def seed_check(answer: dict, engine: int = 0, reserve: float = 8.0):
+    e = _seed_engines()[engine]
+    m = NodeMemory.model_validate(answer)
+    return fit.check("spark2", e["name"], gpus=1, weights=SEED_WEIGHTS,
+                     parallel=e["tensor_parallel"] * e["pipeline_parallel"], reserve_gib=reserve,
+                     gpu_usable=m.gpu_usable, gpu_total=m.gpu_total, args=e["args"])
+
+
+def _seed_engines() -> list[dict]:
+    return seed_data()["sparkdeploy"]["engines"]
+
+
+# --- the arithmetic on recorded figures --------------------------------------------------------
+
+def test_seed_on_a_recorded_gb10_fits():
+    c = seed_check(gb10())
+    assert c.fits
+    assert c.line() == ("spark2: sglang fits: 66.2 GiB needed (58.2 GiB of weights + 8.0 GiB "
+                        "reserve), --mem-fraction-static 0.85 x 121.7 GiB = 103.4 GiB; 113.1 GiB "
+                        "usable of 121.7 GiB")
+
+
+def test_gb10_whose_memory_is_held_refuses_with_both_numbers():
+    # the recorded MemTotal; MemAvailable as left by an engine still holding 60 GiB
+    held = "MemTotal:       127600748 kB\nMemAvailable:   55000000 kB\n"
+    c = seed_check(gb10(held))
+    assert not c.fits
+    assert c.line() == ("spark2: sglang does not fit: 66.2 GiB needed (58.2 GiB of weights + "
+                        "8.0 GiB reserve) > 52.5 GiB usable; --mem-fraction-static 0.85 x "
+                        "121.7 GiB = 103.4 GiB > 52.5 GiB usable")
+
+
+def test_a_fraction_near_09_asks_more_than_a_gb10_gives():
+    # usable near 101-102 of 121.7 GiB: 0.9 of the total is more, 0.85 of it still fits the weights
+    usable = f"MemTotal:       127600748 kB\nMemAvailable:   {int(101.5 * GIB / KIB)} kB\n"
+    e = _seed_engines()[1]
+    m = NodeMemory.model_validate(gb10(usable))
+    c = fit.check("spark1", e["name"], gpus=1, weights=SEED_WEIGHTS, parallel=2, reserve_gib=8.0,
+                  gpu_usable=m.gpu_usable, gpu_total=m.gpu_total,
+                  args=["--gpu-memory-utilization", "0.9"])
+    assert (c.weights_fit, c.fraction_fits) == (True, False)
+    assert c.line() == ("spark1: vllm-ray does not fit: --gpu-memory-utilization 0.9 x 121.7 GiB "
+                        "= 109.5 GiB > 101.5 GiB usable")
+
+
+def test_discrete_gpus_per_gpu_share_times_gpus_on_the_node():
+    # two H100 80GB on the node (nvidia-smi memory.total 81559 MiB, the smaller free 70000 MiB),
+    # four ranks in all: each holds a quarter of the weights
+    rows = mn.parse_gpus("0, NVIDIA H100 80GB HBM3, 81559, 80000\n"
+                         "1, NVIDIA H100 80GB HBM3, 81559, 70000\n", mn.QUERY)
+    m = NodeMemory.model_validate(mn.judge(rows, {}))
+    c = fit.check("gpu1", "vllm", gpus=2, weights=SEED_WEIGHTS, parallel=4, reserve_gib=8.0,
+                  gpu_usable=m.gpu_usable, gpu_total=m.gpu_total,
+                  args=["--gpu-memory-utilization=0.9"])
+    assert c.line() == ("gpu1: vllm does not fit: --gpu-memory-utilization 0.9 x 159.3 GiB = "
+                        "143.4 GiB > 136.7 GiB usable")
+    c2 = fit.check("gpu1", "vllm", gpus=2, weights=SEED_WEIGHTS, parallel=4, reserve_gib=8.0,
+                   gpu_usable=m.gpu_usable, gpu_total=m.gpu_total, args=[])
+    assert c2.fits and c2.asks is None
+    assert c2.line() == ("gpu1: vllm fits: 74.2 GiB needed (58.2 GiB of weights + 16.0 GiB "
+                         "reserve); 136.7 GiB usable of 159.3 GiB")
+
+
+def test_the_boundary_is_inclusive():
+    exact = fit.check("n", "e", gpus=1, weights=2 * GIB, parallel=1, reserve_gib=1.0,
+                      gpu_usable=3 * GIB, gpu_total=4 * GIB, args=["--mem-fraction-static", "0.75"])
+    assert exact.fits
+    over = fit.check("n", "e", gpus=1, weights=2 * GIB + 1, parallel=1, reserve_gib=1.0,
+                     gpu_usable=3 * GIB, gpu_total=4 * GIB, args=["--mem-fraction-static", "0.75"])
+    assert (over.weights_fit, over.fraction_fits) == (False, True)
+
+
+@pytest.mark.parametrize("args, want", [
+    ([], None),
+    (["--mem-fraction-static", "0.85"], ("--mem-fraction-static", 0.85)),
+    (["--gpu-memory-utilization=0.7"], ("--gpu-memory-utilization", 0.7)),
+    (["--gpu-memory-utilization", "0.5", "--gpu-memory-utilization", "0.8"],
+     ("--gpu-memory-utilization", 0.8)),
+    (["--gpu-memory-utilization", "1"], ("--gpu-memory-utilization", 1.0)),
+    (["--gpu-memory-utilization"], None),
+    (["--max-model-len", "0.85"], None),
+])
+def test_memory_fraction(args, want):
+    assert fit.memory_fraction(args) == want
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--mem-fraction-static", "most"], "--mem-fraction-static 'most' is not a number"),
+    (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization 0 is not a fraction in (0, 1]"),
+    (["--gpu-memory-utilization=1.2"], "--gpu-memory-utilization 1.2 is not a fraction in (0, 1]"),
+])
+def test_memory_fraction_refused(args, why):
+    with pytest.raises(fit.FitError) as e:
+        fit.memory_fraction(args)
+    assert str(e.value) == why
+
+
+def test_weight_bytes_count_weight_files_only():
+    files = [{"path": "config.json", "size": 5}, {"path": "model-1.safetensors", "size": 100},
+             {"path": "sub/w.bin", "size": 20}, {"path": "tokenizer.json", "size": 7}]
+    assert fit.weight_bytes(files) == 120
+    assert fit.weight_bytes(files[:1] + files[3:]) == 12  # no weight file: every file
+
+
+def test_verdict_first_engine_that_fits_everywhere():
+    def c(engine, node, usable):
+        return fit.check(node, engine, gpus=1, weights=2 * GIB, parallel=1, reserve_gib=0,
+                         gpu_usable=usable, gpu_total=10 * GIB)
+
+    both = {"a": [c("a", "n1", GIB), c("a", "n2", 5 * GIB)],
+            "b": [c("b", "n1", 5 * GIB), c("b", "n2", 5 * GIB)]}
+    assert fit.verdict(both) == ("b", both["b"])
+    none = {"a": [c("a", "n1", GIB), c("a", "n2", 5 * GIB)], "b": [c("b", "n1", GIB), c("b", "n2", GIB)]}
+    assert fit.verdict(none) == (None, none["a"])
+    assert fit.verdict({}) == (None, [])
+
+
+# --- the step, on fake nodes that answer the memory helper -------------------------------------
+
+class MemoryNodes(FakeContext):
+    """Nodes that stage the memory helper and answer it with their own figures."""
+
+    def __init__(self, answers: dict[str, dict]):
+        super().__init__()
+        self._set("answers", answers)
+
+    def answer(self, alias, argv, stdin, command, kw):
+        if argv[:2] == ["sh", "-c"] and "base64 -d" in argv[2]:
+            return self.result(command, 0, f"/tmp/sparkdeploy-stage-0/{argv[4]}/{argv[5]}\n")
+        assert argv[5].endswith("/memory_node.py") and argv[6:] == ["read"], argv
+        return self.result(command, 0, json.dumps(self.answers[alias]) + "\n")
+
+
+def fit_deployment(tmp_path, answers, data=None):
+    path = write_profile(tmp_path, data) if data is not None else SEED
+    dep = deployment(path, tmp_path / "state", MemoryNodes(answers))
+    files = [{"path": f"model-0000{i}-of-00005.safetensors", "size": SEED_WEIGHTS // 5,
+              "sha256": None, "oid": None} for i in range(1, 6)]
+    files.append({"path": "config.json", "size": 4000, "sha256": None, "oid": None})
+    dep.records.write(HubMetadata(repo=dep.profile.model.repo, revision="main", commit="a" * 40,
+                                  files=files, fetched_at=time.time()), cache_name(dep))
+    return dep
+
+
+SMALL = "MemTotal:       127600748 kB\nMemAvailable:   4194304 kB\n"  # 4.0 GiB
+
+
+def test_step_refuses_one_line_per_node_that_does_not_fit(tmp_path):
+    dep = fit_deployment(tmp_path, {"spark1": gb10(), "spark2": gb10(SMALL)})
+    res = model_fit.model_fit(dep)
+    assert [(r.node, r.status) for r in res] == [("spark1", Status.OK), ("spark2", Status.FAILED)]
+    assert res[1].why == (
+        "spark2: sglang does not fit: 66.2 GiB needed (58.2 GiB of weights + 8.0 GiB reserve) > "
+        "4.0 GiB usable; --mem-fraction-static 0.85 x 121.7 GiB = 103.4 GiB > 4.0 GiB usable "
+        "(unified memory; weights 116.4 GiB)")
+    assert res[0].why.startswith("spark1: sglang fits: 66.2 GiB needed")
+    assert not any(argv[0] == "docker" for _, argv in dep.hosts["spark1"].ctx.calls)
+
+
+def test_step_an_engine_that_does_not_fit_is_skipped_when_another_fits(tmp_path):
+    data = seed_data()
+    data["sparkdeploy"]["engines"][0]["args"] = ["--mem-fraction-static", "0.95"]
+    dep = fit_deployment(tmp_path, {"spark1": gb10(), "spark2": gb10()}, data)
+    res = model_fit.model_fit(dep)
+    assert [(r.node, r.status) for r in res] == [(None, Status.SKIPPED), ("spark1", Status.OK),
+                                                 ("spark2", Status.OK)]
+    assert res[0].why == ("spark1: sglang does not fit: --mem-fraction-static 0.95 x 121.7 GiB = "
+                          "115.6 GiB > 113.1 GiB usable; spark2: sglang does not fit: "
+                          "--mem-fraction-static 0.95 x 121.7 GiB = 115.6 GiB > 113.1 GiB usable "
+                          "(vllm-ray does)")
+    assert res[2].why.startswith("spark2: vllm-ray fits: ")
+
+
+def test_step_reserve_from_the_profile(tmp_path):
+    data = seed_data()
+    data["sparkdeploy"]["fit"] = {"reserve_gib": 2.0, "engines": {"sglang": 60.0}}
+    dep = fit_deployment(tmp_path, {"spark1": gb10(), "spark2": gb10()}, data)
+    res = model_fit.model_fit(dep)
+    assert [r.status for r in res] == [Status.SKIPPED, Status.OK, Status.OK]
+    assert "118.2 GiB needed (58.2 GiB of weights + 60.0 GiB reserve) > 113.1 GiB usable" in res[0].why
+    assert res[1].why.startswith("spark1: vllm-ray fits: 60.2 GiB needed (58.2 GiB of weights + "
+                                 "2.0 GiB reserve)")
+
+
+def test_step_a_node_without_figures_is_one_failed_line(tmp_path):
+    no_gpu = mn.judge([], {})
+    no_gpu["why"] = "nvidia-smi failed: NVIDIA-SMI has failed"
+    dep = fit_deployment(tmp_path, {"spark1": gb10(), "spark2": no_gpu})
+    res = model_fit.model_fit(dep)
+    assert [(r.node, r.status, r.why) for r in res] == [
+        ("spark2", Status.FAILED, "spark2: no memory figures: nvidia-smi failed: NVIDIA-SMI has failed")]
+
+
+def test_download_and_sync_need_the_fit():
+    registry.load_all()
+    plan = {"hosts.check", "services.stop", "model.fit", "model.download", "model.sync"}
+    assert "model.fit" in registry.needs_in("model.download", plan)
+    assert "model.fit" in registry.needs_in("model.sync", plan)
+    assert registry.needs_in("model.fit", plan) == {"services.stop"}
+
+
+def test_profile_fit_names_only_its_engines(tmp_path):
+    from sparkdeploy.config import ProfileError, load_profile
+
+    data = seed_data()
+    data["sparkdeploy"]["fit"] = {"engines": {"nope": 1.0}}
+    with pytest.raises(ProfileError) as e:
+        load_profile(write_profile(tmp_path, data))
+    assert str(e.value).endswith("sparkdeploy.fit.engines.nope: no engine by that name")
+    assert load_profile(SEED).fit.reserve("sglang") == 8.0
