@@ -49,7 +49,7 @@ def memory_fraction(args: Sequence[str]) -> tuple[str, float] | None:
             if a == flag and i + 1 < len(args):
                 found = (flag, args[i + 1])
             elif a.startswith(flag + "="):
-                found = (flag, a.split("=", 1)[1])
+                found = (flag, a[len(flag) + 1:])
     if found is None:
         return None
     flag, text = found
@@ -68,7 +68,6 @@ class Check:
 
     node: str
     engine: str
-    gpus: int
     weights: float
     reserve: float
     usable: int
@@ -102,7 +101,7 @@ class Check:
         out = f"{gib(self.need)} needed ({gib(self.weights)} of weights + {gib(self.reserve)} reserve)"
         if self.fraction:
             flag, value = self.fraction
-            out += f", {flag} {value:g} x {gib(self.total)} = {gib(self.asks or 0)}"
+            out += f", {flag} {value:g} x {gib(self.total)} = {gib(value * self.total)}"
         return out
 
     def line(self) -> str:
@@ -114,9 +113,9 @@ class Check:
         if not self.weights_fit:
             short.append(f"{gib(self.need)} needed ({gib(self.weights)} of weights + "
                          f"{gib(self.reserve)} reserve) > {gib(self.usable)} usable")
-        if not self.fraction_fits and self.fraction:
+        if self.fraction and not self.fraction_fits:
             flag, value = self.fraction
-            short.append(f"{flag} {value:g} x {gib(self.total)} = {gib(self.asks or 0)} > "
+            short.append(f"{flag} {value:g} x {gib(self.total)} = {gib(value * self.total)} > "
                          f"{gib(self.usable)} usable")
         return f"{self.node}: {self.engine} does not fit: {'; '.join(short)}"
 
@@ -125,7 +124,7 @@ def check(node: str, engine: str, *, gpus: int, weights: int, parallel: int, res
           gpu_usable: int, gpu_total: int, args: Sequence[str] = ()) -> Check:
     """``engine`` (``parallel`` = tensor x pipeline ranks, ``args``) on ``node`` (``gpus`` of
     them in the profile; ``gpu_usable`` / ``gpu_total`` per GPU, as the node reports them)."""
-    return Check(node=node, engine=engine, gpus=gpus, weights=weights / parallel * gpus,
+    return Check(node=node, engine=engine, weights=weights / parallel * gpus,
                  reserve=reserve_gib * GIB * gpus, usable=gpu_usable * gpus,
                  total=gpu_total * gpus, fraction=memory_fraction(args))
 
@@ -134,6 +133,7 @@ def verdict(checks: dict[str, list[Check]]) -> tuple[str | None, list[Check]]:
     """{engine: its check on every node, in profile order} -> (the first engine that fits on
     every node, or None; the checks to report: per node, that engine's, or, when none fits,
     the first engine's: the one ``serve.up`` tries first)."""
+    if not checks:
+        return None, []
     fitting = next((e for e, cs in checks.items() if all(c.fits for c in cs)), None)
-    first = fitting if fitting is not None else next(iter(checks), None)
-    return fitting, list(checks.get(first, [])) if first is not None else []
+    return fitting, list(checks[fitting or next(iter(checks))])

@@ -106,6 +106,7 @@ def test_the_boundary_is_inclusive():
     over = fit.check("n", "e", gpus=1, weights=2 * GIB + 1, parallel=1, reserve_gib=1.0,
                      gpu_usable=3 * GIB, gpu_total=4 * GIB, args=["--mem-fraction-static", "0.75"])
     assert (over.weights_fit, over.fraction_fits) == (False, True)
+    assert over.line() == "n: e does not fit: 3.0 GiB needed (2.0 GiB of weights + 1.0 GiB reserve) > 3.0 GiB usable"
 
 
 @pytest.mark.parametrize("args, want", [
@@ -126,6 +127,7 @@ def test_memory_fraction(args, want):
     (["--mem-fraction-static", "most"], "--mem-fraction-static 'most' is not a number"),
     (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization 0 is not a fraction in (0, 1]"),
     (["--gpu-memory-utilization=1.2"], "--gpu-memory-utilization 1.2 is not a fraction in (0, 1]"),
+    (["--gpu-memory-utilization=0.5=0.9"], "--gpu-memory-utilization '0.5=0.9' is not a number"),
 ])
 def test_memory_fraction_refused(args, why):
     with pytest.raises(fit.FitError) as e:
