@@ -7,7 +7,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from invoke import Context
+
+from sparkdeploy.config import Node, SshSettings
 from sparkdeploy.deployment import Deployment
+from sparkdeploy.events import EventSink
 from sparkdeploy.hosts import Host
 from sparkdeploy.steps.registry import StepContext, step
 
@@ -54,6 +58,23 @@ def known_hosts_file(dep: Deployment) -> Path:
     return Path(os.path.expanduser(p or "~/.ssh/known_hosts"))
 
 
+def ssh_known_hosts(host: Host) -> Path:
+    """The known_hosts file ssh itself checks for the node's alias (``ssh -G``: the ssh_config's
+    ``UserKnownHostsFile``, else ``~/.ssh/known_hosts``)."""
+    files = host.ssh_view().get("userknownhostsfile", "").split()
+    return Path(os.path.expanduser(files[0] if files else "~/.ssh/known_hosts"))
+
+
+def probe_hosts(nodes: list[tuple[str, str]], ssh: SshSettings, runner: Context | None,
+                events: EventSink) -> list[Host]:
+    """A ``Host`` per (name, ssh alias), the first the head, before any profile exists: its node
+    has no link yet (nothing that runs without a profile reads one); host keys are checked as
+    for any node."""
+    return [Host(Node.model_construct(name=name, role="head" if i == 0 else "worker", ssh=alias,
+                                      link=None), ssh, runner, None, events)
+            for i, (name, alias) in enumerate(nodes)]
+
+
 @step(STEP_TRUST)
 def trust(ctx: StepContext, node: str | None = None,
           confirm: Callable[[str, str], bool] | None = None) -> None:
@@ -62,6 +83,15 @@ def trust(ctx: StepContext, node: str | None = None,
     kh = known_hosts_file(ctx.dep)
     for host in ctx.dep.select(node):
         _trust_one(ctx, host, kh, confirm)
+
+
+def trust_aliases(ctx: StepContext, nodes: list[tuple[str, str]], ssh: SshSettings,
+                  runner: Context | None = None,
+                  confirm: Callable[[str, str], bool] | None = None) -> None:
+    """``hosts.trust`` without a profile: the nodes by their ssh aliases, each key added to the
+    known_hosts file ssh checks for that alias."""
+    for host in probe_hosts(nodes, ssh, runner, ctx.events):
+        _trust_one(ctx, host, ssh_known_hosts(host), confirm)
 
 
 def _trust_one(ctx: StepContext, host: Host, kh: Path,
@@ -85,7 +115,7 @@ def _trust_one(ctx: StepContext, host: Host, kh: Path,
         return
     fp = host.run(["ssh-keygen", "-l", "-f", "-"], input="\n".join(keys) + "\n",
                   change=False, here=True).stdout.strip()
-    if ctx.dry:
+    if host.dry:
         ctx.would(f"ask to add {fp} to {kh}", host.name)
     elif confirm is None or not confirm(host.name, fp):
         ctx.skipped(f"not confirmed: {fp}", host.name)

@@ -3,7 +3,7 @@
 from invoke import Collection
 
 from sparkdeploy.deployment import DEFAULTS
-from sparkdeploy.tasks import bench, deploy, hosts, image, lab, model, profile, serve, services
+from sparkdeploy.tasks import bench, cluster, deploy, hosts, image, lab, model, profile, serve, services
 
-ns = Collection(profile, hosts, services, image, model, lab, bench, serve, deploy)
+ns = Collection(profile, hosts, cluster, services, image, model, lab, bench, serve, deploy)
 ns.configure({"sparkdeploy": dict(DEFAULTS)})
