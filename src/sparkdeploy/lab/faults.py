@@ -8,7 +8,9 @@ Two sorts. ``FAULTS`` are read by the engine stand-ins when they start (``sglang
 that is alive and serves nothing: ``ps`` shows state T, the head's streams stall while its
 ``/health`` answers), ``rank-exit`` SIGKILLs their engine process (the container exits 137).
 The PIDs the lab stopped are kept in the record, and ``lab.fault none`` continues them (only
-those, and only while they are still stopped).
+those, and only while they are still stopped). ``memory-small`` makes the node report little
+memory (``lab.memory_fault``: a crafted ``/proc/meminfo`` bound in its mount namespace), until
+``lab.fault none`` unmounts it.
 
 The record is ``<lab>/faults.json``; each node gets a copy in its stand-ins' container view
 (``/opt/sparkdeploy-lab/container/faults.json`` on the node), which the NVIDIA container
@@ -26,7 +28,7 @@ from pathlib import Path
 
 from sparkdeploy.files import write_if_changed
 from sparkdeploy.helpers import serve_watchdog as wd
-from sparkdeploy.lab import dockerd, layout
+from sparkdeploy.lab import dockerd, layout, memory_fault
 from sparkdeploy.labels import ENGINE as LABEL_ENGINE
 from sparkdeploy.results import Result, changed, failed, ok
 
@@ -42,6 +44,7 @@ FAULTS: dict[str, str] = {
 ACTIONS: dict[str, str] = {
     "rank-wedged": "every process of the node's engine containers SIGSTOPped (state T)",
     "rank-exit": "the engine process of the node's engine containers SIGKILLed (exit 137)",
+    memory_fault.NAME: memory_fault.WHAT,
 }
 RECORD = layout.LAB_DIR / "faults.json"
 VIEW = "container"
@@ -144,6 +147,8 @@ def set_fault(name: str, record: Path | None = None, node: str | None = None) ->
     """``name`` one of FAULTS (added to the record), one of ACTIONS (on ``node``: default the
     last node), or ``none`` (clears every fault, continues what the lab stopped)."""
     record = record or RECORD
+    if name == memory_fault.NAME:
+        return memory_fault.apply(node or (nodes() or ["spark2"])[-1])
     if name in ACTIONS:
         return act(name, node or (nodes() or ["spark2"])[-1], record)
     if name != "none" and name not in FAULTS:
@@ -152,14 +157,16 @@ def set_fault(name: str, record: Path | None = None, node: str | None = None) ->
     before = current(record)
     want = [] if name == "none" else sorted(set(before) | {name})
     resumed = _continue(record) if name == "none" else []
+    unbound = memory_fault.clear(nodes()) if name == "none" else []
     did = _write(record, want, {} if name == "none" else _stopped(record)) or bool(resumed)
     synced = [x for x in nodes() if sync_node(x, record)]
     what = ", ".join(want) or "none"
     why = (f"faults now: {what}" + (f" (nodes updated: {', '.join(synced)})" if synced else "")
            + ("" if nodes() else "; no lab nodes yet: lab.up applies it")
-           + (f"; continued {len(resumed)} stopped process(es)" if resumed else ""))
+           + (f"; continued {len(resumed)} stopped process(es)" if resumed else "")
+           + (f"; {memory_fault.NAME} undone on {', '.join(unbound)}" if unbound else ""))
     if name != "none":
         why += (f". {name}: {FAULTS[name]}. It shows in engines started from now on; one "
                 "already serving keeps serving (`inv serve.down` first, and the next "
                 "deploy.all starts the engines again)")
-    return [(changed if did or synced else ok)("lab.fault", why, faults=want)]
+    return [(changed if did or synced or unbound else ok)("lab.fault", why, faults=want)]
