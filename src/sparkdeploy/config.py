@@ -71,6 +71,20 @@ class Link(_Strict):
     hcas: list[Annotated[str, AfterValidator(checks.interface)]] = Field(default_factory=list)
 
 
+class LinkSettings(_Strict):
+    """What ``link.check`` holds the fast link to (the nodes' ends are ``nodes[].link``)."""
+
+    expect_gbps: float | None = Field(default=None, gt=0, le=10000)
+    """The least bandwidth head -> worker the link must carry (Gb/s, measured with ``iperf3``
+    when both nodes have it, else a timed TCP stream); None: measured and shown, not judged."""
+    min_mtu: int = Field(default=9000, ge=576, le=65535)
+    """The least MTU of the link's interfaces (jumbo frames)."""
+    test_port: Port = 5201
+    """The port the measurement listens on, on the worker's fast-link address."""
+    test_seconds: float = Field(default=2.0, gt=0, le=60)
+    """How long the measurement streams."""
+
+
 class Node(_Strict):
     name: Name
     role: Literal["head", "worker"]
@@ -322,6 +336,7 @@ class Profile(_Strict):
     name: Annotated[str, AfterValidator(checks.profile_name)]
     """The deployment's name: in unit descriptions, state-dir file names and container labels."""
     ssh: SshSettings = Field(default_factory=SshSettings)
+    link: LinkSettings = Field(default_factory=LinkSettings)
     nodes: list[Node] = Field(min_length=1)
     model: Model
     images: Images

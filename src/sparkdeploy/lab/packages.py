@@ -7,7 +7,8 @@ import os
 from sparkdeploy.lab.proc import LabError, run
 
 REQUIRED = ["iproute2", "util-linux", "mount", "openssh-server", "openssh-client", "docker.io",
-            "containerd", "runc", "debootstrap", "tar", "debian-archive-keyring", "rsync"]
+            "containerd", "runc", "debootstrap", "tar", "debian-archive-keyring", "rsync",
+            "iputils-ping"]
 
 
 def missing(pkgs: list[str] = REQUIRED) -> list[str]:

@@ -2,6 +2,7 @@
 
 The plan (data, run by ``sparkdeploy.runner``)::
 
+    link.check (the link doctor) -> model.download, serve.up
     hosts.check -> services.stop (head) -> model.fit (every node's memory against its share)
     hosts.check -> image.probe -> image.build (when the chosen image needs the layer) ->
     image.ship (workers)
@@ -225,6 +226,8 @@ def plan(dep: Deployment, *, bench: bool = False, persist: bool = False) -> list
     head = dep.profile.head.name
     workers = ",".join(n.name for n in dep.profile.workers) or "all"
     steps = [
+        # the link first: a bad link fails before the download (model.download needs it)
+        PlanStep("link.check"),
         PlanStep("model.download", {"node": head}, fingerprint=fp_model),
         PlanStep("hosts.check", fingerprint=fp_hosts),
         PlanStep("services.stop", {"node": head}, fingerprint=fp_services, reuse=True),

@@ -436,7 +436,7 @@ def in_gb(n: float) -> str:
     return f"{n / GB:.2f} GB"
 
 
-@step(DOWNLOAD, needs=("model.fit",), long=True)
+@step(DOWNLOAD, needs=("model.fit", "link.check"), long=True)
 def download(ctx: StepContext, node: str | None = None) -> None:
     """Download the weights on the head, verified (resumes; only what is missing)."""
     dep = ctx.dep

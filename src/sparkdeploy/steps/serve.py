@@ -352,7 +352,7 @@ def _attempt(ctx: StepContext, eng: Engine, run: Run) -> str | None:
         raise
 
 
-@step(STEP_UP, needs=("services.stop", "image.ship", "model.verify"))
+@step(STEP_UP, needs=("link.check", "services.stop", "image.ship", "model.verify"))
 def up(ctx: StepContext, engine: str | None = None) -> None:
     """Bring the model up across the nodes, falling back to the next engine on a failure."""
     dep = ctx.dep

@@ -3,7 +3,19 @@
 from invoke import Collection
 
 from sparkdeploy.deployment import DEFAULTS
-from sparkdeploy.tasks import bench, cluster, deploy, hosts, image, lab, model, profile, serve, services
+from sparkdeploy.tasks import (
+    bench,
+    cluster,
+    deploy,
+    hosts,
+    image,
+    lab,
+    link,
+    model,
+    profile,
+    serve,
+    services,
+)
 
-ns = Collection(profile, hosts, cluster, services, image, model, lab, bench, serve, deploy)
+ns = Collection(profile, hosts, cluster, link, services, image, model, lab, bench, serve, deploy)
 ns.configure({"sparkdeploy": dict(DEFAULTS)})

@@ -47,11 +47,12 @@ def render(results: Iterable[Result], title: str | None = None) -> None:
 
 def run_step(c: Context, name: str, *, profile: str | None = None, lock: bool = True,
              show: Callable[[Deployment, list[Result]], None] | None = None,
-             live: bool = True, **options: Any) -> list[Result]:
+             live: bool = True, first: tuple[str, ...] = (), **options: Any) -> list[Result]:
     """Run the registered step ``name`` with ``options``: load the deployment, hold the lock
     (unless dry or read-only), render the event stream as it happens (live on a terminal,
     plain lines otherwise; ``live=False`` for a step that asks questions), then
-    ``show(dep, results)`` (a table) and exit 1 on a failure.
+    ``show(dep, results)`` (a table) and exit 1 on a failure. ``first``: steps (of those
+    ``name`` needs) run before it, without options; a failure there and ``name`` does not run.
 
     A bad profile or node name (``node=``/``to=`` options, named as their flag) exits 2;
     a node that cannot be reached, a held lock, a wait that ran out or a broken record exits 1;
@@ -69,9 +70,9 @@ def run_step(c: Context, name: str, *, profile: str | None = None, lock: bool = 
         try:
             if lock and not dep.dry:
                 with dep.state.lock(name):
-                    results = run_one(dep, name, **options)
+                    results = _run_after(dep, first, name, options)
             else:
-                results = run_one(dep, name, **options)
+                results = _run_after(dep, first, name, options)
         except ProfileError as e:
             raise Exit(str(e), code=2) from None
         except (HostError, LockHeld, WaitTimeout, RecordError) as e:
@@ -80,6 +81,16 @@ def run_step(c: Context, name: str, *, profile: str | None = None, lock: bool = 
         show(dep, results)
     summarize(results)
     return results
+
+
+def _run_after(dep: Deployment, first: tuple[str, ...], name: str,
+               options: dict[str, Any]) -> list[Result]:
+    results: list[Result] = []
+    for before in first:
+        results += run_one(dep, before)
+        if any(r.failed and not r.superseded for r in results):
+            return results
+    return results + run_one(dep, name, **options)
 
 
 def stream(name: str, fn: Callable[..., None], *args: Any,

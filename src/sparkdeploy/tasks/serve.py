@@ -10,10 +10,14 @@ from sparkdeploy.tasks._flags import integer, task
 _P = {"profile": "profile file (default: sparkdeploy.profile)"}
 
 
-@task(default=True, help={"engine": "start with this engine of the profile (default: the first)", **_P})
-def up(c, engine=None, profile=None):
-    """Preflight, start and wait in phases; on a hang diagnose and fall back to the next engine."""
-    run_step(c, "serve.up", profile=profile, engine=engine)
+@task(default=True, help={"engine": "start with this engine of the profile (default: the first)",
+                          "skip_link_check": "do not run link.check first", **_P})
+def up(c, engine=None, profile=None, skip_link_check=False):
+    """link.check, then preflight, start and wait in phases; on a hang diagnose and fall back to the
+    next engine."""
+    # serve.up needs link.check: a bad link fails before anything starts
+    run_step(c, "serve.up", profile=profile, engine=engine,
+             first=() if skip_link_check else ("link.check",))
 
 
 @task(help=_P)
