@@ -28,7 +28,7 @@ from pathlib import Path
 
 from sparkdeploy.files import write_if_changed
 from sparkdeploy.helpers import serve_watchdog as wd
-from sparkdeploy.lab import dockerd, layout, memory_fault
+from sparkdeploy.lab import dockerd, layout, link_faults, memory_fault
 from sparkdeploy.labels import ENGINE as LABEL_ENGINE
 from sparkdeploy.results import Result, changed, failed, ok
 
@@ -45,6 +45,7 @@ ACTIONS: dict[str, str] = {
     "rank-wedged": "every process of the node's engine containers SIGSTOPped (state T)",
     "rank-exit": "the engine process of the node's engine containers SIGKILLed (exit 137)",
     memory_fault.NAME: memory_fault.WHAT,
+    **link_faults.LINK_FAULTS,
 }
 RECORD = layout.LAB_DIR / "faults.json"
 VIEW = "container"
@@ -149,6 +150,8 @@ def set_fault(name: str, record: Path | None = None, node: str | None = None) ->
     record = record or RECORD
     if name == memory_fault.NAME:
         return memory_fault.apply(node or (nodes() or ["spark2"])[-1])
+    if name in link_faults.LINK_FAULTS:
+        return link_faults.inject(name, node or (nodes() or ["spark2"])[-1])
     if name in ACTIONS:
         return act(name, node or (nodes() or ["spark2"])[-1], record)
     if name != "none" and name not in FAULTS:
@@ -158,15 +161,17 @@ def set_fault(name: str, record: Path | None = None, node: str | None = None) ->
     want = [] if name == "none" else sorted(set(before) | {name})
     resumed = _continue(record) if name == "none" else []
     unbound = memory_fault.clear(nodes()) if name == "none" else []
+    healed = {x: h for x in nodes() if (h := link_faults.heal(x))} if name == "none" else {}
     did = _write(record, want, {} if name == "none" else _stopped(record)) or bool(resumed)
     synced = [x for x in nodes() if sync_node(x, record)]
     what = ", ".join(want) or "none"
     why = (f"faults now: {what}" + (f" (nodes updated: {', '.join(synced)})" if synced else "")
            + ("" if nodes() else "; no lab nodes yet: lab.up applies it")
            + (f"; continued {len(resumed)} stopped process(es)" if resumed else "")
-           + (f"; {memory_fault.NAME} undone on {', '.join(unbound)}" if unbound else ""))
+           + (f"; {memory_fault.NAME} undone on {', '.join(unbound)}" if unbound else "")
+           + "".join(f"; {x}'s link restored: {', '.join(h)}" for x, h in healed.items()))
     if name != "none":
         why += (f". {name}: {FAULTS[name]}. It shows in engines started from now on; one "
                 "already serving keeps serving (`inv serve.down` first, and the next "
                 "deploy.all starts the engines again)")
-    return [(changed if did or synced or unbound else ok)("lab.fault", why, faults=want)]
+    return [(changed if did or synced or unbound or healed else ok)("lab.fault", why, faults=want)]

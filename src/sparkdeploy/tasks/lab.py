@@ -44,10 +44,11 @@ def down(c):
 @task(help={"name": "sglang-hang (SGLang's ranks hang in init even when all is right), "
                     "oom-at-load (engines run out of GPU memory loading weights), rank-wedged "
                     "(SIGSTOP a node's engine containers now), rank-exit (SIGKILL their engine "
-                    "process now), memory-small (the node reports 1 GiB usable memory), or "
-                    "none to clear every fault",
-            "node": "the node rank-wedged, rank-exit and memory-small act on (default: the "
-                    "last node)"})
+                    "process now), memory-small (the node reports 1 GiB usable memory), the "
+                    "link faults mtu-mismatch, address-missing, twin-down, link-throttled, "
+                    "second-interface, interface-down (docs/link.md), or none to clear every fault",
+            "node": "the node rank-wedged, rank-exit, memory-small and the link faults act on "
+                    "(default: the last node)"})
 def fault(c, name, node=None):
     """Force a failure the lab's stand-ins show until `inv lab.fault none` (lasts across lab.up)."""
     names = [*faults.FAULTS, *faults.ACTIONS]

@@ -1,0 +1,125 @@
+"""Link faults: what the link doctor (``link.check``) must see, made on one lab node through the
+real tools (``ip``, ``tc`` in the node's network namespace) or the RoCE stand-in's sysfs files,
+by ``inv lab.fault NAME --node X``; ``inv lab.fault none`` undoes every one of them on every
+node (each undo looks first and says what it restored).
+
+They act at once and are not kept in the faults record: the node's state is the record, so an
+undo finds what is off whoever made it (a fault injected by hand too). ``lab.up`` remakes a
+fast link that lost its address, MTU or state, and rewrites the stand-in's sysfs.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from pathlib import Path
+
+from sparkdeploy.lab import layout
+from sparkdeploy.lab.proc import run
+from sparkdeploy.results import Result, changed, failed
+
+LINK_FAULTS: dict[str, str] = {
+    "mtu-mismatch": f"the node's {layout.FAST_IF} at MTU 1500 (the others keep {layout.FAST_MTU})",
+    "address-missing": f"the node's fast-link address removed from {layout.FAST_IF}",
+    "twin-down": f"the RoCE twin {layout.FAST_HCAS[-1]}'s port 1 DOWN in the stand-in's sysfs",
+    "link-throttled": (f"tc tbf at 200mbit on the node's {layout.FAST_IF} and on the bridge port "
+                       "towards it (both directions)"),
+    "second-interface": "a dummy interface labdummy0 with an address in the link's subnet "
+                        f"{layout.FAST_NET}",
+    "interface-down": f"the node's {layout.FAST_IF} set down",
+}
+DUMMY = "labdummy0"
+SLOW = ["tbf", "rate", "200mbit", "burst", "256kb", "latency", "50ms"]
+ACTIVE, DOWN = "4: ACTIVE", "1: DOWN"
+
+
+def fast_addr(node: str) -> str:
+    return str(ipaddress.ip_network(layout.FAST_NET)[layout.node_index(node)])
+
+
+def prefix() -> int:
+    return ipaddress.ip_network(layout.FAST_NET).prefixlen
+
+
+def _in(ns: str, *argv: str, check: bool = True) -> str:
+    return run(["ip", "netns", "exec", ns, *argv], check=check).stdout or ""
+
+
+def _link(ns: str, name: str) -> dict | None:
+    out = run(["ip", "-n", ns, "-j", "addr", "show", "dev", name], check=False)
+    got = json.loads(out.stdout or "[]") if out.returncode == 0 else []
+    return got[0] if got else None
+
+
+def twin_state_file(node: str, hca: str | None = None) -> Path:
+    """The port state the RoCE stand-in shows for ``hca`` (the overlay's upper layer, which
+    the node sees as ``/sys/class/infiniband/<hca>/ports/1/state``)."""
+    root = layout.node_dir(node) / layout.PRIVATE_MOUNTS[layout.STANDIN_DIR]
+    return root / "sysfs" / "infiniband" / (hca or layout.FAST_HCAS[-1]) / "ports" / "1" / "state"
+
+
+def _write_in_place(path: Path, text: str) -> None:
+    """Rewrite the file's content in its own inode: the node's overlay keeps showing that inode
+    (a new file renamed over it would leave the overlay with the old one)."""
+    with open(path, "r+") as f:
+        f.seek(0)
+        f.write(text)
+        f.truncate()
+
+
+def inject(name: str, node: str) -> list[Result]:
+    """One of LINK_FAULTS on ``node`` now."""
+    ns, iface = layout.netns_name(node), layout.FAST_IF
+    if not layout.netns_path(node).exists():
+        return [failed("lab.fault", f"{node}: no such lab node (lab.up first)")]
+    if name == "mtu-mismatch":
+        run(["ip", "-n", ns, "link", "set", iface, "mtu", "1500"])
+    elif name == "address-missing":
+        run(["ip", "-n", ns, "addr", "del", f"{fast_addr(node)}/{prefix()}", "dev", iface])
+    elif name == "twin-down":
+        _write_in_place(twin_state_file(node), DOWN + "\n")
+    elif name == "link-throttled":
+        _in(ns, "tc", "qdisc", "replace", "dev", iface, "root", *SLOW)
+        _in(layout.FAST_NETNS, "tc", "qdisc", "replace", "dev", layout.fast_peer_veth(node), "root",
+            *SLOW)
+    elif name == "second-interface":
+        other = str(ipaddress.ip_network(layout.FAST_NET)[200 + layout.node_index(node)])
+        run(["ip", "-n", ns, "link", "add", DUMMY, "type", "dummy"])
+        run(["ip", "-n", ns, "addr", "add", f"{other}/{prefix()}", "dev", DUMMY])
+        run(["ip", "-n", ns, "link", "set", DUMMY, "up"])
+    elif name == "interface-down":
+        # keep its IPv6 addresses (the stand-in's GID table has them) for when it comes back
+        _in(ns, "sysctl", "-qw", f"net.ipv6.conf.{iface}.keep_addr_on_down=1")
+        run(["ip", "-n", ns, "link", "set", iface, "down"])
+    return [changed("lab.fault", f"{name} on {node}: {LINK_FAULTS[name]}", node=node)]
+
+
+def heal(node: str) -> list[str]:
+    """Undo every link fault on ``node``: what was off, each said."""
+    ns, iface = layout.netns_name(node), layout.FAST_IF
+    if not layout.netns_path(node).exists():
+        return []
+    did = []
+    link = _link(ns, iface)
+    if link is not None:
+        if link.get("mtu") != layout.FAST_MTU:
+            run(["ip", "-n", ns, "link", "set", iface, "mtu", str(layout.FAST_MTU)])
+            did.append(f"MTU {layout.FAST_MTU}")
+        if not any(a.get("local") == fast_addr(node) for a in link.get("addr_info", [])):
+            run(["ip", "-n", ns, "addr", "add", f"{fast_addr(node)}/{prefix()}", "dev", iface])
+            did.append(f"address {fast_addr(node)}")
+        if "UP" not in link.get("flags", []):
+            run(["ip", "-n", ns, "link", "set", iface, "up"])
+            did.append(f"{iface} up")
+    for where, dev in ((ns, iface), (layout.FAST_NETNS, layout.fast_peer_veth(node))):
+        if "tbf" in _in(where, "tc", "qdisc", "show", "dev", dev, check=False):
+            _in(where, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+            did.append(f"no tbf on {dev}")
+    if _link(ns, DUMMY) is not None:
+        run(["ip", "-n", ns, "link", "del", DUMMY])
+        did.append(f"{DUMMY} removed")
+    state = twin_state_file(node)
+    if state.exists() and state.read_text().strip() != ACTIVE:
+        _write_in_place(state, ACTIVE + "\n")
+        did.append(f"{layout.FAST_HCAS[-1]} ACTIVE")
+    return did
