@@ -60,6 +60,7 @@ def test_a_pair_cabled_in_the_outer_port_gives_a_profile_that_validates(tmp_path
     assert "hcas: [rocep1s0f1, roceP2p1s0f1]   # /sys/class/infiniband" in text
     assert "gpus: 1   # nvidia-smi: NVIDIA GB10" in text
     assert "arch: arm64   # uname -m: aarch64" in text
+    assert "privilege: sudo   # sudo -n true works for owner" in text
     # what was found, and the twin up without an address, are results
     assert re.search(r"ok +cluster\.discover +spark1 +arm64 \(uname -m: aarch64\); 1 GPU\(s\): "
                      r"NVIDIA GB10; memory: 1 x NVIDIA GB10: 113\.1 GiB of 121\.7 GiB usable", out)

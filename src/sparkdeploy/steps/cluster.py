@@ -162,8 +162,17 @@ def _found(host: Host, f: NodeFacts, link: Link) -> Found:
         docker_socket=f.docker.socket,
         docker_from=f"{f.docker.socket_from}; Docker {f.docker.version} answered on it",
         privilege="none" if p.root else "sudo",
-        privilege_from=f"{f.user} is root" if p.root else f"sudo -n true as {f.user}: {p.sudo}",
+        privilege_from=_privilege_from(f),
         arch=f.arch or f.machine, arch_from=f"uname -m: {f.machine}")
+
+
+def _privilege_from(f: NodeFacts) -> str:
+    p = f.privilege
+    if p.root:
+        return f"the SSH user {f.user} is root: no sudo needed"
+    if p.sudo == "ok":
+        return f"sudo -n true works for {f.user}"
+    return f"{f.user} is not root; sudo -n true: {p.sudo} (see the failed result)"
 
 
 def validate(text: str, where: Path, shown: str) -> None:
