@@ -41,6 +41,8 @@ class FakeSpark:
     gpus: int = 1
     host_key_known: bool = True
     cabled: bool = True
+    reachable: bool = True
+    python3: bool = True
     """False: its fast-link port is up but the cable leads nowhere (no probe reaches it)."""
     sysfs: Path | None = None
 
@@ -121,8 +123,12 @@ class ClusterContext(FakeContext):
         if not node.host_key_known:
             return self.result(command, 255, "", "No ED25519 host key is known for 192.168.1.40 "
                                "and you have requested strict checking.\nHost key verification failed.")
+        if not node.reachable:
+            return self.result(command, 255, "", f"ssh: connect to host {alias} port 22: No route to host")
         if argv[:2] == ["sh", "-c"] and "base64 -d" in argv[2]:
             return self.result(command, 0, f"/tmp/sparkdeploy-stage-{node.uid}/{argv[4]}/{argv[5]}\n")
+        if argv[:2] == ["sh", "-c"] and "python3" in argv and not node.python3:
+            return self.result(command, 127, "", "sh: 1: exec: python3: not found")
         if argv[:2] == ["sh", "-c"] and "python3" in argv:
             args = argv[argv.index("python3") + 2:]
             if args[0] == "facts":

@@ -176,6 +176,20 @@ def test_an_unknown_host_key_says_to_run_hosts_trust(tmp_path, monkeypatch, caps
                      rf"`inv hosts\.trust --nodes spark1,spark2 --ssh-config {cfg}` first$", out, re.M)
 
 
+def test_a_node_that_does_not_answer_or_has_no_python3_is_one_line_each(tmp_path, monkeypatch, capsys):
+    pair = spark_pair(tmp_path)
+    pair["spark1"].python3 = False
+    pair["spark2"].reachable = False
+    target = tmp_path / "mine.yaml"
+    _, code, out = run(tmp_path, monkeypatch, pair, capsys, write=str(target))
+    assert code == 1 and not target.exists()
+    assert re.search(r"failed +cluster\.discover +spark1 +python3 is not installed \(sparkdeploy's "
+                     r"node helpers need it\)$", out, re.M)
+    assert re.search(r"failed +cluster\.discover +spark2 +unreachable: ssh: connect to host spark2 "
+                     r"port 22: No route to host$", out, re.M)
+    assert re.search(r"failed +cluster\.discover +- +not every node could be read: no profile$", out, re.M)
+
+
 def test_sudo_that_asks_for_a_password_is_said_plainly(tmp_path, monkeypatch, capsys):
     pair = spark_pair(tmp_path)
     pair["spark2"].sudo = (1, PASSWORD)
