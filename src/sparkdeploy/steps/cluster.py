@@ -199,7 +199,7 @@ def deliver(ctx: StepContext, text: str, target: Path | None, dry: bool) -> None
     if target is None:
         ctx.ok("the profile (validated) follows", profile=text)
         return
-    old = target.read_text() if target.is_file() else None
+    old = target.read_text(errors="replace") if target.is_file() else None
     if old == text:
         ctx.ok(f"{target} already holds this profile", written=str(target))
     elif dry:
