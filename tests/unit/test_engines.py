@@ -212,8 +212,33 @@ def test_api_key_only_through_the_env_file(tmp_path):
     assert all(c.secret_env == () for c in lau.containers[:-1])
     sg = launch(p, p.engines[0], FACTS, api_key=True).containers
     assert sg[0].secret_env == ("SPARKDEPLOY_API_KEY",) and sg[1].secret_env == ()
-    assert sg[0].argv[:4] == ("sh", "-c", 'exec "$@" --api-key "$SPARKDEPLOY_API_KEY"', "sglang")
-    assert "--api-key" not in sg[1].argv
+    assert sg[0].argv[:2] == ("python3", "-c") and sg[1].argv[:3] == (
+        "python3", "-m", "sglang.launch_server")
+    assert "--api-key" not in sg[0].argv + sg[1].argv
+
+
+def test_sglangs_key_reaches_its_argv_parser_and_no_command_line(tmp_path):
+    """The head's launcher run as the image runs it: SGLang's module sees ``--api-key KEY``
+    last in sys.argv, while the process's command line (what ps and docker top show) and the
+    environment its children inherit hold no key."""
+    import subprocess
+    import sys
+
+    p = _seed()
+    head = launch(p, p.engines[0], FACTS, api_key=True).containers[0]
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").write_text("")
+    (tmp_path / "sglang" / "launch_server.py").write_text(
+        "import json, os, sys\n"
+        "cmdline = open('/proc/self/cmdline', 'rb').read().decode()\n"
+        "print(json.dumps([sys.argv[1:], cmdline, os.environ.get('SPARKDEPLOY_API_KEY')]))\n")
+    key = "k3y-" + "9e" * 10
+    out = subprocess.run([sys.executable, *head.argv[1:]], cwd=tmp_path, capture_output=True,
+                         text=True, env={"PATH": "/usr/bin:/bin", "SPARKDEPLOY_API_KEY": key},
+                         check=True).stdout
+    seen, cmdline, env_left = json.loads(out)
+    assert seen == [*head.argv[3:], "--api-key", key]
+    assert key not in cmdline and env_left is None
 
 
 def test_single_node_vllm_needs_no_ray(tmp_path):

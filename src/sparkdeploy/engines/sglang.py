@@ -28,10 +28,14 @@ from sparkdeploy.engines.base import (
 DEFAULT_DIST_PORT = 20000
 _VALUED = {"--model-path", "--served-model-name", "--tp", "--pp-size", "--nnodes", "--node-rank",
            "--dist-init-addr", "--host", "--port"}
-# SGLang takes the key only as --api-key: it is added inside the container from a variable
-# handed over through --env-file, so it is in no docker command line and in no docker inspect
-# Args (the engine process's own argv inside the container still shows it).
-_WITH_KEY = 'exec "$@" --api-key "$SPARKDEPLOY_API_KEY"'
+# SGLang takes the key only as --api-key. It reaches the container as a variable handed over
+# through --env-file; this launcher, run by the image's python3, appends it to sys.argv and runs
+# sglang.launch_server in the same process (what `python3 -m` does). The process's command line
+# (/proc/PID/cmdline: ps on the node, docker top, docker inspect Args) is what exec gave it,
+# so the key is in no argv anywhere, and not in the environment of the engine's own children.
+_WITH_KEY = ("import os, runpy, sys; "
+             f"sys.argv += ['--api-key', os.environ.pop('{API_KEY_ENV}')]; "
+             "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)")
 
 
 def build(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
@@ -52,12 +56,9 @@ def build(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
             ours += ["--nnodes", str(len(nodes)), "--node-rank", str(rank),
                      "--dist-init-addr", f"{head.link.address}:{dist_port}"]
         ours += ["--host", "0.0.0.0", "--port", str(engine.port)]
-        argv = ["python3", "-m", "sglang.launch_server",
-                *merge_args(ours, list(engine.args), _VALUED)]
-        secret: tuple[str, ...] = ()
-        if api_key and rank == 0:
-            argv = ["sh", "-c", _WITH_KEY, "sglang", *argv]
-            secret = (API_KEY_ENV,)
+        run = ["-c", _WITH_KEY] if api_key and rank == 0 else ["-m", "sglang.launch_server"]
+        argv = ["python3", *run, *merge_args(ours, list(engine.args), _VALUED)]
+        secret = (API_KEY_ENV,) if api_key and rank == 0 else ()
         env = link_env(profile, node, nf)
         env["SGLANG_HOST_IP"] = node.link.address
         env = apply_overrides(env, engine.env)
