@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from sparkdeploy.lab import layout
-from sparkdeploy.lab.proc import run
+from sparkdeploy.lab.proc import LabError, run
 from sparkdeploy.results import Result, changed, failed
 
 LINK_FAULTS: dict[str, str] = {
@@ -24,11 +24,12 @@ LINK_FAULTS: dict[str, str] = {
     "twin-down": f"the RoCE twin {layout.FAST_HCAS[-1]}'s port 1 DOWN in the stand-in's sysfs",
     "link-throttled": (f"tc tbf at 200mbit on the node's {layout.FAST_IF} and on the bridge port "
                        "towards it (both directions)"),
-    "second-interface": "a dummy interface labdummy0 with an address in the link's subnet "
-                        f"{layout.FAST_NET}",
+    "second-interface": "a second interface labextra0 (a veth pair inside the node) with an "
+                        f"address in the link's subnet {layout.FAST_NET}",
     "interface-down": f"the node's {layout.FAST_IF} set down",
 }
-DUMMY = "labdummy0"
+EXTRA = "labextra0"
+"""A veth pair inside the node (``labextra0``, ``labextra1``): this kernel may lack ``dummy``."""
 SLOW = ["tbf", "rate", "200mbit", "burst", "256kb", "latency", "50ms"]
 ACTIVE, DOWN = "4: ACTIVE", "1: DOWN"
 
@@ -68,10 +69,18 @@ def _write_in_place(path: Path, text: str) -> None:
 
 
 def inject(name: str, node: str) -> list[Result]:
-    """One of LINK_FAULTS on ``node`` now."""
-    ns, iface = layout.netns_name(node), layout.FAST_IF
+    """One of LINK_FAULTS on ``node`` now (a tool that refuses: one failed line)."""
     if not layout.netns_path(node).exists():
         return [failed("lab.fault", f"{node}: no such lab node (lab.up first)")]
+    try:
+        _inject(name, node)
+    except LabError as e:
+        return [failed("lab.fault", f"{name} on {node}: {e}", node=node)]
+    return [changed("lab.fault", f"{name} on {node}: {LINK_FAULTS[name]}", node=node)]
+
+
+def _inject(name: str, node: str) -> None:
+    ns, iface = layout.netns_name(node), layout.FAST_IF
     if name == "mtu-mismatch":
         run(["ip", "-n", ns, "link", "set", iface, "mtu", "1500"])
     elif name == "address-missing":
@@ -84,14 +93,14 @@ def inject(name: str, node: str) -> list[Result]:
             *SLOW)
     elif name == "second-interface":
         other = str(ipaddress.ip_network(layout.FAST_NET)[200 + layout.node_index(node)])
-        run(["ip", "-n", ns, "link", "add", DUMMY, "type", "dummy"])
-        run(["ip", "-n", ns, "addr", "add", f"{other}/{prefix()}", "dev", DUMMY])
-        run(["ip", "-n", ns, "link", "set", DUMMY, "up"])
+        run(["ip", "-n", ns, "link", "add", EXTRA, "type", "veth", "peer", "name", "labextra1"])
+        run(["ip", "-n", ns, "addr", "add", f"{other}/{prefix()}", "dev", EXTRA])
+        run(["ip", "-n", ns, "link", "set", "labextra1", "up"])
+        run(["ip", "-n", ns, "link", "set", EXTRA, "up"])
     elif name == "interface-down":
         # keep its IPv6 addresses (the stand-in's GID table has them) for when it comes back
         _in(ns, "sysctl", "-qw", f"net.ipv6.conf.{iface}.keep_addr_on_down=1")
         run(["ip", "-n", ns, "link", "set", iface, "down"])
-    return [changed("lab.fault", f"{name} on {node}: {LINK_FAULTS[name]}", node=node)]
 
 
 def heal(node: str) -> list[str]:
@@ -115,9 +124,9 @@ def heal(node: str) -> list[str]:
         if "tbf" in _in(where, "tc", "qdisc", "show", "dev", dev, check=False):
             _in(where, "tc", "qdisc", "del", "dev", dev, "root", check=False)
             did.append(f"no tbf on {dev}")
-    if _link(ns, DUMMY) is not None:
-        run(["ip", "-n", ns, "link", "del", DUMMY])
-        did.append(f"{DUMMY} removed")
+    if _link(ns, EXTRA) is not None:
+        run(["ip", "-n", ns, "link", "del", EXTRA])  # and its peer
+        did.append(f"{EXTRA} removed")
     state = twin_state_file(node)
     if state.exists() and state.read_text().strip() != ACTIVE:
         _write_in_place(state, ACTIVE + "\n")
