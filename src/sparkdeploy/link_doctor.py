@@ -139,7 +139,7 @@ def hca_problems(node: Node, facts: LinkFacts) -> list[Problem]:
         if found is not None:
             index[name] = found
         else:
-            out.append(Problem(node.name, where, why or "no RoCE v2 GID"))
+            out.append(Problem(node.name, where, str(why)))
     if len(set(index.values())) > 1:
         shown = ", ".join(f"{h} {i}" for h, i in index.items())
         out.append(Problem(node.name, ", ".join(index),
