@@ -57,6 +57,13 @@ def test_interface_names_fit_the_kernel_limit():
     assert len(layout.FAST_IF) <= 15
 
 
+def test_each_node_keeps_one_fast_mac_of_its_own_locally_administered():
+    macs = [layout.fast_mac(n) for n in layout.node_names(8)]
+    assert macs[0] == "02:5d:1a:f0:00:01" and macs[3] == "02:5d:1a:f0:00:04"
+    assert len(set(macs)) == 8 and macs == [layout.fast_mac(n) for n in layout.node_names(8)]
+    assert all(int(m.split(":")[0], 16) & 0b11 == 0b10 for m in macs)  # local, unicast
+
+
 def test_fallback_is_forced_even_when_the_default_is_free_and_recorded():
     plan, why = plan_addresses(MACHINE, recorded="10.77.0.0/24", want="fallback")
     assert plan.mgmt_net == layout.MGMT_CANDIDATES[1]

@@ -105,6 +105,12 @@ def fast_peer_veth(node: str) -> str:
     return f"lab{node_index(node)}f"
 
 
+def fast_mac(node: str) -> str:
+    """The node's fast interface's MAC: fixed per node (locally administered), as a real NIC's
+    is, so a node that comes back answers at the MAC its peers' neighbour tables still hold."""
+    return f"02:5d:1a:f0:00:{node_index(node):02x}"
+
+
 @dataclass(frozen=True)
 class AddressPlan:
     mgmt_net: str

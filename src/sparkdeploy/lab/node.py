@@ -224,13 +224,17 @@ def ensure_fast(nodes: list[str], plan: AddressPlan) -> list[str]:
             run(["ip", "-n", ns, "link", "del", layout.FAST_IF], check=False)
         if peer in ports:
             run(["ip", "-n", fns, "link", "del", peer], check=False)
-        run(["ip", "link", "add", layout.FAST_IF, "netns", ns, "mtu", mtu, "type", "veth",
-             "peer", "name", peer, "netns", fns, "mtu", mtu])
+        run(["ip", "link", "add", layout.FAST_IF, "netns", ns, "mtu", mtu, "address",
+             layout.fast_mac(node), "type", "veth", "peer", "name", peer, "netns", fns, "mtu", mtu])
         run(["ip", "-n", fns, "link", "set", peer, "master", layout.FAST_BRIDGE, "up"])
         run(["ip", "-n", ns, "addr", "add", f"{plan.fast_addr(node)}/{prefix}", "dev",
              layout.FAST_IF])
         run(["ip", "-n", ns, "link", "set", layout.FAST_IF, "up"])
         made.append(node)
+    for node in (x for x in made if x in nodes):  # a peer's entry may name its old MAC
+        for other in (x for x in nodes if x != node):
+            run(["ip", "-n", layout.netns_name(other), "neigh", "flush", "to",
+                 plan.fast_addr(node), "dev", layout.FAST_IF], check=False)
     return made
 
 
