@@ -215,8 +215,7 @@ def _ifname_ok(var: str, value: str, iface: str) -> bool:
     """NCCL and UCX take a prefix (``enp1s0f0``) or a list; Gloo and TP an exact name."""
     names = [v for v in value.split(",") if v]
     if var in ("NCCL_SOCKET_IFNAME", "UCX_NET_DEVICES"):
-        return any(iface.startswith(n.lstrip("=").split(":")[0]) and not n.startswith("^")
-                   for n in names)
+        return any(iface.startswith(n.lstrip("=").split(":")[0]) for n in names)  # not ^X
     return value == iface
 
 

@@ -88,10 +88,14 @@ def test_subnet_checks_every_other_interface_and_every_address(tmp_path, monkeyp
                          {"address": "192.168.100.77", "prefix": 24}]
         if n["name"] == "wlP9s9":
             n["ipv4"] = [{"address": "192.168.100.78", "prefix": 25}]
+        if n["name"] == "enp1s0f1np1":  # the other port, listed after the link's interface
+            n["ipv4"] = [{"address": "192.168.100.79", "prefix": 24}]
     assert lines(doc.subnet_problems(WORKER, LinkFacts.model_validate(data))) == [
         ("spark2", "enP7s7: holds 192.168.100.77/24, in the link's subnet 192.168.100.0/24 "
                    "(only enp1s0f0np0 may)"),
         ("spark2", "wlP9s9: holds 192.168.100.78/25, in the link's subnet 192.168.100.0/24 "
+                   "(only enp1s0f0np0 may)"),
+        ("spark2", "enp1s0f1np1: holds 192.168.100.79/24, in the link's subnet 192.168.100.0/24 "
                    "(only enp1s0f0np0 may)")]
 
 
@@ -102,8 +106,15 @@ def _hca(data: dict, name: str) -> dict:
 def test_hca_absent_portless_unknown_state_and_differing_gid_index(tmp_path, monkeypatch):
     data = raw(tmp_path, monkeypatch)
     data["hcas"] = [h for h in data["hcas"] if h["name"] != "rocep1s0f0"]
-    assert lines(doc.hca_problems(WORKER, LinkFacts.model_validate(data))) == [
-        ("spark2", "rocep1s0f0: HCA absent (RDMA devices: roceP2p1s0f0, roceP2p1s0f1, rocep1s0f1)")]
+    _hca(data, "roceP2p1s0f0")["ports"][0]["state"] = "DOWN"
+    absent = [("spark2", "rocep1s0f0: HCA absent (RDMA devices: roceP2p1s0f0, roceP2p1s0f1, "
+                         "rocep1s0f1)"),
+              ("spark2", "roceP2p1s0f0 (enP2p1s0f0np0): port 1 is DOWN, must be ACTIVE")]
+    assert lines(doc.hca_problems(WORKER, LinkFacts.model_validate(data))) == absent
+    assert lines(doc.node_problems(WORKER, LinkFacts.model_validate(data)))[-2:] == absent
+    data["hcas"] = []
+    assert lines(doc.hca_problems(WORKER, LinkFacts.model_validate(data)))[0] == (
+        "spark2", "rocep1s0f0: HCA absent (RDMA devices: none)")
     data = raw(tmp_path / "b", monkeypatch)
     _hca(data, "rocep1s0f0")["ports"] = []
     _hca(data, "roceP2p1s0f0")["ports"][0]["state"] = None
@@ -112,12 +123,17 @@ def test_hca_absent_portless_unknown_state_and_differing_gid_index(tmp_path, mon
         ("spark2", "roceP2p1s0f0 (enP2p1s0f0np0): port 1 is unknown, must be ACTIVE")]
     assert doc.gid_indexes(WORKER, LinkFacts.model_validate(data)) == {"roceP2p1s0f0": 3}
     data = raw(tmp_path / "c", monkeypatch)
-    _hca(data, "roceP2p1s0f0")["ports"][0]["roce_v2"] = {"192.168.100.21": 5}
+    _hca(data, "roceP2p1s0f0")["ports"][0]["roce_v2"] = {"192.168.100.21": 5, "10.1.1.1": 2}
     _hca(data, "roceP2p1s0f0")["netdevs"] = []
     f = LinkFacts.model_validate(data)
     assert lines(doc.hca_problems(WORKER, f)) == [
         ("spark2", "roceP2p1s0f0 (no netdev): no RoCE v2 GID for an IPv4 address of its netdev "
-                   "(addresses: none; RoCE v2 IPv4 GIDs: 192.168.100.21 at 5)")]
+                   "(addresses: none; RoCE v2 IPv4 GIDs: 10.1.1.1 at 2, 192.168.100.21 at 5)")]
+    _hca(data, "roceP2p1s0f0")["netdevs"] = ["enP7s7", "wlP9s9"]  # two, neither with a GID
+    assert lines(doc.hca_problems(WORKER, LinkFacts.model_validate(data))) == [
+        ("spark2", "roceP2p1s0f0 (enP7s7, wlP9s9): no RoCE v2 GID for an IPv4 address of enP7s7, "
+                   "wlP9s9 (addresses: 192.168.1.40, 192.168.1.41; RoCE v2 IPv4 GIDs: 10.1.1.1 at "
+                   "2, 192.168.100.21 at 5)")]
     _hca(data, "roceP2p1s0f0")["netdevs"] = ["enP2p1s0f0np0"]
     assert lines(doc.hca_problems(WORKER, LinkFacts.model_validate(data))) == [
         ("spark2", "rocep1s0f0, roceP2p1s0f0: RoCE v2 GID index differs (rocep1s0f0 3, "
@@ -158,6 +174,7 @@ def test_the_lower_end_of_each_pair_is_named(tmp_path, monkeypatch):
 @pytest.mark.parametrize("argv,flag,want", [
     (("--master-addr", "1.2.3.4"), "--master-addr", "1.2.3.4"),
     (("--master-addr=1.2.3.4",), "--master-addr", "1.2.3.4"),
+    (("--master-addr=a=b",), "--master-addr", "a=b"),
     (("x", "--master-addr"), "--master-addr", None),
     (("--master-address", "1.2.3.4"), "--master-addr", None),
 ])
@@ -175,6 +192,7 @@ def test_host_part(value, want):
     ("NCCL_SOCKET_IFNAME", "enp1s0f0np0", True), ("NCCL_SOCKET_IFNAME", "enp1s0", True),
     ("NCCL_SOCKET_IFNAME", "eth0,enp1s0f0", True), ("NCCL_SOCKET_IFNAME", "^lo", False),
     ("NCCL_SOCKET_IFNAME", "=enp1s0f0np0", True), ("NCCL_SOCKET_IFNAME", "wlP9s9", False),
+    ("NCCL_SOCKET_IFNAME", "^enp1s0f0np0", False),
     ("UCX_NET_DEVICES", "enp1s0f0np0:1", True), ("UCX_NET_DEVICES", "mlx5_0:1", False),
     ("GLOO_SOCKET_IFNAME", "enp1s0f0np0", True), ("GLOO_SOCKET_IFNAME", "enp1s0", False),
     ("TP_SOCKET_IFNAME", "", False),
@@ -227,6 +245,7 @@ def test_iperf_answers(stdout, want):
 def test_stream_figures_and_the_bound():
     assert doc.stream_gbps(125_000_000, 1.0) == 1.0
     assert doc.stream_gbps(0, 2.0) is None and doc.stream_gbps(10, 0.0) is None
+    assert doc.stream_gbps(1, 1.0) == 8e-9
     assert doc.bandwidth_problem(HEAD, WORKER, 25.0, 25.0, "iperf3") is None
     assert doc.bandwidth_problem(HEAD, WORKER, 3.0, None, "stream") is None
     p = doc.bandwidth_problem(HEAD, WORKER, 24.99, 25.0, "iperf3")
@@ -237,3 +256,21 @@ def test_stream_figures_and_the_bound():
 def test_ping_argv():
     assert doc.ping_argv("enp1s0f0np0", 9000, "192.168.100.11") == [
         "ping", "-M", "do", "-s", "8972", "-c", "1", "-W", "2", "-I", "enp1s0f0np0", "192.168.100.11"]
+
+
+def test_an_engine_the_builder_refuses_is_left_to_serve_up(monkeypatch):
+    from sparkdeploy.engines import EngineError
+
+    real = doc.launch
+
+    def refusing(profile, engine, facts):
+        if engine.kind == "sglang":
+            raise EngineError("engines.sglang.image: no")
+        return real(profile, engine, facts)
+    data = PROFILE.model_dump()
+    for e in data["engines"]:
+        e["env"] = {"VLLM_HOST_IP": "127.0.1.1"} if e["kind"] == "vllm" else {}
+    prof = type(PROFILE).model_validate(data, strict=False)
+    monkeypatch.setattr(doc, "launch", refusing)
+    got = lines(doc.advertised_problems(prof))
+    assert [w.split(" (")[0] for _, w in got] == ["enp1s0f0np0: vllm", "enp1s0f0np0: vllm"]
