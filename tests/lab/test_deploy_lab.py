@@ -158,6 +158,44 @@ def test_killed_during_sync_resumes_without_resending(lab, state_dir):
     assert sent <= len(worker_has) - len(worker_had), why  # nor sent again to the worker
 
 
+def test_a_keyed_endpoint_passes_the_bench_smoke_and_the_key_stays_out_of_argv_and_files(
+        lab, state_dir):
+    """SPARKDEPLOY_API_KEY set: the engine serves behind the key, deploy.all's readiness and its
+    bench smoke send it (the smoke completes every request), and the key is in no process's
+    argv on a node, no container's command or labels, nothing deploy.all printed and no file
+    under the state dir (its journal, records and bench JSON)."""
+    key = "sk-lab-" + os.urandom(12).hex()
+    env = {**inv_env(state_dir), "SPARKDEPLOY_API_KEY": key}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(inv_argv(*args), cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=900)
+
+    assert run("serve.down").returncode == 0
+    try:
+        r = run("deploy.all", "--bench")
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+        last = r.stdout.strip().splitlines()[-2:]
+        url, record = last[0].split(" ", 1)[1], Path(last[1].split(" ", 1)[1])
+        assert requests.get(url.rstrip("/") + "/v1/models", timeout=10).status_code == 401
+        level = json.loads(record.with_suffix(".json").read_text())["data"]["bench"]["levels"][0]
+        assert level["completed"] == level["requests"] > 0, level
+        assert key not in r.stdout + r.stderr
+        leaked = [str(f) for f in state_dir.rglob("*") if f.is_file()
+                  and key.encode() in f.read_bytes()]
+        assert leaked == []
+        dep = dep_for(state_dir)
+        for n in dep.profile.nodes:
+            args = lab.ssh(n.name, ["ps", "-eo", "args"]).stdout
+            assert key not in args, n.name
+            cmds = lab.ssh(n.name, ["sh", "-c", "docker ps -q --filter label=org.sparkdeploy."
+                                    "engine | xargs -r docker inspect --format "
+                                    "'{{json .Path}} {{json .Args}} {{json .Config.Labels}}'"])
+            assert cmds.stdout.strip() and key not in cmds.stdout, n.name
+    finally:
+        assert run("serve.down").returncode == 0
+
+
 def test_a_hang_ends_on_vllm_with_the_diagnosis_in_the_record(lab, state_dir, tmp_path):
     """`inv lab.fault sglang-hang`, then deploy.all: SGLang hangs in init, serve.up falls back
     to vLLM on Ray, and the record names both decisions and the evidence. A profile on top of
