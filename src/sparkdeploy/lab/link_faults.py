@@ -48,8 +48,11 @@ def _in(ns: str, *argv: str, check: bool = True) -> str:
 
 def _link(ns: str, name: str) -> dict | None:
     out = run(["ip", "-n", ns, "-j", "addr", "show", "dev", name], check=False)
-    got = json.loads(out.stdout or "[]") if out.returncode == 0 else []
-    return got[0] if got else None
+    try:
+        got = json.loads(out.stdout or "[]") if out.returncode == 0 else []
+    except ValueError:
+        return None
+    return got[0] if isinstance(got, list) and got and isinstance(got[0], dict) else None
 
 
 def twin_state_file(node: str, hca: str | None = None) -> Path:
