@@ -213,11 +213,13 @@ def test_plan_sends_ready_files_and_lets_workers_serve_the_next():
     finish(plan, first[0], ["a"])
     plan.holders["b"] = ["head"]
     second = plan.next_transfers(streams=1, head="head")
-    assert second == [(("b",), "head", "w1"), (("a",), "w1", "w2")]  # w1 serves w2
-    for b in second:
-        finish(plan, b, list(b[0]))
+    # w1 serves w2; b goes round to w2 (the head feeds every worker), once w2's stream is free
+    assert second == [(("a",), "w1", "w2")]
+    finish(plan, second[0], ["a"])
+    assert plan.next_transfers(streams=1, head="head") == [(("b",), "head", "w2")]
+    finish(plan, (("b",), "head", "w2"), ["b"])
     third = plan.next_transfers(streams=1, head="head")
-    assert third == [(("b",), "w1", "w2")]
+    assert third == [(("b",), "w2", "w1")]  # and w2 serves w1
     finish(plan, third[0], ["b"])
     assert plan.done()
 
@@ -523,9 +525,10 @@ def test_plan_caps_what_each_node_sends_and_receives():
     files = ["a", "b", "c"]
     plan = model_sync.Plan(need={"w1": list(files), "w2": list(files)},
                            holders={f: ["head"] for f in files}, sizes={"a": 3, "b": 2, "c": 1})
-    # the head sends two streams in all, not two per receiver
+    # the head sends two streams in all, not two per receiver: one each, the files going round
+    # the receivers (each then serves the other what it got)
     assert plan.next_transfers(streams=2, head="head") == [
-        (("a",), "head", "w1"), (("b", "c"), "head", "w1")]
+        (("a", "c"), "head", "w1"), (("b",), "head", "w2")]
     # w2 holds nothing yet and the head is busy: nothing more
     assert plan.next_transfers(streams=2, head="head") == []
 
@@ -581,11 +584,12 @@ def test_plan_a_lost_sender_serves_no_more_and_what_it_did_not_deliver_goes_agai
     assert not plan.waiting_only("w3")  # not ended: a comes again
     finish(plan, first[1], ["b"])
     assert plan.retry("b", "w2") is False  # its sender is fine
-    # only the head's copy is left: it sends a again, once; w3 waits for w2
-    assert plan.next_transfers(streams=2, head="head") == [(("a",), "head", "w2")]
-    finish(plan, (("a",), "head", "w2"), ["a"])
-    assert plan.next_transfers(streams=2, head="head") == [(("a",), "w2", "w3")]
-    assert plan.sources("a", "w3", "head") == ["w2"]
+    # only the head's copy is left: it sends a again, once, to the receiver it has sent the
+    # fewest files (w2 had b); w2 waits for w3
+    assert plan.next_transfers(streams=2, head="head") == [(("a",), "head", "w3")]
+    finish(plan, (("a",), "head", "w3"), ["a"])
+    assert plan.next_transfers(streams=2, head="head") == [(("a",), "w3", "w2")]
+    assert plan.sources("a", "w2", "head") == ["w3"]
 
 
 def test_plan_a_failed_receiver_is_no_sender():
@@ -631,3 +635,17 @@ def test_the_receiver_expects_a_missing_file_again(tmp_path):
         assert arr.counts["ok"] == 1
     finally:
         arr.close()
+
+
+def test_plan_the_head_feeds_every_worker_at_once_with_files_of_its_own():
+    files = [f"s{i}" for i in range(6)]
+    plan = model_sync.Plan(need={w: list(files) for w in ("w1", "w2", "w3")},
+                           holders={f: ["head"] for f in files}, sizes=dict.fromkeys(files, 1))
+    first = plan.next_transfers(streams=4, head="head")
+    # one stream from the head to each worker (4 // 3), the files going round them, none twice
+    assert first == [(("s0", "s3"), "head", "w1"), (("s1", "s4"), "head", "w2"),
+                     (("s2", "s5"), "head", "w3")]
+    finish(plan, first[0], ["s0"])  # s3 failed its check on w1: it goes again to w1 only
+    again = plan.next_transfers(streams=4, head="head")
+    assert (("s3",), "head", "w1") in again and all(
+        b[1] == "w1" and b[0] == ("s0",) for b in again if b[1] != "head")

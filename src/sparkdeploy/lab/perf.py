@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "deploy": "sparkdeploy.lab.perf_deploy:run",
     "diagnose": "sparkdeploy.lab.perf_diagnose:run",
     "watchdog": "sparkdeploy.lab.perf_watchdog:run",
+    "fanout": "sparkdeploy.lab.perf_fanout:run",
 }
 
 

@@ -277,6 +277,8 @@ class Plan:
     failed: dict[str, str] = field(default_factory=dict)  # receiver -> why it stopped
     lost: dict[str, str] = field(default_factory=dict)  # sender -> why it sends no more
     via: dict[tuple[str, str], str] = field(default_factory=dict)  # (file, receiver) -> sender
+    head_to: dict[str, str] = field(default_factory=dict)  # file -> the one receiver the head sends it
+    pair_load: dict[tuple[str, str], int] = field(default_factory=dict)  # streams sender -> receiver
 
     def _batches(self, files: list[str], k: int) -> list[tuple[str, ...]]:
         """``files`` over up to ``k`` streams, even in bytes (each file, largest first, onto the
@@ -300,9 +302,30 @@ class Plan:
               if h != dst and h not in self.failed and h not in self.lost]
         if head in ok and (any(h != head for h in ok) or any(
                 g == f and self.via.get((g, x)) == head and x not in self.failed
-                for g, x in self.busy)):
+                for g, x in self.busy) or self._head_sends(f) != dst):
             ok.remove(head)
         return ok
+
+    def _head_sends(self, f: str) -> str | None:
+        """The receiver the head sends ``f`` to: the files go round the receivers (the one
+        with the fewest so far), so the head's link feeds every worker at once and each relays
+        its share to the others; another is chosen when that one failed or has it."""
+        to = self.head_to.get(f)
+        if to is None or to in self.failed or f not in self.need.get(to, []):
+            count = {d: 0 for d in self.need}
+            for d in self.head_to.values():
+                count[d] = count.get(d, 0) + 1
+            wanting = [d for d, files in self.need.items() if f in files and d not in self.failed]
+            if not wanting:
+                return None
+            to = self.head_to[f] = min(wanting, key=lambda d: count[d])
+        return to
+
+    def head_share(self, streams: int) -> int:
+        """Streams the head gives one receiver: its streams split over the receivers still
+        waiting (at least one), so no receiver's share waits behind another's."""
+        waiting = [d for d, files in self.need.items() if files and d not in self.failed]
+        return max(1, streams // max(1, len(waiting)))
 
     def next_transfers(self, streams: int, head: str) -> list[Batch]:
         """Batches to start now, as a tree per file (``fanout.pick_source``): the head sends each
@@ -321,6 +344,8 @@ class Plan:
                 src = pick_source(srcs, head, self.out_load)
                 srcs.remove(src)
                 k = min(streams - self.in_load.get(dst, 0), streams - self.out_load.get(src, 0))
+                if src == head:
+                    k = min(k, self.head_share(streams) - self.pair_load.get((head, dst), 0))
                 mine = [f for f in avail if src in may[f] and (f, dst) not in self.busy]
                 if k <= 0 or not mine:
                     continue
@@ -329,6 +354,7 @@ class Plan:
                     self.via.update(((f, dst), src) for f in b)
                     out.append((b, src, dst))
                     self.out_load[src] = self.out_load.get(src, 0) + 1
+                    self.pair_load[src, dst] = self.pair_load.get((src, dst), 0) + 1
                     self.in_load[dst] = self.in_load.get(dst, 0) + 1
         return out
 
@@ -348,6 +374,7 @@ class Plan:
         """rsync of ``batch`` ended: its streams are free; its files await their check."""
         _, src, dst = batch
         self.out_load[src] -= 1
+        self.pair_load[src, dst] -= 1
         self.in_load[dst] -= 1
 
     def resolved(self, f: str, dst: str, good: bool) -> None:
