@@ -19,6 +19,11 @@ from sparkdeploy.lab import layout, lifecycle
 pytestmark = pytest.mark.lab
 
 
+def pytest_collection_modifyitems(items):
+    """Tests marked ``lab_last`` (they take the lab down) run after every other test."""
+    items.sort(key=lambda item: item.get_closest_marker("lab_last") is not None)
+
+
 @dataclass
 class Lab:
     nodes: list[str]

@@ -10,11 +10,22 @@ from pathlib import Path
 import pytest
 
 from sparkdeploy.lab import layout, lifecycle, node
+from sparkdeploy.wait import WaitTimeout, wait_for
 from tests.lab.conftest import lab_with
 
 pytestmark = pytest.mark.lab
 
 EXTRA = ["spark3", "spark4"]
+
+
+def _gone(pids: list[int]) -> bool:
+    """Every one of ``pids`` has left /proc: dead, and reaped (by us, or by PID 1 for a daemon
+    an earlier process started, which it does a moment after the death)."""
+    try:
+        return wait_for(lambda: not [p for p in pids if Path(f"/proc/{p}").exists()],
+                        deadline=10, interval=0.1)
+    except WaitTimeout:
+        return False
 
 
 def _pair_view(nodes: list[str]) -> dict:
@@ -76,7 +87,7 @@ def test_back_to_two_nodes_leaves_nothing_of_spark3_and_spark4(lab4, lab):
     assert [(r.node, r.why) for r in results if r.step == "node" and r.node in EXTRA] == [
         (x, "removed (beyond --nodes)") for x in EXTRA]
     assert lifecycle.lab_facts()["nodes"] == ["spark1", "spark2"]
-    assert all(not Path(f"/proc/{p}").exists() for p in pids)
+    assert _gone(pids)
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not [x for x in EXTRA if layout.netns_name(x) in netns]
     links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
@@ -97,3 +108,48 @@ def test_back_to_two_nodes_leaves_nothing_of_spark3_and_spark4(lab4, lab):
     assert _pair_view(["spark1", "spark2"]) == lab4.state["pair_before"]
     lab.ssh("spark1", ["ssh", "-o", "BatchMode=yes", "spark2", "true"])
     assert "spark3" not in lab.ssh("spark1", ["cat", "/root/.ssh/config"]).stdout
+
+
+def _addresses() -> dict[str, tuple[str, str, str]]:
+    """Each node's management and fast-link address and its fast interface's MAC."""
+    facts = lifecycle.lab_facts()
+    out = {}
+    for x in facts["nodes"]:
+        link = json.loads(subprocess.run(
+            ["ip", "-j", "-n", layout.netns_name(x), "link", "show", layout.FAST_IF],
+            capture_output=True, text=True, check=True).stdout)[0]
+        out[x] = (facts["node"][x]["mgmt_addr"], facts["node"][x]["fast_addr"], link["address"])
+    return out
+
+
+@pytest.mark.lab_last
+def test_lab_down_from_four_nodes_leaves_nothing_and_the_pair_comes_back_as_it_was(lab):
+    """Runs after every other lab test (it takes the lab down): lab.down from four nodes leaves
+    no process, namespace, link, mount or file of any of them; lab.up brings the same pair back
+    (names, addresses, MACs) and its nodes reach each other."""
+    pair = _addresses()
+    results = lifecycle.up(nodes=4, flavor=layout.DEFAULT_DOCKERD)
+    assert not [r for r in results if r.failed]
+    st = lifecycle.lab_facts()
+    nodes = st["nodes"]
+    assert nodes == ["spark1", "spark2", "spark3", "spark4"]
+    pids = [p["pid"] for x in nodes for p in st["node"][x]["procs"].values()]
+    down = lifecycle.down()
+    assert not [r for r in down if r.failed], down
+    assert _gone(pids)
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not [n for n in [*map(layout.netns_name, nodes), layout.FAST_NETNS] if n in netns]
+    links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+    assert not [ln for ln in links.splitlines()
+                if ln.split()[0].split("@")[0] in {layout.MGMT_BRIDGE, "lab1m", "lab2m", "lab3m",
+                                                   "lab4m"}]
+    mounts = Path("/proc/self/mountinfo").read_text()
+    assert str(layout.LAB_DIR) + "/" not in mounts
+    assert not layout.LAB_DIR.exists()
+    back = lifecycle.up(nodes=2, flavor=layout.DEFAULT_DOCKERD)
+    assert not [r for r in back if r.failed], back
+    assert {x: a[:2] for x, a in _addresses().items()} == {x: a[:2] for x, a in pair.items()}
+    assert {x: a[2] for x, a in _addresses().items()} == {x: layout.fast_mac(x) for x in pair}
+    cp = subprocess.run(lab.ssh_argv("spark1", ["ssh", "-o", "BatchMode=yes", "spark2", "true"]),
+                        capture_output=True, text=True, timeout=60)
+    assert cp.returncode == 0, cp.stderr
