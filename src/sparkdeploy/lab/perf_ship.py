@@ -9,6 +9,13 @@
   spread (``full_vs_naive_min``/``_max``) and each side's spread ((max - min) / median). Every run
   is checked: ours must report a full ship that changed the peer (a ship that found the image
   already there does not count), and after the plain pipeline the peer must hold the image.
+- ``ship.delta_time_ratio``: wall time of shipping an image whose missing part is a small share
+  (a ``DELTA_MB`` layer of random bytes, ``SHIP_DELTA_MB`` or 20, built on the derivative, at most 5 % of an image of at
+  least 500 MB, checked) to a peer that has everything below it, divided by the time a raw SSH
+  stream of as many bytes takes from the source to the peer over the fast link (``head -c N
+  /dev/zero | ssh PEER 'cat >/dev/null'``, the ssh a ship runs), alternating in one run: median
+  of the per-round ratios with its min and max. Every delta ship must be partial and read from
+  the source's layer store, and the delta is removed from the peer before each.
 
 Needs root and the lab (it brings it up if needed) with the derivative built (it builds it).
 """
@@ -16,6 +23,7 @@ Needs root and the lab (it brings it up if needed) with the derivative built (it
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -31,6 +39,8 @@ from sparkdeploy.steps import images, ship
 ROOT = Path(__file__).resolve().parents[3]
 PROFILE = ROOT / "configs" / "lab.yaml"
 REPS = 5
+DELTA_MB = int(os.environ.get("SHIP_DELTA_MB", "20"))
+DELTA_TAG = "sparkdeploy-perf/delta:latest"
 
 
 def _say(msg: str) -> None:
@@ -73,6 +83,77 @@ def layer_tar_sizes(dep: Deployment, node: str, ref: str, diff_ids: list[str]) -
     if set(sizes) != set(diff_ids):
         raise SystemExit(f"{ref}: the save archive is not OCI layout with uncompressed layers")
     return sizes
+
+
+def build_delta(dep: Deployment, head: str, base: str) -> None:
+    """``DELTA_TAG``: ``base`` plus one layer of ``DELTA_MB`` random bytes (built on the head)."""
+    h = dep.host(head)
+    dockerfile = (f"FROM {base}\nRUN head -c {DELTA_MB * 1000 * 1000} /dev/urandom > /delta.bin\n")
+    r = h.run(docker(h, "build", "-q", "-t", DELTA_TAG, "-"), input=dockerfile, timeout=600)
+    if not r.ok:
+        raise SystemExit(f"building {DELTA_TAG}: {r.one_line_error()}")
+
+
+def raw_stream(dep: Deployment, head: str, peer: str, nbytes: int) -> float:
+    """Seconds the head takes to stream ``nbytes`` to the peer over ssh on the fast link."""
+    addr = dep.profile.node(peer).link.address
+    script = f"head -c {nbytes} /dev/zero | " + shlex.join(
+        ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "--", addr, "cat >/dev/null"])
+    t0 = time.monotonic()
+    _run(dep, head, ["bash", "-c", "set -o pipefail; " + script])
+    return time.monotonic() - t0
+
+
+def delta_time(dep: Deployment, head: str, peer: str, base: str) -> dict[str, float]:
+    """``ship.delta_time_ratio`` and its parts (see the module's docstring)."""
+    build_delta(dep, head, base)
+    src = images.inspect_image(dep.host(head), DELTA_TAG)
+    below = images.inspect_image(dep.host(head), base)
+    assert src and below
+    missing = src["RootFS"]["Layers"][len(below["RootFS"]["Layers"]):]
+    sizes = layer_tar_sizes(dep, head, DELTA_TAG, missing)
+    missing_bytes = sum(sizes.values())
+    image_bytes = int(src.get("Size") or 0)
+    if image_bytes < 500e6 or missing_bytes > 0.05 * image_bytes:
+        raise SystemExit(f"{DELTA_TAG}: {missing_bytes / 1e6:.0f} MB missing of a "
+                         f"{image_bytes / 1e6:.0f} MB image: not a small delta of a large image")
+    forget_tag(dep, peer, DELTA_TAG)
+    r = ship.ship(dep, peer, base)  # the peer holds everything below the delta
+    if r[0].failed:
+        raise SystemExit(r[0].why)
+    ships, raws = [], []
+    for i in range(REPS):
+        for kind in (("raw", "ship") if i % 2 == 0 else ("ship", "raw")):
+            if kind == "raw":
+                raws.append(raw_stream(dep, head, peer, missing_bytes))
+                _say(f"raw ssh stream of {missing_bytes / 1e6:.1f} MB: {raws[-1]:.2f}s")
+                continue
+            forget_tag(dep, peer, DELTA_TAG)
+            t0 = time.monotonic()
+            res = ship.ship(dep, peer, DELTA_TAG)
+            ships.append(time.monotonic() - t0)
+            d = res[0].details
+            if res[0].status != "changed" or d.get("mode") != "partial" or d.get("via") != "store":
+                raise SystemExit(f"round {i + 1}: the delta ship was not a partial ship read from "
+                                 f"the layer store: {res[0].status}: {res[0].why}")
+            _say(f"delta ship: {ships[-1]:.2f}s ({res[0].why})")
+    forget_tag(dep, peer, DELTA_TAG)
+    forget_tag(dep, head, DELTA_TAG)
+    ratios = [s / r for s, r in zip(ships, raws, strict=True)]
+    return {"delta_time_ratio": statistics.median(ratios),
+            "delta_time_ratio_min": min(ratios), "delta_time_ratio_max": max(ratios),
+            "delta_ship_s": statistics.median(ships),
+            "delta_ship_s_spread": (max(ships) - min(ships)) / statistics.median(ships),
+            "delta_raw_s": statistics.median(raws),
+            "delta_raw_s_spread": (max(raws) - min(raws)) / statistics.median(raws),
+            "delta_small_mb": missing_bytes / 1e6, "delta_image_mb": image_bytes / 1e6}
+
+
+def forget_tag(dep: Deployment, node: str, ref: str) -> None:
+    """The node loses ``ref`` and the layers only it held (dangling ones pruned)."""
+    h = dep.host(node)
+    h.run(docker(h, "image", "rm", "-f", ref))
+    h.run(docker(h, "image", "prune", "-f"))
 
 
 def run() -> dict[str, float]:
@@ -119,6 +200,8 @@ def run() -> dict[str, float]:
     figures["delta_missing_mb"] = missing_bytes / 1e6
     figures["delta_rx_mb"] = (after - before) / 1e6
     figures["image_mb"] = float(src.get("Size") or 0) / 1e6
+
+    figures.update(delta_time(dep, head, peer, layer.tag))
 
     # -- full ship vs naive, alternating, the peer emptied before each
     peer_addr = dep.profile.node(peer).link.address

@@ -1,23 +1,32 @@
 """``image.ship``: copy an image node to node over the fast link, sending only missing layers.
 
 For each peer: compare the image's diff IDs on the source with every layer the peer's Docker daemon
-already holds, check the peer's free disk, then run on the source
+already holds, check the peer's free disk, then stream a ``docker load`` archive of what the peer
+lacks into the peer's Docker daemon over ssh, with no temp file of the image on either side. The
+archive comes from one of three places, the first that serves:
 
-    docker save IMAGE | python3 save_filter.py ... | [zstd |] ssh PEER-LINK-ADDR '[zstd -d |] docker load'
+1. the source's layer store (``helpers/layer_export.py``): on a classic-store source, the missing
+   layers' tars are rebuilt from Docker's own record of them (tar-split + the layer directory),
+   so the time follows the missing bytes, not the image;
+2. ``docker save IMAGE | save_filter.py``: the whole image read, the layers the peer has dropped
+   from the stream (a source on the containerd store, or a store the helper cannot read);
+3. the whole ``docker save`` archive (through the filter as a counting pass-through): a peer that
+   holds none of the layers, a peer on the containerd image store (where a partial archive
+   "loads" into an incomplete image), or a peer that refused a partial archive.
 
-with no temp file of the image on either side. Peers on the containerd image store (where a
-partial archive "loads" into an incomplete image) get the whole archive, and so does any peer
-that refuses a partial one. A ship succeeds only when the peer lists the image under its tag with
-the source's diff IDs (and, on the classic store, the same config digest). ``docker load`` tags
-only after the whole archive arrived, so a killed transfer leaves nothing tagged and a re-run
-completes. With several peers the ship is a tree (``sparkdeploy.fanout``): peers that have the image
-serve the next ones, one each per round, so the holders double each round.
+Which one ran, and why not an earlier one, is in the result. A ship succeeds only when the peer
+lists the image under its tag with the source's diff IDs (and, on the classic store, the same
+config digest). ``docker load`` tags only after the whole archive arrived, so a killed transfer
+leaves nothing tagged and a re-run completes; nothing listens and nothing runs after the ship.
+With several peers the ship is a tree (``sparkdeploy.fanout``): peers that have the image serve
+the next ones, one each per round, so the holders double each round.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,11 +40,13 @@ from sparkdeploy.nodeops import (
     check_staged,
     docker,
     free_space,
+    helper_error,
     inspect_image,
     listed_tags,
     parse_progress,
     stage,
     stage_script,
+    verified,
 )
 from sparkdeploy.outside import OutsideError, loads
 from sparkdeploy.results import Result, changed, failed, ok, skipped
@@ -48,6 +59,8 @@ FILTER_PYTHON = (3, 8)
 """The oldest python3 helpers/save_filter.py runs on (checked on the source before shipping)."""
 STAGED_CHANGED = 97
 """Exit status of a pipeline whose staged helper no longer matches its sha256 (not run)."""
+STORE_DRIVERS = ("overlay2", "vfs")
+"""Classic-store drivers whose layers ``layer_export.py`` reads (by cache-id, see the helper)."""
 
 
 @dataclass
@@ -56,18 +69,36 @@ class DockerDaemon:
 
     containerd_store: bool
     root_dir: str
+    driver: str = ""
     chains: list[list[str]] = field(default_factory=list)
     """The layer list (diff IDs, base first) of every image the daemon holds."""
 
 
-def daemon_facts(host: Host) -> DockerDaemon:
-    r = host.run(docker(host, "info", "--format", "{{json .}}"), change=False)
+def daemon_facts(host: Host, layers: bool = True) -> DockerDaemon:
+    """The daemon's store, root dir and driver (``docker info``) and, with ``layers``, the layer
+    list of every image it holds (asked at the same time)."""
+    r, chains = threads.together(
+        lambda: host.run(docker(host, "info", "--format", "{{json .}}"), change=False),
+        lambda: layers_on(host) if layers else [])
     if not r.ok:
         raise HostError(f"{host.name}: docker info failed: {r.one_line_error()}")
     info = json.loads(r.stdout)
     status = info.get("DriverStatus") or []
     containerd = any(CONTAINERD in str(v) for pair in status for v in pair)
-    return DockerDaemon(containerd, info.get("DockerRootDir") or "/var/lib/docker", layers_on(host))
+    return DockerDaemon(containerd, info.get("DockerRootDir") or "/var/lib/docker",
+                        str(info.get("Driver") or ""), chains)
+
+
+def source_store(host: Host, info: dict) -> DockerDaemon:
+    """The source's store as far as reading its layers needs it: on overlay2 the image's own
+    ``GraphDriver`` names the driver and, in its ``UpperDir``, the Docker root
+    (``<root>/overlay2/<cache-id>/diff``), which spares a ``docker info`` (the slowest probe of a
+    small delta's ship); otherwise ``docker info`` says."""
+    graph = info.get("GraphDriver") or {}
+    upper = str((graph.get("Data") or {}).get("UpperDir") or "")
+    if graph.get("Name") == "overlay2" and "/overlay2/" in upper and upper.startswith("/"):
+        return DockerDaemon(False, upper.rsplit("/overlay2/", 1)[0], "overlay2")
+    return daemon_facts(host, layers=False)
 
 
 def layers_on(host: Host) -> list[list[str]]:
@@ -126,25 +157,55 @@ def have_prefix(layers: list[str], chains: list[list[str]]) -> int:
 
 def pipeline(src: Host, peer: Host, ref: str, filter_path: str | None, layers_file: str | None,
              have_file: str | None, compression: str) -> list[str]:
-    """The argv (``bash -c``) the source runs to stream the image into the peer's Docker daemon."""
-    save = docker(src, "save", ref)
-    stages = [save]
-    checks = ""
+    """The argv (``bash -c``) the source runs to stream ``docker save`` of the image, filtered,
+    into the peer's Docker daemon."""
+    stages = [docker(src, "save", ref)]
+    staged: list[str] = []
     if filter_path:
-        # the staged filter and its lists run only as staged (their sha256 checked first)
-        checks = "".join(check_staged(p) + "; " for p in (filter_path, layers_file, have_file) if p)
+        staged = [p for p in (filter_path, layers_file, have_file) if p]
         lists = [*(["--layers-file", layers_file] if layers_file else []),
                  *(["--have-file", have_file] if have_file else [])]
         # without lists the filter drops nothing: a byte-for-byte pass-through that counts
         stages.append(["python3", filter_path, *lists, "--progress", "1"])
-    load = docker(peer, "load")
-    remote = shlex.join(load)
+    return _into_peer(peer, stages, staged, compression)
+
+
+def export_argv(src: Host, export_path: str, layers_file: str, facts: DockerDaemon, image_id: str,
+                ref: str, have: int, *, check: bool = False) -> list[str]:
+    """``layer_export.py`` on the source: the archive of the layers after the first ``have``
+    (``check``: only whether the store can be read). Values ride in ``--opt=value`` form, so none
+    is read as an option; under ``sudo`` where the node needs it to read the Docker root. ``-I
+    -S``: the helper is standard library only, so Python skips the environment and site-packages
+    (a quarter of its start-up time on a small delta's ship)."""
+    argv = ["python3", "-I", "-S", export_path, f"--root={facts.root_dir}", f"--driver={facts.driver}",
+            f"--image-id={image_id}", f"--ref={tagged(ref)}", f"--layers-file={layers_file}",
+            f"--have={have}", *(["--check"] if check else ["--progress=1"])]
+    return ["sudo", "-n", "--", *argv] if src.node.privilege == "sudo" else argv
+
+
+def export_pipeline(src: Host, peer: Host, export_path: str, layers_file: str,
+                    facts: DockerDaemon, image_id: str, ref: str, have: int,
+                    compression: str) -> list[str]:
+    """The argv (``bash -c``) the source runs to stream the missing layers, read from its layer
+    store, into the peer's Docker daemon."""
+    stages = [export_argv(src, export_path, layers_file, facts, image_id, ref, have)]
+    return _into_peer(peer, stages, [export_path, layers_file], compression)
+
+
+def _into_peer(peer: Host, stages: list[list[str]], staged: list[str], compression: str) -> list[str]:
+    # the staged helpers and their lists run only as staged (their sha256 checked first)
+    checks = "".join(check_staged(p) + "; " for p in staged)
+    remote = shlex.join(docker(peer, "load"))
     if compression == "zstd":
-        stages.append(["zstd", "-q", "-T0", "-3", "-c"])
+        stages = [*stages, ["zstd", "-q", "-T0", "-3", "-c"]]
         remote = f"zstd -q -d -c | {remote}"
-    stages.append([*peer_ssh_argv(), "--", peer.node.link.address, remote])
-    script = checks + "set -o pipefail; " + " | ".join(shlex.join(s) for s in stages)
-    return ["bash", "-c", script]
+    stages = [*stages, [*peer_ssh_argv(), "--", peer.node.link.address, remote]]
+    return ["bash", "-c", checks + "set -o pipefail; " + " | ".join(shlex.join(s) for s in stages)]
+
+
+def tagged(ref: str) -> str:
+    """The name Docker lists a reference under (``:latest`` when it names no tag)."""
+    return ref if ":" in ref.rsplit("/", 1)[-1] else f"{ref}:latest"
 
 
 class SaveReport(BaseModel):
@@ -167,9 +228,10 @@ def _report(stderr: str) -> dict[str, Any]:
     return {}
 
 
-def verify(peer: Host, ref: str, src_info: dict, peer_store_containerd: bool) -> str | None:
-    """None when the peer holds the image as the source does, else what differs."""
-    info = inspect_image(peer, ref)
+def verify(peer: Host, ref: str, src_info: dict, peer_store_containerd: bool,
+           info: dict | None, tags: set[str]) -> str | None:
+    """None when the peer holds the image as the source does (``info``: its ``docker image
+    inspect`` of ``ref``; ``tags``: every tag it lists), else what differs."""
     want_layers = src_info["RootFS"]["Layers"]
     if info is None:
         return f"{peer.name} has no {ref}"
@@ -178,9 +240,8 @@ def verify(peer: Host, ref: str, src_info: dict, peer_store_containerd: bool) ->
         return f"diff IDs differ: source {want_layers}, {peer.name} {got_layers}"
     if not peer_store_containerd and info["Id"] != src_info["Id"]:
         return f"config digest differs: source {src_info['Id']}, {peer.name} {info['Id']}"
-    tag = ref if ":" in ref.rsplit("/", 1)[-1] else f"{ref}:latest"
-    if tag not in listed_tags(peer):
-        return f"{peer.name} does not list {tag} (an incomplete image?)"
+    if tagged(ref) not in tags:
+        return f"{peer.name} does not list {tagged(ref)} (an incomplete image?)"
     return None
 
 
@@ -196,24 +257,45 @@ def ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict) 
     return ctx.report(res)
 
 
+def store_read(src: Host, export_path: str, layers_file: str, facts: DockerDaemon, image_id: str,
+               ref: str, have: int) -> str | None:
+    """None when ``layer_export.py`` can read the missing layers from the source's layer store,
+    else why not (its own ``error:`` line)."""
+    r = src.run(verified([export_path, layers_file],
+                         export_argv(src, export_path, layers_file, facts, image_id, ref, have,
+                                     check=True)), change=False)
+    if r.ok:
+        return None
+    if r.exit_code == STAGED_CHANGED:
+        raise HostError(f"{src.name}: {r.one_line_error()}")
+    return helper_error(r.stderr, r.one_line_error())
+
+
 def _ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict) -> Result:
     dep = ctx.dep
-    facts = daemon_facts(peer)
     layers = src_info["RootFS"]["Layers"]
-    if verify(peer, ref, src_info, facts.containerd_store) is None:
+    # what the peer holds and what the source runs, asked of both nodes at once (a small delta's
+    # ship is mostly these round trips)
+    (facts, held, tags), (py, sizes, src_facts, layers_file, staged_export) = threads.together(
+        lambda: threads.together(lambda: daemon_facts(peer), lambda: inspect_image(peer, ref),
+                                 lambda: listed_tags(peer)),
+        lambda: threads.together(lambda: python_version(src),
+                                 lambda: layer_sizes(src, ref, layers, int(src_info.get("Size") or 0)),
+                                 lambda: source_store(src, src_info),
+                                 lambda: stage(src, "layers.json", json.dumps(layers)),
+                                 lambda: stage_script(src, "layer_export.py")))
+    if verify(peer, ref, src_info, facts.containerd_store, held, tags) is None:
         return ok(STEP, f"{peer.name} already has {ref} ({src_info['Id'][:19]})", peer.name)
     prefix = 0 if facts.containerd_store else have_prefix(layers, facts.chains)
-    # the filter runs on the source: its python3 must be new enough (else: send it whole, and
+    # the helpers run on the source: its python3 must be new enough (else: send it whole, and
     # without the filter's byte count)
-    py = python_version(src)
     filter_runs = py is not None and py >= FILTER_PYTHON
     old_python = ""
     if prefix and not filter_runs:
         have = "no python3" if py is None else f"python3 {py[0]}.{py[1]}"
-        old_python = (f"{src.name} has {have}, save_filter.py needs "
+        old_python = (f"{src.name} has {have}, the ship's helpers need "
                       f"{FILTER_PYTHON[0]}.{FILTER_PYTHON[1]}+")
         prefix = 0
-    sizes = layer_sizes(src, ref, layers, int(src_info.get("Size") or 0))
     missing = sum(sizes[prefix:])
     got = free_space(peer, facts.root_dir)
     free = got[0] if got else None
@@ -223,59 +305,100 @@ def _ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict)
                       f"about {need / 1e9:.1f} GB for {ref}", peer.name)
     why_full = ("the peer uses the containerd image store" if facts.containerd_store
                 else old_python or ("the peer has none of its layers" if prefix == 0 else ""))
-    what = (f"{prefix} of {len(layers)} layers already there, ~{missing / 1e6:.0f} MB" if prefix
-            else f"whole ({why_full}), ~{missing / 1e6:.0f} MB")
+    # a partial ship reads the missing layers from the source's layer store when it can
+    export_path = None
+    why_save = ""
+    if prefix:
+        if src_facts.containerd_store:
+            why_save = f"{src.name} uses the containerd image store"
+        elif src_facts.driver not in STORE_DRIVERS:
+            why_save = f"{src.name}'s storage driver {src_facts.driver or '?'} is not read directly"
+        else:
+            export_path = staged_export
+            if dep.dry:
+                # a real run learns it from the export itself (which falls back on its own)
+                why_save = store_read(src, export_path, layers_file, src_facts, src_info["Id"],
+                                      ref, prefix) or ""
+                export_path = None if why_save else export_path
+    via = ("read from its layer store" if export_path
+           else f"through docker save: {why_save}" if prefix else "")
+    what = (f"{prefix} of {len(layers)} layers already there, ~{missing / 1e6:.0f} MB, {via}"
+            if prefix else f"whole ({why_full}), ~{missing / 1e6:.0f} MB")
     if dep.dry:
         return skipped(STEP, f"would send {ref} from {src.name} to {peer.name}: {what}", peer.name)
     compression = dep.profile.images.ship_compression
     started = dep.clock()
     ctx.log(peer.name, f"sending {ref} from {src.name}: {what}")
-    # the filter runs on full ships too, as a pass-through, so that every ship shows progress
-    filter_path = stage_script(src, "save_filter.py") if filter_runs else None
-    layers_file = have_file = None
-    if prefix:
-        layers_file = stage(src, "layers.json", json.dumps(layers))
-        have_file = stage(src, "have.json", json.dumps(layers[:prefix]))
-    estimate = int(src_info.get("Size") or 0)
+    estimate = [int(src_info.get("Size") or 0)]
     read = [0]
 
     def on_line(line: str) -> None:
         if (p := parse_progress(line)) is not None:
             read[0] = int(p.get("bytes", 0))
+            if "total" in p:
+                estimate[0] = int(p["total"])
             # the image's size is an estimate of the archive's (tar headers add a little): past
             # it, the total is unknown until the archive ends
-            total = estimate if read[0] < estimate else None
+            total = estimate[0] if read[0] <= estimate[0] else None
             ctx.progress(peer.name, read[0], total, "B", f"from {src.name}")
 
-    r = src.run(pipeline(src, peer, ref, filter_path, layers_file, have_file, compression),
-                on_stderr=on_line, timeout=6 * 3600)
-    report = _report(r.stderr)
-    mode = "partial" if prefix else "full"
-    note = ""
-    if r.exit_code == STAGED_CHANGED:
-        return failed(STEP, f"{src.name}: {r.one_line_error()}", src.name)
-    if not r.ok and prefix:
-        # a peer that refuses the partial archive gets the whole one
-        note = f"; the peer refused the partial archive ({r.one_line_error()}), sent it whole"
-        r = src.run(pipeline(src, peer, ref, None, None, None, compression), timeout=6 * 3600)
-        mode, report = "full", {}
+    # the ways to send, best first; each that fails hands over to the next, saying why
+    ways: list[tuple[str, Callable[[], list[str]]]] = []
+    if export_path:
+        ways.append(("store", lambda: export_pipeline(src, peer, export_path, layers_file, src_facts,
+                                                      src_info["Id"], ref, prefix, compression)))
+    if prefix:
+        def filtered() -> list[str]:
+            have_file = stage(src, "have.json", json.dumps(layers[:prefix]))
+            return pipeline(src, peer, ref, stage_script(src, "save_filter.py"), layers_file,
+                            have_file, compression)
+        ways.append(("save", filtered))
+    ways.append(("full", lambda: pipeline(
+        src, peer, ref, stage_script(src, "save_filter.py") if filter_runs else None, None, None,
+        compression)))
+    notes: list[str] = []
+    for way, argv in ways:
+        # the filter runs on full ships too, as a pass-through, so that every ship shows progress
+        read[0] = 0
+        r = src.run(argv(), on_stderr=on_line, timeout=6 * 3600)
+        if r.exit_code == STAGED_CHANGED:
+            return failed(STEP, f"{src.name}: {r.one_line_error()}", src.name)
+        if r.ok:
+            break
+        if way != "full":
+            what_failed = ("reading the layer store" if way == "store"
+                           else "the peer refused the partial archive")
+            notes.append(f"{what_failed} ({helper_error(r.stderr, r.one_line_error())})")
+    note = "".join(f"; {n}" for n in notes)
+    if notes:
+        note += f", sent it {'whole' if way == 'full' else 'through docker save'}"
     if not r.ok:
         return failed(STEP, f"transfer to {peer.name} failed: {r.one_line_error()}{note}", peer.name)
+    report = _report(r.stderr)
+    mode = "full" if way == "full" else "partial"
     if read[0]:
-        done = int(report.get("bytes_in") or read[0])
+        done = int(report.get("bytes_out" if way == "store" else "bytes_in") or read[0])
         ctx.progress(peer.name, done, done, "B", f"from {src.name}")
     ctx.log(peer.name, f"checking {ref} on {peer.name}")
-    problem = verify(peer, ref, src_info, facts.containerd_store)
+    held, tags = threads.together(lambda: inspect_image(peer, ref), lambda: listed_tags(peer))
+    problem = verify(peer, ref, src_info, facts.containerd_store, held, tags)
     if problem:
         return failed(STEP, f"after the transfer: {problem}{note}", peer.name)
     secs = dep.clock() - started
     sent = report.get("bytes_out")
-    sent_txt = f"{sent / 1e6:.0f} MB of {report.get('bytes_in', 0) / 1e6:.0f} MB" if sent else "whole"
+    if way == "store":
+        sent_txt = f"{(sent or 0) / 1e6:.0f} MB read from {src.name}'s layer store"
+    elif way == "save":
+        sent_txt = (f"{(sent or 0) / 1e6:.0f} MB of {report.get('bytes_in', 0) / 1e6:.0f} MB "
+                    f"through docker save" + (f" ({why_save})" if why_save and not notes else ""))
+    else:
+        sent_txt = f"{sent / 1e6:.0f} MB" if sent else "whole"
     reason = f" ({why_full})" if mode == "full" and why_full and not note else ""
     return changed(STEP, f"sent {ref} {src.name} -> {peer.name}: {mode}{reason}, {sent_txt}, "
                    f"{prefix}/{len(layers)} layers already there, {secs:.1f}s{note}", peer.name,
-                   mode=mode, seconds=secs, bytes_in=report.get("bytes_in"), bytes_out=sent,
-                   layers_skipped=prefix, source=src.name)
+                   mode=mode, via=way, seconds=secs,
+                   bytes_in=report.get("bytes_in"), bytes_out=sent, layers_skipped=prefix,
+                   source=src.name)
 
 
 def default_image(dep: Deployment) -> str:
