@@ -157,9 +157,18 @@ class Layer:
             raise Differs(f"layer {self.diff_id} rebuilt as sha256:{h.hexdigest()}")
 
 
-def member_size(size):
-    """Bytes a member of ``size`` bytes (short name, no extended header) takes in the archive."""
-    return BLOCK + -(-size // BLOCK) * BLOCK
+def header(name, size):
+    """The tar header of a member (a pax record too for a size of 8 GiB or more)."""
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mode = 0o644
+    info.mtime = 0
+    return info.tobuf(format=tarfile.PAX_FORMAT)
+
+
+def member_size(name, size):
+    """Bytes the member takes in the archive: its header and its body padded to a block."""
+    return len(header(name, size)) + -(-size // BLOCK) * BLOCK
 
 
 class Out:
@@ -179,15 +188,15 @@ class Out:
             print(f"progress bytes={self.n} total={self.total}", file=sys.stderr, flush=True)
 
     def member(self, name, size, chunks):
-        info = tarfile.TarInfo(name)
-        info.size = size
-        info.mode = 0o644
-        info.mtime = 0
-        self.write(info.tobuf(format=tarfile.PAX_FORMAT))
+        self.write(header(name, size))
         for data in chunks:
             self.write(data)
         if size % BLOCK:
             self.write(b"\0" * (BLOCK - size % BLOCK))
+
+
+def layer_name(layer):
+    return layer.diff_id.split(":", 1)[1] + "/layer.tar"
 
 
 def parse(argv):
@@ -249,12 +258,14 @@ def main(argv=None):
     hexid = a.image_id.split(":", 1)[1]
     manifest = json.dumps([{"Config": f"{hexid}.json", "RepoTags": [a.ref],
                             "Layers": [d.split(":", 1)[1] + "/layer.tar" for d in layers]}]).encode()
-    total = sum(member_size(n) for n in [*(x.size for x in send), len(config), len(manifest)])
+    members = [*((layer_name(x), x.size) for x in send), (f"{hexid}.json", len(config)),
+               ("manifest.json", len(manifest))]
+    total = sum(member_size(name, size) for name, size in members)
     total += 2 * BLOCK
     out = Out(sys.stdout.buffer, total, a.progress)
     try:
         for layer in send:
-            out.member(layer.diff_id.split(":", 1)[1] + "/layer.tar", layer.size, layer.chunks())
+            out.member(layer_name(layer), layer.size, layer.chunks())
     except Differs as e:
         # no manifest: the peer's load fails and tags nothing
         sys.stdout.buffer.flush()
