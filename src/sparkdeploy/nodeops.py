@@ -25,6 +25,7 @@ T = TypeVar("T", bound=BaseModel)
 
 __all__ = ["ARCH", "HostError", "NodeUnreachable", "docker", "inspect_image",
            "listed_tags", "node_arch", "free_space", "stage", "stage_script", "check_staged", "verified",
+           "watched",
            "HelperFailed", "run_helper", "parse_progress", "helper_error", "NODE_STATE",
            "read_node_file", "write_node_file"]
 
@@ -114,6 +115,24 @@ def stage(host: Host, name: str, content: str) -> str:
 
 def stage_script(host: Host, name: str) -> str:
     return stage(host, name, helper(name).read_text())
+
+
+_WATCHED_SH = """exec 3<&0 </dev/null
+set -m
+"$@" & j=$!
+{ cat <&3 >/dev/null 2>&1; kill -TERM -- "-$j" 2>/dev/null; } & w=$!
+set +m
+wait "$j"; s=$?
+kill -- "-$w" 2>/dev/null
+exit "$s"
+"""
+
+
+def watched(argv: Sequence[str]) -> list[str]:
+    """``argv`` run on a node for as long as its stdin stays open (run it with a ``Feed``): the
+    end of stdin (this controller, or its connection, gone) ends ``argv`` and every process it
+    started (their own process group), so nothing of it runs on after the controller."""
+    return ["bash", "-c", _WATCHED_SH, "watched", *argv]
 
 
 def check_staged(path: str) -> str:

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sparkdeploy import fanout, threads
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.fanout import Outcome
-from sparkdeploy.hosts import Host, HostError, NodeUnreachable, peer_ssh_argv
+from sparkdeploy.hosts import Feed, Host, HostError, NodeUnreachable, peer_ssh_argv
 from sparkdeploy.nodeops import (
     check_staged,
     docker,
@@ -47,6 +47,7 @@ from sparkdeploy.nodeops import (
     stage,
     stage_script,
     verified,
+    watched,
 )
 from sparkdeploy.outside import OutsideError, loads
 from sparkdeploy.results import Result, changed, failed, ok, skipped
@@ -360,7 +361,13 @@ def _ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict)
     for way, argv in ways:
         # the filter runs on full ships too, as a pass-through, so that every ship shows progress
         read[0] = 0
-        r = src.run(argv(), on_stderr=on_line, timeout=6 * 3600)
+        # stdin stays open while the ship runs: its end (this controller or its connection gone)
+        # ends the pipeline on the source, so the peer's load gets a cut archive and tags nothing
+        feed = Feed()
+        try:
+            r = src.run(watched(argv()), on_stderr=on_line, input=feed, timeout=6 * 3600)
+        finally:
+            feed.close()
         if r.exit_code == STAGED_CHANGED:
             return failed(STEP, f"{src.name}: {r.one_line_error()}", src.name)
         if r.ok:
