@@ -96,3 +96,49 @@ def test_verified_runs_a_matching_helper_and_refuses_a_changed_one(host):
 def test_check_staged_needs_a_staged_path():
     with pytest.raises(ValueError):
         nodeops.check_staged("/tmp/helper.py")
+
+
+# --- watched: a node's command ends with the controller's stdin -------------------------------
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_watched_passes_the_exit_status_and_output_and_leaves_nothing_running(host, tmp_path):
+    from sparkdeploy.hosts import Feed
+
+    feed = Feed()
+    pids = tmp_path / "pids"
+    r = host.run(nodeops.watched(["bash", "-c", f"echo $$ > {pids}; echo out; echo err >&2; exit 3"]),
+                 input=feed)
+    feed.close()
+    assert (r.exit_code, r.stdout, r.stderr.strip()) == (3, "out\n", "err")
+    assert not _alive(int(pids.read_text()))
+
+
+def test_watched_ends_the_command_and_its_children_when_stdin_closes(host, tmp_path):
+    import threading
+    import time
+
+    from sparkdeploy.hosts import Feed
+
+    feed = Feed()
+    pids = tmp_path / "pids"
+    script = f"sleep 60 & echo $! >> {pids}; echo $$ >> {pids}; sleep 60 | cat; echo never"
+    threading.Timer(1.0, feed.close).start()  # the controller goes away
+    t0 = time.monotonic()
+    r = host.run(nodeops.watched(["bash", "-c", script]), input=feed, timeout=30)
+    assert time.monotonic() - t0 < 10
+    assert r.exit_code == 143 and "never" not in r.stdout
+    time.sleep(0.2)
+    assert [p for p in map(int, pids.read_text().split()) if _alive(p)] == []
+
+
+def test_watched_is_its_argv_after_a_fixed_script():
+    argv = nodeops.watched(["python3", "-I", "x.py", "--ref=-rf"])
+    assert argv[:2] == ["bash", "-c"] and argv[3:] == ["watched", "python3", "-I", "x.py", "--ref=-rf"]
+    assert '"$@" & j=$!' in argv[2] and 'kill -TERM -- "-$j"' in argv[2]
