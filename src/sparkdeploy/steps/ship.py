@@ -321,7 +321,7 @@ def _ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict)
                 why_save = store_read(src, export_path, layers_file, src_facts, src_info["Id"],
                                       ref, prefix) or ""
                 export_path = None if why_save else export_path
-    via = ("read from its layer store" if export_path
+    via = (f"read from {src.name}'s layer store" if export_path
            else f"through docker save: {why_save}" if prefix else "")
     what = (f"{prefix} of {len(layers)} layers already there, ~{missing / 1e6:.0f} MB, {via}"
             if prefix else f"whole ({why_full}), ~{missing / 1e6:.0f} MB")
