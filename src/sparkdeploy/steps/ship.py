@@ -229,28 +229,30 @@ def _report(stderr: str) -> dict[str, Any]:
     return {}
 
 
-def verify(peer: Host, ref: str, src_info: dict, peer_store_containerd: bool,
-           info: dict | None, tags: set[str]) -> str | None:
+def verify(peer: Host, ref: str, src_info: dict, by_id: bool, info: dict | None,
+           tags: set[str]) -> str | None:
     """None when the peer holds the image as the source does (``info``: its ``docker image
-    inspect`` of ``ref``; ``tags``: every tag it lists), else what differs."""
+    inspect`` of ``ref``; ``tags``: every tag it lists; ``by_id``: both ends on the classic
+    store, where the image ID is the config digest), else what differs."""
     want_layers = src_info["RootFS"]["Layers"]
     if info is None:
         return f"{peer.name} has no {ref}"
     got_layers = info.get("RootFS", {}).get("Layers")
     if got_layers != want_layers:
         return f"diff IDs differ: source {want_layers}, {peer.name} {got_layers}"
-    if not peer_store_containerd and info["Id"] != src_info["Id"]:
+    if by_id and info["Id"] != src_info["Id"]:
         return f"config digest differs: source {src_info['Id']}, {peer.name} {info['Id']}"
     if tagged(ref) not in tags:
         return f"{peer.name} does not list {tagged(ref)} (an incomplete image?)"
     return None
 
 
-def ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict) -> Result:
+def ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
+             src_is_head: bool = True) -> Result:
     """Ship ``ref`` from ``src`` to ``peer``; one result, reported as soon as it is known (a
     node that cannot be reached is left to the fan-out: one failed result for it)."""
     try:
-        res = _ship_one(ctx, src, peer, ref, src_info)
+        res = _ship_one(ctx, src, peer, ref, src_info, src_is_head)
     except NodeUnreachable:
         raise
     except HostError as e:
@@ -272,7 +274,8 @@ def store_read(src: Host, export_path: str, layers_file: str, facts: DockerDaemo
     return helper_error(r.stderr, r.one_line_error())
 
 
-def _ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict) -> Result:
+def _ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
+              src_is_head: bool) -> Result:
     dep = ctx.dep
     layers = src_info["RootFS"]["Layers"]
     # what the peer holds and what the source runs, asked of both nodes at once (a small delta's
@@ -282,10 +285,14 @@ def _ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict)
                                  lambda: listed_tags(peer)),
         lambda: threads.together(lambda: python_version(src),
                                  lambda: layer_sizes(src, ref, layers, int(src_info.get("Size") or 0)),
-                                 lambda: source_store(src, src_info),
+                                 # a peer serving the next reads its own store, not the head's
+                                 lambda: source_store(src, src_info if src_is_head else
+                                                      inspect_image(src, ref) or {}),
                                  lambda: stage(src, "layers.json", json.dumps(layers)),
                                  lambda: stage_script(src, "layer_export.py")))
-    if verify(peer, ref, src_info, facts.containerd_store, held, tags) is None:
+    # an image's ID is its config digest on the classic store, its manifest's on containerd's
+    by_id = not (facts.containerd_store or src_facts.containerd_store)
+    if verify(peer, ref, src_info, by_id, held, tags) is None:
         return ok(STEP, f"{peer.name} already has {ref} ({src_info['Id'][:19]})", peer.name)
     prefix = 0 if facts.containerd_store else have_prefix(layers, facts.chains)
     # the helpers run on the source: its python3 must be new enough (else: send it whole, and
@@ -373,11 +380,15 @@ def _ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict)
         if r.ok:
             break
         if way != "full":
-            what_failed = ("reading the layer store" if way == "store"
-                           else "the peer refused the partial archive")
+            if way == "save":
+                what_failed = "the peer refused the partial archive"
+            elif any(ln.startswith("error: ") for ln in r.stderr.splitlines()):
+                what_failed = "reading the layer store"  # the helper said why
+            else:
+                what_failed = "the peer refused the layer store's archive"
             notes.append(f"{what_failed} ({helper_error(r.stderr, r.one_line_error())})")
     note = "".join(f"; {n}" for n in notes)
-    if notes:
+    if notes and r.ok:
         note += f", sent it {'whole' if way == 'full' else 'through docker save'}"
     if not r.ok:
         return failed(STEP, f"transfer to {peer.name} failed: {r.one_line_error()}{note}", peer.name)
@@ -388,7 +399,7 @@ def _ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict)
         ctx.progress(peer.name, done, done, "B", f"from {src.name}")
     ctx.log(peer.name, f"checking {ref} on {peer.name}")
     held, tags = threads.together(lambda: inspect_image(peer, ref), lambda: listed_tags(peer))
-    problem = verify(peer, ref, src_info, facts.containerd_store, held, tags)
+    problem = verify(peer, ref, src_info, by_id, held, tags)
     if problem:
         return failed(STEP, f"after the transfer: {problem}{note}", peer.name)
     secs = dep.clock() - started
@@ -434,7 +445,7 @@ def ship(ctx: StepContext, to: str = "all", image: str | None = None) -> None:
 
     def transfer(src: str, dst: str) -> tuple[Outcome, str]:
         try:
-            res = ship_one(ctx, hosts[src], hosts[dst], ref, src_info)
+            res = ship_one(ctx, hosts[src], hosts[dst], ref, src_info, src == head.name)
         except NodeUnreachable as e:
             ctx.unreachable(e)
             return (Outcome.SOURCE if e.node == src else Outcome.TARGET), str(e)
