@@ -80,7 +80,8 @@ def same_image(dep, ref: str, containerd: bool) -> None:
 
 def ship_processes(dep) -> list[str]:
     """Processes of a ship still running anywhere on this machine (every lab node's are here):
-    a staged helper, or a load into the peer's engine."""
+    a staged helper, the source's master connection to the peer, or a load into the peer's
+    engine."""
     load = f"unix://{dep.profile.node(PEER).docker_socket} load"
     found = []
     for pid in os.listdir("/proc"):
@@ -92,7 +93,8 @@ def ship_processes(dep) -> list[str]:
         except (OSError, IndexError):
             continue
         staged = "sparkdeploy-stage-" in cmd and ("layer_export.py" in cmd or "save_filter.py" in cmd)
-        if state != "Z" and (staged or load in cmd):
+        master = "sparkdeploy-ship." in cmd  # the source's ssh master connection to the peer
+        if state != "Z" and (staged or master or load in cmd):
             found.append(f"{pid}: {cmd}")
     return found
 

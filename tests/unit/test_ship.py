@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tarfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,7 @@ from tests.unit.profiles import SEED, seed_data, write_profile
 ADDR = {"spark1": "192.168.100.10", "spark2": "192.168.100.11", "spark3": "192.168.100.12",
         "spark4": "192.168.100.13"}
 SOCK = "unix:///var/run/docker.sock"
+MASTER_SOCKET = "/tmp/sparkdeploy-ship.Xq3TZ9aA/m"
 STAGE = "/tmp/sparkdeploy-stage-0"
 CONTAINERD = "io.containerd.snapshotter.v1"
 EMPTY_LOAD = "Error response from daemon: unexpected EOF"
@@ -114,8 +116,9 @@ class Engine:
     def __init__(self, images=(), containerd=False, refuse_partial=False, free=10**12,
                  layout="oci", python="3.11", load_rewrites_config=False, load_untagged=False,
                  root_dir="/var/lib/docker", history=None, info_fails=False, unreachable=False,
-                 load_error=None, dies_serving=False, driver="overlay2"):
+                 load_error=None, dies_serving=False, driver="overlay2", master_fails=None):
         self.images = {img["_tag"]: img for img in images}
+        self.master_fails = master_fails  # why the source's master connection fails, if it does
         self.dies_serving = dies_serving  # the node goes away as it starts sending an image
         self.root_dir = root_dir
         self.driver = driver  # the classic store's storage driver (unless containerd)
@@ -299,6 +302,8 @@ class Ctx(FakeContext):
         self._set("filters", [])  # the options of each filter run
         self._set("exports", [])  # the argv of each layer_export.py run (--check ones too)
         self._set("compressed", [])  # whether each pipeline compressed the archive
+        self._set("masters", [])  # (source, peer) of each master connection opened
+        self._set("through_master", [])  # whether each pipeline's ssh went through one
 
     def answer(self, alias, argv, stdin, command, kw):
         e = self.engines[alias]
@@ -354,6 +359,23 @@ class Ctx(FakeContext):
             path = f"{STAGE}/{digest}/{name}"
             e.files[path] = data
             out = path + "\n"
+        elif argv == ["true"]:  # after an exit of 255: does the node still answer? (it does)
+            pass
+        elif argv[:4] == ship.watched([]) and argv[4:7] == ["bash", "-c", ship.MASTER_SH]:
+            # the source's master connection to the peer: connected at once, then open until
+            # the ship closes its stdin (as watched does on the node)
+            assert argv[7:] == ["master", argv[8],
+                                "ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes"]
+            stream = kw["in_stream"]
+            if e.master_fails:  # ssh to the peer fails: the master ends at once, never ready
+                self.masters.append((alias, argv[8]))
+                return RunResult(stdout="", stderr=f"socket {MASTER_SOCKET}\n{e.master_fails}\n",
+                                 exited=255, command=command)
+            kw["err_stream"].write(f"socket {MASTER_SOCKET}\nready\n")
+            self.masters.append((alias, argv[8]))
+            while stream.read() != "":
+                time.sleep(0.002)
+            code, err = 143, ""
         elif argv[:4] == ship.watched([]):
             # the pipeline runs watched: ended on the node when the controller's stdin closes,
             # so it is given a stdin that stays open while it runs
@@ -365,6 +387,10 @@ class Ctx(FakeContext):
         else:
             raise AssertionError(argv)
         return RunResult(stdout=out, stderr=err, exited=code, command=command)
+
+    @staticmethod
+    def _peer_of(addr: str) -> str:
+        return next(n for n, a in ADDR.items() if a == addr)
 
     def pipeline(self, alias: str, script: str) -> tuple[int, str]:
         src = self.engines[alias]
@@ -400,7 +426,13 @@ class Ctx(FakeContext):
                 stderr += err
             else:
                 assert st == ["zstd", "-q", "-T0", "-3", "-c"]
-        assert remote[:6] == ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "--"]
+        assert remote[:5] == ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes"]
+        if remote[5:9] == ["-o", "ControlMaster=no", "-S", MASTER_SOCKET]:
+            self.through_master.append(True)
+            remote = [*remote[:5], *remote[9:]]
+        else:
+            self.through_master.append(False)
+        assert remote[5] == "--"
         peer_name = next(n for n, a in ADDR.items() if a == remote[6])
         want = "docker -H unix:///var/run/docker.sock load"
         assert remote[7] in (want, "zstd -q -d -c | " + want) and len(remote) == 8
@@ -512,8 +544,11 @@ def test_peer_with_the_base_gets_only_the_top_layer_read_from_the_store(make):
     # what the source ran: its image inspect (whose GraphDriver names its store: no docker
     # info), python3's version, the layer history, two files staged, the pipeline; no docker save
     ran = [a[3:5] if a[0] == "docker" else a[:1] for alias, a in ctx.calls if alias == "spark1"]
-    assert sorted(ran) == [["bash"], ["history", "--no-trunc"], ["image", "inspect"], ["python3"],
-                           ["sh"], ["sh"]]
+    assert sorted(ran) == [["bash"], ["bash"], ["history", "--no-trunc"], ["image", "inspect"],
+                           ["python3"], ["sh"], ["sh"]]
+    # the two bash: the master connection to spark2, opened while both nodes were asked, then
+    # the pipeline through it
+    assert ctx.masters == [("spark1", "192.168.100.11")] and ctx.through_master == [True]
 
 
 @pytest.mark.parametrize("layout", ["oci", "legacy"])
@@ -955,15 +990,17 @@ def test_the_export_pipeline_is_exact(make, privilege, compression):
     dep, ctx = make(peer, compression=compression, privilege=privilege)
     [res] = ship.ship(dep, "spark2", "img:1")
     assert res.status is Status.CHANGED and res.details["via"] == "store", res.why
-    [argv] = [a for alias, a in ctx.calls if alias == "spark1" and a[:1] == ["bash"]]
+    [argv] = [a for alias, a in ctx.calls
+              if alias == "spark1" and a[:1] == ["bash"] and ship.MASTER_SH not in a]
     export = (["sudo", "-n", "--"] if privilege == "sudo" else []) + [
         "python3", "-I", "-S", EXPORT, "--root=/var/lib/docker", "--driver=overlay2",
         f"--image-id={IMG['Id']}", "--ref=img:1", f"--layers-file={LAYERS_JSON}", "--have=2",
         "--progress=1"]
     load = "docker -H unix:///var/run/docker.sock load"
-    tail = (f" | zstd -q -T0 -3 -c | ssh -o BatchMode=yes -o StrictHostKeyChecking=yes -- "
-            f"192.168.100.11 'zstd -q -d -c | {load}'" if compression == "zstd" else
-            f" | ssh -o BatchMode=yes -o StrictHostKeyChecking=yes -- 192.168.100.11 '{load}'")
+    ssh = (f"ssh -o BatchMode=yes -o StrictHostKeyChecking=yes -o ControlMaster=no "
+           f"-S {MASTER_SOCKET} -- 192.168.100.11")
+    tail = (f" | zstd -q -T0 -3 -c | {ssh} 'zstd -q -d -c | {load}'" if compression == "zstd"
+            else f" | {ssh} '{load}'")
     script = check(EXPORT) + check(LAYERS_JSON) + "set -o pipefail; " + " ".join(export) + tail
     assert argv == [*ship.watched([]), "bash", "-c", script]
     assert ctx.exports == [export] and ctx.compressed == [compression == "zstd"]
@@ -1118,3 +1155,34 @@ def test_a_peer_serving_the_next_reads_its_own_layer_store(make):
     assert ("spark2", "spark3") in ctx.pipelines
     served = {r.node: r for r in results}["spark3"]
     assert served.details["via"] == "store", served.why
+
+
+def test_a_master_connection_that_fails_leaves_the_transfer_to_connect_by_itself(make):
+    src = Engine([IMG, BASE_IMG], master_fails="Host key verification failed.")
+    dep, ctx = make(Engine([BASE_IMG]), source=src)
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.CHANGED and res.details["via"] == "store", res.why
+    assert ctx.masters == [("spark1", "192.168.100.11")] and ctx.through_master == [False]
+
+
+def test_every_pair_of_a_tree_ship_has_its_own_master_and_none_outlives_the_ship(make):
+    dep, ctx = make(Engine([BASE_IMG]), Engine([BASE_IMG]), Engine([BASE_IMG]))
+    before = threading.active_count()
+    results = ship.ship(dep, "all", "img:1")
+    assert [r.status for r in results] == [Status.CHANGED] * 3
+    assert sorted(ctx.masters) == sorted((src, ADDR[dst]) for src, dst in ctx.pipelines)
+    assert ctx.through_master == [True] * 3
+    assert threading.active_count() == before  # each master's thread ended with its ship
+
+
+def test_a_dry_run_opens_no_master_connection(make):
+    dep, ctx = make(Engine([BASE_IMG]), dry=True)
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.SKIPPED and ctx.masters == []
+
+
+def test_the_master_lives_in_a_private_temporary_directory_removed_when_it_ends():
+    script = ship.MASTER_SH
+    assert script.startswith('d=$(mktemp -d "${TMPDIR:-/tmp}/sparkdeploy-ship.XXXXXXXX") || exit 1')
+    assert "trap 'rm -rf \"$d\"' EXIT" in script
+    assert '"$@" -M -S "$d/m" -N' in script and '-- "$a" &' in script

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,16 @@ FILTER_PYTHON = (3, 8)
 """The oldest python3 helpers/save_filter.py runs on (checked on the source before shipping)."""
 STAGED_CHANGED = 97
 """Exit status of a pipeline whose staged helper no longer matches its sha256 (not run)."""
+MASTER_SH = """d=$(mktemp -d "${TMPDIR:-/tmp}/sparkdeploy-ship.XXXXXXXX") || exit 1
+trap 'rm -rf "$d"' EXIT
+trap 'exit 143' TERM HUP INT
+printf 'socket %s\\n' "$d/m" >&2
+a=$1; shift
+"$@" -M -S "$d/m" -N -o PermitLocalCommand=yes -o 'LocalCommand=echo ready >&2' -- "$a" &
+wait "$!"
+"""
+"""The source's ssh master connection to the peer (``LinkMaster``), its socket in a private
+temporary directory removed when it ends; ``ready`` on stderr once it is connected."""
 STORE_DRIVERS = ("overlay2", "vfs")
 """Classic-store drivers whose layers ``layer_export.py`` reads (by cache-id, see the helper)."""
 
@@ -157,7 +168,7 @@ def have_prefix(layers: list[str], chains: list[list[str]]) -> int:
 
 
 def pipeline(src: Host, peer: Host, ref: str, filter_path: str | None, layers_file: str | None,
-             have_file: str | None, compression: str) -> list[str]:
+             have_file: str | None, compression: str, control: str | None = None) -> list[str]:
     """The argv (``bash -c``) the source runs to stream ``docker save`` of the image, filtered,
     into the peer's Docker daemon."""
     stages = [docker(src, "save", ref)]
@@ -168,7 +179,7 @@ def pipeline(src: Host, peer: Host, ref: str, filter_path: str | None, layers_fi
                  *(["--have-file", have_file] if have_file else [])]
         # without lists the filter drops nothing: a byte-for-byte pass-through that counts
         stages.append(["python3", filter_path, *lists, "--progress", "1"])
-    return _into_peer(peer, stages, staged, compression)
+    return _into_peer(peer, stages, staged, compression, control)
 
 
 def export_argv(src: Host, export_path: str, layers_file: str, facts: DockerDaemon, image_id: str,
@@ -186,21 +197,65 @@ def export_argv(src: Host, export_path: str, layers_file: str, facts: DockerDaem
 
 def export_pipeline(src: Host, peer: Host, export_path: str, layers_file: str,
                     facts: DockerDaemon, image_id: str, ref: str, have: int,
-                    compression: str) -> list[str]:
+                    compression: str, control: str | None = None) -> list[str]:
     """The argv (``bash -c``) the source runs to stream the missing layers, read from its layer
     store, into the peer's Docker daemon."""
     stages = [export_argv(src, export_path, layers_file, facts, image_id, ref, have)]
-    return _into_peer(peer, stages, [export_path, layers_file], compression)
+    return _into_peer(peer, stages, [export_path, layers_file], compression, control)
 
 
-def _into_peer(peer: Host, stages: list[list[str]], staged: list[str], compression: str) -> list[str]:
+class LinkMaster:
+    """An ssh master connection from the source to the peer's link address, opened while the
+    ship asks both nodes what it needs, so that the transfer's ssh skips its handshake (a fifth
+    of a small delta's ship here). It lives only as long as the ship: a watched job on the
+    source, ended by ``close`` or by the controller's end. If it is not ready in time, or fails,
+    the transfer connects by itself and meets the same error, if any."""
+
+    def __init__(self, src: Host, peer: Host) -> None:
+        self._feed = Feed()
+        self._path: str | None = None
+        self.socket: str | None = None
+        self._ready = threading.Event()
+        argv = watched(["bash", "-c", MASTER_SH, "master", peer.node.link.address, *peer_ssh_argv()])
+        self._thread = threading.Thread(target=self._run, args=(src, argv), daemon=True)
+        self._thread.start()
+
+    def _run(self, src: Host, argv: list[str]) -> None:
+        try:
+            src.run(argv, input=self._feed, on_stderr=self._line, timeout=6 * 3600)
+        except (HostError, NodeUnreachable):
+            pass  # the ship's own commands meet it and say so
+        finally:
+            self._ready.set()
+
+    def _line(self, line: str) -> None:
+        if line.startswith("socket "):
+            self._path = line.removeprefix("socket ").strip()
+        elif line.strip() == "ready" and self._path:
+            self.socket = self._path
+            self._ready.set()
+
+    def wait(self, timeout: float = 5.0) -> str | None:
+        """The master's socket once it is connected, else None (the transfer connects itself)."""
+        self._ready.wait(timeout)
+        return self.socket
+
+    def close(self) -> None:
+        self._feed.close()
+        self._thread.join(60)
+
+
+def _into_peer(peer: Host, stages: list[list[str]], staged: list[str], compression: str,
+               control: str | None = None) -> list[str]:
     # the staged helpers and their lists run only as staged (their sha256 checked first)
     checks = "".join(check_staged(p) + "; " for p in staged)
     remote = shlex.join(docker(peer, "load"))
     if compression == "zstd":
         stages = [*stages, ["zstd", "-q", "-T0", "-3", "-c"]]
         remote = f"zstd -q -d -c | {remote}"
-    stages = [*stages, [*peer_ssh_argv(), "--", peer.node.link.address, remote]]
+    # through the master connection when there is one (no handshake of its own)
+    via = ["-o", "ControlMaster=no", "-S", control] if control else []
+    stages = [*stages, [*peer_ssh_argv(), *via, "--", peer.node.link.address, remote]]
     return ["bash", "-c", checks + "set -o pipefail; " + " | ".join(shlex.join(s) for s in stages)]
 
 
@@ -276,6 +331,17 @@ def store_read(src: Host, export_path: str, layers_file: str, facts: DockerDaemo
 
 def _ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
               src_is_head: bool) -> Result:
+    # the source connects to the peer while both are asked what the ship needs
+    master = None if ctx.dep.dry else LinkMaster(src, peer)
+    try:
+        return _ship(ctx, src, peer, ref, src_info, src_is_head, master)
+    finally:
+        if master is not None:
+            master.close()
+
+
+def _ship(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, src_is_head: bool,
+          master: LinkMaster | None) -> Result:
     dep = ctx.dep
     layers = src_info["RootFS"]["Layers"]
     # what the peer holds and what the source runs, asked of both nodes at once (a small delta's
@@ -351,19 +417,21 @@ def _ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
             ctx.progress(peer.name, read[0], total, "B", f"from {src.name}")
 
     # the ways to send, best first; each that fails hands over to the next, saying why
+    control = master.wait() if master else None
     ways: list[tuple[str, Callable[[], list[str]]]] = []
     if export_path:
         ways.append(("store", lambda: export_pipeline(src, peer, export_path, layers_file, src_facts,
-                                                      src_info["Id"], ref, prefix, compression)))
+                                                      src_info["Id"], ref, prefix, compression,
+                                                      control)))
     if prefix:
         def filtered() -> list[str]:
             have_file = stage(src, "have.json", json.dumps(layers[:prefix]))
             return pipeline(src, peer, ref, stage_script(src, "save_filter.py"), layers_file,
-                            have_file, compression)
+                            have_file, compression, control)
         ways.append(("save", filtered))
     ways.append(("full", lambda: pipeline(
         src, peer, ref, stage_script(src, "save_filter.py") if filter_runs else None, None, None,
-        compression)))
+        compression, control)))
     notes: list[str] = []
     for way, argv in ways:
         # the filter runs on full ships too, as a pass-through, so that every ship shows progress
