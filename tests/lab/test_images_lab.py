@@ -15,7 +15,7 @@ import pytest
 
 from sparkdeploy.deployment import load
 from sparkdeploy.lab import layout
-from sparkdeploy.nodeops import docker, inspect_image, listed_tags
+from sparkdeploy.nodeops import docker, inspect_image
 from sparkdeploy.results import Status
 from sparkdeploy.steps import ship
 
@@ -145,7 +145,7 @@ def _peer_load_pid(sock: str) -> int | None:
     return None
 
 
-def test_killed_transfer_leaves_nothing_tagged_and_a_rerun_completes(dep):
+def test_a_load_killed_on_the_peer_hands_over_to_the_next_way(dep):
     forget(dep, "spark2", VLLM)
     sock = dep.profile.node("spark2").docker_socket
     out: list = []
@@ -158,10 +158,13 @@ def test_killed_transfer_leaves_nothing_tagged_and_a_rerun_completes(dep):
         time.sleep(0.05)
     assert pid, "never saw docker load on the peer"
     time.sleep(0.3)
-    os.kill(pid, 9)  # the transfer dies midway (our own process, by PID)
+    os.kill(pid, 9)  # the peer's load dies midway (our own process, by PID)
     t.join(600)
-    assert out and out[0].status is Status.FAILED, out
-    assert f"{VLLM}:latest" not in listed_tags(dep.host("spark2"))
-    [rerun] = ship.ship(dep, "spark2", VLLM)
-    assert rerun.status is Status.CHANGED, rerun.why
+    # the cut archive tagged nothing; the ship went on the next way (the whole docker save),
+    # which completed, and says why
+    [res] = out
+    assert res.status is Status.CHANGED and res.details["via"] == "full", res.why
+    assert "the peer refused the layer store's archive" in res.why
     assert inspect_image(dep.host("spark2"), VLLM)["Id"] == inspect_image(dep.host("spark1"), VLLM)["Id"]
+    [rerun] = ship.ship(dep, "spark2", VLLM)
+    assert rerun.status is Status.OK, rerun.why

@@ -593,9 +593,26 @@ def test_layers_held_but_not_as_one_chain_are_sent(make):
     assert len(ctx.pipelines) == 1 and len(peer.loaded) == 2
 
 
-def test_empty_peer_gets_the_whole_image_through_the_filter_as_a_counter(make):
+def test_empty_peer_gets_the_whole_image_read_from_the_store(make):
+    """A classic peer holding none of the layers: every layer rebuilt from the source's store
+    (--have=0), no docker save."""
     peer = Engine()
     dep, ctx = make(peer)
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.CHANGED, res.why
+    assert (res.details["mode"], res.details["via"]) == ("full", "store")
+    assert [x[-2:] for x in ctx.exports] == [["--have=0", "--progress=1"]] and ctx.filters == []
+    assert len(peer.loaded) == 3 and peer.images["img:1"]["Id"] == IMG["Id"]
+    assert re.fullmatch(r"sent img:1 spark1 -> spark2: full \(the peer has none of its layers\), "
+                        r"0 MB read from spark1's layer store, 0/3 layers already there, \d+\.\ds",
+                        res.why), res.why
+
+
+def test_empty_peer_gets_the_whole_image_through_the_filter_as_a_counter(make):
+    """Where the store is not read (here btrfs), the whole docker save goes through the filter,
+    which only counts."""
+    peer = Engine()
+    dep, ctx = make(peer, source=Engine([IMG, BASE_IMG], driver="btrfs"))
     with dep.events.collect() as events:
         [res] = ship.ship(dep, "spark2", "img:1")
     assert res.status is Status.CHANGED and res.details["mode"] == "full"
@@ -622,10 +639,9 @@ def test_a_ship_reports_progress_phases_and_its_result_once(make, held):
     assert logs[1] == "checking img:1 on spark2"
     progress = [e for e in events if isinstance(e, Progress)]
     assert {(p.step, p.node, p.unit, p.note) for p in progress} == {("image.ship", "spark2", "B", "from spark1")}
-    # the full ship's filter counts what docker save wrote, the image's size its expected total;
-    # the layer store's helper knows its archive's size before it writes it
-    sent = res.details["bytes_in" if not held else "bytes_out"]
-    want_total = IMG["Size"] if not held else sent
+    # the layer store's helper knows its archive's size before it writes it, full or partial
+    sent = res.details["bytes_out"]
+    want_total = sent
     assert progress[:-1] and {p.total for p in progress[:-1]} == {want_total}
     # bytes read only grow; the last one is complete (the renderers always show it)
     assert [p.done for p in progress] == sorted(p.done for p in progress)
@@ -842,7 +858,7 @@ def test_a_dry_run_to_an_empty_peer_says_whole_and_why(make):
     dep, _ = make(Engine(), dry=True)
     [res] = ship.ship(dep, "spark2", "img:1")
     assert res.why == ("would send img:1 from spark1 to spark2: whole (the peer has none of its "
-                       "layers), ~3000 MB")
+                       "layers), ~3000 MB, read from spark1's layer store")
 
 
 def test_layer_sizes_skip_the_empty_history_entries(make):
@@ -867,7 +883,8 @@ def test_a_one_layer_image_without_history_is_sized_whole(make):
     one = image(DIFF[:1], "one:1")
     dep, _ = make(Engine(), source=Engine([one], history=[]), dry=True)
     [res] = ship.ship(dep, "spark2", "one:1")
-    assert res.why.endswith(": whole (the peer has none of its layers), ~1 MB")
+    assert res.why.endswith(": whole (the peer has none of its layers), ~1 MB, read from spark1's "
+                            "layer store")
 
 
 def test_a_peer_image_without_layers_is_no_chain(make):
@@ -936,10 +953,13 @@ def test_the_whole_archive_after_a_refusal_is_compressed_too(make):
 
 
 def test_a_failed_load_fails_the_ship(make):
-    dep, _ = make(Engine(load_error="write /var/lib/docker/tmp/x: no space left on device"))
+    err = "write /var/lib/docker/tmp/x: no space left on device"
+    dep, _ = make(Engine(load_error=err))
     [res] = ship.ship(dep, "spark2", "img:1")
     assert (res.step, res.status, res.node) == ("image.ship", Status.FAILED, "spark2")
-    assert res.why == "transfer to spark2 failed: write /var/lib/docker/tmp/x: no space left on device"
+    # the store's archive, then the whole docker save: both refused
+    assert res.why == (f"transfer to spark2 failed: {err}; the peer refused the layer store's "
+                       f"archive ({err})")
 
 
 def test_a_ship_of_megabytes_says_how_many_crossed(make):
@@ -953,8 +973,8 @@ def test_a_ship_of_megabytes_says_how_many_crossed(make):
 
 
 def test_past_the_image_size_the_total_is_unknown_until_the_end(make):
-    small = dict(IMG, Size=1000)  # an estimate below the archive's size
-    dep, _ = make(Engine(), source=Engine([small]))
+    small = dict(IMG, Size=1000)  # an estimate below the archive's size (docker save's path)
+    dep, _ = make(Engine(), source=Engine([small], driver="btrfs"))
     with dep.events.collect() as events:
         [res] = ship.ship(dep, "spark2", "img:1")
     progress = [e for e in events if isinstance(e, Progress)]

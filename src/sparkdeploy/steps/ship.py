@@ -379,10 +379,11 @@ def _ship(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, src
                       f"about {need / 1e9:.1f} GB for {ref}", peer.name)
     why_full = ("the peer uses the containerd image store" if facts.containerd_store
                 else old_python or ("the peer has none of its layers" if prefix == 0 else ""))
-    # a partial ship reads the missing layers from the source's layer store when it can
+    # a ship to a classic-store peer reads the layers it sends from the source's layer store
+    # when it can (faster than docker save, and only the missing ones)
     export_path = None
     why_save = ""
-    if prefix:
+    if not facts.containerd_store and filter_runs:
         if src_facts.containerd_store:
             why_save = f"{src.name} uses the containerd image store"
         elif src_facts.driver not in STORE_DRIVERS:
@@ -397,7 +398,8 @@ def _ship(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, src
     via = (f"read from {src.name}'s layer store" if export_path
            else f"through docker save: {why_save}" if prefix else "")
     what = (f"{prefix} of {len(layers)} layers already there, ~{missing / 1e6:.0f} MB, {via}"
-            if prefix else f"whole ({why_full}), ~{missing / 1e6:.0f} MB")
+            if prefix else f"whole ({why_full}), ~{missing / 1e6:.0f} MB"
+            + (f", {via}" if export_path else ""))
     if dep.dry:
         return skipped(STEP, f"would send {ref} from {src.name} to {peer.name}: {what}", peer.name)
     compression = dep.profile.images.ship_compression
@@ -461,7 +463,7 @@ def _ship(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, src
     if not r.ok:
         return failed(STEP, f"transfer to {peer.name} failed: {r.one_line_error()}{note}", peer.name)
     report = _report(r.stderr)
-    mode = "full" if way == "full" else "partial"
+    mode = "full" if way == "full" or not prefix else "partial"
     if read[0]:
         done = int(report.get("bytes_out" if way == "store" else "bytes_in") or read[0])
         ctx.progress(peer.name, done, done, "B", f"from {src.name}")
