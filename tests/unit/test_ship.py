@@ -1206,3 +1206,14 @@ def test_the_master_lives_in_a_private_temporary_directory_removed_when_it_ends(
     assert script.startswith('d=$(mktemp -d "${TMPDIR:-/tmp}/sparkdeploy-ship.XXXXXXXX") || exit 1')
     assert "trap 'rm -rf \"$d\"' EXIT" in script
     assert '"$@" -M -S "$d/m" -N' in script and '-- "$a" &' in script
+
+
+def test_a_head_without_the_image_closes_the_master_it_opened(make):
+    """The first round's connection opens while the head is asked for the image (so before it
+    answers): when it has none, the connection is closed and nothing is left running."""
+    dep, ctx = make(Engine([BASE_IMG]), source=Engine([BASE_IMG]))
+    before = threading.active_count()
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.FAILED and res.why == "spark1 has no image img:1"
+    assert ctx.masters == [("spark1", "192.168.100.11")] and ctx.pipelines == []
+    assert threading.active_count() == before

@@ -240,6 +240,10 @@ class LinkMaster:
         self._ready.wait(timeout)
         return self.socket
 
+    def end(self) -> None:
+        """Tell the master to end (``close`` waits for it)."""
+        self._feed.close()
+
     def close(self) -> None:
         self._feed.close()
         self._thread.join(60)
@@ -303,11 +307,11 @@ def verify(peer: Host, ref: str, src_info: dict, by_id: bool, info: dict | None,
 
 
 def ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
-             src_is_head: bool = True) -> Result:
+             src_is_head: bool = True, master: LinkMaster | None = None) -> Result:
     """Ship ``ref`` from ``src`` to ``peer``; one result, reported as soon as it is known (a
     node that cannot be reached is left to the fan-out: one failed result for it)."""
     try:
-        res = _ship_one(ctx, src, peer, ref, src_info, src_is_head)
+        res = _ship_one(ctx, src, peer, ref, src_info, src_is_head, master)
     except NodeUnreachable:
         raise
     except HostError as e:
@@ -330,9 +334,11 @@ def store_read(src: Host, export_path: str, layers_file: str, facts: DockerDaemo
 
 
 def _ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
-              src_is_head: bool) -> Result:
-    # the source connects to the peer while both are asked what the ship needs
-    master = None if ctx.dep.dry else LinkMaster(src, peer)
+              src_is_head: bool, master: LinkMaster | None) -> Result:
+    # the source connects to the peer while both are asked what the ship needs (unless the
+    # connection was opened earlier still)
+    if master is None and not ctx.dep.dry:
+        master = LinkMaster(src, peer)
     try:
         return _ship(ctx, src, peer, ref, src_info, src_is_head, master)
     finally:
@@ -457,6 +463,8 @@ def _ship(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, src
             else:
                 what_failed = "the peer refused the layer store's archive"
             notes.append(f"{what_failed} ({helper_error(r.stderr, r.one_line_error())})")
+    if master is not None:
+        master.end()  # no more transfers: it ends while the peer is checked
     note = "".join(f"; {n}" for n in notes)
     if notes and r.ok:
         note += f", sent it {'whole' if way == 'full' else 'through docker save'}"
@@ -507,15 +515,28 @@ def ship(ctx: StepContext, to: str = "all", image: str | None = None) -> None:
     if not peers:
         ctx.ok("no peer to ship to")
         return
-    src_info = inspect_image(head, ref)
-    if src_info is None:
-        ctx.failed(f"{head.name} has no image {ref}", head.name)
-        return
     hosts = {h.name: h for h in [head, *peers]}
+    plan = fanout.FanOut(head.name, [p.name for p in peers])
+    # the first round's connections open while the head is asked for the image
+    first = fanout.FanOut(head.name, [p.name for p in peers]).next_round()  # a plan's first round
+    early = {} if dep.dry else {pair: LinkMaster(hosts[pair[0]], hosts[pair[1]]) for pair in first}
+    try:
+        src_info = inspect_image(head, ref)
+        if src_info is None:
+            ctx.failed(f"{head.name} has no image {ref}", head.name)
+            return
+        _fan_out(ctx, plan, hosts, head, ref, src_info, early)
+    finally:
+        for m in early.values():
+            m.close()  # those no ship took (a ship closes its own)
 
+
+def _fan_out(ctx: StepContext, plan: fanout.FanOut, hosts: dict[str, Host], head: Host, ref: str,
+             src_info: dict, early: dict[tuple[str, str], LinkMaster]) -> None:
     def transfer(src: str, dst: str) -> tuple[Outcome, str]:
         try:
-            res = ship_one(ctx, hosts[src], hosts[dst], ref, src_info, src == head.name)
+            res = ship_one(ctx, hosts[src], hosts[dst], ref, src_info, src == head.name,
+                           early.pop((src, dst), None))
         except NodeUnreachable as e:
             ctx.unreachable(e)
             return (Outcome.SOURCE if e.node == src else Outcome.TARGET), str(e)
@@ -523,6 +544,6 @@ def ship(ctx: StepContext, to: str = "all", image: str | None = None) -> None:
             return Outcome.OK, res.why
         return (Outcome.SOURCE if res.node == src else Outcome.TARGET), res.why
 
-    fan = fanout.run(fanout.FanOut(head.name, [p.name for p in peers]), transfer, threads.each)
+    fan = fanout.run(plan, transfer, threads.each)
     for target in fan.stranded:
         ctx.failed(fan.failed[target], target)
