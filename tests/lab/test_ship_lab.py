@@ -137,7 +137,7 @@ def test_a_ship_killed_midway_leaves_nothing_and_a_rerun_completes(dep, tmp_path
     assert {n: listening(n) for n in ("spark1", PEER)} == before
     root = dep.host(PEER).run(docker(dep.host(PEER), "info", "--format", "{{.DockerRootDir}}"))
     tmp = Path(root.stdout.strip()) / "tmp"  # where the peer's load unpacked what it got
-    assert not tmp.exists() or list(tmp.iterdir()) == []
+    assert not tmp.exists() or [p for p in tmp.iterdir() if p.name.startswith("docker-import-")] == []
     [rerun] = ship.ship(dep, PEER, BIG)
     assert rerun.status is Status.CHANGED, rerun.why
     assert rerun.details["mode"] == "partial" and rerun.details["via"] == "store", rerun.why

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sparkdeploy import fanout, threads
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.fanout import Outcome
-from sparkdeploy.hosts import Feed, Host, HostError, NodeUnreachable, peer_ssh_argv
+from sparkdeploy.hosts import CmdResult, Feed, Host, HostError, NodeUnreachable, peer_ssh_argv
 from sparkdeploy.nodeops import (
     check_staged,
     docker,
@@ -346,12 +346,65 @@ def _ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
             master.close()
 
 
+@dataclass
+class Plan:
+    """What one ship will send, and how: decided from both nodes' answers."""
+
+    prefix: int
+    """Leading layers the peer holds as one chain (not sent)."""
+    missing: int
+    """Bytes of the layers to send (``docker history``'s sizes)."""
+    by_id: bool
+    """Both ends on the classic store: the image ID is the config digest on both."""
+    filter_runs: bool
+    src_facts: DockerDaemon
+    layers_file: str
+    export_path: str | None
+    """The staged ``layer_export.py`` when the layers are read from the source's store."""
+    why_full: str
+    why_save: str
+    what: str
+
+
 def _ship(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, src_is_head: bool,
           master: LinkMaster | None) -> Result:
     dep = ctx.dep
+    plan = _plan(ctx, src, peer, ref, src_info, src_is_head)
+    if isinstance(plan, Result):
+        return plan
+    if dep.dry:
+        return skipped(STEP, f"would send {ref} from {src.name} to {peer.name}: {plan.what}",
+                       peer.name)
+    started = dep.clock()
+    ctx.log(peer.name, f"sending {ref} from {src.name}: {plan.what}")
+    r, way, notes, read = _send(ctx, src, peer, ref, src_info, plan,
+                                master.wait() if master else None)
+    if master is not None:
+        master.end()  # no more transfers: it ends while the peer is checked
+    note = "".join(f"; {n}" for n in notes)
+    if notes and r.ok:
+        note += f", sent it {'whole' if way == 'full' else 'through docker save'}"
+    if r.exit_code == STAGED_CHANGED:
+        return failed(STEP, f"{src.name}: {r.one_line_error()}", src.name)
+    if not r.ok:
+        return failed(STEP, f"transfer to {peer.name} failed: {r.one_line_error()}{note}", peer.name)
+    report = _report(r.stderr)
+    if read:
+        done = int(report.get("bytes_out" if way == "store" else "bytes_in") or read)
+        ctx.progress(peer.name, done, done, "B", f"from {src.name}")
+    ctx.log(peer.name, f"checking {ref} on {peer.name}")
+    held, tags = threads.together(lambda: inspect_image(peer, ref), lambda: listed_tags(peer))
+    problem = verify(peer, ref, src_info, plan.by_id, held, tags)
+    if problem:
+        return failed(STEP, f"after the transfer: {problem}{note}", peer.name)
+    return _sent(src, peer, ref, src_info, plan, way, report, dep.clock() - started, note, notes)
+
+
+def _plan(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
+          src_is_head: bool) -> Plan | Result:
+    """Ask both nodes (at once: a small delta's ship is mostly these round trips) and decide
+    what to send and how; a result instead when there is nothing to send or no room for it."""
     layers = src_info["RootFS"]["Layers"]
-    # what the peer holds and what the source runs, asked of both nodes at once (a small delta's
-    # ship is mostly these round trips)
     (facts, held, tags), (py, sizes, src_facts, layers_file, staged_export) = threads.together(
         lambda: threads.together(lambda: daemon_facts(peer), lambda: inspect_image(peer, ref),
                                  lambda: listed_tags(peer)),
@@ -385,32 +438,44 @@ def _ship(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, src
                       f"about {need / 1e9:.1f} GB for {ref}", peer.name)
     why_full = ("the peer uses the containerd image store" if facts.containerd_store
                 else old_python or ("the peer has none of its layers" if prefix == 0 else ""))
-    # a ship to a classic-store peer reads the layers it sends from the source's layer store
-    # when it can (faster than docker save, and only the missing ones)
-    export_path = None
-    why_save = ""
-    if not facts.containerd_store and filter_runs:
-        if src_facts.containerd_store:
-            why_save = f"{src.name} uses the containerd image store"
-        elif src_facts.driver not in STORE_DRIVERS:
-            why_save = f"{src.name}'s storage driver {src_facts.driver or '?'} is not read directly"
-        else:
-            export_path = staged_export
-            if dep.dry:
-                # a real run learns it from the export itself (which falls back on its own)
-                why_save = store_read(src, export_path, layers_file, src_facts, src_info["Id"],
-                                      ref, prefix) or ""
-                export_path = None if why_save else export_path
+    export_path, why_save = _store_or_why(ctx, src, ref, src_info, src_facts, staged_export,
+                                          layers_file, prefix,
+                                          not facts.containerd_store and filter_runs)
     via = (f"read from {src.name}'s layer store" if export_path
            else f"through docker save: {why_save}" if prefix else "")
     what = (f"{prefix} of {len(layers)} layers already there, ~{missing / 1e6:.0f} MB, {via}"
             if prefix else f"whole ({why_full}), ~{missing / 1e6:.0f} MB"
             + (f", {via}" if export_path else ""))
-    if dep.dry:
-        return skipped(STEP, f"would send {ref} from {src.name} to {peer.name}: {what}", peer.name)
-    compression = dep.profile.images.ship_compression
-    started = dep.clock()
-    ctx.log(peer.name, f"sending {ref} from {src.name}: {what}")
+    return Plan(prefix, missing, by_id, filter_runs, src_facts, layers_file, export_path,
+                why_full, why_save, what)
+
+
+def _store_or_why(ctx: StepContext, src: Host, ref: str, src_info: dict, src_facts: DockerDaemon,
+                  staged_export: str, layers_file: str, prefix: int,
+                  applies: bool) -> tuple[str | None, str]:
+    """(the staged helper, "") when the ship reads its layers from the source's store (a ship to
+    a classic-store peer: faster than docker save, and only the missing ones), else (None, why
+    not; "" when it does not apply)."""
+    if not applies:
+        return None, ""
+    if src_facts.containerd_store:
+        return None, f"{src.name} uses the containerd image store"
+    if src_facts.driver not in STORE_DRIVERS:
+        return None, f"{src.name}'s storage driver {src_facts.driver or '?'} is not read directly"
+    if ctx.dep.dry:
+        # a real run learns it from the export itself (which falls back on its own)
+        why = store_read(src, staged_export, layers_file, src_facts, src_info["Id"], ref, prefix)
+        if why:
+            return None, why
+    return staged_export, ""
+
+
+def _send(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, plan: Plan,
+          control: str | None) -> tuple[CmdResult, str, list[str], int]:
+    """Send by the best way, each that fails handing over to the next: (the last run, its way,
+    a note per way that failed, the bytes its progress counted)."""
+    compression = ctx.dep.profile.images.ship_compression
+    prefix, layers = plan.prefix, src_info["RootFS"]["Layers"]
     estimate = [int(src_info.get("Size") or 0)]
     read = [0]
 
@@ -424,25 +489,24 @@ def _ship(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, src
             total = estimate[0] if read[0] <= estimate[0] else None
             ctx.progress(peer.name, read[0], total, "B", f"from {src.name}")
 
-    # the ways to send, best first; each that fails hands over to the next, saying why
-    control = master.wait() if master else None
     ways: list[tuple[str, Callable[[], list[str]]]] = []
-    if export_path:
-        ways.append(("store", lambda: export_pipeline(src, peer, export_path, layers_file, src_facts,
-                                                      src_info["Id"], ref, prefix, compression,
-                                                      control)))
+    if plan.export_path:
+        export = plan.export_path
+        ways.append(("store", lambda: export_pipeline(src, peer, export, plan.layers_file,
+                                                      plan.src_facts, src_info["Id"], ref, prefix,
+                                                      compression, control)))
     if prefix:
         def filtered() -> list[str]:
             have_file = stage(src, "have.json", json.dumps(layers[:prefix]))
-            return pipeline(src, peer, ref, stage_script(src, "save_filter.py"), layers_file,
+            return pipeline(src, peer, ref, stage_script(src, "save_filter.py"), plan.layers_file,
                             have_file, compression, control)
         ways.append(("save", filtered))
+    # the filter runs on full ships too, as a pass-through, so that they show progress
     ways.append(("full", lambda: pipeline(
-        src, peer, ref, stage_script(src, "save_filter.py") if filter_runs else None, None, None,
-        compression, control)))
+        src, peer, ref, stage_script(src, "save_filter.py") if plan.filter_runs else None, None,
+        None, compression, control)))
     notes: list[str] = []
     for way, argv in ways:
-        # the filter runs on full ships too, as a pass-through, so that every ship shows progress
         read[0] = 0
         # stdin stays open while the ship runs: its end (this controller or its connection gone)
         # ends the pipeline on the source, so the peer's load gets a cut archive and tags nothing
@@ -451,49 +515,37 @@ def _ship(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, src
             r = src.run(watched(argv()), on_stderr=on_line, input=feed, timeout=6 * 3600)
         finally:
             feed.close()
-        if r.exit_code == STAGED_CHANGED:
-            return failed(STEP, f"{src.name}: {r.one_line_error()}", src.name)
-        if r.ok:
-            break
-        if way != "full":
-            if way == "save":
-                what_failed = "the peer refused the partial archive"
-            elif any(ln.startswith("error: ") for ln in r.stderr.splitlines()):
-                what_failed = "reading the layer store"  # the helper said why
-            else:
-                what_failed = "the peer refused the layer store's archive"
-            notes.append(f"{what_failed} ({helper_error(r.stderr, r.one_line_error())})")
-    if master is not None:
-        master.end()  # no more transfers: it ends while the peer is checked
-    note = "".join(f"; {n}" for n in notes)
-    if notes and r.ok:
-        note += f", sent it {'whole' if way == 'full' else 'through docker save'}"
-    if not r.ok:
-        return failed(STEP, f"transfer to {peer.name} failed: {r.one_line_error()}{note}", peer.name)
-    report = _report(r.stderr)
-    mode = "full" if way == "full" or not prefix else "partial"
-    if read[0]:
-        done = int(report.get("bytes_out" if way == "store" else "bytes_in") or read[0])
-        ctx.progress(peer.name, done, done, "B", f"from {src.name}")
-    ctx.log(peer.name, f"checking {ref} on {peer.name}")
-    held, tags = threads.together(lambda: inspect_image(peer, ref), lambda: listed_tags(peer))
-    problem = verify(peer, ref, src_info, by_id, held, tags)
-    if problem:
-        return failed(STEP, f"after the transfer: {problem}{note}", peer.name)
-    secs = dep.clock() - started
+        if r.ok or r.exit_code == STAGED_CHANGED or way == "full":
+            return r, way, notes, read[0]
+        if way == "save":
+            what_failed = "the peer refused the partial archive"
+        elif any(ln.startswith("error: ") for ln in r.stderr.splitlines()):
+            what_failed = "reading the layer store"  # the helper said why
+        else:
+            what_failed = "the peer refused the layer store's archive"
+        notes.append(f"{what_failed} ({helper_error(r.stderr, r.one_line_error())})")
+    raise AssertionError("the whole archive is always the last way")
+
+
+def _sent(src: Host, peer: Host, ref: str, src_info: dict, plan: Plan, way: str,
+          report: dict[str, Any], secs: float, note: str, notes: list[str]) -> Result:
+    """The result of a ship that arrived and checked out."""
     sent = report.get("bytes_out")
     if way == "store":
         sent_txt = f"{(sent or 0) / 1e6:.0f} MB read from {src.name}'s layer store"
     elif way == "save":
+        why = f" ({plan.why_save})" if plan.why_save and not notes else ""
         sent_txt = (f"{(sent or 0) / 1e6:.0f} MB of {report.get('bytes_in', 0) / 1e6:.0f} MB "
-                    f"through docker save" + (f" ({why_save})" if why_save and not notes else ""))
+                    f"through docker save{why}")
     else:
         sent_txt = f"{sent / 1e6:.0f} MB" if sent else "whole"
-    reason = f" ({why_full})" if mode == "full" and why_full and not note else ""
+    mode = "full" if way == "full" or not plan.prefix else "partial"
+    reason = f" ({plan.why_full})" if mode == "full" and plan.why_full and not note else ""
+    layers = src_info["RootFS"]["Layers"]
     return changed(STEP, f"sent {ref} {src.name} -> {peer.name}: {mode}{reason}, {sent_txt}, "
-                   f"{prefix}/{len(layers)} layers already there, {secs:.1f}s{note}", peer.name,
-                   mode=mode, via=way, seconds=secs,
-                   bytes_in=report.get("bytes_in"), bytes_out=sent, layers_skipped=prefix,
+                   f"{plan.prefix}/{len(layers)} layers already there, {secs:.1f}s{note}",
+                   peer.name, mode=mode, via=way, seconds=secs,
+                   bytes_in=report.get("bytes_in"), bytes_out=sent, layers_skipped=plan.prefix,
                    source=src.name)
 
 
