@@ -1217,3 +1217,24 @@ def test_a_head_without_the_image_closes_the_master_it_opened(make):
     assert res.status is Status.FAILED and res.why == "spark1 has no image img:1"
     assert ctx.masters == [("spark1", "192.168.100.11")] and ctx.pipelines == []
     assert threading.active_count() == before
+
+
+@pytest.mark.parametrize("held", [[], [BASE_IMG]], ids=["full", "partial"])
+def test_docker_saves_ways_go_through_the_master_and_count_against_the_image_size(make, held):
+    """A source whose store is not read (btrfs): the filtered or whole docker save, through the
+    master connection too, its progress counted against the image's size."""
+    dep, ctx = make(Engine(held), source=Engine([IMG, BASE_IMG], driver="btrfs"))
+    with dep.events.collect() as events:
+        [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.CHANGED and res.details["via"] == ("save" if held else "full")
+    assert ctx.through_master == [True]
+    progress = [e for e in events if isinstance(e, Progress)]
+    assert progress[:-1] and {p.total for p in progress[:-1]} == {IMG["Size"]}
+    assert progress[-1].done == progress[-1].total == res.details["bytes_in"]
+
+
+def test_a_refused_store_archive_hands_over_through_the_master(make):
+    dep, ctx = make(Engine([BASE_IMG], refuse_partial=True))
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.CHANGED and res.details["via"] == "full"
+    assert ctx.through_master == [True, True, True]
