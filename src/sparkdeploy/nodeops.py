@@ -117,9 +117,9 @@ def stage_script(host: Host, name: str) -> str:
     return stage(host, name, helper(name).read_text())
 
 
-_WATCHED_SH = """exec 3<&0 </dev/null
+_WATCHED_SH = """exec 3<&0 </dev/null 4>&2 2>/dev/null
 set -m
-"$@" & j=$!
+"$@" 2>&4 3<&- 4>&- & j=$!
 { cat <&3 >/dev/null 2>&1; kill -TERM -- "-$j" 2>/dev/null; } & w=$!
 set +m
 wait "$j"; s=$?
@@ -131,7 +131,9 @@ exit "$s"
 def watched(argv: Sequence[str]) -> list[str]:
     """``argv`` run on a node for as long as its stdin stays open (run it with a ``Feed``): the
     end of stdin (this controller, or its connection, gone) ends ``argv`` and every process it
-    started (their own process group), so nothing of it runs on after the controller."""
+    started (their own process group), so nothing of it runs on after the controller. The
+    shell's own words (job control's "[1]+ Exit 3" notices) go nowhere; ``argv``'s stderr is
+    the command's."""
     return ["bash", "-c", _WATCHED_SH, "watched", *argv]
 
 

@@ -141,4 +141,16 @@ def test_watched_ends_the_command_and_its_children_when_stdin_closes(host, tmp_p
 def test_watched_is_its_argv_after_a_fixed_script():
     argv = nodeops.watched(["python3", "-I", "x.py", "--ref=-rf"])
     assert argv[:2] == ["bash", "-c"] and argv[3:] == ["watched", "python3", "-I", "x.py", "--ref=-rf"]
-    assert '"$@" & j=$!' in argv[2] and 'kill -TERM -- "-$j"' in argv[2]
+    assert '"$@" 2>&4 3<&- 4>&- & j=$!' in argv[2] and 'kill -TERM -- "-$j"' in argv[2]
+
+
+def test_watched_adds_nothing_to_the_commands_stderr(host):
+    """A command that ends at once, many times: job control's notices ("[1]+ Exit 3 ...") would
+    land on stderr now and then (and a step reads a helper's last stderr line as its error)."""
+    from sparkdeploy.hosts import Feed
+
+    for _ in range(30):
+        feed = Feed()
+        r = host.run(nodeops.watched(["bash", "-c", "echo err >&2; exit 3"]), input=feed)
+        feed.close()
+        assert (r.exit_code, r.stderr) == (3, "err\n")
