@@ -1238,3 +1238,29 @@ def test_a_refused_store_archive_hands_over_through_the_master(make):
     [res] = ship.ship(dep, "spark2", "img:1")
     assert res.status is Status.CHANGED and res.details["via"] == "full"
     assert ctx.through_master == [True, True, True]
+
+
+@pytest.mark.parametrize(("graph", "expected"), [
+    ({"Name": "overlay2", "Data": {"UpperDir": "/var/lib/docker/overlay2/abc/diff"}},
+     ("/var/lib/docker", "overlay2")),
+    # a Docker root that has /overlay2/ in its own path: the last one is the driver's
+    ({"Name": "overlay2", "Data": {"UpperDir": "/srv/overlay2/docker/overlay2/abc/diff"}},
+     ("/srv/overlay2/docker", "overlay2")),
+    ({"Name": "overlay2", "Data": {"UpperDir": "relative/overlay2/abc/diff"}}, "asked"),
+    ({"Name": "overlay2", "Data": {"UpperDir": "/var/lib/docker/btrfs/abc"}}, "asked"),
+    ({"Name": "overlay2", "Data": None}, "asked"),
+    ({"Name": "vfs", "Data": {"UpperDir": "/var/lib/docker/overlay2/abc/diff"}}, "asked"),
+    ({"Name": "overlayfs"}, "asked"),
+    ({}, "asked"),
+])
+def test_the_source_store_from_the_image_inspect(monkeypatch, graph, expected):
+    """Only an overlay2 GraphDriver with an absolute UpperDir under .../overlay2/ names the root;
+    anything else asks docker info, without the layer listing the peer's facts need."""
+    asked = []
+    facts = ship.DockerDaemon(False, "/from/info", "vfs")
+    monkeypatch.setattr(ship, "daemon_facts", lambda host, layers=True: asked.append(layers) or facts)
+    got = ship.source_store(None, {"GraphDriver": graph})
+    if expected == "asked":
+        assert got is facts and asked == [False]
+    else:
+        assert (got.root_dir, got.driver, got.containerd_store, asked) == (*expected, False, [])
