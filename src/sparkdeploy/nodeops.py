@@ -24,7 +24,7 @@ from sparkdeploy.packaged import helper
 T = TypeVar("T", bound=BaseModel)
 
 __all__ = ["ARCH", "HostError", "NodeUnreachable", "docker", "inspect_image",
-           "listed_tags", "node_arch", "free_space", "stage", "stage_script", "check_staged", "verified",
+           "listed_tags", "tagged", "node_arch", "free_space", "stage", "stage_script", "check_staged", "verified",
            "watched",
            "HelperFailed", "run_helper", "parse_progress", "helper_error", "NODE_STATE",
            "read_node_file", "write_node_file"]
@@ -43,6 +43,11 @@ def inspect_image(host: Host, ref: str) -> dict[str, Any] | None:
     if r.exit_code != 0:
         return None
     return json.loads(r.stdout)
+
+
+def tagged(ref: str) -> str:
+    """The name Docker lists a reference under (``:latest`` when it names no tag)."""
+    return ref if ":" in ref.rsplit("/", 1)[-1] else f"{ref}:latest"
 
 
 def listed_tags(host: Host) -> set[str]:

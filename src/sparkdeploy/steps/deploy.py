@@ -28,7 +28,7 @@ from sparkdeploy.deployment import Deployment
 from sparkdeploy.endpoint import url as endpoint_url
 from sparkdeploy.fingerprint import flat
 from sparkdeploy.hosts import CmdResult, Host
-from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image
+from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image, tagged
 from sparkdeploy.records import (
     DeployRun,
     RunEngine,
@@ -75,10 +75,6 @@ def chosen(dep: Deployment) -> dict[str, Any]:
 IMAGE_LIST = ("image", "ls", "--no-trunc", "--format", "{{.Repository}}:{{.Tag}} {{.ID}}")
 
 
-def _tagged(ref: str) -> str:
-    return ref if ":" in ref.rsplit("/", 1)[-1] else f"{ref}:latest"
-
-
 def _image_list(host: Host) -> dict[str, str] | None:
     """{repo:tag: image ID} of every tagged image on the node, in one command (None when the
     node cannot be reached)."""
@@ -108,7 +104,7 @@ def image_id(dep: Deployment, ref: str | None, node: str | None = None) -> str |
     listed = dep.facts.get(node, "images", _image_list)
     if listed is None:
         return None
-    return listed.get(_tagged(ref)) or dep.facts.get(node, f"image {ref}",
+    return listed.get(tagged(ref)) or dep.facts.get(node, f"image {ref}",
                                                      lambda h: _inspected_id(h, ref))
 
 

@@ -47,6 +47,7 @@ from sparkdeploy.nodeops import (
     parse_progress,
     stage,
     stage_script,
+    tagged,
     verified,
     watched,
 )
@@ -263,11 +264,6 @@ def _into_peer(peer: Host, stages: list[list[str]], staged: list[str], compressi
     return ["bash", "-c", checks + "set -o pipefail; " + " | ".join(shlex.join(s) for s in stages)]
 
 
-def tagged(ref: str) -> str:
-    """The name Docker lists a reference under (``:latest`` when it names no tag)."""
-    return ref if ":" in ref.rsplit("/", 1)[-1] else f"{ref}:latest"
-
-
 class SaveReport(BaseModel):
     """The report ``save_filter.py`` writes last on stderr (its stdout is the archive)."""
 
@@ -352,8 +348,6 @@ class Plan:
 
     prefix: int
     """Leading layers the peer holds as one chain (not sent)."""
-    missing: int
-    """Bytes of the layers to send (``docker history``'s sizes)."""
     by_id: bool
     """Both ends on the classic store: the image ID is the config digest on both."""
     filter_runs: bool
@@ -446,7 +440,7 @@ def _plan(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
     what = (f"{prefix} of {len(layers)} layers already there, ~{missing / 1e6:.0f} MB, {via}"
             if prefix else f"whole ({why_full}), ~{missing / 1e6:.0f} MB"
             + (f", {via}" if export_path else ""))
-    return Plan(prefix, missing, by_id, filter_runs, src_facts, layers_file, export_path,
+    return Plan(prefix, by_id, filter_runs, src_facts, layers_file, export_path,
                 why_full, why_save, what)
 
 
