@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.lab import layout, lifecycle, node
+from sparkdeploy.lab import layout, lifecycle, node, proc
 from sparkdeploy.wait import WaitTimeout, wait_for
 from tests.lab.conftest import lab_with
 
@@ -18,14 +18,29 @@ pytestmark = pytest.mark.lab
 EXTRA = ["spark3", "spark4"]
 
 
-def _gone(pids: list[int]) -> bool:
-    """Every one of ``pids`` has left /proc: dead, and reaped (by us, or by PID 1 for a daemon
-    an earlier process started, which it does a moment after the death)."""
+def _left(recs: list[dict]) -> list[str]:
+    """Those of the recorded processes ``recs`` still in /proc (alive, or dead and not reaped
+    yet), each with its state, parent and name; [] once every one has left. A PID held by a
+    newer process (another start time) counts as left: PIDs wrap at 32768 here. Waits up to 30
+    s for PID 1 to reap a daemon an earlier process started."""
+    def still() -> list[str]:
+        out = []
+        for r in recs:
+            if proc.start_time(r["pid"]) != r["start"]:
+                continue
+            try:
+                stat = Path(f"/proc/{r['pid']}/stat").read_text()
+            except OSError:
+                continue
+            comm = stat[stat.index("(") + 1:stat.rindex(")")]
+            state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
+            out.append(f"{r['pid']} {comm} state {state} parent {ppid}")
+        return out
     try:
-        return wait_for(lambda: not [p for p in pids if Path(f"/proc/{p}").exists()],
-                        deadline=10, interval=0.1)
+        wait_for(lambda: not still(), deadline=30, interval=0.1)
     except WaitTimeout:
-        return False
+        pass
+    return still()
 
 
 def _pair_view(nodes: list[str]) -> dict:
@@ -81,13 +96,13 @@ def test_adding_nodes_left_the_pair_alone(lab4):
 
 
 def test_back_to_two_nodes_leaves_nothing_of_spark3_and_spark4(lab4, lab):
-    pids = [p["pid"] for x in EXTRA for p in lab4.state["node"][x]["procs"].values()]
+    recs = [p for x in EXTRA for p in lab4.state["node"][x]["procs"].values()]
     results = lifecycle.up(nodes=2, flavor=layout.DEFAULT_DOCKERD)
     assert not [r for r in results if r.failed]
     assert [(r.node, r.why) for r in results if r.step == "node" and r.node in EXTRA] == [
         (x, "removed (beyond --nodes)") for x in EXTRA]
     assert lifecycle.lab_facts()["nodes"] == ["spark1", "spark2"]
-    assert _gone(pids)
+    assert _left(recs) == []
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not [x for x in EXTRA if layout.netns_name(x) in netns]
     links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
@@ -133,10 +148,10 @@ def test_lab_down_from_four_nodes_leaves_nothing_and_the_pair_comes_back_as_it_w
     st = lifecycle.lab_facts()
     nodes = st["nodes"]
     assert nodes == ["spark1", "spark2", "spark3", "spark4"]
-    pids = [p["pid"] for x in nodes for p in st["node"][x]["procs"].values()]
+    recs = [p for x in nodes for p in st["node"][x]["procs"].values()]
     down = lifecycle.down()
     assert not [r for r in down if r.failed], down
-    assert _gone(pids)
+    assert _left(recs) == []
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not [n for n in [*map(layout.netns_name, nodes), layout.FAST_NETNS] if n in netns]
     links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
