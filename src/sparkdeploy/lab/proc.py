@@ -163,7 +163,9 @@ def stop(rec: dict | None, timeout: float = 15) -> bool:
     if _quietly(gone, timeout, 0.1):
         return True
     _signal(pid, signal.SIGKILL)
-    _quietly(gone, 5, 0.1)
+    # a process in uninterruptible sleep (a daemon's unmounts on a busy disk) dies when it
+    # wakes: wait for that, not only for the signal
+    _quietly(gone, 30, 0.1)
     return True
 
 
@@ -220,6 +222,6 @@ def kill_pids(pids: Sequence[int], timeout: float = 10) -> list[int]:
     for r in recs:
         if alive(r):
             _signal(r["pid"], signal.SIGKILL)
-    _quietly(lambda: not any(alive(r) for r in recs), 5, 0.1)
+    _quietly(lambda: not any(alive(r) for r in recs), 30, 0.1)
     reap_exited()  # those that were our own children leave no zombie behind
     return [r["pid"] for r in recs]
