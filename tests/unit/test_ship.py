@@ -17,9 +17,11 @@ staged files it names:
   not parse (a helper that wrote nothing) fails the load."""
 
 import copy
+import gzip
 import hashlib
 import io
 import json
+import os
 import re
 import shlex
 import shutil
@@ -92,6 +94,72 @@ IMG = image(DIFF[:3], "img:1")
 OTHER = image([DIFF[0], DIFF[3], DIFF[2]], "other:1")  # holds DIFF[2], but on another chain
 
 
+GZIP_LAYERS = {DIFF[2]}
+"""Layers a containerd-store engine keeps gzip (as pulled); the rest plain tars (as loaded)."""
+CONTENT = "/var/lib/containerd/io.containerd.content.v1.content/blobs/sha256"
+CTD_SOCK = "/run/containerd/containerd.sock"
+FAKE_CTR = f"""#!{sys.executable}
+# containerd's client as the helper runs it: ``ctr --address=A --namespace=N content ls --quiet``
+# and ``content get DIGEST``, answered by the "daemon" at A (here: a JSON file naming its
+# content root and the digests each namespace holds), from containerd's on-disk content store
+import json, os, sys
+args, opts = [], {{}}
+for a in sys.argv[1:]:
+    if a.startswith("--") and "=" in a:
+        k, v = a[2:].split("=", 1)
+        opts[k] = v
+    else:
+        args.append(a)
+addr, ns = opts.get("address", "/run/containerd/containerd.sock"), opts.get("namespace", "default")
+try:
+    daemon = json.load(open(addr))
+except OSError:
+    sys.exit(f'ctr: failed to dial "{{addr}}": context deadline exceeded')
+held = daemon["namespaces"].get(ns, [])
+if args == ["content", "ls", "--quiet"]:
+    print("\\n".join(held))
+elif args[:2] == ["content", "get"] and len(args) == 3:
+    if args[2] not in held:
+        sys.exit(f"ctr: content digest {{args[2]}}: not found")
+    with open(os.path.join(daemon["root"], args[2].split(":")[1]), "rb") as f:
+        while chunk := f.read(65536):
+            sys.stdout.buffer.write(chunk)
+else:
+    sys.exit(f"ctr: unexpected {{args}}")
+"""
+
+
+def blob(doc: dict) -> bytes:
+    return json.dumps(doc, sort_keys=True).encode()
+
+
+def content_of(img: dict) -> tuple[str, dict[str, bytes]]:
+    """(target digest, blobs) of ``img`` in a containerd content store: an index naming an
+    arm64 manifest not held here and the image's own manifest (config, one blob per layer)."""
+    blobs = {tsf.sha(img["_config"]): img["_config"]}
+    descs = []
+    for d in img["RootFS"]["Layers"]:
+        tar = LAYERS[DIFF.index(d)]
+        data = gzip.compress(tar, mtime=0) if d in GZIP_LAYERS else tar
+        kind = "tar+gzip" if d in GZIP_LAYERS else "tar"
+        blobs[tsf.sha(data)] = data
+        descs.append({"mediaType": f"application/vnd.oci.image.layer.v1.{kind}",
+                      "digest": tsf.sha(data), "size": len(data)})
+    manifest = blob({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                     "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                                "digest": tsf.sha(img["_config"]), "size": len(img["_config"])},
+                     "layers": descs})
+    blobs[tsf.sha(manifest)] = manifest
+    other = {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": "sha256:" + "a" * 64,
+             "size": 999, "platform": {"architecture": "amd64", "os": "linux"}}
+    index = blob({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+                  "manifests": [other, {"mediaType": "application/vnd.oci.image.manifest.v1+json",
+                                        "digest": tsf.sha(manifest), "size": len(manifest),
+                                        "platform": {"architecture": "arm64", "os": "linux"}}]})
+    blobs[tsf.sha(index)] = index
+    return tsf.sha(index), blobs
+
+
 def tagged(ref: str) -> str:
     """The name docker lists a reference under (``:latest`` when it names no tag)."""
     return ref if ":" in ref.rsplit("/", 1)[-1] else ref + ":latest"
@@ -116,8 +184,13 @@ class Engine:
     def __init__(self, images=(), containerd=False, refuse_partial=False, free=10**12,
                  layout="oci", python="3.11", load_rewrites_config=False, load_untagged=False,
                  root_dir="/var/lib/docker", history=None, info_fails=False, unreachable=False,
-                 load_error=None, dies_serving=False, driver="overlay2", master_fails=None):
+                 load_error=None, dies_serving=False, driver="overlay2", master_fails=None,
+                 no_containerd_socket=False):
         self.images = {img["_tag"]: img for img in images}
+        self.no_containerd_socket = no_containerd_socket
+        self.info_extra: dict = {}  # more docker info fields (Docker 27's Containerd)
+        self.containerd_at, self.namespace = CTD_SOCK, "moby"  # where containerd listens
+        self.damaged_blobs: dict[str, bytes] = {}  # blob digest -> what is on disk instead
         self.master_fails = master_fails  # why the source's master connection fails, if it does
         self.dies_serving = dies_serving  # the node goes away as it starts sending an image
         self.root_dir = root_dir
@@ -150,7 +223,8 @@ class Engine:
             driver, status = self.driver, DRIVER_STATUS[self.driver]
         return {"ID": "f00d", "Containers": 0, "Images": len(self.images), "Driver": driver,
                 "DriverStatus": status, "DockerRootDir": self.root_dir, "ServerVersion": "26.1.4",
-                "OperatingSystem": "Ubuntu 24.04.1 LTS", "Architecture": "aarch64"}
+                "OperatingSystem": "Ubuntu 24.04.1 LTS", "Architecture": "aarch64",
+                **self.info_extra}
 
     def cache_id(self, chain: str) -> str:
         return hashlib.sha256(f"{self.driver} {chain}".encode()).hexdigest()
@@ -172,7 +246,7 @@ class Engine:
         img = self.images[ref]
         info = {k: v for k, v in img.items() if not k.startswith("_")}
         if self.containerd:
-            info["Id"] = "sha256:" + "f" * 64  # the manifest digest, not the config's
+            info["Id"] = content_of(img)[0]  # the image's target (an index), not its config
         info["GraphDriver"] = self.graph_driver(img)
         return info
 
@@ -225,6 +299,26 @@ class Engine:
                     conf.write_bytes(img["_config"])
         return root
 
+    def write_content(self) -> None:
+        """containerd's content store (every image's blobs, in the moby namespace), its socket
+        and ctr, as a node on the containerd image store has them."""
+        root = self.node_path(CONTENT)
+        root.mkdir(parents=True, exist_ok=True)
+        held: set[str] = set()
+        for img in self.images.values():
+            for digest, data in content_of(img)[1].items():
+                (root / digest.split(":")[1]).write_bytes(self.damaged_blobs.get(digest, data))
+                held.add(digest)
+        sock = self.node_path(self.containerd_at)
+        sock.parent.mkdir(parents=True, exist_ok=True)
+        if not self.no_containerd_socket:
+            sock.write_text(json.dumps({"root": str(root),
+                                        "namespaces": {self.namespace: sorted(held)}}))
+        ctr = self.node_path("/usr/bin/ctr")
+        ctr.parent.mkdir(parents=True, exist_ok=True)
+        ctr.write_text(FAKE_CTR)
+        ctr.chmod(0o755)
+
     def write_staged(self) -> None:
         for path, data in self.files.items():
             p = self.node_path(path)
@@ -266,6 +360,8 @@ class Engine:
                     if m.issym():
                         m = members[str(Path(path).parent / m.linkname)]
                     data = t.extractfile(m).read()
+                    if data[:2] == b"\x1f\x8b":  # docker load unpacks a compressed layer tar
+                        data = gzip.decompress(data)
                     assert tsf.sha(data) == diff, f"{path} is not layer {diff}"
                     self.loaded.append(path)
                 elif not self.has_chain(diff_ids[: i + 1]):
@@ -458,13 +554,16 @@ class Ctx(FakeContext):
         assert all(re.fullmatch(r"--[a-z-]+=\S+", o) for o in opts if o != "--check"), opts
         if not src.containerd and src.driver in ("overlay2", "vfs"):
             src.write_store()
+        if src.containerd:
+            src.write_content()
         src.write_staged()
         local = []
         for o in opts:
             k, eq, v = o.partition("=")
             local.append(f"{k}={src.node_path(v)}" if eq and v.startswith("/") else o)
+        env = {**os.environ, "PATH": f"{src.node_path('/usr/bin')}:{os.environ['PATH']}"}
         cp = subprocess.run([sys.executable, "-I", "-S", str(src.node_path(script)), *local],
-                            capture_output=True, timeout=60, check=False)
+                            capture_output=True, timeout=60, check=False, env=env)
         return cp.returncode, cp.stdout, cp.stderr.decode()
 
     def filter(self, src: Engine, argv: list[str], data: bytes, tmp=None) -> tuple[int, bytes, str]:
@@ -1063,21 +1162,74 @@ def test_a_layer_changed_in_the_store_is_caught_and_the_save_serves(make):
     assert len(peer.loaded) == 1 and peer.images["img:1"]["Id"] == IMG["Id"]
 
 
-def test_a_containerd_source_goes_through_docker_save(make):
+CTD_EXPORT = ["python3", "-I", "-S", EXPORT, "--driver=containerd", f"--containerd={CTD_SOCK}",
+              "--namespace=moby"]
+
+
+def test_a_containerd_source_reads_the_missing_blobs_from_its_content_store(make):
     src, peer = Engine([IMG, BASE_IMG], containerd=True), Engine([BASE_IMG])
     dep, ctx = make(peer, source=src)
-    ship.ship(dep, "spark2", "img:1")
-    # its image has no overlay2 GraphDriver: docker info says the store
-    assert runs(ctx, "spark1", DOCKER_INFO) == 1
-    assert ctx.exports == [] and ctx.haves == [DIFF[:2]] and len(ctx.pipelines) == 1
-    assert len(peer.loaded) == 1 and peer.images["img:1"]["RootFS"]["Layers"] == DIFF[:3]
-
-
-def test_a_ship_from_a_containerd_source_to_a_classic_peer_succeeds(make):
-    dep, _ = make(Engine([BASE_IMG]), source=Engine([IMG, BASE_IMG], containerd=True))
     [res] = ship.ship(dep, "spark2", "img:1")
-    assert res.status is Status.CHANGED, res.why
-    assert "(spark1 uses the containerd image store)" in res.why and res.details["via"] == "save"
+    assert res.status is Status.CHANGED and res.details["via"] == "store", res.why
+    # its image has no overlay2 GraphDriver: docker info says the store (and, before Docker 27,
+    # not where containerd listens: Docker's own default)
+    assert runs(ctx, "spark1", DOCKER_INFO) == 1
+    assert ctx.exports == [["sudo", "-n", "--", *CTD_EXPORT, f"--image-id={content_of(IMG)[0]}",
+                            "--ref=img:1", f"--layers-file={LAYERS_JSON}", "--have=2",
+                            "--progress=1"]]
+    assert ctx.haves == [] and len(ctx.pipelines) == 1
+    # only the top layer crossed, as containerd keeps it (gzip), and docker load unpacked it
+    gz = gzip.compress(LAYERS[2], mtime=0)
+    assert peer.loaded == [layer_tar_name(DIFF[2])]
+    assert peer.images["img:1"]["RootFS"]["Layers"] == DIFF[:3]
+    assert re.fullmatch(r"sent img:1 spark1 -> spark2: partial, 0 MB read from spark1's content "
+                        r"store, 2/3 layers already there, \d+\.\ds", res.why), res.why
+    assert len(gz) < res.details["bytes_out"] < len(gz) + 6 * 512 + len(IMG["_config"]) + 1000
+
+
+def test_containerd_tells_where_it_listens_on_docker_27(make):
+    src = Engine([IMG, BASE_IMG], containerd=True)
+    src.info_extra = {"Containerd": {"Address": "/run/docker/containerd/containerd.sock",
+                                     "Namespaces": {"Containers": "moby2", "Plugins": "plugins.moby"}}}
+    src.containerd_at, src.namespace = "/run/docker/containerd/containerd.sock", "moby2"
+    dep, ctx = make(Engine([BASE_IMG]), source=src)
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.details["via"] == "store", res.why
+    assert ctx.exports[0][8:10] == ["--containerd=/run/docker/containerd/containerd.sock",
+                                   "--namespace=moby2"]
+
+
+def test_a_containerd_source_whose_socket_is_elsewhere_falls_back_to_docker_save(make):
+    src, peer = Engine([IMG, BASE_IMG], containerd=True, no_containerd_socket=True), Engine([BASE_IMG])
+    dep, ctx = make(peer, source=src)
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.CHANGED and res.details["via"] == "save", res.why
+    sock = src.node_path(CTD_SOCK)
+    assert res.why.endswith(f"; reading the content store (no containerd socket at {sock}), sent "
+                            "it through docker save"), res.why
+    assert ctx.haves == [DIFF[:2]] and peer.images["img:1"]["RootFS"]["Layers"] == DIFF[:3]
+
+
+def test_a_changed_blob_in_the_content_store_is_caught_and_the_save_serves(make):
+    src, peer = Engine([IMG, BASE_IMG], containerd=True), Engine([BASE_IMG])
+    gz = gzip.compress(LAYERS[2], mtime=0)
+    src.damaged_blobs[tsf.sha(gz)] = gz[:-1] + bytes([gz[-1] ^ 1])
+    dep, ctx = make(peer, source=src)
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.CHANGED and res.details["via"] == "save", res.why
+    assert re.search(rf"; reading the content store \(layer {DIFF[2]}: blob {tsf.sha(gz)} read back "
+                     r"as \d+ bytes with sha256:[0-9a-f]{64}\), sent it through docker save$",
+                     res.why), res.why
+    assert len(ctx.pipelines) == 2 and peer.images["img:1"]["RootFS"]["Layers"] == DIFF[:3]
+
+
+def test_a_containerd_source_sends_a_whole_image_from_its_content_store(make):
+    peer = Engine([])
+    dep, ctx = make(peer, source=Engine([IMG, BASE_IMG], containerd=True))
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.details["via"] == "store" and res.details["mode"] == "full", res.why
+    assert ctx.exports[0][-2:] == ["--have=0", "--progress=1"]
+    assert peer.loaded == [layer_tar_name(d) for d in DIFF[:3]]
 
 
 def test_a_driver_the_helper_does_not_read_says_so(make):
@@ -1097,7 +1249,7 @@ def test_a_driver_the_helper_does_not_read_says_so(make):
      "directory", True),
     ({"driver": "btrfs"}, False, "through docker save: spark1's storage driver btrfs is not read "
      "directly", False),
-    ({"containerd": True}, False, "through docker save: spark1 uses the containerd image store", False),
+    ({"containerd": True}, False, "read from spark1's content store", True),
 ], ids=["overlay2", "vfs", "unreadable", "btrfs", "containerd"])
 def test_a_dry_run_says_which_way_it_would_send(make, source, damaged, via, checked):
     src, peer = Engine([IMG, BASE_IMG], **source), Engine([BASE_IMG])
@@ -1111,9 +1263,11 @@ def test_a_dry_run_says_which_way_it_would_send(make, source, damaged, via, chec
     assert res.why == ("would send img:1 from spark1 to spark2: 2 of 3 layers already there, "
                        f"~1000 MB, {via.format(gone=gone)}")
     driver = source.get("driver", "overlay2")
+    store = (CTD_EXPORT if source.get("containerd") else
+             ["python3", "-I", "-S", EXPORT, "--root=/var/lib/docker", f"--driver={driver}"])
+    image_id = content_of(IMG)[0] if source.get("containerd") else IMG["Id"]
     assert ctx.exports == ([[
-        "sudo", "-n", "--", "python3", "-I", "-S", EXPORT, "--root=/var/lib/docker",
-        f"--driver={driver}", f"--image-id={IMG['Id']}", "--ref=img:1",
+        "sudo", "-n", "--", *store, f"--image-id={image_id}", "--ref=img:1",
         f"--layers-file={LAYERS_JSON}", "--have=2", "--check"]] if checked else [])
     assert ctx.pipelines == [] and ctx.filters == [] and peer.loaded == [] and "img:1" not in peer.images
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Write a `docker load` archive of an image holding only the layers a peer lacks, read from
-Docker's classic image store, never from `docker save`.
+Docker's image store (classic, or containerd's), never from `docker save`.
 
 Standard library only; Python 3.8 or newer.
 
     python3 layer_export.py --root DOCKER_ROOT --driver overlay2 --image-id sha256:CONFIG \
         --ref REPO:TAG --layers-file L --have N | ssh peer docker load
+    python3 layer_export.py --driver containerd --containerd ADDRESS --namespace moby \
+        --image-id sha256:TARGET --ref REPO:TAG --layers-file L --have N | ssh peer docker load
 
 Why: `docker save` reads every layer of the image, so shipping a small new layer of a large
 image costs the whole image's time. The classic store keeps, per layer, the record Docker itself
@@ -15,6 +17,13 @@ and, for each file, its name and size; the file's bytes are in the layer's direc
 (``overlay2/<cache-id>/diff`` or ``vfs/dir/<cache-id>``, named by ``cache-id``). Joining the two
 gives back the exact tar whose sha256 is the layer's diff ID; only the missing layers are read.
 
+With Docker's containerd image store (``--driver containerd``) the layers are blobs in
+containerd's content store, as pulled (gzip) or loaded (plain tar): the image ID is its target
+(an index or a manifest), whose manifest with this image's diff IDs names the config and one
+blob per layer. ``ctr`` (containerd's own client, beside every containerd) reads them through the
+daemon's socket. A missing layer's blob goes into the archive as it is stored, checked against
+its digest and size; `docker load` unpacks a compressed layer tar itself and checks the diff ID.
+
 The archive is Docker's own `docker save` format without the OCI index (``manifest.json``, the
 config as ``<hex>.json``, one ``<diff-id-hex>/layer.tar`` per missing layer): on the classic
 store `docker load` skips a manifest layer whose chain the daemon already has, without opening
@@ -23,7 +32,8 @@ is not its diff ID, the helper stops before the manifest, so the peer's load fai
 nothing.
 
 Everything is checked before the first byte is written (config digest, each layer's record,
-its directory): a store this helper cannot read exits 6 with no output, and the caller falls
+its directory; with containerd, the manifest and that every blob to send is in the content
+store): a store this helper cannot read exits 6 with no output, and the caller falls
 back to `docker save`. Exit status: 0 ok, 2 bad arguments, 6 the store cannot be read (said on
 stderr as ``error: ...``), 7 a rebuilt layer differs from its diff ID (output unusable).
 Progress: ``progress bytes=N total=T`` lines on stderr; last, a JSON report
@@ -37,6 +47,7 @@ import hashlib
 import json
 import os
 import re
+import subprocess
 import sys
 import tarfile
 import time
@@ -46,6 +57,16 @@ CHUNK = 1 << 20
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 DIRS = {"overlay2": ("overlay2", "{id}", "diff"), "vfs": ("vfs", "dir", "{id}")}
 """Where each storage driver keeps a layer's files, under the Docker root (by cache-id)."""
+CONTAINERD = "containerd"
+"""``--driver`` for Docker's containerd image store: blobs read with ``ctr`` (see above)."""
+LAYER_TYPES = {
+    "application/vnd.docker.image.rootfs.diff.tar",
+    "application/vnd.docker.image.rootfs.diff.tar.gzip",
+    "application/vnd.oci.image.layer.v1.tar",
+    "application/vnd.oci.image.layer.v1.tar+gzip",
+    "application/vnd.oci.image.layer.v1.tar+zstd",
+}
+"""Layer blobs `docker load` unpacks (it finds the compression from the bytes)."""
 
 
 class Unreadable(Exception):
@@ -157,6 +178,141 @@ class Layer:
             raise Differs(f"layer {self.diff_id} rebuilt as sha256:{h.hexdigest()}")
 
 
+class Ctr:
+    """containerd's content store, read with ``ctr`` through the daemon's socket."""
+
+    def __init__(self, ctr, address, namespace):
+        path = address[len("unix://"):] if address.startswith("unix://") else address
+        if path.startswith("/") and not os.path.exists(path):
+            # ctr would wait for it (10 s) before saying so
+            raise Unreadable(f"no containerd socket at {path}")
+        self.base = [ctr, "--address=" + address, "--namespace=" + namespace, "content"]
+
+    def argv(self, *args):
+        return [*self.base, *args]
+
+    def digests(self):
+        """Every blob the content store holds."""
+        return set(self.run("ls", "--quiet").decode("utf-8", "replace").split())
+
+    def get(self, digest, what):
+        """A small blob (an index, a manifest, a config), checked against its digest."""
+        data = self.run("get", digest)
+        if "sha256:" + hashlib.sha256(data).hexdigest() != digest:
+            raise Unreadable(f"{what} {digest} read back as another digest")
+        return data
+
+    def run(self, *args):
+        try:
+            p = subprocess.run(self.argv(*args), stdin=subprocess.DEVNULL, capture_output=True,
+                               timeout=120)
+        except FileNotFoundError:
+            raise Unreadable(f"no {self.base[0]} on this node (containerd's client)") from None
+        except subprocess.TimeoutExpired:
+            raise Unreadable(f"{self.base[0]} content {args[0]} did not answer in 120 s") from None
+        if p.returncode:
+            last = (p.stderr.decode("utf-8", "replace").strip().splitlines() or ["no message"])[-1]
+            raise Unreadable(f"ctr content {args[0]} failed: {last}")
+        return p.stdout
+
+
+class Blob:
+    """A layer as containerd stores it: one blob, sent as it is."""
+
+    def __init__(self, ctr, desc, diff_id):
+        self.ctr, self.diff_id = ctr, diff_id
+        self.digest, self.size = desc["digest"], desc["size"]
+
+    def chunks(self):
+        """The blob's bytes; raises Differs when they are not its digest and size."""
+        h, n = hashlib.sha256(), 0
+        try:
+            p = subprocess.Popen(self.ctr.argv("get", self.digest), stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        except OSError as e:
+            raise Differs(f"layer {self.diff_id}: cannot run ctr: {e}") from None
+        try:
+            while n <= self.size:
+                data = p.stdout.read(CHUNK)
+                if not data:
+                    break
+                n += len(data)
+                h.update(data)
+                if n <= self.size:
+                    yield data
+        finally:
+            p.stdout.close()
+            if p.wait() and n == self.size:
+                n = -1
+        if n != self.size or "sha256:" + h.hexdigest() != self.digest:
+            raise Differs(f"layer {self.diff_id}: blob {self.digest} read back as "
+                          f"{max(n, 0)} bytes with sha256:{h.hexdigest()}")
+
+
+def descriptors(doc):
+    """The manifests an index lists, or [the document] when it is a manifest itself."""
+    if isinstance(doc, dict) and isinstance(doc.get("manifests"), list):
+        return [d for d in doc["manifests"] if isinstance(d, dict)]
+    return None
+
+
+def find_manifest(ctr, image_id, layers, held):
+    """(manifest, config bytes): the manifest under the image's target whose config lists
+    ``layers`` (an index may name other platforms' manifests, not held here, and attestations)."""
+    todo, seen = [(image_id, 0)], 0
+    while todo:
+        digest, depth = todo.pop(0)
+        if digest not in held or not DIGEST_RE.match(str(digest)):
+            continue
+        seen += 1
+        try:
+            doc = json.loads(ctr.get(digest, "the image's index or manifest"))
+        except ValueError:
+            continue
+        listed = descriptors(doc)
+        if listed is not None:
+            if depth < 2:
+                todo += [(d.get("digest"), depth + 1) for d in listed]
+            continue
+        cfg = (doc.get("config") or {}).get("digest") if isinstance(doc, dict) else None
+        if cfg not in held or not DIGEST_RE.match(str(cfg)):
+            continue
+        config = ctr.get(cfg, "the image config")
+        try:
+            diff_ids = json.loads(config)["rootfs"]["diff_ids"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if diff_ids == layers:
+            return doc, config
+    if not seen:
+        raise Unreadable(f"{image_id} is not in containerd's content store")
+    raise Unreadable(f"no manifest under {image_id} in the content store lists these layers")
+
+
+def content_plan(a, layers):
+    """(config digest, config bytes, Blobs to send) from containerd's content store."""
+    ctr = Ctr(a.ctr, a.containerd, a.namespace)
+    held = ctr.digests()
+    manifest, config = find_manifest(ctr, a.image_id, layers, held)
+    descs = manifest.get("layers")
+    if not isinstance(descs, list) or len(descs) != len(layers):
+        raise Unreadable(f"the manifest of {a.image_id} lists {len(descs or [])} layers, "
+                         f"the config {len(layers)}")
+    send = []
+    for i in range(a.have, len(layers)):
+        d = descs[i]
+        if not (isinstance(d, dict) and DIGEST_RE.match(str(d.get("digest")))
+                and isinstance(d.get("size"), int) and d["size"] >= 0):
+            raise Unreadable(f"the manifest of {a.image_id} has an odd layer entry {i}")
+        if d.get("mediaType") not in LAYER_TYPES:
+            raise Unreadable(f"layer {layers[i]} is a {d.get('mediaType')!r} blob, "
+                             "not one docker load reads")
+        if d["digest"] not in held:
+            raise Unreadable(f"layer {layers[i]}'s blob {d['digest']} is not in the content store")
+        send.append(Blob(ctr, d, layers[i]))
+    return manifest["config"]["digest"], config, send
+
+
 def header(name, size):
     """The tar header of a member (a pax record too for a size of 8 GiB or more)."""
     info = tarfile.TarInfo(name)
@@ -201,9 +357,15 @@ def layer_name(layer):
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--root", required=True, help="the Docker root dir (docker info)")
-    p.add_argument("--driver", required=True, help="the storage driver (docker info)")
-    p.add_argument("--image-id", required=True, help="the image's config digest")
+    p.add_argument("--root", default="", help="the Docker root dir (docker info; classic store)")
+    p.add_argument("--driver", required=True,
+                   help="the storage driver (docker info), or containerd for that image store")
+    p.add_argument("--containerd", default="/run/containerd/containerd.sock",
+                   help="containerd's socket (with --driver containerd)")
+    p.add_argument("--namespace", default="moby", help="Docker's containerd namespace")
+    p.add_argument("--ctr", default="ctr", help="containerd's client")
+    p.add_argument("--image-id", required=True,
+                   help="the image's ID: its config digest (classic), its target (containerd)")
     p.add_argument("--ref", required=True, help="the repo:tag the peer's load gives the image")
     p.add_argument("--layers-file", required=True, help="JSON list: the image's diff IDs in order")
     p.add_argument("--have", type=int, required=True,
@@ -214,8 +376,9 @@ def parse(argv):
 
 
 def plan(a):
-    """(config bytes, layers, Layer objects to send): every check before a byte is written."""
-    if a.driver not in DIRS:
+    """(config digest, config bytes, layers, layers to send): every check before a byte is
+    written."""
+    if a.driver not in DIRS and a.driver != CONTAINERD:
         raise Unreadable(f"storage driver {a.driver} keeps layers where this helper does not read")
     if not DIGEST_RE.match(a.image_id):
         raise Unreadable(f"--image-id {a.image_id!r} is not a sha256 digest")
@@ -226,6 +389,11 @@ def plan(a):
         raise Unreadable(f"{a.layers_file}: not a list of diff IDs")
     if not 0 <= a.have <= len(layers):
         raise Unreadable(f"--have {a.have} is not between 0 and {len(layers)}")
+    if a.driver == CONTAINERD:
+        cfg_digest, config, send = content_plan(a, layers)
+        return cfg_digest, config, layers, send
+    if not a.root:
+        raise Unreadable("--root is needed to read the classic store")
     hexid = a.image_id.split(":", 1)[1]
     config = read_small(os.path.join(a.root, "image", a.driver, "imagedb", "content", "sha256",
                                      hexid), "the image config")
@@ -239,7 +407,7 @@ def plan(a):
         raise Unreadable(f"the config of {a.image_id} lists other layers than --layers-file")
     chains = chain_ids(layers)
     send = [Layer(a.root, a.driver, layers[i], chains[i]) for i in range(a.have, len(layers))]
-    return config, layers, send
+    return a.image_id, config, layers, send
 
 
 def main(argv=None):
@@ -248,14 +416,14 @@ def main(argv=None):
         return 2
     a = parse(argv)
     try:
-        config, layers, send = plan(a)
+        cfg_digest, config, layers, send = plan(a)
     except (Unreadable, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 6
     if a.check:
         print(json.dumps({"layers_sent": len(send), "bytes": sum(x.size for x in send)}))
         return 0
-    hexid = a.image_id.split(":", 1)[1]
+    hexid = cfg_digest.split(":", 1)[1]
     manifest = json.dumps([{"Config": f"{hexid}.json", "RepoTags": [a.ref],
                             "Layers": [d.split(":", 1)[1] + "/layer.tar" for d in layers]}]).encode()
     members = [*((layer_name(x), x.size) for x in send), (f"{hexid}.json", len(config)),

@@ -5,11 +5,14 @@ already holds, check the peer's free disk, then stream a ``docker load`` archive
 lacks into the peer's Docker daemon over ssh, with no temp file of the image on either side. The
 archive comes from one of three places, the first that serves:
 
-1. the source's layer store (``helpers/layer_export.py``): on a classic-store source, the missing
-   layers' tars are rebuilt from Docker's own record of them (tar-split + the layer directory),
-   so the time follows the missing bytes, not the image;
+1. the source's store (``helpers/layer_export.py``): on a classic-store source, the missing
+   layers' tars are rebuilt from Docker's own record of them (tar-split + the layer directory);
+   on a containerd-store source, the missing layers' blobs are read from containerd's content
+   store as they are kept there (``ctr content get``). Either way the time follows the missing
+   bytes, not the image;
 2. ``docker save IMAGE | save_filter.py``: the whole image read, the layers the peer has dropped
-   from the stream (a source on the containerd store, or a store the helper cannot read);
+   from the stream (a store the helper cannot read: another storage driver, no ``ctr``, no
+   access);
 3. the whole ``docker save`` archive (through the filter as a counting pass-through): a peer that
    holds none of the layers, a peer on the containerd image store (where a partial archive
    "loads" into an incomplete image), or a peer that refused a partial archive.
@@ -74,6 +77,12 @@ wait "$!"
 temporary directory removed when it ends; ``ready`` on stderr once it is connected."""
 STORE_DRIVERS = ("overlay2", "vfs")
 """Classic-store drivers whose layers ``layer_export.py`` reads (by cache-id, see the helper)."""
+CONTAINERD_SOCKET = "/run/containerd/containerd.sock"
+"""Where dockerd finds containerd when ``docker info`` does not say (before API 1.46, Docker
+27): the ``--containerd`` of the docker.service units of Docker's packages and Debian's."""
+CONTAINERD_NAMESPACE = "moby"
+CONTAINERD_DRIVER = "containerd"
+"""``layer_export.py``'s ``--driver`` for the containerd image store (its blobs, read with ctr)."""
 
 
 @dataclass
@@ -85,6 +94,14 @@ class DockerDaemon:
     driver: str = ""
     chains: list[list[str]] = field(default_factory=list)
     """The layer list (diff IDs, base first) of every image the daemon holds."""
+    containerd_address: str = CONTAINERD_SOCKET
+    containerd_namespace: str = CONTAINERD_NAMESPACE
+    """Where the containerd image store's content is read (``docker info``'s ``Containerd``)."""
+
+    @property
+    def store(self) -> str:
+        """What ``layer_export.py`` reads the layers from, in words."""
+        return "content store" if self.containerd_store else "layer store"
 
 
 def daemon_facts(host: Host, layers: bool = True) -> DockerDaemon:
@@ -98,8 +115,12 @@ def daemon_facts(host: Host, layers: bool = True) -> DockerDaemon:
     info = json.loads(r.stdout)
     status = info.get("DriverStatus") or []
     containerd = any(CONTAINERD in str(v) for pair in status for v in pair)
+    ctd = info.get("Containerd") if isinstance(info.get("Containerd"), dict) else {}
+    spaces = ctd.get("Namespaces") if isinstance(ctd.get("Namespaces"), dict) else {}
     return DockerDaemon(containerd, info.get("DockerRootDir") or "/var/lib/docker",
-                        str(info.get("Driver") or ""), chains)
+                        str(info.get("Driver") or ""), chains,
+                        str(ctd.get("Address") or CONTAINERD_SOCKET),
+                        str(spaces.get("Containers") or CONTAINERD_NAMESPACE))
 
 
 def source_store(host: Host, info: dict) -> DockerDaemon:
@@ -190,8 +211,11 @@ def export_argv(src: Host, export_path: str, layers_file: str, facts: DockerDaem
     is read as an option; under ``sudo`` where the node needs it to read the Docker root. ``-I
     -S``: the helper is standard library only, so Python skips the environment and site-packages
     (a quarter of its start-up time on a small delta's ship)."""
-    argv = ["python3", "-I", "-S", export_path, f"--root={facts.root_dir}", f"--driver={facts.driver}",
-            f"--image-id={image_id}", f"--ref={tagged(ref)}", f"--layers-file={layers_file}",
+    store = ([f"--driver={CONTAINERD_DRIVER}", f"--containerd={facts.containerd_address}",
+              f"--namespace={facts.containerd_namespace}"] if facts.containerd_store
+             else [f"--root={facts.root_dir}", f"--driver={facts.driver}"])
+    argv = ["python3", "-I", "-S", export_path, *store, f"--image-id={image_id}",
+            f"--ref={tagged(ref)}", f"--layers-file={layers_file}",
             f"--have={have}", *(["--check"] if check else ["--progress=1"])]
     return ["sudo", "-n", "--", *argv] if src.node.privilege == "sudo" else argv
 
@@ -435,7 +459,7 @@ def _plan(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
     export_path, why_save = _store_or_why(ctx, src, ref, src_info, src_facts, staged_export,
                                           layers_file, prefix,
                                           not facts.containerd_store and filter_runs)
-    via = (f"read from {src.name}'s layer store" if export_path
+    via = (f"read from {src.name}'s {src_facts.store}" if export_path
            else f"through docker save: {why_save}" if prefix else "")
     what = (f"{prefix} of {len(layers)} layers already there, ~{missing / 1e6:.0f} MB, {via}"
             if prefix else f"whole ({why_full}), ~{missing / 1e6:.0f} MB"
@@ -452,9 +476,7 @@ def _store_or_why(ctx: StepContext, src: Host, ref: str, src_info: dict, src_fac
     not; "" when it does not apply)."""
     if not applies:
         return None, ""
-    if src_facts.containerd_store:
-        return None, f"{src.name} uses the containerd image store"
-    if src_facts.driver not in STORE_DRIVERS:
+    if not src_facts.containerd_store and src_facts.driver not in STORE_DRIVERS:
         return None, f"{src.name}'s storage driver {src_facts.driver or '?'} is not read directly"
     if ctx.dep.dry:
         # a real run learns it from the export itself (which falls back on its own)
@@ -514,9 +536,9 @@ def _send(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, pla
         if way == "save":
             what_failed = "the peer refused the partial archive"
         elif any(ln.startswith("error: ") for ln in r.stderr.splitlines()):
-            what_failed = "reading the layer store"  # the helper said why
+            what_failed = f"reading the {plan.src_facts.store}"  # the helper said why
         else:
-            what_failed = "the peer refused the layer store's archive"
+            what_failed = f"the peer refused the {plan.src_facts.store}'s archive"
         notes.append(f"{what_failed} ({helper_error(r.stderr, r.one_line_error())})")
     raise AssertionError("the whole archive is always the last way")
 
@@ -526,7 +548,7 @@ def _sent(src: Host, peer: Host, ref: str, src_info: dict, plan: Plan, way: str,
     """The result of a ship that arrived and checked out."""
     sent = report.get("bytes_out")
     if way == "store":
-        sent_txt = f"{(sent or 0) / 1e6:.0f} MB read from {src.name}'s layer store"
+        sent_txt = f"{(sent or 0) / 1e6:.0f} MB read from {src.name}'s {plan.src_facts.store}"
     elif way == "save":
         why = f" ({plan.why_save})" if plan.why_save and not notes else ""
         sent_txt = (f"{(sent or 0) / 1e6:.0f} MB of {report.get('bytes_in', 0) / 1e6:.0f} MB "
