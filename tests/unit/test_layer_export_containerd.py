@@ -354,6 +354,19 @@ def test_the_manifest_is_found_under_any_target(img, target):
     assert [d for _, d in archive(p.stdout)][:-1] == [*img.blobs[1:], img.config]
 
 
+def test_odd_entries_under_the_target_are_passed_over(img):
+    """A held manifest whose config is no object and index entries whose digest is no string
+    are skipped, as an unreadable platform's are: the image's own manifest is still found."""
+    odd = img.store.put(json.dumps({"schemaVersion": 2, "config": "sha256:" + "b" * 64,
+                                    "layers": []}).encode())
+    img.target = img.store.put(index_of([{"mediaType": MANIFEST, "digest": ["x"], "size": 1},
+                                         {"mediaType": MANIFEST, "digest": odd, "size": 1},
+                                         descriptor(MANIFEST, img.manifest)]))
+    p = run(img, 1)
+    assert p.returncode == 0, p.stderr
+    assert [d for _, d in archive(p.stdout)][:-1] == [*img.blobs[1:], img.config]
+
+
 @pytest.mark.parametrize("have", [1, 2, 3])
 def test_layers_the_peer_has_are_never_read(img, have):
     """Their blobs are still listed but their files are gone: reading one would fail."""

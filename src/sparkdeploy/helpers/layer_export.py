@@ -262,7 +262,7 @@ def find_manifest(ctr, image_id, layers, held):
     todo, seen = [(image_id, 0)], 0
     while todo:
         digest, depth = todo.pop(0)
-        if digest not in held or not DIGEST_RE.match(str(digest)):
+        if not (isinstance(digest, str) and DIGEST_RE.match(digest) and digest in held):
             continue
         seen += 1
         try:
@@ -274,8 +274,9 @@ def find_manifest(ctr, image_id, layers, held):
             if depth < 2:
                 todo += [(d.get("digest"), depth + 1) for d in listed]
             continue
-        cfg = (doc.get("config") or {}).get("digest") if isinstance(doc, dict) else None
-        if cfg not in held or not DIGEST_RE.match(str(cfg)):
+        cfg = doc.get("config") if isinstance(doc, dict) else None
+        cfg = cfg.get("digest") if isinstance(cfg, dict) else None
+        if not (isinstance(cfg, str) and DIGEST_RE.match(cfg) and cfg in held):
             continue
         config = ctr.get(cfg, "the image config")
         try:
