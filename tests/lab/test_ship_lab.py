@@ -184,3 +184,34 @@ def test_full_then_delta_ship(dep, flavor):
     forget(dep, "spark1", DELTA, BASE)
     [back] = ship.ship(dep, PEER, layout.BASE_IMAGE)
     assert not back.failed, back.why
+
+
+def test_a_containerd_source_reads_only_the_missing_blob_for_a_classic_peer(dep):
+    """spark1 on the containerd image store, spark2 on the classic one: the full ship and the
+    delta are read from spark1's content store (ctr, through containerd's socket where Docker's
+    docker.service puts it), the delta's bytes follow its one missing layer, and spark2 holds
+    the same layers under the tag."""
+    results = lifecycle.up(nodes=2, flavor="containerd,docker26")
+    assert not [r for r in results if r.failed], [r.why for r in results if r.failed]
+    assert lifecycle.lab_facts()["dockerd"] == "containerd,docker26"
+    build(dep, BASE, layout.BASE_IMAGE, 20)
+    build(dep, DELTA, BASE, 5)
+    base_layers = inspect_image(dep.host("spark1"), BASE)["RootFS"]["Layers"]
+    forget(dep, PEER, DELTA, BASE, layout.BASE_IMAGE, everything=True)
+    [full] = ship.ship(dep, PEER, BASE)
+    assert full.status is Status.CHANGED, full.why
+    assert full.details["mode"] == "full" and full.details["via"] == "store", full.why
+    same_image(dep, BASE, containerd=True)
+    rx = rx_bytes(dep, PEER)
+    [part] = ship.ship(dep, PEER, DELTA)
+    received = rx_bytes(dep, PEER) - rx
+    assert part.status is Status.CHANGED, part.why
+    assert part.details["mode"] == "partial" and part.details["via"] == "store", part.why
+    assert part.details["layers_skipped"] == len(base_layers)
+    same_image(dep, DELTA, containerd=True)
+    # the 5 MB layer's blob (random bytes: gzip keeps their size) and ssh's framing
+    assert 5e6 < received < 5e6 * 1.1 + 2e6, received
+    [again] = ship.ship(dep, PEER, DELTA)
+    assert again.status is Status.OK, again.why
+    forget(dep, PEER, DELTA, BASE)
+    forget(dep, "spark1", DELTA, BASE)

@@ -7,6 +7,8 @@ import signal
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from sparkdeploy.lab import dockerd, keys, layout, proc
 from sparkdeploy.lab.layout import AddressPlan
 from sparkdeploy.wait import wait_for
@@ -36,7 +38,9 @@ def test_dockerd_argv_per_flavor(monkeypatch):
     assert _argv("classic20")[len(ENTER)] == "/usr/sbin/dockerd"
     c = _argv("containerd")
     assert c[c.index("--storage-driver") + 1] == "overlayfs"
-    assert c[-2:] == ["--containerd", f"{N}/docker/containerd/containerd/containerd.sock"]
+    # where Docker's own docker.service points dockerd: the node's private /run/containerd
+    assert c[-2:] == ["--containerd", "/run/containerd/containerd.sock"]
+    assert layout.PRIVATE_MOUNTS["/run/containerd"] == "containerd-run"
 
 
 def test_sshd_config_gives_sessions_the_stand_ins_and_the_nodes_engine():
@@ -117,3 +121,16 @@ def test_our_children_killed_by_pid_leave_no_zombie(tmp_path):
     recs = [proc.spawn(["sleep", "60"], tmp_path / f"s{i}.log") for i in range(2)]
     assert sorted(proc.kill_pids([r["pid"] for r in recs])) == sorted(r["pid"] for r in recs)
     assert not [r for r in recs if Path(f"/proc/{r['pid']}").exists()]
+
+
+def test_dockerd_flavours_one_for_all_or_one_per_node():
+    assert layout.node_dockerds("containerd", 3) == ["containerd"] * 3
+    assert layout.node_dockerds("containerd,docker26", 2) == ["containerd", "docker26"]
+    assert layout.node_dockerds("classic20,docker26,containerd", 3) == [
+        "classic20", "docker26", "containerd"]
+    for bad, n in [("containerd,docker26", 3), ("docker27", 2), ("docker26,", 2), ("", 1),
+                   ("containerd,docker26,classic20", 2), ("-x", 1)]:
+        with pytest.raises(ValueError) as e:
+            layout.node_dockerds(bad, n)
+        assert str(e.value) == ("--dockerd: must be one of docker26, classic20, containerd, or one "
+                                f"per node ({n}) separated by commas, not {bad!r}")

@@ -80,6 +80,9 @@ ROWS = [
     (["hosts.check", "--node", "x"], "--node: no node named 'x' (nodes: spark1, spark2, or all)"),
     (["hosts.trust", "--node", "x"], "--node: no node named 'x' (nodes: spark1, spark2, or all)"),
     (["lab.up", "--nodes", "two"], "--nodes: must be an integer, not 'two'"),
+    (["lab.up", "--nodes", "3", "--dockerd", "containerd,docker26"],
+     "--dockerd: must be one of docker26, classic20, containerd, or one per node (3) separated by "
+     "commas, not 'containerd,docker26'"),
     (["model.sync", "--to", "x"], "--to: no worker named 'x' (workers: spark2, or all)"),
     (["model.verify", "--node", "x"], "--node: no node named 'x' (nodes: spark1, spark2, or all)"),
     (["serve.logs", "--node", "x"], "--node: no node named 'x' (nodes: spark1, spark2, or all)"),

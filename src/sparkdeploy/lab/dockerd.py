@@ -108,16 +108,18 @@ def start_containerd(node: str, mntns: Path, netns: Path, flavor: str) -> dict:
     d = flavor_dir(node, flavor) / "containerd"
     (d / "root").mkdir(parents=True, exist_ok=True)
     (d / "state").mkdir(parents=True, exist_ok=True)
-    sock = d / "containerd.sock"
+    # the node's own /run/containerd (a private mount), seen from here
+    sock = (layout.node_dir(node) / layout.PRIVATE_MOUNTS[layout.CONTAINERD_RUN_DIR]
+            / "containerd.sock")
     (d / "config.toml").write_text(
         "version = 2\n"
         f'root = "{d / "root"}"\n'
         f'state = "{d / "state"}"\n'
         'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
         "[grpc]\n"
-        f'  address = "{sock}"\n'
+        f'  address = "{containerd_socket(node, flavor)}"\n'
         "[ttrpc]\n"
-        f'  address = "{sock}.ttrpc"\n'
+        f'  address = "{containerd_socket(node, flavor)}.ttrpc"\n'
         "[debug]\n"
         f'  address = "{d / "debug.sock"}"\n'
     )
@@ -129,7 +131,8 @@ def start_containerd(node: str, mntns: Path, netns: Path, flavor: str) -> dict:
 
 
 def containerd_socket(node: str, flavor: str) -> str:
-    return str(flavor_dir(node, flavor) / "containerd" / "containerd.sock")
+    """containerd's socket as the node sees it (see layout.CONTAINERD_RUN_DIR)."""
+    return f"{layout.CONTAINERD_RUN_DIR}/containerd.sock"
 
 
 def dockerd_argv(node: str, mntns: Path, netns: Path, flavor: str) -> list[str]:

@@ -32,6 +32,9 @@ ROOT_HOME = "/root"
 """root's home on a node is its own: a Spark's root has no pyenv or cargo of this machine's, so
 ``python3`` on a node is the distribution's (PEP 668) and a node's caches stay on the node."""
 ROOT_SSH_DIR = "/root/.ssh"
+CONTAINERD_RUN_DIR = "/run/containerd"
+"""The containerd flavour's containerd listens in it, where Docker's and Debian's docker.service
+tell dockerd to find it (``--containerd=/run/containerd/containerd.sock``)."""
 PRIVATE_MOUNTS: dict[str, str] = {  # parents before children: /root before /root/.ssh
     MODEL_DIR: "models",
     UNIT_DIR: "systemd-system",
@@ -39,6 +42,7 @@ PRIVATE_MOUNTS: dict[str, str] = {  # parents before children: /root before /roo
     NODE_STATE_DIR: "node-state",
     ROOT_HOME: "home",
     ROOT_SSH_DIR: "ssh",
+    CONTAINERD_RUN_DIR: "containerd-run",
 }
 
 NODE_PATH = f"{STANDIN_DIR}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -63,6 +67,17 @@ FAST_NET = "10.77.1.0/24"
 DOCKERDS = ("docker26", "classic20", "containerd")
 """The flavors of a node's Docker daemon (``lab.up --dockerd``)."""
 DEFAULT_DOCKERD = "docker26"
+
+
+def node_dockerds(spec: str, n: int) -> list[str]:
+    """Each node's Docker daemon flavour from ``--dockerd``: one flavour for every node, or one
+    per node (``containerd,docker26``: spark1 on the containerd image store, spark2 classic).
+    Raises ValueError with the one line to show."""
+    parts = str(spec).split(",")
+    if any(p not in DOCKERDS for p in parts) or len(parts) not in (1, n):
+        raise ValueError(f"--dockerd: must be one of {', '.join(DOCKERDS)}, or one per node "
+                         f"({n}) separated by commas, not {spec!r}")
+    return parts * n if len(parts) == 1 else parts
 BASE_IMAGE = "sparkdeploy-lab/base:bookworm"
 STANDIN_LABEL = "org.sparkdeploy.lab.standin"
 

@@ -70,10 +70,12 @@ def up(nodes: int = 2, flavor: str = layout.DEFAULT_DOCKERD, seed_worker: bool =
     why = preflight()
     if why:
         return [ctx.failed(why)]
-    if flavor not in layout.DOCKERDS:
-        return [ctx.failed(f"--dockerd: must be one of {', '.join(layout.DOCKERDS)}, not {flavor!r}")]
     if nodes < 1 or nodes > 9:
         return [ctx.failed(f"--nodes must be 1..9, not {nodes}")]
+    try:
+        flavors = layout.node_dockerds(flavor, nodes)
+    except ValueError as e:
+        return [ctx.failed(str(e))]
     events.log("lab.up", None, f"{nodes} node(s), dockerd {flavor}; state in {layout.LAB_DIR}")
     t0 = time.monotonic()
     pool = threads.pool(4)
@@ -86,7 +88,7 @@ def up(nodes: int = 2, flavor: str = layout.DEFAULT_DOCKERD, seed_worker: bool =
                 _packages(run)
                 # start the slow cache builds now; each is joined before it is needed
                 run.jobs["debootstrap"] = pool.submit(image.ensure_base_tarball)
-                if flavor != "classic20":
+                if set(flavors) != {"classic20"}:
                     run.jobs["docker26"] = pool.submit(dockerd.ensure_docker26)
                 run.jobs["wheels"] = pool.submit(internet.prefetch)
                 _up(run, mgmt_net, seed_worker)
@@ -217,9 +219,9 @@ def _ssh_and_daemons(run: _Run) -> None:
             run.add(_ensure_sshd(x, st, plan))
     if "docker26" in run.jobs:
         run.join("docker26", "docker26")
-    for x in names:
+    for x, flavor in zip(names, layout.node_dockerds(run.flavor, len(names)), strict=True):
         with run.beat.phase("dockerd", x):
-            run.add(_ensure_dockerd(x, st, run.flavor))
+            run.add(_ensure_dockerd(x, st, flavor))
     st["dockerd"] = run.flavor
     st.pop("engine", None)
     run.save()

@@ -12,16 +12,18 @@ from sparkdeploy.tasks._flags import task
 @task(help={"nodes": "how many nodes (spark1..sparkN; default 2)",
             "seed_worker": "also give the workers the derivative's base image (delta-ship tests)",
             "dockerd": "each node's Docker daemon: docker26 (default), classic20 (bookworm's "
-                       "20.10) or containerd (Docker 26 on the containerd image store)",
+                       "20.10) or containerd (Docker 26 on the containerd image store); or one "
+                       "per node, comma-separated",
             "mgmt_net": "the management /24: 'fallback' forces the first fallback, or one of "
                         + ", ".join(layout.MGMT_CANDIDATES)
                         + " (default: the recorded one; a lab on another is moved in place)"})
 def up(c, nodes=None, dockerd=layout.DEFAULT_DOCKERD, seed_worker=False, mgmt_net=None):
     """Bring the lab up, or check it is up (idempotent; says what changed as it goes)."""
     n = flags.integer("--nodes", nodes, default=2, min=1, max=9)
-    if dockerd not in layout.DOCKERDS:
-        raise Exit(f"--dockerd: must be one of {', '.join(layout.DOCKERDS)}, not {dockerd!r}",
-                   code=2)
+    try:
+        layout.node_dockerds(dockerd, n)
+    except ValueError as e:
+        raise Exit(str(e), code=2) from None
     if mgmt_net not in (None, "fallback", *layout.MGMT_CANDIDATES):
         raise Exit(f"--mgmt-net: must be 'fallback' or one of {', '.join(layout.MGMT_CANDIDATES)}, "
                    f"not {mgmt_net!r}", code=2)
