@@ -210,6 +210,7 @@ class Engine:
         self.loaded: list[str] = []  # archive members each load applied (layer paths)
         self.fs: Path | None = None  # the node's file system (a tmp directory, set by `make`)
         self.written: set[str] = set()  # chain IDs and configs already in the layer store
+        self.loaded_blobs: dict[str, bytes] = {}  # blobs an OCI load added to the content store
         self.lock = threading.Lock()
 
     def has_chain(self, chain: list[str]) -> bool:
@@ -339,11 +340,62 @@ class Engine:
         return raw
 
     # -- docker load, with the classic store's chain rule -----------------------------------------
+    def held_blobs(self) -> dict[str, bytes]:
+        """The containerd store's content: every image's blobs, and what loads added."""
+        out = dict(self.loaded_blobs)
+        for img in self.images.values():
+            out.update(content_of(img)[1])
+        return out
+
+    def content_ls(self) -> str:
+        """``ctr content ls`` as containerd 1.6 prints it (sizes rounded, labels last)."""
+        lines = ["DIGEST\tSIZE\tAGE\tLABELS"]
+        for digest, data in sorted(self.held_blobs().items()):
+            try:
+                tar = gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
+                label = (f"containerd.io/uncompressed={tsf.sha(tar)}"
+                         if tsf.sha(tar) in DIFF else "containerd.io/gc.ref.content.l.0=sha256:00")
+            except OSError:
+                label = "-"
+            lines.append(f"{digest}\t{len(data) / 1000:.2f}kB\t2 minutes\t{label}")
+        return "\n".join(lines) + "\n"
+
+    def load_oci(self, t: tarfile.TarFile) -> tuple[int, str]:
+        """containerd's import of an OCI layout (a blob the archive lacks is taken from the
+        content store), then the unpack: each layer's diff ID checked."""
+        blobs = {m.name.split("/")[-1]: t.extractfile(m).read() for m in t.getmembers()
+                 if m.name.startswith("blobs/sha256/") and m.isfile()}
+        have = self.held_blobs()
+        index = json.loads(t.extractfile("index.json").read())
+        [desc] = index["manifests"]
+        manifest = json.loads(blobs[desc["digest"].split(":")[1]])
+        config = blobs[manifest["config"]["digest"].split(":")[1]]
+        diff_ids = json.loads(config)["rootfs"]["diff_ids"]
+        for layer, diff in zip(manifest["layers"], diff_ids, strict=True):
+            hexd = layer["digest"].split(":")[1]
+            data = blobs.get(hexd, have.get(layer["digest"]))
+            if data is None:
+                return 1, (f"Error response from daemon: failed to extract layer {diff}: content "
+                           f"digest {layer['digest']}: not found")
+            assert len(data) == layer["size"] and tsf.sha(data) == layer["digest"]
+            tar = gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
+            assert tsf.sha(tar) == diff, f"{layer['digest']} is not layer {diff}"
+            if hexd in blobs:
+                self.loaded.append(f"blobs/sha256/{hexd}")
+        self.loaded_blobs.update({"sha256:" + h: b for h, b in blobs.items()})
+        name = desc["annotations"]["io.containerd.image.name"]
+        tag = name.removeprefix("docker.io/").removeprefix("library/")
+        self.images[tag] = image(diff_ids, tag)
+        return 0, f"Loaded image: {tag}\n"
+
     def load(self, raw: bytes) -> tuple[int, str]:
         if self.load_error:
             return 1, self.load_error
         try:
             t = tarfile.open(fileobj=io.BytesIO(raw))
+            if self.containerd and "index.json" in t.getnames() and "manifest.json" not in t.getnames():
+                with t:
+                    return self.load_oci(t)
             manifest = json.loads(t.extractfile("manifest.json").read())[0]
         except (tarfile.TarError, KeyError):
             return 1, EMPTY_LOAD
@@ -455,6 +507,12 @@ class Ctx(FakeContext):
             path = f"{STAGE}/{digest}/{name}"
             e.files[path] = data
             out = path + "\n"
+        elif argv == ["sudo", "-n", "--", "ctr", f"--address={e.containerd_at}",
+                      f"--namespace={e.namespace}", "content", "ls"]:
+            if e.no_containerd_socket:
+                code, err = 1, f'ctr: failed to dial "{e.containerd_at}": context deadline exceeded'
+            else:
+                out = e.content_ls()
         elif argv == ["true"]:  # after an exit of 255: does the node still answer? (it does)
             pass
         elif argv[:4] == ship.watched([]) and argv[4:7] == ["bash", "-c", ship.MASTER_SH]:
@@ -759,13 +817,58 @@ def test_peer_that_has_the_image_is_ok_and_nothing_is_sent(make):
     assert ctx.pipelines == []
 
 
-def test_containerd_peer_gets_the_whole_archive(make):
+def test_a_containerd_peer_gets_an_oci_layout_of_the_blobs_it_lacks(make):
+    """A classic source sends plain tars (a tar's digest is its diff ID): the peer's content
+    store holds the base's plain blobs, so only the top layer crosses, as an OCI layout whose
+    manifest names the rest."""
     peer = Engine([BASE_IMG], containerd=True)
     dep, ctx = make(peer)
     [res] = ship.ship(dep, "spark2", "img:1")
-    assert res.status is Status.CHANGED, res.why
-    assert res.details["mode"] == "full" and "(the peer uses the containerd image store)" in res.why
-    assert ctx.haves == [] and ctx.filters == [["--progress", "1"]]
+    assert res.status is Status.CHANGED and res.details["via"] == "store", res.why
+    assert res.details["mode"] == "partial" and res.details["layers_skipped"] == 2, res.why
+    holds = staged_path("peer-blobs.json", json.dumps(DIFF[:2]).encode())
+    assert ctx.exports == [["sudo", "-n", "--", "python3", "-I", "-S", EXPORT,
+                            "--root=/var/lib/docker", "--driver=overlay2", f"--image-id={IMG['Id']}",
+                            "--ref=img:1", f"--layers-file={LAYERS_JSON}", "--have=2",
+                            "--format=oci", f"--peer-holds={holds}", "--progress=1"]]
+    assert peer.loaded == ["blobs/sha256/" + DIFF[2].split(":")[1]]
+    assert peer.images["img:1"]["RootFS"]["Layers"] == DIFF[:3]
+    assert ctx.haves == [] and ctx.filters == []
+
+
+def test_a_layer_the_containerd_peer_holds_under_another_blob_is_sent_again(make):
+    """The peer holds DIFF[2] gzip (as pulled); the classic source's is a plain tar, which the
+    peer's content store lacks: the helper sends it too, and the result says 2 layers were
+    there, not the 3 the peer's images list."""
+    four = image(DIFF[:4], "four:1")
+    peer = Engine([IMG], containerd=True)
+    dep, ctx = make(peer, source=Engine([four, IMG]))
+    [res] = ship.ship(dep, "spark2", "four:1")
+    assert res.status is Status.CHANGED and res.details["via"] == "store", res.why
+    assert "--have=3" in ctx.exports[0]
+    assert res.details["layers_skipped"] == 2 and "2/4 layers already there" in res.why, res.why
+    assert peer.loaded == ["blobs/sha256/" + d.split(":")[1] for d in DIFF[2:4]]
+    assert peer.images["four:1"]["RootFS"]["Layers"] == DIFF[:4]
+
+
+def test_containerd_to_containerd_sends_only_the_blob_the_peer_lacks(make):
+    peer = Engine([BASE_IMG], containerd=True)
+    dep, ctx = make(peer, source=Engine([IMG, BASE_IMG], containerd=True))
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.details["via"] == "store" and res.details["layers_skipped"] == 2, res.why
+    gz = gzip.compress(LAYERS[2], mtime=0)
+    assert peer.loaded == ["blobs/sha256/" + tsf.sha(gz).split(":")[1]]
+    assert peer.images["img:1"]["RootFS"]["Layers"] == DIFF[:3]
+
+
+def test_a_containerd_peer_whose_content_cannot_be_listed_gets_the_whole_archive(make):
+    peer = Engine([BASE_IMG], containerd=True, no_containerd_socket=True)
+    dep, ctx = make(peer)
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.CHANGED and res.details["mode"] == "full", res.why
+    assert ("(the peer uses the containerd image store, whose content could not be listed: ctr: "
+            'failed to dial "/run/containerd/containerd.sock": context deadline exceeded)') in res.why
+    assert ctx.exports == [] and ctx.haves == [] and ctx.filters == [["--progress", "1"]]
 
 
 def test_peer_refusing_the_partial_archive_gets_a_full_one(make):

@@ -67,6 +67,7 @@ LAYER_TYPES = {
     "application/vnd.oci.image.layer.v1.tar+zstd",
 }
 """Layer blobs `docker load` unpacks (it finds the compression from the bytes)."""
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 
 
 class Unreadable(Exception):
@@ -128,7 +129,7 @@ def tar_size(path):
 
 class Layer:
     def __init__(self, root, driver, diff_id, chain_id):
-        self.diff_id = diff_id
+        self.diff_id = self.digest = diff_id  # the tar rebuilt is the blob
         db = os.path.join(root, "image", driver, "layerdb", "sha256", chain_id.split(":", 1)[1])
         recorded = read_small(os.path.join(db, "diff"), "the layer's diff ID").decode().strip()
         if recorded != diff_id:
@@ -257,7 +258,7 @@ def descriptors(doc):
 
 
 def find_manifest(ctr, image_id, layers, held):
-    """(manifest, config bytes): the manifest under the image's target whose config lists
+    """(manifest, its bytes, config bytes): the manifest under the image's target whose config lists
     ``layers`` (an index may name other platforms' manifests, not held here, and attestations)."""
     todo, seen = [(image_id, 0)], 0
     while todo:
@@ -265,8 +266,9 @@ def find_manifest(ctr, image_id, layers, held):
         if not (isinstance(digest, str) and DIGEST_RE.match(digest) and digest in held):
             continue
         seen += 1
+        raw = ctr.get(digest, "the image's index or manifest")
         try:
-            doc = json.loads(ctr.get(digest, "the image's index or manifest"))
+            doc = json.loads(raw)
         except ValueError:
             continue
         listed = descriptors(doc)
@@ -284,34 +286,73 @@ def find_manifest(ctr, image_id, layers, held):
         except (ValueError, KeyError, TypeError):
             continue
         if diff_ids == layers:
-            return doc, config
+            return doc, raw, config
     if not seen:
         raise Unreadable(f"{image_id} is not in containerd's content store")
     raise Unreadable(f"no manifest under {image_id} in the content store lists these layers")
 
 
-def content_plan(a, layers):
-    """(config digest, config bytes, Blobs to send) from containerd's content store."""
+def held_run(digests, have, holds):
+    """How many leading layers the peer holds: ``have``, or fewer where ``holds`` (the blobs in
+    the peer's content store, when known) lacks one of the blobs the archive would name."""
+    if holds is None:
+        return have
+    n = 0
+    while n < have and digests[n] in holds:
+        n += 1
+    return n
+
+
+def content_plan(a, layers, holds):
+    """(config digest, config bytes, manifest bytes, layers the peer holds, Blobs to send)
+    from containerd's content store."""
     ctr = Ctr(a.ctr, a.containerd, a.namespace)
     held = ctr.digests()
-    manifest, config = find_manifest(ctr, a.image_id, layers, held)
+    manifest, raw, config = find_manifest(ctr, a.image_id, layers, held)
     descs = manifest.get("layers")
     if not isinstance(descs, list) or len(descs) != len(layers):
         raise Unreadable(f"the manifest of {a.image_id} lists {len(descs or [])} layers, "
                          f"the config {len(layers)}")
-    send = []
-    for i in range(a.have, len(layers)):
-        d = descs[i]
+    for i, d in enumerate(descs):
         if not (isinstance(d, dict) and DIGEST_RE.match(str(d.get("digest")))
                 and isinstance(d.get("size"), int) and d["size"] >= 0):
             raise Unreadable(f"the manifest of {a.image_id} has an odd layer entry {i}")
+    have = held_run([d["digest"] for d in descs], a.have, holds)
+    send = []
+    for i in range(have, len(layers)):
+        d = descs[i]
         if d.get("mediaType") not in LAYER_TYPES:
             raise Unreadable(f"layer {layers[i]} is a {d.get('mediaType')!r} blob, "
                              "not one docker load reads")
         if d["digest"] not in held:
             raise Unreadable(f"layer {layers[i]}'s blob {d['digest']} is not in the content store")
         send.append(Blob(ctr, d, layers[i]))
-    return manifest["config"]["digest"], config, send
+    return manifest["config"]["digest"], config, raw, have, send
+
+
+def oci_manifest(config, cfg_digest, layers):
+    """An OCI image manifest of a classic-store image: its config and its layers as plain tars
+    (a tar's digest is its diff ID)."""
+    return json.dumps({
+        "schemaVersion": 2, "mediaType": OCI_MANIFEST,
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cfg_digest,
+                   "size": len(config)},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": x.diff_id,
+                    "size": x.size} for x in layers]}, separators=(",", ":")).encode()
+
+
+def full_name(ref):
+    """The name containerd's image store gives ``ref`` (Docker's normalisation: a name without
+    a registry is Docker Hub's, a one-part name is under ``library/``)."""
+    name, _, tag = ref.rpartition(":")
+    if "/" in tag or not name:
+        name, tag = ref, "latest"
+    first = name.split("/", 1)[0]
+    if "/" not in name:
+        name = "docker.io/library/" + name
+    elif not ("." in first or ":" in first or first == "localhost"):
+        name = "docker.io/" + name
+    return name + ":" + tag
 
 
 def header(name, size):
@@ -371,14 +412,21 @@ def parse(argv):
     p.add_argument("--layers-file", required=True, help="JSON list: the image's diff IDs in order")
     p.add_argument("--have", type=int, required=True,
                    help="how many leading layers the peer holds (as one chain)")
+    p.add_argument("--format", choices=("docker", "oci"), default="docker",
+                   help="docker: docker save's manifest.json (a classic-store peer skips the "
+                        "layers it holds); oci: an OCI image layout (a containerd-store peer "
+                        "takes the blobs it holds from its own content store)")
+    p.add_argument("--peer-holds", default="",
+                   help="JSON list: the blobs in the peer's content store (with --format oci: "
+                        "a layer among the first --have is sent when the peer lacks its blob)")
     p.add_argument("--check", action="store_true", help="check the store can be read, write nothing")
     p.add_argument("--progress", type=float, default=1.0, help="seconds between progress lines")
     return p.parse_args(argv)
 
 
 def plan(a):
-    """(config digest, config bytes, layers, layers to send): every check before a byte is
-    written."""
+    """(config digest, config bytes, layers, manifest bytes (oci), layers to send): every check
+    before a byte is written."""
     if a.driver not in DIRS and a.driver != CONTAINERD:
         raise Unreadable(f"storage driver {a.driver} keeps layers where this helper does not read")
     if not DIGEST_RE.match(a.image_id):
@@ -390,9 +438,13 @@ def plan(a):
         raise Unreadable(f"{a.layers_file}: not a list of diff IDs")
     if not 0 <= a.have <= len(layers):
         raise Unreadable(f"--have {a.have} is not between 0 and {len(layers)}")
+    holds = None
+    if a.peer_holds:
+        with open(a.peer_holds, encoding="utf-8") as f:
+            holds = set(json.load(f))
     if a.driver == CONTAINERD:
-        cfg_digest, config, send = content_plan(a, layers)
-        return cfg_digest, config, layers, send
+        cfg_digest, config, raw, have, send = content_plan(a, layers, holds)
+        return cfg_digest, config, layers, raw if a.format == "oci" else None, send
     if not a.root:
         raise Unreadable("--root is needed to read the classic store")
     hexid = a.image_id.split(":", 1)[1]
@@ -407,8 +459,12 @@ def plan(a):
     if diff_ids != layers:
         raise Unreadable(f"the config of {a.image_id} lists other layers than --layers-file")
     chains = chain_ids(layers)
-    send = [Layer(a.root, a.driver, layers[i], chains[i]) for i in range(a.have, len(layers))]
-    return a.image_id, config, layers, send
+    have = held_run(layers, a.have, holds)
+    if a.format == "oci":  # the manifest names every layer's size: each layer's record is read
+        every = [Layer(a.root, a.driver, layers[i], chains[i]) for i in range(len(layers))]
+        return a.image_id, config, layers, oci_manifest(config, a.image_id, every), every[have:]
+    send = [Layer(a.root, a.driver, layers[i], chains[i]) for i in range(have, len(layers))]
+    return a.image_id, config, layers, None, send
 
 
 def main(argv=None):
@@ -417,37 +473,62 @@ def main(argv=None):
         return 2
     a = parse(argv)
     try:
-        cfg_digest, config, layers, send = plan(a)
+        cfg_digest, config, layers, manifest, send = plan(a)
     except (Unreadable, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 6
     if a.check:
         print(json.dumps({"layers_sent": len(send), "bytes": sum(x.size for x in send)}))
         return 0
-    hexid = cfg_digest.split(":", 1)[1]
-    manifest = json.dumps([{"Config": f"{hexid}.json", "RepoTags": [a.ref],
-                            "Layers": [d.split(":", 1)[1] + "/layer.tar" for d in layers]}]).encode()
-    members = [*((layer_name(x), x.size) for x in send), (f"{hexid}.json", len(config)),
-               ("manifest.json", len(manifest))]
-    total = sum(member_size(name, size) for name, size in members)
-    total += 2 * BLOCK
+    if manifest is None:
+        names = [layer_name(x) for x in send]
+        meta = docker_meta(a, cfg_digest, config, layers)
+    else:
+        names = ["blobs/sha256/" + x.digest.split(":", 1)[1] for x in send]
+        meta = oci_meta(a, cfg_digest, config, manifest)
+    members = [*((names[i], x.size) for i, x in enumerate(send)), *((n, len(d)) for n, d in meta)]
+    total = sum(member_size(name, size) for name, size in members) + 2 * BLOCK
     out = Out(sys.stdout.buffer, total, a.progress)
     try:
-        for layer in send:
-            out.member(layer_name(layer), layer.size, layer.chunks())
+        for i, layer in enumerate(send):
+            out.member(names[i], layer.size, layer.chunks())
     except Differs as e:
         # no manifest: the peer's load fails and tags nothing
         sys.stdout.buffer.flush()
         print(f"error: {e}", file=sys.stderr)
         return 7
-    out.member(f"{hexid}.json", len(config), [config])
-    out.member("manifest.json", len(manifest), [manifest])
+    for name, data in meta:
+        out.member(name, len(data), [data])
     out.write(b"\0" * (2 * BLOCK))
     sys.stdout.buffer.flush()
     print(f"progress bytes={out.n} total={out.n}", file=sys.stderr, flush=True)
     print(json.dumps({"bytes_out": out.n, "layers_sent": len(send), "layers": len(layers)}),
           file=sys.stderr, flush=True)
     return 0
+
+
+def docker_meta(a, cfg_digest, config, layers):
+    """The members after the layers in docker save's format: the config, ``manifest.json``."""
+    hexid = cfg_digest.split(":", 1)[1]
+    manifest = json.dumps([{"Config": f"{hexid}.json", "RepoTags": [a.ref],
+                            "Layers": [d.split(":", 1)[1] + "/layer.tar" for d in layers]}]).encode()
+    return [(f"{hexid}.json", config), ("manifest.json", manifest)]
+
+
+def oci_meta(a, cfg_digest, config, manifest):
+    """The members after the layers in an OCI image layout: the config and manifest blobs,
+    ``oci-layout``, and ``index.json`` last (naming the image: without it nothing is tagged)."""
+    kind = json.loads(manifest).get("mediaType") or OCI_MANIFEST
+    tag = full_name(a.ref)
+    index = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+                        "manifests": [{"mediaType": kind, "size": len(manifest),
+                                       "digest": "sha256:" + hashlib.sha256(manifest).hexdigest(),
+                                       "annotations": {"io.containerd.image.name": tag,
+                                                       "org.opencontainers.image.ref.name":
+                                                           tag.rpartition(":")[2]}}]}).encode()
+    return [("blobs/sha256/" + cfg_digest.split(":", 1)[1], config),
+            ("blobs/sha256/" + hashlib.sha256(manifest).hexdigest(), manifest),
+            ("oci-layout", b'{"imageLayoutVersion":"1.0.0"}'), ("index.json", index)]
 
 
 if __name__ == "__main__":

@@ -14,8 +14,13 @@ archive comes from one of three places, the first that serves:
    from the stream (a store the helper cannot read: another storage driver, no ``ctr``, no
    access);
 3. the whole ``docker save`` archive (through the filter as a counting pass-through): a peer that
-   holds none of the layers, a peer on the containerd image store (where a partial archive
-   "loads" into an incomplete image), or a peer that refused a partial archive.
+   refused a partial archive, or one on the containerd image store whose content store could
+   not be listed.
+
+A containerd-store peer refuses docker save's partial archive (its import wants every layer file
+the manifest names), but takes an OCI image layout whose manifest names blobs its content store
+already holds: for it the helper writes that layout, sending each layer whose very blob
+(``ctr content ls``: the ``containerd.io/uncompressed`` label names its diff ID) it lacks.
 
 Which one ran, and why not an earlier one, is in the result. A ship succeeds only when the peer
 lists the image under its tag with the source's diff IDs (and, on the classic store, the same
@@ -98,6 +103,11 @@ class DockerDaemon:
     containerd_namespace: str = CONTAINERD_NAMESPACE
     """Where the containerd image store's content is read (``docker info``'s ``Containerd``)."""
 
+    blobs: list[str] | None = None
+    """On the containerd store: the blobs in its content store that unpack to a layer the image
+    names (a partial archive's manifest may name them; None when they could not be listed)."""
+    blobs_why: str = ""
+
     @property
     def store(self) -> str:
         """What ``layer_export.py`` reads the layers from, in words."""
@@ -121,6 +131,31 @@ def daemon_facts(host: Host, layers: bool = True) -> DockerDaemon:
                         str(info.get("Driver") or ""), chains,
                         str(ctd.get("Address") or CONTAINERD_SOCKET),
                         str(spaces.get("Containers") or CONTAINERD_NAMESPACE))
+
+
+def peer_facts(host: Host, layers: list[str]) -> DockerDaemon:
+    """``daemon_facts`` and, on the containerd store, which of the image's layers its content
+    store holds: ``ctr content ls``, whose ``containerd.io/uncompressed`` label names the diff ID
+    a blob unpacks to (under ``sudo`` where the node needs it for containerd's socket)."""
+    facts = daemon_facts(host)
+    if not facts.containerd_store:
+        return facts
+    argv = ["ctr", f"--address={facts.containerd_address}",
+            f"--namespace={facts.containerd_namespace}", "content", "ls"]
+    r = host.run(["sudo", "-n", "--", *argv] if host.node.privilege == "sudo" else argv,
+                 change=False)
+    if not r.ok:
+        facts.blobs_why = r.one_line_error()
+        return facts
+    want, blobs = set(layers), set()
+    for line in r.stdout.splitlines()[1:]:
+        words = line.split()
+        for label in (words[-1].split(",") if len(words) > 1 else []):
+            key, _, value = label.partition("=")
+            if key == "containerd.io/uncompressed" and value in want:
+                blobs.add(words[0])
+    facts.blobs = sorted(blobs)
+    return facts
 
 
 def source_store(host: Host, info: dict) -> DockerDaemon:
@@ -205,7 +240,7 @@ def pipeline(src: Host, peer: Host, ref: str, filter_path: str | None, layers_fi
 
 
 def export_argv(src: Host, export_path: str, layers_file: str, facts: DockerDaemon, image_id: str,
-                ref: str, have: int, *, check: bool = False) -> list[str]:
+                ref: str, have: int, *, check: bool = False, holds: str | None = None) -> list[str]:
     """``layer_export.py`` on the source: the archive of the layers after the first ``have``
     (``check``: only whether the store can be read). Values ride in ``--opt=value`` form, so none
     is read as an option; under ``sudo`` where the node needs it to read the Docker root. ``-I
@@ -216,17 +251,22 @@ def export_argv(src: Host, export_path: str, layers_file: str, facts: DockerDaem
              else [f"--root={facts.root_dir}", f"--driver={facts.driver}"])
     argv = ["python3", "-I", "-S", export_path, *store, f"--image-id={image_id}",
             f"--ref={tagged(ref)}", f"--layers-file={layers_file}",
-            f"--have={have}", *(["--check"] if check else ["--progress=1"])]
+            f"--have={have}",
+            # a containerd-store peer: an OCI layout naming the blobs it holds (``holds``)
+            *(["--format=oci", f"--peer-holds={holds}"] if holds else []),
+            *(["--check"] if check else ["--progress=1"])]
     return ["sudo", "-n", "--", *argv] if src.node.privilege == "sudo" else argv
 
 
 def export_pipeline(src: Host, peer: Host, export_path: str, layers_file: str,
                     facts: DockerDaemon, image_id: str, ref: str, have: int,
-                    compression: str, control: str | None = None) -> list[str]:
+                    compression: str, control: str | None = None,
+                    holds: str | None = None) -> list[str]:
     """The argv (``bash -c``) the source runs to stream the missing layers, read from its layer
     store, into the peer's Docker daemon."""
-    stages = [export_argv(src, export_path, layers_file, facts, image_id, ref, have)]
-    return _into_peer(peer, stages, [export_path, layers_file], compression, control)
+    stages = [export_argv(src, export_path, layers_file, facts, image_id, ref, have, holds=holds)]
+    staged = [export_path, layers_file, *([holds] if holds else [])]
+    return _into_peer(peer, stages, staged, compression, control)
 
 
 class LinkMaster:
@@ -382,6 +422,8 @@ class Plan:
     why_full: str
     why_save: str
     what: str
+    peer_blobs: list[str] | None = None
+    """A containerd-store peer's blobs of the image's layers: the archive is an OCI layout."""
 
 
 def _ship(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, src_is_head: bool,
@@ -424,7 +466,7 @@ def _plan(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
     what to send and how; a result instead when there is nothing to send or no room for it."""
     layers = src_info["RootFS"]["Layers"]
     (facts, held, tags), (py, sizes, src_facts, layers_file, staged_export) = threads.together(
-        lambda: threads.together(lambda: daemon_facts(peer), lambda: inspect_image(peer, ref),
+        lambda: threads.together(lambda: peer_facts(peer, layers), lambda: inspect_image(peer, ref),
                                  lambda: listed_tags(peer)),
         lambda: threads.together(lambda: python_version(src),
                                  lambda: layer_sizes(src, ref, layers, int(src_info.get("Size") or 0)),
@@ -437,7 +479,9 @@ def _plan(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
     by_id = not (facts.containerd_store or src_facts.containerd_store)
     if verify(peer, ref, src_info, by_id, held, tags) is None:
         return ok(STEP, f"{peer.name} already has {ref} ({src_info['Id'][:19]})", peer.name)
-    prefix = 0 if facts.containerd_store else have_prefix(layers, facts.chains)
+    # a containerd-store peer takes a partial archive only as an OCI layout naming blobs it holds
+    listed = not facts.containerd_store or facts.blobs is not None
+    prefix = have_prefix(layers, facts.chains) if listed else 0
     # the helpers run on the source: its python3 must be new enough (else: send it whole, and
     # without the filter's byte count)
     filter_runs = py is not None and py >= FILTER_PYTHON
@@ -454,18 +498,18 @@ def _plan(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
     if free is not None and free < need:
         return failed(STEP, f"{peer.name} has {free / 1e9:.1f} GB free in {facts.root_dir}, needs "
                       f"about {need / 1e9:.1f} GB for {ref}", peer.name)
-    why_full = ("the peer uses the containerd image store" if facts.containerd_store
+    why_full = (f"the peer uses the containerd image store, whose content could not be listed: "
+                f"{facts.blobs_why}" if not listed
                 else old_python or ("the peer has none of its layers" if prefix == 0 else ""))
     export_path, why_save = _store_or_why(ctx, src, ref, src_info, src_facts, staged_export,
-                                          layers_file, prefix,
-                                          not facts.containerd_store and filter_runs)
+                                          layers_file, prefix, listed and filter_runs)
     via = (f"read from {src.name}'s {src_facts.store}" if export_path
            else f"through docker save: {why_save}" if prefix else "")
     what = (f"{prefix} of {len(layers)} layers already there, ~{missing / 1e6:.0f} MB, {via}"
             if prefix else f"whole ({why_full}), ~{missing / 1e6:.0f} MB"
             + (f", {via}" if export_path else ""))
     return Plan(prefix, by_id, filter_runs, src_facts, layers_file, export_path,
-                why_full, why_save, what)
+                why_full, why_save, what, facts.blobs if facts.containerd_store else None)
 
 
 def _store_or_why(ctx: StepContext, src: Host, ref: str, src_info: dict, src_facts: DockerDaemon,
@@ -508,10 +552,14 @@ def _send(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, pla
     ways: list[tuple[str, Callable[[], list[str]]]] = []
     if plan.export_path:
         export = plan.export_path
-        ways.append(("store", lambda: export_pipeline(src, peer, export, plan.layers_file,
-                                                      plan.src_facts, src_info["Id"], ref, prefix,
-                                                      compression, control)))
-    if prefix:
+
+        def from_store() -> list[str]:
+            holds = (None if plan.peer_blobs is None
+                     else stage(src, "peer-blobs.json", json.dumps(plan.peer_blobs)))
+            return export_pipeline(src, peer, export, plan.layers_file, plan.src_facts,
+                                   src_info["Id"], ref, prefix, compression, control, holds)
+        ways.append(("store", from_store))
+    if prefix and plan.peer_blobs is None:  # (a containerd-store peer refuses docker save's)
         def filtered() -> list[str]:
             have_file = stage(src, "have.json", json.dumps(layers[:prefix]))
             return pipeline(src, peer, ref, stage_script(src, "save_filter.py"), plan.layers_file,
@@ -555,13 +603,18 @@ def _sent(src: Host, peer: Host, ref: str, src_info: dict, plan: Plan, way: str,
                     f"through docker save{why}")
     else:
         sent_txt = f"{sent / 1e6:.0f} MB" if sent else "whole"
-    mode = "full" if way == "full" or not plan.prefix else "partial"
-    reason = f" ({plan.why_full})" if mode == "full" and plan.why_full and not note else ""
     layers = src_info["RootFS"]["Layers"]
+    skipped = plan.prefix
+    if way == "store" and isinstance(report.get("layers_sent"), int):
+        # the helper sends a held layer too when the peer's content store lacks its very blob
+        skipped = len(layers) - report["layers_sent"]
+    mode = "full" if way == "full" or not skipped else "partial"
+    why_full = plan.why_full or (f"{peer.name} holds none of its blobs" if plan.prefix else "")
+    reason = f" ({why_full})" if mode == "full" and why_full and not note else ""
     return changed(STEP, f"sent {ref} {src.name} -> {peer.name}: {mode}{reason}, {sent_txt}, "
-                   f"{plan.prefix}/{len(layers)} layers already there, {secs:.1f}s{note}",
+                   f"{skipped}/{len(layers)} layers already there, {secs:.1f}s{note}",
                    peer.name, mode=mode, via=way, seconds=secs,
-                   bytes_in=report.get("bytes_in"), bytes_out=sent, layers_skipped=plan.prefix,
+                   bytes_in=report.get("bytes_in"), bytes_out=sent, layers_skipped=skipped,
                    source=src.name)
 
 
