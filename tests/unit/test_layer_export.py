@@ -744,3 +744,183 @@ def test_the_total_counts_the_header_written_even_for_a_layer_of_8_gib(size):
     info.size, info.mode, info.mtime = size, 0o644, 0
     written = len(info.tobuf(format=tarfile.PAX_FORMAT)) + -(-size // BLOCK) * BLOCK
     assert le.member_size("a" * 64 + "/layer.tar", size) == written
+
+
+# --- --format=oci: an OCI image layout for a peer on the containerd image store -----------------
+
+OCI = "--format=oci"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
+OCI_TAR = "application/vnd.oci.image.layer.v1.tar"
+OCI_LAYOUT = b'{"imageLayoutVersion":"1.0.0"}'
+
+
+def blob_name(digest: str) -> str:
+    return "blobs/sha256/" + digest.split(":", 1)[1]
+
+
+def oci_manifest_of(store: Store) -> dict:
+    """The manifest a classic-store image gets: every layer (held ones too) as its plain tar."""
+    return {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "config": {"mediaType": OCI_CONFIG, "digest": store.image_id, "size": len(store.config)},
+        "layers": [
+            {"mediaType": OCI_TAR, "digest": d, "size": len(t)} for d, t in zip(store.diff_ids, store.tars, strict=True)
+        ],
+    }
+
+
+def oci_index_of(manifest: bytes, name: str, tag: str) -> dict:
+    return {
+        "schemaVersion": 2,
+        "mediaType": OCI_INDEX,
+        "manifests": [
+            {
+                "mediaType": OCI_MANIFEST,
+                "size": len(manifest),
+                "digest": sha(manifest),
+                "annotations": {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": tag},
+            }
+        ],
+    }
+
+
+def holds_file(store: Store, digests: list[str]) -> str:
+    path = store.root.parent / "holds.json"
+    path.write_text(json.dumps(digests))
+    return str(path)
+
+
+@pytest.mark.parametrize("have", [0, 1, 2, 3])
+def test_oci_layout_holds_the_missing_tars_then_config_manifest_layout_and_index_last(store, have):
+    p = run(store, have, OCI)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert len(out) % BLOCK == 0 and out.endswith(b"\0" * (2 * BLOCK))
+    members = archive(out)
+    names = [n for n, _ in members]
+    manifest = members[-3][1]
+    assert names == [
+        *map(blob_name, store.diff_ids[have:]),
+        blob_name(store.image_id),
+        blob_name(sha(manifest)),
+        "oci-layout",
+        "index.json",
+    ]
+    assert [d for _, d in members[: 3 - have]] == store.tars[have:]
+    assert all(sha(data) == "sha256:" + name.rsplit("/", 1)[1] for name, data in members if name.startswith("blobs/"))
+    assert members[-4][1] == store.config
+    assert json.loads(manifest) == oci_manifest_of(store)
+    assert members[-2][1] == OCI_LAYOUT
+    assert json.loads(members[-1][1]) == oci_index_of(manifest, REF, "v7")
+    lines = stderr_lines(p)
+    progress = [PROGRESS_RE.match(line) for line in lines[:-1]]
+    assert progress and all(progress) and {int(m[2]) for m in progress} == {len(out)}, lines
+    assert json.loads(lines[-1]) == {"bytes_out": len(out), "layers_sent": 3 - have, "layers": 3}
+
+
+def test_oci_layout_never_reads_the_files_of_held_layers(store):
+    """The manifest names each held layer's size (from its tar-split record), never its bytes."""
+    change_content(store.layer_dir(0) / "etc" / "block")
+    change_content(store.layer_dir(1) / "opt" / "big.bin")
+    (store.layer_dir(1) / "opt" / "one").unlink()
+    p = run(store, 2, OCI)
+    assert p.returncode == 0, p.stderr
+    members = archive(p.stdout)
+    assert members[0] == (blob_name(store.diff_ids[2]), store.tars[2])
+    assert json.loads(members[-3][1]) == oci_manifest_of(store)
+
+
+def test_oci_layout_needs_the_tar_split_record_of_every_layer(overlay):
+    """A held layer's record gone: its size cannot be named, refused (docker save's format, which
+    names no size, still does without it)."""
+    (overlay.layerdb(1) / "tar-split.json.gz").unlink()
+    line = assert_refused(run(overlay, 2, OCI))
+    assert str(overlay.layerdb(1)) in line
+    assert_refused(run(overlay, 2, OCI, "--check"))
+    assert run(overlay, 2).returncode == 0
+
+
+@pytest.mark.parametrize(
+    "held, have, sent",
+    [(0, 3, 3), (1, 3, 2), (1, 2, 2), (2, 3, 1), (2, 1, 2), (3, 3, 0), (3, 2, 1), (3, 0, 3)],
+)
+def test_peer_holds_lowers_have_to_the_leading_layers_whose_blob_the_peer_holds(store, held, have, sent):
+    """The first ``held`` layers' blobs (a plain tar's is its diff ID) and, after a gap, the last
+    one's (not a chain: sent all the same), and blobs of no layer."""
+    digests = [*store.diff_ids[:held], *([store.diff_ids[2]] if held < 2 else []), store.image_id, sha(b"x")]
+    holds = holds_file(store, digests)
+    p = run(store, have, OCI, peer_holds=holds)
+    assert p.returncode == 0, p.stderr
+    members = archive(p.stdout)
+    sent_blobs = [(blob_name(d), t) for d, t in zip(store.diff_ids, store.tars, strict=True)][3 - sent :]
+    assert members[: sent + 1] == [*sent_blobs, (blob_name(store.image_id), store.config)]
+    assert json.loads(members[-3][1]) == oci_manifest_of(store)
+    assert json.loads(stderr_lines(p)[-1]) == {"bytes_out": len(p.stdout), "layers_sent": sent, "layers": 3}
+    check = run(store, have, OCI, "--check", peer_holds=holds)
+    assert check.returncode == 0, check.stderr
+    assert json.loads(check.stdout) == {"layers_sent": sent, "bytes": sum(map(len, store.tars[3 - sent :]))}
+
+
+def test_peer_holds_with_nothing_held_sends_every_layer(overlay):
+    holds = holds_file(overlay, [])
+    p = run(overlay, 3, OCI, peer_holds=holds)
+    assert p.returncode == 0, p.stderr
+    assert [d for _, d in archive(p.stdout)][:3] == overlay.tars
+    assert json.loads(run(overlay, 3, OCI, "--check", peer_holds=holds).stdout)["layers_sent"] == 3
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["null", "3", '"sha256:abc"', '{"sha256:abc": 1}', '[["sha256:abc"]]', "[1]", "[sha256:"],
+    ids=["null", "number", "string", "object", "nested list", "number in list", "not json"],
+)
+def test_a_peer_holds_file_that_is_no_list_of_digests_is_refused(overlay, content):
+    path = overlay.root.parent / "holds.json"
+    path.write_text(content)
+    line = assert_refused(run(overlay, 1, OCI, peer_holds=str(path)))
+    assert "holds.json" in line or "Expecting" in line
+
+
+@pytest.mark.parametrize("change", [change_content, truncate, remove])
+def test_a_changed_file_stops_the_oci_layout_before_its_config_manifest_and_index(store, change):
+    ok = run(store, 0, OCI)
+    assert ok.returncode == 0, ok.stderr
+    tail = [n for n, _ in archive(ok.stdout)][-4:]  # config, manifest, oci-layout, index.json
+    change(store.layer_dir(1) / "opt" / "big.bin")
+    p = run(store, 0, OCI)
+    assert p.returncode == 7, p.stderr
+    lines = stderr_lines(p)
+    assert lines[-1].startswith("error: ") and store.diff_ids[1] in lines[-1], lines
+    assert not any(line.startswith("{") for line in lines)
+    assert all(name.encode() not in p.stdout for name in tail)
+    assert b"index.json" not in p.stdout and store.config not in p.stdout
+    assert store.tars[0] in p.stdout
+
+
+@pytest.mark.parametrize(
+    "ref, name",
+    [
+        ("img:1", "docker.io/library/img:1"),
+        ("img", "docker.io/library/img:latest"),
+        ("team/app:v7", "docker.io/team/app:v7"),
+        ("team/app", "docker.io/team/app:latest"),
+        ("registry.local/team/app:v7", "registry.local/team/app:v7"),
+        ("localhost/app:1", "localhost/app:1"),
+        ("host:5000/app:2", "host:5000/app:2"),
+        ("host:5000/app", "host:5000/app:latest"),
+        ("docker.io/img:1", "docker.io/library/img:1"),
+        ("docker.io/team/app:v7", "docker.io/team/app:v7"),
+        ("index.docker.io/team/app:v7", "docker.io/team/app:v7"),
+        ("index.docker.io/img", "docker.io/library/img:latest"),
+        ("Reg/app:1", "Reg/app:1"),  # a first part in upper case is a registry's name
+    ],
+)
+def test_the_index_names_the_image_as_docker_normalises_the_ref(overlay, ref, name):
+    p = run(overlay, 3, OCI, ref=ref)
+    assert p.returncode == 0, p.stderr
+    members = archive(p.stdout)
+    assert [n for n, _ in members][-1] == "index.json"
+    assert json.loads(members[-1][1]) == oci_index_of(members[-3][1], name, name.rpartition(":")[2])

@@ -504,3 +504,111 @@ def test_a_blob_that_differs_stops_the_archive_before_its_manifest(img, case, i)
     assert all(blob in p.stdout for blob in img.blobs[:i])
     body_at = sum(BLOCK + -(-img.declared(j) // BLOCK) * BLOCK for j in range(i)) + BLOCK
     assert len(p.stdout) <= body_at + img.declared(i)
+
+
+# --- --format=oci: an OCI image layout for a peer on the containerd image store -----------------
+
+OCI_LAYOUT = b'{"imageLayoutVersion":"1.0.0"}'
+DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
+
+
+def blob_name(digest: str) -> str:
+    return "blobs/sha256/" + hexof(digest)
+
+
+def oci_index_of(manifest: bytes, media: str = MANIFEST) -> dict:
+    annotations = {"io.containerd.image.name": REF, "org.opencontainers.image.ref.name": "v7"}
+    return {"schemaVersion": 2, "mediaType": INDEX,
+            "manifests": [{"mediaType": media, "size": len(manifest), "digest": sha(manifest),
+                           "annotations": annotations}]}
+
+
+def holds_file(img: Image, digests: list[str]) -> str:
+    path = img.store.root.parent / "holds.json"
+    path.write_text(json.dumps(digests))
+    return str(path)
+
+
+@pytest.mark.parametrize("have", [0, 1, 2, 3, 4])
+def test_the_oci_layout_holds_the_missing_blobs_as_stored_and_the_source_manifest(img, have):
+    p = run(img, have, "--format=oci")
+    assert p.returncode == 0, p.stderr
+    assert len(p.stdout) % BLOCK == 0 and p.stdout.endswith(b"\0" * (2 * BLOCK))
+    members = archive(p.stdout)
+    assert [n for n, _ in members] == [*(blob_name(d["digest"]) for d in img.descs[have:]), blob_name(sha(img.config)),
+                                       blob_name(sha(img.manifest)), "oci-layout", "index.json"]
+    assert [d for _, d in members[:-4]] == img.blobs[have:]  # gzip stays gzip
+    assert [b[:2] == b"\x1f\x8b" for b in img.blobs] == [False, True, False, True]
+    assert members[-4][1] == img.config
+    assert members[-3][1] == img.manifest  # the source's bytes (indented), not a rewrite
+    assert members[-2][1] == OCI_LAYOUT
+    assert json.loads(members[-1][1]) == oci_index_of(img.manifest)
+    lines = p.stderr.decode().splitlines()
+    assert {int(PROGRESS_RE.match(line)[2]) for line in lines[:-1]} == {len(p.stdout)}
+    assert json.loads(lines[-1]) == {"bytes_out": len(p.stdout), "layers_sent": 4 - have, "layers": 4}
+
+
+@pytest.mark.parametrize("media", [DOCKER_MANIFEST, None], ids=["docker v2", "no media type"])
+def test_the_oci_index_names_the_manifest_s_own_media_type(img, media):
+    """A Docker schema 2 manifest is listed as one; a manifest naming none as an OCI one."""
+    doc = json.loads(img.manifest)
+    if media:
+        doc["mediaType"] = media
+    else:
+        del doc["mediaType"]
+    manifest = json.dumps(doc).encode()
+    img.target = img.store.put(manifest)
+    p = run(img, 4, "--format=oci")
+    assert p.returncode == 0, p.stderr
+    members = archive(p.stdout)
+    assert members[-3] == (blob_name(sha(manifest)), manifest)
+    assert json.loads(members[-1][1]) == oci_index_of(manifest, media or MANIFEST)
+
+
+@pytest.mark.parametrize("held, have", [(0, 4), (1, 4), (2, 3), (3, 4), (4, 4), (4, 2), (2, 1)])
+def test_peer_holds_lowers_have_to_the_leading_blobs_the_peer_holds(img, held, have):
+    """The peer holds the first ``held`` layers' blobs, the last one's after a gap (sent anyway),
+    and blobs of no layer; ``have`` is lowered to the run held, never raised."""
+    gap = [img.descs[3]["digest"]] if held < 3 else []
+    digests = [d["digest"] for d in img.descs[:held]] + [*gap, sha(img.config), img.target]
+    holds = holds_file(img, digests)
+    first = min(held, have)
+    p = run(img, have, "--format=oci", f"--peer-holds={holds}")
+    assert p.returncode == 0, p.stderr
+    members = archive(p.stdout)
+    assert [n for n, _ in members[:-4]] == [blob_name(d["digest"]) for d in img.descs[first:]]
+    assert [d for _, d in members[:-4]] == img.blobs[first:]
+    assert json.loads(p.stderr.decode().splitlines()[-1])["layers_sent"] == 4 - first
+    assert not {d["digest"] for d in img.descs[:first]} & set(img.store.gets())
+    check = run(img, have, "--format=oci", f"--peer-holds={holds}", "--check")
+    assert json.loads(check.stdout) == {"layers_sent": 4 - first, "bytes": sum(map(len, img.blobs[first:]))}
+
+
+def test_a_layer_the_peer_holds_only_as_its_plain_tar_is_sent_again_as_stored(img):
+    """Layer 1 is a gzip blob here; the peer holds its diff ID (the plain tar's blob), not the
+    gzip blob the manifest names: from layer 1 on everything is sent."""
+    assert img.descs[1]["digest"] != img.diff_ids[1]
+    holds = holds_file(img, [img.descs[0]["digest"], img.diff_ids[1], *(d["digest"] for d in img.descs[2:])])
+    p = run(img, 4, "--format=oci", f"--peer-holds={holds}")
+    assert p.returncode == 0, p.stderr
+    members = archive(p.stdout)
+    assert members[:-4] == [(blob_name(d["digest"]), b) for d, b in zip(img.descs[1:], img.blobs[1:], strict=True)]
+    assert members[-3][1] == img.manifest
+    assert json.loads(p.stderr.decode().splitlines()[-1])["layers_sent"] == 3
+    check = run(img, 4, "--format=oci", f"--peer-holds={holds}", "--check")
+    assert json.loads(check.stdout) == {"layers_sent": 3, "bytes": sum(map(len, img.blobs[1:]))}
+
+
+@pytest.mark.parametrize("i", [1, 2], ids=["gzip", "plain"])
+@pytest.mark.parametrize("case", ["corrupt", "truncated", "ctr dies midway"])
+def test_a_blob_that_differs_stops_the_oci_layout_before_its_index(img, case, i):
+    change(img, i, case)
+    p = run(img, 0, "--format=oci")
+    assert p.returncode == 7, p.stderr
+    lines = p.stderr.decode().splitlines()
+    assert lines[-1].startswith("error: ") and img.diff_ids[i] in lines[-1], lines
+    assert not any(line.startswith("{") for line in lines)
+    for name in (b"index.json", b"oci-layout", hexof(sha(img.config)).encode(), hexof(sha(img.manifest)).encode()):
+        assert name not in p.stdout
+    assert img.config not in p.stdout and img.manifest not in p.stdout
+    assert all(blob in p.stdout for blob in img.blobs[:i])

@@ -342,17 +342,22 @@ def oci_manifest(config, cfg_digest, layers):
 
 
 def full_name(ref):
-    """The name containerd's image store gives ``ref`` (Docker's normalisation: a name without
-    a registry is Docker Hub's, a one-part name is under ``library/``)."""
+    """The name containerd's image store gives ``ref``: Docker's normalisation (distribution's
+    ``splitDockerDomain``): a first part without ``.`` or ``:``, not ``localhost`` and lower case
+    is no registry, so the name is Docker Hub's; ``index.docker.io`` is ``docker.io``; a one-part
+    name on Docker Hub is under ``library/``."""
     name, _, tag = ref.rpartition(":")
     if "/" in tag or not name:
         name, tag = ref, "latest"
-    first = name.split("/", 1)[0]
-    if "/" not in name:
-        name = "docker.io/library/" + name
-    elif not ("." in first or ":" in first or first == "localhost"):
-        name = "docker.io/" + name
-    return name + ":" + tag
+    domain, slash, rest = name.partition("/")
+    if not slash or not ("." in domain or ":" in domain or domain == "localhost"
+                         or domain.lower() != domain):
+        domain, rest = "docker.io", name
+    if domain == "index.docker.io":
+        domain = "docker.io"
+    if domain == "docker.io" and "/" not in rest:
+        rest = "library/" + rest
+    return f"{domain}/{rest}:{tag}"
 
 
 def header(name, size):
@@ -424,6 +429,17 @@ def parse(argv):
     return p.parse_args(argv)
 
 
+def read_holds(path):
+    """The blobs in the peer's content store (``--peer-holds``), or None when not given."""
+    if not path:
+        return None
+    with open(path, encoding="utf-8") as f:
+        holds = json.load(f)
+    if not isinstance(holds, list) or not all(isinstance(x, str) for x in holds):
+        raise Unreadable(f"{path}: not a list of blob digests")
+    return set(holds)
+
+
 def plan(a):
     """(config digest, config bytes, layers, manifest bytes (oci), layers to send): every check
     before a byte is written."""
@@ -438,10 +454,7 @@ def plan(a):
         raise Unreadable(f"{a.layers_file}: not a list of diff IDs")
     if not 0 <= a.have <= len(layers):
         raise Unreadable(f"--have {a.have} is not between 0 and {len(layers)}")
-    holds = None
-    if a.peer_holds:
-        with open(a.peer_holds, encoding="utf-8") as f:
-            holds = set(json.load(f))
+    holds = read_holds(a.peer_holds)
     if a.driver == CONTAINERD:
         cfg_digest, config, raw, have, send = content_plan(a, layers, holds)
         return cfg_digest, config, layers, raw if a.format == "oci" else None, send
