@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from sparkdeploy.deployment import load
-from sparkdeploy.lab import dockerd, layout, lifecycle
+from sparkdeploy.lab import layout, lifecycle
 from sparkdeploy.nodeops import docker, inspect_image, listed_tags
 from sparkdeploy.results import Status
 from sparkdeploy.steps import ship
@@ -114,7 +114,7 @@ def unpacking(dep, flavor: str) -> list[str]:
     """What the peer's load left half-done: a classic load's ``docker-import-*`` unpack dirs in
     Docker's tmp; a containerd import's ingests in containerd's content store."""
     if flavor.endswith("containerd"):
-        root = dockerd.flavor_dir(PEER, "containerd") / "containerd" / "root"
+        root = layout.node_dir(PEER) / layout.PRIVATE_MOUNTS[layout.CONTAINERD_ROOT]
         ingest = root / "io.containerd.content.v1.content" / "ingest"
         return [p.name for p in ingest.iterdir()] if ingest.exists() else []
     root = dep.host(PEER).run(docker(dep.host(PEER), "info", "--format", "{{.DockerRootDir}}"))

@@ -612,3 +612,47 @@ def test_a_blob_that_differs_stops_the_oci_layout_before_its_index(img, case, i)
         assert name not in p.stdout
     assert img.config not in p.stdout and img.manifest not in p.stdout
     assert all(blob in p.stdout for blob in img.blobs[:i])
+
+
+# --- blobs read from the content store's own files -----------------------------------------
+
+
+def test_blobs_are_read_from_the_content_roots_files_when_it_has_them(img):
+    """Where containerd keeps its content (``--content-root``; by default its two usual homes)
+    the blobs are read from their files: the same archive, and no ``ctr content get`` at all
+    (ctr streams about 80 MB/s); which blobs the namespace holds still comes from ``ctr``."""
+    through_ctr = run(img, 1)
+    (img.store.root / "gets.log").unlink()
+    direct = run(img, 1, content_root=str(img.store.root))
+    assert direct.returncode == 0, direct.stderr
+    assert direct.stdout == through_ctr.stdout
+    assert img.store.gets() == []
+
+
+def test_a_file_under_the_content_root_is_checked_like_ctrs_bytes(img):
+    path = img.store.path(img.descs[2]["digest"])
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    p = run(img, 1, content_root=str(img.store.root))
+    assert p.returncode == 7
+    assert f"layer {img.diff_ids[2]}: blob {img.descs[2]['digest']} read back as" in p.stderr.decode()
+    assert b"index.json" not in p.stdout and b"manifest.json" not in p.stdout
+
+
+def test_a_file_the_namespace_does_not_hold_is_not_sent(img):
+    """A blob file on disk that ``moby`` does not hold (another namespace's) is not this
+    image's: refused before any byte, as through ctr."""
+    img.store.hold(img.descs[3]["digest"], held=False)
+    p = run(img, 1, content_root=str(img.store.root))
+    assert p.returncode == 6 and p.stdout == b""
+    assert f"blob {img.descs[3]['digest']} is not in the content store" in p.stderr.decode()
+
+
+def test_a_blob_missing_under_the_root_comes_through_ctr(img, tmp_path):
+    """Another root (an empty one here) holds none of the blobs: each comes through ctr."""
+    empty = tmp_path / "elsewhere"
+    (empty / "io.containerd.content.v1.content" / "blobs" / "sha256").mkdir(parents=True)
+    p = run(img, 3, content_root=str(empty))
+    assert p.returncode == 0, p.stderr
+    assert img.descs[3]["digest"] in img.store.gets()

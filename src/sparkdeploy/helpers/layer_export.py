@@ -68,6 +68,9 @@ LAYER_TYPES = {
 }
 """Layer blobs `docker load` unpacks (it finds the compression from the bytes)."""
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+CONTENT_ROOTS = ("/var/lib/containerd", "/var/lib/docker/containerd/daemon")
+"""Where containerd keeps its content by default: the system containerd Docker's packages run
+with, and the one dockerd starts itself when none is given."""
 
 
 class Unreadable(Exception):
@@ -180,25 +183,40 @@ class Layer:
 
 
 class Ctr:
-    """containerd's content store, read with ``ctr`` through the daemon's socket."""
+    """containerd's content store: which blobs a namespace holds, from ``ctr`` through the
+    daemon's socket; a blob's bytes from its file under the content store's root when this node
+    keeps them where containerd does by default (streaming them through ctr is slow: about 80
+    MB/s measured on the lab), else through ctr. Either way checked against the digest."""
 
-    def __init__(self, ctr, address, namespace):
+    def __init__(self, ctr, address, namespace, roots=CONTENT_ROOTS):
         path = address[len("unix://"):] if address.startswith("unix://") else address
         if path.startswith("/") and not os.path.exists(path):
             # ctr would wait for it (10 s) before saying so
             raise Unreadable(f"no containerd socket at {path}")
         self.base = [ctr, "--address=" + address, "--namespace=" + namespace, "content"]
+        self.blobs = [os.path.join(r, "io.containerd.content.v1.content", "blobs", "sha256")
+                      for r in roots]
 
     def argv(self, *args):
         return [*self.base, *args]
 
+    def path(self, digest):
+        """The blob's file, where a content store root here has it (digest checked by the
+        caller: a sha256 names one content whichever store keeps it)."""
+        for d in self.blobs:
+            p = os.path.join(d, digest.split(":", 1)[1])
+            if os.path.isfile(p):
+                return p
+        return None
+
     def digests(self):
-        """Every blob the content store holds."""
+        """Every blob the content store holds in this namespace."""
         return set(self.run("ls", "--quiet").decode("utf-8", "replace").split())
 
     def get(self, digest, what):
         """A small blob (an index, a manifest, a config), checked against its digest."""
-        data = self.run("get", digest)
+        p = self.path(digest)
+        data = read_small(p, what) if p else self.run("get", digest)
         if "sha256:" + hashlib.sha256(data).hexdigest() != digest:
             raise Unreadable(f"{what} {digest} read back as another digest")
         return data
@@ -227,14 +245,19 @@ class Blob:
     def chunks(self):
         """The blob's bytes; raises Differs when they are not its digest and size."""
         h, n = hashlib.sha256(), 0
+        path, p = self.ctr.path(self.digest), None
         try:
-            p = subprocess.Popen(self.ctr.argv("get", self.digest), stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            if path:
+                stream = open(path, "rb")
+            else:
+                p = subprocess.Popen(self.ctr.argv("get", self.digest), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                stream = p.stdout
         except OSError as e:
-            raise Differs(f"layer {self.diff_id}: cannot run ctr: {e}") from None
+            raise Differs(f"layer {self.diff_id}: cannot read blob {self.digest}: {e}") from None
         try:
             while n <= self.size:
-                data = p.stdout.read(CHUNK)
+                data = stream.read(CHUNK)
                 if not data:
                     break
                 n += len(data)
@@ -242,8 +265,8 @@ class Blob:
                 if n <= self.size:
                     yield data
         finally:
-            p.stdout.close()
-            if p.wait() and n == self.size:
+            stream.close()
+            if p is not None and p.wait() and n == self.size:
                 n = -1
         if n != self.size or "sha256:" + h.hexdigest() != self.digest:
             raise Differs(f"layer {self.diff_id}: blob {self.digest} read back as "
@@ -306,7 +329,7 @@ def held_run(digests, have, holds):
 def content_plan(a, layers, holds):
     """(config digest, config bytes, manifest bytes, layers the peer holds, Blobs to send)
     from containerd's content store."""
-    ctr = Ctr(a.ctr, a.containerd, a.namespace)
+    ctr = Ctr(a.ctr, a.containerd, a.namespace, [a.content_root] if a.content_root else CONTENT_ROOTS)
     held = ctr.digests()
     manifest, raw, config = find_manifest(ctr, a.image_id, layers, held)
     descs = manifest.get("layers")
@@ -411,6 +434,8 @@ def parse(argv):
                    help="containerd's socket (with --driver containerd)")
     p.add_argument("--namespace", default="moby", help="Docker's containerd namespace")
     p.add_argument("--ctr", default="ctr", help="containerd's client")
+    p.add_argument("--content-root", default="",
+                   help="containerd's root, if not where it is by default (blobs read from it)")
     p.add_argument("--image-id", required=True,
                    help="the image's ID: its config digest (classic), its target (containerd)")
     p.add_argument("--ref", required=True, help="the repo:tag the peer's load gives the image")

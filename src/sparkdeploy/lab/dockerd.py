@@ -106,14 +106,13 @@ def containerd_argv(node: str, mntns: Path, netns: Path, flavor: str) -> list[st
 
 def start_containerd(node: str, mntns: Path, netns: Path, flavor: str) -> dict:
     d = flavor_dir(node, flavor) / "containerd"
-    (d / "root").mkdir(parents=True, exist_ok=True)
     (d / "state").mkdir(parents=True, exist_ok=True)
     # the node's own /run/containerd (a private mount), seen from here
     sock = (layout.node_dir(node) / layout.PRIVATE_MOUNTS[layout.CONTAINERD_RUN_DIR]
             / "containerd.sock")
     (d / "config.toml").write_text(
         "version = 2\n"
-        f'root = "{d / "root"}"\n'
+        f'root = "{layout.CONTAINERD_ROOT}"\n'
         f'state = "{d / "state"}"\n'
         'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
         "[grpc]\n"

@@ -35,6 +35,8 @@ ROOT_SSH_DIR = "/root/.ssh"
 CONTAINERD_RUN_DIR = "/run/containerd"
 """The containerd flavour's containerd listens in it, where Docker's and Debian's docker.service
 tell dockerd to find it (``--containerd=/run/containerd/containerd.sock``)."""
+CONTAINERD_ROOT = "/var/lib/containerd"
+"""... and keeps its content and snapshots in it, as a node's system containerd does."""
 PRIVATE_MOUNTS: dict[str, str] = {  # parents before children: /root before /root/.ssh
     MODEL_DIR: "models",
     UNIT_DIR: "systemd-system",
@@ -43,6 +45,7 @@ PRIVATE_MOUNTS: dict[str, str] = {  # parents before children: /root before /roo
     ROOT_HOME: "home",
     ROOT_SSH_DIR: "ssh",
     CONTAINERD_RUN_DIR: "containerd-run",
+    CONTAINERD_ROOT: "containerd-root",
 }
 
 NODE_PATH = f"{STANDIN_DIR}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
