@@ -211,6 +211,7 @@ class Engine:
         self.fs: Path | None = None  # the node's file system (a tmp directory, set by `make`)
         self.written: set[str] = set()  # chain IDs and configs already in the layer store
         self.loaded_blobs: dict[str, bytes] = {}  # blobs an OCI load added to the content store
+        self.unlabelled: set[str] = set()  # blobs ctr content ls shows without labels
         self.lock = threading.Lock()
 
     def has_chain(self, chain: list[str]) -> bool:
@@ -355,6 +356,8 @@ class Engine:
                 tar = gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
                 label = (f"containerd.io/uncompressed={tsf.sha(tar)}"
                          if tsf.sha(tar) in DIFF else "containerd.io/gc.ref.content.l.0=sha256:00")
+                if digest in self.unlabelled:
+                    label = ""  # an import whose layer was unpacked already labels nothing
             except OSError:
                 label = "-"
             lines.append(f"{digest}\t{len(data) / 1000:.2f}kB\t2 minutes\t{label}")
@@ -849,6 +852,18 @@ def test_a_layer_the_containerd_peer_holds_under_another_blob_is_sent_again(make
     assert res.details["layers_skipped"] == 2 and "2/4 layers already there" in res.why, res.why
     assert peer.loaded == ["blobs/sha256/" + d.split(":")[1] for d in DIFF[2:4]]
     assert peer.images["four:1"]["RootFS"]["Layers"] == DIFF[:4]
+
+
+def test_a_plain_blob_without_a_label_counts_as_held(make):
+    """containerd labels a blob with the diff ID it unpacks to only when it unpacked it: a plain
+    tar imported for a layer already unpacked from another blob has no label, and its digest
+    (its diff ID) says what it is."""
+    peer = Engine([BASE_IMG], containerd=True)
+    peer.unlabelled = set(DIFF[:2])
+    dep, ctx = make(peer)
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.details["layers_skipped"] == 2 and res.details["mode"] == "partial", res.why
+    assert peer.loaded == ["blobs/sha256/" + DIFF[2].split(":")[1]]
 
 
 def test_containerd_to_containerd_sends_only_the_blob_the_peer_lacks(make):

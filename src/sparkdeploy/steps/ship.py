@@ -136,7 +136,8 @@ def daemon_facts(host: Host, layers: bool = True) -> DockerDaemon:
 def peer_facts(host: Host, layers: list[str]) -> DockerDaemon:
     """``daemon_facts`` and, on the containerd store, which of the image's layers its content
     store holds: ``ctr content ls``, whose ``containerd.io/uncompressed`` label names the diff ID
-    a blob unpacks to (under ``sudo`` where the node needs it for containerd's socket)."""
+    a blob unpacks to, and where a blob's digest is a diff ID, a plain tar of it (under ``sudo``
+    where the node needs it for containerd's socket)."""
     facts = daemon_facts(host)
     if not facts.containerd_store:
         return facts
@@ -150,6 +151,10 @@ def peer_facts(host: Host, layers: list[str]) -> DockerDaemon:
     want, blobs = set(layers), set()
     for line in r.stdout.splitlines()[1:]:
         words = line.split()
+        if words and words[0] in want:
+            # a plain tar's digest is its diff ID; such a blob is not always labelled (an import
+            # whose layer was unpacked already, from another blob, adds none)
+            blobs.add(words[0])
         for label in (words[-1].split(",") if len(words) > 1 else []):
             key, _, value = label.partition("=")
             if key == "containerd.io/uncompressed" and value in want:
