@@ -455,6 +455,7 @@ class Ctx(FakeContext):
         self._set("compressed", [])  # whether each pipeline compressed the archive
         self._set("masters", [])  # (source, peer) of each master connection opened
         self._set("through_master", [])  # whether each pipeline's ssh went through one
+        self._set("checked", [])  # the staged files each pipeline checks before it runs
 
     def answer(self, alias, argv, stdin, command, kw):
         e = self.engines[alias]
@@ -555,6 +556,7 @@ class Ctx(FakeContext):
             src.unreachable = True
             return 255, f"ssh: connect to host {alias} port 22: No route to host"
         checks, _, body = script.rpartition("set -o pipefail; ")
+        self.checked.append(re.findall(r"printf '[0-9a-f]{64}  (\S+)\\n' \| sha256sum", checks))
         if changed := checks_pass(src, checks):
             return changed
         lex = shlex.shlex(body, posix=True, punctuation_chars="|")
@@ -837,6 +839,40 @@ def test_a_containerd_peer_gets_an_oci_layout_of_the_blobs_it_lacks(make):
     assert peer.loaded == ["blobs/sha256/" + DIFF[2].split(":")[1]]
     assert peer.images["img:1"]["RootFS"]["Layers"] == DIFF[:3]
     assert ctx.haves == [] and ctx.filters == []
+    # the list is checked before the helper runs, like the helper and the layer list
+    assert ctx.checked == [[EXPORT, LAYERS_JSON, holds]]
+
+
+def test_only_the_images_own_layers_blobs_travel_in_the_peer_list(make):
+    """A content store holds many blobs; the list staged on the source (in argv, so it must
+    stay small) names only those of this image's layers."""
+    peer = Engine([BASE_IMG, image([DIFF[3]], "three:1")], containerd=True)
+    dep, ctx = make(peer)
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.details["layers_skipped"] == 2, res.why
+    holds = staged_path("peer-blobs.json", json.dumps(DIFF[:2]).encode())
+    assert f"--peer-holds={holds}" in ctx.exports[0]
+
+
+def test_a_containerd_peer_holding_every_layer_under_another_blob_gets_it_whole(make, monkeypatch):
+    """The peer pulled the base gzip; the classic source's are plain tars: nothing it holds can
+    be named, so every layer is sent, and the result says why."""
+    monkeypatch.setitem(globals(), "GZIP_LAYERS", {DIFF[0], DIFF[2]})
+    peer = Engine([BASE_IMG], containerd=True)
+    dep, ctx = make(peer)
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.details["mode"] == "full" and res.details["layers_skipped"] == 0, res.why
+    assert "full (spark2 holds none of its blobs)" in res.why
+    assert peer.loaded == ["blobs/sha256/" + d.split(":")[1] for d in DIFF[:3]]
+
+
+def test_a_source_the_helper_cannot_read_sends_a_containerd_peer_the_whole_save(make):
+    """docker save's partial archive is refused by a containerd-store peer: not tried."""
+    peer = Engine([BASE_IMG], containerd=True)
+    dep, ctx = make(peer, source=Engine([IMG, BASE_IMG], driver="btrfs"))
+    [res] = ship.ship(dep, "spark2", "img:1")
+    assert res.status is Status.CHANGED and res.details["via"] == "full", res.why
+    assert ctx.haves == [] and len(ctx.pipelines) == 1 and "refused" not in res.why
 
 
 def test_a_layer_the_containerd_peer_holds_under_another_blob_is_sent_again(make):
