@@ -8,8 +8,8 @@ archive comes from one of three places, the first that serves:
 1. the source's store (``helpers/layer_export.py``): on a classic-store source, the missing
    layers' tars are rebuilt from Docker's own record of them (tar-split + the layer directory);
    on a containerd-store source, the missing layers' blobs are read from containerd's content
-   store as they are kept there (``ctr content get``). Either way the time follows the missing
-   bytes, not the image;
+   store as they are kept there (their files, or ``ctr content get``). Either way the time
+   follows the missing bytes, not the image;
 2. ``docker save IMAGE | save_filter.py``: the whole image read, the layers the peer has dropped
    from the stream (a store the helper cannot read: another storage driver, no ``ctr``, no
    access);
@@ -141,10 +141,9 @@ def peer_facts(host: Host, layers: list[str]) -> DockerDaemon:
     facts = daemon_facts(host)
     if not facts.containerd_store:
         return facts
-    argv = ["ctr", f"--address={facts.containerd_address}",
-            f"--namespace={facts.containerd_namespace}", "content", "ls"]
-    r = host.run(["sudo", "-n", "--", *argv] if host.node.privilege == "sudo" else argv,
-                 change=False)
+    r = host.run(["ctr", f"--address={facts.containerd_address}",
+                  f"--namespace={facts.containerd_namespace}", "content", "ls"],
+                 change=False, sudo=True)
     if not r.ok:
         facts.blobs_why = r.one_line_error()
         return facts
