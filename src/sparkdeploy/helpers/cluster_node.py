@@ -115,7 +115,7 @@ def judge_docker(info: dict) -> dict:
 
 def docker(env: dict) -> dict:
     sock, source = docker_socket(env)
-    base = {"socket": sock, "socket_from": source, "version": None, "driver": None,
+    base: dict[str, object] = {"socket": sock, "socket_from": source, "version": None, "driver": None,
             "store": None, "runtimes": [], "default_runtime": None, "nvidia_runtime": False,
             "why": ""}
     if not shutil.which("docker"):

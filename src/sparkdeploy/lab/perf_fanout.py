@@ -132,7 +132,7 @@ def image_round(dep: Deployment, image_id: str) -> float:
     res = ship.ship(dep, "all", IMAGE)
     took = time.monotonic() - t0
     _must(res, "image.ship")
-    sent = sorted(r.node for r in res if r.status.value == "changed")
+    sent = sorted(r.node or "" for r in res if r.status.value == "changed")
     if sent != sorted(workers):
         raise SystemExit(f"image.ship changed {sent}, not every worker: the round does not "
                          f"count ({'; '.join(r.why for r in res)})")

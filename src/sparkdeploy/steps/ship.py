@@ -125,8 +125,10 @@ def daemon_facts(host: Host, layers: bool = True) -> DockerDaemon:
     info = json.loads(r.stdout)
     status = info.get("DriverStatus") or []
     containerd = any(CONTAINERD in str(v) for pair in status for v in pair)
-    ctd = info.get("Containerd") if isinstance(info.get("Containerd"), dict) else {}
-    spaces = ctd.get("Namespaces") if isinstance(ctd.get("Namespaces"), dict) else {}
+    got = info.get("Containerd")
+    ctd = got if isinstance(got, dict) else {}
+    got = ctd.get("Namespaces")
+    spaces = got if isinstance(got, dict) else {}
     return DockerDaemon(containerd, info.get("DockerRootDir") or "/var/lib/docker",
                         str(info.get("Driver") or ""), chains,
                         str(ctd.get("Address") or CONTAINERD_SOCKET),
