@@ -117,6 +117,14 @@ def test_a_daemon_of_ours_that_died_leaves_no_zombie_once_stopped(tmp_path):
     assert not Path(f"/proc/{rec['pid']}").exists()
 
 
+def test_a_running_daemon_of_ours_stopped_leaves_no_zombie(tmp_path):
+    # sleep dies at once on SIGTERM: between two polls it is a zombie, reaped before stop ends
+    for i in range(5):
+        rec = proc.spawn(["sleep", "60"], tmp_path / f"s{i}.log")
+        assert proc.stop(rec) is True
+        assert not Path(f"/proc/{rec['pid']}").exists()
+
+
 def test_our_children_killed_by_pid_leave_no_zombie(tmp_path):
     recs = [proc.spawn(["sleep", "60"], tmp_path / f"s{i}.log") for i in range(2)]
     assert sorted(proc.kill_pids([r["pid"] for r in recs])) == sorted(r["pid"] for r in recs)

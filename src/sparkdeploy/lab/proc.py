@@ -156,8 +156,10 @@ def stop(rec: dict | None, timeout: float = 15) -> bool:
     pid = int(rec["pid"])
 
     def gone() -> bool:
-        reap_exited()
-        return not alive(rec)
+        if alive(rec):
+            return False
+        reap_exited()  # it may have died since the last poll: reap the zombie it left
+        return True
 
     _signal(pid, signal.SIGTERM)
     if _quietly(gone, timeout, 0.1):
