@@ -82,9 +82,9 @@ def bench(session: nox.Session) -> None:
 @nox.session(default=False)
 def perf(session: nox.Session) -> None:
     """Speed/accuracy figures as `name: value` lines; `-- NAME ...` runs only those
-    (registry: src/sparkdeploy/lab/perf.py)."""
+    (registry: src/sparkdeploy/perf/__main__.py)."""
     session.install("-e", ".[bench]")
-    session.run("python", "-m", "sparkdeploy.lab.perf", *session.posargs)
+    session.run("python", "-m", "sparkdeploy.perf", *session.posargs)
 
 
 @nox.session(default=False)
