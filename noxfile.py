@@ -82,16 +82,16 @@ def bench(session: nox.Session) -> None:
 @nox.session(default=False)
 def perf(session: nox.Session) -> None:
     """Speed/accuracy figures as `name: value` lines; `-- NAME ...` runs only those
-    (registry: src/sparkdeploy/lab/perf.py)."""
+    (registry: src/sparkdeploy/perf/__main__.py)."""
     session.install("-e", ".[bench]")
-    session.run("python", "-m", "sparkdeploy.lab.perf", *session.posargs)
+    session.run("python", "-m", "sparkdeploy.perf", *session.posargs)
 
 
 @nox.session(default=False)
 def mutants(session: nox.Session) -> None:
-    """Mutation testing (mutmut, settings in pyproject.toml) of the decision code: steps/ship.py,
-    helpers/save_filter.py, config.py, bench/metrics.py against their unit tests; then the
-    survivors. Slow: two workers (`MUTMUT_CHILDREN=N` for more); `-- NAME...` reruns mutants."""
+    """Mutation testing (mutmut) of the decision code: the files and unit tests that pyproject.toml's
+    [tool.mutmut] lists (the one list); then the survivors. Slow: two workers
+    (`MUTMUT_CHILDREN=N` for more); `-- NAME...` reruns mutants."""
     import os
 
     session.install("-e", ".[dev]", "mutmut==3.8.1")

@@ -1,6 +1,6 @@
 """The load generator: worker threads, one persistent HTTP/1.1 connection each.
 
-Why this shape (measured on a 2-core machine, see docs/bench-figures.md): each worker owns an
+Why this shape (measured on a 2-core machine, see docs/notes/bench-figures.md): each worker owns an
 ``http.client`` connection that it opens before the clock starts and reuses for every request
 (a pool sized to the concurrency, no connection set-up inside a measurement). While a stream is
 read, the only work per chunk is ``read1`` (which returns one HTTP chunk = one SSE event as soon

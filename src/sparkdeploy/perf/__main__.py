@@ -1,4 +1,4 @@
-"""``python -m sparkdeploy.lab.perf [NAME ...]``: speed and accuracy figures as ``name.key: value``.
+"""``python -m sparkdeploy.perf [NAME ...]``: speed and accuracy figures as ``name.key: value``.
 
 Each benchmark is a function returning ``{key: number}``; register it in ``BENCHMARKS`` as
 ``"name": "module:function"`` (imported only when run). With no names, all run in order.
@@ -11,13 +11,13 @@ import importlib
 import sys
 
 BENCHMARKS: dict[str, str] = {
-    "bench": "sparkdeploy.lab.perf_bench:run",
-    "ship": "sparkdeploy.lab.perf_ship:run",
-    "model": "sparkdeploy.lab.perf_model:run",
-    "deploy": "sparkdeploy.lab.perf_deploy:run",
-    "diagnose": "sparkdeploy.lab.perf_diagnose:run",
-    "watchdog": "sparkdeploy.lab.perf_watchdog:run",
-    "fanout": "sparkdeploy.lab.perf_fanout:run",
+    "bench": "sparkdeploy.perf.bench:run",
+    "ship": "sparkdeploy.perf.ship:run",
+    "model": "sparkdeploy.perf.model:run",
+    "deploy": "sparkdeploy.perf.deploy:run",
+    "diagnose": "sparkdeploy.perf.diagnose:run",
+    "watchdog": "sparkdeploy.perf.watchdog:run",
+    "fanout": "sparkdeploy.perf.fanout:run",
 }
 
 
