@@ -335,7 +335,7 @@ def test_a_failed_helper_says_its_last_error_line_not_its_progress():
 @pytest.mark.parametrize("printed", ["", "not json", '{"ip": "10.0.0.1"}', '[{"ip": 5}]',
                                      '[{"ip": "10.0.0.1", "gpus": "NaN"}]'])
 def test_a_ray_probe_answer_that_does_not_fit_lists_no_node(printed):
-    from sparkdeploy.steps import serve
+    from sparkdeploy.ops import serve
 
     assert serve.ray_nodes(f"noise\n{printed}", "spark1") == []
     [n] = serve.ray_nodes('[{"ip": "10.0.0.1", "gpus": 1, "x": 2}]', "spark1")
@@ -351,7 +351,7 @@ def test_a_ray_probe_answer_that_does_not_fit_lists_no_node(printed):
 ])
 def test_node_facts_that_do_not_fit_are_one_line(printed, why):
     from sparkdeploy.outside import last_line
-    from sparkdeploy.steps.serve_preflight import FactsAnswer
+    from sparkdeploy.ops.serve_preflight import FactsAnswer
 
     with pytest.raises(OutsideError) as e:
         last_line(FactsAnswer, printed, "spark1: serve_node.py facts")

@@ -111,7 +111,7 @@ def image_id(dep: Deployment, ref: str | None, node: str | None = None) -> str |
 def unit_states(dep: Deployment, node: str) -> dict[str, str] | None:
     """{unit: active state} of the units the profile stops on ``node`` (None: unreachable or
     systemctl failed)."""
-    from sparkdeploy.steps.services import probe_units
+    from sparkdeploy.ops.units import probe_units
 
     units = dep.profile.services.stop.get(node) or []
 

@@ -20,9 +20,9 @@ from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import Launch, NodeFacts
 from sparkdeploy.hosts import Host, HostError
 from sparkdeploy.nodeops import NodeUnreachable, inspect_image, run_helper
+from sparkdeploy.ops import Ctx
+from sparkdeploy.ops.units import gpu_processes
 from sparkdeploy.results import Result
-from sparkdeploy.steps.registry import StepContext
-from sparkdeploy.steps.services import gpu_processes
 
 PART = "preflight"
 HELPER = "serve_node.py"
@@ -30,7 +30,7 @@ HELPER = "serve_node.py"
 
 @dataclass
 class Preflight:
-    ctx: StepContext
+    ctx: Ctx
     """The step the preflight is part of: each problem is one of its failed results."""
     facts: dict[str, NodeFacts] = field(default_factory=dict)
     ship_to: list[str] = field(default_factory=list)
@@ -199,7 +199,7 @@ def _check_images(dep: Deployment, ref: str, hosts: list[Host], pf: Preflight) -
     pf.ship_to = [n for n, i in ids.items() if i is None]
 
 
-def check(ctx: StepContext, engine: Engine, lau: Launch) -> Preflight:
+def check(ctx: Ctx, engine: Engine, lau: Launch) -> Preflight:
     """Check every node the launch uses, reporting as part of ``ctx``'s step; nothing is
     changed on any node."""
     dep = ctx.dep
