@@ -113,7 +113,7 @@ def node_facts(dep: Deployment, host: Host, ports: list[int], peers: list[str]) 
 def _check_verified(dep: Deployment, host: Host, meta: dict[str, Any], pf: Preflight) -> None:
     """Every file of the model verified on the node, by ``model.verify``'s records (quick: no
     hashing here; a file changed since it was verified counts as not verified)."""
-    from sparkdeploy.steps import model, model_verify
+    from sparkdeploy.ops import model
 
     try:
         state = model.node_state(pf.ctx, host, model.stage_for(host, meta), quick=True)
@@ -123,7 +123,7 @@ def _check_verified(dep: Deployment, host: Host, meta: dict[str, Any], pf: Prefl
     bad = state["missing"] + list(state["differ"])
     if bad:
         pf.fail(host.name, f"weights not verified in {dep.profile.model.path}: "
-                f"{model_verify.describe_bad(state)} (model.verify, model.sync)")
+                f"{model.describe_bad(state)} (model.verify, model.sync)")
     elif state["unchecked"]:
         pf.fail(host.name, f"weights not verified in {dep.profile.model.path}: "
                 f"{len(state['unchecked'])} file(s) never verified (model.verify --node {host.name})")
@@ -132,7 +132,7 @@ def _check_verified(dep: Deployment, host: Host, meta: dict[str, Any], pf: Prefl
 def model_metadata(dep: Deployment) -> tuple[dict[str, Any] | None, str]:
     """The model's file list as ``model.download`` cached it (the hub when nothing is cached);
     (None, why) when neither answers: then the weights are checked for presence only."""
-    from sparkdeploy.steps import model
+    from sparkdeploy.ops import model
 
     try:
         meta, _ = model.metadata(dep, refresh=False)
