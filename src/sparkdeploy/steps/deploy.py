@@ -29,6 +29,7 @@ from sparkdeploy.endpoint import url as endpoint_url
 from sparkdeploy.fingerprint import flat
 from sparkdeploy.hosts import CmdResult, Host
 from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image, tagged
+from sparkdeploy.ops.image import chosen, decision
 from sparkdeploy.records import (
     DeployRun,
     RunEngine,
@@ -41,7 +42,6 @@ from sparkdeploy.records import (
 )
 from sparkdeploy.results import Result
 from sparkdeploy.runner import Outcome, PlanStep, StepRun
-from sparkdeploy.steps.images import decision
 from sparkdeploy.steps.registry import StepContext, step
 
 PURGE = "deploy.purge"
@@ -63,11 +63,6 @@ def _section(dep: Deployment, *keys: str) -> dict[str, Any]:
     data = dep.profile.model_dump(mode="json")
     return flat({k: data.get(k) for k in keys})
 
-
-def chosen(dep: Deployment) -> dict[str, Any]:
-    """The image ``image.probe`` chose ({} before it has chosen one)."""
-    rec = decision(dep)
-    return rec.chosen.model_dump() if rec and rec.chosen else {}
 
 
 # --- the node facts they read (``dep.facts``: once per node per run) ----------------------------
