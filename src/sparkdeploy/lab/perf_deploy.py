@@ -23,12 +23,13 @@ import sys
 import time
 from pathlib import Path
 
+from sparkdeploy import plan as plans
 from sparkdeploy.deployment import DEFAULTS, Deployment, load
 from sparkdeploy.events import PlainRenderer
 from sparkdeploy.lab import hub, layout
+from sparkdeploy.plan import Outcome
 from sparkdeploy.records import PlanMemory
-from sparkdeploy.runner import Outcome, Runner, longest_chain
-from sparkdeploy.steps import deploy as plans
+from sparkdeploy.runner import Runner, longest_chain
 
 ROOT = Path(__file__).resolve().parents[3]
 PROFILE = ROOT / "configs" / "lab.yaml"
