@@ -23,6 +23,7 @@ class Ctx(Protocol):
     """The running step's context (``steps.registry.StepContext``), as ops code reports through it."""
 
     name: str
+    results: list[Result]
 
     @property
     def dep(self) -> Deployment: ...
