@@ -1,5 +1,5 @@
 """``deploy.all``: the whole chain as one plan over the step registry, and its rollback; what a
-plan step is and what it did in a run (``PlanStep``, ``StepRun``, ``Outcome``), the fingerprints
+plan step is and what it did in a run (``PlanStep``, ``StepRun``, ``PlanRun``), the fingerprints
 of the profile slices and node facts the steps depend on, and the run record.
 
 The plan (data, run by ``sparkdeploy.runner``)::
@@ -97,7 +97,10 @@ class StepRun:
 
 
 @dataclass
-class Outcome:
+class PlanRun:
+    """What one run of a plan did: each step's ``StepRun``, the wall time, serial or not (not
+    ``fanout.Outcome``, one transfer's end)."""
+
     plan: str
     runs: dict[str, StepRun]
     wall: float
@@ -457,7 +460,7 @@ def _run_markdown(run: DeployRun) -> str:
     return "\n".join(md)
 
 
-def write_record(dep: Deployment, out: Outcome, steps: list[PlanStep]) -> Written | None:
+def write_record(dep: Deployment, out: PlanRun, steps: list[PlanStep]) -> Written | None:
     """The run's ``DeployRun`` record (``decisions/<profile>/deploy-<time>.{json,md}``)."""
     if dep.dry:
         return None

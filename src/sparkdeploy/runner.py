@@ -33,7 +33,7 @@ from sparkdeploy.events import StepState
 from sparkdeploy.fingerprint import diff_keys
 from sparkdeploy.hosts import HostError
 from sparkdeploy.nodeops import NodeUnreachable
-from sparkdeploy.plan import DONE, FAILED, PENDING, RUNNING, SKIPPED, Outcome, PlanStep, StepRun, graph
+from sparkdeploy.plan import DONE, FAILED, PENDING, RUNNING, SKIPPED, PlanRun, PlanStep, StepRun, graph
 from sparkdeploy.records import PlanMemory, RecordError, StepMemory
 from sparkdeploy.results import Result, Status
 from sparkdeploy.state import LockHeld
@@ -92,7 +92,7 @@ def check(plan: list[PlanStep]) -> None:
 
 
 class Runner:
-    """Runs one plan on one deployment; ``run()`` returns the ``Outcome``."""
+    """Runs one plan on one deployment; ``run()`` returns the ``PlanRun``."""
 
     def __init__(self, dep: Deployment, plan: list[PlanStep], *, name: str = "deploy",
                  serial: bool = False, left_out: dict[str, str] | None = None,
@@ -203,7 +203,7 @@ class Runner:
         return f"{worst.status.value}: {worst.why}" if worst else "no result"
 
     # -- the graph --------------------------------------------------------------------------
-    def run(self) -> Outcome:
+    def run(self) -> PlanRun:
         start = self.clock()
         for r in self.runs.values():
             self._state(r, PENDING)
@@ -253,7 +253,7 @@ class Runner:
         finally:
             pool.shutdown(wait=True)
         self._save_state()
-        return Outcome(self.name, self.runs, round(self.clock() - start, 3), self.serial)
+        return PlanRun(self.name, self.runs, round(self.clock() - start, 3), self.serial)
 
     @staticmethod
     def _end_state(r: StepRun) -> str:
@@ -293,7 +293,7 @@ class Runner:
         running[pool.submit(self._execute, self.by_name[name])] = name
 
 
-def longest_chain(out: Outcome, plan: list[PlanStep]) -> tuple[float, list[str]]:
+def longest_chain(out: PlanRun, plan: list[PlanStep]) -> tuple[float, list[str]]:
     """The longest chain of dependent steps, by the seconds each took in ``out``: a step ends a
     chain of its own time plus the longest chain of its needs; an ``after_start`` step adds to
     the chain up to the *start* of the step it follows. Returns (seconds, the chain's steps)."""

@@ -383,7 +383,7 @@ def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
 
 
 def test_longest_chain_counts_after_start_from_the_start(calls):
-    from sparkdeploy.plan import Outcome, StepRun
+    from sparkdeploy.plan import PlanRun, StepRun
     from sparkdeploy.runner import longest_chain
 
     calls.fake("dl")
@@ -394,11 +394,11 @@ def test_longest_chain_counts_after_start_from_the_start(calls):
     plan = [PlanStep("dl"), PlanStep("sync"), PlanStep("probe"), PlanStep("ship"), PlanStep("up")]
     took = {"dl": 60.0, "sync": 63.0, "probe": 5.0, "ship": 20.0, "up": 10.0}
     runs = {n: StepRun(n, "done", elapsed=t) for n, t in took.items()}
-    secs, chain = longest_chain(Outcome("deploy", runs, 80.0, False), plan)
+    secs, chain = longest_chain(PlanRun("deploy", runs, 80.0, False), plan)
     assert (secs, chain) == (73.0, ["sync", "up"])
     took["ship"] = 70.0
     runs = {n: StepRun(n, "done", elapsed=t) for n, t in took.items()}
-    assert longest_chain(Outcome("deploy", runs, 80.0, False), plan) == (85.0, ["probe", "ship", "up"])
+    assert longest_chain(PlanRun("deploy", runs, 80.0, False), plan) == (85.0, ["probe", "ship", "up"])
 
 
 def test_a_later_result_for_the_same_target_supersedes_a_failure(tmp_path, calls):

@@ -13,7 +13,7 @@ from sparkdeploy.config import ProfileError
 from sparkdeploy.endpoint import url as endpoint_url
 from sparkdeploy.events import rendering
 from sparkdeploy.hosts import HostError
-from sparkdeploy.plan import Outcome
+from sparkdeploy.plan import PlanRun
 from sparkdeploy.records import RecordError
 from sparkdeploy.runner import PlanError, Runner, select
 from sparkdeploy.state import LockHeld
@@ -51,7 +51,7 @@ def _run(c, profile, steps_for, name, *, serial=False, only=None, skip=None) -> 
     return dep, steps, out
 
 
-def _finish(out: Outcome) -> None:
+def _finish(out: PlanRun) -> None:
     bad = [n for n, r in out.runs.items() if r.state == "failed"]
     if bad:
         raise Exit(f"{len(bad)} step(s) failed: {', '.join(bad)}; run it again to resume", code=1)
