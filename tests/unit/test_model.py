@@ -209,7 +209,7 @@ def finish(plan, batch, good):
 
 
 def test_plan_sends_ready_files_and_lets_workers_serve_the_next():
-    plan = sync_ops.Plan(need={"w1": ["a", "b"], "w2": ["a", "b"]}, holders={"a": ["head"]})
+    plan = sync_ops.Schedule(need={"w1": ["a", "b"], "w2": ["a", "b"]}, holders={"a": ["head"]})
     first = plan.next_transfers(streams=1, head="head")
     assert first == [(("a",), "head", "w1")]  # b is not ready; the head sends one stream
     finish(plan, first[0], ["a"])
@@ -228,7 +228,7 @@ def test_plan_sends_ready_files_and_lets_workers_serve_the_next():
 
 def test_plan_spreads_the_ready_files_over_the_free_streams_even_in_bytes():
     sizes = {"a": 5, "b": 4, "c": 3, "d": 2, "e": 1}
-    plan = sync_ops.Plan(need={"w1": list("abcde")}, holders={f: ["head"] for f in "abcde"},
+    plan = sync_ops.Schedule(need={"w1": list("abcde")}, holders={f: ["head"] for f in "abcde"},
                            sizes=sizes)
     # largest first onto the lighter stream: 5+2+1 and 4+3; each stream's files in send order
     first = plan.next_transfers(streams=2, head="head")
@@ -243,13 +243,13 @@ def test_plan_spreads_the_ready_files_over_the_free_streams_even_in_bytes():
 
 
 def test_plan_never_opens_a_stream_without_a_file():
-    plan = sync_ops.Plan(need={"w1": ["cfg", "tok"]}, holders={"cfg": ["head"], "tok": ["head"]})
+    plan = sync_ops.Schedule(need={"w1": ["cfg", "tok"]}, holders={"cfg": ["head"], "tok": ["head"]})
     # sizes unknown (all 0): still one file per stream, no empty batch
     assert plan.next_transfers(streams=4, head="head") == [
         (("cfg",), "head", "w1"), (("tok",), "head", "w1")]
     sizes = {"cfg": 1, "tok": 2, "s1": 10, "s2": 40, "vocab": 3}
     order = ["cfg", "tok", "s1", "s2", "vocab"]
-    plan = sync_ops.Plan(need={"w1": list(order)}, holders={f: ["head"] for f in order},
+    plan = sync_ops.Schedule(need={"w1": list(order)}, holders={f: ["head"] for f in order},
                            sizes=sizes)
     # one large file fills a stream; the small ones join the other
     assert plan.next_transfers(streams=2, head="head") == [
@@ -257,7 +257,7 @@ def test_plan_never_opens_a_stream_without_a_file():
 
 
 def test_a_file_that_failed_to_verify_is_sent_again():
-    plan = sync_ops.Plan(need={"w1": ["a", "b"]}, holders={"a": ["head"], "b": ["head"]})
+    plan = sync_ops.Schedule(need={"w1": ["a", "b"]}, holders={"a": ["head"], "b": ["head"]})
     [batch] = plan.next_transfers(streams=1, head="head")
     assert batch == (("a", "b"), "head", "w1")  # one stream: one rsync carries both
     finish(plan, batch, ["a"])
@@ -265,7 +265,7 @@ def test_a_file_that_failed_to_verify_is_sent_again():
 
 
 def test_a_receiver_is_told_the_end_once_all_it_needs_is_in_flight():
-    plan = sync_ops.Plan(need={"w1": ["a", "b"], "w2": ["a"]}, holders={"a": ["head"]})
+    plan = sync_ops.Schedule(need={"w1": ["a", "b"], "w2": ["a"]}, holders={"a": ["head"]})
     assert not plan.waiting_only("w1") and not plan.waiting_only("w2")
     plan.next_transfers(streams=1, head="head")  # a to w1; b is not on the head yet
     assert not plan.waiting_only("w1")
@@ -280,7 +280,7 @@ def test_a_receiver_is_told_the_end_once_all_it_needs_is_in_flight():
 
 
 def test_plan_stops_sending_to_a_failed_worker_only():
-    plan = sync_ops.Plan(need={"w1": ["a"], "w2": ["a"]}, holders={"a": ["head"]})
+    plan = sync_ops.Schedule(need={"w1": ["a"], "w2": ["a"]}, holders={"a": ["head"]})
     plan.failed["w1"] = "disk full"
     assert plan.next_transfers(streams=4, head="head") == [(("a",), "head", "w2")]
 
@@ -525,7 +525,7 @@ def test_metadata_is_cached_under_the_state_dir(tmp_path, lab_hub, token):
 
 def test_plan_caps_what_each_node_sends_and_receives():
     files = ["a", "b", "c"]
-    plan = sync_ops.Plan(need={"w1": list(files), "w2": list(files)},
+    plan = sync_ops.Schedule(need={"w1": list(files), "w2": list(files)},
                            holders={f: ["head"] for f in files}, sizes={"a": 3, "b": 2, "c": 1})
     # the head sends two streams in all, not two per receiver: one each, the files going round
     # the receivers (each then serves the other what it got)
@@ -536,10 +536,10 @@ def test_plan_caps_what_each_node_sends_and_receives():
 
 
 def test_plan_takes_a_file_only_from_a_node_that_holds_it_and_one_stream_per_receiver():
-    plan = sync_ops.Plan(need={"w2": ["a", "c"]}, holders={"a": ["head", "w1"], "c": ["head"]})
+    plan = sync_ops.Schedule(need={"w2": ["a", "c"]}, holders={"a": ["head", "w1"], "c": ["head"]})
     # one stream into w2: the worker serves a; c waits for the free stream
     assert plan.next_transfers(streams=1, head="head") == [(("a",), "w1", "w2")]
-    plan = sync_ops.Plan(need={"w2": ["a", "c"]}, holders={"a": ["head", "w1"], "c": ["head"]})
+    plan = sync_ops.Schedule(need={"w2": ["a", "c"]}, holders={"a": ["head", "w1"], "c": ["head"]})
     # two streams into w2: w1 sends only what it holds, the head sends the rest
     assert plan.next_transfers(streams=2, head="head") == [
         (("a",), "w1", "w2"), (("c",), "head", "w2")]
@@ -547,17 +547,17 @@ def test_plan_takes_a_file_only_from_a_node_that_holds_it_and_one_stream_per_rec
 
 
 def test_plan_passes_over_a_busy_worker_to_the_next_source():
-    plan = sync_ops.Plan(need={"w2": ["a"], "w3": ["a"]}, holders={"a": ["head", "w1"]},
+    plan = sync_ops.Schedule(need={"w2": ["a"], "w3": ["a"]}, holders={"a": ["head", "w1"]},
                            out_load={"w1": 1})
     # w1 already sends its one stream; the head sent a once (w1 has it): w1 serves when free
     assert plan.next_transfers(streams=1, head="head") == []
     plan.out_load["w1"] = 0
     assert plan.next_transfers(streams=1, head="head") == [(("a",), "w1", "w2")]
     # a worker only the head's copy would serve (w1 lost): the head sends it again
-    plan = sync_ops.Plan(need={"w2": ["a"]}, holders={"a": ["head", "w1"]},
+    plan = sync_ops.Schedule(need={"w2": ["a"]}, holders={"a": ["head", "w1"]},
                            lost={"w1": "unreachable"})
     assert plan.next_transfers(streams=1, head="head") == [(("a",), "head", "w2")]
-    plan = sync_ops.Plan(need={"w2": ["a"]}, holders={"a": ["head", "w1", "w3"]},
+    plan = sync_ops.Schedule(need={"w2": ["a"]}, holders={"a": ["head", "w1", "w3"]},
                            out_load={"w1": 1})
     # of two workers, the less loaded one serves
     assert plan.next_transfers(streams=2, head="head") == [(("a",), "w3", "w2")]
@@ -567,14 +567,14 @@ def test_plan_passes_over_a_busy_worker_to_the_next_source():
 
 
 def test_a_plan_whose_receivers_all_failed_is_done():
-    plan = sync_ops.Plan(need={"w1": ["a"], "w2": []})
+    plan = sync_ops.Schedule(need={"w1": ["a"], "w2": []})
     assert not plan.done()
     plan.failed["w1"] = "disk full"
     assert plan.done()
 
 
 def test_plan_a_lost_sender_serves_no_more_and_what_it_did_not_deliver_goes_again():
-    plan = sync_ops.Plan(need={"w1": [], "w2": ["a", "b"], "w3": ["a"]},
+    plan = sync_ops.Schedule(need={"w1": [], "w2": ["a", "b"], "w3": ["a"]},
                            holders={"a": ["head", "w1"], "b": ["head"]})
     first = plan.next_transfers(streams=2, head="head")
     # w1 holds a: it serves a (the head sent it once); b only the head has
@@ -595,14 +595,14 @@ def test_plan_a_lost_sender_serves_no_more_and_what_it_did_not_deliver_goes_agai
 
 
 def test_plan_a_failed_receiver_is_no_sender():
-    plan = sync_ops.Plan(need={"w1": ["b"], "w2": ["a"]}, holders={"a": ["head", "w1"]})
+    plan = sync_ops.Schedule(need={"w1": ["b"], "w2": ["a"]}, holders={"a": ["head", "w1"]})
     plan.failed["w1"] = "disk full on w1"
     assert plan.next_transfers(streams=1, head="head") == [(("a",), "head", "w2")]
 
 
 def test_plan_four_nodes_each_worker_serves_the_next_and_the_head_sends_once():
     files = list("abcd")
-    plan = sync_ops.Plan(need={w: list(files) for w in ("w1", "w2", "w3")},
+    plan = sync_ops.Schedule(need={w: list(files) for w in ("w1", "w2", "w3")},
                            holders={f: ["head"] for f in files})
     sent_by: dict[str, int] = {}
     while not plan.done():
@@ -641,7 +641,7 @@ def test_the_receiver_expects_a_missing_file_again(tmp_path):
 
 def test_plan_the_head_feeds_every_worker_at_once_with_files_of_its_own():
     files = [f"s{i}" for i in range(6)]
-    plan = sync_ops.Plan(need={w: list(files) for w in ("w1", "w2", "w3")},
+    plan = sync_ops.Schedule(need={w: list(files) for w in ("w1", "w2", "w3")},
                            holders={f: ["head"] for f in files}, sizes=dict.fromkeys(files, 1))
     first = plan.next_transfers(streams=4, head="head")
     # one stream from the head to each worker (4 // 3), the files going round them, none twice

@@ -258,7 +258,7 @@ Batch = tuple[tuple[str, ...], str, str]
 
 
 @dataclass
-class Plan:
+class Schedule:
     """Who needs what and who holds what (the scheduling state of one sync).
 
     A batch occupies a stream of its sender and of its receiver while rsync runs (``sent``
@@ -453,7 +453,7 @@ def sync_files(ctx: Ctx, targets: list[Host], meta: dict[str, Any],
             parts = [f"{len(v)} files ({total_bytes(meta, v) / GB:.2f} GB) to {k}"
                      for k, v in need.items() if v]
             return skipped(step_name, f"would send {', '.join(parts)} over {s.transport}{note}")
-        plan = Plan(need={k: v for k, v in need.items() if v}, sizes=sizes)
+        plan = Schedule(need={k: v for k, v in need.items() if v}, sizes=sizes)
         head_state = ready[head.name]["state"]
         for f in head_state["ok"]:
             plan.holders.setdefault(f, []).append(head.name)
@@ -477,7 +477,7 @@ class _Transfers:
     """One sync under way, the state its parts share: the plan, the rsyncs running, what each
     receiver has checked so far, and the head's download as it goes on."""
 
-    def __init__(self, ctx: Ctx, head: Host, targets: list[Host], plan: Plan,
+    def __init__(self, ctx: Ctx, head: Host, targets: list[Host], plan: Schedule,
                  staged: dict[str, Staged], receivers: dict[str, Receiver], secret: str | None,
                  order: list[str], head_state: dict[str, Any]):
         self.ctx, self.head, self.targets, self.plan = ctx, head, targets, plan
@@ -629,7 +629,7 @@ class _Transfers:
                        transport=self.s.transport)
 
 
-def _sent(plan: Plan):
+def _sent(plan: Schedule):
     for f, nodes in plan.holders.items():
         for n in nodes:
             if n in plan.need:
@@ -641,10 +641,10 @@ def _drain(running: dict[Future, Any]) -> None:
         fut.result()
 
 
-def _kept(plan: Plan, targets: list[Host], order: list[str]) -> str:
+def _kept(plan: Schedule, targets: list[Host], order: list[str]) -> str:
     parts = [f"{t.name} has {len(order) - len(plan.need.get(t.name, []))}/{len(order)} files "
              f"verified" for t in targets]
     return "; ".join(parts)
 
 
-__all__ = ["SYNC", "Plan", "Receiver", "receive_argv", "send_argv", "sync_files", "SCRIPT"]
+__all__ = ["SYNC", "Schedule", "Receiver", "receive_argv", "send_argv", "sync_files", "SCRIPT"]
