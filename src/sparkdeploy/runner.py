@@ -24,7 +24,6 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
-from dataclasses import dataclass, field
 from graphlib import CycleError, TopologicalSorter
 from typing import TYPE_CHECKING, Any
 
@@ -34,8 +33,9 @@ from sparkdeploy.events import StepState
 from sparkdeploy.fingerprint import diff_keys
 from sparkdeploy.hosts import HostError
 from sparkdeploy.nodeops import NodeUnreachable
+from sparkdeploy.plan import DONE, FAILED, PENDING, RUNNING, SKIPPED, PlanRun, PlanStep, StepRun, graph
 from sparkdeploy.records import PlanMemory, RecordError, StepMemory
-from sparkdeploy.results import Result, Status, final
+from sparkdeploy.results import Result, Status
 from sparkdeploy.state import LockHeld
 from sparkdeploy.steps import registry
 from sparkdeploy.steps.registry import StepContext
@@ -44,77 +44,12 @@ from sparkdeploy.wait import WaitTimeout
 if TYPE_CHECKING:
     from sparkdeploy.deployment import Deployment
 
-PENDING, RUNNING, DONE, FAILED, SKIPPED = "pending", "running", "done", "failed", "skipped"
 EXPECTED = (NodeUnreachable, HostError, ProfileError, WaitTimeout, LockHeld, RecordError)
 """What a step may raise that is not a bug: the step fails with the one line it carries."""
 
 
 class PlanError(ValueError):
     """A plan or a selection that cannot run (bad step name, cycle): one line, exit 2."""
-
-
-@dataclass(frozen=True)
-class PlanStep:
-    name: str
-    """The registered step (``model.download``)."""
-    options: dict[str, Any] = field(default_factory=dict)
-    fingerprint: Callable[[Deployment], dict[str, Any]] | None = None
-    """The profile slice (and facts) the step's outcome depends on, as flat ``{key: value}``."""
-    reuse: bool = False
-    """A decision with no effect on the nodes: an unchanged fingerprint reuses the last outcome."""
-    redo: str | None = None
-    """A step to run first when the fingerprint changed since the step last finished."""
-    when: Callable[[Deployment, dict[str, StepRun]], str | None] | None = None
-    """Returns why to skip the step this time (None: run it); sees the run so far. An option
-    value that is callable is called the same way when the step starts (a URL known only then)."""
-
-
-@dataclass
-class StepRun:
-    """What one plan step did in this run."""
-
-    name: str
-    state: str = PENDING
-    why: str = ""
-    results: list[Result] = field(default_factory=list)
-    started: float | None = None
-    elapsed: float | None = None
-    fingerprint: dict[str, Any] | None = None
-    reused: bool = False
-    blocked: bool = False
-    """Skipped because a step it needs failed (its own dependents are skipped too)."""
-
-    @property
-    def changed(self) -> bool:
-        return any(r.status is Status.CHANGED for r in self.results)
-
-    def final(self) -> list[Result]:
-        """The last result per (step, node) (``results.final``)."""
-        return final(self.results)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"state": self.state, "why": self.why, "elapsed": self.elapsed,
-                "changed": self.changed, "fingerprint": self.fingerprint,
-                "results": [r.to_dict() for r in self.results]}
-
-
-@dataclass
-class Outcome:
-    plan: str
-    runs: dict[str, StepRun]
-    wall: float
-    serial: bool
-
-    @property
-    def failed(self) -> bool:
-        return any(r.state == FAILED for r in self.runs.values())
-
-    @property
-    def changed(self) -> bool:
-        return any(r.changed for r in self.runs.values())
-
-    def results(self) -> list[Result]:
-        return [res for r in self.runs.values() for res in r.results]
 
 
 def select(plan: Iterable[PlanStep], only: Iterable[str] = (), skip: Iterable[str] = ()) -> tuple[
@@ -140,12 +75,6 @@ def select(plan: Iterable[PlanStep], only: Iterable[str] = (), skip: Iterable[st
     return [s for s in plan if s.name not in left], left
 
 
-def graph(plan: list[PlanStep]) -> dict[str, set[str]]:
-    """{step: the plan steps it needs}, from the registry."""
-    names = {s.name for s in plan}
-    return {s.name: registry.needs_in(s.name, names) for s in plan}
-
-
 def check(plan: list[PlanStep]) -> None:
     names = [s.name for s in plan]
     dup = {n for n in names if names.count(n) > 1}
@@ -163,7 +92,7 @@ def check(plan: list[PlanStep]) -> None:
 
 
 class Runner:
-    """Runs one plan on one deployment; ``run()`` returns the ``Outcome``."""
+    """Runs one plan on one deployment; ``run()`` returns the ``PlanRun``."""
 
     def __init__(self, dep: Deployment, plan: list[PlanStep], *, name: str = "deploy",
                  serial: bool = False, left_out: dict[str, str] | None = None,
@@ -274,7 +203,7 @@ class Runner:
         return f"{worst.status.value}: {worst.why}" if worst else "no result"
 
     # -- the graph --------------------------------------------------------------------------
-    def run(self) -> Outcome:
+    def run(self) -> PlanRun:
         start = self.clock()
         for r in self.runs.values():
             self._state(r, PENDING)
@@ -324,7 +253,7 @@ class Runner:
         finally:
             pool.shutdown(wait=True)
         self._save_state()
-        return Outcome(self.name, self.runs, round(self.clock() - start, 3), self.serial)
+        return PlanRun(self.name, self.runs, round(self.clock() - start, 3), self.serial)
 
     @staticmethod
     def _end_state(r: StepRun) -> str:
@@ -364,7 +293,7 @@ class Runner:
         running[pool.submit(self._execute, self.by_name[name])] = name
 
 
-def longest_chain(out: Outcome, plan: list[PlanStep]) -> tuple[float, list[str]]:
+def longest_chain(out: PlanRun, plan: list[PlanStep]) -> tuple[float, list[str]]:
     """The longest chain of dependent steps, by the seconds each took in ``out``: a step ends a
     chain of its own time plus the longest chain of its needs; an ``after_start`` step adds to
     the chain up to the *start* of the step it follows. Returns (seconds, the chain's steps)."""

@@ -18,6 +18,7 @@ import pytest
 
 from sparkdeploy.deployment import load
 from sparkdeploy.lab import hub, layout
+from sparkdeploy.ops import model as model_ops
 from sparkdeploy.results import Status
 from sparkdeploy.steps import model, model_sync, model_verify
 
@@ -118,7 +119,7 @@ def test_pep668_node_still_downloads_in_a_venv_of_its_own(lab, dep):
 
 def test_a_dropped_connection_resumes_and_a_rerun_fetches_nothing(lab, dep):
     url = dep.profile.model.endpoint
-    meta, _ = model.metadata(dep)
+    meta, _ = model_ops.metadata(dep)
     shard = max(meta["files"], key=lambda f: f["size"])["path"]
     hub.set_knobs(url, fault={"file": shard, "after_bytes": 12_000_000}, reset_stats=True)
     [res] = model.download(dep)
@@ -147,8 +148,8 @@ def test_disk_precheck_names_both_numbers(lab, dep):
 
 def test_disk_full_on_the_worker_then_a_rerun_completes(lab, dep):
     assert model.download(dep)[0].status is Status.CHANGED
-    meta, _ = model.metadata(dep)
-    total = model.total_bytes(meta)
+    meta, _ = model_ops.metadata(dep)
+    total = model_ops.total_bytes(meta)
     _tmpfs("spark2", f"{(total + 80_000_000) // 1_000_000}m")  # passes the pre-check
     # one capped stream: ~20 s for the test repo, time to interfere
     _with(dep, sync=dep.profile.model.sync.model_copy(update={"streams": 1, "bwlimit_mb_s": 15.0}))
@@ -173,8 +174,8 @@ def test_disk_full_on_the_worker_then_a_rerun_completes(lab, dep):
 
 def test_a_cut_sync_resumes(lab, dep):
     assert model.download(dep)[0].status is Status.CHANGED
-    meta, _ = model.metadata(dep)
-    total = model.total_bytes(meta)
+    meta, _ = model_ops.metadata(dep)
+    total = model_ops.total_bytes(meta)
     # one capped stream: ~20 s for the test repo, time to interfere
     _with(dep, sync=dep.profile.model.sync.model_copy(update={"streams": 1, "bwlimit_mb_s": 15.0}))
     first = sorted(f["path"] for f in meta["files"] if f["path"].endswith(".safetensors"))[0]
@@ -241,7 +242,7 @@ def test_a_controller_killed_mid_sync_leaves_no_listener(lab, dep, tmp_path):
     mid-sync, its SSH connection ends, and with it the daemon, the directory holding its secret
     and the helper; a re-run then completes."""
     assert model.download(dep)[0].status is Status.CHANGED
-    meta, _ = model.metadata(dep)
+    meta, _ = model_ops.metadata(dep)
     first = sorted(f["path"] for f in meta["files"] if f["path"].endswith(".safetensors"))[0]
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(ROOT / "configs" / "lab.yaml"),
                               str(tmp_path / "killed"), PATH],
@@ -281,7 +282,7 @@ def test_a_receive_helper_killed_mid_sync_leaves_no_daemon_and_no_secret(lab, de
     guard of its daemon reads EOF on the pipe only the helper held, stops the daemon and
     removes the directory holding its secret; the sync fails, and a re-run completes."""
     assert model.download(dep)[0].status is Status.CHANGED
-    meta, _ = model.metadata(dep)
+    meta, _ = model_ops.metadata(dep)
     first = sorted(f["path"] for f in meta["files"] if f["path"].endswith(".safetensors"))[0]
     _with(dep, sync=dep.profile.model.sync.model_copy(update={"streams": 1, "bwlimit_mb_s": 15.0}))
     box: dict = {}
@@ -323,7 +324,7 @@ def test_a_receive_helper_killed_mid_sync_leaves_no_daemon_and_no_secret(lab, de
 def test_a_corrupted_file_on_the_worker_is_named_and_repaired(lab, dep):
     assert model.download(dep)[0].status is Status.CHANGED
     assert model_sync.sync(dep, "spark2")[0].status is Status.CHANGED
-    meta, _ = model.metadata(dep)
+    meta, _ = model_ops.metadata(dep)
     shard = sorted(f["path"] for f in meta["files"] if f["path"].endswith(".safetensors"))[-1]
     lab.ssh("spark2", ["sh", "-c", f"printf XXXX | dd of={PATH}/{shard} bs=1 seek=5000 conv=notrunc"])
     [bad] = model_verify.verify(dep, "spark2")
@@ -348,7 +349,7 @@ def test_the_token_reaches_the_hub_and_nothing_else(lab, dep, monkeypatch):
             seen_args.append(lab.ssh("spark1", ["ps", "-eo", "args="], check=False).stdout)
             seen_inspect.append(lab.ssh("spark1", [
                 "docker", "-H", f"unix://{dep.profile.head.docker_socket}", "inspect",
-                model.CONTAINER], check=False).stdout)
+                model_ops.CONTAINER], check=False).stdout)
 
     w = threading.Thread(target=watch)
     w.start()
@@ -360,7 +361,7 @@ def test_the_token_reaches_the_hub_and_nothing_else(lab, dep, monkeypatch):
     # we looked while it ran: the helper fetched in sparkdeploy's own virtualenv, since the
     # token is not handed to a community image's python3 (model.token_to_image is false)
     assert any("model_node.py fetch" in s for s in seen_args)
-    assert not any(model.CONTAINER in s for s in seen_inspect)
+    assert not any(model_ops.CONTAINER in s for s in seen_inspect)
     assert res.details["runtime"] == "venv"
     want = hashlib.sha256(f"Bearer {TOKEN}".encode()).hexdigest()[:16]
     assert any(q.get("auth") == want for q in hub.get_stats(url)["requests"])  # it arrived

@@ -211,3 +211,39 @@ def test_no_long_function_in_the_product_or_the_node_helpers():
     long = long_functions(PKG, skip=("standins",))
     long += long_functions_in([ROOT / "tasks.py", ROOT / "noxfile.py"], ROOT)
     assert long == []
+
+
+def _in(module: str, *packages: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+STEPS, OPS, RUNNER, TASKS = "sparkdeploy.steps", "sparkdeploy.ops", "sparkdeploy.runner", "sparkdeploy.tasks"
+REGISTRY = "sparkdeploy.steps.registry"
+
+
+def test_no_step_module_imports_another():
+    # a step calls another through ctx.call; what steps share lives in ops/, below them
+    bad = {m: sorted(d for d in deps if _in(d, STEPS) and d not in (STEPS, REGISTRY))
+           for m, deps in import_graph(PKG / "steps").items()}
+    assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_ops_import_no_step_no_runner_no_task():
+    graph = import_graph(PKG / "ops")
+    assert {f"{OPS}.serve", f"{OPS}.model", f"{OPS}.image", f"{OPS}.units"} <= set(graph)
+    bad = {m: sorted(d for d in deps if _in(d, STEPS, RUNNER, TASKS)) for m, deps in graph.items()}
+    assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_only_the_task_layer_imports_the_tasks():
+    bad = {m: sorted(d for d in deps if _in(d, TASKS))
+           for m, deps in import_graph().items() if not _in(m, TASKS, "sparkdeploy.cli")}
+    assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_nothing_below_the_runner_imports_it():
+    graph = import_graph()
+    below = {m for m in graph if _in(m, STEPS, OPS)} | graph[RUNNER]
+    bad = {m: sorted(d for d in graph[m] if _in(d, RUNNER)) for m in below if m in graph}
+    assert {m: d for m, d in bad.items() if d} == {}
+    assert {"sparkdeploy.plan", REGISTRY} <= graph[RUNNER]  # the check sees what runner imports

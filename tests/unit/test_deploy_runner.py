@@ -15,9 +15,10 @@ from invoke import Config, Context
 from sparkdeploy import deployment
 from sparkdeploy.events import PlainRenderer, StepState
 from sparkdeploy.fingerprint import diff_keys, flat
+from sparkdeploy.plan import PlanStep
 from sparkdeploy.records import Endpoint, ImageDecision, PlanMemory, ServeDecision
 from sparkdeploy.results import changed, failed, ok
-from sparkdeploy.runner import PlanError, PlanStep, Runner, select
+from sparkdeploy.runner import PlanError, Runner, select
 from sparkdeploy.steps import registry
 from sparkdeploy.steps.registry import step
 from tests.unit.profiles import ROOT, SEED
@@ -295,7 +296,7 @@ def test_plan_errors(calls):
 
 
 def test_an_edge_through_a_step_left_out_still_orders(calls):
-    from sparkdeploy.runner import graph
+    from sparkdeploy.plan import graph
 
     calls.fake("t.probe")
     calls.fake("t.build", needs=("t.probe",))
@@ -327,7 +328,7 @@ def test_task_bad_step_name_is_one_line_exit_2(tmp_path):
 
 
 def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
-    from sparkdeploy.steps import deploy as plans
+    from sparkdeploy import plan as plans
 
     monkeypatch.setattr(plans, "image_id", lambda dep, ref, node=None: f"sha256:{ref}" if ref else None)
     dep = dep_for(tmp_path)
@@ -382,7 +383,8 @@ def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
 
 
 def test_longest_chain_counts_after_start_from_the_start(calls):
-    from sparkdeploy.runner import Outcome, StepRun, longest_chain
+    from sparkdeploy.plan import PlanRun, StepRun
+    from sparkdeploy.runner import longest_chain
 
     calls.fake("dl")
     calls.fake("sync", after_start=("dl",))
@@ -392,11 +394,11 @@ def test_longest_chain_counts_after_start_from_the_start(calls):
     plan = [PlanStep("dl"), PlanStep("sync"), PlanStep("probe"), PlanStep("ship"), PlanStep("up")]
     took = {"dl": 60.0, "sync": 63.0, "probe": 5.0, "ship": 20.0, "up": 10.0}
     runs = {n: StepRun(n, "done", elapsed=t) for n, t in took.items()}
-    secs, chain = longest_chain(Outcome("deploy", runs, 80.0, False), plan)
+    secs, chain = longest_chain(PlanRun("deploy", runs, 80.0, False), plan)
     assert (secs, chain) == (73.0, ["sync", "up"])
     took["ship"] = 70.0
     runs = {n: StepRun(n, "done", elapsed=t) for n, t in took.items()}
-    assert longest_chain(Outcome("deploy", runs, 80.0, False), plan) == (85.0, ["probe", "ship", "up"])
+    assert longest_chain(PlanRun("deploy", runs, 80.0, False), plan) == (85.0, ["probe", "ship", "up"])
 
 
 def test_a_later_result_for_the_same_target_supersedes_a_failure(tmp_path, calls):
@@ -458,10 +460,9 @@ def test_a_reuse_step_keeps_the_fingerprint_it_left_behind(tmp_path, calls):
 
 def test_the_records_bench_summary_has_counts_rates_and_medians_not_raw_requests():
     from sparkdeploy.bench.metrics import RequestMetrics, summarize
+    from sparkdeploy.plan import StepRun, _bench_summary
     from sparkdeploy.records import markdown_table
     from sparkdeploy.results import ok
-    from sparkdeploy.runner import StepRun
-    from sparkdeploy.steps.deploy import _bench_summary
 
     def req(ttft, tok_s, start, end, error=None):
         return RequestMetrics(ttft, (end - start) * 1000, 64, 512, [], 37.0, tok_s, "usage",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from sparkdeploy import plan as plans
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.facts import Facts
 from sparkdeploy.hosts import Host
@@ -18,7 +19,6 @@ from sparkdeploy.records import ImageDecision
 from sparkdeploy.results import changed, ok
 from sparkdeploy.runner import Runner
 from sparkdeploy.state import StateDir
-from sparkdeploy.steps import deploy as plans
 from sparkdeploy.steps import registry
 from sparkdeploy.steps.registry import StepContext
 from tests.unit.fakes import FakeNode, ScriptedContext

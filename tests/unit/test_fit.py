@@ -14,10 +14,10 @@ import pytest
 from sparkdeploy import fit
 from sparkdeploy.helpers import memory_node as mn
 from sparkdeploy.memory import NodeMemory
+from sparkdeploy.ops.model import cache_name
 from sparkdeploy.records import HubMetadata
 from sparkdeploy.results import Status
 from sparkdeploy.steps import model_fit, registry
-from sparkdeploy.steps.model import cache_name
 from tests.unit.fakes import FakeContext, deployment
 from tests.unit.profiles import SEED, seed_data, write_profile
 

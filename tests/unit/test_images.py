@@ -4,6 +4,7 @@ import shlex
 import pytest
 
 from sparkdeploy.config import load_profile
+from sparkdeploy.ops.image import decision
 from sparkdeploy.records import ImageDecision
 from sparkdeploy.steps import images, ship
 from tests.unit.fakes import WALL, FakeContext, deployment
@@ -200,7 +201,7 @@ def test_the_decision_record_carries_who_and_when_and_ship_reads_it(dep):
                      report("vllm", "0.17.1", {"x": True}, "4.57.1", False, True, []), None)])
     assert ship.default_image(dep) == dep.profile.engines[0].image  # no record yet
     images.write_record(dep, rec)
-    got = images.decision(dep)
+    got = decision(dep)
     assert (got.made.name, got.made.step, got.made.profile) == ("image-probe", "image.probe",
                                                                 dep.profile.name)
     assert got.chosen.serve_image == "hellohal2064/vllm-qwen3.5-gb10"

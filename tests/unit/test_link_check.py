@@ -353,13 +353,14 @@ def test_dry_run_pings_but_does_not_measure(tmp_path, monkeypatch):
 
 
 def test_the_deploy_plan_and_serve_up_need_it(tmp_path):
-    from sparkdeploy.steps import deploy, registry
+    from sparkdeploy import plan
+    from sparkdeploy.steps import registry
 
     registry.load_all()
     assert "link.check" in registry.REGISTRY["model.download"].needs
     assert "link.check" in registry.REGISTRY["serve.up"].needs
     dep = deployment(SEED, tmp_path / "state", FakeContext())
-    assert deploy.plan(dep)[0].name == "link.check"
+    assert plan.plan(dep)[0].name == "link.check"
 
 
 def test_task_runs_link_check_before_serve_up(tmp_path, monkeypatch):

@@ -11,10 +11,12 @@ import sys
 import pytest
 
 from sparkdeploy.lab import hub
+from sparkdeploy.ops import model as model_ops
+from sparkdeploy.ops import model_sync as sync_ops
 from sparkdeploy.packaged import helper
 from sparkdeploy.records import HubMetadata
 from sparkdeploy.results import Status
-from sparkdeploy.steps import model, model_sync, model_verify
+from sparkdeploy.steps import model, model_verify
 from tests.unit.fakes import WALL
 from tests.unit.model_fakes import Node, deployment
 
@@ -65,7 +67,7 @@ def test_download_runs_in_a_container_with_the_token_on_stdin_only(tmp_path, lab
     path = dep.profile.model.path
     sock = dep.profile.head.docker_socket
     assert argv[:argv.index("--user")] == [
-        "docker", "-H", f"unix://{sock}", "run", "--rm", "-i", "--name", model.CONTAINER,
+        "docker", "-H", f"unix://{sock}", "run", "--rm", "-i", "--name", model_ops.CONTAINER,
         f"--label=org.sparkdeploy.deployment={dep.profile.name}",
         "--label=org.sparkdeploy.role=download", "--label=org.sparkdeploy.started=2026-11-30T00:53:20Z",
         "--label=org.sparkdeploy.started.by=model.download", "--network", "host"]
@@ -85,10 +87,10 @@ def test_download_runs_in_a_container_with_the_token_on_stdin_only(tmp_path, lab
         for n in names:
             assert TOKEN.encode() not in open(os.path.join(dirpath, n), "rb").read()
     progress = [e for e in events if type(e).__name__ == "Progress"]
-    assert progress and progress[-1].done == progress[-1].total == model.total_bytes(
-        model.metadata(dep, refresh=False)[0])
+    assert progress and progress[-1].done == progress[-1].total == model_ops.total_bytes(
+        model_ops.metadata(dep, refresh=False)[0])
     # every file is there, as the hub has it
-    meta, _ = model.metadata(dep, refresh=False)
+    meta, _ = model_ops.metadata(dep, refresh=False)
     for f in meta["files"]:
         assert os.path.getsize(os.path.join(path, f["path"])) == f["size"]
 
@@ -123,7 +125,7 @@ def test_disk_precheck_fails_early_with_both_numbers(tmp_path, lab_hub, token):
     dep, ctx = _dep(tmp_path, lab_hub, free=5_000_000)
     [res] = model.download(dep)
     assert res.status is Status.FAILED
-    need = model.total_bytes(model.metadata(dep, refresh=False)[0]) + 1_000_000
+    need = model_ops.total_bytes(model_ops.metadata(dep, refresh=False)[0]) + 1_000_000
     assert f"0.01 GB free on /srv, needs {need / 1e9:.2f} GB" in res.why
     assert not _fetches(ctx)
 
@@ -192,7 +194,7 @@ def test_second_verify_of_unchanged_files_reads_nothing(tmp_path, lab_hub, token
     os.unlink(os.path.join(dep.profile.model.path, ".sparkdeploy", "verified.jsonl"))
     one = model_verify.verify(dep, "spark1")[0]
     two = model_verify.verify(dep, "spark1")[0]
-    total = model.total_bytes(model.metadata(dep, refresh=False)[0])
+    total = model_ops.total_bytes(model_ops.metadata(dep, refresh=False)[0])
     assert one.details["hashed"] == total and one.details["reused"] == 0
     assert two.details["hashed"] == 0 and two.details["reused"] == 10
 
@@ -207,7 +209,7 @@ def finish(plan, batch, good):
 
 
 def test_plan_sends_ready_files_and_lets_workers_serve_the_next():
-    plan = model_sync.Plan(need={"w1": ["a", "b"], "w2": ["a", "b"]}, holders={"a": ["head"]})
+    plan = sync_ops.Schedule(need={"w1": ["a", "b"], "w2": ["a", "b"]}, holders={"a": ["head"]})
     first = plan.next_transfers(streams=1, head="head")
     assert first == [(("a",), "head", "w1")]  # b is not ready; the head sends one stream
     finish(plan, first[0], ["a"])
@@ -226,7 +228,7 @@ def test_plan_sends_ready_files_and_lets_workers_serve_the_next():
 
 def test_plan_spreads_the_ready_files_over_the_free_streams_even_in_bytes():
     sizes = {"a": 5, "b": 4, "c": 3, "d": 2, "e": 1}
-    plan = model_sync.Plan(need={"w1": list("abcde")}, holders={f: ["head"] for f in "abcde"},
+    plan = sync_ops.Schedule(need={"w1": list("abcde")}, holders={f: ["head"] for f in "abcde"},
                            sizes=sizes)
     # largest first onto the lighter stream: 5+2+1 and 4+3; each stream's files in send order
     first = plan.next_transfers(streams=2, head="head")
@@ -241,13 +243,13 @@ def test_plan_spreads_the_ready_files_over_the_free_streams_even_in_bytes():
 
 
 def test_plan_never_opens_a_stream_without_a_file():
-    plan = model_sync.Plan(need={"w1": ["cfg", "tok"]}, holders={"cfg": ["head"], "tok": ["head"]})
+    plan = sync_ops.Schedule(need={"w1": ["cfg", "tok"]}, holders={"cfg": ["head"], "tok": ["head"]})
     # sizes unknown (all 0): still one file per stream, no empty batch
     assert plan.next_transfers(streams=4, head="head") == [
         (("cfg",), "head", "w1"), (("tok",), "head", "w1")]
     sizes = {"cfg": 1, "tok": 2, "s1": 10, "s2": 40, "vocab": 3}
     order = ["cfg", "tok", "s1", "s2", "vocab"]
-    plan = model_sync.Plan(need={"w1": list(order)}, holders={f: ["head"] for f in order},
+    plan = sync_ops.Schedule(need={"w1": list(order)}, holders={f: ["head"] for f in order},
                            sizes=sizes)
     # one large file fills a stream; the small ones join the other
     assert plan.next_transfers(streams=2, head="head") == [
@@ -255,7 +257,7 @@ def test_plan_never_opens_a_stream_without_a_file():
 
 
 def test_a_file_that_failed_to_verify_is_sent_again():
-    plan = model_sync.Plan(need={"w1": ["a", "b"]}, holders={"a": ["head"], "b": ["head"]})
+    plan = sync_ops.Schedule(need={"w1": ["a", "b"]}, holders={"a": ["head"], "b": ["head"]})
     [batch] = plan.next_transfers(streams=1, head="head")
     assert batch == (("a", "b"), "head", "w1")  # one stream: one rsync carries both
     finish(plan, batch, ["a"])
@@ -263,7 +265,7 @@ def test_a_file_that_failed_to_verify_is_sent_again():
 
 
 def test_a_receiver_is_told_the_end_once_all_it_needs_is_in_flight():
-    plan = model_sync.Plan(need={"w1": ["a", "b"], "w2": ["a"]}, holders={"a": ["head"]})
+    plan = sync_ops.Schedule(need={"w1": ["a", "b"], "w2": ["a"]}, holders={"a": ["head"]})
     assert not plan.waiting_only("w1") and not plan.waiting_only("w2")
     plan.next_transfers(streams=1, head="head")  # a to w1; b is not on the head yet
     assert not plan.waiting_only("w1")
@@ -278,7 +280,7 @@ def test_a_receiver_is_told_the_end_once_all_it_needs_is_in_flight():
 
 
 def test_plan_stops_sending_to_a_failed_worker_only():
-    plan = model_sync.Plan(need={"w1": ["a"], "w2": ["a"]}, holders={"a": ["head"]})
+    plan = sync_ops.Schedule(need={"w1": ["a"], "w2": ["a"]}, holders={"a": ["head"]})
     plan.failed["w1"] = "disk full"
     assert plan.next_transfers(streams=4, head="head") == [(("a",), "head", "w2")]
 
@@ -287,18 +289,18 @@ def test_send_argv_rsyncd_and_ssh(tmp_path):
     dep, _ = deployment(tmp_path, {"spark1": Node(), "spark2": Node()}, "http://127.0.0.1:9")
     head, w = dep.host("spark1"), dep.host("spark2")
     path = dep.profile.model.path
-    assert model_sync.send_argv(dep, head, w, ["sub/x.safetensors", "y"], 8731) == [
+    assert sync_ops.send_argv(dep, head, w, ["sub/x.safetensors", "y"], 8731) == [
         "rsync", "-rlt", "--ignore-times", "--relative", "--whole-file",
         "--checksum-choice=none", "--partial-dir=.sparkdeploy/partial",
         "--timeout=60", "--password-file=-", "--", f"{path}/./sub/x.safetensors", f"{path}/./y",
         "rsync://sparkdeploy@10.77.1.2:8731/model/"]
-    assert model_sync.send_argv(dep, head, w, ["x"], None)[-4:] == [
+    assert sync_ops.send_argv(dep, head, w, ["x"], None)[-4:] == [
         "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes", "--", f"{path}/./x", f"10.77.1.2:{path}/"]
     # a per-stream cap in MB/s becomes rsync's KiB/s, before the files
     m = dep.profile.model
     dep.profile = dep.profile.model_copy(update={"model": m.model_copy(update={
         "sync": m.sync.model_copy(update={"bwlimit_mb_s": 20.0})})})
-    argv = model_sync.send_argv(dep, head, w, ["x"], 8731)
+    argv = sync_ops.send_argv(dep, head, w, ["x"], 8731)
     assert argv[:9] == ["rsync", "-rlt", "--ignore-times", "--relative", "--whole-file",
                         "--checksum-choice=none", "--partial-dir=.sparkdeploy/partial",
                         "--timeout=60", "--bwlimit=19531"]
@@ -307,13 +309,13 @@ def test_send_argv_rsyncd_and_ssh(tmp_path):
 
 def test_the_receiver_binds_the_link_address_only_with_rsyncd(tmp_path):
     dep, _ = deployment(tmp_path, {"spark1": Node(), "spark2": Node()}, "http://127.0.0.1:9")
-    st = model.Staged(f"/s/{'a' * 64}/model_node.py", f"/s/{'b' * 64}/spec.json")
+    st = model_ops.Staged(f"/s/{'a' * 64}/model_node.py", f"/s/{'b' * 64}/spec.json")
     w, path = dep.host("spark2"), dep.profile.model.path
-    assert _unwrap(model_sync.receive_argv(dep, w, st, ["10.77.1.1", "10.77.1.2"])) == [
+    assert _unwrap(sync_ops.receive_argv(dep, w, st, ["10.77.1.1", "10.77.1.2"])) == [
         "python3", st.script, "receive", "--dir", path, "--spec", st.spec, "--address",
         "10.77.1.2", "--port", "8730", "--allow", "10.77.1.1,10.77.1.2", "--max-connections", "10"]
     # over ssh: no daemon, the same check of each file as it lands
-    assert _unwrap(model_sync.receive_argv(dep, w, st, None)) == [
+    assert _unwrap(sync_ops.receive_argv(dep, w, st, None)) == [
         "python3", st.script, "receive", "--dir", path, "--spec", st.spec]
 
 
@@ -474,7 +476,7 @@ def test_the_downloader_stops_when_its_stdin_ends(tmp_path, lab_hub):
     import subprocess
 
     dep, _ = _dep(tmp_path, lab_hub)
-    meta, _ = model.metadata(dep)
+    meta, _ = model_ops.metadata(dep)
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({k: meta[k] for k in ("repo", "revision", "commit", "files")}))
     lab_hub.set_knobs(bandwidth_bps=2_000_000)  # 48 MB: ~25 s, far longer than the test
@@ -513,8 +515,8 @@ def test_steps_are_registered_for_the_graph():
 
 def test_metadata_is_cached_under_the_state_dir(tmp_path, lab_hub, token):
     dep, _ = _dep(tmp_path, lab_hub)
-    meta, note = model.metadata(dep)
-    path = dep.records.path(HubMetadata, model.cache_name(dep))
+    meta, note = model_ops.metadata(dep)
+    path = dep.records.path(HubMetadata, model_ops.cache_name(dep))
     cached = json.loads(path.read_text())
     assert note == "" and cached["data"]["files"] == meta["files"]
     assert path.parent == dep.state.path / "model"
@@ -523,7 +525,7 @@ def test_metadata_is_cached_under_the_state_dir(tmp_path, lab_hub, token):
 
 def test_plan_caps_what_each_node_sends_and_receives():
     files = ["a", "b", "c"]
-    plan = model_sync.Plan(need={"w1": list(files), "w2": list(files)},
+    plan = sync_ops.Schedule(need={"w1": list(files), "w2": list(files)},
                            holders={f: ["head"] for f in files}, sizes={"a": 3, "b": 2, "c": 1})
     # the head sends two streams in all, not two per receiver: one each, the files going round
     # the receivers (each then serves the other what it got)
@@ -534,10 +536,10 @@ def test_plan_caps_what_each_node_sends_and_receives():
 
 
 def test_plan_takes_a_file_only_from_a_node_that_holds_it_and_one_stream_per_receiver():
-    plan = model_sync.Plan(need={"w2": ["a", "c"]}, holders={"a": ["head", "w1"], "c": ["head"]})
+    plan = sync_ops.Schedule(need={"w2": ["a", "c"]}, holders={"a": ["head", "w1"], "c": ["head"]})
     # one stream into w2: the worker serves a; c waits for the free stream
     assert plan.next_transfers(streams=1, head="head") == [(("a",), "w1", "w2")]
-    plan = model_sync.Plan(need={"w2": ["a", "c"]}, holders={"a": ["head", "w1"], "c": ["head"]})
+    plan = sync_ops.Schedule(need={"w2": ["a", "c"]}, holders={"a": ["head", "w1"], "c": ["head"]})
     # two streams into w2: w1 sends only what it holds, the head sends the rest
     assert plan.next_transfers(streams=2, head="head") == [
         (("a",), "w1", "w2"), (("c",), "head", "w2")]
@@ -545,17 +547,17 @@ def test_plan_takes_a_file_only_from_a_node_that_holds_it_and_one_stream_per_rec
 
 
 def test_plan_passes_over_a_busy_worker_to_the_next_source():
-    plan = model_sync.Plan(need={"w2": ["a"], "w3": ["a"]}, holders={"a": ["head", "w1"]},
+    plan = sync_ops.Schedule(need={"w2": ["a"], "w3": ["a"]}, holders={"a": ["head", "w1"]},
                            out_load={"w1": 1})
     # w1 already sends its one stream; the head sent a once (w1 has it): w1 serves when free
     assert plan.next_transfers(streams=1, head="head") == []
     plan.out_load["w1"] = 0
     assert plan.next_transfers(streams=1, head="head") == [(("a",), "w1", "w2")]
     # a worker only the head's copy would serve (w1 lost): the head sends it again
-    plan = model_sync.Plan(need={"w2": ["a"]}, holders={"a": ["head", "w1"]},
+    plan = sync_ops.Schedule(need={"w2": ["a"]}, holders={"a": ["head", "w1"]},
                            lost={"w1": "unreachable"})
     assert plan.next_transfers(streams=1, head="head") == [(("a",), "head", "w2")]
-    plan = model_sync.Plan(need={"w2": ["a"]}, holders={"a": ["head", "w1", "w3"]},
+    plan = sync_ops.Schedule(need={"w2": ["a"]}, holders={"a": ["head", "w1", "w3"]},
                            out_load={"w1": 1})
     # of two workers, the less loaded one serves
     assert plan.next_transfers(streams=2, head="head") == [(("a",), "w3", "w2")]
@@ -565,14 +567,14 @@ def test_plan_passes_over_a_busy_worker_to_the_next_source():
 
 
 def test_a_plan_whose_receivers_all_failed_is_done():
-    plan = model_sync.Plan(need={"w1": ["a"], "w2": []})
+    plan = sync_ops.Schedule(need={"w1": ["a"], "w2": []})
     assert not plan.done()
     plan.failed["w1"] = "disk full"
     assert plan.done()
 
 
 def test_plan_a_lost_sender_serves_no_more_and_what_it_did_not_deliver_goes_again():
-    plan = model_sync.Plan(need={"w1": [], "w2": ["a", "b"], "w3": ["a"]},
+    plan = sync_ops.Schedule(need={"w1": [], "w2": ["a", "b"], "w3": ["a"]},
                            holders={"a": ["head", "w1"], "b": ["head"]})
     first = plan.next_transfers(streams=2, head="head")
     # w1 holds a: it serves a (the head sent it once); b only the head has
@@ -593,14 +595,14 @@ def test_plan_a_lost_sender_serves_no_more_and_what_it_did_not_deliver_goes_agai
 
 
 def test_plan_a_failed_receiver_is_no_sender():
-    plan = model_sync.Plan(need={"w1": ["b"], "w2": ["a"]}, holders={"a": ["head", "w1"]})
+    plan = sync_ops.Schedule(need={"w1": ["b"], "w2": ["a"]}, holders={"a": ["head", "w1"]})
     plan.failed["w1"] = "disk full on w1"
     assert plan.next_transfers(streams=1, head="head") == [(("a",), "head", "w2")]
 
 
 def test_plan_four_nodes_each_worker_serves_the_next_and_the_head_sends_once():
     files = list("abcd")
-    plan = model_sync.Plan(need={w: list(files) for w in ("w1", "w2", "w3")},
+    plan = sync_ops.Schedule(need={w: list(files) for w in ("w1", "w2", "w3")},
                            holders={f: ["head"] for f in files})
     sent_by: dict[str, int] = {}
     while not plan.done():
@@ -639,7 +641,7 @@ def test_the_receiver_expects_a_missing_file_again(tmp_path):
 
 def test_plan_the_head_feeds_every_worker_at_once_with_files_of_its_own():
     files = [f"s{i}" for i in range(6)]
-    plan = model_sync.Plan(need={w: list(files) for w in ("w1", "w2", "w3")},
+    plan = sync_ops.Schedule(need={w: list(files) for w in ("w1", "w2", "w3")},
                            holders={f: ["head"] for f in files}, sizes=dict.fromkeys(files, 1))
     first = plan.next_transfers(streams=4, head="head")
     # one stream from the head to each worker (4 // 3), the files going round them, none twice

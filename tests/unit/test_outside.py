@@ -15,6 +15,7 @@ import pytest
 from sparkdeploy import nodeops
 from sparkdeploy.lab import hub
 from sparkdeploy.lab.hub_repo import RepoFile
+from sparkdeploy.ops import model as model_ops
 from sparkdeploy.outside import OutsideError, request, validated
 from sparkdeploy.packaged import helper
 from sparkdeploy.records import HubMetadata
@@ -81,10 +82,10 @@ def test_a_hub_listing_an_unsafe_file_name_is_refused_before_the_node_is_touched
 def test_a_tampered_metadata_cache_is_never_used(tmp_path, hostile):
     silent = hostile(mode="silent")  # the hub does not answer: only the cache could serve
     dep, ctx = _dep(tmp_path, silent.url)
-    monkey_deadline = model.HUB_DEADLINE_S
-    model.HUB_DEADLINE_S = 0.3
+    monkey_deadline = model_ops.HUB_DEADLINE_S
+    model_ops.HUB_DEADLINE_S = 0.3
     try:
-        path = dep.records.path(HubMetadata, model.cache_name(dep))
+        path = dep.records.path(HubMetadata, model_ops.cache_name(dep))
         path.parent.mkdir(parents=True)
         path.write_text(json.dumps({"repo": "r/m", "revision": "main", "commit": COMMIT,
                                     "fetched_at": 1.0,
@@ -93,7 +94,7 @@ def test_a_tampered_metadata_cache_is_never_used(tmp_path, hostile):
         started = time.monotonic()
         [res] = model.download(dep)
     finally:
-        model.HUB_DEADLINE_S = monkey_deadline
+        model_ops.HUB_DEADLINE_S = monkey_deadline
     assert time.monotonic() - started < 2
     assert res.status is Status.FAILED and ctx.calls == []
     assert "no whole answer within 0.3s" in res.why
@@ -155,13 +156,13 @@ def test_the_token_reaches_a_plain_http_hub_only_when_the_profile_trusts_it(
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     srv = hostile(body=MODEL_INFO)
     dep, _ = _dep(tmp_path, srv.url, trust_http=trust)
-    meta, note = model.metadata(dep)
+    meta, note = model_ops.metadata(dep)
     assert [f["path"] for f in meta["files"]] == ["config.json"] and note == ""
     [headers] = srv.seen
     assert ("authorization" in headers) is sent
     if sent:
         assert headers["authorization"] == f"Bearer {TOKEN}"
-    token, why = model.hub_token(dep)
+    token, why = model_ops.hub_token(dep)
     assert (token == TOKEN) is sent
     assert ("plain http; model.trust_http: true trusts it" in why) is (not sent)
 
@@ -169,18 +170,18 @@ def test_the_token_reaches_a_plain_http_hub_only_when_the_profile_trusts_it(
 def test_the_token_goes_to_an_https_hub(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     dep, _ = _dep(tmp_path, "https://hub.example", trust_http=False)
-    assert model.hub_token(dep) == (TOKEN, "")
+    assert model_ops.hub_token(dep) == (TOKEN, "")
 
 
 def test_a_token_keeps_auto_out_of_community_images(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     dep, _ = _dep(tmp_path, "https://hub.example")
-    assert model.image_gets_no_token(dep)
+    assert model_ops.image_gets_no_token(dep)
     dep, _ = _dep(tmp_path / "b", "https://hub.example", token_to_image=True)
-    assert not model.image_gets_no_token(dep)
-    monkeypatch.setattr(model, "controller_token", lambda: None)
+    assert not model_ops.image_gets_no_token(dep)
+    monkeypatch.setattr(model_ops, "controller_token", lambda: None)
     dep, _ = _dep(tmp_path / "c", "https://hub.example")
-    assert not model.image_gets_no_token(dep)  # no token: an image is as good as the venv
+    assert not model_ops.image_gets_no_token(dep)  # no token: an image is as good as the venv
 
 
 # --- deadlines --------------------------------------------------------------------------------
@@ -286,7 +287,7 @@ def test_a_helper_answer_that_does_not_fit_is_one_line(printed, why):
     local = Host(Node(name="spark1", role="head", ssh=None, privilege="none",
                       link=Link(interface="e0", address="10.0.0.1")))
     with pytest.raises(nodeops.HelperFailed) as e:  # the real helper staged, its answer faked
-        nodeops.run_helper(local, "model_node.py", [], result=model.NodeState,
+        nodeops.run_helper(local, "model_node.py", [], result=model_ops.NodeState,
                            where="spark1: model_node.py verify",
                            wrap=lambda _: [sys.executable, "-c", f"print({printed!r})"])
     line = str(e.value)
@@ -298,13 +299,13 @@ def test_a_helper_answer_that_does_not_fit_is_one_line(printed, why):
                                             ({}, None)])
 def test_a_receivers_ready_line_names_its_daemons_port_or_none(said, port):
     # None: no daemon listens, the ssh transport carries the files (what the helper says then)
-    assert validated(model.ReadyReport, said, "spark2: receive: ready").port == port
+    assert validated(model_ops.ReadyReport, said, "spark2: receive: ready").port == port
 
 
 @pytest.mark.parametrize("said", [{"port": 0}, {"port": 70000}, {"port": "x"}])
 def test_a_ready_line_with_a_port_that_is_no_port_is_one_line(said):
     with pytest.raises(OutsideError) as e:
-        validated(model.ReadyReport, said, "spark2: receive: ready")
+        validated(model_ops.ReadyReport, said, "spark2: receive: ready")
     assert str(e.value).startswith("spark2: receive: ready: port: ") and "\n" not in str(e.value)
 
 
@@ -326,7 +327,7 @@ def test_a_failed_helper_says_its_last_error_line_not_its_progress():
     seen: list[dict[str, str]] = []
     say = "import sys; sys.stderr.write('progress bytes=3 total=9\\nerror: no room\\nprogress bytes=4\\n'); sys.exit(3)"
     with pytest.raises(nodeops.HelperFailed) as e:
-        nodeops.run_helper(local, "model_node.py", [], result=model.NodeState, where="spark1: x",
+        nodeops.run_helper(local, "model_node.py", [], result=model_ops.NodeState, where="spark1: x",
                            wrap=lambda _: [sys.executable, "-c", say], on_progress=seen.append)
     assert str(e.value) == "spark1: x: no room"
     assert seen == [{"bytes": "3", "total": "9"}, {"bytes": "4"}]
@@ -335,7 +336,7 @@ def test_a_failed_helper_says_its_last_error_line_not_its_progress():
 @pytest.mark.parametrize("printed", ["", "not json", '{"ip": "10.0.0.1"}', '[{"ip": 5}]',
                                      '[{"ip": "10.0.0.1", "gpus": "NaN"}]'])
 def test_a_ray_probe_answer_that_does_not_fit_lists_no_node(printed):
-    from sparkdeploy.steps import serve
+    from sparkdeploy.ops import serve
 
     assert serve.ray_nodes(f"noise\n{printed}", "spark1") == []
     [n] = serve.ray_nodes('[{"ip": "10.0.0.1", "gpus": 1, "x": 2}]', "spark1")
@@ -350,8 +351,8 @@ def test_a_ray_probe_answer_that_does_not_fit_lists_no_node(printed):
     ("[]", "not a JSON object (list)"),
 ])
 def test_node_facts_that_do_not_fit_are_one_line(printed, why):
+    from sparkdeploy.ops.serve_preflight import FactsAnswer
     from sparkdeploy.outside import last_line
-    from sparkdeploy.steps.serve_preflight import FactsAnswer
 
     with pytest.raises(OutsideError) as e:
         last_line(FactsAnswer, printed, "spark1: serve_node.py facts")

@@ -507,7 +507,7 @@ class _Trickle(io.RawIOBase):
 
 def test_short_reads_give_the_same_output():
     arc, raw, diff_ids, paths = _oci()
-    plan = sf.Plan(diff_ids[:1], diff_ids, [])
+    plan = sf.Drops(diff_ids[:1], diff_ids, [])
     out = io.BytesIO()
     f = sf.Filter(plan, _Trickle(raw), out, err=io.StringIO())
     f.run()
@@ -534,7 +534,7 @@ def test_a_dropped_or_large_kept_member_is_not_held_in_memory():
             pass
 
     src, sink = io.BytesIO(raw), Sink()
-    f = sf.Filter(sf.Plan(["sha256:" + "a" * 64], None, []), src, sink, err=io.StringIO())
+    f = sf.Filter(sf.Drops(["sha256:" + "a" * 64], None, []), src, sink, err=io.StringIO())
     tracemalloc.start()
     try:
         f.run()
@@ -636,7 +636,7 @@ def _oci(n=2):
 
 def _progress(raw: bytes, period: float) -> tuple[list[str], "sf.Filter"]:
     err = io.StringIO()
-    f = sf.Filter(sf.Plan([], None, []), io.BytesIO(raw), io.BytesIO(), progress=period, err=err)
+    f = sf.Filter(sf.Drops([], None, []), io.BytesIO(raw), io.BytesIO(), progress=period, err=err)
     f.run()
     return err.getvalue().splitlines(), f
 

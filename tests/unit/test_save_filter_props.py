@@ -33,7 +33,7 @@ def archive(layout: str, idx: list[int]) -> tuple[bytes, list[str]]:
 
 
 def run(raw: bytes, layers: list[str], have: list[str]) -> tuple[bytes, dict]:
-    plan = sf.Plan(have, layers, [])
+    plan = sf.Drops(have, layers, [])
     out, err = io.BytesIO(), io.StringIO()
     f = sf.Filter(plan, io.BytesIO(raw), out, err=err)
     f.run()

@@ -63,8 +63,8 @@ def lab(tmp_path, monkeypatch, seed_yaml):
     meta = {"repo": MODEL, "revision": "main", "commit": "c" * 40, "files": [
         {"path": p, "size": 10, "sha256": None, "oid": "0" * 40}
         for p in ("config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")]}
-    from sparkdeploy.steps import model
-    monkeypatch.setattr(model, "metadata", lambda dep, refresh=True: (meta, ""))
+    from sparkdeploy.ops import model as model_ops
+    monkeypatch.setattr(model_ops, "metadata", lambda dep, refresh=True: (meta, ""))
     ctx = ServeContext(nodes)
     dep = deployment(prof_path, tmp_path / "state", ctx, clock=clock, profile=prof)
     return dep, ctx, nodes, cluster, clock

@@ -127,7 +127,7 @@ def _diff_id(value):
     return value
 
 
-class Plan:
+class Drops:
     """What to drop, decided before the archive is read."""
 
     def __init__(self, have, layers, drop_paths):
@@ -457,7 +457,7 @@ def parse_args(argv):
         p.error(str(exc))
     if args.progress is not None and args.progress <= 0:
         p.error("--progress must be > 0")
-    return args, Plan(have, layers, drops)
+    return args, Drops(have, layers, drops)
 
 
 MIN_PYTHON = (3, 8)

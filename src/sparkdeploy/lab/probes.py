@@ -22,13 +22,12 @@ from pathlib import Path
 from invoke import Config, Context
 
 from sparkdeploy.config import ProfileError
-from sparkdeploy.deployment import from_context
+from sparkdeploy.deployment import DEFAULTS, from_context
 from sparkdeploy.events import rendering
 from sparkdeploy.lab.hub_repo import model_config
 from sparkdeploy.nodeops import NodeUnreachable, docker
 from sparkdeploy.packaged import helper
 from sparkdeploy.steps.registry import run_one
-from sparkdeploy.tasks import ns
 
 
 def _config_dir(given: str | None) -> str:
@@ -62,7 +61,7 @@ def config(expect: str, config_dir: str | None) -> int:
 def images(image: str | None, profile: str | None) -> int:
     # invoke's config as a task sees it: the collection's defaults, then INVOKE_SPARKDEPLOY_*
     cfg = Config()
-    cfg.load_collection(ns.configuration())
+    cfg.load_collection({"sparkdeploy": dict(DEFAULTS)})
     cfg.load_shell_env()
     try:
         dep = from_context(Context(cfg), profile)

@@ -23,12 +23,13 @@ import sys
 import time
 from pathlib import Path
 
+from sparkdeploy import plan as plans
 from sparkdeploy.deployment import DEFAULTS, Deployment, load
 from sparkdeploy.events import PlainRenderer
 from sparkdeploy.lab import hub, layout
+from sparkdeploy.plan import PlanRun
 from sparkdeploy.records import PlanMemory
-from sparkdeploy.runner import Outcome, Runner, longest_chain
-from sparkdeploy.steps import deploy as plans
+from sparkdeploy.runner import Runner, longest_chain
 
 ROOT = Path(__file__).resolve().parents[3]
 PROFILE = ROOT / "configs" / "lab.yaml"
@@ -65,7 +66,7 @@ def fresh(dep: Deployment) -> None:
     dep.records.remove(PlanMemory, f"deploy-{dep.profile.name}")
 
 
-def deploy(dep: Deployment, serial: bool, bench: bool = True) -> tuple[Outcome, list]:
+def deploy(dep: Deployment, serial: bool, bench: bool = True) -> tuple[PlanRun, list]:
     steps = plans.plan(dep, bench=bench)
     out = Runner(dep, steps, serial=serial).run()
     bad = [f"{n}: {r.why}" for n, r in out.runs.items() if r.state == "failed"]

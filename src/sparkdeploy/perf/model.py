@@ -29,6 +29,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from sparkdeploy.deployment import DEFAULTS, Deployment, load
+from sparkdeploy.ops import model as model_ops
 from sparkdeploy.steps import model, model_sync, model_verify
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -101,8 +102,8 @@ def measure(dep: Deployment, srv) -> dict[str, float]:
     for h in dep.hosts.values():  # show every command with its time (where the seconds go)
         if h.ctx is not None:
             h.ctx.config.run.echo = True
-    meta, _ = model.metadata(dep)
-    total = model.total_bytes(meta)
+    meta, _ = model_ops.metadata(dep)
+    total = model_ops.total_bytes(meta)
     _say(f"{len(meta['files'])} files, {total / 1e9:.2f} GB, hub limited to {LIMIT_BPS / 1e6:.0f} MB/s")
 
     # -- download and sync started together

@@ -28,8 +28,8 @@ from sparkdeploy.deployment import DEFAULTS, Deployment, load
 from sparkdeploy.events import PlainRenderer
 from sparkdeploy.helpers import serve_watchdog as wd
 from sparkdeploy.lab import faults
+from sparkdeploy.ops.serve_watch import read_restarts
 from sparkdeploy.steps.registry import run_one
-from sparkdeploy.steps.serve_watch import read_restarts
 
 ROOT = Path(__file__).resolve().parents[3]
 PROFILE = ROOT / "configs" / "lab.yaml"

@@ -29,7 +29,7 @@ from sparkdeploy.discover import (
 from sparkdeploy.discovered import Found, render
 from sparkdeploy.files import write_atomic
 from sparkdeploy.hosts import Host, HostError, NodeUnreachable
-from sparkdeploy.steps.hosts import probe_hosts
+from sparkdeploy.ops.hosts import probe_hosts
 from sparkdeploy.steps.registry import StepContext, step
 
 STEP = "cluster.discover"

@@ -9,10 +9,10 @@ from pathlib import Path
 
 from invoke import Context
 
-from sparkdeploy.config import Node, SshSettings
+from sparkdeploy.config import SshSettings
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.events import EventSink
 from sparkdeploy.hosts import Host
+from sparkdeploy.ops.hosts import probe_hosts
 from sparkdeploy.steps.registry import StepContext, step
 
 STEP_CHECK = "hosts.check"
@@ -63,16 +63,6 @@ def ssh_known_hosts(host: Host) -> Path:
     ``UserKnownHostsFile``, else ``~/.ssh/known_hosts``)."""
     files = host.ssh_view().get("userknownhostsfile", "").split()
     return Path(os.path.expanduser(files[0] if files else "~/.ssh/known_hosts"))
-
-
-def probe_hosts(nodes: list[tuple[str, str]], ssh: SshSettings, runner: Context | None,
-                events: EventSink) -> list[Host]:
-    """A ``Host`` per (name, ssh alias), the first the head, before any profile exists: its node
-    has no link yet (nothing that runs without a profile reads one); host keys are checked as
-    for any node."""
-    return [Host(Node.model_construct(name=name, role="head" if i == 0 else "worker", ssh=alias,
-                                      link=None), ssh, runner, None, events)
-            for i, (name, alias) in enumerate(nodes)]
 
 
 @step(STEP_TRUST)

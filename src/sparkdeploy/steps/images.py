@@ -37,13 +37,13 @@ from sparkdeploy.nodeops import (
     stage,
     stage_script,
 )
+from sparkdeploy.ops.image import STEP_BUILD
 from sparkdeploy.records import ImageDecision, Written, markdown_table
 from sparkdeploy.results import Result, Status, changed, failed, ok, skipped
 from sparkdeploy.steps.registry import StepContext, step
 
 STEP_PROBE = "image.probe"
 PROBE = "probe_image.py"
-STEP_BUILD = "image.build"
 LABEL_BASE_ID = lbl.BASE_ID
 LABEL_TF = lbl.TRANSFORMERS
 LABEL_DOCKERFILE = lbl.DOCKERFILE
@@ -290,17 +290,6 @@ def write_record(dep: Deployment, record: dict[str, Any]) -> Written:
     """The decision as ``ImageDecision`` (``<state_dir>/decisions/<profile>/image-probe.{json,md}``)."""
     return dep.records.write(ImageDecision.model_validate(record), markdown=probe_markdown(record),
                              title=f"Image decision for {dep.profile.name}")
-
-
-def decision(dep: Deployment) -> ImageDecision | None:
-    """What image.probe last decided (None before it has)."""
-    return dep.records.read(ImageDecision)
-
-
-def chosen_image(dep: Deployment) -> str | None:
-    """The image the decision record says to serve, if image.probe chose one."""
-    rec = decision(dep)
-    return rec.chosen.serve_image if rec and rec.chosen else None
 
 
 # -- build -------------------------------------------------------------------------------------

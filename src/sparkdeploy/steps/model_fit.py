@@ -23,7 +23,7 @@ from sparkdeploy.fit import Check, FitError
 from sparkdeploy.hosts import Host
 from sparkdeploy.memory import NodeMemory
 from sparkdeploy.nodeops import HelperFailed
-from sparkdeploy.steps.model import ModelError, metadata
+from sparkdeploy.ops.model import ModelError, metadata
 from sparkdeploy.steps.registry import StepContext, step
 
 FIT = "model.fit"

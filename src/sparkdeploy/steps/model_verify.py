@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from sparkdeploy.hosts import Host
-from sparkdeploy.results import Result, changed, failed, ok, skipped
-from sparkdeploy.steps.model import (
+from sparkdeploy.ops.model import (
     DOWNLOAD,
     VERIFY,
     ModelError,
+    describe_bad,
     download_on,
     in_gb,
     metadata,
@@ -21,7 +21,8 @@ from sparkdeploy.steps.model import (
     stage_for,
     total_bytes,
 )
-from sparkdeploy.steps.model_sync import SYNC, sync_files
+from sparkdeploy.ops.model_sync import SYNC, sync_files
+from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.registry import StepContext, step
 
 
@@ -35,13 +36,6 @@ def verify(ctx: StepContext, node: str | None = None, repair: bool = False) -> N
         ctx.failed(str(e))
         return
     ctx.each(dep.select(node), lambda host: ctx.report(verify_on(ctx, host, meta, note, repair)))
-
-
-def describe_bad(state: dict[str, Any], limit: int = 3) -> str:
-    bad = [(p, "missing") for p in state["missing"]] + list(state["differ"].items())
-    shown = ", ".join(f"{p} ({why})" for p, why in bad[:limit])
-    more = f" and {len(bad) - limit} more" if len(bad) > limit else ""
-    return f"{len(bad)} files differ: {shown}{more}"
 
 
 def verify_on(ctx: StepContext, host: Host, meta: dict[str, Any], note: str = "",

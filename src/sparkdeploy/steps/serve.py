@@ -20,28 +20,19 @@ of a success is ``endpoint: http://<address>:<port>``.
 
 from __future__ import annotations
 
-import re
-import time
-from functools import partial
-from pathlib import Path
 from typing import Any
-
-from pydantic import BaseModel, Field, RootModel
 
 from sparkdeploy import endpoint as ep
 from sparkdeploy import labels
 from sparkdeploy.config import Engine, ProfileError
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.engines import EngineError, Launch, Stage, launch
-from sparkdeploy.engines.base import API_KEY_ENV, run_args, secret_lines
+from sparkdeploy.engines import EngineError, launch
+from sparkdeploy.engines.base import API_KEY_ENV
 from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import HelperFailed, NodeUnreachable, docker, run_helper
-from sparkdeploy.outside import OutsideError, last_line
-from sparkdeploy.records import Endpoint, ServeDecision, markdown_table
-from sparkdeploy.results import Result
-from sparkdeploy.steps import serve_preflight
-from sparkdeploy.steps.registry import StepContext, step
-from sparkdeploy.steps.serve_containers import (
+from sparkdeploy.nodeops import NodeUnreachable, docker
+from sparkdeploy.ops import serve_preflight
+from sparkdeploy.ops.serve import STEP_UP, Run, bring_up, ray_nodes, start
+from sparkdeploy.ops.serve_containers import (
     RAY_PROBE,
     Serving,
     active,
@@ -51,145 +42,24 @@ from sparkdeploy.steps.serve_containers import (
     serving,
     stop_units,
 )
-from sparkdeploy.steps.serve_watch import (
+from sparkdeploy.ops.serve_watch import (
     EngineFailed,
     Stalled,
-    StartFailed,
     Watch,
     describe,
     full_log,
     read_restarts,
 )
+from sparkdeploy.records import Endpoint, ServeDecision, markdown_table
+from sparkdeploy.results import Result
+from sparkdeploy.steps.registry import StepContext, step
 
-STEP_UP = "serve.up"
 STEP_DOWN = "serve.down"
 STEP_STATUS = "serve.status"
 STEP_LOGS = "serve.logs"
 
 # --- one engine ---------------------------------------------------------------------------
 
-
-class Run:
-    """One ``serve.up``: its directory under the state dir, secrets, the attempts so far."""
-
-    def __init__(self, dep: Deployment):
-        self.dep = dep
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        self.dir = dep.state.path / "runs" / f"{stamp}-serve.up"
-        key = ep.api_key()
-        self.secrets = {"VLLM_API_KEY": key, API_KEY_ENV: key} if key else {}
-        self.attempts: list[dict[str, Any]] = []
-
-    def save_logs(self, engine: str, logs: dict[str, list[str]]) -> Path:
-        d = self.dir / engine
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
-        for label, lines in logs.items():
-            (d / label).write_text("\n".join(lines) + ("\n" if lines else ""))
-        return d
-
-
-def start(dep: Deployment, host: Host, spec: Any, secrets: dict[str, str]) -> None:
-    lines = secret_lines(spec, secrets)
-    argv = docker(host, *run_args(spec, env_file="/dev/stdin" if lines else None,
-                                  started=labels.started(STEP_UP, dep.wall())))
-    r = host.run(argv, input=lines if lines else None, timeout=300)
-    if not r.ok:
-        raise StartFailed(f"{host.name}: docker run {spec.name}: {r.one_line_error()}", "start")
-
-
-def _dist_port_open(dep: Deployment, lau: Launch) -> bool:
-    """The head's init port answers, seen from the first worker over the fast link."""
-    worker = next(c.node for c in lau.containers if c.node != lau.head)
-    w = dep.host(worker)
-    head_addr = dep.profile.node(lau.head).link.address
-    try:
-        return run_helper(w, serve_preflight.HELPER, [
-            "connect", "--addr", head_addr, "--port", str(lau.wait_port), "--source",
-            dep.profile.node(worker).link.address], result=_Open, where=f"{worker}: connect",
-            timeout=30).open
-    except HelperFailed:
-        return False
-
-
-class _Open(BaseModel):
-    open: bool = False
-
-
-class RayNode(BaseModel):
-    ip: str
-    gpus: float = Field(ge=0, allow_inf_nan=False)
-
-
-class _RayNodes(RootModel[list[RayNode]]):
-    pass
-
-
-def ray_nodes(stdout: str, node: str) -> list[RayNode]:
-    """The nodes the Ray probe lists ([] when its answer is not such a list)."""
-    try:
-        return last_line(_RayNodes, stdout, f"{node}: the Ray probe").root
-    except OutsideError:
-        return []
-
-
-def _ray_nodes(dep: Deployment, lau: Launch, watch: Watch) -> bool:
-    head = dep.host(lau.head)
-    ray_head = lau.stages[0].containers[0].name
-    r = head.run(docker(head, "exec", ray_head, "python3", "-c", RAY_PROBE), change=False, timeout=60)
-    seen = ray_nodes(r.stdout, head.name) if r.ok else []
-    want = {n.link.address: n.gpus for n in dep.profile.nodes}
-    have = {s.ip: s.gpus for s in seen if s.ip in want}
-    if len(have) > watch.__dict__.setdefault("_ray_seen", 0):
-        watch.__dict__["_ray_seen"] = len(have)
-        watch.progress(f"Ray lists {len(have)} of {len(want)} node(s)")
-    return all(have.get(a, 0) >= g for a, g in want.items())
-
-
-def _ranks_joined(stage: Stage, watch: Watch) -> bool:
-    """Every container of the stage printed its ``joined`` line (each one new is a step)."""
-    rx = re.compile(stage.joined or r"$^")
-    names = {c.name for c in stage.containers}
-    joined = {f.spec.name for f in watch.followed
-              if f.spec.name in names and any(rx.search(line) for line in f.lines)}
-    seen = watch.__dict__.setdefault("_joined", set())
-    for name in sorted(joined - seen):
-        watch.progress(f"{name} joined")
-    seen |= joined
-    return joined == names
-
-
-def bring_up(dep: Deployment, lau: Launch, run: Run, watch: Watch) -> str:
-    """Start the stages and wait through the phases; the endpoint URL, or EngineFailed."""
-    s = dep.profile.serve
-    end = dep.clock() + s.ready_timeout_s
-
-    def left() -> float:
-        return end - dep.clock()
-
-    for stage in lau.stages:
-        for spec in stage.containers:
-            host = dep.host(spec.node)
-            start(dep, host, spec, run.secrets)
-            watch.add(host, spec)
-        names = ", ".join(c.name for c in stage.containers)
-        watch.phase(f"{names} running", lambda: True, left())
-        if stage.wait == "dist-port":
-            addr = f"{dep.profile.node(lau.head).link.address}:{lau.wait_port}"
-            watch.phase(f"the head's init port {addr}", lambda: _dist_port_open(dep, lau), left())
-        elif stage.wait == "ray-nodes":
-            watch.phase("Ray listing every node with its GPU",
-                        lambda: _ray_nodes(dep, lau, watch), left())
-        elif stage.wait == "ranks-joined":
-            watch.phase(f"{names}: rank joined", partial(_ranks_joined, stage, watch), left())
-    addr = ep.controller_address(dep.host(lau.head))
-    url = f"http://{addr}:{lau.port}"
-    watch.phase(f"port {addr}:{lau.port} open", lambda: ep.port_open(addr, lau.port), left())
-    watch.phase(f"{url}/health", lambda: ep.health(url), left())
-    watch.phase(f"/v1/models listing {lau.served_model}",
-                lambda: lau.served_model in ep.models(url), left())
-    watch.phase("a streamed chat completion", lambda: ep.stream_chat(url, lau.served_model),
-                left())
-    return url
 
 
 def try_engine(ctx: StepContext, engine: Engine, run: Run) -> str | None:

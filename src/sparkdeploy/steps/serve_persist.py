@@ -27,7 +27,6 @@ here and sent over stdin), with which they authenticate each other on the fast l
 
 from __future__ import annotations
 
-import hashlib
 import json
 import secrets
 from dataclasses import dataclass, field
@@ -37,15 +36,21 @@ from sparkdeploy import checks, labels
 from sparkdeploy import endpoint as ep
 from sparkdeploy.config import Engine
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.engines import EngineError, Launch, NodeFacts, launch
+from sparkdeploy.engines import EngineError, Launch
 from sparkdeploy.engines.base import API_KEY_ENV, profile_secrets, run_args
 from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import NODE_STATE, NodeUnreachable, docker, inspect_image
-from sparkdeploy.packaged import helper
-from sparkdeploy.results import Result, changed, ok
-from sparkdeploy.steps.registry import StepContext, step
-from sparkdeploy.steps.serve import Run, bring_up
-from sparkdeploy.steps.serve_containers import (
+from sparkdeploy.nodeops import NODE_STATE, NodeUnreachable, docker
+from sparkdeploy.ops.serve import (
+    Run,
+    bring_up,
+    drop_previous,
+    engine_of,
+    file_sum,
+    put_file,
+    restore_files,
+    running_launch,
+)
+from sparkdeploy.ops.serve_containers import (
     RAY_PROBE,
     UNIT_DIR,
     active,
@@ -54,7 +59,10 @@ from sparkdeploy.steps.serve_containers import (
     remove,
     unit_name,
 )
-from sparkdeploy.steps.serve_watch import EngineFailed, Watch, policy
+from sparkdeploy.ops.serve_watch import EngineFailed, Watch, policy
+from sparkdeploy.packaged import helper
+from sparkdeploy.results import Result, changed, ok
+from sparkdeploy.steps.registry import StepContext, step
 from sparkdeploy.wait import WaitTimeout, wait_for
 
 STEP_PERSIST = "serve.persist"
@@ -142,28 +150,6 @@ def group_spec(dep: Deployment, lau: Launch, host: Host) -> dict[str, Any]:
     }
 
 
-def put_file(host: Host, path: str, content: str, mode: str = "0644") -> bool:
-    """Write ``content`` at ``path`` on the node (atomically, through stdin: never in argv)
-    unless it is already there; True when written. The version it replaces is kept as
-    ``<path>.previous`` until the hand-over ends (``restore_files`` puts it back,
-    ``drop_previous`` removes it)."""
-    if file_sum(host, path) == hashlib.sha256(content.encode()).hexdigest():
-        return False
-    script = ('umask 077 && mkdir -p -- "$(dirname -- "$1")" && rm -f -- "$1.previous" '
-              '&& { [ ! -e "$1" ] || cp -p -- "$1" "$1.previous"; } '
-              '&& cat > "$1.part" && chmod "$2" "$1.part" && mv -f -- "$1.part" "$1"')
-    w = host.run(["sh", "-c", script, "sh", path, mode], sudo=True, input=content)
-    if not w.ok:
-        raise NodeUnreachable(host.name, f"cannot write {path}: {w.one_line_error()}")
-    return True
-
-
-def file_sum(host: Host, path: str) -> str | None:
-    """The sha256 of a file on the node (read as root: the specs and the key are 0600)."""
-    r = host.run(["sha256sum", "--", path], change=False, sudo=True)
-    return r.stdout.split()[0] if r.ok and r.stdout.split() else None
-
-
 def group_key(eng: Engine, hosts: list[Host]) -> str | None:
     """None when every node holds one and the same group key already; else a new key, for all
     (the supervisors authenticate each other with it)."""
@@ -173,17 +159,6 @@ def group_key(eng: Engine, hosts: list[Host]) -> str | None:
 
 def key_path(eng: Engine) -> str:
     return f"{NODE_DIR}/{eng.name}.key"
-
-
-def restore_files(host: Host, paths: list[str]) -> bool:
-    """Each of ``paths`` back to the version ``put_file`` kept, or gone when there was none."""
-    script = ('for f; do if [ -e "$f.previous" ]; then mv -f -- "$f.previous" "$f"; '
-              'else rm -f -- "$f"; fi; done')
-    return host.run(["sh", "-c", script, "sh", *paths], sudo=True).ok
-
-
-def drop_previous(host: Host, paths: list[str]) -> None:
-    host.run(["rm", "-f", "--", *(f"{p}.previous" for p in paths)], sudo=True)
 
 
 @dataclass(eq=False)
@@ -199,27 +174,6 @@ class Handover:
 
 def _enabled(host: Host, unit: str) -> bool:
     return host.run(["systemctl", "is-enabled", "--", unit], change=False).stdout.strip() == "enabled"
-
-
-def engine_of(dep: Deployment, name: str | None) -> Engine | None:
-    """The engine named, else the one ``serve.up`` recorded."""
-    if name is None:
-        rec = ep.recorded(dep.records)
-        name = rec.engine if rec else None
-    return next((e for e in dep.profile.engines if e.name == name), None)
-
-
-def running_launch(dep: Deployment, eng: Engine) -> Launch:
-    """The engine's containers as ``serve.up`` starts them on these nodes (their GID index and
-    RDMA devices read afresh); EngineError when the profile cannot launch it."""
-    from sparkdeploy.steps.serve_preflight import node_facts
-
-    facts = {}
-    for n in dep.profile.nodes:
-        got = node_facts(dep, dep.host(n.name), [], [])
-        facts[n.name] = NodeFacts(got["gid"]["index"], bool(got["rdma_devices"]))
-    image = inspect_image(dep.host(dep.profile.head.name), eng.image) or {}
-    return launch(dep.profile, eng, facts, image_id=image.get("Id"))
 
 
 def _wait_endpoint(ctx: StepContext, lau: Launch) -> str:

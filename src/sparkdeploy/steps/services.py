@@ -15,14 +15,13 @@ reverse order and then forgets them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from pydantic import BaseModel
 
 from sparkdeploy import labels
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Host, HostError, NodeUnreachable
 from sparkdeploy.nodeops import NODE_STATE, docker, read_node_file, write_node_file
+from sparkdeploy.ops.units import GpuProcess, gpu_processes, probe_units
 from sparkdeploy.outside import OutsideError, last_line
 from sparkdeploy.results import Result, changed, failed, ok, skipped
 from sparkdeploy.steps.registry import StepContext, step
@@ -32,60 +31,6 @@ STEP_STOP = "services.stop"
 STEP_GPU = "services.gpu-free"
 STEP_RESTORE = "services.restore"
 STEP_STATUS = "services.status"
-
-COMPUTE_APPS = [
-    "nvidia-smi",
-    "--query-compute-apps=pid,process_name,used_memory",
-    "--format=csv,noheader",
-]
-
-
-def list_units_argv(units: list[str]) -> list[str]:
-    return ["systemctl", "list-units", "--all", "--plain", "--no-legend", "--no-pager",
-            "--type=service", "--", *units]
-
-
-@dataclass(frozen=True)
-class GpuProcess:
-    pid: int
-    name: str
-    memory: str
-
-    def __str__(self) -> str:
-        return f"pid {self.pid} ({self.name})"
-
-
-def parse_list_units(text: str) -> dict[str, str]:
-    """``UNIT LOAD ACTIVE SUB DESCRIPTION`` lines -> {unit: active state}.
-
-    A unit that systemd reports as ``not-found`` counts as absent (left out)."""
-    states: dict[str, str] = {}
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        unit, load, active = parts[0].lstrip("●*"), parts[1], parts[2]
-        if load == "not-found" or not unit:
-            continue
-        states[unit] = active
-    return states
-
-
-def parse_compute_apps(text: str) -> list[GpuProcess]:
-    procs = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.lower().startswith("pid") or line.startswith("No running"):
-            continue
-        fields = [f.strip() for f in line.split(",")]
-        try:
-            pid = int(fields[0])
-        except ValueError:
-            continue
-        name = fields[1] if len(fields) > 1 else "?"
-        mem = fields[2] if len(fields) > 2 else "[N/A]"
-        procs.append(GpuProcess(pid, name, mem))
-    return procs
 
 
 class NodeStopped(BaseModel):
@@ -122,23 +67,6 @@ def _merge(previous: list[str], new: list[str], order: list[str]) -> list[str]:
     units = list(dict.fromkeys([*previous, *new]))
     rank = {u: i for i, u in enumerate(order)}
     return sorted(units, key=lambda u: (rank.get(u, len(order)), units.index(u)))
-
-
-def probe_units(host: Host, units: list[str]) -> tuple[dict[str, str] | None, str]:
-    """{unit: active state} for the units the node knows, or (None, error).
-
-    Raises ``NodeUnreachable`` when the node cannot be reached."""
-    r = host.run(list_units_argv(units), change=False)
-    if r.exit_code != 0:
-        return None, f"systemctl list-units failed: {r.one_line_error()}"
-    return parse_list_units(r.stdout), ""
-
-
-def gpu_processes(host: Host) -> tuple[list[GpuProcess] | None, str]:
-    r = host.run(COMPUTE_APPS, change=False)
-    if r.exit_code != 0:
-        return None, f"nvidia-smi failed: {r.one_line_error()}"
-    return parse_compute_apps(r.stdout), ""
 
 
 def gpu_holders(host: Host, procs: list[GpuProcess]) -> dict[int, labels.Container]:

@@ -59,9 +59,9 @@ from sparkdeploy.nodeops import (
     verified,
     watched,
 )
+from sparkdeploy.ops.image import STEP_BUILD, chosen_image
 from sparkdeploy.outside import OutsideError, loads
 from sparkdeploy.results import Result, changed, failed, ok, skipped
-from sparkdeploy.steps.images import STEP_BUILD, chosen_image
 from sparkdeploy.steps.registry import StepContext, step
 
 STEP = "image.ship"

@@ -17,11 +17,10 @@ from sparkdeploy.engines import EngineError, Launch
 from sparkdeploy.helpers import serve_watchdog as wd
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import docker, run_helper
+from sparkdeploy.ops.serve import Run, bring_up, drop_previous, engine_of, put_file, running_launch
+from sparkdeploy.ops.serve_containers import active, installed, remove, unit_name
+from sparkdeploy.ops.serve_watch import EngineFailed, Watch, full_log, policy, read_restarts
 from sparkdeploy.steps.registry import StepContext, step
-from sparkdeploy.steps.serve import Run, bring_up
-from sparkdeploy.steps.serve_containers import active, installed, remove, unit_name
-from sparkdeploy.steps.serve_persist import drop_previous, engine_of, put_file, running_launch
-from sparkdeploy.steps.serve_watch import EngineFailed, Watch, full_log, policy, read_restarts
 
 STEP_WATCH = "serve.watch"
 HELPER = "serve_watchdog.py"

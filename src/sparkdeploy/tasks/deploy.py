@@ -8,14 +8,16 @@ import sys
 from invoke import Collection
 from invoke.exceptions import Exit
 
+from sparkdeploy import plan as plans
 from sparkdeploy.config import ProfileError
 from sparkdeploy.endpoint import url as endpoint_url
 from sparkdeploy.events import rendering
 from sparkdeploy.hosts import HostError
+from sparkdeploy.plan import PlanRun
 from sparkdeploy.records import RecordError
-from sparkdeploy.runner import Outcome, PlanError, Runner, select
+from sparkdeploy.runner import PlanError, Runner, select
 from sparkdeploy.state import LockHeld
-from sparkdeploy.steps import deploy as plans
+from sparkdeploy.steps.deploy import purge_targets
 from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks._common import load
 from sparkdeploy.tasks._flags import task
@@ -49,7 +51,7 @@ def _run(c, profile, steps_for, name, *, serial=False, only=None, skip=None) -> 
     return dep, steps, out
 
 
-def _finish(out: Outcome) -> None:
+def _finish(out: PlanRun) -> None:
     bad = [n for n, r in out.runs.items() if r.state == "failed"]
     if bad:
         raise Exit(f"{len(bad)} step(s) failed: {', '.join(bad)}; run it again to resume", code=1)
@@ -91,7 +93,7 @@ def rollback(c, purge=False, yes=False, profile=None):
                 raise Exit("--purge removes weights and images: confirm with --yes when not on a "
                            "terminal", code=2)
             print("--purge will remove:")
-            for line in plans.purge_targets(dep):
+            for line in purge_targets(dep):
                 print(f"  {line}")
             if input("remove these? [y/N] ").strip().lower() not in ("y", "yes"):
                 raise Exit("nothing removed", code=1)

@@ -3,6 +3,7 @@
 from invoke import Collection
 
 from sparkdeploy import checks
+from sparkdeploy.ops.image import decision
 from sparkdeploy.steps import images
 from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks._common import run_step, table
@@ -13,7 +14,7 @@ def _probe_table(dep, results) -> None:
     """The candidates from the record this run wrote (none in a dry run or when it stopped
     before deciding)."""
     decided = any("chosen" in r.details for r in results) and not dep.dry
-    record = images.decision(dep) if decided else None
+    record = decision(dep) if decided else None
     if record:
         table("image candidates", images.PROBE_COLUMNS, images.probe_rows(record.model_dump()))
 

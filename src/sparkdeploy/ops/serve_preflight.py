@@ -20,9 +20,9 @@ from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import Launch, NodeFacts
 from sparkdeploy.hosts import Host, HostError
 from sparkdeploy.nodeops import NodeUnreachable, inspect_image, run_helper
+from sparkdeploy.ops import Ctx
+from sparkdeploy.ops.units import gpu_processes
 from sparkdeploy.results import Result
-from sparkdeploy.steps.registry import StepContext
-from sparkdeploy.steps.services import gpu_processes
 
 PART = "preflight"
 HELPER = "serve_node.py"
@@ -30,7 +30,7 @@ HELPER = "serve_node.py"
 
 @dataclass
 class Preflight:
-    ctx: StepContext
+    ctx: Ctx
     """The step the preflight is part of: each problem is one of its failed results."""
     facts: dict[str, NodeFacts] = field(default_factory=dict)
     ship_to: list[str] = field(default_factory=list)
@@ -113,7 +113,7 @@ def node_facts(dep: Deployment, host: Host, ports: list[int], peers: list[str]) 
 def _check_verified(dep: Deployment, host: Host, meta: dict[str, Any], pf: Preflight) -> None:
     """Every file of the model verified on the node, by ``model.verify``'s records (quick: no
     hashing here; a file changed since it was verified counts as not verified)."""
-    from sparkdeploy.steps import model, model_verify
+    from sparkdeploy.ops import model
 
     try:
         state = model.node_state(pf.ctx, host, model.stage_for(host, meta), quick=True)
@@ -123,7 +123,7 @@ def _check_verified(dep: Deployment, host: Host, meta: dict[str, Any], pf: Prefl
     bad = state["missing"] + list(state["differ"])
     if bad:
         pf.fail(host.name, f"weights not verified in {dep.profile.model.path}: "
-                f"{model_verify.describe_bad(state)} (model.verify, model.sync)")
+                f"{model.describe_bad(state)} (model.verify, model.sync)")
     elif state["unchecked"]:
         pf.fail(host.name, f"weights not verified in {dep.profile.model.path}: "
                 f"{len(state['unchecked'])} file(s) never verified (model.verify --node {host.name})")
@@ -132,7 +132,7 @@ def _check_verified(dep: Deployment, host: Host, meta: dict[str, Any], pf: Prefl
 def model_metadata(dep: Deployment) -> tuple[dict[str, Any] | None, str]:
     """The model's file list as ``model.download`` cached it (the hub when nothing is cached);
     (None, why) when neither answers: then the weights are checked for presence only."""
-    from sparkdeploy.steps import model
+    from sparkdeploy.ops import model
 
     try:
         meta, _ = model.metadata(dep, refresh=False)
@@ -199,7 +199,7 @@ def _check_images(dep: Deployment, ref: str, hosts: list[Host], pf: Preflight) -
     pf.ship_to = [n for n, i in ids.items() if i is None]
 
 
-def check(ctx: StepContext, engine: Engine, lau: Launch) -> Preflight:
+def check(ctx: Ctx, engine: Engine, lau: Launch) -> Preflight:
     """Check every node the launch uses, reporting as part of ``ctx``'s step; nothing is
     changed on any node."""
     dep = ctx.dep

@@ -21,7 +21,7 @@ from sparkdeploy.engines.base import ContainerSpec
 from sparkdeploy.helpers import serve_watchdog as wd
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import docker
-from sparkdeploy.steps.registry import StepContext
+from sparkdeploy.ops import Ctx
 from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 T = TypeVar("T")
@@ -103,7 +103,7 @@ def full_log(host: Host, name: str) -> list[str]:
 
 
 class Watch:
-    def __init__(self, ctx: StepContext, stall_s: float, poll_s: float):
+    def __init__(self, ctx: Ctx, stall_s: float, poll_s: float):
         self.ctx = ctx
         self.dep = dep = ctx.dep
         self.stall_s = stall_s

@@ -1,0 +1,80 @@
+"""A node's systemd units and the processes on its GPU, as probes read them: shared by the
+``services.*`` steps, ``serve.up``'s preflight and the deploy plan's fingerprints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sparkdeploy.hosts import Host
+
+COMPUTE_APPS = [
+    "nvidia-smi",
+    "--query-compute-apps=pid,process_name,used_memory",
+    "--format=csv,noheader",
+]
+
+
+def list_units_argv(units: list[str]) -> list[str]:
+    return ["systemctl", "list-units", "--all", "--plain", "--no-legend", "--no-pager",
+            "--type=service", "--", *units]
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    name: str
+    memory: str
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} ({self.name})"
+
+
+def parse_list_units(text: str) -> dict[str, str]:
+    """``UNIT LOAD ACTIVE SUB DESCRIPTION`` lines -> {unit: active state}.
+
+    A unit that systemd reports as ``not-found`` counts as absent (left out)."""
+    states: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        unit, load, active = parts[0].lstrip("●*"), parts[1], parts[2]
+        if load == "not-found" or not unit:
+            continue
+        states[unit] = active
+    return states
+
+
+def parse_compute_apps(text: str) -> list[GpuProcess]:
+    procs = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.lower().startswith("pid") or line.startswith("No running"):
+            continue
+        fields = [f.strip() for f in line.split(",")]
+        try:
+            pid = int(fields[0])
+        except ValueError:
+            continue
+        name = fields[1] if len(fields) > 1 else "?"
+        mem = fields[2] if len(fields) > 2 else "[N/A]"
+        procs.append(GpuProcess(pid, name, mem))
+    return procs
+
+
+
+def probe_units(host: Host, units: list[str]) -> tuple[dict[str, str] | None, str]:
+    """{unit: active state} for the units the node knows, or (None, error).
+
+    Raises ``NodeUnreachable`` when the node cannot be reached."""
+    r = host.run(list_units_argv(units), change=False)
+    if r.exit_code != 0:
+        return None, f"systemctl list-units failed: {r.one_line_error()}"
+    return parse_list_units(r.stdout), ""
+
+
+def gpu_processes(host: Host) -> tuple[list[GpuProcess] | None, str]:
+    r = host.run(COMPUTE_APPS, change=False)
+    if r.exit_code != 0:
+        return None, f"nvidia-smi failed: {r.one_line_error()}"
+    return parse_compute_apps(r.stdout), ""
