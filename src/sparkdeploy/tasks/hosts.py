@@ -3,7 +3,8 @@
 from invoke import Collection
 
 from sparkdeploy.steps.hosts import trust_aliases
-from sparkdeploy.tasks._common import run_step, stream
+from sparkdeploy.steps.registry import run_one
+from sparkdeploy.tasks._common import drive, run_step
 from sparkdeploy.tasks._flags import task, usage
 from sparkdeploy.tasks.cluster import nodes_flag, ssh_flag
 
@@ -34,8 +35,10 @@ def trust(c, node=None, yes=False, profile=None, nodes=None, ssh_config=None):
         return
     if node is not None or profile is not None:
         raise usage("--nodes", "takes no profile: not with --node or --profile")
-    stream("hosts.trust", trust_aliases, nodes_flag(nodes), ssh_flag(ssh_config), runner=c,
-           confirm=confirm, live=False)
+    pairs, ssh = nodes_flag(nodes), ssh_flag(ssh_config)
+    drive(c, "hosts.trust", lambda dep, events: run_one(
+        None, "hosts.trust", pairs, ssh, events=events, body=trust_aliases, runner=c,
+        confirm=confirm), deployment="none", live=False)
 
 
 ns = Collection("hosts", check, trust)

@@ -4,8 +4,9 @@ from invoke import Collection
 from invoke.exceptions import Exit
 
 from sparkdeploy.lab import faults, layout, lifecycle
+from sparkdeploy.steps.registry import StepContext, run_one
 from sparkdeploy.tasks import _flags as flags
-from sparkdeploy.tasks._common import render, stream
+from sparkdeploy.tasks._common import drive
 from sparkdeploy.tasks._flags import task
 
 
@@ -27,20 +28,22 @@ def up(c, nodes=None, dockerd=layout.DEFAULT_DOCKERD, seed_worker=False, mgmt_ne
     if mgmt_net not in (None, "fallback", *layout.MGMT_CANDIDATES):
         raise Exit(f"--mgmt-net: must be 'fallback' or one of {', '.join(layout.MGMT_CANDIDATES)}, "
                    f"not {mgmt_net!r}", code=2)
-    stream("lab.up", lambda ctx: lifecycle.up(nodes=n, flavor=dockerd, seed_worker=seed_worker,
-                                              mgmt_net=mgmt_net, ctx=ctx))
+    drive(c, "lab.up", lambda dep, events: lifecycle.up(
+        nodes=n, flavor=dockerd, seed_worker=seed_worker, mgmt_net=mgmt_net, events=events),
+        deployment="none")
 
 
 @task(default=True)
 def status(c):
     """Show the lab's nodes, addresses, daemons and images per node."""
-    stream("lab.status", lambda ctx: lifecycle.status(ctx=ctx))
+    drive(c, "lab.status", lambda dep, events: lifecycle.status(events=events),
+          deployment="none")
 
 
 @task
 def down(c):
     """Stop what the lab started and remove its namespaces, links, mounts and data (keeps caches)."""
-    stream("lab.down", lambda ctx: lifecycle.down(ctx=ctx))
+    drive(c, "lab.down", lambda dep, events: lifecycle.down(events=events), deployment="none")
 
 
 @task(help={"name": "sglang-hang (SGLang's ranks hang in init even when all is right), "
@@ -59,7 +62,12 @@ def fault(c, name, node=None):
     if node is not None and (name not in faults.ACTIONS or node not in faults.nodes()):
         raise flags.usage("--node", f"{node!r}: only with {' or '.join(faults.ACTIONS)}, and one "
                           f"of the lab's nodes ({', '.join(faults.nodes()) or 'none'})")
-    render(faults.set_fault(name, node=node), "lab.fault")
+    def body(ctx: StepContext) -> None:
+        for r in faults.set_fault(name, node=node):
+            ctx.report(r)
+
+    drive(c, "lab.fault", lambda dep, events: run_one(None, "lab.fault", events=events, body=body),
+          deployment="none", live=False)
 
 
 ns = Collection("lab", up, status, down, fault)

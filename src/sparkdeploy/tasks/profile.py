@@ -5,12 +5,13 @@ import json
 
 import yaml
 from invoke import Collection
-from invoke.exceptions import Exit
 
 from sparkdeploy import packaged
-from sparkdeploy.config import ProfileError, load_layered
+from sparkdeploy.config import load_layered
+from sparkdeploy.deployment import Deployment
 from sparkdeploy.overlays import REMOVED, UNSET, Merged, dotted
-from sparkdeploy.tasks._common import load
+from sparkdeploy.results import Result
+from sparkdeploy.tasks._common import drive
 from sparkdeploy.tasks._flags import task
 
 
@@ -42,18 +43,18 @@ def override_lines(merged: Merged) -> list[str]:
 def check(c, profile=None):
     """Validate the profile and print it with every default filled in (and, for a profile
     that extends others, which values each file overrides)."""
-    dep = load(c, profile)
-    p = dep.profile
-    try:
+    def show(dep: Deployment | None, results: list[Result]) -> None:
+        assert dep is not None
+        p = dep.profile
         _, merged = load_layered(dep.profile_path)
-    except ProfileError as e:
-        raise Exit(str(e), code=2) from None
-    print(f"# {dep.profile_path}: valid profile {p.name!r}: head {p.head.name}, "
-          f"workers {', '.join(n.name for n in p.workers) or 'none'}, "
-          f"{sum(n.gpus for n in p.nodes)} GPU(s), engines {', '.join(e.name for e in p.engines)}")
-    for line in override_lines(merged):
-        print(line)
-    print(yaml.safe_dump({"sparkdeploy": p.model_dump(mode="json")}, sort_keys=False), end="")
+        print(f"# {dep.profile_path}: valid profile {p.name!r}: head {p.head.name}, "
+              f"workers {', '.join(n.name for n in p.workers) or 'none'}, "
+              f"{sum(n.gpus for n in p.nodes)} GPU(s), engines {', '.join(e.name for e in p.engines)}")
+        for line in override_lines(merged):
+            print(line)
+        print(yaml.safe_dump({"sparkdeploy": p.model_dump(mode="json")}, sort_keys=False), end="")
+
+    drive(c, "profile.check", lambda dep, events: [], profile=profile, lock=False, show=show)
 
 
 @task

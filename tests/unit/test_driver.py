@@ -1,0 +1,96 @@
+"""The one task driver (``tasks/_common.drive``): every task loads, locks, renders, runs and
+maps errors to exit codes there, and nowhere else."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from invoke import Config, Context
+from invoke.exceptions import Exit
+
+from sparkdeploy.config import ProfileError
+from sparkdeploy.hosts import HostError
+from sparkdeploy.records import RecordError
+from sparkdeploy.results import Result, Status
+from sparkdeploy.runner import PlanError
+from sparkdeploy.state import LockHeld
+from sparkdeploy.tasks._common import drive
+from tests.unit.profiles import SEED
+
+TASKS = Path(__file__).resolve().parents[2] / "src" / "sparkdeploy" / "tasks"
+
+
+def context(tmp_path: Path, profile: Path | str = SEED) -> Context:
+    return Context(Config(overrides={"sparkdeploy": {"profile": str(profile),
+                                                     "state_dir": str(tmp_path / "state")}}))
+
+
+def test_only_the_driver_turns_an_error_into_an_exit():
+    """No task module but ``_common`` catches an error to raise ``Exit`` (``_flags`` turns bad
+    flag values into usage errors, which is no run's error)."""
+    found = []
+    for path in sorted(TASKS.glob("*.py")):
+        if path.name in ("_common.py", "_flags.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ExceptHandler):
+                raises = [n for n in ast.walk(node) if isinstance(n, ast.Raise)]
+                if any("Exit" in ast.unparse(r) for r in raises):
+                    found.append(f"{path.name}:{node.lineno}")
+    # lab.up's --dockerd check is a flag's usage error, the lab's own parse
+    assert found == ["lab.py:26"]
+
+
+@pytest.mark.parametrize("error,code", [
+    (ProfileError("p.yaml: nodes: empty"), 2), (PlanError("--only: no step 'x'"), 2),
+    (HostError("spark1: no route"), 1), (LockHeld("held by pid 7"), 1),
+    (RecordError("runs/x.json: not JSON"), 1),
+])
+def test_an_error_in_the_work_is_one_line_and_its_exit_status(tmp_path, error, code):
+    def work(dep, events):
+        raise error
+
+    with pytest.raises(Exit) as e:
+        drive(context(tmp_path), "t.x", work, lock=False)
+    assert (e.value.code, e.value.message) == (code, str(error))
+
+
+def test_a_failed_result_exits_1_naming_how_many(tmp_path, capsys):
+    def work(dep, events):
+        bad = Result("t.x", Status.FAILED, "broke", "spark1")
+        events.emit(bad)
+        return [bad, Result("t.x", Status.OK, "fine", "spark2")]
+
+    with pytest.raises(Exit) as e:
+        drive(context(tmp_path), "t.x", work, lock=False)
+    assert (e.value.code, e.value.message) == (1, "1 step(s) failed")
+
+
+def test_a_missing_profile_is_exit_2_unless_the_work_does_without(tmp_path):
+    c = context(tmp_path, tmp_path / "nope.yaml")
+    seen = []
+
+    def work(dep, events):
+        seen.append(dep)
+        return []
+
+    with pytest.raises(Exit) as e:
+        drive(c, "t.x", work)
+    assert e.value.code == 2 and "nope.yaml" in e.value.message and seen == []
+    drive(c, "t.x", work, deployment="optional")
+    drive(c, "t.x", work, deployment="none")
+    assert seen == [None, None]
+
+
+def test_the_lock_is_held_while_the_work_runs(tmp_path):
+    c = context(tmp_path)
+
+    def work(dep, events):
+        with pytest.raises(LockHeld):
+            with dep.state.lock("other"):
+                pass
+        return []
+
+    drive(c, "t.x", work)
