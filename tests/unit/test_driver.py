@@ -4,6 +4,7 @@ maps errors to exit codes there, and nowhere else."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,57 @@ def test_the_lock_is_held_while_the_work_runs(tmp_path):
         return []
 
     drive(c, "t.x", work)
+
+
+def results_of_a_run() -> list[Result]:
+    return [Result("services.stop", Status.CHANGED, "stopped glm", "spark1"),
+            Result("services.stop", Status.OK, "nothing to stop", "spark2"),
+            Result("serve.up", Status.FAILED, "sglang hang", "spark1-long-name"),
+            Result("serve.up", Status.CHANGED, "vllm-ray serves", None),
+            Result("serve.up", Status.SKIPPED, "dry run", "spark2"),
+            Result("link.check", Status.OK, "mtu 9000", "spark1")]
+
+
+def test_the_recap_counts_each_nodes_results_and_those_without_a_node_last():
+    from sparkdeploy.tasks._common import recap_lines
+
+    results = results_of_a_run()
+    results[2].superseded = True  # fallen back from: not counted, as for the exit status
+    assert recap_lines(results) == [
+        "recap:",
+        "  spark1           ok=1   changed=1   skipped=0   failed=0",
+        "  spark2           ok=1   changed=0   skipped=1   failed=0",
+        "  spark1-long-name ok=0   changed=0   skipped=0   failed=0",
+        "  -                ok=0   changed=1   skipped=0   failed=0",
+    ]
+    assert recap_lines([]) == []
+    assert recap_lines([Result("lab.up", Status.OK, "done", None)]) == [
+        "recap:", "  -        ok=1   changed=0   skipped=0   failed=0"]
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_every_run_ends_with_the_recap_after_the_results(tmp_path, capsys, monkeypatch, terminal):
+    import sys
+
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: terminal)
+
+    def work(dep, events):
+        results = results_of_a_run()
+        for r in results:
+            events.emit(r)
+        return results
+
+    with pytest.raises(Exit) as e:
+        drive(context(tmp_path), "t.x", work, lock=False)
+    assert e.value.message == "1 step(s) failed"
+    # on a terminal the live view moves the cursor as it closes: what shows is the text
+    out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", capsys.readouterr().out).splitlines()
+    assert out[-5:] == [
+        "recap:",
+        "  spark1           ok=1   changed=1   skipped=0   failed=0",
+        "  spark2           ok=1   changed=0   skipped=1   failed=0",
+        "  spark1-long-name ok=0   changed=0   skipped=0   failed=1",
+        "  -                ok=0   changed=1   skipped=0   failed=0",
+    ]
+    # the results came first, each once
+    assert sum("sglang hang" in line for line in out[:-5]) == 1

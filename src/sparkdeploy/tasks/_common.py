@@ -19,7 +19,7 @@ from invoke.exceptions import Exit
 from sparkdeploy.bench.client import BenchError
 from sparkdeploy.config import ProfileError
 from sparkdeploy.deployment import Deployment, from_context
-from sparkdeploy.events import EventSink, rendering
+from sparkdeploy.events import EventSink, printable, rendering
 from sparkdeploy.hosts import HostError
 from sparkdeploy.records import RecordError
 from sparkdeploy.results import Result
@@ -67,7 +67,9 @@ def drive(c: Context, name: str, work: Work, *, profile: str | None = None,
     against the profile, a plan shown before it runs), then ``work(dep, events)`` with its event
     stream rendered as it happens (live on a terminal, plain lines otherwise; ``live=False`` for
     work that asks questions) under the deployment's lock ``name`` (unless ``lock`` is False or
-    the run is dry), then ``show(dep, results)`` (tables, a record), the recap, and exit 1 with
+    the run is dry), then the recap (``recap``: per node, the counts of ok/changed/skipped/failed
+    results), then ``show(dep, results)`` (tables, a record, a profile printed last so that it
+    can be redirected to a file and cut from the end), and exit 1 with
     ``verdict(results)`` when it names a failure. Errors exit as ``exits`` says."""
     with exits():
         dep: Deployment | None = None
@@ -86,6 +88,7 @@ def drive(c: Context, name: str, work: Work, *, profile: str | None = None,
                     results = work(dep, events)
             else:
                 results = work(dep, events)
+        recap(results)
         if show is not None:
             show(dep, results)
     why = verdict(results)
@@ -133,6 +136,34 @@ def run_step(c: Context, name: str, *, profile: str | None = None, lock: bool = 
 
     return drive(c, name, work, profile=profile, lock=lock, live=live, prepare=prepare,
                  show=shown)
+
+
+def recap_lines(results: Iterable[Result]) -> list[str]:
+    """The recap (Ansible's PLAY RECAP): per node, in the order each first reported, the
+    counts of its ok/changed/skipped/failed results; ``-`` for results without a node, last.
+    A failure the step recovered from (superseded: an engine it fell back from) is not
+    counted, as it does not count for the exit status."""
+    counts: dict[str | None, dict[str, int]] = {}
+    for r in results:
+        c = counts.setdefault(r.node, {"ok": 0, "changed": 0, "skipped": 0, "failed": 0})
+        if not r.superseded:
+            c[r.status.value] += 1
+    if not counts:
+        return []
+    order = [n for n in counts if n is not None] + ([None] if None in counts else [])
+    width = max([8, *(len(n) for n in order if n is not None)])
+    lines = ["recap:"]
+    for n in order:
+        c = counts[n]
+        lines.append(printable(f"  {n or '-':<{width}} ok={c['ok']:<3} changed={c['changed']:<3} "
+                               f"skipped={c['skipped']:<3} failed={c['failed']}"))
+    return lines
+
+
+def recap(results: Iterable[Result]) -> None:
+    """Print the recap after the results (plain lines, on a terminal and off it)."""
+    for line in recap_lines(results):
+        print(line, flush=True)
 
 
 def table(title: str, header: list[str], rows: list[list[str]]) -> None:
