@@ -149,3 +149,64 @@ def test_every_run_ends_with_the_recap_after_the_results(tmp_path, capsys, monke
     ]
     # the results came first, each once
     assert sum("sglang hang" in line for line in out[:-5]) == 1
+
+
+# --- doors the audit found open -----------------------------------------------------------
+
+@pytest.mark.parametrize("task,argv", [
+    ("services", ("stop",)), ("services", ("status",)), ("serve", ("down",)),
+    ("model", ("fit",)), ("deploy", ("all_",)), ("deploy", ("rollback",)), ("link", ("check",)),
+    ("profile", ("check",)),
+])
+def test_a_state_dir_that_is_a_file_is_one_usage_line_for_every_task(tmp_path, task, argv):
+    import importlib
+
+    (tmp_path / "state").write_text("not a directory\n")
+    fn = getattr(importlib.import_module(f"sparkdeploy.tasks.{task}"), argv[0])
+    with pytest.raises(Exit) as e:
+        fn(context(tmp_path))
+    assert (e.value.code, e.value.message) == (
+        2, f"sparkdeploy.state_dir: {tmp_path / 'state'}: is a regular file, not a directory")
+
+
+def test_a_state_dir_below_a_file_is_one_usage_line(tmp_path):
+    from sparkdeploy.tasks import services
+
+    (tmp_path / "f").write_text("")
+    c = Context(Config(overrides={"sparkdeploy": {"profile": str(SEED),
+                                                  "state_dir": str(tmp_path / "f" / "state")}}))
+    with pytest.raises(Exit) as e:
+        services.stop(c)
+    assert (e.value.code, e.value.message) == (
+        2, f"sparkdeploy.state_dir: {tmp_path / 'f'} (above {tmp_path / 'f' / 'state'}): is a "
+           "regular file, not a directory")
+
+
+def test_a_secret_in_an_engines_env_is_used_but_never_shown_by_profile_check(tmp_path, capsys):
+    import yaml
+
+    from tests.unit.profiles import seed_data, write_profile
+
+    token = "hf_abcdefghijklmnopqrstuvwxyz012345"
+    data = seed_data()
+    data["sparkdeploy"]["engines"][0].setdefault("env", {}).update(
+        {"HF_TOKEN": token, "S3_ACCESS_KEY": "plainvalue", "NCCL_DEBUG": "INFO"})
+    data["sparkdeploy"]["engines"][1].setdefault("env", {})["NOT_NAMED_SECRET"] = token
+    base = write_profile(tmp_path, data, "base.yaml")
+    child = write_profile(tmp_path, {"extends": "base.yaml", "sparkdeploy": {
+        "engines": [{**data["sparkdeploy"]["engines"][0],
+                     "env": {**data["sparkdeploy"]["engines"][0]["env"],
+                             "HF_TOKEN": token + "x"}}]}}, "child.yaml")
+    from sparkdeploy.deployment import load
+
+    assert load(base, tmp_path / "s").profile.engines[0].env["HF_TOKEN"] == token  # accepted
+    from sparkdeploy.tasks import profile
+
+    for p in (base, child):
+        profile.check(context(tmp_path, p))
+        out = capsys.readouterr().out
+        assert token not in out and "plainvalue" not in out
+        shown = yaml.safe_load(out)["sparkdeploy"]["engines"]
+        assert shown[0]["env"]["HF_TOKEN"] == "***" and shown[0]["env"]["S3_ACCESS_KEY"] == "***"
+        assert shown[0]["env"]["NCCL_DEBUG"] == "INFO"
+    assert "#   sparkdeploy.engines = " in out  # the child's override line, redacted too

@@ -18,13 +18,13 @@ from invoke.exceptions import Exit
 
 from sparkdeploy.bench.client import BenchError
 from sparkdeploy.config import ProfileError
-from sparkdeploy.deployment import Deployment, from_context
+from sparkdeploy.deployment import Deployment, from_context, state_dir
 from sparkdeploy.events import EventSink, printable, rendering
 from sparkdeploy.hosts import HostError
 from sparkdeploy.records import RecordError
 from sparkdeploy.results import Result
 from sparkdeploy.runner import PlanError
-from sparkdeploy.state import LockHeld
+from sparkdeploy.state import LockHeld, StateDir
 from sparkdeploy.steps.registry import run_one
 from sparkdeploy.tasks._flags import node_names, usage
 from sparkdeploy.wait import WaitTimeout
@@ -74,6 +74,10 @@ def drive(c: Context, name: str, work: Work, *, profile: str | None = None,
     with exits():
         dep: Deployment | None = None
         if deployment != "none":
+            # validated once, here: a state dir that is a file is one usage line, not a traceback
+            why = StateDir(state_dir(c)).problem()
+            if why:
+                raise usage("sparkdeploy.state_dir", why)
             try:
                 dep = load(c, profile)
             except ProfileError:
