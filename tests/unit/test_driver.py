@@ -210,3 +210,41 @@ def test_a_secret_in_an_engines_env_is_used_but_never_shown_by_profile_check(tmp
         assert shown[0]["env"]["HF_TOKEN"] == "***" and shown[0]["env"]["S3_ACCESS_KEY"] == "***"
         assert shown[0]["env"]["NCCL_DEBUG"] == "INFO"
     assert "#   sparkdeploy.engines = " in out  # the child's override line, redacted too
+
+
+# --- one flag selects nodes -------------------------------------------------------------------
+
+@pytest.mark.parametrize("old,new", [
+    ({"node": "spark2"}, {"nodes": "spark2"}),
+])
+@pytest.mark.parametrize("task", ["stop", "restore", "status"])
+def test_the_old_node_flag_still_selects_and_says_it_is_deprecated(tmp_path, capsys, monkeypatch,
+                                                                   old, new, task):
+    from sparkdeploy.tasks import _common
+    from sparkdeploy.tasks import services as tasks
+
+    ran = []
+    monkeypatch.setattr(_common, "run_one", lambda dep, name, **o: ran.append((name, o)) or [])
+    getattr(tasks, task)(context(tmp_path), **old)
+    err = capsys.readouterr().err
+    assert err == "--node is deprecated and goes in the next release: use --nodes spark2\n"
+    getattr(tasks, task)(context(tmp_path), **new)
+    assert capsys.readouterr().err == ""
+    assert ran == [(f"services.{task}", {"node": "spark2"})] * 2
+
+
+def test_to_names_the_destination_and_nodes_is_the_same_without_a_warning(tmp_path, capsys,
+                                                                          monkeypatch):
+    from sparkdeploy.tasks import _common, image, model
+
+    ran = []
+    monkeypatch.setattr(_common, "run_one", lambda dep, name, **o: ran.append((name, o)) or [])
+    image.ship(context(tmp_path), to="spark2")
+    image.ship(context(tmp_path), nodes="spark2")
+    image.ship(context(tmp_path))
+    model.sync(context(tmp_path), nodes="spark2")
+    model.sync(context(tmp_path))
+    assert capsys.readouterr().err == ""
+    assert ran == [("image.ship", {"to": "spark2", "image": None})] * 2 + [
+        ("image.ship", {"to": "all", "image": None}), ("model.sync", {"to": "spark2"}),
+        ("model.sync", {"to": "all"})]

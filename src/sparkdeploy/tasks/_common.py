@@ -26,7 +26,7 @@ from sparkdeploy.results import Result
 from sparkdeploy.runner import PlanError
 from sparkdeploy.state import LockHeld, StateDir
 from sparkdeploy.steps.registry import run_one
-from sparkdeploy.tasks._flags import node_names, usage
+from sparkdeploy.tasks._flags import NODES, deprecated, node_names, usage
 from sparkdeploy.wait import WaitTimeout
 
 Work = Callable[[Deployment | None, EventSink], list[Result]]
@@ -109,18 +109,23 @@ def load(c: Context, profile: str | None = None) -> Deployment:
 
 def run_step(c: Context, name: str, *, profile: str | None = None, lock: bool = True,
              show: Callable[[Deployment, list[Result]], None] | None = None,
-             live: bool = True, first: tuple[str, ...] = (), **options: Any) -> list[Result]:
+             live: bool = True, first: tuple[str, ...] = (), flag: str = NODES,
+             **options: Any) -> list[Result]:
     """``drive`` the registered step ``name`` with ``options``. ``first``: steps (of those
     ``name`` needs) run before it, without options; a failure there and ``name`` does not run.
-    A node name no node of the profile has (``node=``, ``to=``, named as their flag) or an
-    unknown ``engine=`` is a usage error (exit 2)."""
+    A node name no node of the profile has (``node=``, or ``to=`` naming workers; ``flag`` is
+    the flag the user gave them with) or an unknown ``engine=`` is a usage error (exit 2); a
+    deprecated spelling of ``--nodes`` says so in one line once the names are good."""
 
     def prepare(dep: Deployment) -> None:
-        # node-name flags: an unknown name is a usage error; --to names the head's peers (workers)
-        if "node" in options:
-            node_names("--node", options["node"], dep.hosts)
-        if "to" in options:
-            node_names("--to", options["to"], [n.name for n in dep.profile.workers], what="worker")
+        # node-name flags: an unknown name is a usage error; to= names the head's peers (workers)
+        if options.get("node") is not None:
+            node_names(flag, options["node"], dep.hosts)
+        if options.get("to") is not None:
+            node_names(flag, options["to"], [n.name for n in dep.profile.workers], what="worker")
+        selected = options.get("node", options.get("to"))
+        if flag not in (NODES, "--to") and selected is not None:
+            deprecated(flag, selected)
         engines = [e.name for e in dep.profile.engines]
         if options.get("engine") is not None and options["engine"] not in engines:
             raise usage("--engine", f"no engine named {options['engine']!r} "

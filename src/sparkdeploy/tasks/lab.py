@@ -52,16 +52,19 @@ def down(c):
                     "process now), memory-small (the node reports 1 GiB usable memory), the "
                     "link faults mtu-mismatch, address-missing, twin-down, link-throttled, "
                     "second-interface, interface-down (docs/link.md), or none to clear every fault",
-            "node": "the node rank-wedged, rank-exit, memory-small and the link faults act on "
-                    "(default: the last node)"})
-def fault(c, name, node=None):
+            "nodes": "the node rank-wedged, rank-exit, memory-small and the link faults act on "
+                     "(default: the last node)", "node": "deprecated: --nodes"})
+def fault(c, name, nodes=None, node=None):
     """Force a failure the lab's stand-ins show until `inv lab.fault none` (lasts across lab.up)."""
     names = [*faults.FAULTS, *faults.ACTIONS]
     if name != "none" and name not in names:
         raise flags.usage("NAME", f"unknown fault {name!r} (one of none, {', '.join(names)})")
+    flag, node = flags.nodes(nodes, node=node)
     if node is not None and (name not in faults.ACTIONS or node not in faults.nodes()):
-        raise flags.usage("--node", f"{node!r}: only with {' or '.join(faults.ACTIONS)}, and one "
+        raise flags.usage(flag, f"{node!r}: only with {' or '.join(faults.ACTIONS)}, and one "
                           f"of the lab's nodes ({', '.join(faults.nodes()) or 'none'})")
+    if node is not None and flag != flags.NODES:
+        flags.deprecated(flag, node)
     def body(ctx: StepContext) -> None:
         for r in faults.set_fault(name, node=node):
             ctx.report(r)
