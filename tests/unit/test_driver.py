@@ -248,3 +248,16 @@ def test_to_names_the_destination_and_nodes_is_the_same_without_a_warning(tmp_pa
     assert ran == [("image.ship", {"to": "spark2", "image": None})] * 2 + [
         ("image.ship", {"to": "all", "image": None}), ("model.sync", {"to": "spark2"}),
         ("model.sync", {"to": "all"})]
+
+
+def test_hosts_trusts_old_node_flag_says_the_new_one_takes_a_profile(tmp_path, capsys,
+                                                                     monkeypatch):
+    from sparkdeploy.tasks import _common, hosts
+
+    ran = []
+    monkeypatch.setattr(_common, "run_one", lambda dep, name, **o: ran.append((name, o["node"])) or [])
+    hosts.trust(context(tmp_path), node="spark1", yes=True)
+    hosts.trust(context(tmp_path), nodes="spark1", profile=str(SEED), yes=True)
+    assert capsys.readouterr().err == ("--node is deprecated and goes in the next release: use "
+                                       "--nodes spark1 --profile FILE\n")
+    assert ran == [("hosts.trust", "spark1")] * 2

@@ -110,12 +110,13 @@ def load(c: Context, profile: str | None = None) -> Deployment:
 def run_step(c: Context, name: str, *, profile: str | None = None, lock: bool = True,
              show: Callable[[Deployment, list[Result]], None] | None = None,
              live: bool = True, first: tuple[str, ...] = (), flag: str = NODES,
-             **options: Any) -> list[Result]:
+             then: str = "", **options: Any) -> list[Result]:
     """``drive`` the registered step ``name`` with ``options``. ``first``: steps (of those
     ``name`` needs) run before it, without options; a failure there and ``name`` does not run.
     A node name no node of the profile has (``node=``, or ``to=`` naming workers; ``flag`` is
     the flag the user gave them with) or an unknown ``engine=`` is a usage error (exit 2); a
-    deprecated spelling of ``--nodes`` says so in one line once the names are good."""
+    deprecated spelling of ``--nodes`` says so in one line once the names are good (``then``:
+    what else the new spelling takes)."""
 
     def prepare(dep: Deployment) -> None:
         # node-name flags: an unknown name is a usage error; to= names the head's peers (workers)
@@ -125,7 +126,7 @@ def run_step(c: Context, name: str, *, profile: str | None = None, lock: bool = 
             node_names(flag, options["to"], [n.name for n in dep.profile.workers], what="worker")
         selected = options.get("node", options.get("to"))
         if flag not in (NODES, "--to") and selected is not None:
-            deprecated(flag, selected)
+            deprecated(flag, selected, then)
         engines = [e.name for e in dep.profile.engines]
         if options.get("engine") is not None and options["engine"] not in engines:
             raise usage("--engine", f"no engine named {options['engine']!r} "

@@ -170,8 +170,8 @@ def nodes(value: str | None, **old: str | None) -> tuple[str, str | None]:
     return given[0] if given else (NODES, None)
 
 
-def deprecated(flag: str, value: str) -> None:
+def deprecated(flag: str, value: str, then: str = "") -> None:
     """The one line a deprecated spelling of ``--nodes`` prints (on stderr, once the names are
-    known good): what to use instead."""
-    print(f"{flag} is deprecated and goes in the next release: use --nodes {value}",
+    known good): what to use instead (``then``: what else that takes)."""
+    print(f"{flag} is deprecated and goes in the next release: use --nodes {value}{then}",
           file=sys.stderr, flush=True)

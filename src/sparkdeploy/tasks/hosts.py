@@ -39,7 +39,7 @@ def trust(c, nodes=None, yes=False, profile=None, node=None, ssh_config=None):
             raise usage("--ssh-config", "only with --nodes (a profile names its own ssh_config)")
         flag, picked = flags.nodes(nodes, node=node)
         run_step(c, "hosts.trust", node=picked, flag=flag, confirm=confirm, profile=profile,
-                 live=False)
+                 live=False, then=" --profile FILE")
         return
     if node is not None:
         raise usage("--nodes", "the same as --node: give one of them")
