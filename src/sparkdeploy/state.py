@@ -55,6 +55,17 @@ def redact(text: str) -> str:
     return text
 
 
+def redact_values(data: Any) -> Any:
+    """``data`` (parsed JSON or YAML) with the value of every secret-named key
+    (``is_secret_name``: an engine env's ``HF_TOKEN``) shown as ``***``, at any depth."""
+    if isinstance(data, dict):
+        return {k: REDACTED if isinstance(k, str) and is_secret_name(k) and v is not None
+                else redact_values(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [redact_values(v) for v in data]
+    return data
+
+
 def redact_argv(argv: Iterable[str]) -> list[str]:
     """Each argument redacted, and the argument after a secret flag (``--api-key X``)."""
     out: list[str] = []
@@ -72,6 +83,18 @@ class StateDir:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+
+    def problem(self) -> str | None:
+        """Why this path cannot be the state dir (it, or a directory above it, exists and is
+        not a directory), or None: checked once, before a task touches it."""
+        for p in (self.path, *self.path.parents):
+            if p.exists() or p.is_symlink():
+                if p.is_dir():
+                    return None
+                kind = "a regular file" if p.is_file() else "not a directory"
+                return (f"{p}: is {kind}, not a directory" if p == self.path
+                        else f"{p} (above {self.path}): is {kind}, not a directory")
+        return None
 
     def ensure(self) -> Path:
         self.path.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""model.fit on the lab, through the real `inv`: with ``lab.fault memory-small --node spark2``
+"""model.fit on the lab, through the real `inv`: with ``lab.fault memory-small --nodes spark2``
 (a crafted /proc/meminfo bound in spark2's mount namespace: what its memory helper really
 reads), ``deploy.all`` from a fresh state dir exits 1 naming spark2 and both numbers, and no
 weight file leaves the hub nor anything lands in the head's model dir; after ``lab.fault none``,
@@ -84,7 +84,7 @@ def test_memory_small_refuses_deploy_before_any_byte(lab, tmp_path):
         [undo] = faults.set_fault("none")
         if out is not None and any(ln.split()[1:3] == ["changed", "services.stop"]
                                    for ln in out.stdout.splitlines() if len(ln.split()) > 2):
-            back = inv(tmp_path / "state", "services.restore", "--node", "spark1")  # as found
+            back = inv(tmp_path / "state", "services.restore", "--nodes", "spark1")  # as found
             assert back.returncode == 0, back.stdout[-2000:] + back.stderr[-2000:]
         assert not undo.failed, undo.why
     assert "1048576" not in lab.ssh("spark2", "grep MemAvailable /proc/meminfo").stdout

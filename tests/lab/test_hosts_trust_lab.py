@@ -34,7 +34,8 @@ def test_trust_asks_then_adds_host_keys_and_check_passes(lab, tmp_path):
     assert re.search(r"^\d\d:\d\d:\d\d failed +hosts\.check +spark1 +unreachable: "
                      r"Host key verification failed\.$", before.stdout, re.M), before.stdout
 
-    declined = inv(tmp_path, "hosts.trust", "--node", "spark1", stdin="n\n")
+    declined = inv(tmp_path, "hosts.trust", "--nodes", "spark1", "--profile",
+                   str(tmp_path / "lab.yaml"), stdin="n\n")
     assert declined.returncode == 0
     assert "trust this host key? [y/N]" in declined.stdout
     assert re.search(r"skipped +hosts\.trust +spark1 +not confirmed: 256 SHA256:", declined.stdout)

@@ -112,8 +112,9 @@ def test_unreachable_endpoint_is_one_line(tmp_path, capsys):
     with pytest.raises(Exit) as e:
         bench_tasks.run(ctx(tmp_path), url=f"http://127.0.0.1:{port}", requests=1)
     assert e.value.code == 1
-    [line] = capsys.readouterr().out.splitlines()
+    [line, *recap] = capsys.readouterr().out.splitlines()
     assert f"failed   bench.run          -        cannot reach http://127.0.0.1:{port}" in line
+    assert recap == ["recap:", "  -        ok=0   changed=0   skipped=0   failed=1"]
     with pytest.raises(BenchError):
         run_sweep("ftp://x", sized(), requests=1, warmup=0)
 

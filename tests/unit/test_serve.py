@@ -152,7 +152,7 @@ def test_sglang_comes_up_with_the_exact_containers_and_records_the_endpoint(lab)
     ("weights never verified", lambda n: n["spark1"].verify.update(
         ok=["config.json"], unchecked=["model-00001-of-00002.safetensors"]),
      ("spark1", "weights not verified in /srv/models/Qwen3.5-122B-A10B-FP8: 1 file(s) never "
-                "verified (model.verify --node spark1)")),
+                "verified (model.verify --nodes spark1)")),
     ("port taken", lambda n: n["spark1"].facts["ports"].update(
         {"30000": {"free": False, "owner": "pid 77 python3"}}),
      ("spark1", "port 30000 is already in use by pid 77 python3")),

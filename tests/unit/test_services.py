@@ -253,9 +253,11 @@ def test_the_task_renders_the_stream_and_exits_1_on_an_unreachable_node(tmp_path
     with pytest.raises(Exit) as e:
         getattr(tasks, task)(ctx, node="spark1" if argv else None)
     assert e.value.code == 1
-    out = capsys.readouterr().out.splitlines()
-    # plain lines (not a terminal), timestamped; the failure is one line
+    out, recap = capsys.readouterr().out.split("recap:\n")
+    out = out.splitlines()
+    # plain lines (not a terminal), timestamped; the failure is one line; then the recap
     assert all(line[:2].isdigit() and line[2] == ":" for line in out)
+    assert "  spark1   ok=0   changed=0   skipped=0   failed=1" in recap.splitlines()
     [line] = [ln for ln in out if "unreachable" in ln]
     assert line[9:] == (f"failed   {'services.' + task:<18} spark1   unreachable: "
                         "ssh: connect to host spark1 port 22: No route to host")

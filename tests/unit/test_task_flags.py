@@ -88,6 +88,20 @@ ROWS = [
     (["serve.logs", "--node", "x"], "--node: no node named 'x' (nodes: spark1, spark2, or all)"),
     (["serve.logs", "--tail", "-3"], "--tail: must be >= 1, not -3"),
     (["serve.up", "--engine", "x"], "--engine: no engine named 'x' (engines: sglang, vllm-ray, vllm)"),
+    # --nodes, the one flag that selects nodes; the old spellings stay for one release
+    (["services.stop", "--nodes", "spark1,x"], "--nodes: no node named 'x' (nodes: spark1, spark2, or all)"),
+    (["hosts.check", "--nodes", "x"], "--nodes: no node named 'x' (nodes: spark1, spark2, or all)"),
+    (["model.verify", "--nodes", "x"], "--nodes: no node named 'x' (nodes: spark1, spark2, or all)"),
+    (["serve.logs", "--nodes", "x"], "--nodes: no node named 'x' (nodes: spark1, spark2, or all)"),
+    (["model.download", "--nodes", "x"], "--nodes: no node named 'x' (nodes: spark1, spark2, or all)"),
+    (["model.download", "--nodes", "spark1,spark2"], "--nodes: downloads on one node, not 'spark1,spark2'"),
+    (["model.sync", "--nodes", "spark1"], "--nodes: no worker named 'spark1' (workers: spark2, or all)"),
+    (["image.ship", "--nodes", "x"], "--nodes: no worker named 'x' (workers: spark2, or all)"),
+    (["image.ship", "--nodes", "spark2", "--to", "spark2"], "--nodes: the same as --to: give one of them"),
+    (["services.status", "--nodes", "spark1", "--node", "spark1"],
+     "--nodes: the same as --node: give one of them"),
+    (["hosts.trust", "--nodes", "x", "--profile", str(SEED)],
+     "--nodes: no node named 'x' (nodes: spark1, spark2, or all)"),
 ]
 
 

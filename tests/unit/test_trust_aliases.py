@@ -59,7 +59,7 @@ def test_trust_by_aliases_under_dry_run_adds_nothing(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags, line", [
     ({"ssh_config": "/x"}, "--ssh-config: only with --nodes (a profile names its own ssh_config)"),
-    ({"nodes": "spark1", "node": "spark1"}, "--nodes: takes no profile: not with --node or --profile"),
+    ({"nodes": "spark1", "node": "spark1"}, "--nodes: the same as --node: give one of them"),
     ({"nodes": "spark1", "ssh_config": "/nonexistent"}, "--ssh-config: /nonexistent: no such file"),
     ({"nodes": "a b"}, "--nodes: 'a b' is not an ssh alias ([user@]host, host-name characters only)"),
 ])

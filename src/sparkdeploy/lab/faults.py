@@ -4,7 +4,7 @@ rest of the lab's data).
 
 Two sorts. ``FAULTS`` are read by the engine stand-ins when they start (``sglang-hang``,
 ``oom-at-load``). ``ACTIONS`` act at once on the engine containers running on one node
-(``--node``, default: the last worker): ``rank-wedged`` SIGSTOPs every process of them (a rank
+(``--nodes``, default: the last worker): ``rank-wedged`` SIGSTOPs every process of them (a rank
 that is alive and serves nothing: ``ps`` shows state T, the head's streams stall while its
 ``/health`` answers), ``rank-exit`` SIGKILLs their engine process (the container exits 137).
 The PIDs the lab stopped are kept in the record, and ``lab.fault none`` continues them (only

@@ -1,5 +1,6 @@
-"""``up``, ``down`` and ``status`` for the lab. Each returns Results and never prints; given an
-``EventSink`` it also emits every Result as it happens, and a heartbeat during long phases."""
+"""``up``, ``down`` and ``status`` for the lab. Each returns Results and never prints; each runs
+through ``run_one`` (the one way to run a step) and emits every Result on the ``EventSink`` it is
+given as it happens, and a heartbeat during long phases."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from sparkdeploy.lab.heartbeat import Heartbeat
 from sparkdeploy.lab.layout import AddressPlan
 from sparkdeploy.lab.proc import LabError
 from sparkdeploy.results import Result, changed, failed, ok, skipped
-from sparkdeploy.steps.registry import StepContext
+from sparkdeploy.steps.registry import StepContext, run_one
 from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 
@@ -61,21 +62,30 @@ class _Run:
 
 
 def up(nodes: int = 2, flavor: str = layout.DEFAULT_DOCKERD, seed_worker: bool = False,
-       mgmt_net: str | None = None, ctx: StepContext | None = None) -> list[Result]:
+       mgmt_net: str | None = None, events: EventSink | None = None) -> list[Result]:
     """Bring the lab up (idempotent). ``mgmt_net``: None keeps the recorded management /24
     (or picks the first that does not clash), ``"fallback"`` forces the first fallback, a
-    candidate CIDR picks that one; a lab on another /24 is moved in place."""
-    ctx = ctx or StepContext("lab.up", EventSink())
+    candidate CIDR picks that one; a lab on another /24 is moved in place. Each result is on
+    ``events`` (a stream of its own when None) as it happens."""
+    return run_one(None, "lab.up", events=events, body=_up_lab, nodes=nodes, flavor=flavor,
+                   seed_worker=seed_worker, mgmt_net=mgmt_net)
+
+
+def _up_lab(ctx: StepContext, nodes: int, flavor: str, seed_worker: bool,
+            mgmt_net: str | None) -> None:
     events = ctx.events
     why = preflight()
     if why:
-        return [ctx.failed(why)]
+        ctx.failed(why)
+        return
     if nodes < 1 or nodes > 9:
-        return [ctx.failed(f"--nodes must be 1..9, not {nodes}")]
+        ctx.failed(f"--nodes must be 1..9, not {nodes}")
+        return
     try:
         flavors = layout.node_dockerds(flavor, nodes)
     except ValueError as e:
-        return [ctx.failed(str(e))]
+        ctx.failed(str(e))
+        return
     events.log("lab.up", None, f"{nodes} node(s), dockerd {flavor}; state in {layout.LAB_DIR}")
     t0 = time.monotonic()
     pool = threads.pool(4)
@@ -100,7 +110,6 @@ def up(nodes: int = 2, flavor: str = layout.DEFAULT_DOCKERD, seed_worker: bool =
         finally:
             with beat.phase("lab.up", note="waiting for background jobs to end"):
                 pool.shutdown(wait=True, cancel_futures=True)
-    return run.results
 
 
 def _packages(run: _Run) -> None:
@@ -419,16 +428,20 @@ def _sweep_node(x: str) -> int:
     return len(proc.kill_pids(sorted(pids))) if pids else 0
 
 
-def down(ctx: StepContext | None = None) -> list[Result]:
-    ctx = ctx or StepContext("lab.down", EventSink())
+def down(events: EventSink | None = None) -> list[Result]:
+    """Stop what the lab started, remove what it made; each result on ``events`` as it
+    happens."""
+    return run_one(None, "lab.down", events=events, body=_down_lab)
+
+
+def _down_lab(ctx: StepContext) -> None:
     events = ctx.events
     why = preflight()
     if why:
-        return [ctx.failed(why)]
-    results: list[Result] = []
-
+        ctx.failed(why)
+        return
     def add(r: Result) -> None:
-        results.append(ctx.report(r))
+        ctx.report(r)
 
     try:
         with lab_state.locked(), Heartbeat(events) as beat, beat.phase("lab.down"):
@@ -466,15 +479,18 @@ def down(ctx: StepContext | None = None) -> list[Result]:
                 else ok("data", "nothing left"))
     except LabError as e:
         add(failed("lab.down", str(e)))
-    return results
 
 
 # --- status ------------------------------------------------------------------------------
 
 
-def status(ctx: StepContext | None = None) -> list[Result]:
-    ctx = ctx or StepContext("lab.status", EventSink())
-    return [ctx.report(r) for r in _status()]
+def status(events: EventSink | None = None) -> list[Result]:
+    """The lab's nodes, addresses, daemons and images; each result on ``events``."""
+    def body(ctx: StepContext) -> None:
+        for r in _status():
+            ctx.report(r)
+
+    return run_one(None, "lab.status", events=events, body=body)
 
 
 def _status() -> list[Result]:

@@ -1,6 +1,6 @@
 """Link faults: what the link doctor (``link.check``) must see, made on one lab node through the
 real tools (``ip``, ``tc`` in the node's network namespace) or the RoCE stand-in's sysfs files,
-by ``inv lab.fault NAME --node X``; ``inv lab.fault none`` undoes every one of them on every
+by ``inv lab.fault NAME --nodes X``; ``inv lab.fault none`` undoes every one of them on every
 node (each undo looks first and says what it restored).
 
 They act at once and are not kept in the faults record: the node's state is the record, so an

@@ -126,7 +126,7 @@ def _check_verified(dep: Deployment, host: Host, meta: dict[str, Any], pf: Prefl
                 f"{model.describe_bad(state)} (model.verify, model.sync)")
     elif state["unchecked"]:
         pf.fail(host.name, f"weights not verified in {dep.profile.model.path}: "
-                f"{len(state['unchecked'])} file(s) never verified (model.verify --node {host.name})")
+                f"{len(state['unchecked'])} file(s) never verified (model.verify --nodes {host.name})")
 
 
 def model_metadata(dep: Deployment) -> tuple[dict[str, Any] | None, str]:

@@ -127,11 +127,11 @@ class StepContext:
         child.run(**options)
         return child.results
 
-    def run(self, *args: Any, **options: Any) -> list[Result]:
-        """Run this context's registered step; a node that cannot be reached, and so stops
-        the step, is one failed result for that node."""
+    def run(self, *args: Any, body: Body | None = None, **options: Any) -> list[Result]:
+        """Run this context's registered step (or ``body`` reporting under its name); a node
+        that cannot be reached, and so stops the step, is one failed result for that node."""
         try:
-            get(self.name).body(self, *args, **options)
+            (body or get(self.name).body)(self, *args, **options)
         except NodeUnreachable as e:
             self.unreachable(e)
         return self.results
@@ -211,9 +211,14 @@ def get(name: str) -> StepSpec:
         raise KeyError(f"no step named {name!r} (steps: {', '.join(sorted(REGISTRY))})") from None
 
 
-def run_one(dep: Deployment, name: str, **options: Any) -> list[Result]:
-    """Run one registered step on ``dep``; its results, each already on the stream."""
-    return StepContext(name, dep.events, dep).run(**options)
+def run_one(dep: Deployment | None, name: str, *args: Any, events: EventSink | None = None,
+            body: Body | None = None, **options: Any) -> list[Result]:
+    """Run one registered step on ``dep``; its results, each already on the stream. The one
+    way to run a step from outside a step (inside one: ``ctx.call``). ``body``: work that is no
+    registered step (the lab, a discovery before any profile exists) reporting as ``name``;
+    without a deployment it reports on ``events`` (a stream of its own when None)."""
+    sink = dep.events if dep is not None else events if events is not None else EventSink()
+    return StepContext(name, sink, dep).run(*args, body=body, **options)
 
 
 def load_all() -> dict[str, StepSpec]:

@@ -1,112 +1,179 @@
-"""What every task shares: load the deployment (errors become one-line exits), run a registered
-step with its event stream rendered as it happens."""
+"""The one task driver: every task loads its deployment, takes the lock, renders the event
+stream, runs its work and turns errors into exit codes through ``drive``.
+
+``drive`` is the only place an error becomes an exit status (``exits``): a bad profile, plan or
+input file exits 2, a node that cannot be reached, a held lock, a wait that ran out or a broken
+record exits 1; each with one line. Every run ends with the recap (``recap``): per node, the
+counts of ok/changed/skipped/failed results."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
 
 from invoke import Context
 from invoke.exceptions import Exit
 
+from sparkdeploy.bench.client import BenchError
 from sparkdeploy.config import ProfileError
-from sparkdeploy.deployment import Deployment, from_context
-from sparkdeploy.events import EventSink, describe, rendering
+from sparkdeploy.deployment import Deployment, from_context, state_dir
+from sparkdeploy.events import EventSink, printable, rendering
 from sparkdeploy.hosts import HostError
 from sparkdeploy.records import RecordError
 from sparkdeploy.results import Result
-from sparkdeploy.state import LockHeld
-from sparkdeploy.steps.registry import StepContext, run_one
-from sparkdeploy.tasks._flags import node_names, usage
+from sparkdeploy.runner import PlanError
+from sparkdeploy.state import LockHeld, StateDir
+from sparkdeploy.steps.registry import run_one
+from sparkdeploy.tasks._flags import NODES, deprecated, node_names, usage
 from sparkdeploy.wait import WaitTimeout
+
+Work = Callable[[Deployment | None, EventSink], list[Result]]
+"""A task's work: ``work(dep, events) -> results`` (dep None for work without a profile), each
+result already on ``events``; it runs steps only through ``run_one`` (``steps/registry.py``)."""
+
+USAGE_ERRORS = (ProfileError, PlanError, BenchError)
+"""Bad input (a profile, a plan selection, an input file): exit 2."""
+RUN_ERRORS = (HostError, LockHeld, WaitTimeout, RecordError)
+"""What went wrong while running (a node, the lock, a wait, a record): exit 1."""
+
+
+@contextmanager
+def exits() -> Iterator[None]:
+    """The one place an error becomes an exit: one line, status 2 or 1 (``USAGE_ERRORS``,
+    ``RUN_ERRORS``); anything else is a bug and keeps its traceback."""
+    try:
+        yield
+    except USAGE_ERRORS as e:
+        raise Exit(str(e), code=2) from None
+    except RUN_ERRORS as e:
+        raise Exit(str(e), code=1) from None
+
+
+def failed_count(results: Iterable[Result]) -> str | None:
+    """The default verdict: how many results failed and were not superseded, or None."""
+    bad = [r for r in results if r.failed and not r.superseded]
+    return f"{len(bad)} step(s) failed" if bad else None
+
+
+def drive(c: Context, name: str, work: Work, *, profile: str | None = None,
+          deployment: Literal["needed", "optional", "none"] = "needed", lock: bool = True,
+          live: bool = True, prepare: Callable[[Deployment], None] | None = None,
+          show: Callable[[Deployment | None, list[Result]], None] | None = None,
+          verdict: Callable[[list[Result]], str | None] = failed_count) -> list[Result]:
+    """Run a task: load the deployment (``deployment``: "needed"; "optional": None when the
+    profile cannot be loaded; "none": never read), ``prepare(dep)`` (checks of the task's flags
+    against the profile, a plan shown before it runs), then ``work(dep, events)`` with its event
+    stream rendered as it happens (live on a terminal, plain lines otherwise; ``live=False`` for
+    work that asks questions) under the deployment's lock ``name`` (unless ``lock`` is False or
+    the run is dry), then the recap (``recap``: per node, the counts of ok/changed/skipped/failed
+    results), then ``show(dep, results)`` (tables, a record, a profile printed last so that it
+    can be redirected to a file and cut from the end), and exit 1 with
+    ``verdict(results)`` when it names a failure. Errors exit as ``exits`` says."""
+    with exits():
+        dep: Deployment | None = None
+        if deployment != "none":
+            # validated once, here: a state dir that is a file is one usage line, not a traceback
+            why = StateDir(state_dir(c)).problem()
+            if why:
+                raise usage("sparkdeploy.state_dir", why)
+            try:
+                dep = load(c, profile)
+            except ProfileError:
+                if deployment == "needed":
+                    raise
+        if dep is not None and prepare is not None:
+            prepare(dep)
+        events = dep.events if dep is not None else EventSink()
+        with rendering(events, live=live):
+            if lock and dep is not None and not dep.dry:
+                with dep.state.lock(name):
+                    results = work(dep, events)
+            else:
+                results = work(dep, events)
+        recap(results)
+        if show is not None:
+            show(dep, results)
+    why = verdict(results)
+    if why:
+        raise Exit(why, code=1)
+    return results
 
 
 def load(c: Context, profile: str | None = None) -> Deployment:
-    try:
-        return from_context(c, profile)
-    except ProfileError as e:
-        raise Exit(str(e), code=2) from None
-
-
-def summarize(results: Iterable[Result]) -> None:
-    """Exit 1 naming how many results failed and were not superseded (the results themselves
-    were already shown)."""
-    bad = [r for r in results if r.failed and not r.superseded]
-    if bad:
-        raise Exit(f"{len(bad)} step(s) failed", code=1)
-
-
-def render(results: Iterable[Result], title: str | None = None) -> None:
-    """Show results not streamed (plain lines), then exit 1 if any failed."""
-    results = list(results)
-    for r in results:
-        print(describe(r), flush=True)
-    summarize(results)
+    """The deployment of invoke's config (``profile`` wins); a bad profile raises
+    ``ProfileError`` (``drive`` makes it an exit)."""
+    return from_context(c, profile)
 
 
 def run_step(c: Context, name: str, *, profile: str | None = None, lock: bool = True,
              show: Callable[[Deployment, list[Result]], None] | None = None,
-             live: bool = True, first: tuple[str, ...] = (), **options: Any) -> list[Result]:
-    """Run the registered step ``name`` with ``options``: load the deployment, hold the lock
-    (unless dry or read-only), render the event stream as it happens (live on a terminal,
-    plain lines otherwise; ``live=False`` for a step that asks questions), then
-    ``show(dep, results)`` (a table) and exit 1 on a failure. ``first``: steps (of those
+             live: bool = True, first: tuple[str, ...] = (), flag: str = NODES,
+             then: str = "", **options: Any) -> list[Result]:
+    """``drive`` the registered step ``name`` with ``options``. ``first``: steps (of those
     ``name`` needs) run before it, without options; a failure there and ``name`` does not run.
+    A node name no node of the profile has (``node=``, or ``to=`` naming workers; ``flag`` is
+    the flag the user gave them with) or an unknown ``engine=`` is a usage error (exit 2); a
+    deprecated spelling of ``--nodes`` says so in one line once the names are good (``then``:
+    what else the new spelling takes)."""
 
-    A bad profile or node name (``node=``/``to=`` options, named as their flag) exits 2;
-    a node that cannot be reached, a held lock, a wait that ran out or a broken record exits 1;
-    each with one line."""
-    dep = load(c, profile)
-    # node-name flags: an unknown name is a usage error; --to names the head's peers (workers)
-    if "node" in options:
-        node_names("--node", options["node"], dep.hosts)
-    if "to" in options:
-        node_names("--to", options["to"], [n.name for n in dep.profile.workers], what="worker")
-    engines = [e.name for e in dep.profile.engines]
-    if options.get("engine") is not None and options["engine"] not in engines:
-        raise usage("--engine", f"no engine named {options['engine']!r} (engines: {', '.join(engines)})")
-    with rendering(dep.events, live=live):
-        try:
-            if lock and not dep.dry:
-                with dep.state.lock(name):
-                    results = _run_after(dep, first, name, options)
-            else:
-                results = _run_after(dep, first, name, options)
-        except ProfileError as e:
-            raise Exit(str(e), code=2) from None
-        except (HostError, LockHeld, WaitTimeout, RecordError) as e:
-            raise Exit(str(e), code=1) from None
-    if show is not None:
-        show(dep, results)
-    summarize(results)
-    return results
+    def prepare(dep: Deployment) -> None:
+        # node-name flags: an unknown name is a usage error; to= names the head's peers (workers)
+        if options.get("node") is not None:
+            node_names(flag, options["node"], dep.hosts)
+        if options.get("to") is not None:
+            node_names(flag, options["to"], [n.name for n in dep.profile.workers], what="worker")
+        selected = options.get("node", options.get("to"))
+        if flag not in (NODES, "--to") and selected is not None:
+            deprecated(flag, selected, then)
+        engines = [e.name for e in dep.profile.engines]
+        if options.get("engine") is not None and options["engine"] not in engines:
+            raise usage("--engine", f"no engine named {options['engine']!r} "
+                        f"(engines: {', '.join(engines)})")
 
+    def work(dep: Deployment | None, events: EventSink) -> list[Result]:
+        results: list[Result] = []
+        for before in first:
+            results += run_one(dep, before)
+            if any(r.failed and not r.superseded for r in results):
+                return results
+        return results + run_one(dep, name, **options)
 
-def _run_after(dep: Deployment, first: tuple[str, ...], name: str,
-               options: dict[str, Any]) -> list[Result]:
-    results: list[Result] = []
-    for before in first:
-        results += run_one(dep, before)
-        if any(r.failed and not r.superseded for r in results):
-            return results
-    return results + run_one(dep, name, **options)
+    def shown(dep: Deployment | None, results: list[Result]) -> None:
+        if show is not None and dep is not None:  # a step runs on a deployment
+            show(dep, results)
+
+    return drive(c, name, work, profile=profile, lock=lock, live=live, prepare=prepare,
+                 show=shown)
 
 
-def stream(name: str, fn: Callable[..., None], *args: Any,
-           show: Callable[[list[Result]], None] | None = None, live: bool = True,
-           **kwargs: Any) -> list[Result]:
-    """Run ``fn(ctx, *args, **kwargs)``, work that needs no deployment, reporting as ``name``
-    through ``ctx`` with its event stream rendered as for a step; then ``show(results)`` and
-    exit 1 on a failure."""
-    ctx = StepContext(name, EventSink())
-    with rendering(ctx.events, live=live):
-        fn(ctx, *args, **kwargs)
-    results = ctx.results
-    if show is not None:
-        show(results)
-    summarize(results)
-    return results
+def recap_lines(results: Iterable[Result]) -> list[str]:
+    """The recap (Ansible's PLAY RECAP): per node, in the order each first reported, the
+    counts of its ok/changed/skipped/failed results; ``-`` for results without a node, last.
+    A failure the step recovered from (superseded: an engine it fell back from) is not
+    counted, as it does not count for the exit status."""
+    counts: dict[str | None, dict[str, int]] = {}
+    for r in results:
+        c = counts.setdefault(r.node, {"ok": 0, "changed": 0, "skipped": 0, "failed": 0})
+        if not r.superseded:
+            c[r.status.value] += 1
+    if not counts:
+        return []
+    order = [n for n in counts if n is not None] + ([None] if None in counts else [])
+    width = max([8, *(len(n) for n in order if n is not None)])
+    lines = ["recap:"]
+    for n in order:
+        c = counts[n]
+        lines.append(printable(f"  {n or '-':<{width}} ok={c['ok']:<3} changed={c['changed']:<3} "
+                               f"skipped={c['skipped']:<3} failed={c['failed']}"))
+    return lines
+
+
+def recap(results: Iterable[Result]) -> None:
+    """Print the recap after the results (plain lines, on a terminal and off it)."""
+    for line in recap_lines(results):
+        print(line, flush=True)
 
 
 def table(title: str, header: list[str], rows: list[list[str]]) -> None:

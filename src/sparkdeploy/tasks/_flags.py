@@ -11,6 +11,7 @@ never created) and written whole or not at all (``sparkdeploy.files.write_atomic
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -152,3 +153,25 @@ def node_names(flag: str, value: str | None, known: Iterable[str], *, allow_all:
         if n not in known:
             raise usage(flag, f"no {what} named {n!r} ({what}s: {', '.join(known) or 'none'}"
                         + (", or all)" if allow_all else ")"))
+
+
+NODES = "--nodes"
+"""The one flag that selects nodes: ``--nodes a,b`` (or ``all``)."""
+
+
+def nodes(value: str | None, **old: str | None) -> tuple[str, str | None]:
+    """(the flag given, its value) for a task's node selection: ``--nodes``, or one of the
+    task's other spellings ``old`` by parameter name (``node=`` for ``--node``, deprecated;
+    ``to=`` for ``--to``, a destination). Two of them at once is a usage error."""
+    given = [(NODES, value), *((f"--{k.replace('_', '-')}", v) for k, v in old.items())]
+    given = [(f, v) for f, v in given if v is not None]
+    if len(given) > 1:
+        raise usage(given[0][0], f"the same as {given[1][0]}: give one of them")
+    return given[0] if given else (NODES, None)
+
+
+def deprecated(flag: str, value: str, then: str = "") -> None:
+    """The one line a deprecated spelling of ``--nodes`` prints (on stderr, once the names are
+    known good): what to use instead (``then``: what else that takes)."""
+    print(f"{flag} is deprecated and goes in the next release: use --nodes {value}{then}",
+          file=sys.stderr, flush=True)

@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
-from invoke import Context
 from invoke.exceptions import Exit
 
 from sparkdeploy import checks
 from sparkdeploy.bench.client import DAY_S, BenchError
 from sparkdeploy.config import Bench
-from sparkdeploy.deployment import state_dir
+from sparkdeploy.deployment import Deployment, state_dir
+from sparkdeploy.events import EventSink
+from sparkdeploy.results import Result
 from sparkdeploy.tasks import _flags as flags
+from sparkdeploy.tasks._common import drive, exits
 from sparkdeploy.tasks._flags import task
 
 _HELP = {
@@ -40,25 +42,6 @@ _HELP = {
 }
 
 
-def _profile(c: Context, profile: str | None, url: str | None):
-    """(bench settings, endpoint); a bad profile is fatal only when it is needed for the URL."""
-    from sparkdeploy.tasks._common import load
-
-    try:
-        dep = load(c, profile)
-    except Exit:
-        if url:
-            return Bench(), None
-        raise
-    from sparkdeploy.endpoint import url as endpoint_url
-    from sparkdeploy.records import RecordError
-
-    try:
-        return dep.profile.bench, None if url else endpoint_url(dep)
-    except RecordError as e:
-        raise Exit(str(e), code=1) from None
-
-
 @task(default=True, help=_HELP)
 def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=None,
         requests=None, input_tokens=None, output_tokens=None, warmup=None, thinking=None,
@@ -67,8 +50,9 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
     """Benchmark an endpoint: a concurrency (or rate) sweep, vLLM bench-serve metrics."""
     from sparkdeploy.bench.compare import parse_pct
     from sparkdeploy.bench.sweep import parse_levels
+    from sparkdeploy.endpoint import url as endpoint_url
     from sparkdeploy.steps.bench import STEP, benchmark, request_settings
-    from sparkdeploy.tasks._common import stream
+    from sparkdeploy.steps.registry import run_one
 
     # every flag first: a bad one exits 2 before the profile is read or a request is sent
     url = flags.url("--url", url)
@@ -91,20 +75,27 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
     if cap is not None and not rates:
         raise flags.usage("--max-concurrency", "only applies with --rate")
 
-    bench, endpoint = _profile(c, profile, url)
-    url = url or endpoint
-    if not url:
-        raise Exit("the profile has no endpoint (sparkdeploy.endpoint): pass --url URL", code=2)
-    settings = request_settings(bench, api=api, model=model, input_tokens=n_in, output_tokens=n_out,
-                                thinking=None if thinking is None else thinking == "on", timeout=secs,
-                                deadline=whole)
-    gate = (bench.baseline_decode_tok_s,
-            bench.baseline_tolerance_pct if tolerance is None else tolerance)
-    stream(STEP, benchmark, url, settings, concurrency=levels or list(bench.concurrency), rates=rates,
-           requests=n or bench.requests, warmup=bench.warmup if k is None else k,
-           max_concurrency=cap, json_path=json_path, plot_path=plot_path,
-           save_dir=state_dir(c) / "bench" if save else None,
-           baseline=gate if check_baseline else None, show=_tables)
+    def work(dep: Deployment | None, events: EventSink) -> list[Result]:
+        # the profile is needed only for the URL: without --url a bad one is fatal
+        bench = dep.profile.bench if dep is not None else Bench()
+        target = url or (endpoint_url(dep) if dep is not None else None)
+        if not target:
+            raise Exit("the profile has no endpoint (sparkdeploy.endpoint): pass --url URL", code=2)
+        settings = request_settings(bench, api=api, model=model, input_tokens=n_in,
+                                    output_tokens=n_out,
+                                    thinking=None if thinking is None else thinking == "on",
+                                    timeout=secs, deadline=whole)
+        gate = (bench.baseline_decode_tok_s,
+                bench.baseline_tolerance_pct if tolerance is None else tolerance)
+        return run_one(None, STEP, target, settings, events=events, body=benchmark,
+                       concurrency=levels or list(bench.concurrency), rates=rates,
+                       requests=n or bench.requests, warmup=bench.warmup if k is None else k,
+                       max_concurrency=cap, json_path=json_path, plot_path=plot_path,
+                       save_dir=state_dir(c) / "bench" if save else None,
+                       baseline=gate if check_baseline else None)
+
+    drive(c, STEP, work, profile=profile, deployment="optional" if url else "needed", lock=False,
+          show=lambda dep, results: _tables(results))
 
 
 def _tables(results) -> None:
@@ -134,11 +125,9 @@ def compare(c, base, new, max_regression="5%"):
     from sparkdeploy.bench.sweep import load_json
 
     threshold = flags.parsed("--max-regression", max_regression, parse_pct)
-    try:
+    with exits():
         result = cmp(load_json(flags.input_file("BASE", base)),
                      load_json(flags.input_file("NEW", new)), threshold)
-    except BenchError as e:
-        raise Exit(str(e), code=2) from None
     console = Console()
     console.print(comparison_table(result, base, new))
     for level in result.only_base:

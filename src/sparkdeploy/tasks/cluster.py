@@ -8,12 +8,13 @@ from invoke import Collection
 
 from sparkdeploy import checks
 from sparkdeploy.config import SshSettings
+from sparkdeploy.deployment import Deployment
 from sparkdeploy.discover import node_name
 from sparkdeploy.results import Result
 from sparkdeploy.steps.cluster import STEP
-from sparkdeploy.steps.cluster import discover as discover_step
+from sparkdeploy.steps.registry import run_one
 from sparkdeploy.tasks import _flags as flags
-from sparkdeploy.tasks._common import stream
+from sparkdeploy.tasks._common import drive
 from sparkdeploy.tasks._flags import task
 
 
@@ -39,7 +40,7 @@ def ssh_flag(value: str | None) -> SshSettings:
     return SshSettings(config=flags.parsed("--ssh-config", str(path), checks.ssh_path))
 
 
-def _show(results: list[Result]) -> None:
+def _show(dep: Deployment | None, results: list[Result]) -> None:
     text = next((r.details["profile"] for r in results if "profile" in r.details), None)
     if text is not None:
         print(text, end="", flush=True)
@@ -58,8 +59,9 @@ def discover(c, nodes=None, ssh_config=None, write=None, interface=None):
     target = flags.output_file("--write", write)
     iface = None if interface is None else flags.parsed("--interface", interface, checks.interface)
     command = f"inv cluster.discover --nodes {','.join(a for _, a in pairs)}"
-    stream(STEP, discover_step.body, nodes=pairs, ssh=ssh, runner=c, interface=iface,
-           write=Path(target) if target else None, command=command, show=_show)
+    drive(c, STEP, lambda dep, events: run_one(
+        None, STEP, events=events, nodes=pairs, ssh=ssh, runner=c, interface=iface,
+        write=Path(target) if target else None, command=command), deployment="none", show=_show)
 
 
 ns = Collection("cluster", discover)

@@ -4,57 +4,58 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 from invoke import Collection
 from invoke.exceptions import Exit
 
 from sparkdeploy import plan as plans
-from sparkdeploy.config import ProfileError
+from sparkdeploy.deployment import Deployment
 from sparkdeploy.endpoint import url as endpoint_url
-from sparkdeploy.events import rendering
-from sparkdeploy.hosts import HostError
-from sparkdeploy.plan import PlanRun
-from sparkdeploy.records import RecordError
-from sparkdeploy.runner import PlanError, Runner, select
-from sparkdeploy.state import LockHeld
+from sparkdeploy.events import EventSink
+from sparkdeploy.plan import PlanRun, PlanStep
+from sparkdeploy.results import Result
+from sparkdeploy.runner import Runner, select
 from sparkdeploy.steps.deploy import purge_targets
 from sparkdeploy.tasks import _flags as flags
-from sparkdeploy.tasks._common import load
+from sparkdeploy.tasks._common import drive
 from sparkdeploy.tasks._flags import task
 
 
-def _run(c, profile, steps_for, name, *, serial=False, only=None, skip=None) -> tuple:
-    dep = load(c, profile)
-    try:
-        steps, left = select(steps_for(dep), flags.name_list("--only", only),
-                             flags.name_list("--skip", skip))
-        runner = Runner(dep, steps, name=name, serial=serial or dep.dry, left_out=left)
-    except PlanError as e:
-        raise Exit(str(e), code=2) from None
-    except RecordError as e:
-        raise Exit(str(e), code=1) from None
-    if dep.dry:
-        print(f"plan ({name}, dry run: every command per node, nothing changed):", flush=True)
-        for line in plans.describe_plan(steps, left):
-            print("  " + line, flush=True)
-    with rendering(dep.events):
-        try:
-            if dep.dry:
-                out = runner.run()
-            else:
-                with dep.state.lock(name):
-                    out = runner.run()
-        except ProfileError as e:
-            raise Exit(str(e), code=2) from None
-        except (HostError, LockHeld, RecordError) as e:
-            raise Exit(str(e), code=1) from None
-    return dep, steps, out
+class _Plan:
+    """One plan run by ``drive``: the steps selected (``prepare``, with the dry run's listing),
+    then the runner's outcome (``work``)."""
 
+    def __init__(self, name: str, steps_for, *, serial=False, only=None, skip=None,
+                 before: Callable[[Deployment], None] | None = None):
+        self.name, self.steps_for, self.serial, self.before = name, steps_for, serial, before
+        self.only, self.skip = flags.name_list("--only", only), flags.name_list("--skip", skip)
+        self.steps: list[PlanStep] = []
+        self.out: PlanRun | None = None
 
-def _finish(out: PlanRun) -> None:
-    bad = [n for n, r in out.runs.items() if r.state == "failed"]
-    if bad:
-        raise Exit(f"{len(bad)} step(s) failed: {', '.join(bad)}; run it again to resume", code=1)
+    def prepare(self, dep: Deployment) -> None:
+        if self.before is not None:
+            self.before(dep)
+        self.steps, left = select(self.steps_for(dep), self.only, self.skip)
+        self.runner = Runner(dep, self.steps, name=self.name, serial=self.serial or dep.dry,
+                             left_out=left)
+        if dep.dry:
+            print(f"plan ({self.name}, dry run: every command per node, nothing changed):",
+                  flush=True)
+            for line in plans.describe_plan(self.steps, left):
+                print("  " + line, flush=True)
+
+    def work(self, dep: Deployment | None, events: EventSink) -> list[Result]:
+        self.out = self.runner.run()
+        return self.out.results()
+
+    def verdict(self, results: list[Result]) -> str | None:
+        bad = [n for n, r in self.out.runs.items() if r.state == "failed"] if self.out else []
+        return f"{len(bad)} step(s) failed: {', '.join(bad)}; run it again to resume" if bad else None
+
+    def drive(self, c, profile, show=None) -> None:
+        drive(c, self.name, self.work, profile=profile, prepare=self.prepare, show=show,
+              verdict=self.verdict)
 
 
 @task(name="all", default=True, help={
@@ -68,17 +69,18 @@ def _finish(out: PlanRun) -> None:
 def all_(c, serial=False, only=None, skip=None, bench=False, persist=False, profile=None):
     """Deploy: free the head, choose/build/ship the image, download and sync the weights, serve
     (with fallback), bench smoke, optionally persist; resumable, records every decision."""
-    dep, steps, out = _run(c, profile, lambda d: plans.plan(d, bench=bench, persist=persist),
-                           "deploy", serial=serial, only=only, skip=skip)
-    try:
-        written = plans.write_record(dep, out, steps)
+    run = _Plan("deploy", lambda d: plans.plan(d, bench=bench, persist=persist), serial=serial,
+                only=only, skip=skip)
+
+    def show(dep: Deployment | None, results: list[Result]) -> None:
+        assert dep is not None and run.out is not None
+        written = plans.write_record(dep, run.out, run.steps)
         endpoint = endpoint_url(dep)
-    except RecordError as e:
-        raise Exit(str(e), code=1) from None
-    print(f"took: {out.wall:.1f}s{' (serial)' if out.serial else ''}", flush=True)
-    print(f"endpoint: {endpoint or '-'}", flush=True)
-    print(f"record: {written.markdown if written else 'none (dry run)'}", flush=True)
-    _finish(out)
+        print(f"took: {run.out.wall:.1f}s{' (serial)' if run.out.serial else ''}", flush=True)
+        print(f"endpoint: {endpoint or '-'}", flush=True)
+        print(f"record: {written.markdown if written else 'none (dry run)'}", flush=True)
+
+    run.drive(c, profile, show)
 
 
 @task(help={"purge": "also remove the weights and sparkdeploy's images from the nodes",
@@ -86,9 +88,8 @@ def all_(c, serial=False, only=None, skip=None, bench=False, persist=False, prof
 def rollback(c, purge=False, yes=False, profile=None):
     """Undo the deployment: serve.unpersist, serve.down, services.restore (the head's units are
     back); --purge also removes the weights and sparkdeploy's images, after asking."""
-    if purge and not yes:
-        dep = load(c, profile)
-        if not dep.dry:
+    def confirm(dep: Deployment) -> None:
+        if purge and not yes and not dep.dry:
             if not sys.stdin.isatty():
                 raise Exit("--purge removes weights and images: confirm with --yes when not on a "
                            "terminal", code=2)
@@ -97,9 +98,9 @@ def rollback(c, purge=False, yes=False, profile=None):
                 print(f"  {line}")
             if input("remove these? [y/N] ").strip().lower() not in ("y", "yes"):
                 raise Exit("nothing removed", code=1)
-    _, _, out = _run(c, profile, lambda d: plans.rollback_plan(d, purge=purge), "rollback",
-                     serial=True)
-    _finish(out)
+
+    _Plan("rollback", lambda d: plans.rollback_plan(d, purge=purge), serial=True,
+          before=confirm).drive(c, profile)
 
 
 ns = Collection("deploy", all_, rollback)

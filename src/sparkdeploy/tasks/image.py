@@ -32,12 +32,13 @@ def build(c, no_cache=False, profile=None):
     run_step(c, "image.build", profile=profile, no_cache=no_cache)
 
 
-@task(help={"to": "peer node(s): NAME[,NAME...] or all", "image": "image (default: the chosen one)",
-            "profile": "profile file"})
-def ship(c, to="all", image=None, profile=None):
+@task(help={"to": "peer node(s): NAME[,NAME...] or all (default: all)", "nodes": "the same as --to",
+            "image": "image (default: the chosen one)", "profile": "profile file"})
+def ship(c, to=None, image=None, profile=None, nodes=None):
     """Copy an image node to node over the fast link, sending only the layers a peer lacks."""
     image = flags.parsed("--image", image, checks.image_ref) if image else None
-    run_step(c, "image.ship", to=to, image=image, profile=profile)
+    flag, picked = flags.nodes(nodes, to=to)
+    run_step(c, "image.ship", to=picked or "all", flag=flag, image=image, profile=profile)
 
 
 ns = Collection("image", probe, build, ship)

@@ -4,8 +4,9 @@ from invoke import Collection
 from invoke.exceptions import Exit
 
 from sparkdeploy.lab import faults, layout, lifecycle
+from sparkdeploy.steps.registry import StepContext, run_one
 from sparkdeploy.tasks import _flags as flags
-from sparkdeploy.tasks._common import render, stream
+from sparkdeploy.tasks._common import drive
 from sparkdeploy.tasks._flags import task
 
 
@@ -27,20 +28,22 @@ def up(c, nodes=None, dockerd=layout.DEFAULT_DOCKERD, seed_worker=False, mgmt_ne
     if mgmt_net not in (None, "fallback", *layout.MGMT_CANDIDATES):
         raise Exit(f"--mgmt-net: must be 'fallback' or one of {', '.join(layout.MGMT_CANDIDATES)}, "
                    f"not {mgmt_net!r}", code=2)
-    stream("lab.up", lambda ctx: lifecycle.up(nodes=n, flavor=dockerd, seed_worker=seed_worker,
-                                              mgmt_net=mgmt_net, ctx=ctx))
+    drive(c, "lab.up", lambda dep, events: lifecycle.up(
+        nodes=n, flavor=dockerd, seed_worker=seed_worker, mgmt_net=mgmt_net, events=events),
+        deployment="none")
 
 
 @task(default=True)
 def status(c):
     """Show the lab's nodes, addresses, daemons and images per node."""
-    stream("lab.status", lambda ctx: lifecycle.status(ctx=ctx))
+    drive(c, "lab.status", lambda dep, events: lifecycle.status(events=events),
+          deployment="none")
 
 
 @task
 def down(c):
     """Stop what the lab started and remove its namespaces, links, mounts and data (keeps caches)."""
-    stream("lab.down", lambda ctx: lifecycle.down(ctx=ctx))
+    drive(c, "lab.down", lambda dep, events: lifecycle.down(events=events), deployment="none")
 
 
 @task(help={"name": "sglang-hang (SGLang's ranks hang in init even when all is right), "
@@ -49,17 +52,25 @@ def down(c):
                     "process now), memory-small (the node reports 1 GiB usable memory), the "
                     "link faults mtu-mismatch, address-missing, twin-down, link-throttled, "
                     "second-interface, interface-down (docs/link.md), or none to clear every fault",
-            "node": "the node rank-wedged, rank-exit, memory-small and the link faults act on "
-                    "(default: the last node)"})
-def fault(c, name, node=None):
+            "nodes": "the node rank-wedged, rank-exit, memory-small and the link faults act on "
+                     "(default: the last node)", "node": "deprecated: --nodes"})
+def fault(c, name, nodes=None, node=None):
     """Force a failure the lab's stand-ins show until `inv lab.fault none` (lasts across lab.up)."""
     names = [*faults.FAULTS, *faults.ACTIONS]
     if name != "none" and name not in names:
         raise flags.usage("NAME", f"unknown fault {name!r} (one of none, {', '.join(names)})")
+    flag, node = flags.nodes(nodes, node=node)
     if node is not None and (name not in faults.ACTIONS or node not in faults.nodes()):
-        raise flags.usage("--node", f"{node!r}: only with {' or '.join(faults.ACTIONS)}, and one "
+        raise flags.usage(flag, f"{node!r}: only with {' or '.join(faults.ACTIONS)}, and one "
                           f"of the lab's nodes ({', '.join(faults.nodes()) or 'none'})")
-    render(faults.set_fault(name, node=node), "lab.fault")
+    if node is not None and flag != flags.NODES:
+        flags.deprecated(flag, node)
+    def body(ctx: StepContext) -> None:
+        for r in faults.set_fault(name, node=node):
+            ctx.report(r)
+
+    drive(c, "lab.fault", lambda dep, events: run_one(None, "lab.fault", events=events, body=body),
+          deployment="none", live=False)
 
 
 ns = Collection("lab", up, status, down, fault)

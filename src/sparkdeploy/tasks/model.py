@@ -5,30 +5,38 @@ sync can run beside the download and send each file as soon as the head has veri
 
 from invoke import Collection
 
+from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks._common import run_step
 from sparkdeploy.tasks._flags import task
 
 
-@task(default=True, help={"node": "the node to download on (default: the head)",
-                          "profile": "profile file"})
-def download(c, node=None, profile=None):
+@task(default=True, help={"nodes": "the node to download on (default: the head)",
+                          "node": "deprecated: --nodes", "profile": "profile file"})
+def download(c, nodes=None, profile=None, node=None):
     """Download the profile's weights on the head, verified; a re-run fetches only what is
     missing. The token comes from HF_TOKEN or the hub login and reaches the node by stdin."""
-    run_step(c, "model.download", node=node, profile=profile, lock=False)
+    flag, picked = flags.nodes(nodes, node=node)
+    if picked is not None and (picked == "all" or len(flags.name_list(flag, picked)) != 1):
+        raise flags.usage(flag, f"downloads on one node, not {picked!r}")
+    run_step(c, "model.download", node=picked, flag=flag, profile=profile, lock=False)
 
 
-@task(help={"node": "node(s): NAME[,NAME...] or all (default: all)",
+@task(help={"nodes": "node(s): NAME[,NAME...] or all (default: all)", "node": "deprecated: --nodes",
             "repair": "re-fetch (head) or re-send (workers) only the files that differ",
             "profile": "profile file"})
-def verify(c, node=None, repair=False, profile=None):
+def verify(c, nodes=None, repair=False, profile=None, node=None):
     """Check every file's size and sha256 against the hub's metadata (cached for offline use)."""
-    run_step(c, "model.verify", node=node, repair=repair, profile=profile, lock=repair)
+    flag, picked = flags.nodes(nodes, node=node)
+    run_step(c, "model.verify", node=picked, flag=flag, repair=repair, profile=profile,
+             lock=repair)
 
 
-@task(help={"to": "worker(s): NAME[,NAME...] or all", "profile": "profile file"})
-def sync(c, to="all", profile=None):
+@task(help={"to": "worker(s): NAME[,NAME...] or all (default: all)", "nodes": "the same as --to",
+            "profile": "profile file"})
+def sync(c, to=None, profile=None, nodes=None):
     """Copy the weights to the workers over the fast link as the head completes each file."""
-    run_step(c, "model.sync", to=to, profile=profile, lock=False)
+    flag, picked = flags.nodes(nodes, to=to)
+    run_step(c, "model.sync", to=picked or "all", flag=flag, profile=profile, lock=False)
 
 
 @task(help={"profile": "profile file"})

@@ -1,16 +1,19 @@
-"""`inv profile.check`: validate the profile and print it resolved, touching no node;
+"""`inv profile.check`: validate the profile and print it resolved, touching no node (its
+secrets, such as an engine env's ``HF_TOKEN``, shown as ``***``: ``state.redact``);
 `profile.seed`: where the seed profile the package ships is."""
 
 import json
 
 import yaml
 from invoke import Collection
-from invoke.exceptions import Exit
 
 from sparkdeploy import packaged
-from sparkdeploy.config import ProfileError, load_layered
+from sparkdeploy.config import load_layered
+from sparkdeploy.deployment import Deployment
 from sparkdeploy.overlays import REMOVED, UNSET, Merged, dotted
-from sparkdeploy.tasks._common import load
+from sparkdeploy.results import Result
+from sparkdeploy.state import REDACTED, is_secret_name, redact, redact_values
+from sparkdeploy.tasks._common import drive
 from sparkdeploy.tasks._flags import task
 
 
@@ -33,27 +36,38 @@ def override_lines(merged: Merged) -> list[str]:
         return []
     lines = ["# files, base first: " + ", ".join(merged.files), "# overrides:"]
     for o in sorted(merged.overrides, key=lambda o: [str(x) for x in o.path]):
-        was = "unset" if o.was is UNSET else f"{_short(o.was)} from {o.was_file}"
-        lines.append(f"#   {dotted(o.path)} = {_short(o.value)} ({o.file}; was {was})")
+        secret = is_secret_name(str(o.path[-1])) if o.path else False
+        was = "unset" if o.was is UNSET else f"{_shown(o.was, secret)} from {o.was_file}"
+        lines.append(f"#   {dotted(o.path)} = {_shown(o.value, secret)} ({o.file}; was {was})")
     return lines
+
+
+def _shown(v, secret: bool) -> str:
+    """A value as the listing shows it: a secret (a secret-named key's value, or one under such
+    a key) as ``***``."""
+    if secret and v is not REMOVED and v is not UNSET and v is not None:
+        return REDACTED
+    return _short(v if v is REMOVED or v is UNSET else redact_values(v))
 
 
 @task(default=True, help={"profile": "profile file (default: sparkdeploy.profile)"})
 def check(c, profile=None):
     """Validate the profile and print it with every default filled in (and, for a profile
     that extends others, which values each file overrides)."""
-    dep = load(c, profile)
-    p = dep.profile
-    try:
+    def show(dep: Deployment | None, results: list[Result]) -> None:
+        assert dep is not None
+        p = dep.profile
         _, merged = load_layered(dep.profile_path)
-    except ProfileError as e:
-        raise Exit(str(e), code=2) from None
-    print(f"# {dep.profile_path}: valid profile {p.name!r}: head {p.head.name}, "
-          f"workers {', '.join(n.name for n in p.workers) or 'none'}, "
-          f"{sum(n.gpus for n in p.nodes)} GPU(s), engines {', '.join(e.name for e in p.engines)}")
-    for line in override_lines(merged):
-        print(line)
-    print(yaml.safe_dump({"sparkdeploy": p.model_dump(mode="json")}, sort_keys=False), end="")
+        print(f"# {dep.profile_path}: valid profile {p.name!r}: head {p.head.name}, "
+              f"workers {', '.join(n.name for n in p.workers) or 'none'}, "
+              f"{sum(n.gpus for n in p.nodes)} GPU(s), engines {', '.join(e.name for e in p.engines)}")
+        for line in override_lines(merged):
+            print(redact(line))
+        # a secret in the profile (an engine env's HF_TOKEN) is used, never shown
+        shown = redact_values({"sparkdeploy": p.model_dump(mode="json")})
+        print(redact(yaml.safe_dump(shown, sort_keys=False)), end="")
+
+    drive(c, "profile.check", lambda dep, events: [], profile=profile, lock=False, show=show)
 
 
 @task

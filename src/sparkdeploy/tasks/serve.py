@@ -4,6 +4,7 @@ wedges), persist it, take it down, and say why when it does not come up."""
 from invoke import Collection
 from invoke.exceptions import Exit
 
+from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks._common import run_step
 from sparkdeploy.tasks._flags import integer, task
 
@@ -32,11 +33,13 @@ def status(c, profile=None):
     run_step(c, "serve.status", profile=profile, lock=False)
 
 
-@task(help={"node": "only this node (default: every node)", "tail": "only the last N lines", **_P})
-def logs(c, node=None, tail=None, profile=None):
+@task(help={"nodes": "only these nodes: NAME[,NAME...] (default: every node)",
+            "node": "deprecated: --nodes", "tail": "only the last N lines", **_P})
+def logs(c, nodes=None, tail=None, profile=None, node=None):
     """Show the engine containers' logs."""
     n = integer("--tail", tail, min=1)
-    run_step(c, "serve.logs", profile=profile, lock=False, node=node, tail=n)
+    flag, picked = flags.nodes(nodes, node=node)
+    run_step(c, "serve.logs", profile=profile, lock=False, node=picked, flag=flag, tail=n)
 
 
 @task(help={"engine": "the engine to persist (default: the one serve.up chose)", **_P})
