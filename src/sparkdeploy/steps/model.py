@@ -41,7 +41,7 @@ from sparkdeploy.nodeops import (
 )
 from sparkdeploy.outside import HubName, OutsideError, request
 from sparkdeploy.records import SHA1, SHA256, HubMetadata, RecordError
-from sparkdeploy.results import Result, changed, failed, ok, skipped
+from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext, step
 from sparkdeploy.threads import together
 
@@ -284,20 +284,34 @@ def node_state(ctx: StepContext, host: Host, st: Staged, only: list[str] | None 
                        timeout=6 * 3600)
 
 
-def disk_check(dep: Deployment, host: Host, need: int, step_name: str) -> Result | None:
-    """A failed result naming both numbers when the node lacks room for ``need`` bytes."""
+@dataclass(frozen=True)
+class Short:
+    """A node without room for the bytes it lacks: both numbers, for the step to report."""
+
+    node: str
+    why: str
+    free: int
+    need: int
+    """What it lacks, with the profile's margin."""
+
+    @property
+    def details(self) -> dict[str, int]:
+        return {"free": self.free, "need": self.need}
+
+
+def disk_check(dep: Deployment, host: Host, need: int) -> Short | None:
+    """Why the node lacks room for ``need`` bytes (naming both numbers), None when it has it."""
     got = free_space(host, dep.profile.model.path)
-    return None if got is None else short_of(dep, host, need, *got, step_name)
+    return None if got is None else short_of(dep, host, need, *got)
 
 
-def short_of(dep: Deployment, host: Host, need: int, free: int, mount: str,
-             step_name: str) -> Result | None:
+def short_of(dep: Deployment, host: Host, need: int, free: int, mount: str) -> Short | None:
     """``disk_check`` for a node whose free bytes on ``mount`` are known already."""
     margin = dep.profile.model.disk_margin_mb * 1_000_000
     if free < need + margin:
-        return failed(step_name, f"{host.name}: {free / GB:.2f} GB free on {mount}, needs "
-                      f"{(need + margin) / GB:.2f} GB ({need / GB:.2f} GB missing + "
-                      f"{margin / GB:.2f} GB margin)", host.name, free=free, need=need + margin)
+        return Short(host.name, f"{host.name}: {free / GB:.2f} GB free on {mount}, needs "
+                     f"{(need + margin) / GB:.2f} GB ({need / GB:.2f} GB missing + "
+                     f"{margin / GB:.2f} GB margin)", free, need + margin)
     return None
 
 
@@ -447,7 +461,7 @@ def download(ctx: StepContext, node: str | None = None) -> None:
         ctx.failed(str(e), host.name)
         return
     with own_lock(dep, DOWNLOAD):
-        ctx.report(download_on(ctx, host, meta, note))
+        download_on(ctx, host, meta, note)
 
 
 def download_on(ctx: StepContext, host: Host, meta: dict[str, Any], note: str = "",
@@ -455,7 +469,6 @@ def download_on(ctx: StepContext, host: Host, meta: dict[str, Any], note: str = 
     """Fetch what the node lacks (of ``only``), as the step ``ctx`` reports for (a repair by
     ``model.verify`` too)."""
     dep = ctx.dep
-    step_name = ctx.name
     m = dep.profile.model
     note = f" ({note})" if note else ""
     try:
@@ -464,15 +477,15 @@ def download_on(ctx: StepContext, host: Host, meta: dict[str, Any], note: str = 
         todo = have["missing"] + list(have["differ"]) + have["unchecked"]
         total = total_bytes(meta, only)
         if not todo:
-            return ok(step_name, f"{host.name}: all {len(have['ok'])} files present and verified "
+            return ctx.ok(f"{host.name}: all {len(have['ok'])} files present and verified "
                       f"({in_gb(total)}) in {m.path}{note}", host.name, bytes=0, total=total)
         missing = total_bytes(meta, have["missing"] + list(have["differ"]))
-        bad = disk_check(dep, host, missing, step_name)
+        bad = disk_check(dep, host, missing)
         if bad:
-            return bad
+            return ctx.failed(bad.why, bad.node, **bad.details)
         rt = choose_runtime(dep, host, st)
         if dep.dry:
-            return skipped(step_name, f"{host.name}: would download {len(todo)} files "
+            return ctx.skipped(f"{host.name}: would download {len(todo)} files "
                            f"(up to {in_gb(missing)}) of {m.repo}@{meta['commit'][:12]} into {m.path} "
                            f"with {rt.why}{note}", host.name)
         ctx.log(host.name, f"downloader: {rt.why}")
@@ -480,13 +493,13 @@ def download_on(ctx: StepContext, host: Host, meta: dict[str, Any], note: str = 
         out, why = run_fetch(ctx, host, rt, st, meta, todo)
         secs = dep.clock() - started
     except ModelError as e:
-        return failed(step_name, str(e), host.name)
+        return ctx.failed(str(e), host.name)
     if why:
-        return failed(step_name, f"{host.name}: {why}", host.name)
+        return ctx.failed(f"{host.name}: {why}", host.name)
     assert out is not None
     got = out.get("fetched_bytes", 0)
     rate = got / out["seconds"] if out.get("seconds") else 0.0
-    return changed(step_name, f"{host.name}: {m.repo}@{meta['commit'][:12]}: fetched {in_gb(got)} "
+    return ctx.changed(f"{host.name}: {m.repo}@{meta['commit'][:12]}: fetched {in_gb(got)} "
                    f"in {secs:.1f}s ({rate / 1e6:.0f} MB/s), {len(meta['files'])} files verified "
                    f"({len(have['ok'])} were already){note}", host.name, bytes=got, seconds=secs,
                    rate=rate, runtime=rt.kind)

@@ -47,7 +47,7 @@ from sparkdeploy.fanout import Outcome, pick_source
 from sparkdeploy.hosts import Feed, Host, peer_ssh_argv
 from sparkdeploy.nodeops import NodeUnreachable, helper_error, parse_progress
 from sparkdeploy.outside import OutsideError, loads
-from sparkdeploy.results import Result, changed, failed, ok, skipped
+from sparkdeploy.results import Result
 from sparkdeploy.steps.model import (
     DOWNLOAD,
     GB,
@@ -411,14 +411,14 @@ def sync(ctx: StepContext, to: str = "all", only: list[str] | None = None) -> No
         ctx.failed(str(e))
         return
     with own_lock(dep, SYNC):
-        ctx.report(sync_files(ctx, targets, meta, only=only, note=note))
+        sync_files(ctx, targets, meta, only=only, note=note)
 
 
 def sync_files(ctx: StepContext, targets: list[Host], meta: dict[str, Any],
                only: list[str] | None = None, note: str = "") -> Result:
     """Send ``targets`` the files (of ``only``) they lack, as the step ``ctx`` reports for
     (``model.verify --repair`` too); one result."""
-    dep, step_name = ctx.dep, ctx.name
+    dep = ctx.dep
     m = dep.profile.model
     s = m.sync
     head = dep.host(dep.profile.head.name)
@@ -443,14 +443,14 @@ def sync_files(ctx: StepContext, targets: list[Host], meta: dict[str, Any],
             state = node_state(ctx, h, staged[h.name], only=order, quick=True)
             need = _lacking(order, state)
             return {"need": need,
-                    "short": disk_check(dep, h, total_bytes(meta, need), step_name) if need else None,
+                    "short": disk_check(dep, h, total_bytes(meta, need)) if need else None,
                     "rsync": rsync_available(h) if need else None}
         # the receiver hashes what is there without a record, then waits to hear what comes
         r = receivers[h.name] = Receiver(ctx, h, staged[h.name], order, secret, allow)
         state = r.state()
         need = _lacking(order, state)
-        short = short_of(dep, h, total_bytes(meta, need), state["free"], state["mount"],
-                         step_name) if need else None
+        short = short_of(dep, h, total_bytes(meta, need), state["free"], state["mount"]) \
+            if need else None
         if need and short is None:
             r.expect(need)
         else:
@@ -463,19 +463,19 @@ def sync_files(ctx: StepContext, targets: list[Host], meta: dict[str, Any],
         need = {t.name: ready[t.name]["need"] for t in targets}
         if not any(need.values()):
             names = ", ".join(t.name for t in targets)
-            return ok(step_name, f"{names}: all {len(order)} files already there and verified "
+            return ctx.ok(f"{names}: all {len(order)} files already there and verified "
                       f"({total_bytes(meta, order) / GB:.2f} GB){note}", ",".join(need))
         short = [ready[t.name]["short"] for t in targets if ready[t.name].get("short")]
         if short:
-            return short[0]
+            return ctx.failed(short[0].why, short[0].node, **short[0].details)
         for h in nodes:
             why = ready[h.name].get("rsync")
             if why:
-                return failed(step_name, why, h.name)
+                return ctx.failed(why, h.name)
         if dep.dry:
             parts = [f"{len(v)} files ({total_bytes(meta, v) / GB:.2f} GB) to {k}"
                      for k, v in need.items() if v]
-            return skipped(step_name, f"would send {', '.join(parts)} over {s.transport}{note}")
+            return ctx.skipped(f"would send {', '.join(parts)} over {s.transport}{note}")
         plan = Plan(need={k: v for k, v in need.items() if v}, sizes=sizes)
         head_state = ready[head.name]["state"]
         for f in head_state["ok"]:
@@ -484,7 +484,7 @@ def sync_files(ctx: StepContext, targets: list[Host], meta: dict[str, Any],
         return _Transfers(ctx, head, targets, plan, staged, sending_to, secret, order,
                           head_state).run(note)
     except ModelError as e:
-        return failed(step_name, str(e), getattr(e, "node", None))
+        return ctx.failed(str(e), getattr(e, "node", None))
     finally:
         # a receiver's daemon stops when its stdin ends, whatever happened here
         each(lambda r: r.join(), list(receivers.values()))
@@ -506,7 +506,7 @@ class _Transfers:
         self.ctx, self.head, self.targets, self.plan = ctx, head, targets, plan
         self.dep = dep = ctx.dep
         self.staged, self.receivers, self.secret = staged, receivers, secret
-        self.order, self.step_name = order, ctx.name
+        self.order = order
         self.s = dep.profile.model.sync
         self.hosts = {h.name: h for h in [head, *targets]}
         self.totals = {k: sum(plan.sizes[f] for f in v) for k, v in plan.need.items()}
@@ -527,10 +527,10 @@ class _Transfers:
                          clock=self.dep.clock, sleep=self.dep.sleep)
         except Stop as e:
             _drain(self.sending)
-            return failed(self.step_name, f"{e}; {self.kept()}", self.head.name)
+            return self.ctx.failed(f"{e}; {self.kept()}", self.head.name)
         except WaitTimeout as e:
             _drain(self.sending)
-            return failed(self.step_name, f"stalled: {e}; {self.kept()}")
+            return self.ctx.failed(f"stalled: {e}; {self.kept()}")
         finally:
             self.pool.shutdown(wait=True)
         return self.outcome(self.dep.clock() - started, note)
@@ -642,10 +642,10 @@ class _Transfers:
                 self.errors[dst] = rcv.error
         if self.errors:
             dst, why = next(iter(self.errors.items()))
-            return failed(self.step_name, f"{why}; {self.kept()}, a re-run resumes", dst)
+            return self.ctx.failed(f"{why}; {self.kept()}, a re-run resumes", dst)
         total = sum(self.moved.values())
         names = ", ".join(t.name for t in self.targets if t.name in self.totals)
-        return changed(self.step_name, f"{names}: sent {sum(1 for _ in _sent(self.plan))} files "
+        return self.ctx.changed(f"{names}: sent {sum(1 for _ in _sent(self.plan))} files "
                        f"({total / GB:.2f} GB) over {self.s.transport} in {secs:.1f}s "
                        f"({total / max(secs, 1e-6) / 1e6:.0f} MB/s), verified on arrival{note}",
                        ",".join(self.totals), bytes=total, seconds=secs,

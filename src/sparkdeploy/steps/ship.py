@@ -60,7 +60,7 @@ from sparkdeploy.nodeops import (
     watched,
 )
 from sparkdeploy.outside import OutsideError, loads
-from sparkdeploy.results import Result, changed, failed, ok, skipped
+from sparkdeploy.results import Result
 from sparkdeploy.steps.images import STEP_BUILD, chosen_image
 from sparkdeploy.steps.registry import StepContext, step
 
@@ -377,12 +377,11 @@ def ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
     """Ship ``ref`` from ``src`` to ``peer``; one result, reported as soon as it is known (a
     node that cannot be reached is left to the fan-out: one failed result for it)."""
     try:
-        res = _ship_one(ctx, src, peer, ref, src_info, src_is_head, master)
+        return _ship_one(ctx, src, peer, ref, src_info, src_is_head, master)
     except NodeUnreachable:
         raise
     except HostError as e:
-        res = failed(STEP, str(e), peer.name)
-    return ctx.report(res)
+        return ctx.failed(str(e), peer.name)
 
 
 def store_read(src: Host, export_path: str, layers_file: str, facts: DockerDaemon, image_id: str,
@@ -439,7 +438,7 @@ def _ship(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, src
     if isinstance(plan, Result):
         return plan
     if dep.dry:
-        return skipped(STEP, f"would send {ref} from {src.name} to {peer.name}: {plan.what}",
+        return ctx.skipped(f"would send {ref} from {src.name} to {peer.name}: {plan.what}",
                        peer.name)
     started = dep.clock()
     ctx.log(peer.name, f"sending {ref} from {src.name}: {plan.what}")
@@ -451,9 +450,9 @@ def _ship(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, src
     if notes and r.ok:
         note += f", sent it {'whole' if way == 'full' else 'through docker save'}"
     if r.exit_code == STAGED_CHANGED:
-        return failed(STEP, f"{src.name}: {r.one_line_error()}", src.name)
+        return ctx.failed(f"{src.name}: {r.one_line_error()}", src.name)
     if not r.ok:
-        return failed(STEP, f"transfer to {peer.name} failed: {r.one_line_error()}{note}", peer.name)
+        return ctx.failed(f"transfer to {peer.name} failed: {r.one_line_error()}{note}", peer.name)
     report = _report(r.stderr)
     if read:
         done = int(report.get("bytes_out" if way == "store" else "bytes_in") or read)
@@ -462,8 +461,9 @@ def _ship(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, src
     held, tags = threads.together(lambda: inspect_image(peer, ref), lambda: listed_tags(peer))
     problem = verify(peer, ref, src_info, plan.by_id, held, tags)
     if problem:
-        return failed(STEP, f"after the transfer: {problem}{note}", peer.name)
-    return _sent(src, peer, ref, src_info, plan, way, report, dep.clock() - started, note, notes)
+        return ctx.failed(f"after the transfer: {problem}{note}", peer.name)
+    return _sent(ctx, src, peer, ref, src_info, plan, way, report, dep.clock() - started, note,
+                 notes)
 
 
 def _plan(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
@@ -484,7 +484,7 @@ def _plan(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
     # an image's ID is its config digest on the classic store, its manifest's on containerd's
     by_id = not (facts.containerd_store or src_facts.containerd_store)
     if verify(peer, ref, src_info, by_id, held, tags) is None:
-        return ok(STEP, f"{peer.name} already has {ref} ({src_info['Id'][:19]})", peer.name)
+        return ctx.ok(f"{peer.name} already has {ref} ({src_info['Id'][:19]})", peer.name)
     # a containerd-store peer takes a partial archive only as an OCI layout naming blobs it holds
     listed = not facts.containerd_store or facts.blobs is not None
     prefix = have_prefix(layers, facts.chains) if listed else 0
@@ -502,7 +502,7 @@ def _plan(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
     free = got[0] if got else None
     need = 2 * missing  # the archive is unpacked to a temp dir, then applied
     if free is not None and free < need:
-        return failed(STEP, f"{peer.name} has {free / 1e9:.1f} GB free in {facts.root_dir}, needs "
+        return ctx.failed(f"{peer.name} has {free / 1e9:.1f} GB free in {facts.root_dir}, needs "
                       f"about {need / 1e9:.1f} GB for {ref}", peer.name)
     why_full = (f"the peer uses the containerd image store, whose content could not be listed: "
                 f"{facts.blobs_why}" if not listed
@@ -597,7 +597,7 @@ def _send(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, pla
     raise AssertionError("the whole archive is always the last way")
 
 
-def _sent(src: Host, peer: Host, ref: str, src_info: dict, plan: Plan, way: str,
+def _sent(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, plan: Plan, way: str,
           report: dict[str, Any], secs: float, note: str, notes: list[str]) -> Result:
     """The result of a ship that arrived and checked out."""
     sent = report.get("bytes_out")
@@ -617,7 +617,7 @@ def _sent(src: Host, peer: Host, ref: str, src_info: dict, plan: Plan, way: str,
     mode = "full" if way == "full" or not skipped else "partial"
     why_full = plan.why_full or (f"{peer.name} holds none of its blobs" if plan.prefix else "")
     reason = f" ({why_full})" if mode == "full" and why_full and not note else ""
-    return changed(STEP, f"sent {ref} {src.name} -> {peer.name}: {mode}{reason}, {sent_txt}, "
+    return ctx.changed(f"sent {ref} {src.name} -> {peer.name}: {mode}{reason}, {sent_txt}, "
                    f"{skipped}/{len(layers)} layers already there, {secs:.1f}s{note}",
                    peer.name, mode=mode, via=way, seconds=secs,
                    bytes_in=report.get("bytes_in"), bytes_out=sent, layers_skipped=skipped,
