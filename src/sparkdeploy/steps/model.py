@@ -26,7 +26,7 @@ from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sparkdeploy import labels
+from sparkdeploy import labels, threads
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Feed, Host
 from sparkdeploy.nodeops import (
@@ -43,7 +43,6 @@ from sparkdeploy.outside import HubName, OutsideError, request
 from sparkdeploy.records import SHA1, SHA256, HubMetadata, RecordError
 from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext, step
-from sparkdeploy.threads import together
 
 DOWNLOAD = "model.download"
 VERIFY = "model.verify"
@@ -187,9 +186,10 @@ class Staged:
 def stage_for(host: Host, meta: dict[str, Any]) -> Staged:
     """The helper and the spec on the node, staged side by side (one round trip, not two)."""
     spec = {k: meta[k] for k in ("repo", "revision", "commit", "files")}
-    script, spec_path = together(lambda: stage_script(host, SCRIPT),
-                                 lambda: stage(host, "spec.json", json.dumps(spec, sort_keys=True)))
-    return Staged(script, spec_path)
+    with threads.pool(2) as p:
+        script = p.submit(stage_script, host, SCRIPT)
+        spec_path = p.submit(stage, host, "spec.json", json.dumps(spec, sort_keys=True))
+    return Staged(script.result(), spec_path.result())
 
 
 Count = Annotated[int, Field(ge=0)]

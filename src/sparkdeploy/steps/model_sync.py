@@ -66,7 +66,6 @@ from sparkdeploy.steps.model import (
     total_bytes,
 )
 from sparkdeploy.steps.registry import StepContext, step
-from sparkdeploy.threads import each, together
 from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 SYNC = "model.sync"
@@ -435,10 +434,10 @@ def sync_files(ctx: StepContext, targets: list[Host], meta: dict[str, Any],
         sync of weights already in place costs."""
         staged[h.name] = stage_for(h, meta)
         if h is head:  # what the head holds already (records only); rsync there
-            state, rsync = together(
-                lambda: node_state(ctx, h, staged[h.name], only=order, quick=True),
-                lambda: rsync_available(h))
-            return {"state": state, "rsync": rsync}
+            with threads.pool(2) as p:
+                held = p.submit(node_state, ctx, h, staged[h.name], only=order, quick=True)
+                rsync = p.submit(rsync_available, h)
+            return {"state": held.result(), "rsync": rsync.result()}
         if dep.dry:  # records only; nothing starts on the node
             state = node_state(ctx, h, staged[h.name], only=order, quick=True)
             need = _lacking(order, state)
@@ -459,7 +458,9 @@ def sync_files(ctx: StepContext, targets: list[Host], meta: dict[str, Any],
 
     try:
         nodes = [head, *targets]
-        ready = dict(zip([h.name for h in nodes], each(prepare, nodes), strict=True))
+        # every node's setup is needed to go on: an unreachable one stops the step (no ctx.each)
+        with threads.pool(len(nodes)) as p:
+            ready = dict(zip([h.name for h in nodes], p.map(prepare, nodes), strict=True))
         need = {t.name: ready[t.name]["need"] for t in targets}
         if not any(need.values()):
             names = ", ".join(t.name for t in targets)
@@ -487,7 +488,8 @@ def sync_files(ctx: StepContext, targets: list[Host], meta: dict[str, Any],
         return ctx.failed(str(e), getattr(e, "node", None))
     finally:
         # a receiver's daemon stops when its stdin ends, whatever happened here
-        each(lambda r: r.join(), list(receivers.values()))
+        with threads.pool(len(receivers)) as p:
+            list(p.map(lambda r: r.join(), list(receivers.values())))
 
 
 def _lacking(order: list[str], state: dict[str, Any]) -> list[str]:

@@ -29,11 +29,11 @@ from sparkdeploy.results import Result, Status
 
 if TYPE_CHECKING:
     from sparkdeploy.deployment import Deployment
-    from sparkdeploy.hosts import Host
 
 Body = Callable[..., None]
 StepFn = Callable[..., list[Result]]
 T = TypeVar("T")
+Item = TypeVar("Item")
 
 
 class StepContext:
@@ -107,18 +107,23 @@ class StepContext:
         self.events.emit(Log(self.name, node, text))
 
     # -- nodes and other steps --------------------------------------------------------------
-    def each(self, hosts: Iterable[Host], fn: Callable[[Host], T], *,
+    def each(self, items: Iterable[Item], fn: Callable[[Item], T], *,
              parallel: bool = False) -> list[T | None]:
-        """``fn(host)`` for each node, in order (``parallel``: all at once); a node that cannot
-        be reached is one failed result for that node and None in the list."""
-        def one(host: Host) -> T | None:
+        """``fn(item)`` for each node (or each pair of nodes, for a tree fan-out), in order
+        (``parallel``: all at once, results in order); a node that cannot be reached is one
+        failed result for that node and None in the list."""
+        def one(item: Item) -> T | None:
             try:
-                return fn(host)
+                return fn(item)
             except NodeUnreachable as e:
                 self.unreachable(e)
                 return None
 
-        return threads.each(one, hosts) if parallel else [one(h) for h in hosts]
+        items = list(items)
+        if not parallel or len(items) <= 1:
+            return [one(x) for x in items]
+        with threads.pool(len(items)) as p:
+            return list(p.map(one, items))
 
     def aside(self) -> StepContext:
         """A context for work whose result this step judges before it reports its own (the

@@ -117,9 +117,10 @@ class DockerDaemon:
 def daemon_facts(host: Host, layers: bool = True) -> DockerDaemon:
     """The daemon's store, root dir and driver (``docker info``) and, with ``layers``, the layer
     list of every image it holds (asked at the same time)."""
-    r, chains = threads.together(
-        lambda: host.run(docker(host, "info", "--format", "{{json .}}"), change=False),
-        lambda: layers_on(host) if layers else [])
+    with threads.pool(2) as p:
+        info_run = p.submit(host.run, docker(host, "info", "--format", "{{json .}}"), change=False)
+        layers_run = p.submit(lambda: layers_on(host) if layers else [])
+    r, chains = info_run.result(), layers_run.result()
     if not r.ok:
         raise HostError(f"{host.name}: docker info failed: {r.one_line_error()}")
     info = json.loads(r.stdout)
@@ -458,7 +459,9 @@ def _ship(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, src
         done = int(report.get("bytes_out" if way == "store" else "bytes_in") or read)
         ctx.progress(peer.name, done, done, "B", f"from {src.name}")
     ctx.log(peer.name, f"checking {ref} on {peer.name}")
-    held, tags = threads.together(lambda: inspect_image(peer, ref), lambda: listed_tags(peer))
+    with threads.pool(2) as p:
+        held_run, tags_run = p.submit(inspect_image, peer, ref), p.submit(listed_tags, peer)
+    held, tags = held_run.result(), tags_run.result()
     problem = verify(peer, ref, src_info, plan.by_id, held, tags)
     if problem:
         return ctx.failed(f"after the transfer: {problem}{note}", peer.name)
@@ -471,16 +474,20 @@ def _plan(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
     """Ask both nodes (at once: a small delta's ship is mostly these round trips) and decide
     what to send and how; a result instead when there is nothing to send or no room for it."""
     layers = src_info["RootFS"]["Layers"]
-    (facts, held, tags), (py, sizes, src_facts, layers_file, staged_export) = threads.together(
-        lambda: threads.together(lambda: peer_facts(peer, layers), lambda: inspect_image(peer, ref),
-                                 lambda: listed_tags(peer)),
-        lambda: threads.together(lambda: python_version(src),
-                                 lambda: layer_sizes(src, ref, layers, int(src_info.get("Size") or 0)),
-                                 # a peer serving the next reads its own store, not the head's
-                                 lambda: source_store(src, src_info if src_is_head else
-                                                      inspect_image(src, ref) or {}),
-                                 lambda: stage(src, "layers.json", json.dumps(layers)),
-                                 lambda: stage_script(src, "layer_export.py")))
+    with threads.pool(8) as p:
+        asked = (p.submit(peer_facts, peer, layers), p.submit(inspect_image, peer, ref),
+                 p.submit(listed_tags, peer), p.submit(python_version, src),
+                 p.submit(layer_sizes, src, ref, layers, int(src_info.get("Size") or 0)),
+                 # a peer serving the next reads its own store, not the head's
+                 p.submit(lambda: source_store(src, src_info if src_is_head else
+                                               inspect_image(src, ref) or {})),
+                 p.submit(stage, src, "layers.json", json.dumps(layers)),
+                 p.submit(stage_script, src, "layer_export.py"))
+    # each answer in that order (the first error among them raised once all have ended)
+    facts, held, tags, py = (asked[0].result(), asked[1].result(), asked[2].result(),
+                             asked[3].result())
+    sizes, src_facts, layers_file, staged_export = (asked[4].result(), asked[5].result(),
+                                                    asked[6].result(), asked[7].result())
     # an image's ID is its config digest on the classic store, its manifest's on containerd's
     by_id = not (facts.containerd_store or src_facts.containerd_store)
     if verify(peer, ref, src_info, by_id, held, tags) is None:
@@ -671,6 +678,6 @@ def _fan_out(ctx: StepContext, plan: fanout.FanOut, hosts: dict[str, Host], head
             return Outcome.OK, res.why
         return (Outcome.SOURCE if res.node == src else Outcome.TARGET), res.why
 
-    fan = fanout.run(plan, transfer, threads.each)
+    fan = fanout.run(plan, transfer, lambda fn, pairs: ctx.each(pairs, fn, parallel=True))
     for target in fan.stranded:
         ctx.failed(fan.failed[target], target)
