@@ -34,6 +34,7 @@ from sparkdeploy.config import Engine, ProfileError
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import EngineError, Launch, Stage, launch
 from sparkdeploy.engines.base import API_KEY_ENV, run_args, secret_lines
+from sparkdeploy.files import write_text_atomic
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import HelperFailed, NodeUnreachable, docker, run_helper
 from sparkdeploy.outside import OutsideError, last_line
@@ -84,7 +85,7 @@ class Run:
         d = self.dir / engine
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
         for label, lines in logs.items():
-            (d / label).write_text("\n".join(lines) + ("\n" if lines else ""))
+            write_text_atomic(d / label, "\n".join(lines) + ("\n" if lines else ""), 0o644)
         return d
 
 
