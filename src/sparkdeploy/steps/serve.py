@@ -61,6 +61,7 @@ from sparkdeploy.steps.serve_watch import (
     full_log,
     read_restarts,
 )
+from sparkdeploy.wait import Deadline
 
 STEP_UP = "serve.up"
 STEP_DOWN = "serve.down"
@@ -162,10 +163,7 @@ def _ranks_joined(stage: Stage, watch: Watch) -> bool:
 def bring_up(dep: Deployment, lau: Launch, run: Run, watch: Watch) -> str:
     """Start the stages and wait through the phases; the endpoint URL, or EngineFailed."""
     s = dep.profile.serve
-    end = dep.clock() + s.ready_timeout_s
-
-    def left() -> float:
-        return end - dep.clock()
+    left = Deadline(s.ready_timeout_s, dep.clock).left
 
     for stage in lau.stages:
         for spec in stage.containers:
