@@ -25,14 +25,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from invoke import Context
 from invoke.exceptions import CommandTimedOut
 
 from sparkdeploy.config import Node, SshSettings
 from sparkdeploy.events import Echo, EventSink
-from sparkdeploy.results import Result, failed
 from sparkdeploy.state import StateDir, redact
 
 SSH_UNREACHABLE = 255
@@ -54,16 +52,14 @@ class HostError(Exception):
 class NodeUnreachable(HostError):
     """The node cannot be reached (ssh cannot connect, authenticate or verify its host key).
 
-    The one error for it: ``Host.run`` raises it, steps turn it into one failed result per
-    node with ``as_result(step)``, and a task that sees it escape exits 1 with its one line."""
+    The one error for it: ``Host.run`` raises it, a step's context turns it into one failed
+    result for the node (``StepContext.unreachable``), and a task that sees it escape exits 1
+    with its one line."""
 
     def __init__(self, node: str, why: str):
         super().__init__(f"{node}: unreachable: {why}")
         self.node = node
         self.why = why
-
-    def as_result(self, step: str, **details: Any) -> Result:
-        return failed(step, f"unreachable: {self.why}", self.node, **details)
 
 
 @dataclass

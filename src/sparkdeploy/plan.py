@@ -392,9 +392,9 @@ def _engine(runs: dict[str, StepRun], dep: Deployment) -> RunEngine:
     said = [x.why for x in r.results] if r else []
     chosen = (rec.chosen if rec else None) or next(
         (x.details.get("engine") for x in reversed(r.results if r else []) if x.details.get("engine")), None)
-    tried = [Tried.model_validate({k: a.get(k) for k in ("engine", "outcome", "class", "phase", "why",
-                                                          "fallback_after_s")}
-                                  | {"evidence": [list(e) for e in (a.get("evidence") or [])[:6]]})
+    tried = [Tried.model_validate(a.model_dump(by_alias=True, include={"engine", "outcome", "diagnosis",
+                                                                      "phase", "why", "fallback_after_s"})
+                                  | {"evidence": [list(e) for e in a.evidence[:6]]})
              for a in (rec.tried if rec else [])]
     return RunEngine(chosen=chosen, tried=tried, decided=rec.made.time_iso if rec and rec.made else None,
                      run_dir=rec.run_dir if rec else None, serve_up=said)

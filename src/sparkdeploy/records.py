@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_serializer
 
 from sparkdeploy.files import Escape, under, write_text_atomic
 from sparkdeploy.outside import HubName
@@ -117,14 +117,45 @@ class ImageDecision(Record):
     summary: str
 
 
+class Attempt(BaseModel):
+    """An engine serve.up gave up on: how it failed and where, the diagnosis (``class`` in the
+    file) and its evidence lines, the saved logs, the containers removed and any left behind;
+    for a hang, its timings. A field not set (a hang's timings for an engine that exited, the
+    fallback's delay for the last engine) is not written."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="ignore")
+    engine: str
+    outcome: str
+    phase: str | None = None
+    why: str = ""
+    diagnosis: str | None = Field(default=None, validation_alias=AliasChoices("class", "diagnosis"),
+                                  serialization_alias="class")
+    summary: str = ""
+    evidence: list[list[Any]] = Field(default_factory=list)
+    """[log label, line number, line]"""
+    logs: str = ""
+    removed: dict[str, list[str]] = Field(default_factory=dict)
+    left: dict[str, list[str]] = Field(default_factory=dict)
+    stall_s: float | None = None
+    silent_s: float | None = None
+    hang_start: float | None = None
+    given_up_at: float | None = None
+    fallback_after_s: float | None = None
+    """From the hang's start to the next engine's start (set when there is a next engine)."""
+
+
 class ServeDecision(Record):
     NAME = "serve"
     WHAT = "engine decision"
     STEP = "serve.up"
-    tried: list[dict[str, Any]] = Field(default_factory=list)
+    tried: list[Attempt] = Field(default_factory=list)
     """The engines that failed before the one chosen: outcome, diagnosis class, evidence."""
     chosen: str | None
     run_dir: str
+
+    @field_serializer("tried")
+    def _tried(self, tried: list[Attempt]) -> list[dict[str, Any]]:
+        return [a.model_dump(mode="json", by_alias=True, exclude_unset=True) for a in tried]
 
 
 class Endpoint(Record):

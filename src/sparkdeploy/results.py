@@ -52,18 +52,3 @@ def final(results: list[Result]) -> list[Result]:
         last[(x.step, x.node)] = x
     return list(last.values())
 
-
-def ok(step: str, why: str, node: str | None = None, **details: Any) -> Result:
-    return Result(step, Status.OK, why, node, details)
-
-
-def changed(step: str, why: str, node: str | None = None, **details: Any) -> Result:
-    return Result(step, Status.CHANGED, why, node, details)
-
-
-def skipped(step: str, why: str, node: str | None = None, **details: Any) -> Result:
-    return Result(step, Status.SKIPPED, why, node, details)
-
-
-def failed(step: str, why: str, node: str | None = None, **details: Any) -> Result:
-    return Result(step, Status.FAILED, why, node, details)

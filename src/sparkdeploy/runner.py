@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from sparkdeploy import threads
 from sparkdeploy.config import ProfileError
 from sparkdeploy.events import StepState
+from sparkdeploy.files import write_text_atomic
 from sparkdeploy.fingerprint import diff_keys
 from sparkdeploy.hosts import HostError
 from sparkdeploy.nodeops import NodeUnreachable
@@ -155,7 +156,7 @@ class Runner:
             return ""
         p = self.dep.state.ensure() / "runs" / f"{name}.traceback"
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(traceback.format_exc())
+        write_text_atomic(p, traceback.format_exc(), 0o644)
         return f" (traceback: {p})"
 
     def _execute(self, spec: PlanStep) -> None:

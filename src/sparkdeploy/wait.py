@@ -5,7 +5,8 @@ open, an endpoint to be healthy).
 truthy and returns that. When the deadline passes it raises ``WaitTimeout`` carrying the last
 thing the probe said, so the caller can fail with one line of why. The clock and the sleep are
 injectable, so tests run instantly and deterministically; ``tick(elapsed)`` is called after
-every unsuccessful probe (progress on long waits).
+every unsuccessful probe (progress on long waits). ``Deadline`` is one deadline shared by waits
+made one after another (serve.up's phases): each ``wait_for`` gets what is ``left()`` of it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,18 @@ class WaitTimeout(Exception):
         self.last = last
         tail = f" (last: {last})" if last not in (None, "", False) else ""
         super().__init__(f"timed out after {waited:.0f}s waiting for {what}{tail}")
+
+
+class Deadline:
+    """``seconds`` from now on ``clock``: what is left of it, for each of several waits in turn."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.end = clock() + seconds
+
+    def left(self) -> float:
+        """The seconds left (0 once it has passed: the next wait probes once, then times out)."""
+        return max(self.end - self.clock(), 0.0)
 
 
 class Stop(Exception):

@@ -151,13 +151,13 @@ def test_forced_hang_is_diagnosed_and_vllm_takes_over(clean):
     assert stream(url)
     rec = dep.records.read(ServeDecision)
     [tried] = rec.tried
-    assert (tried["engine"], tried["class"], rec.chosen) == ("sglang", "nccl-init-hang", "vllm-ray")
-    assert tried["evidence"]
+    assert (tried.engine, tried.diagnosis, rec.chosen) == ("sglang", "nccl-init-hang", "vllm-ray")
+    assert tried.evidence
     # detected within the stall time + 10 %
-    assert STALL <= tried["silent_s"] <= STALL * 1.1
-    print(f"\nserve.hang_to_fallback_seconds: {tried['fallback_after_s']}")
-    assert tried["fallback_after_s"] <= STALL * 1.1 + 15
-    assert sorted(p.name for p in Path(tried["logs"]).iterdir()) == [
+    assert STALL <= tried.silent_s <= STALL * 1.1
+    print(f"\nserve.hang_to_fallback_seconds: {tried.fallback_after_s}")
+    assert tried.fallback_after_s <= STALL * 1.1 + 15
+    assert sorted(p.name for p in Path(tried.logs).iterdir()) == [
         "spark1-sparkdeploy-sglang-head.log", "spark2-sparkdeploy-sglang-worker.log"]
     assert ours(lab, "spark1") == ["sparkdeploy-vllm-ray-api", "sparkdeploy-vllm-ray-head"]
     assert ours(lab, "spark2") == ["sparkdeploy-vllm-ray-worker"]
@@ -178,7 +178,7 @@ def test_without_sglang_host_ip_sglang_hangs_and_is_diagnosed(clean):
     gone = lab.ssh("spark1", ["docker", "inspect", "sparkdeploy-sglang-head"], check=False)
     assert gone.returncode != 0 and "No such object" in gone.stderr  # removed after the diagnosis
     rec = load(p, state).records.read(ServeDecision)
-    assert rec.tried[0]["class"] == "nccl-init-hang" and rec.chosen is None
+    assert rec.tried[0].diagnosis == "nccl-init-hang" and rec.chosen is None
 
 
 def results(out: str) -> list[tuple[str, str, str, str]]:

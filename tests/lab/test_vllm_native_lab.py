@@ -80,11 +80,11 @@ def test_a_worker_advertising_the_wrong_address_hangs_is_diagnosed_and_ray_takes
     assert "class: worker-never-joined" in out and "falling back to vllm-ray" in out
     rec = dep.records.read(ServeDecision)
     [tried] = rec.tried
-    assert (tried["engine"], tried["class"], rec.chosen) == ("vllm", "worker-never-joined", "vllm-ray")
-    texts = [e[2] for e in tried["evidence"]]
+    assert (tried.engine, tried.diagnosis, rec.chosen) == ("vllm", "worker-never-joined", "vllm-ray")
+    texts = [e[2] for e in tried.evidence]
     assert any("DP group leader" in t for t in texts) and any("Model loading took" in t for t in texts)
-    assert STALL <= tried["silent_s"] <= STALL * 1.1
-    print(f"\nvllm_native.hang_to_fallback_seconds: {tried['fallback_after_s']}")
+    assert STALL <= tried.silent_s <= STALL * 1.1
+    print(f"\nvllm_native.hang_to_fallback_seconds: {tried.fallback_after_s}")
     url = results(out)[-1][3].split(" ", 1)[1]
     assert stream(url)
     assert ours(lab, "spark1") == ["sparkdeploy-vllm-ray-api", "sparkdeploy-vllm-ray-head"]

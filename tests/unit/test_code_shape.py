@@ -11,11 +11,13 @@ they are counted on their own."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
+TESTS = ROOT / "tests"
 PKG = SRC / "sparkdeploy"
 HELPERS = PKG / "helpers"
 STANDINS = PKG / "lab" / "standins"
@@ -145,20 +147,25 @@ def product_code() -> list[Path]:
         ROOT / "tasks.py", ROOT / "noxfile.py"]
 
 
+def call_sites(files: list[Path], base: Path = ROOT) -> Iterator[tuple[str, ast.Call]]:
+    """Every call in ``files``, with its ``path:line``."""
+    for f in files:
+        for n in ast.walk(ast.parse(f.read_text())):
+            if isinstance(n, ast.Call):
+                yield f"{f.relative_to(base)}:{n.lineno}", n
+
+
 def calls(files: list[Path], dotted: str, base: Path = ROOT) -> list[str]:
     """Where ``dotted`` (``os.replace``, or a bare name) is called."""
     mod, _, name = dotted.rpartition(".")
     out = []
-    for f in files:
-        for n in ast.walk(ast.parse(f.read_text())):
-            if not isinstance(n, ast.Call):
-                continue
-            fn = n.func
-            hit = (isinstance(fn, ast.Attribute) and fn.attr == name
-                   and (not mod or isinstance(fn.value, ast.Name) and fn.value.id == mod.split(".")[-1])
-                   ) or (not mod and isinstance(fn, ast.Name) and fn.id == name)
-            if hit:
-                out.append(f"{f.relative_to(base)}:{n.lineno}")
+    for where, n in call_sites(files, base):
+        fn = n.func
+        hit = (isinstance(fn, ast.Attribute) and fn.attr == name
+               and (not mod or isinstance(fn.value, ast.Name) and fn.value.id == mod.split(".")[-1])
+               ) or (not mod and isinstance(fn, ast.Name) and fn.id == name)
+        if hit:
+            out.append(where)
     return out
 
 
@@ -196,6 +203,91 @@ def test_one_place_makes_a_thread_pool():
                                                                 "futures.ThreadPoolExecutor")
     assert len(sites) <= 2, sites
     assert all(s.startswith(str(POOL_HELPER.relative_to(ROOT))) for s in sites), sites
+
+
+def test_the_pool_is_the_only_thing_threads_offers_and_nothing_else_makes_one():
+    # one fan-out over nodes (StepContext.each), built on the pool; no threads.each/together
+    assert public_functions(POOL_HELPER) == ["pool"]
+    made = [f"{f.relative_to(ROOT)}:{n.lineno}" for f in product_code() if f != POOL_HELPER
+            for n in ast.walk(ast.parse(f.read_text()))
+            if isinstance(n, ast.ImportFrom) and any(a.name == "ThreadPoolExecutor" for a in n.names)
+            or isinstance(n, ast.Attribute) and n.attr == "ThreadPoolExecutor"]
+    assert made == []
+
+
+RESULTS = PKG / "results.py"
+BUILDERS = {"ok", "changed", "skipped", "failed"}
+
+
+def test_steps_report_through_their_context_not_through_result_builders():
+    # what is left of results.py: the Result, its Status and final(); a status is said with
+    # ctx.ok/changed/skipped/failed, or (outside a step: the lab) Result(name, Status.X, ...)
+    assert public_functions(RESULTS) == ["final"]
+    imported = [f"{f.relative_to(ROOT)}:{n.lineno}" for f in product_code() + sorted(TESTS.rglob("*.py"))
+                for n in ast.walk(ast.parse(f.read_text()))
+                if isinstance(n, ast.ImportFrom) and n.module == "sparkdeploy.results"
+                and BUILDERS & {a.name for a in n.names}]
+    assert imported == []
+    assert [c for b in sorted(BUILDERS) for c in calls(product_code(), f"results.{b}")] == []
+
+
+WRITERS = {PKG / "files.py", PKG / "records.py"}
+"""The two places a file is written: a record (``Records.write``) or any other file, whole or
+not at all (``files.write_atomic`` and its kin)."""
+WRITES_ALLOWED: dict[str, str] = {}
+"""``path:line`` of a write outside the writers, each with why it may be (none today)."""
+
+
+def file_writes(files: list[Path], base: Path = ROOT) -> list[str]:
+    """Where a file is written in place: ``.write_text(...)``, ``.write_bytes(...)``, or a
+    builtin ``open(path, mode)`` / ``<path>.open(mode)`` whose literal mode writes (``w``,
+    ``x``, ``+``). An append (``"a"``: the state dir's journal, a line added to known_hosts)
+    adds to a file and is not counted; ``tarfile.open`` of a buffer is not a path."""
+    out = []
+    for where, n in call_sites(files, base):
+        fn = n.func
+        if isinstance(fn, ast.Attribute) and fn.attr in ("write_text", "write_bytes"):
+            out.append(where)
+            continue
+        builtin = isinstance(fn, ast.Name) and fn.id == "open"
+        method = (isinstance(fn, ast.Attribute) and fn.attr == "open"
+                  and not (isinstance(fn.value, ast.Name) and fn.value.id in ("tarfile", "os")))
+        if not (builtin or method):
+            continue
+        modes = [k.value for k in n.keywords if k.arg == "mode"]
+        modes += n.args[1:2] if builtin else n.args[:1]
+        if any(isinstance(m, ast.Constant) and isinstance(m.value, str)
+               and set(m.value) & set("wx+") for m in modes):
+            out.append(where)
+    return out
+
+
+def test_files_are_written_by_records_or_files_only():
+    # the product's Python: the package without the node helpers (standard library only, they
+    # cannot import files.py) and the lab (the rehearsal's own stand-ins and state)
+    lab = PKG / "lab"
+    files = [f for f in product_code() if f not in WRITERS and lab not in f.parents]
+    assert [w for w in file_writes(files) if w not in WRITES_ALLOWED] == []
+
+
+def test_the_write_finder_sees_each_way_of_writing(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import tarfile\n"
+                 "p.write_text('x')\n"
+                 "p.write_bytes(b'x')\n"
+                 "open(p, 'w')\n"
+                 "open(p, mode='wb')\n"
+                 "p.open('r+')\n"
+                 "open(p)\n"
+                 "open(p, 'a')\n"
+                 "p.read_text()\n"
+                 "tarfile.open(fileobj=b, mode='w')\n")
+    assert file_writes([f], tmp_path) == [f"m.py:{i}" for i in (2, 3, 4, 5, 6)]
+
+
+def public_functions(path: Path) -> list[str]:
+    return [n.name for n in ast.parse(path.read_text()).body
+            if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]
 
 
 def test_the_call_counter_sees_qualified_and_bare_calls(tmp_path):

@@ -17,7 +17,7 @@ from sparkdeploy.events import PlainRenderer, StepState
 from sparkdeploy.fingerprint import diff_keys, flat
 from sparkdeploy.plan import PlanStep
 from sparkdeploy.records import Endpoint, ImageDecision, PlanMemory, ServeDecision
-from sparkdeploy.results import changed, failed, ok
+from sparkdeploy.results import Result, Status
 from sparkdeploy.runner import PlanError, Runner, select
 from sparkdeploy.steps import registry
 from sparkdeploy.steps.registry import step
@@ -59,7 +59,7 @@ def calls(monkeypatch):
     c = Calls()
 
     def fake(name, *, needs=(), after_start=(), long=False, work=0.05, waits_for=None, sets=None,
-             status=changed):
+             status="changed"):
         def fn(ctx, **options):
             c.enter(name, options)
             try:
@@ -68,10 +68,10 @@ def calls(monkeypatch):
                 if waits_for:
                     got = c.events.setdefault(waits_for, threading.Event()).wait(3)
                     if not got:
-                        ctx.report(failed(name, f"{waits_for} never came"))
+                        ctx.failed(f"{waits_for} never came")
                         return
                 time.sleep(work)
-                ctx.report(failed(name, "broke") if name in c.fail else status(name, "did it"))
+                ctx.failed("broke") if name in c.fail else getattr(ctx, status)("did it")
             finally:
                 c.leave(name)
 
@@ -344,7 +344,7 @@ def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
         calls.fake(s.name, needs=real[s.name].needs, after_start=real[s.name].after_start,
                    long=s.name in ("model.download", "image.ship", "model.sync"),
                    work=1.5 if s.name == "model.download" else 0.05,
-                   status=ok if s.name != "serve.up" else changed)
+                   status="ok" if s.name != "serve.up" else "changed")
     with dep.events.collect() as got:
         out = Runner(dep, steps).run()
     assert not out.failed, [r.why for r in out.results()]
@@ -462,7 +462,6 @@ def test_the_records_bench_summary_has_counts_rates_and_medians_not_raw_requests
     from sparkdeploy.bench.metrics import RequestMetrics, summarize
     from sparkdeploy.plan import StepRun, _bench_summary
     from sparkdeploy.records import markdown_table
-    from sparkdeploy.results import ok
 
     def req(ttft, tok_s, start, end, error=None):
         return RequestMetrics(ttft, (end - start) * 1000, 64, 512, [], 37.0, tok_s, "usage",
@@ -471,7 +470,8 @@ def test_the_records_bench_summary_has_counts_rates_and_medians_not_raw_requests
     reqs = [req(120.0, 27.0, 0.0, 2.0), req(130.0, 26.0, 2.0, 4.0), req(None, None, 4.0, 4.5, "HTTP 500")]
     run = {"concurrency": 1, "rate": None, "summary": summarize(reqs),
            "requests": [r.as_json() for r in reqs]}
-    sr = StepRun("bench.run", state="done", results=[ok("bench.run", "c1", run=run)])
+    sr = StepRun("bench.run", state="done",
+                 results=[Result("bench.run", Status.OK, "c1", None, {"run": run})])
     out = _bench_summary({"bench.run": sr})
     assert out == {"state": "done", "levels": [{
         "concurrency": 1, "rate": None, "requests": 3, "completed": 2, "failed": 1,

@@ -8,7 +8,7 @@ import threading
 from sparkdeploy.config import Link, Node
 from sparkdeploy.events import Echo, EventSink, Log, PlainRenderer, Progress, describe, renderer_for
 from sparkdeploy.hosts import Host
-from sparkdeploy.results import changed, failed
+from sparkdeploy.results import Result, Status
 from tests.unit.fakes import FakeClock
 
 
@@ -30,7 +30,7 @@ def plain(out, clock, every=5.0):
 def test_plain_lines_are_timestamped_and_flushed_one_by_one():
     out, clock = Out(), FakeClock(now=100.0)
     r = plain(out, clock)
-    r(changed("services.stop", "stopped a.service", "spark1"))
+    r(Result("services.stop", Status.CHANGED, "stopped a.service", "spark1"))
     r(Echo("spark2", "docker load", would=True))
     r(Log("image.build", "spark1", "Step 2/7 : RUN pip install"))
     lines = out.getvalue().splitlines()
@@ -104,8 +104,8 @@ def test_events_from_many_threads_arrive_whole_and_in_each_threads_order():
 def test_collect_stops_listening_after_the_block():
     sink = EventSink()
     with sink.collect() as got:
-        sink.emit(failed("s", "boom"))
-    sink.emit(failed("s", "later"))
+        sink.emit(Result("s", Status.FAILED, "boom"))
+    sink.emit(Result("s", Status.FAILED, "later"))
     assert [e.why for e in got] == ["boom"]
     assert sink.listeners == []
 
@@ -131,7 +131,7 @@ def test_escape_sequences_from_outside_never_reach_the_terminal_plain():
 
     out = io.StringIO()
     r = PlainRenderer(out, stamp=lambda: "T")
-    r(failed("model.download", HOSTILE, "spark1"))
+    r(Result("model.download", Status.FAILED, HOSTILE, "spark1"))
     r(Log("serve.up", "spark1", HOSTILE))
     text = out.getvalue()
     assert not any(ch in text for ch in "\x1b\x07\r\u202e\x9b")
@@ -147,7 +147,7 @@ def test_escape_sequences_from_outside_never_reach_the_terminal_live():
 
     buf = io.StringIO()
     r = LiveRenderer(Console(file=buf, force_terminal=True, width=200))
-    r(failed("model.download", HOSTILE, "spark1"))
+    r(Result("model.download", Status.FAILED, HOSTILE, "spark1"))
     r(Log("serve.up", "spark1", HOSTILE))
     r.close()
     text = buf.getvalue()

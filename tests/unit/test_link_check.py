@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.results import Status
+from sparkdeploy.results import Result, Status
 from sparkdeploy.steps import link as link_step
 from tests.unit.fakes import FakeContext, deployment
 from tests.unit.link_fakes import SparkView, facts_on, spark
@@ -373,9 +373,8 @@ def test_task_runs_link_check_before_serve_up(tmp_path, monkeypatch):
 
     def fake_run_one(dep, name, **options):
         ran.append(name)
-        from sparkdeploy.results import failed, ok
-
-        return [failed(name, "MTU 1500") if name == "link.check" else ok(name, "up")]
+        return [Result(name, Status.FAILED if name == "link.check" else Status.OK,
+                       "MTU 1500" if name == "link.check" else "up")]
 
     monkeypatch.setattr(_common, "run_one", fake_run_one)
     c = Context(Config(overrides={"sparkdeploy": {"profile": str(SEED),

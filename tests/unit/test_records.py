@@ -7,6 +7,7 @@ import os
 import pytest
 
 from sparkdeploy.records import (
+    Attempt,
     DeployRun,
     Endpoint,
     HubMetadata,
@@ -94,7 +95,8 @@ def test_a_failed_write_keeps_the_old_record_and_leaves_no_temp_file(tmp_path, m
 
 def test_secrets_never_reach_a_record(tmp_path):
     rec = records(tmp_path)
-    w = rec.write(ServeDecision(chosen="x", run_dir="/r", tried=[{"env": "HF_TOKEN=hf_abcdefghijklmnopqrstu"}]),
+    w = rec.write(ServeDecision(chosen="x", run_dir="/r", tried=[Attempt(engine="e", outcome="exited",
+                                                                   why="HF_TOKEN=hf_abcdefghijklmnopqrstu")]),
                   markdown="token hf_abcdefghijklmnopqrstu")
     assert "hf_abcdefghijklmnop" not in w.json.read_text()
     assert "hf_abcdefghijklmnop" not in w.markdown.read_text()

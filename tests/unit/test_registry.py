@@ -6,7 +6,7 @@ import graphlib
 
 import pytest
 
-from sparkdeploy.events import Progress
+from sparkdeploy.events import EventSink, Progress
 from sparkdeploy.hosts import NodeUnreachable
 from sparkdeploy.results import Result, Status
 from sparkdeploy.steps.registry import REGISTRY, StepContext, get, load_all, run_one, step
@@ -161,3 +161,16 @@ def test_a_superseded_failure_stays_failed_on_the_stream_but_does_not_fail_the_t
     ctx.supersede([first])
     assert failed_count(ctx.results) is None
     assert first.failed and first in ctx.results
+
+
+def test_work_aside_shows_its_progress_but_its_results_only_to_the_step_that_judges_them():
+    events = EventSink()
+    ctx = StepContext("model.verify", events)
+    with events.collect() as got:
+        sub = ctx.aside()
+        sub.progress("spark1", 5, 10)
+        fetched = sub.changed("fetched 2 files", "spark1")
+        ctx.changed(f"repaired ({fetched.why})", "spark1")
+    assert [type(e).__name__ for e in got] == ["Progress", "Result"]
+    assert [(r.step, r.why) for r in ctx.results] == [("model.verify", "repaired (fetched 2 files)")]
+    assert sub.results == [fetched] and fetched.step == "model.verify"

@@ -223,12 +223,12 @@ def test_hang_is_diagnosed_removed_everywhere_and_falls_back_to_vllm(lab):
     assert nodes["spark2"].removed == ["sparkdeploy-sglang-worker"]
     rec = dep.records.read(ServeDecision)
     [tried] = rec.tried
-    assert (tried["engine"], tried["outcome"], tried["class"]) == ("sglang", "hang", "nccl-init-hang")
-    assert any(HANG in e[2] for e in tried["evidence"])
+    assert (tried.engine, tried.outcome, tried.diagnosis) == ("sglang", "hang", "nccl-init-hang")
+    assert any(HANG in e[2] for e in tried.evidence)
     assert rec.chosen == "vllm-ray"
     # detected within the stall time + 10 % of the last output
-    assert 30 <= tried["fallback_after_s"] <= 33
-    logs = Path(tried["logs"])
+    assert 30 <= tried.fallback_after_s <= 33
+    logs = Path(tried.logs)
     assert sorted(p.name for p in logs.iterdir()) == [
         "spark1-sparkdeploy-sglang-head.log", "spark2-sparkdeploy-sglang-worker.log"]
     assert HANG in (logs / "spark1-sparkdeploy-sglang-head.log").read_text()
@@ -253,8 +253,12 @@ def test_an_exited_container_fails_at_once_with_its_last_lines(lab):
     assert "class: model-config-unrecognized" in bad.why
     assert not [a for a in runs(ctx, "spark2") if "--name=sparkdeploy-sglang-worker" in a]
     rec = dep.records.read(ServeDecision)
-    assert rec.tried[0]["outcome"] == "exited" and rec.chosen == "vllm-ray"
-    assert "fallback_after_s" not in rec.tried[0]
+    assert rec.tried[0].outcome == "exited" and rec.chosen == "vllm-ray"
+    assert rec.tried[0].fallback_after_s is None
+    # the file keeps its keys: the diagnosis as "class", no hang's timings for an engine that exited
+    [written] = json.loads(dep.records.path(ServeDecision).read_text())["data"]["tried"]
+    assert written["class"] == "model-config-unrecognized"
+    assert not {"fallback_after_s", "stall_s", "silent_s", "hang_start", "diagnosis"} & set(written)
     assert clock() - t0 < 20
     assert results[-1].why == "endpoint: http://10.0.0.1:8000"
 

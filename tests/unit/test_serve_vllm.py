@@ -93,10 +93,10 @@ def test_a_worker_the_head_never_reaches_is_diagnosed_and_the_fallback_serves(la
     assert "class: worker-never-joined" in first.why and first.why.endswith("; falling back to vllm-ray")
     rec = dep.records.read(ServeDecision)
     [tried] = rec.tried
-    assert (tried["engine"], tried["class"], rec.chosen) == ("vllm", "worker-never-joined", "vllm-ray")
+    assert (tried.engine, tried.diagnosis, rec.chosen) == ("vllm", "worker-never-joined", "vllm-ray")
     head = "spark1-sparkdeploy-vllm-head.log"
-    assert [e[0] for e in tried["evidence"]] == [head, head]
-    assert "DP group leader" in tried["evidence"][0][2] and "Model loading took" in tried["evidence"][1][2]
+    assert [e[0] for e in tried.evidence] == [head, head]
+    assert "DP group leader" in tried.evidence[0][2] and "Model loading took" in tried.evidence[1][2]
     assert results[-1].why == "endpoint: http://10.0.0.1:8000"
     assert "sparkdeploy-vllm-head" in nodes["spark1"].removed
     assert "sparkdeploy-vllm-worker" in nodes["spark2"].removed

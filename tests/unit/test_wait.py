@@ -2,7 +2,7 @@
 
 import pytest
 
-from sparkdeploy.wait import Stop, WaitTimeout, wait_for
+from sparkdeploy.wait import Deadline, Stop, WaitTimeout, wait_for
 from tests.unit.fakes import FakeClock
 
 
@@ -74,3 +74,17 @@ def test_deadline_zero_probes_exactly_once():
 def test_nonsense_arguments_are_refused(deadline, interval):
     with pytest.raises(ValueError):
         wait_for(lambda: True, deadline=deadline, interval=interval)
+
+
+def test_one_deadline_shared_by_waits_in_turn_gives_each_what_is_left():
+    clock = FakeClock()
+    budget = Deadline(10, clock)
+    first, _ = answers(None, None, None, "up")
+    assert wait_for(first, deadline=budget.left(), interval=2, clock=clock, sleep=clock.sleep) == "up"
+    assert budget.left() == 4  # three sleeps of 2 s spent
+    second, calls = answers(*[None] * 10)
+    with pytest.raises(WaitTimeout) as e:
+        wait_for(second, deadline=budget.left(), interval=3, what="health", clock=clock,
+                 sleep=clock.sleep)
+    assert (len(calls), clock.now, e.value.waited) == (3, 10, 4)
+    assert budget.left() == 0  # passed: the next wait probes once and times out

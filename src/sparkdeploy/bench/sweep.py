@@ -75,11 +75,9 @@ def run_sweep(url: str, settings: Settings, *, concurrency: list[int] | None = N
     return doc
 
 
-def save_json(doc: dict, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-    return path
+def sweep_json(doc: dict) -> str:
+    """The sweep's document as the file ``bench.run --json`` writes (atomically, by the step)."""
+    return json.dumps(doc, indent=1) + "\n"
 
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]

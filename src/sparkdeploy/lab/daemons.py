@@ -13,7 +13,7 @@ from sparkdeploy.files import write_if_changed
 from sparkdeploy.lab import keys, layout, proc
 from sparkdeploy.lab import state as lab_state
 from sparkdeploy.lab.proc import LabError
-from sparkdeploy.results import Result, changed, ok
+from sparkdeploy.results import Result, Status
 from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 
@@ -22,7 +22,7 @@ def ensure_daemon(st: dict, name: str, argv: list[str], ready: Callable[[], bool
     procs = st.setdefault("controller_procs", {})
     cur = procs.get(name)
     if proc.alive(cur) and cur.get("argv") == argv and ready():
-        return ok(name, f"running (pid {cur['pid']})")
+        return Result(name, Status.OK, f"running (pid {cur['pid']})")
     was = proc.stop(cur)
     rec = proc.spawn(argv, layout.LAB_DIR / "log" / f"{name}.log")
     procs[name] = rec
@@ -39,7 +39,7 @@ def ensure_daemon(st: dict, name: str, argv: list[str], ready: Callable[[], bool
         wait_for(probe, deadline=timeout, interval=0.2, what=f"{name} to answer")
     except (WaitTimeout, Stop):
         raise LabError(f"{name} did not get ready (see {rec['log']})") from None
-    return changed(name, f"{'restarted' if was else 'started'} (pid {rec['pid']})")
+    return Result(name, Status.CHANGED, f"{'restarted' if was else 'started'} (pid {rec['pid']})")
 
 
 def set_env(st: dict, **values: str) -> bool:

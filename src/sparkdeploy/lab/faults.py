@@ -30,7 +30,7 @@ from sparkdeploy.files import write_if_changed
 from sparkdeploy.helpers import serve_watchdog as wd
 from sparkdeploy.lab import dockerd, layout, link_faults, memory_fault
 from sparkdeploy.labels import ENGINE as LABEL_ENGINE
-from sparkdeploy.results import Result, changed, failed, ok
+from sparkdeploy.results import Result, Status
 
 FAULTS: dict[str, str] = {
     "sglang-hang": "SGLang's ranks hang after `CustomAllreduce is disabled ...` even when every "
@@ -114,7 +114,7 @@ def act(name: str, node: str, record: Path | None = None) -> list[Result]:
     record = record or RECORD
     pids = engine_pids(node, tree=name == "rank-wedged")
     if not pids:
-        return [failed("lab.fault", f"{node}: no engine container running")]
+        return [Result("lab.fault", Status.FAILED, f"{node}: no engine container running")]
     sig = signal.SIGSTOP if name == "rank-wedged" else signal.SIGKILL
     hit = []
     for ps in pids.values():
@@ -128,8 +128,8 @@ def act(name: str, node: str, record: Path | None = None) -> list[Result]:
         stopped = _stopped(record)
         stopped[node] = sorted(set(stopped.get(node, [])) | set(hit))
         _write(record, current(record), stopped)
-    return [changed("lab.fault", f"{name} on {node}: {ACTIONS[name]} ({', '.join(pids)}: "
-                    f"{len(hit)} process(es))", node=node, pids=hit)]
+    return [Result("lab.fault", Status.CHANGED, f"{name} on {node}: {ACTIONS[name]} ({', '.join(pids)}: "
+                    f"{len(hit)} process(es))", node, {"pids": hit})]
 
 
 def _continue(record: Path) -> list[int]:
@@ -155,7 +155,7 @@ def set_fault(name: str, record: Path | None = None, node: str | None = None) ->
     if name in ACTIONS:
         return act(name, node or (nodes() or ["spark2"])[-1], record)
     if name != "none" and name not in FAULTS:
-        return [failed("lab.fault", f"NAME: unknown fault {name!r} (one of none, "
+        return [Result("lab.fault", Status.FAILED, f"NAME: unknown fault {name!r} (one of none, "
                                     f"{', '.join([*FAULTS, *ACTIONS])})")]
     before = current(record)
     want = [] if name == "none" else sorted(set(before) | {name})
@@ -174,4 +174,5 @@ def set_fault(name: str, record: Path | None = None, node: str | None = None) ->
         why += (f". {name}: {FAULTS[name]}. It shows in engines started from now on; one "
                 "already serving keeps serving (`inv serve.down` first, and the next "
                 "deploy.all starts the engines again)")
-    return [(changed if did or synced or unbound or healed else ok)("lab.fault", why, faults=want)]
+    return [Result("lab.fault", Status.CHANGED if did or synced or unbound or healed else Status.OK, why,
+                   None, {"faults": want})]

@@ -15,7 +15,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from sparkdeploy.results import Result, changed, failed, ok
+from sparkdeploy.results import Result, Status
 
 STEP = "lab.glm"
 STANDINS = Path(__file__).resolve().parent / "standins"
@@ -137,9 +137,9 @@ def deploy_glm(
         disabled = [n for n in GLM_UNITS if ctl("is-enabled", "--quiet", n).returncode != 0]
         error = apply("enable", disabled, "enabled") or apply("start", inactive(), "started")
     if error:
-        return failed(STEP, error, node)
+        return Result(STEP, Status.FAILED, error, node)
     if inactive():
-        return failed(STEP, "not active after start: " + ", ".join(inactive()), node)
+        return Result(STEP, Status.FAILED, "not active after start: " + ", ".join(inactive()), node)
     if done:
-        return changed(STEP, "; ".join(done), node, units=list(GLM_UNITS))
-    return ok(STEP, "GLM units already enabled and running", node, units=list(GLM_UNITS))
+        return Result(STEP, Status.CHANGED, "; ".join(done), node, {"units": list(GLM_UNITS)})
+    return Result(STEP, Status.OK, "GLM units already enabled and running", node, {"units": list(GLM_UNITS)})

@@ -66,7 +66,7 @@ from pathlib import Path
 
 from sparkdeploy.files import move_in
 from sparkdeploy.lab import layout
-from sparkdeploy.results import Result, changed, failed, ok
+from sparkdeploy.results import Result, Status
 
 STEP = "lab.images"
 RECIPE_LABEL = "org.sparkdeploy.lab.recipe"
@@ -413,8 +413,8 @@ def build_community_images(
     try:
         base = api.inspect_image(base_image)
     except docker.errors.ImageNotFound:
-        return [failed(STEP, f"{r.tag}: base image {base_image} not on this dockerd", node,
-                       image=r.tag) for r in recipes]
+        return [Result(STEP, Status.FAILED, f"{r.tag}: base image {base_image} not on this dockerd", node,
+                       {"image": r.tag}) for r in recipes]
     # the base's layers, not its ID: re-importing the same rootfs tarball gives a new image ID
     # (a new creation time) but the same layer diff IDs
     base_ident = json.dumps((base.get("RootFS") or {}).get("Layers") or base["Id"])
@@ -428,8 +428,8 @@ def build_community_images(
         archive = archive_path(archive_dir, recipe, h) if archive_dir else None
         if _matches(have, h):
             note = _ensure_archive(api, recipe.tag, archive)
-            results.append(ok(STEP, f"{recipe.tag}: present (recipe {h[:12]}){note}", node,
-                              image=recipe.tag, recipe=h, size=_size(api, recipe.tag)))
+            results.append(Result(STEP, Status.OK, f"{recipe.tag}: present (recipe {h[:12]}){note}", node,
+                                  {"image": recipe.tag, "recipe": h, "size": _size(api, recipe.tag)}))
             continue
         t0 = time.monotonic()
         how, note = None, ""
@@ -452,16 +452,16 @@ def build_community_images(
                 how = "rebuilt (recipe changed)" if have is not None else "built"
                 note = _ensure_archive(api, recipe.tag, archive)
         except Exception as e:  # noqa: BLE001 - one line per image, the others still build
-            results.append(failed(STEP, f"{recipe.tag}: {_one_line(e)}", node, image=recipe.tag))
+            results.append(Result(STEP, Status.FAILED, f"{recipe.tag}: {_one_line(e)}", node, {"image": recipe.tag}))
             continue
         finally:
             _prune_build_stages(api)
         image_id = api.inspect_image(recipe.tag)["Id"]
         _remove_superseded(api, recipe.tag, image_id)
         secs = time.monotonic() - t0
-        results.append(changed(STEP, f"{recipe.tag}: {how} in {secs:.0f}s{note}", node,
-                               image=recipe.tag, recipe=h, id=image_id,
-                               size=_size(api, recipe.tag), seconds=round(secs, 1)))
+        results.append(Result(STEP, Status.CHANGED, f"{recipe.tag}: {how} in {secs:.0f}s{note}", node,
+                              {"image": recipe.tag, "recipe": h, "id": image_id,
+                               "size": _size(api, recipe.tag), "seconds": round(secs, 1)}))
     return results
 
 

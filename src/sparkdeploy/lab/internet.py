@@ -15,7 +15,7 @@ import yaml
 from sparkdeploy.lab import daemons, hub, images, layout, pkgindex
 from sparkdeploy.lab.dockerd import docker, url
 from sparkdeploy.lab.proc import LabError
-from sparkdeploy.results import Result, changed, ok
+from sparkdeploy.results import Result, Status
 
 HUB_PORT = hub.DEFAULT_PORT
 INDEX_PORT = pkgindex.DEFAULT_PORT
@@ -62,7 +62,7 @@ def ensure_servers(st: dict, controller: str) -> list[Result]:
     ]
     env = {"HF_ENDPOINT": hurl, **pkgindex.pip_env(iurl)}
     wrote = daemons.set_env(st, **env)
-    out.append((changed if wrote else ok)("env", " ".join(f"{k}={v}" for k, v in env.items())))
+    out.append(Result("env", Status.CHANGED if wrote else Status.OK, " ".join(f"{k}={v}" for k, v in env.items())))
     return out
 
 
@@ -80,10 +80,10 @@ def seed_worker(head: str, worker: str, ref: str = "scitrera/dgx-spark-sglang:0.
     if want.returncode != 0:
         raise LabError(f"{head} has no {ref} to seed {worker} with")
     if have.returncode == 0 and have.stdout == want.stdout:
-        return ok("seed-worker", f"{ref} present", worker)
+        return Result("seed-worker", Status.OK, f"{ref} present", worker)
     save = subprocess.Popen(docker(head, "save", ref), stdout=subprocess.PIPE)
     load = subprocess.run(docker(worker, "load", "-q"), stdin=save.stdout, capture_output=True, text=True)
     save.stdout.close()  # type: ignore[union-attr]
     if save.wait() != 0 or load.returncode != 0:
         raise LabError(f"seeding {worker} with {ref} failed: {load.stderr.strip()}")
-    return changed("seed-worker", f"loaded {ref}", worker)
+    return Result("seed-worker", Status.CHANGED, f"loaded {ref}", worker)

@@ -22,7 +22,7 @@ from sparkdeploy.lab import state as lab_state
 from sparkdeploy.lab.heartbeat import Heartbeat
 from sparkdeploy.lab.layout import AddressPlan
 from sparkdeploy.lab.proc import LabError
-from sparkdeploy.results import Result, changed, failed, ok, skipped
+from sparkdeploy.results import Result, Status
 from sparkdeploy.steps.registry import StepContext, run_one
 from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
@@ -58,7 +58,7 @@ class _Run:
         """Wait for a background job (heartbeat lines while it runs) and add its result."""
         with self.beat.phase(step, note=f"waiting for {name}"):
             did, why = self.jobs[name].result()
-        self.add((changed if did else ok)(step, why))
+        self.add(Result(step, Status.CHANGED if did else Status.OK, why))
 
 
 def up(nodes: int = 2, flavor: str = layout.DEFAULT_DOCKERD, seed_worker: bool = False,
@@ -103,10 +103,10 @@ def _up_lab(ctx: StepContext, nodes: int, flavor: str, seed_worker: bool,
                 run.jobs["wheels"] = pool.submit(internet.prefetch)
                 _up(run, mgmt_net, seed_worker)
         except LabError as e:
-            run.add(failed("lab.up", str(e)))
+            run.add(Result("lab.up", Status.FAILED, str(e)))
         else:
-            run.add(ok("lab.up", f"done in {time.monotonic() - t0:.0f}s",
-                       seconds=round(time.monotonic() - t0, 1)))
+            run.add(Result("lab.up", Status.OK, f"done in {time.monotonic() - t0:.0f}s", None,
+                           {"seconds": round(time.monotonic() - t0, 1)}))
         finally:
             with beat.phase("lab.up", note="waiting for background jobs to end"):
                 pool.shutdown(wait=True, cancel_futures=True)
@@ -115,15 +115,16 @@ def _up_lab(ctx: StepContext, nodes: int, flavor: str, seed_worker: bool,
 def _packages(run: _Run) -> None:
     with run.beat.phase("packages", note="apt-get"):
         got = packages.ensure()
-    run.add(changed("packages", "installed " + " ".join(got)) if got
-            else ok("packages", "all present"))
+    run.add(Result("packages", Status.CHANGED, "installed " + " ".join(got)) if got
+            else Result("packages", Status.OK, "all present"))
 
 
 def _up(run: _Run, mgmt_net: str | None, seed_worker: bool) -> None:
     _addresses(run, mgmt_net)
     _drop_extra_nodes(run)
     made = keys.ensure_keys(run.names)
-    run.add(changed("keys", "generated " + ", ".join(made)) if made else ok("keys", "present"))
+    run.add(Result("keys", Status.CHANGED, "generated " + ", ".join(made)) if made
+            else Result("keys", Status.OK, "present"))
     _networks(run)
     _ssh_and_daemons(run)
     _images(run)
@@ -146,11 +147,11 @@ def _addresses(run: _Run, mgmt_net: str | None) -> None:
     st.update(mgmt_net=plan.mgmt_net, fast_net=plan.fast_net, controller=plan.controller)
     run.save()
     run.plan = plan
-    run.add((changed if first or moved else ok)("addresses", why, mgmt=plan.mgmt_net,
-                                                fast=plan.fast_net))
+    run.add(Result("addresses", Status.CHANGED if first or moved else Status.OK, why, None,
+                   {"mgmt": plan.mgmt_net, "fast": plan.fast_net}))
     wrote = write_if_changed(layout.PROFILE_OVERLAY, internet.profile_overlay(plan.controller))
-    run.add((changed if wrote else ok)(
-        "profile.overlay", f"{layout.PROFILE_OVERLAY}: hub and index on {plan.controller}"))
+    run.add(Result("profile.overlay", Status.CHANGED if wrote else Status.OK,
+                   f"{layout.PROFILE_OVERLAY}: hub and index on {plan.controller}"))
 
 
 def _drop_extra_nodes(run: _Run) -> None:
@@ -161,14 +162,14 @@ def _drop_extra_nodes(run: _Run) -> None:
         proc.remove_tree(layout.node_dir(x))
         st["nodes"].pop(x, None)
         run.save()
-        run.add(changed("node", "removed (beyond --nodes)", x))
+        run.add(Result("node", Status.CHANGED, "removed (beyond --nodes)", x))
 
 
 def _networks(run: _Run) -> None:
     plan, st = run.plan, run.st
     assert plan is not None
-    run.add((changed if node.ensure_mgmt_bridge(plan) else ok)(
-        "network.mgmt", f"{layout.MGMT_BRIDGE} {plan.controller}/{plan.prefix}"))
+    run.add(Result("network.mgmt", Status.CHANGED if node.ensure_mgmt_bridge(plan) else Status.OK,
+                   f"{layout.MGMT_BRIDGE} {plan.controller}/{plan.prefix}"))
     for x in run.names:
         run.add(_ensure_node(x, st, plan))
     topo = node.fast_topology(len(run.names))
@@ -178,7 +179,7 @@ def _networks(run: _Run) -> None:
     desc = (f"{topo} {layout.FAST_BRIDGE} in netns {layout.FAST_NETNS}: " if topo != "none"
             else "none: ") + ", ".join(f"{x} {layout.FAST_IF} {plan.fast_addr(x)}"
                                         for x in run.names)
-    run.add((changed if made else ok)("network.fast", f"{desc} mtu {layout.FAST_MTU}"
+    run.add(Result("network.fast", Status.CHANGED if made else Status.OK, f"{desc} mtu {layout.FAST_MTU}"
                                       + (f"; made {', '.join(made)}" if made else "")))
 
 
@@ -208,8 +209,8 @@ def _ensure_node(x: str, st: dict, plan: AddressPlan) -> Result:
         what.append(f"linked {layout.MGMT_IF} {plan.mgmt_addr(x)}")
     st["created_paths"] = sorted(set(st["created_paths"]))
     lab_state.save(st)
-    return (changed("node", ", ".join(what), x) if what
-            else ok("node", f"namespaces, mounts, {layout.MGMT_IF} {plan.mgmt_addr(x)}", x))
+    return (Result("node", Status.CHANGED, ", ".join(what), x) if what
+            else Result("node", Status.OK, f"namespaces, mounts, {layout.MGMT_IF} {plan.mgmt_addr(x)}", x))
 
 
 def _ssh_and_daemons(run: _Run) -> None:
@@ -217,12 +218,12 @@ def _ssh_and_daemons(run: _Run) -> None:
     assert plan is not None
     files = keys.write_ssh_files(names, plan, fast=st["fast_topology"] != "none",
                                  env_extra=st.get("env_extra"))
-    run.add(changed("ssh.files", f"wrote {len(files)}: " + ", ".join(files[:4])
-                    + (" ..." if len(files) > 4 else ""), files=files) if files
-            else ok("ssh.files", f"{layout.SSH_CONFIG}, known_hosts, node keys unchanged"))
+    run.add(Result("ssh.files", Status.CHANGED, f"wrote {len(files)}: " + ", ".join(files[:4])
+                    + (" ..." if len(files) > 4 else ""), None, {"files": files}) if files
+            else Result("ssh.files", Status.OK, f"{layout.SSH_CONFIG}, known_hosts, node keys unchanged"))
     for x in names:
         did = standins_install.install(x)
-        run.add(changed("standins", did, x) if did else ok("standins", "up to date", x))
+        run.add(Result("standins", Status.CHANGED, did, x) if did else Result("standins", Status.OK, "up to date", x))
     for x in names:
         with run.beat.phase("sshd", x):
             run.add(_ensure_sshd(x, st, plan))
@@ -242,8 +243,8 @@ def _images(run: _Run) -> None:
         per = image.ensure_base_image(run.names)
     for x in run.names:
         msg = per[x]
-        run.add((ok if msg == "ok" else changed)(
-            "base.image", layout.BASE_IMAGE + ("" if msg == "ok" else f" {msg}"), x))
+        run.add(Result("base.image", Status.OK if msg == "ok" else Status.CHANGED,
+                       layout.BASE_IMAGE + ("" if msg == "ok" else f" {msg}"), x))
 
 
 def _internet(run: _Run, seed_worker: bool) -> None:
@@ -273,7 +274,7 @@ def _ensure_sshd(x: str, st: dict, plan: AddressPlan) -> Result:
     h = _hash(cfg.read_text())
     cur = procs.get("sshd")
     if proc.alive(cur) and cur.get("config") == h and _port_open(plan.mgmt_addr(x), 22):
-        return ok("sshd", f"running (pid {cur['pid']})", x)
+        return Result("sshd", Status.OK, f"running (pid {cur['pid']})", x)
     restarted = proc.stop(cur)
     if not Path("/run/sshd").exists():  # sshd's privilege separation dir
         Path("/run/sshd").mkdir(mode=0o755)
@@ -297,7 +298,7 @@ def _ensure_sshd(x: str, st: dict, plan: AddressPlan) -> Result:
     except (WaitTimeout, Stop):
         raise LabError(f"{x}: sshd did not listen on {plan.mgmt_addr(x)}:22 "
                        f"(see {rec['log']})") from None
-    return changed("sshd", f"{'restarted' if restarted else 'started'} (pid {rec['pid']})", x)
+    return Result("sshd", Status.CHANGED, f"{'restarted' if restarted else 'started'} (pid {rec['pid']})", x)
 
 
 def _port_open(addr: str, port: int) -> bool:
@@ -318,7 +319,7 @@ def _ensure_dockerd(x: str, st: dict, flavor: str) -> Result:
                                 == dockerd.containerd_argv(x, mnt, net, flavor)))
             and (want_c or ccur is None)
             and dockerd.info(x) is not None):
-        return ok("dockerd", f"{flavor} running (pid {cur['pid']})", x)
+        return Result("dockerd", Status.OK, f"{flavor} running (pid {cur['pid']})", x)
     was = proc.stop(cur)
     proc.stop(ccur)
     procs.pop("containerd", None)
@@ -331,7 +332,7 @@ def _ensure_dockerd(x: str, st: dict, flavor: str) -> Result:
     lab_state.save(st)
     info = dockerd.info(x) or {}
     store = dict(info.get("DriverStatus") or []).get("driver-type", "classic store")
-    return changed("dockerd", f"{'restarted' if was else 'started'} {flavor}: Docker "
+    return Result("dockerd", Status.CHANGED, f"{'restarted' if was else 'started'} {flavor}: Docker "
                    f"{info.get('ServerVersion', '?')}, {info.get('Driver', '?')}, {store} "
                    f"(pid {rec['pid']})", x)
 
@@ -369,9 +370,9 @@ def _check_ssh(x: str) -> Result:
     cp = proc.run(ssh_argv(x, "true"), check=False, timeout=30)
     if cp.returncode != 0:
         lines = cp.stderr.strip().splitlines()
-        return failed("ssh", f"ssh -F {layout.SSH_CONFIG} {x} true: "
+        return Result("ssh", Status.FAILED, f"ssh -F {layout.SSH_CONFIG} {x} true: "
                       f"{lines[-1] if lines else cp.returncode}", x)
-    return ok("ssh", f"ssh -F {layout.SSH_CONFIG} {x} works (host key checked)", x)
+    return Result("ssh", Status.OK, f"ssh -F {layout.SSH_CONFIG} {x} works (host key checked)", x)
 
 
 def ssh_argv(x: str, *cmd: str) -> list[str]:
@@ -449,10 +450,11 @@ def _down_lab(ctx: StepContext) -> None:
             names = _known_nodes(st)
             for name, rec in sorted(st.get("controller_procs", {}).items()):
                 if proc.stop(rec):
-                    add(changed(name, f"stopped (pid {rec['pid']})"))
+                    add(Result(name, Status.CHANGED, f"stopped (pid {rec['pid']})"))
             for x in names:
                 done = _down_node(x, st)
-                add(changed("node", "; ".join(done), x) if done else ok("node", "nothing left", x))
+                add(Result("node", Status.CHANGED, "; ".join(done), x) if done
+                    else Result("node", Status.OK, "nothing left", x))
             what = []
             if node.netns_exists(layout.FAST_NETNS) or Path(
                     f"/var/run/netns/{layout.FAST_NETNS}").exists():
@@ -460,8 +462,8 @@ def _down_lab(ctx: StepContext) -> None:
                 what.append(layout.FAST_NETNS)
             if node.remove_mgmt_bridge():
                 what.append(layout.MGMT_BRIDGE)
-            add(changed("network", "removed " + ", ".join(what)) if what
-                else ok("network", "nothing left"))
+            add(Result("network", Status.CHANGED, "removed " + ", ".join(what)) if what
+                else Result("network", Status.OK, "nothing left"))
             removed = []
             for p in sorted(st.get("created_paths", []), key=len, reverse=True):
                 try:
@@ -475,10 +477,10 @@ def _down_lab(ctx: StepContext) -> None:
             if layout.LAB_DIR.exists():
                 shutil.rmtree(layout.LAB_DIR)
                 removed.append(str(layout.LAB_DIR))
-            add(changed("data", "removed " + ", ".join(removed)) if removed
-                else ok("data", "nothing left"))
+            add(Result("data", Status.CHANGED, "removed " + ", ".join(removed)) if removed
+                else Result("data", Status.OK, "nothing left"))
     except LabError as e:
-        add(failed("lab.down", str(e)))
+        add(Result("lab.down", Status.FAILED, str(e)))
 
 
 # --- status ------------------------------------------------------------------------------
@@ -496,31 +498,31 @@ def status(events: EventSink | None = None) -> list[Result]:
 def _status() -> list[Result]:
     why = preflight()
     if why:
-        return [failed("lab.status", why)]
+        return [Result("lab.status", Status.FAILED, why)]
     try:
         st = lab_state.load()
     except LabError as e:
-        return [failed("lab.status", str(e))]
+        return [Result("lab.status", Status.FAILED, str(e))]
     if not st["nodes"]:
-        return [skipped("lab", "not up (no state in " + str(layout.STATE_FILE) + ")")]
-    out = [ok("lab", f"dockerd {_flavor(st)}, management {st.get('mgmt_net')} "
+        return [Result("lab", Status.SKIPPED, "not up (no state in " + str(layout.STATE_FILE) + ")")]
+    out = [Result("lab", Status.OK, f"dockerd {_flavor(st)}, management {st.get('mgmt_net')} "
               f"(controller {st.get('controller')}), fast link {st.get('fast_topology')} "
               f"{st.get('fast_net')}; ssh -F {layout.SSH_CONFIG}")]
     for name, p in sorted(st.get("controller_procs", {}).items()):
         live = proc.alive(p)
-        out.append((ok if live else failed)(name, f"{'alive' if live else 'dead'} "
+        out.append(Result(name, Status.OK if live else Status.FAILED, f"{'alive' if live else 'dead'} "
                                             f"(pid {p.get('pid')}) on the controller"))
     for x, rec in sorted(st["nodes"].items()):
         addrs = node.node_addresses(x) if node.netns_exists(layout.netns_name(x)) else {}
         a = ", ".join(f"{k} {' '.join(v)}" for k, v in sorted(addrs.items())) or "no netns"
-        out.append((ok if addrs else failed)("node", a, x, addresses=addrs))
+        out.append(Result("node", Status.OK if addrs else Status.FAILED, a, x, {"addresses": addrs}))
         for name, p in sorted(rec.get("procs", {}).items()):
             live = proc.alive(p)
-            out.append((ok if live else failed)(
-                name, f"{'alive' if live else 'dead'} (pid {p.get('pid')})", x))
+            out.append(Result(name, Status.OK if live else Status.FAILED,
+                              f"{'alive' if live else 'dead'} (pid {p.get('pid')})", x))
         imgs = image.images(x)
-        out.append(ok("images", "; ".join(imgs) if imgs else "none (or dockerd down)", x,
-                      images=imgs))
+        out.append(Result("images", Status.OK, "; ".join(imgs) if imgs else "none (or dockerd down)", x,
+                          {"images": imgs}))
     return out
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from sparkdeploy.lab import layout
 from sparkdeploy.lab.proc import LabError, run
-from sparkdeploy.results import Result, changed, failed
+from sparkdeploy.results import Result, Status
 
 LINK_FAULTS: dict[str, str] = {
     "mtu-mismatch": f"the node's {layout.FAST_IF} at MTU 1500 (the others keep {layout.FAST_MTU})",
@@ -74,12 +74,12 @@ def _write_in_place(path: Path, text: str) -> None:
 def inject(name: str, node: str) -> list[Result]:
     """One of LINK_FAULTS on ``node`` now (a tool that refuses: one failed line)."""
     if not layout.netns_path(node).exists():
-        return [failed("lab.fault", f"{node}: no such lab node (lab.up first)")]
+        return [Result("lab.fault", Status.FAILED, f"{node}: no such lab node (lab.up first)")]
     try:
         _inject(name, node)
     except LabError as e:
-        return [failed("lab.fault", f"{name} on {node}: {e}", node=node)]
-    return [changed("lab.fault", f"{name} on {node}: {LINK_FAULTS[name]}", node=node)]
+        return [Result("lab.fault", Status.FAILED, f"{name} on {node}: {e}", node)]
+    return [Result("lab.fault", Status.CHANGED, f"{name} on {node}: {LINK_FAULTS[name]}", node)]
 
 
 def _inject(name: str, node: str) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from sparkdeploy.files import write_if_changed
 from sparkdeploy.lab import layout
-from sparkdeploy.results import Result, changed, failed, ok
+from sparkdeploy.results import Result, Status
 
 NAME = "memory-small"
 WHAT = ("the node's /proc/meminfo shows MemAvailable 1.0 GiB (a crafted copy bound over it in "
@@ -52,17 +52,16 @@ def mounted(node: str) -> bool:
 def apply(node: str) -> list[Result]:
     """Bind the crafted meminfo over ``node``'s ``/proc/meminfo`` (once)."""
     if not layout.mntns_path(node).exists():
-        return [failed("lab.fault", f"{node}: no such lab node (no mount namespace)", node)]
+        return [Result("lab.fault", Status.FAILED, f"{node}: no such lab node (no mount namespace)", node)]
     if mounted(node):
-        return [ok("lab.fault", f"{NAME} on {node} already: {WHAT}", node)]
+        return [Result("lab.fault", Status.OK, f"{NAME} on {node} already: {WHAT}", node)]
     src = layout.node_dir(node) / FILE
     write_if_changed(src, crafted(Path(MEMINFO).read_text()), 0o644)
     r = _ns(node, "mount", "--bind", str(src), MEMINFO)
     if r.returncode != 0:
-        return [failed("lab.fault", f"{node}: mount --bind {src} {MEMINFO}: "
+        return [Result("lab.fault", Status.FAILED, f"{node}: mount --bind {src} {MEMINFO}: "
                                     f"{r.stderr.strip() or r.returncode}", node)]
-    return [changed("lab.fault", f"{NAME} on {node}: {WHAT}; `inv lab.fault none` restores it",
-                    node)]
+    return [Result("lab.fault", Status.CHANGED, f"{NAME} on {node}: {WHAT}; `inv lab.fault none` restores it", node)]
 
 
 def clear(nodes: list[str]) -> list[str]:

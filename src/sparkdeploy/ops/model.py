@@ -26,7 +26,7 @@ from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sparkdeploy import labels
+from sparkdeploy import labels, threads
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Feed, Host
 from sparkdeploy.nodeops import (
@@ -42,8 +42,7 @@ from sparkdeploy.nodeops import (
 from sparkdeploy.ops import Ctx
 from sparkdeploy.outside import HubName, OutsideError, request
 from sparkdeploy.records import SHA1, SHA256, HubMetadata, RecordError
-from sparkdeploy.results import Result, changed, failed, ok, skipped
-from sparkdeploy.threads import together
+from sparkdeploy.results import Result
 
 DOWNLOAD = "model.download"
 VERIFY = "model.verify"
@@ -187,9 +186,10 @@ class Staged:
 def stage_for(host: Host, meta: dict[str, Any]) -> Staged:
     """The helper and the spec on the node, staged side by side (one round trip, not two)."""
     spec = {k: meta[k] for k in ("repo", "revision", "commit", "files")}
-    script, spec_path = together(lambda: stage_script(host, SCRIPT),
-                                 lambda: stage(host, "spec.json", json.dumps(spec, sort_keys=True)))
-    return Staged(script, spec_path)
+    with threads.pool(2) as p:
+        script = p.submit(stage_script, host, SCRIPT)
+        spec_path = p.submit(stage, host, "spec.json", json.dumps(spec, sort_keys=True))
+    return Staged(script.result(), spec_path.result())
 
 
 Count = Annotated[int, Field(ge=0)]
@@ -291,20 +291,34 @@ def describe_bad(state: dict[str, Any], limit: int = 3) -> str:
     return f"{len(bad)} files differ: {shown}{more}"
 
 
-def disk_check(dep: Deployment, host: Host, need: int, step_name: str) -> Result | None:
-    """A failed result naming both numbers when the node lacks room for ``need`` bytes."""
+@dataclass(frozen=True)
+class Short:
+    """A node without room for the bytes it lacks: both numbers, for the step to report."""
+
+    node: str
+    why: str
+    free: int
+    need: int
+    """What it lacks, with the profile's margin."""
+
+    @property
+    def details(self) -> dict[str, int]:
+        return {"free": self.free, "need": self.need}
+
+
+def disk_check(dep: Deployment, host: Host, need: int) -> Short | None:
+    """Why the node lacks room for ``need`` bytes (naming both numbers), None when it has it."""
     got = free_space(host, dep.profile.model.path)
-    return None if got is None else short_of(dep, host, need, *got, step_name)
+    return None if got is None else short_of(dep, host, need, *got)
 
 
-def short_of(dep: Deployment, host: Host, need: int, free: int, mount: str,
-             step_name: str) -> Result | None:
+def short_of(dep: Deployment, host: Host, need: int, free: int, mount: str) -> Short | None:
     """``disk_check`` for a node whose free bytes on ``mount`` are known already."""
     margin = dep.profile.model.disk_margin_mb * 1_000_000
     if free < need + margin:
-        return failed(step_name, f"{host.name}: {free / GB:.2f} GB free on {mount}, needs "
-                      f"{(need + margin) / GB:.2f} GB ({need / GB:.2f} GB missing + "
-                      f"{margin / GB:.2f} GB margin)", host.name, free=free, need=need + margin)
+        return Short(host.name, f"{host.name}: {free / GB:.2f} GB free on {mount}, needs "
+                     f"{(need + margin) / GB:.2f} GB ({need / GB:.2f} GB missing + "
+                     f"{margin / GB:.2f} GB margin)", free, need + margin)
     return None
 
 
@@ -448,7 +462,6 @@ def download_on(ctx: Ctx, host: Host, meta: dict[str, Any], note: str = "",
     """Fetch what the node lacks (of ``only``), as the step ``ctx`` reports for (a repair by
     ``model.verify`` too)."""
     dep = ctx.dep
-    step_name = ctx.name
     m = dep.profile.model
     note = f" ({note})" if note else ""
     try:
@@ -457,15 +470,15 @@ def download_on(ctx: Ctx, host: Host, meta: dict[str, Any], note: str = "",
         todo = have["missing"] + list(have["differ"]) + have["unchecked"]
         total = total_bytes(meta, only)
         if not todo:
-            return ok(step_name, f"{host.name}: all {len(have['ok'])} files present and verified "
+            return ctx.ok(f"{host.name}: all {len(have['ok'])} files present and verified "
                       f"({in_gb(total)}) in {m.path}{note}", host.name, bytes=0, total=total)
         missing = total_bytes(meta, have["missing"] + list(have["differ"]))
-        bad = disk_check(dep, host, missing, step_name)
+        bad = disk_check(dep, host, missing)
         if bad:
-            return bad
+            return ctx.failed(bad.why, bad.node, **bad.details)
         rt = choose_runtime(dep, host, st)
         if dep.dry:
-            return skipped(step_name, f"{host.name}: would download {len(todo)} files "
+            return ctx.skipped(f"{host.name}: would download {len(todo)} files "
                            f"(up to {in_gb(missing)}) of {m.repo}@{meta['commit'][:12]} into {m.path} "
                            f"with {rt.why}{note}", host.name)
         ctx.log(host.name, f"downloader: {rt.why}")
@@ -473,13 +486,13 @@ def download_on(ctx: Ctx, host: Host, meta: dict[str, Any], note: str = "",
         out, why = run_fetch(ctx, host, rt, st, meta, todo)
         secs = dep.clock() - started
     except ModelError as e:
-        return failed(step_name, str(e), host.name)
+        return ctx.failed(str(e), host.name)
     if why:
-        return failed(step_name, f"{host.name}: {why}", host.name)
+        return ctx.failed(f"{host.name}: {why}", host.name)
     assert out is not None
     got = out.get("fetched_bytes", 0)
     rate = got / out["seconds"] if out.get("seconds") else 0.0
-    return changed(step_name, f"{host.name}: {m.repo}@{meta['commit'][:12]}: fetched {in_gb(got)} "
+    return ctx.changed(f"{host.name}: {m.repo}@{meta['commit'][:12]}: fetched {in_gb(got)} "
                    f"in {secs:.1f}s ({rate / 1e6:.0f} MB/s), {len(meta['files'])} files verified "
                    f"({len(have['ok'])} were already){note}", host.name, bytes=got, seconds=secs,
                    rate=rate, runtime=rt.kind)

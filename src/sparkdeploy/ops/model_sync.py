@@ -62,8 +62,7 @@ from sparkdeploy.ops.model import (
     total_bytes,
 )
 from sparkdeploy.outside import OutsideError, loads
-from sparkdeploy.results import Result, changed, failed, ok, skipped
-from sparkdeploy.threads import each, together
+from sparkdeploy.results import Result
 from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 SYNC = "model.sync"
@@ -395,7 +394,7 @@ def sync_files(ctx: Ctx, targets: list[Host], meta: dict[str, Any],
                only: list[str] | None = None, note: str = "") -> Result:
     """Send ``targets`` the files (of ``only``) they lack, as the step ``ctx`` reports for
     (``model.verify --repair`` too); one result."""
-    dep, step_name = ctx.dep, ctx.name
+    dep = ctx.dep
     m = dep.profile.model
     s = m.sync
     head = dep.host(dep.profile.head.name)
@@ -412,22 +411,22 @@ def sync_files(ctx: Ctx, targets: list[Host], meta: dict[str, Any],
         sync of weights already in place costs."""
         staged[h.name] = stage_for(h, meta)
         if h is head:  # what the head holds already (records only); rsync there
-            state, rsync = together(
-                lambda: node_state(ctx, h, staged[h.name], only=order, quick=True),
-                lambda: rsync_available(h))
-            return {"state": state, "rsync": rsync}
+            with threads.pool(2) as p:
+                held = p.submit(node_state, ctx, h, staged[h.name], only=order, quick=True)
+                rsync = p.submit(rsync_available, h)
+            return {"state": held.result(), "rsync": rsync.result()}
         if dep.dry:  # records only; nothing starts on the node
             state = node_state(ctx, h, staged[h.name], only=order, quick=True)
             need = _lacking(order, state)
             return {"need": need,
-                    "short": disk_check(dep, h, total_bytes(meta, need), step_name) if need else None,
+                    "short": disk_check(dep, h, total_bytes(meta, need)) if need else None,
                     "rsync": rsync_available(h) if need else None}
         # the receiver hashes what is there without a record, then waits to hear what comes
         r = receivers[h.name] = Receiver(ctx, h, staged[h.name], order, secret, allow)
         state = r.state()
         need = _lacking(order, state)
-        short = short_of(dep, h, total_bytes(meta, need), state["free"], state["mount"],
-                         step_name) if need else None
+        short = short_of(dep, h, total_bytes(meta, need), state["free"], state["mount"]) \
+            if need else None
         if need and short is None:
             r.expect(need)
         else:
@@ -436,23 +435,25 @@ def sync_files(ctx: Ctx, targets: list[Host], meta: dict[str, Any],
 
     try:
         nodes = [head, *targets]
-        ready = dict(zip([h.name for h in nodes], each(prepare, nodes), strict=True))
+        # every node's setup is needed to go on: an unreachable one stops the step (no ctx.each)
+        with threads.pool(len(nodes)) as p:
+            ready = dict(zip([h.name for h in nodes], p.map(prepare, nodes), strict=True))
         need = {t.name: ready[t.name]["need"] for t in targets}
         if not any(need.values()):
             names = ", ".join(t.name for t in targets)
-            return ok(step_name, f"{names}: all {len(order)} files already there and verified "
+            return ctx.ok(f"{names}: all {len(order)} files already there and verified "
                       f"({total_bytes(meta, order) / GB:.2f} GB){note}", ",".join(need))
         short = [ready[t.name]["short"] for t in targets if ready[t.name].get("short")]
         if short:
-            return short[0]
+            return ctx.failed(short[0].why, short[0].node, **short[0].details)
         for h in nodes:
             why = ready[h.name].get("rsync")
             if why:
-                return failed(step_name, why, h.name)
+                return ctx.failed(why, h.name)
         if dep.dry:
             parts = [f"{len(v)} files ({total_bytes(meta, v) / GB:.2f} GB) to {k}"
                      for k, v in need.items() if v]
-            return skipped(step_name, f"would send {', '.join(parts)} over {s.transport}{note}")
+            return ctx.skipped(f"would send {', '.join(parts)} over {s.transport}{note}")
         plan = Schedule(need={k: v for k, v in need.items() if v}, sizes=sizes)
         head_state = ready[head.name]["state"]
         for f in head_state["ok"]:
@@ -461,10 +462,11 @@ def sync_files(ctx: Ctx, targets: list[Host], meta: dict[str, Any],
         return _Transfers(ctx, head, targets, plan, staged, sending_to, secret, order,
                           head_state).run(note)
     except ModelError as e:
-        return failed(step_name, str(e), getattr(e, "node", None))
+        return ctx.failed(str(e), getattr(e, "node", None))
     finally:
         # a receiver's daemon stops when its stdin ends, whatever happened here
-        each(lambda r: r.join(), list(receivers.values()))
+        with threads.pool(len(receivers)) as p:
+            list(p.map(lambda r: r.join(), list(receivers.values())))
 
 
 def _lacking(order: list[str], state: dict[str, Any]) -> list[str]:
@@ -483,7 +485,7 @@ class _Transfers:
         self.ctx, self.head, self.targets, self.plan = ctx, head, targets, plan
         self.dep = dep = ctx.dep
         self.staged, self.receivers, self.secret = staged, receivers, secret
-        self.order, self.step_name = order, ctx.name
+        self.order = order
         self.s = dep.profile.model.sync
         self.hosts = {h.name: h for h in [head, *targets]}
         self.totals = {k: sum(plan.sizes[f] for f in v) for k, v in plan.need.items()}
@@ -504,10 +506,10 @@ class _Transfers:
                          clock=self.dep.clock, sleep=self.dep.sleep)
         except Stop as e:
             _drain(self.sending)
-            return failed(self.step_name, f"{e}; {self.kept()}", self.head.name)
+            return self.ctx.failed(f"{e}; {self.kept()}", self.head.name)
         except WaitTimeout as e:
             _drain(self.sending)
-            return failed(self.step_name, f"stalled: {e}; {self.kept()}")
+            return self.ctx.failed(f"stalled: {e}; {self.kept()}")
         finally:
             self.pool.shutdown(wait=True)
         return self.outcome(self.dep.clock() - started, note)
@@ -619,10 +621,10 @@ class _Transfers:
                 self.errors[dst] = rcv.error
         if self.errors:
             dst, why = next(iter(self.errors.items()))
-            return failed(self.step_name, f"{why}; {self.kept()}, a re-run resumes", dst)
+            return self.ctx.failed(f"{why}; {self.kept()}, a re-run resumes", dst)
         total = sum(self.moved.values())
         names = ", ".join(t.name for t in self.targets if t.name in self.totals)
-        return changed(self.step_name, f"{names}: sent {sum(1 for _ in _sent(self.plan))} files "
+        return self.ctx.changed(f"{names}: sent {sum(1 for _ in _sent(self.plan))} files "
                        f"({total / GB:.2f} GB) over {self.s.transport} in {secs:.1f}s "
                        f"({total / max(secs, 1e-6) / 1e6:.0f} MB/s), verified on arrival{note}",
                        ",".join(self.totals), bytes=total, seconds=secs,

@@ -19,12 +19,15 @@ from sparkdeploy.config import Engine
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import Launch, NodeFacts, Stage, launch
 from sparkdeploy.engines.base import API_KEY_ENV, run_args, secret_lines
+from sparkdeploy.files import write_text_atomic
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import HelperFailed, NodeUnreachable, docker, inspect_image, run_helper
 from sparkdeploy.ops import serve_preflight
 from sparkdeploy.ops.serve_containers import RAY_PROBE
 from sparkdeploy.ops.serve_watch import StartFailed, Watch
 from sparkdeploy.outside import OutsideError, last_line
+from sparkdeploy.records import Attempt
+from sparkdeploy.wait import Deadline
 
 STEP_UP = "serve.up"
 
@@ -38,13 +41,13 @@ class Run:
         self.dir = dep.state.path / "runs" / f"{stamp}-serve.up"
         key = ep.api_key()
         self.secrets = {"VLLM_API_KEY": key, API_KEY_ENV: key} if key else {}
-        self.attempts: list[dict[str, Any]] = []
+        self.attempts: list[Attempt] = []
 
     def save_logs(self, engine: str, logs: dict[str, list[str]]) -> Path:
         d = self.dir / engine
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
         for label, lines in logs.items():
-            (d / label).write_text("\n".join(lines) + ("\n" if lines else ""))
+            write_text_atomic(d / label, "\n".join(lines) + ("\n" if lines else ""), 0o644)
         return d
 
 
@@ -121,10 +124,7 @@ def _ranks_joined(stage: Stage, watch: Watch) -> bool:
 def bring_up(dep: Deployment, lau: Launch, run: Run, watch: Watch) -> str:
     """Start the stages and wait through the phases; the endpoint URL, or EngineFailed."""
     s = dep.profile.serve
-    end = dep.clock() + s.ready_timeout_s
-
-    def left() -> float:
-        return end - dep.clock()
+    left = Deadline(s.ready_timeout_s, dep.clock).left
 
     for stage in lau.stages:
         for spec in stage.containers:

@@ -26,6 +26,7 @@ import yaml
 from sparkdeploy import endpoint as ep
 from sparkdeploy.deployment import DEFAULTS, Deployment, load
 from sparkdeploy.events import PlainRenderer
+from sparkdeploy.files import write_text_atomic
 from sparkdeploy.helpers import serve_watchdog as wd
 from sparkdeploy.lab import faults
 from sparkdeploy.ops.serve_watch import read_restarts
@@ -67,7 +68,7 @@ def _serving_again(url: str, model: str, t0: float, limit: float = 240) -> float
 def run() -> dict[str, float]:
     STATE.mkdir(parents=True, exist_ok=True)
     prof = STATE / "profile.yaml"
-    prof.write_text(yaml.safe_dump({"extends": str(PROFILE), "sparkdeploy": {"serve": SERVE}}))
+    write_text_atomic(prof, yaml.safe_dump({"extends": str(PROFILE), "sparkdeploy": {"serve": SERVE}}))
     dep = load(prof, STATE)
     took, found = [], []
     with dep.events.listening(PlainRenderer(sys.stderr, progress_every=10)):

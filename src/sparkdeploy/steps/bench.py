@@ -14,10 +14,10 @@ from typing import Any
 
 from sparkdeploy.bench.client import BenchError, Settings
 from sparkdeploy.bench.report import level_name
-from sparkdeploy.bench.sweep import STEP, check_baseline, run_sweep, save_json
+from sparkdeploy.bench.sweep import STEP, check_baseline, run_sweep, sweep_json
 from sparkdeploy.config import Bench
 from sparkdeploy.endpoint import url as endpoint_url
-from sparkdeploy.files import write_atomic
+from sparkdeploy.files import write_atomic, write_text_atomic
 from sparkdeploy.steps.registry import StepContext, step
 
 
@@ -85,7 +85,7 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
     for kind, path in targets:
         # whole or not at all: a failure leaves no half-written file
         if kind == "json":
-            write_atomic(path, lambda tmp: save_json(doc, tmp))
+            write_text_atomic(path, sweep_json(doc))
         else:
             from sparkdeploy.bench.plot import plot as draw
 

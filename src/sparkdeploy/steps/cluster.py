@@ -27,7 +27,7 @@ from sparkdeploy.discover import (
     read_node,
 )
 from sparkdeploy.discovered import Found, render
-from sparkdeploy.files import write_atomic
+from sparkdeploy.files import write_text_atomic
 from sparkdeploy.hosts import Host, HostError, NodeUnreachable
 from sparkdeploy.ops.hosts import probe_hosts
 from sparkdeploy.steps.registry import StepContext, step
@@ -205,7 +205,7 @@ def deliver(ctx: StepContext, text: str, target: Path | None, dry: bool) -> None
     elif dry:
         ctx.would(f"write {target}" + (" (replacing what it holds)" if old is not None else ""))
     else:
-        write_atomic(target, lambda tmp: tmp.write_text(text))
+        write_text_atomic(target, text)
         ctx.changed(f"{'replaced' if old is not None else 'wrote'} {target} (validated)",
                     written=str(target))
 

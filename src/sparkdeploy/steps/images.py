@@ -39,7 +39,7 @@ from sparkdeploy.nodeops import (
 )
 from sparkdeploy.ops.image import STEP_BUILD
 from sparkdeploy.records import ImageDecision, Written, markdown_table
-from sparkdeploy.results import Result, Status, changed, failed, ok, skipped
+from sparkdeploy.results import Result, Status
 from sparkdeploy.steps.registry import StepContext, step
 
 STEP_PROBE = "image.probe"
@@ -399,7 +399,7 @@ def _find_built(head: Host, labels: dict[str, str]) -> str | None:
 def build(ctx: StepContext, no_cache: bool = False) -> None:
     """Build the derivative image on the head (ok without building when already built;
     ``no_cache``: build again from the base, docker's layer cache unused)."""
-    ctx.report(_build(ctx, no_cache))
+    _build(ctx, no_cache)
 
 
 STEP_LINE = re.compile(r"^Step (\d+)/(\d+) : ")
@@ -410,17 +410,17 @@ def _build(ctx: StepContext, no_cache: bool = False) -> Result:
     derivative = dep.profile.images.layer
     head = dep.host(dep.profile.head.name)
     if derivative is None:
-        return skipped(STEP_BUILD, "the profile has no images.layer", head.name)
+        return ctx.skipped("the profile has no images.layer", head.name)
     try:
         path = under(packaged.data(DOCKER_DIR), derivative.dockerfile.removeprefix(DOCKER_DIR + "/"))
         dockerfile = read_input(path, limit=MB, what="Dockerfile").decode("utf-8")
     except (Escape, InputError) as e:
-        return failed(STEP_BUILD, f"images.layer.dockerfile: {e}", head.name)
+        return ctx.failed(f"images.layer.dockerfile: {e}", head.name)
     except UnicodeDecodeError:
-        return failed(STEP_BUILD, f"{derivative.dockerfile}: not UTF-8 text", head.name)
+        return ctx.failed(f"{derivative.dockerfile}: not UTF-8 text", head.name)
     base = inspect_image(head, derivative.base)
     if base is None:
-        return failed(STEP_BUILD, f"base image {derivative.base} is not on {head.name} "
+        return ctx.failed(f"base image {derivative.base} is not on {head.name} "
                       "(run image.probe, which pulls missing candidates)", head.name)
     try:
         declared = engine_requires(dep, head, derivative.base)
@@ -444,7 +444,7 @@ def _build(ctx: StepContext, no_cache: bool = False) -> Result:
                                "builds anyway)"
                                ) from None
     except ResolveError as e:
-        return failed(STEP_BUILD, str(e), head.name)
+        return ctx.failed(str(e), head.name)
     df_sha = hashlib.sha256(dockerfile.encode()).hexdigest()
     labels = {LABEL_BASE_ID: base["Id"], LABEL_DOCKERFILE: df_sha, LABEL_TF: version}
     existing = None if no_cache else _find_built(head, labels)
@@ -452,18 +452,18 @@ def _build(ctx: StepContext, no_cache: bool = False) -> Result:
     if existing:
         tagged = inspect_image(head, derivative.tag)
         if tagged and tagged["Id"] == existing:
-            return ok(STEP_BUILD, f"{what} already built ({existing[:19]})", head.name,
+            return ctx.ok(f"{what} already built ({existing[:19]})", head.name,
                       image_id=existing, transformers=version)
         head.run(docker(head, "tag", existing, derivative.tag))
-        return changed(STEP_BUILD, f"tagged the existing build {existing[:19]} as {derivative.tag}",
+        return ctx.changed(f"tagged the existing build {existing[:19]} as {derivative.tag}",
                        head.name, image_id=existing, transformers=version)
     if dep.dry:
-        return skipped(STEP_BUILD, f"would build {what}" + (" without docker's cache" if no_cache
+        return ctx.skipped(f"would build {what}" + (" without docker's cache" if no_cache
                                                            else ""), head.name, transformers=version)
     try:
         config_text, _ = model_config_text(dep, head)
     except ConfigUnavailable as e:
-        return failed(STEP_BUILD, str(e), head.name)
+        return ctx.failed(str(e), head.name)
     build_args = {"BASE_IMAGE": derivative.base, "BASE_IMAGE_ID": base["Id"],
                   "TRANSFORMERS_VERSION": version, "DOCKERFILE_SHA256": df_sha,
                   "TRANSFORMERS_REQUIREMENT": derivative.requirement, "ENGINE_REQUIRES": engine_note,
@@ -476,12 +476,12 @@ def _build(ctx: StepContext, no_cache: bool = False) -> Result:
     r = head.run(build_argv(head, derivative.tag, build_args, no_cache), input=context,
                  on_stderr=log.line, timeout=3600)
     if not r.ok:
-        return failed(STEP_BUILD, f"build failed: {r.one_line_error()}", head.name,
+        return ctx.failed(f"build failed: {r.one_line_error()}", head.name,
                       log_tail=log.tail)
     built = inspect_image(head, derivative.tag)
     if not built:
-        return failed(STEP_BUILD, f"build finished but {derivative.tag} is not on {head.name}", head.name)
-    return changed(STEP_BUILD, f"built {what} in {dep.clock() - started:.0f}s "
+        return ctx.failed(f"build finished but {derivative.tag} is not on {head.name}", head.name)
+    return ctx.changed(f"built {what} in {dep.clock() - started:.0f}s "
                    f"({built['Id'][:19]})", head.name, image_id=built["Id"], transformers=version)
 
 

@@ -121,7 +121,8 @@ def _bandwidth(ctx: StepContext, head: Node, worker: Node) -> None:
     dep = ctx.dep
     hh, wh = dep.host(head.name), dep.host(worker.name)
     try:
-        scripts = threads.each(lambda h: stage_script(h, HELPER), [hh, wh])
+        with threads.pool(2) as ends:  # both ends' answers are needed: an unreachable one stops it
+            scripts = list(ends.map(lambda h: stage_script(h, HELPER), [hh, wh]))
         tools = [run_helper(h, HELPER, ["tools"], result=Tools, where=f"{h.name}: {HELPER} tools",
                             script=s, timeout=30) for h, s in zip((hh, wh), scripts, strict=True)]
         if all(t.iperf3 for t in tools):
@@ -163,8 +164,8 @@ def _stream(ctx: StepContext, hh: Host, wh: Host, head: Node, worker: Node,
                                        head.link.address], result=Streamed, script=scripts[0],
                           where=f"{head.name}: {HELPER} send", timeout=link.test_seconds + 45)
 
-    got = threads.each(_catching, [receive, send])
-    received, sent = got
+    with threads.pool(2) as p:
+        received, sent = p.map(_catching, [receive, send])
     if isinstance(received, HelperFailed):
         return None, str(received), "stream"
     if isinstance(sent, HelperFailed):
@@ -204,5 +205,8 @@ def _iperf(ctx: StepContext, hh: Host, wh: Host, head: Node,
             dep.sleep(0.3)  # the server is not listening yet
         return None, why
 
-    _, (gbps, why) = threads.together(serve, measure)
+    with threads.pool(2) as p:
+        served, measured = p.submit(serve), p.submit(measure)
+    served.result()
+    gbps, why = measured.result()
     return gbps, why, "iperf3"

@@ -22,4 +22,4 @@ def download(ctx: StepContext, node: str | None = None) -> None:
         ctx.failed(str(e), host.name)
         return
     with own_lock(dep, DOWNLOAD):
-        ctx.report(download_on(ctx, host, meta, note))
+        download_on(ctx, host, meta, note)

@@ -25,4 +25,4 @@ def sync(ctx: StepContext, to: str = "all", only: list[str] | None = None) -> No
         ctx.failed(str(e))
         return
     with own_lock(dep, SYNC):
-        ctx.report(sync_files(ctx, targets, meta, only=only, note=note))
+        sync_files(ctx, targets, meta, only=only, note=note)

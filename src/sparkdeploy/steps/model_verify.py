@@ -22,7 +22,7 @@ from sparkdeploy.ops.model import (
     total_bytes,
 )
 from sparkdeploy.ops.model_sync import SYNC, sync_files
-from sparkdeploy.results import Result, changed, failed, ok, skipped
+from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext, step
 
 
@@ -35,7 +35,7 @@ def verify(ctx: StepContext, node: str | None = None, repair: bool = False) -> N
     except ModelError as e:
         ctx.failed(str(e))
         return
-    ctx.each(dep.select(node), lambda host: ctx.report(verify_on(ctx, host, meta, note, repair)))
+    ctx.each(dep.select(node), lambda host: verify_on(ctx, host, meta, note, repair))
 
 
 def verify_on(ctx: StepContext, host: Host, meta: dict[str, Any], note: str = "",
@@ -47,30 +47,30 @@ def verify_on(ctx: StepContext, host: Host, meta: dict[str, Any], note: str = ""
         st = stage_for(host, meta)
         state = node_state(ctx, host, st)
     except ModelError as e:
-        return failed(VERIFY, str(e), host.name)
+        return ctx.failed(str(e), host.name)
     if not state.get("present"):
-        return failed(VERIFY, f"{host.name}: no weights in {m.path} (model.download on the head, "
+        return ctx.failed(f"{host.name}: no weights in {m.path} (model.download on the head, "
                       f"model.sync to workers)", host.name)
     bad = state["missing"] + list(state["differ"]) + state["unchecked"]
     total = total_bytes(meta)
     if not bad:
-        return ok(VERIFY, f"{host.name}: {len(state['ok'])} files verified ({in_gb(total)}; hashed "
+        return ctx.ok(f"{host.name}: {len(state['ok'])} files verified ({in_gb(total)}; hashed "
                   f"{in_gb(state['hashed_bytes'])}, {state['reused']} unchanged since verified) in "
                   f"{state['seconds']:.1f}s{note}", host.name, hashed=state["hashed_bytes"],
                   reused=state["reused"], seconds=state["seconds"])
     if dep.dry and state["unchecked"] and not (state["missing"] or state["differ"]):
-        return skipped(VERIFY, f"{host.name}: would hash {len(state['unchecked'])} files not "
+        return ctx.skipped(f"{host.name}: would hash {len(state['unchecked'])} files not "
                        f"verified yet", host.name)
     what = describe_bad(state)
     if not repair:
-        return failed(VERIFY, f"{host.name}: {what}; --repair re-fetches only those", host.name,
+        return ctx.failed(f"{host.name}: {what}; --repair re-fetches only those", host.name,
                       differ=state["differ"], missing=state["missing"])
     names = state["missing"] + list(state["differ"])
     if host.name == dep.profile.head.name:
-        res = download_on(ctx, host, meta, only=names)
+        res = download_on(ctx.aside(), host, meta, only=names)
     else:
-        res = sync_files(ctx, [host], meta, only=names)
+        res = sync_files(ctx.aside(), [host], meta, only=names)
     if res.failed:
-        return failed(VERIFY, f"{host.name}: {what}; repair failed: {res.why}", host.name)
-    return changed(VERIFY, f"{host.name}: {what}; repaired ({res.why})", host.name,
+        return ctx.failed(f"{host.name}: {what}; repair failed: {res.why}", host.name)
+    return ctx.changed(f"{host.name}: {what}; repaired ({res.why})", host.name,
                    repaired=names)

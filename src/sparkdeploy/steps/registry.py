@@ -4,7 +4,7 @@ and the one context through which a running step reports.
 A step is a body ``fn(ctx: StepContext, **options) -> None`` registered with ``@step(name,
 needs=...)``. The body reports only through ``ctx``: a result per node (``ctx.ok``,
 ``ctx.changed``, ``ctx.skipped``, ``ctx.failed``, ``ctx.would`` under a dry run, or
-``ctx.report`` of a result built elsewhere), ``ctx.progress`` and ``ctx.log`` during long work,
+``ctx.report`` of a result another context reported), ``ctx.progress`` and ``ctx.log`` during long work,
 ``ctx.each(hosts, fn)`` to fan out over nodes, ``ctx.call(name, ...)`` to run another registered
 step. A node that cannot be reached is one failed result for that node, whether it stops one
 node's part of a fan-out or the whole step. Each result is
@@ -23,17 +23,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sparkdeploy import threads
-from sparkdeploy.events import EventSink, Log, Progress
+from sparkdeploy.events import Event, EventSink, Log, Progress
 from sparkdeploy.hosts import NodeUnreachable
 from sparkdeploy.results import Result, Status
 
 if TYPE_CHECKING:
     from sparkdeploy.deployment import Deployment
-    from sparkdeploy.hosts import Host
 
 Body = Callable[..., None]
 StepFn = Callable[..., list[Result]]
 T = TypeVar("T")
+Item = TypeVar("Item")
 
 
 class StepContext:
@@ -107,18 +107,35 @@ class StepContext:
         self.events.emit(Log(self.name, node, text))
 
     # -- nodes and other steps --------------------------------------------------------------
-    def each(self, hosts: Iterable[Host], fn: Callable[[Host], T], *,
+    def each(self, items: Iterable[Item], fn: Callable[[Item], T], *,
              parallel: bool = False) -> list[T | None]:
-        """``fn(host)`` for each node, in order (``parallel``: all at once); a node that cannot
-        be reached is one failed result for that node and None in the list."""
-        def one(host: Host) -> T | None:
+        """``fn(item)`` for each node (or each pair of nodes, for a tree fan-out), in order
+        (``parallel``: all at once, results in order); a node that cannot be reached is one
+        failed result for that node and None in the list."""
+        def one(item: Item) -> T | None:
             try:
-                return fn(host)
+                return fn(item)
             except NodeUnreachable as e:
                 self.unreachable(e)
                 return None
 
-        return threads.each(one, hosts) if parallel else [one(h) for h in hosts]
+        items = list(items)
+        if not parallel or len(items) <= 1:
+            return [one(x) for x in items]
+        with threads.pool(len(items)) as p:
+            return list(p.map(one, items))
+
+    def aside(self) -> StepContext:
+        """A context for work whose result this step judges before it reports its own (the
+        repair ``model.verify`` runs with the downloader's code): its progress and logs go on the
+        stream as they happen, its results only into its own ``results``."""
+        outer = self.events
+
+        def forward(ev: Event) -> None:
+            if not isinstance(ev, Result):
+                outer.emit(ev)
+
+        return StepContext(self.name, EventSink([forward]), self._dep)
 
     def call(self, name: str, **options: Any) -> list[Result]:
         """Run the registered step ``name`` as part of this one; its results (under its own

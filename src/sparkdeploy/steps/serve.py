@@ -50,7 +50,7 @@ from sparkdeploy.ops.serve_watch import (
     full_log,
     read_restarts,
 )
-from sparkdeploy.records import Endpoint, ServeDecision, markdown_table
+from sparkdeploy.records import Attempt, Endpoint, ServeDecision, markdown_table
 from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext, step
 
@@ -59,7 +59,6 @@ STEP_STATUS = "serve.status"
 STEP_LOGS = "serve.logs"
 
 # --- one engine ---------------------------------------------------------------------------
-
 
 
 def try_engine(ctx: StepContext, engine: Engine, run: Run) -> str | None:
@@ -99,7 +98,7 @@ def _diagnose(logs: dict[str, list[str]]) -> Any:
     return classify(logs)
 
 
-def give_up(dep: Deployment, engine: Engine, err: EngineFailed, run: Run) -> dict[str, Any]:
+def give_up(dep: Deployment, engine: Engine, err: EngineFailed, run: Run) -> Attempt:
     """Diagnose from every container's log, save the logs, remove the containers everywhere."""
     watch: Watch | None = getattr(err, "watch", None)
     logs = watch.logs() if watch else {}
@@ -108,31 +107,28 @@ def give_up(dep: Deployment, engine: Engine, err: EngineFailed, run: Run) -> dic
     hosts = [dep.host(n.name) for n in dep.profile.nodes]
     removed = remove(dep, hosts, engine.name)
     left = {h.name: [c.name for c in ours(h, dep.profile.name, engine.name)] for h in hosts}
-    attempt = {
-        "engine": engine.name, "outcome": err.kind, "phase": err.phase, "why": err.why,
-        "class": diag.cls, "summary": getattr(diag, "summary", ""),
-        "evidence": [[e.label, e.line_no, e.text] for e in diag.evidence],
-        "logs": str(logdir), "removed": removed,
-        "left": {n: c for n, c in left.items() if c},
-    }
+    attempt = Attempt(engine=engine.name, outcome=err.kind, phase=err.phase, why=err.why,
+                      diagnosis=diag.cls, summary=getattr(diag, "summary", ""),
+                      evidence=[[e.label, e.line_no, e.text] for e in diag.evidence],
+                      logs=str(logdir), removed=removed, left={n: c for n, c in left.items() if c})
     if isinstance(err, Stalled):
-        attempt["stall_s"] = dep.profile.serve.stall_s
-        attempt["silent_s"] = round(err.silent_s, 1)
-        attempt["hang_start"] = err.hang_start
-    attempt["given_up_at"] = dep.clock()
+        attempt.stall_s = dep.profile.serve.stall_s
+        attempt.silent_s = round(err.silent_s, 1)
+        attempt.hang_start = err.hang_start
+    attempt.given_up_at = dep.clock()
     return attempt
 
 
 def write_record(dep: Deployment, run: Run, chosen: str | None, url: str | None) -> None:
-    rows = [[a["engine"], a["outcome"], a.get("class"), a.get("phase"),
-             "; ".join(f"{e[0]}:{e[1]}: {e[2]}" for e in a.get("evidence", [])[:3])]
+    rows = [[a.engine, a.outcome, a.diagnosis, a.phase,
+             "; ".join(f"{e[0]}:{e[1]}: {e[2]}" for e in a.evidence[:3])]
             for a in run.attempts]
     md = markdown_table(["engine", "outcome", "class", "phase", "evidence"], rows) if rows else \
         "No engine failed."
     md += f"\n\nChosen: {chosen or 'none'}" + (f", serving at {url}" if url else "") + "\n"
     for a in run.attempts:
-        if "fallback_after_s" in a:
-            md += (f"\n{a['engine']}: {a['fallback_after_s']:.1f}s from the hang's start (last "
+        if a.fallback_after_s is not None:
+            md += (f"\n{a.engine}: {a.fallback_after_s:.1f}s from the hang's start (last "
                    f"output or readiness step) to starting the next engine.\n")
     dep.records.write(ServeDecision(tried=run.attempts, chosen=chosen, run_dir=str(run.dir)),
                       markdown=md, title="serve.up: engine")
@@ -238,18 +234,18 @@ def up(ctx: StepContext, engine: str | None = None) -> None:
             attempt = give_up(dep, eng, e, run)
             run.attempts.append(attempt)
             nxt = engines[i + 1].name if i + 1 < len(engines) else None
-            ev = "; ".join(f"{a}:{b}: {c}" for a, b, c in attempt["evidence"][:2])
+            ev = "; ".join(f"{a}:{b}: {c}" for a, b, c in attempt.evidence[:2])
             replaced.append(ctx.failed(
-                f"{eng.name} {e.kind}: {e.why}; class: {attempt['class']}"
+                f"{eng.name} {e.kind}: {e.why}; class: {attempt.diagnosis}"
                 + (f" ({ev})" if ev else "") + (f"; falling back to {nxt}" if nxt else ""),
-                diagnosis=attempt["class"], evidence=attempt["evidence"], engine=eng.name,
-                logs=attempt["logs"]))
-            if attempt["left"]:
-                ctx.failed(f"containers left after removal: {attempt['left']}")
+                diagnosis=attempt.diagnosis, evidence=attempt.evidence, engine=eng.name,
+                logs=attempt.logs))
+            if attempt.left:
+                ctx.failed(f"containers left after removal: {attempt.left}")
                 break
-            if nxt and "hang_start" in attempt:
+            if nxt and attempt.hang_start is not None:
                 # the fallback starts now: the next engine's preflight
-                attempt["fallback_after_s"] = round(dep.clock() - attempt["hang_start"], 1)
+                attempt.fallback_after_s = round(dep.clock() - attempt.hang_start, 1)
             continue
         if url is None:
             if not dep.dry and run.attempts:
@@ -257,11 +253,11 @@ def up(ctx: StepContext, engine: str | None = None) -> None:
             return
         write_record(dep, run, eng.name, url)
         record_endpoint(dep, url, eng.name, bool(run.secrets))
-        tried = [a["engine"] for a in run.attempts]
+        tried = [a.engine for a in run.attempts]
         note = f" (after {', '.join(tried)} failed)" if tried else ""
         ctx.changed(f"{eng.name} serves {dep.profile.model.repo}{note}", engine=eng.name,
                     tried=tried, fallback=bool(tried), endpoint=url,
-                    diagnosis=run.attempts[-1]["class"] if tried else None)
+                    diagnosis=run.attempts[-1].diagnosis if tried else None)
         ctx.ok(f"endpoint: {url}", endpoint=url, engine=eng.name)
         # the step succeeded: the engines it replaced stay in the stream and the record
         ctx.supersede(replaced)

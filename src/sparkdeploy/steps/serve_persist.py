@@ -61,7 +61,6 @@ from sparkdeploy.ops.serve_containers import (
 )
 from sparkdeploy.ops.serve_watch import EngineFailed, Watch, policy
 from sparkdeploy.packaged import helper
-from sparkdeploy.results import Result, changed, ok
 from sparkdeploy.steps.registry import StepContext, step
 from sparkdeploy.wait import WaitTimeout, wait_for
 
@@ -220,10 +219,11 @@ class HandoverFailed(Exception):
         self.why, self.nodes = why, nodes
 
 
-def hand_over(ctx: StepContext, eng: Engine, lau: Launch, nodes: list[Handover]) -> list[Result]:
+def hand_over(ctx: StepContext, eng: Engine, lau: Launch,
+              nodes: list[Handover]) -> tuple[dict[str, str], str]:
     """serve.up's containers (or the units' previous version) go, the units start (workers
-    first, then the head) and the endpoint serves (the results to report); HandoverFailed at
-    the first that does not."""
+    first, then the head) and the endpoint serves: what started on each node, in order, and the
+    endpoint (for the step to report); HandoverFailed at the first that does not."""
     dep = ctx.dep
     unit = unit_name(eng.name)
     hosts = [n.host for n in nodes]
@@ -231,22 +231,21 @@ def hand_over(ctx: StepContext, eng: Engine, lau: Launch, nodes: list[Handover])
         if n.active:
             n.host.run(["systemctl", "stop", "--", unit], sudo=True, timeout=180)
     remove(dep, hosts, eng.name)
-    results = []
+    started: dict[str, str] = {}
     for n in sorted(nodes, key=lambda n: n.host.name == lau.head):
         n.started = True  # a unit whose start failed may still be activating: it is stopped too
         r = n.host.run(["systemctl", "start", "--", unit], sudo=True, timeout=120)
         if not r.ok:
             raise HandoverFailed(f"{n.host.name}: systemctl start {unit}: {r.one_line_error()}",
                                  nodes)
-        results.append(changed(STEP_PERSIST, f"{unit} written, enabled and started "
-                               f"({', '.join(c.name for c in lau.on(n.host.name))})", n.host.name))
+        started[n.host.name] = (f"{unit} written, enabled and started "
+                                f"({', '.join(c.name for c in lau.on(n.host.name))})")
     try:
         url = _wait_endpoint(ctx, lau)
     except WaitTimeout as e:
         left = {h.name: [c.name for c in ours(h, dep.profile.name, eng.name)] for h in hosts}
         raise HandoverFailed(f"{e}; containers: {left}", nodes) from None
-    return [*results, ok(STEP_PERSIST, f"endpoint: {url} (under systemd)", endpoint=url,
-                         engine=eng.name)]
+    return started, url
 
 
 def roll_back(ctx: StepContext, eng: Engine, lau: Launch, nodes: list[Handover],
@@ -336,7 +335,7 @@ def persist(ctx: StepContext, engine: str | None = None) -> None:
         if all(n.active for n in nodes) and not any(n.written for n in nodes):
             ctx.ok(f"{unit} installed and active on every node")
             return
-        results = hand_over(ctx, eng, lau, nodes)
+        started, url = hand_over(ctx, eng, lau, nodes)
     except (HandoverFailed, NodeUnreachable) as e:  # a node lost mid-way: the rest rolls back
         nodes += [n for n in getattr(e, "nodes", []) if n not in nodes]
         why = e.why if isinstance(e, HandoverFailed) else str(e)
@@ -345,8 +344,9 @@ def persist(ctx: StepContext, engine: str | None = None) -> None:
     for ho in nodes:
         if ho.written:
             drop_previous(ho.host, ho.written)
-    for r in results:
-        ctx.report(r)
+    for name, why in started.items():
+        ctx.changed(why, name)
+    ctx.ok(f"endpoint: {url} (under systemd)", endpoint=url, engine=eng.name)
 
 
 @step(STEP_UNPERSIST)

@@ -23,7 +23,7 @@ from sparkdeploy.hosts import Host, HostError, NodeUnreachable
 from sparkdeploy.nodeops import NODE_STATE, docker, read_node_file, write_node_file
 from sparkdeploy.ops.units import GpuProcess, gpu_processes, probe_units
 from sparkdeploy.outside import OutsideError, last_line
-from sparkdeploy.results import Result, changed, failed, ok, skipped
+from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext, step
 from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
@@ -241,18 +241,18 @@ def restore(ctx: StepContext, node: str | None = None) -> None:
     def one(host: Host) -> None:
         units = recorded(dep, host)
         if units:
-            ctx.report(_restore_node(dep, host, units))
+            _restore_node(ctx, host, units)
         else:
             ctx.ok("nothing recorded to restore", host.name)
 
     ctx.each(dep.select(node), one)
 
 
-def _restore_node(dep: Deployment, host: Host, units: list[str]) -> Result:
-    name = host.name
+def _restore_node(ctx: StepContext, host: Host, units: list[str]) -> Result:
+    dep, name = ctx.dep, host.name
     states, err = probe_units(host, units)
     if states is None and not dep.dry:
-        return failed(STEP_RESTORE, err, name, recorded=units)
+        return ctx.failed(err, name, recorded=units)
     states = states or {}
     to_start = [u for u in reversed(units) if states.get(u) != "active"]
     started, problems = [], []
@@ -263,18 +263,18 @@ def _restore_node(dep: Deployment, host: Host, units: list[str]) -> Result:
         else:
             problems.append(f"{u}: {r.one_line_error()}")
     if dep.dry:
-        return skipped(STEP_RESTORE, "would start " + (", ".join(to_start) or
+        return ctx.skipped("would start " + (", ".join(to_start) or
                        "nothing (all active)"), name, would_start=to_start)
     after, err = probe_units(host, units)
     not_active = [u for u in units if (after or {}).get(u) != "active"]
     if problems or not_active:
         _record(dep, host, not_active or units)
         why = "; ".join(problems) or f"not active after start: {', '.join(not_active)}"
-        return failed(STEP_RESTORE, why, name, started=started)
+        return ctx.failed(why, name, started=started)
     _record(dep, host, [])
     if started:
-        return changed(STEP_RESTORE, f"started {', '.join(started)}", name, started=started)
-    return ok(STEP_RESTORE, "recorded units already active", name)
+        return ctx.changed(f"started {', '.join(started)}", name, started=started)
+    return ctx.ok("recorded units already active", name)
 
 
 @step(STEP_STATUS)
@@ -285,23 +285,23 @@ def status(ctx: StepContext, node: str | None = None) -> None:
     def one(host: Host) -> None:
         mine = recorded(dep, host)
         units = list(dict.fromkeys([*dep.profile.services.stop.get(host.name, []), *mine]))
-        ctx.report(_status_node(host, units, mine))
+        _status_node(ctx, host, units, mine)
 
     ctx.each(dep.select(node), one)
 
 
-def _status_node(host: Host, units: list[str], recorded: list[str]) -> Result:
+def _status_node(ctx: StepContext, host: Host, units: list[str], recorded: list[str]) -> Result:
     parts: list[str] = []
     details: dict[str, object] = {"recorded": recorded}
     if units:
         states, err = probe_units(host, units)
         if states is None:
-            return failed(STEP_STATUS, err, host.name)
+            return ctx.failed(err, host.name)
         details["units"] = {u: states.get(u, "absent") for u in units}
         parts.append(", ".join(f"{u} {states.get(u, 'absent')}" for u in units))
     procs, err = gpu_processes(host)
     if procs is None:
-        return failed(STEP_STATUS, err, host.name, **details)
+        return ctx.failed(err, host.name, **details)
     details["gpu_processes"] = [p.__dict__ for p in procs]
     parts.append("GPU free" if not procs else "GPU: " + ", ".join(map(str, procs)))
-    return ok(STEP_STATUS, "; ".join(parts), host.name, **details)
+    return ctx.ok("; ".join(parts), host.name, **details)

@@ -61,7 +61,7 @@ from sparkdeploy.nodeops import (
 )
 from sparkdeploy.ops.image import STEP_BUILD, chosen_image
 from sparkdeploy.outside import OutsideError, loads
-from sparkdeploy.results import Result, changed, failed, ok, skipped
+from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext, step
 
 STEP = "image.ship"
@@ -117,9 +117,10 @@ class DockerDaemon:
 def daemon_facts(host: Host, layers: bool = True) -> DockerDaemon:
     """The daemon's store, root dir and driver (``docker info``) and, with ``layers``, the layer
     list of every image it holds (asked at the same time)."""
-    r, chains = threads.together(
-        lambda: host.run(docker(host, "info", "--format", "{{json .}}"), change=False),
-        lambda: layers_on(host) if layers else [])
+    with threads.pool(2) as p:
+        info_run = p.submit(host.run, docker(host, "info", "--format", "{{json .}}"), change=False)
+        layers_run = p.submit(lambda: layers_on(host) if layers else [])
+    r, chains = info_run.result(), layers_run.result()
     if not r.ok:
         raise HostError(f"{host.name}: docker info failed: {r.one_line_error()}")
     info = json.loads(r.stdout)
@@ -377,12 +378,11 @@ def ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
     """Ship ``ref`` from ``src`` to ``peer``; one result, reported as soon as it is known (a
     node that cannot be reached is left to the fan-out: one failed result for it)."""
     try:
-        res = _ship_one(ctx, src, peer, ref, src_info, src_is_head, master)
+        return _ship_one(ctx, src, peer, ref, src_info, src_is_head, master)
     except NodeUnreachable:
         raise
     except HostError as e:
-        res = failed(STEP, str(e), peer.name)
-    return ctx.report(res)
+        return ctx.failed(str(e), peer.name)
 
 
 def store_read(src: Host, export_path: str, layers_file: str, facts: DockerDaemon, image_id: str,
@@ -439,7 +439,7 @@ def _ship(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, src
     if isinstance(plan, Result):
         return plan
     if dep.dry:
-        return skipped(STEP, f"would send {ref} from {src.name} to {peer.name}: {plan.what}",
+        return ctx.skipped(f"would send {ref} from {src.name} to {peer.name}: {plan.what}",
                        peer.name)
     started = dep.clock()
     ctx.log(peer.name, f"sending {ref} from {src.name}: {plan.what}")
@@ -451,19 +451,22 @@ def _ship(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, src
     if notes and r.ok:
         note += f", sent it {'whole' if way == 'full' else 'through docker save'}"
     if r.exit_code == STAGED_CHANGED:
-        return failed(STEP, f"{src.name}: {r.one_line_error()}", src.name)
+        return ctx.failed(f"{src.name}: {r.one_line_error()}", src.name)
     if not r.ok:
-        return failed(STEP, f"transfer to {peer.name} failed: {r.one_line_error()}{note}", peer.name)
+        return ctx.failed(f"transfer to {peer.name} failed: {r.one_line_error()}{note}", peer.name)
     report = _report(r.stderr)
     if read:
         done = int(report.get("bytes_out" if way == "store" else "bytes_in") or read)
         ctx.progress(peer.name, done, done, "B", f"from {src.name}")
     ctx.log(peer.name, f"checking {ref} on {peer.name}")
-    held, tags = threads.together(lambda: inspect_image(peer, ref), lambda: listed_tags(peer))
+    with threads.pool(2) as p:
+        held_run, tags_run = p.submit(inspect_image, peer, ref), p.submit(listed_tags, peer)
+    held, tags = held_run.result(), tags_run.result()
     problem = verify(peer, ref, src_info, plan.by_id, held, tags)
     if problem:
-        return failed(STEP, f"after the transfer: {problem}{note}", peer.name)
-    return _sent(src, peer, ref, src_info, plan, way, report, dep.clock() - started, note, notes)
+        return ctx.failed(f"after the transfer: {problem}{note}", peer.name)
+    return _sent(ctx, src, peer, ref, src_info, plan, way, report, dep.clock() - started, note,
+                 notes)
 
 
 def _plan(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
@@ -471,20 +474,24 @@ def _plan(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
     """Ask both nodes (at once: a small delta's ship is mostly these round trips) and decide
     what to send and how; a result instead when there is nothing to send or no room for it."""
     layers = src_info["RootFS"]["Layers"]
-    (facts, held, tags), (py, sizes, src_facts, layers_file, staged_export) = threads.together(
-        lambda: threads.together(lambda: peer_facts(peer, layers), lambda: inspect_image(peer, ref),
-                                 lambda: listed_tags(peer)),
-        lambda: threads.together(lambda: python_version(src),
-                                 lambda: layer_sizes(src, ref, layers, int(src_info.get("Size") or 0)),
-                                 # a peer serving the next reads its own store, not the head's
-                                 lambda: source_store(src, src_info if src_is_head else
-                                                      inspect_image(src, ref) or {}),
-                                 lambda: stage(src, "layers.json", json.dumps(layers)),
-                                 lambda: stage_script(src, "layer_export.py")))
+    with threads.pool(8) as p:
+        asked = (p.submit(peer_facts, peer, layers), p.submit(inspect_image, peer, ref),
+                 p.submit(listed_tags, peer), p.submit(python_version, src),
+                 p.submit(layer_sizes, src, ref, layers, int(src_info.get("Size") or 0)),
+                 # a peer serving the next reads its own store, not the head's
+                 p.submit(lambda: source_store(src, src_info if src_is_head else
+                                               inspect_image(src, ref) or {})),
+                 p.submit(stage, src, "layers.json", json.dumps(layers)),
+                 p.submit(stage_script, src, "layer_export.py"))
+    # each answer in that order (the first error among them raised once all have ended)
+    facts, held, tags, py = (asked[0].result(), asked[1].result(), asked[2].result(),
+                             asked[3].result())
+    sizes, src_facts, layers_file, staged_export = (asked[4].result(), asked[5].result(),
+                                                    asked[6].result(), asked[7].result())
     # an image's ID is its config digest on the classic store, its manifest's on containerd's
     by_id = not (facts.containerd_store or src_facts.containerd_store)
     if verify(peer, ref, src_info, by_id, held, tags) is None:
-        return ok(STEP, f"{peer.name} already has {ref} ({src_info['Id'][:19]})", peer.name)
+        return ctx.ok(f"{peer.name} already has {ref} ({src_info['Id'][:19]})", peer.name)
     # a containerd-store peer takes a partial archive only as an OCI layout naming blobs it holds
     listed = not facts.containerd_store or facts.blobs is not None
     prefix = have_prefix(layers, facts.chains) if listed else 0
@@ -502,7 +509,7 @@ def _plan(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
     free = got[0] if got else None
     need = 2 * missing  # the archive is unpacked to a temp dir, then applied
     if free is not None and free < need:
-        return failed(STEP, f"{peer.name} has {free / 1e9:.1f} GB free in {facts.root_dir}, needs "
+        return ctx.failed(f"{peer.name} has {free / 1e9:.1f} GB free in {facts.root_dir}, needs "
                       f"about {need / 1e9:.1f} GB for {ref}", peer.name)
     why_full = (f"the peer uses the containerd image store, whose content could not be listed: "
                 f"{facts.blobs_why}" if not listed
@@ -597,7 +604,7 @@ def _send(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, pla
     raise AssertionError("the whole archive is always the last way")
 
 
-def _sent(src: Host, peer: Host, ref: str, src_info: dict, plan: Plan, way: str,
+def _sent(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict, plan: Plan, way: str,
           report: dict[str, Any], secs: float, note: str, notes: list[str]) -> Result:
     """The result of a ship that arrived and checked out."""
     sent = report.get("bytes_out")
@@ -617,7 +624,7 @@ def _sent(src: Host, peer: Host, ref: str, src_info: dict, plan: Plan, way: str,
     mode = "full" if way == "full" or not skipped else "partial"
     why_full = plan.why_full or (f"{peer.name} holds none of its blobs" if plan.prefix else "")
     reason = f" ({why_full})" if mode == "full" and why_full and not note else ""
-    return changed(STEP, f"sent {ref} {src.name} -> {peer.name}: {mode}{reason}, {sent_txt}, "
+    return ctx.changed(f"sent {ref} {src.name} -> {peer.name}: {mode}{reason}, {sent_txt}, "
                    f"{skipped}/{len(layers)} layers already there, {secs:.1f}s{note}",
                    peer.name, mode=mode, via=way, seconds=secs,
                    bytes_in=report.get("bytes_in"), bytes_out=sent, layers_skipped=skipped,
@@ -671,6 +678,6 @@ def _fan_out(ctx: StepContext, plan: fanout.FanOut, hosts: dict[str, Host], head
             return Outcome.OK, res.why
         return (Outcome.SOURCE if res.node == src else Outcome.TARGET), res.why
 
-    fan = fanout.run(plan, transfer, threads.each)
+    fan = fanout.run(plan, transfer, lambda fn, pairs: ctx.each(pairs, fn, parallel=True))
     for target in fan.stranded:
         ctx.failed(fan.failed[target], target)
