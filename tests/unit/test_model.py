@@ -72,9 +72,13 @@ def test_download_runs_in_a_container_with_the_token_on_stdin_only(tmp_path, lab
     assert argv[argv.index("--entrypoint"):argv.index("--entrypoint") + 4] == [
         "--entrypoint", "python3", "--", IMAGE]
     assert ["-v", f"{path}:{path}"] == argv[argv.index("-v"):argv.index("-v") + 2]
-    # the staged helper and spec are mounted read only, nothing else of the node
+    # the staged helper, the protocol it imports (a directory up) and the spec are mounted
+    # read only, nothing else of the node
     mounts = [argv[i + 1] for i, a in enumerate(argv) if a == "-v"]
-    assert len(mounts) == 3 and all(m.endswith(":ro") for m in mounts[1:])
+    script = argv[argv.index("--entrypoint") + 4]
+    helper_dir, protocol_dir = os.path.dirname(script), os.path.dirname(os.path.dirname(script))
+    assert mounts[1:3] == [f"{helper_dir}:{helper_dir}:ro", f"{protocol_dir}:{protocol_dir}:ro"]
+    assert len(mounts) == 4 and mounts[3].endswith(":ro") and os.path.isfile(f"{protocol_dir}/protocol.py")
     env = [argv[i + 1] for i, a in enumerate(argv) if a == "-e"]
     assert env == ["HF_HOME=/tmp/hf-home", "HF_HUB_DISABLE_TELEMETRY=1"]
     # the token is in no argv, no journal line, no event, no file of the node
@@ -309,11 +313,11 @@ def test_the_receiver_binds_the_link_address_only_with_rsyncd(tmp_path):
     dep, _ = deployment(tmp_path, {"spark1": Node(), "spark2": Node()}, "http://127.0.0.1:9")
     st = model.Staged(f"/s/{'a' * 64}/model_node.py", f"/s/{'b' * 64}/spec.json")
     w, path = dep.host("spark2"), dep.profile.model.path
-    assert _unwrap(model_sync.receive_argv(dep, w, st, ["10.77.1.1", "10.77.1.2"])) == [
+    assert model_sync.receive_argv(dep, w, st, ["10.77.1.1", "10.77.1.2"]) == [
         "python3", st.script, "receive", "--dir", path, "--spec", st.spec, "--address",
         "10.77.1.2", "--port", "8730", "--allow", "10.77.1.1,10.77.1.2", "--max-connections", "10"]
     # over ssh: no daemon, the same check of each file as it lands
-    assert _unwrap(model_sync.receive_argv(dep, w, st, None)) == [
+    assert model_sync.receive_argv(dep, w, st, None) == [
         "python3", st.script, "receive", "--dir", path, "--spec", st.spec]
 
 

@@ -52,9 +52,15 @@ import sys
 import tarfile
 import time
 
+try:  # in the package (the controller, the tests)
+    from . import protocol
+except ImportError:  # a script: protocol.py beside it (a checkout) or a directory up (staged on a node)
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [_here, os.path.dirname(_here)]
+    import protocol  # type: ignore[no-redef]
+
 BLOCK = 512
 CHUNK = 1 << 20
-DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 DIRS = {"overlay2": ("overlay2", "{id}", "diff"), "vfs": ("vfs", "dir", "{id}")}
 """Where each storage driver keeps a layer's files, under the Docker root (by cache-id)."""
 CONTAINERD = "containerd"
@@ -79,17 +85,6 @@ class Unreadable(Exception):
 
 class Differs(Exception):
     """A rebuilt layer's sha256 is not its diff ID (exit 7)."""
-
-
-def chain_ids(layers):
-    """Chain IDs of an ordered list of diff IDs (the classic store's layer keys)."""
-    out = []
-    for diff in layers:
-        if not out:
-            out.append(diff)
-        else:
-            out.append("sha256:" + hashlib.sha256((out[-1] + " " + diff).encode()).hexdigest())
-    return out
 
 
 def read_small(path, what):
@@ -286,7 +281,7 @@ def find_manifest(ctr, image_id, layers, held):
     todo, seen = [(image_id, 0)], 0
     while todo:
         digest, depth = todo.pop(0)
-        if not (isinstance(digest, str) and DIGEST_RE.match(digest) and digest in held):
+        if not (isinstance(digest, str) and protocol.DIGEST_RE.match(digest) and digest in held):
             continue
         seen += 1
         raw = ctr.get(digest, "the image's index or manifest")
@@ -301,7 +296,7 @@ def find_manifest(ctr, image_id, layers, held):
             continue
         cfg = doc.get("config") if isinstance(doc, dict) else None
         cfg = cfg.get("digest") if isinstance(cfg, dict) else None
-        if not (isinstance(cfg, str) and DIGEST_RE.match(cfg) and cfg in held):
+        if not (isinstance(cfg, str) and protocol.DIGEST_RE.match(cfg) and cfg in held):
             continue
         config = ctr.get(cfg, "the image config")
         try:
@@ -337,7 +332,7 @@ def content_plan(a, layers, holds):
         raise Unreadable(f"the manifest of {a.image_id} lists {len(descs or [])} layers, "
                          f"the config {len(layers)}")
     for i, d in enumerate(descs):
-        if not (isinstance(d, dict) and DIGEST_RE.match(str(d.get("digest")))
+        if not (isinstance(d, dict) and protocol.DIGEST_RE.match(str(d.get("digest")))
                 and isinstance(d.get("size"), int) and d["size"] >= 0):
             raise Unreadable(f"the manifest of {a.image_id} has an odd layer entry {i}")
     have = held_run([d["digest"] for d in descs], a.have, holds)
@@ -470,11 +465,11 @@ def plan(a):
     before a byte is written."""
     if a.driver not in DIRS and a.driver != CONTAINERD:
         raise Unreadable(f"storage driver {a.driver} keeps layers where this helper does not read")
-    if not DIGEST_RE.match(a.image_id):
+    if not protocol.DIGEST_RE.match(a.image_id):
         raise Unreadable(f"--image-id {a.image_id!r} is not a sha256 digest")
     with open(a.layers_file, encoding="utf-8") as f:
         layers = json.load(f)
-    if not isinstance(layers, list) or not all(isinstance(x, str) and DIGEST_RE.match(x)
+    if not isinstance(layers, list) or not all(isinstance(x, str) and protocol.DIGEST_RE.match(x)
                                                for x in layers):
         raise Unreadable(f"{a.layers_file}: not a list of diff IDs")
     if not 0 <= a.have <= len(layers):
@@ -496,7 +491,7 @@ def plan(a):
         raise Unreadable(f"the config of {a.image_id} names no diff IDs") from None
     if diff_ids != layers:
         raise Unreadable(f"the config of {a.image_id} lists other layers than --layers-file")
-    chains = chain_ids(layers)
+    chains = protocol.chain_ids(layers)
     have = held_run(layers, a.have, holds)
     if a.format == "oci":  # the manifest names every layer's size: each layer's record is read
         every = [Layer(a.root, a.driver, layers[i], chains[i]) for i in range(len(layers))]

@@ -37,6 +37,7 @@ from sparkdeploy.nodeops import (
     run_helper,
     stage,
     stage_script,
+    staged_files,
     verified,
 )
 from sparkdeploy.outside import HubName, OutsideError, request
@@ -366,7 +367,7 @@ def fetch_argv(dep: Deployment, host: Host, rt: Runtime, st: Staged, owner: str,
         return [rt.python or "python3", st.script, *helper]
     # -i: the token arrives on stdin; never -e (docker keeps env in the container's config)
     mounts = ["-v", f"{m.path}:{m.path}"]
-    for d in dict.fromkeys(os.path.dirname(p) for p in (st.script, st.spec)):
+    for d in dict.fromkeys(os.path.dirname(p) for p in (*staged_files(st.script), st.spec)):
         mounts += ["-v", f"{d}:{d}:ro"]
     return docker(host, "run", "--rm", "-i", "--name", CONTAINER,
                          *labels.of_run(dep.profile.name, "download", DOWNLOAD, dep.wall()),
