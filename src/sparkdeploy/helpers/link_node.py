@@ -46,7 +46,7 @@ try:  # in the package (the controller, the tests)
 except ImportError:  # a script: protocol.py beside it (a checkout) or a directory up (staged on a node)
     _here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:0] = [_here, os.path.dirname(_here)]
-    import protocol  # type: ignore[no-redef]
+    import protocol  # type: ignore[import-not-found, no-redef]
 
 SYS = "/sys"
 VERSION = 1

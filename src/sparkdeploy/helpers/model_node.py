@@ -62,7 +62,7 @@ try:  # in the package (the controller, the tests)
 except ImportError:  # a script: protocol.py beside it (a checkout) or a directory up (staged on a node)
     _here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:0] = [_here, os.path.dirname(_here)]
-    import protocol  # type: ignore[no-redef]
+    import protocol  # type: ignore[import-not-found, no-redef]
 
 META = ".sparkdeploy"
 RECORD = "verified.jsonl"
@@ -93,8 +93,8 @@ def cmd_mkroot(a: argparse.Namespace) -> int:
     try:
         make_root(a.dir)
     except OSError as e:
-        protocol.say(f"error: cannot create {a.dir}: {e.strerror or e}")
-        return 3
+        return protocol.fail(f"cannot create {a.dir}: {e.strerror or e}", 3)
+    protocol.answer({"dir": a.dir})
     return 0
 
 

@@ -38,7 +38,6 @@ from sparkdeploy.nodeops import (
     stage,
     stage_script,
     staged_files,
-    verified,
 )
 from sparkdeploy.outside import HubName, OutsideError, request
 from sparkdeploy.records import SHA1, SHA256, HubMetadata, RecordError
@@ -177,12 +176,11 @@ def total_bytes(meta: dict[str, Any], only: list[str] | None = None) -> int:
 
 @dataclass
 class Staged:
+    """The model helper and the spec it reads, staged on a node (``run_helper`` runs the helper
+    only while both match their sha256)."""
+
     script: str
     spec: str
-
-    def run(self, argv: list[str]) -> list[str]:
-        """``argv`` run only while both staged files still match their sha256."""
-        return verified([self.script, self.spec], argv)
 
 
 def stage_for(host: Host, meta: dict[str, Any]) -> Staged:
@@ -225,6 +223,12 @@ class ReceiverState(NodeState):
 class VenvAnswer(_Answer):
     python: str = Field(min_length=1)
     created: bool = False
+
+
+class RootAnswer(_Answer):
+    """``model_node.py mkroot``: the model dir is there (made when it was missing)."""
+
+    dir: str
 
 
 class FetchAnswer(_Answer):
@@ -382,9 +386,12 @@ def run_fetch(ctx: StepContext, host: Host, rt: Runtime, st: Staged, meta: dict[
     """Run the downloader on the node; (its report, the one line of why when it failed)."""
     dep = ctx.dep
     m = dep.profile.model
-    mk = host.run(["python3", st.script, "mkroot", "--dir", m.path])
-    if not mk.ok:
-        return None, f"cannot create {m.path}: {mk.one_line_error()}"
+    try:
+        run_helper(host, SCRIPT, ["mkroot", "--dir", m.path], result=RootAnswer, script=st.script,
+                   also=[st.spec], where=f"{host.name}: mkroot", change=True)
+    except HelperFailed as e:
+        why = str(e).removeprefix(f"{host.name}: mkroot: ")
+        return None, why if why.startswith("cannot create ") else f"cannot create {m.path}: {why}"
     own = host.run(["stat", "-c", "%u:%g", "--", m.path], change=False)
     owner = own.stdout.strip() if own.ok else "0:0"
     started = dep.clock()
