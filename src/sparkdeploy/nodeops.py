@@ -214,12 +214,13 @@ def write_node_file(host: Host, path: str, content: str | None) -> None:
 
 
 # --- running a node helper ----------------------------------------------------------------------
-# Every helper speaks one dialect (``helpers/protocol.py`` says it and writes it): ``progress
-# k=v ...`` lines on stderr (``bytes`` done, ``total`` expected, counts in digits, other keys
-# free text without spaces), ``<kind> {json}`` event lines there too from a helper that streams
-# what it sees, ``error: ...`` lines saying why it failed; its answer is one JSON object, the
-# last line of its stdout (of its stderr for a helper whose stdout is a data stream). This
-# module is the one place that reads them: ``parse_progress``, ``parse_event``, ``parse_report``.
+# Every helper speaks one dialect (``helpers/protocol.py`` says it and writes it) on stdout:
+# ``progress k=v ...`` lines (``bytes`` done, ``total`` expected, counts in digits, other keys
+# free text without spaces), ``<kind> {json}`` event lines from a helper that streams what it
+# sees, and last its answer, one JSON object; on stderr ``error: ...`` lines say why it failed
+# (and other words for a log). The one exception, a helper whose stdout is a data stream (the
+# ship's), says its progress and answer on stderr. This module is the one place that reads
+# them: ``parse_progress``, ``parse_event``, ``parse_report``.
 
 class HelperFailed(HostError):
     """A node helper that failed, or answered what its type does not accept (one line); its
@@ -279,7 +280,7 @@ def run_helper(host: Host, name: str, args: Sequence[str], *, result: type[T], w
     The helper is staged (``script``: staged already) and runs only while it and the staged
     files ``also`` match their sha256; ``wrap`` builds the argv from the staged path when the
     helper does not run as ``python3 <helper> args`` (in a container, in a virtualenv).
-    ``on_progress`` receives each progress line, ``on_line`` every other stderr line. A failure
+    ``on_progress`` receives each progress line, ``on_line`` each stderr line. A failure
     or an answer that does not fit raises ``HelperFailed("<where>: why")``; ``answers_failing``:
     the helper answers even when it exits non-zero (a partial result), read then too;
     ``sudo``: as root where the node's privilege is sudo (it writes under the node's state dir).
@@ -292,9 +293,8 @@ def run_helper(host: Host, name: str, args: Sequence[str], *, result: type[T], w
     argv = wrap(path) if wrap else ["python3", path, *args]
 
     kinds = events or {}
-    said: list[str] = []  # stderr but the events: where a failure's why is read
 
-    def on_stderr(line: str) -> None:
+    def on_stdout(line: str) -> None:
         p = parse_progress(line)
         if p is not None:
             if on_progress:
@@ -303,25 +303,18 @@ def run_helper(host: Host, name: str, args: Sequence[str], *, result: type[T], w
         try:
             ev = parse_event(line, kinds, where) if kinds else None
         except HelperFailed as e:
-            said.append(line)
             if on_event:
                 on_event(line.partition(" ")[0], e)
             return
-        if ev is not None:
-            if on_event:
-                on_event(*ev)
-            return
-        said.append(line)
-        if on_line:
-            on_line(line)
+        if ev is not None and on_event:
+            on_event(*ev)
 
-    streamed = bool(on_progress or on_line or kinds)
     r = host.run(verified([path, *also], argv), change=change, input=input, timeout=timeout,
-                 on_stderr=on_stderr if streamed else None, sudo=sudo)
+                 on_stdout=on_stdout if on_progress or kinds else None,
+                 on_stderr=on_line, sudo=sudo)
     answered = r.stdout.strip().splitlines()[-1:] if answers_failing and r.exit_code > 0 else []
     if not r.ok and not (answered and answered[0].startswith("{")):
-        why = helper_error("\n".join(said) if kinds else r.stderr, r.one_line_error())
-        raise HelperFailed(f"{where}: {why}", r.stderr)
+        raise HelperFailed(f"{where}: {helper_error(r.stderr, r.one_line_error())}", r.stderr)
     try:
         return parse_report(result, r.stdout, where)
     except HelperFailed as e:

@@ -352,7 +352,7 @@ def test_the_receiver_checks_each_file_as_it_lands_and_its_daemon_goes_with_its_
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x.rstrip("\n")) for x in p.stderr], daemon=True).start()
+    threading.Thread(target=lambda: [lines.put(x.rstrip("\n")) for x in p.stdout], daemon=True).start()
 
     def next_line() -> str:  # the next line that is not the progress of hashing
         while (line := lines.get(timeout=30)).startswith("progress "):
@@ -401,8 +401,10 @@ def test_the_receiver_checks_each_file_as_it_lands_and_its_daemon_goes_with_its_
         assert p.poll() is None  # it runs until its stdin ends
         p.stdin.close()
         assert p.wait(30) == 0
-        assert json.loads(p.stdout.read()) == {"ok": 1, "differ": 1, "missing": 1,
-                                                "hashed_bytes": len(good) + len(bad)}
+        assert json.loads(next_line()) == {"ok": 1, "differ": 1, "missing": 1,  # its report, last
+                                           "hashed_bytes": len(good) + len(bad)}
+        with pytest.raises(queue.Empty):
+            lines.get(timeout=0.5)
     finally:
         if p.poll() is None:
             p.kill()
@@ -447,7 +449,7 @@ def test_a_receiver_killed_by_any_signal_takes_its_daemon_and_secret_along(tmp_p
     try:
         p.stdin.write('s3cret\n["a.bin"]\nexpect ["a.bin"]\n')
         p.stdin.flush()
-        ready = next(json.loads(ln[6:]) for ln in p.stderr if ln.startswith("ready "))
+        ready = next(json.loads(ln[6:]) for ln in p.stdout if ln.startswith("ready "))
         assert os.path.exists(os.path.join(ready["private"], "secrets"))
         socket.create_connection(("127.0.0.1", ready["port"]), timeout=5).close()
         guards = [int(d) for d in os.listdir("/proc") if d.isdigit() and _ppid(int(d)) == p.pid]
@@ -490,7 +492,7 @@ def test_the_downloader_stops_when_its_stdin_ends(tmp_path, lab_hub):
     try:
         p.stdin.write("\n")  # no token
         p.stdin.flush()
-        for line in p.stderr:  # once bytes of a shard are in flight
+        for line in p.stdout:  # once bytes of a shard are in flight (its progress)
             if line.startswith("progress ") and int(line.split("bytes=")[1].split()[0]) > 0:
                 break
         p.stdin.close()

@@ -37,7 +37,8 @@ store): a store this helper cannot read exits 6 with no output, and the caller f
 back to `docker save`. Exit status: 0 ok, 2 bad arguments, 6 the store cannot be read (said on
 stderr as ``error: ...``), 7 a rebuilt layer differs from its diff ID (output unusable).
 Progress: ``progress bytes=N total=T`` lines on stderr; last, a JSON report
-``{"bytes_out": N, "layers_sent": K, "layers": M}``.
+``{"bytes_out": N, "layers_sent": K, "layers": M}`` (stdout is the archive: the one exception
+to the helpers' dialect, see ``protocol.py``).
 """
 
 import argparse
@@ -406,7 +407,7 @@ class Out:
         now = time.monotonic()
         if self.every and now - self.last >= self.every:
             self.last = now
-            print(f"progress bytes={self.n} total={self.total}", file=sys.stderr, flush=True)
+            protocol.progress(sys.stderr, bytes=self.n, total=self.total)
 
     def member(self, name, size, chunks):
         self.write(header(name, size))
@@ -508,10 +509,9 @@ def main(argv=None):
     try:
         cfg_digest, config, layers, manifest, send = plan(a)
     except (Unreadable, OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 6
+        return protocol.fail(str(e), 6)
     if a.check:
-        print(json.dumps({"layers_sent": len(send), "bytes": sum(x.size for x in send)}))
+        protocol.answer({"layers_sent": len(send), "bytes": sum(x.size for x in send)})
         return 0
     if manifest is None:
         names = [layer_name(x) for x in send]
@@ -528,15 +528,14 @@ def main(argv=None):
     except Differs as e:
         # no manifest: the peer's load fails and tags nothing
         sys.stdout.buffer.flush()
-        print(f"error: {e}", file=sys.stderr)
-        return 7
+        return protocol.fail(str(e), 7)
     for name, data in meta:
         out.member(name, len(data), [data])
     out.write(b"\0" * (2 * BLOCK))
     sys.stdout.buffer.flush()
-    print(f"progress bytes={out.n} total={out.n}", file=sys.stderr, flush=True)
-    print(json.dumps({"bytes_out": out.n, "layers_sent": len(send), "layers": len(layers)}),
-          file=sys.stderr, flush=True)
+    # the data stream's exception to the dialect: progress and the report on stderr
+    protocol.progress(sys.stderr, bytes=out.n, total=out.n)
+    protocol.answer({"bytes_out": out.n, "layers_sent": len(send), "layers": len(layers)}, sys.stderr)
     return 0
 
 

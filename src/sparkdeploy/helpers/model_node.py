@@ -1,6 +1,6 @@
 """sparkdeploy's node-side helper for model weights (standard library only at import).
 
-Subcommands (each prints one JSON object on stdout; progress lines on stderr):
+Subcommands (each prints one JSON object last on stdout, progress lines before it; see protocol.py):
 
   verify  --dir D --spec S [--quick] [--jobs N] [-- P ...]
       Check every file of the spec (size; sha256 for LFS files, the git blob id for the
@@ -21,7 +21,7 @@ Subcommands (each prints one JSON object on stdout; progress lines on stderr):
       --address: an rsync daemon bound to A only (first free port from P), module ``model`` at
       D, one user whose secret (stdin's first line) goes to a 0600 file in a private 0700
       directory; the daemon stops and the directory goes when stdin ends. Each expected file
-      (stdin's next line, a JSON list) is hashed as soon as it lands and reported on stderr as
+      (stdin's next line, a JSON list) is hashed as soon as it lands and reported on stdout as
       ``file {"path", "state", "why"}``; ``ready {"port", "private"}`` comes first. The daemon
       runs under a ``guard`` whose stdin is a pipe from this helper: when the helper ends, by
       any signal, the guard stops the daemon and removes the directory.

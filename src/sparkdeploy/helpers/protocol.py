@@ -2,16 +2,16 @@
 
 The dialect a helper speaks, read by the controller's ``nodeops`` (its one parser):
 
-- its answer (the report) is one JSON object, the last line of its stdout (``answer``);
-- ``progress k=v ...`` lines on stderr while it works (``progress``: ``bytes`` done, ``total``
-  expected, counts in digits, other values free text without spaces); a helper that streams
-  what it sees (the model receiver) says ``<kind> {json}`` event lines on stderr the same way
-  (``event``);
-- why it failed: an ``error: ...`` line on stderr and a non-zero exit (``fail``).
+- on stdout, ``progress k=v ...`` lines while it works (``progress``: ``bytes`` done, ``total``
+  expected, counts in digits, other values free text without spaces), ``<kind> {json}`` event
+  lines from a helper that streams what it sees (``event``: the model receiver's ``state``,
+  ``ready``, ``file``), and last its report: one JSON object (``answer``);
+- on stderr, why it failed: an ``error: ...`` line and a non-zero exit (``fail``), and any other
+  words for a log (``say``).
 
 The one exception: a helper whose stdout IS a data stream (the ship's ``layer_export.py`` and
-``save_filter.py``, piped into ``docker load`` on the peer) writes its report as the last JSON
-line of its stderr; the controller reads it with the same parser.
+``save_filter.py``, piped into ``docker load`` on the peer) says its progress lines and, last,
+its report on stderr (``stream=sys.stderr``); the controller reads them with the same parser.
 
 On a node this file is staged one directory above each helper (``nodeops.stage_script``: the
 helper lives in ``<stage>/<sha256 of this file>/<sha256 of the helper>/<helper>``) and is
@@ -57,13 +57,14 @@ def say(text: str, stream=None) -> None:
 
 
 def progress(stream=None, **counts: object) -> None:
-    """One ``progress k=v ...`` line (values hold no space)."""
-    say("progress " + " ".join(f"{k}={str(v).replace(' ', '_')}" for k, v in counts.items()), stream)
+    """One ``progress k=v ...`` line (values hold no space) on stdout (or ``stream``)."""
+    say("progress " + " ".join(f"{k}={str(v).replace(' ', '_')}" for k, v in counts.items()),
+        stream or sys.stdout)
 
 
 def event(kind: str, data: object) -> None:
-    """One ``<kind> {json}`` event line: what a streaming helper saw, as it sees it."""
-    say(f"{kind} {json.dumps(data, sort_keys=True)}")
+    """One ``<kind> {json}`` event line on stdout: what a streaming helper saw, as it sees it."""
+    say(f"{kind} {json.dumps(data, sort_keys=True)}", sys.stdout)
 
 
 def fail(why: str, code: int = 1) -> int:

@@ -476,8 +476,8 @@ def main(argv=None):
     if args.stats:
         with open(args.stats, "w", encoding="utf-8") as fh:
             fh.write(text + "\n")
-    if not args.quiet:
-        sys.stderr.write(text + "\n")
+    if not args.quiet:  # stdout is the archive: the report goes last on stderr (protocol.py)
+        protocol.answer(report, sys.stderr)
     return status
 
 
