@@ -182,7 +182,7 @@ class Feed:
 
 
 class _LineStream:
-    """A write-only stream handing complete lines to a callback (for invoke's err_stream)."""
+    """A write-only stream handing complete lines to a callback (invoke's out/err_stream)."""
 
     def __init__(self, cb: Callable[[str], None]):
         self.cb = cb
@@ -245,6 +245,7 @@ class Host:
         sudo: bool = False,
         timeout: float | None = None,
         on_stderr: Callable[[str], None] | None = None,
+        on_stdout: Callable[[str], None] | None = None,
         input: str | Feed | None = None,
         here: bool = False,
     ) -> CmdResult:
@@ -254,7 +255,9 @@ class Host:
 
         ``timeout``: seconds before the command is ended (exit 124); by default
         ``PROBE_TIMEOUT_S`` for a probe, ``CHANGE_TIMEOUT_S`` for any other command.
-        ``on_stderr`` receives each stderr line as it arrives (progress of long commands).
+        ``on_stderr`` receives each stderr line as it arrives (progress of long commands),
+        ``on_stdout`` each stdout line (a node helper's progress and events; stdout is kept whole
+        in the result all the same).
         ``input`` is written to the command's stdin, then stdin is closed: the way a secret
         reaches a process on a node (never echoed, journaled or put in argv). A ``Feed`` keeps
         stdin open while the command runs, for commands sent to it as it works.
@@ -283,7 +286,9 @@ class Host:
                 dry=False,
                 echo=False,
                 warn=True,
-                hide="out" if on_stderr else True,
+                hide=("err" if on_stdout and not on_stderr else "out" if on_stderr and not on_stdout
+                      else None if on_stdout else True),
+                out_stream=_LineStream(on_stdout) if on_stdout else None,
                 err_stream=_LineStream(on_stderr) if on_stderr else None,
                 pty=False,
                 timeout=timeout,

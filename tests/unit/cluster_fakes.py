@@ -73,17 +73,17 @@ def facts_answer(node: FakeSpark, model_path: str, monkeypatch) -> str:
         meminfo = node.sysfs.parent / f"meminfo-{node.sysfs.name}"
         meminfo.write_text(MEMINFO.read_text())
         m.setattr(mn, "MEMINFO", str(meminfo))
-        m.setattr(mn, "run", lambda argv: (0, gpu_rows, "") if argv[0] == "nvidia-smi"
-                  else (127, "", "not found"))
 
-        def run(argv, timeout=30):
+        def run(argv, timeout=30):  # the node's tools, as both helpers ask them (protocol.run)
+            if argv[0] == "nvidia-smi":
+                return 0, gpu_rows, ""
             if argv[:2] == ["sudo", "-n"]:
                 return node.sudo[0], "", node.sudo[1]
             if argv[0] == "docker" and "info" in argv:
                 return 0, node.docker_info, ""
             raise AssertionError(f"unexpected {argv}")
 
-        m.setattr(cn, "run", run)
+        m.setattr(cn.protocol, "run", run)
         m.setattr(cn.shutil, "which", lambda t: node.tools.get(t))
         m.setattr(cn.os, "geteuid", lambda: node.uid)
         m.setattr(cn.platform, "machine", lambda: node.machine)

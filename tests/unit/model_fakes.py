@@ -73,9 +73,9 @@ class NodesCtx(FakeContext):
             cp = subprocess.CompletedProcess(argv, p.returncode, out, err[0])
         else:
             cp = subprocess.run(argv, input=text, capture_output=True, text=True)
-        cb = kw.get("err_stream")
-        if cb is not None:
-            cb.write(cp.stderr)
+        for stream, said in (("out_stream", cp.stdout), ("err_stream", cp.stderr)):
+            if kw.get(stream) is not None:  # as it streams in: the helper's progress and words
+                kw[stream].write(said)
         return Result(stdout=cp.stdout, stderr=cp.stderr, exited=cp.returncode, command=command)
 
     def _docker(self, node, argv, text, kw, command):

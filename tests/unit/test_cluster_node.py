@@ -47,7 +47,7 @@ def test_docker_that_does_not_answer_says_why(monkeypatch):
     denied = ("permission denied while trying to connect to the Docker daemon socket at "
               "unix:///var/run/docker.sock: Get \"http://%2Fvar%2Frun%2Fdocker.sock/v1.51/info\": "
               "dial unix /var/run/docker.sock: connect: permission denied")
-    monkeypatch.setattr(cn, "run", lambda argv, timeout=30: (1, "", denied + "\n"))
+    monkeypatch.setattr(cn.protocol, "run", lambda argv, timeout=30: (1, "", denied + "\n"))
     got = cn.docker({})
     assert (got["version"], got["why"]) == (None, denied)
     monkeypatch.setattr(cn.shutil, "which", lambda t: None)
@@ -67,7 +67,7 @@ def test_privilege(monkeypatch, uid, which, answer, want):
     asked = []
     monkeypatch.setattr(cn.os, "geteuid", lambda: uid)
     monkeypatch.setattr(cn.shutil, "which", lambda t: which)
-    monkeypatch.setattr(cn, "run", lambda argv, timeout=30: asked.append(argv) or answer)
+    monkeypatch.setattr(cn.protocol, "run", lambda argv, timeout=30: asked.append(argv) or answer)
     assert cn.privilege() == want
     assert asked == ([["sudo", "-n", "true"]] if answer else [])
 

@@ -339,3 +339,54 @@ def test_nothing_below_the_runner_imports_it():
     bad = {m: sorted(d for d in graph[m] if _in(d, RUNNER)) for m in below if m in graph}
     assert {m: d for m, d in bad.items() if d} == {}
     assert {"sparkdeploy.plan", REGISTRY} <= graph[RUNNER]  # the check sees what runner imports
+
+
+# A helper's answer is read in one place (``nodeops``: ``run_helper``, ``parse_report``,
+# ``parse_event``); what else parses JSON where helpers are run reads something that is not a
+# helper's answer, each said here (by the function, wherever it moves).
+NOT_A_HELPERS_ANSWER = {
+    "daemon_facts": "``docker info --format {{json .}}``: the Docker CLI's own JSON",
+    "layers_on": "``docker image inspect --format {{json .RootFS.Layers}}``: the Docker CLI's",
+    "ray_nodes": "a one-line ``python3 -c`` probe run in the engine's container (Ray's nodes)",
+    "recorded": "the node's own record file (``cat`` of it), not a helper's output",
+    "rx_bytes": "``ip -j -s link``: iproute2's JSON (the perf harness's link counter)",
+}
+PARSES = ("json.loads", "loads", "last_line")
+
+
+def helper_answer_parses(files: list[Path], base: Path = ROOT) -> list[str]:
+    """``path:line function`` of each JSON parse in ``files`` outside the allow-list."""
+    out = []
+    for f in files:
+        tree = ast.parse(f.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef) or fn.name in NOT_A_HELPERS_ANSWER:
+                continue
+            for n in ast.walk(fn):
+                c = n.func if isinstance(n, ast.Call) else None
+                name = (f"{c.value.id}.{c.attr}" if isinstance(c, ast.Attribute) and isinstance(c.value, ast.Name)
+                        else c.id if isinstance(c, ast.Name) else None)
+                if name in PARSES:
+                    out.append(f"{f.relative_to(base)}:{n.lineno} {fn.name}")
+    return sorted(set(out))
+
+
+def runs_helpers() -> list[Path]:
+    """The steps, the ops below them, and every module that uses ``nodeops`` (itself aside)."""
+    graph = import_graph()
+    users = {m for m, deps in graph.items() if "sparkdeploy.nodeops" in deps}
+    return [f for f in product_code() if PKG in f.parents and f.name != "nodeops.py" and (
+        {PKG / "steps", PKG / "ops"} & set(f.parents) or module_name(f) in users)
+        and (PKG / "lab") not in f.parents]
+
+
+def test_one_place_reads_a_helpers_answer():
+    assert helper_answer_parses(runs_helpers()) == []
+
+
+def test_the_answer_check_sees_bare_and_qualified_parses_and_spares_the_allowed(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import json\ndef read_it(r):\n    return json.loads(r.stdout)\n"
+                 "def daemon_facts(r):\n    return json.loads(r.stdout)\n"
+                 "def other(line):\n    return loads(Report, line, 'x'), last_line(Report, line, 'x')\n")
+    assert helper_answer_parses([f], tmp_path) == ["m.py:3 read_it", "m.py:7 other"]

@@ -74,9 +74,13 @@ def test_download_runs_in_a_container_with_the_token_on_stdin_only(tmp_path, lab
     assert argv[argv.index("--entrypoint"):argv.index("--entrypoint") + 4] == [
         "--entrypoint", "python3", "--", IMAGE]
     assert ["-v", f"{path}:{path}"] == argv[argv.index("-v"):argv.index("-v") + 2]
-    # the staged helper and spec are mounted read only, nothing else of the node
+    # the staged helper, the protocol it imports (a directory up) and the spec are mounted
+    # read only, nothing else of the node
     mounts = [argv[i + 1] for i, a in enumerate(argv) if a == "-v"]
-    assert len(mounts) == 3 and all(m.endswith(":ro") for m in mounts[1:])
+    script = argv[argv.index("--entrypoint") + 4]
+    helper_dir, protocol_dir = os.path.dirname(script), os.path.dirname(os.path.dirname(script))
+    assert mounts[1:3] == [f"{helper_dir}:{helper_dir}:ro", f"{protocol_dir}:{protocol_dir}:ro"]
+    assert len(mounts) == 4 and mounts[3].endswith(":ro") and os.path.isfile(f"{protocol_dir}/protocol.py")
     env = [argv[i + 1] for i, a in enumerate(argv) if a == "-e"]
     assert env == ["HF_HOME=/tmp/hf-home", "HF_HUB_DISABLE_TELEMETRY=1"]
     # the token is in no argv, no journal line, no event, no file of the node
@@ -311,11 +315,11 @@ def test_the_receiver_binds_the_link_address_only_with_rsyncd(tmp_path):
     dep, _ = deployment(tmp_path, {"spark1": Node(), "spark2": Node()}, "http://127.0.0.1:9")
     st = model_ops.Staged(f"/s/{'a' * 64}/model_node.py", f"/s/{'b' * 64}/spec.json")
     w, path = dep.host("spark2"), dep.profile.model.path
-    assert _unwrap(sync_ops.receive_argv(dep, w, st, ["10.77.1.1", "10.77.1.2"])) == [
+    assert sync_ops.receive_argv(dep, w, st, ["10.77.1.1", "10.77.1.2"]) == [
         "python3", st.script, "receive", "--dir", path, "--spec", st.spec, "--address",
         "10.77.1.2", "--port", "8730", "--allow", "10.77.1.1,10.77.1.2", "--max-connections", "10"]
     # over ssh: no daemon, the same check of each file as it lands
-    assert _unwrap(sync_ops.receive_argv(dep, w, st, None)) == [
+    assert sync_ops.receive_argv(dep, w, st, None) == [
         "python3", st.script, "receive", "--dir", path, "--spec", st.spec]
 
 
@@ -350,7 +354,7 @@ def test_the_receiver_checks_each_file_as_it_lands_and_its_daemon_goes_with_its_
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x.rstrip("\n")) for x in p.stderr], daemon=True).start()
+    threading.Thread(target=lambda: [lines.put(x.rstrip("\n")) for x in p.stdout], daemon=True).start()
 
     def next_line() -> str:  # the next line that is not the progress of hashing
         while (line := lines.get(timeout=30)).startswith("progress "):
@@ -399,8 +403,10 @@ def test_the_receiver_checks_each_file_as_it_lands_and_its_daemon_goes_with_its_
         assert p.poll() is None  # it runs until its stdin ends
         p.stdin.close()
         assert p.wait(30) == 0
-        assert json.loads(p.stdout.read()) == {"ok": 1, "differ": 1, "missing": 1,
-                                                "hashed_bytes": len(good) + len(bad)}
+        assert json.loads(next_line()) == {"ok": 1, "differ": 1, "missing": 1,  # its report, last
+                                           "hashed_bytes": len(good) + len(bad)}
+        with pytest.raises(queue.Empty):
+            lines.get(timeout=0.5)
     finally:
         if p.poll() is None:
             p.kill()
@@ -445,7 +451,7 @@ def test_a_receiver_killed_by_any_signal_takes_its_daemon_and_secret_along(tmp_p
     try:
         p.stdin.write('s3cret\n["a.bin"]\nexpect ["a.bin"]\n')
         p.stdin.flush()
-        ready = next(json.loads(ln[6:]) for ln in p.stderr if ln.startswith("ready "))
+        ready = next(json.loads(ln[6:]) for ln in p.stdout if ln.startswith("ready "))
         assert os.path.exists(os.path.join(ready["private"], "secrets"))
         socket.create_connection(("127.0.0.1", ready["port"]), timeout=5).close()
         guards = [int(d) for d in os.listdir("/proc") if d.isdigit() and _ppid(int(d)) == p.pid]
@@ -488,7 +494,7 @@ def test_the_downloader_stops_when_its_stdin_ends(tmp_path, lab_hub):
     try:
         p.stdin.write("\n")  # no token
         p.stdin.flush()
-        for line in p.stderr:  # once bytes of a shard are in flight
+        for line in p.stdout:  # once bytes of a shard are in flight (its progress)
             if line.startswith("progress ") and int(line.split("bytes=")[1].split()[0]) > 0:
                 break
         p.stdin.close()

@@ -140,7 +140,7 @@ def test_the_node_helper_reads_names_after_dashes_as_names(tmp_path):
     spec = _spec(tmp_path, "b.txt")
     cp = subprocess.run([sys.executable, str(HELPER), "verify", "--dir", str(root), "--spec",
                          str(spec), "--", "b.txt"], capture_output=True, text=True, timeout=30)
-    out = json.loads(cp.stdout)
+    out = json.loads(cp.stdout.splitlines()[-1])  # its answer, last (after its progress)
     assert cp.returncode == 0 and out["missing"] == ["b.txt"] and out["ok"] == []
 
 
@@ -325,7 +325,8 @@ def test_a_failed_helper_says_its_last_error_line_not_its_progress():
     local = Host(Node(name="spark1", role="head", ssh=None, privilege="none",
                       link=Link(interface="e0", address="10.0.0.1")))
     seen: list[dict[str, str]] = []
-    say = "import sys; sys.stderr.write('progress bytes=3 total=9\\nerror: no room\\nprogress bytes=4\\n'); sys.exit(3)"
+    say = ("import sys; print('progress bytes=3 total=9'); sys.stderr.write('error: no room\\nlast words\\n'); "
+           "print('progress bytes=4'); sys.exit(3)")
     with pytest.raises(nodeops.HelperFailed) as e:
         nodeops.run_helper(local, "model_node.py", [], result=model_ops.NodeState, where="spark1: x",
                            wrap=lambda _: [sys.executable, "-c", say], on_progress=seen.append)

@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 from invoke import Result as RunResult
 
+from sparkdeploy import nodeops
 from sparkdeploy.events import Echo, Log, Progress
 from sparkdeploy.hosts import Feed
 from sparkdeploy.packaged import helper
@@ -165,11 +166,17 @@ def tagged(ref: str) -> str:
     return ref if ":" in ref.rsplit("/", 1)[-1] else ref + ":latest"
 
 
-def staged_path(name: str, data: bytes) -> str:
-    return f"{STAGE}/{hashlib.sha256(data).hexdigest()}/{name}"
+PROTOCOL_SHA = hashlib.sha256(helper("protocol.py").read_bytes()).hexdigest()
+PROTOCOL = f"{STAGE}/{PROTOCOL_SHA}/protocol.py"
+"""Where the node keeps the protocol every staged helper imports (a directory above each)."""
 
 
-EXPORT = staged_path("layer_export.py", helper("layer_export.py").read_bytes())
+def staged_path(name: str, data: bytes, helper: bool = False) -> str:
+    under = f"{STAGE}/{PROTOCOL_SHA}" if helper else STAGE
+    return f"{under}/{hashlib.sha256(data).hexdigest()}/{name}"
+
+
+EXPORT = staged_path("layer_export.py", helper("layer_export.py").read_bytes(), helper=True)
 LAYERS_JSON = staged_path("layers.json", json.dumps(DIFF[:3]).encode())
 
 DRIVER_STATUS = {
@@ -508,7 +515,13 @@ class Ctx(FakeContext):
 
             data = base64.b64decode(encoded)
             assert hashlib.sha256(data).hexdigest() == digest
-            path = f"{STAGE}/{digest}/{name}"
+            under = STAGE
+            if len(argv) > 8:  # a helper: its protocol goes a directory above it
+                proto = base64.b64decode(argv[10])
+                assert argv[8:10] == [hashlib.sha256(proto).hexdigest(), "protocol.py"]
+                under = f"{STAGE}/{argv[8]}"
+                e.files[f"{under}/protocol.py"] = proto
+            path = f"{under}/{digest}/{name}"
             e.files[path] = data
             out = path + "\n"
         elif argv == ["sudo", "-n", "--", "ctr", f"--address={e.containerd_at}",
@@ -643,8 +656,10 @@ class Ctx(FakeContext):
                     local.append(str(p))
                 else:
                     local.append(a)
-            f = Path(d) / "save_filter.py"
+            f = Path(d) / "filter" / "save_filter.py"  # its protocol a directory above, as staged
+            f.parent.mkdir()
             f.write_bytes(src.files[script])
+            (Path(d) / "protocol.py").write_bytes(src.files[nodeops.staged_files(script)[1]])
             self.filters.append([a if a not in src.files else Path(a).name for a in rest])
             if "--have-file" in rest:
                 self.haves.append(json.loads(src.files[rest[rest.index("--have-file") + 1]]))
@@ -840,7 +855,7 @@ def test_a_containerd_peer_gets_an_oci_layout_of_the_blobs_it_lacks(make):
     assert peer.images["img:1"]["RootFS"]["Layers"] == DIFF[:3]
     assert ctx.haves == [] and ctx.filters == []
     # the list is checked before the helper runs, like the helper and the layer list
-    assert ctx.checked == [[EXPORT, LAYERS_JSON, holds]]
+    assert ctx.checked == [[EXPORT, PROTOCOL, LAYERS_JSON, holds]]
 
 
 def test_only_the_images_own_layers_blobs_travel_in_the_peer_list(make):
@@ -1241,7 +1256,13 @@ def test_past_the_image_size_the_total_is_unknown_until_the_end(make):
 
 def check(path: str) -> str:
     """The sha256 check a pipeline makes of a staged file before it runs."""
-    digest = path.split("/")[3]
+    if path.count("/") == 5:  # a helper: its protocol is checked with it
+        return check_one(path) + check_one(PROTOCOL)
+    return check_one(path)
+
+
+def check_one(path: str) -> str:
+    digest = path.split("/")[-2]
     return (f"printf '{digest}  {path}\\n' | sha256sum -c --status || "
             f"{{ echo '{path} differs from its sha256: not run' >&2; exit 97; }}; ")
 

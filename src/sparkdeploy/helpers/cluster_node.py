@@ -36,8 +36,14 @@ import os
 import platform
 import shutil
 import socket
-import subprocess
 import sys
+
+try:  # in the package (the controller, the tests)
+    from . import protocol
+except ImportError:  # a script: protocol.py beside it (a checkout) or a directory up (staged on a node)
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [_here, os.path.dirname(_here)]
+    import protocol  # type: ignore[import-not-found, no-redef]
 
 VERSION = 1
 DEFAULT_SOCKET = "/var/run/docker.sock"
@@ -51,19 +57,6 @@ def load(name: str, path: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def run(argv: list[str], timeout: float = 30) -> tuple[int, str, str]:
-    try:
-        cp = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                            stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        return 127, "", f"{argv[0]}: not found"
-    except subprocess.TimeoutExpired:
-        return 124, "", f"{argv[0]}: no answer in {timeout:g}s"
-    except OSError as e:
-        return 126, "", f"{argv[0]}: {e.strerror}"
-    return cp.returncode, cp.stdout, cp.stderr
 
 
 def last(text: str, fallback: str) -> str:
@@ -120,7 +113,7 @@ def docker(env: dict) -> dict:
             "why": ""}
     if not shutil.which("docker"):
         return {**base, "why": "docker: not installed"}
-    rc, out, err = run(["docker", "-H", f"unix://{sock}", "info", "--format", "{{json .}}"])
+    rc, out, err = protocol.run(["docker", "-H", f"unix://{sock}", "info", "--format", "{{json .}}"])
     try:
         info = json.loads(out) if out.strip() else {}
     except ValueError:
@@ -140,7 +133,7 @@ def privilege() -> dict:
         return {"root": True, "sudo": "not needed", "why": ""}
     if not shutil.which("sudo"):
         return {"root": False, "sudo": "absent", "why": "sudo: not installed"}
-    rc, _, err = run(["sudo", "-n", "true"], timeout=15)
+    rc, _, err = protocol.run(["sudo", "-n", "true"], timeout=15)
     if rc == 0:
         return {"root": False, "sudo": "ok", "why": ""}
     if "password is required" in err or "a terminal is required" in err:
@@ -195,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                        load("memory_node", args.memory))
     else:
         answer = answers(args.source, args.addrs, args.port, args.timeout)
-    print(json.dumps(answer, sort_keys=True))
+    protocol.answer(answer)
     return 0
 
 

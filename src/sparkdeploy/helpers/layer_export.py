@@ -37,7 +37,8 @@ store): a store this helper cannot read exits 6 with no output, and the caller f
 back to `docker save`. Exit status: 0 ok, 2 bad arguments, 6 the store cannot be read (said on
 stderr as ``error: ...``), 7 a rebuilt layer differs from its diff ID (output unusable).
 Progress: ``progress bytes=N total=T`` lines on stderr; last, a JSON report
-``{"bytes_out": N, "layers_sent": K, "layers": M}``.
+``{"bytes_out": N, "layers_sent": K, "layers": M}`` (stdout is the archive: the one exception
+to the helpers' dialect, see ``protocol.py``).
 """
 
 import argparse
@@ -52,9 +53,15 @@ import sys
 import tarfile
 import time
 
+try:  # in the package (the controller, the tests)
+    from . import protocol
+except ImportError:  # a script: protocol.py beside it (a checkout) or a directory up (staged on a node)
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [_here, os.path.dirname(_here)]
+    import protocol  # type: ignore[import-not-found, no-redef]
+
 BLOCK = 512
 CHUNK = 1 << 20
-DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 DIRS = {"overlay2": ("overlay2", "{id}", "diff"), "vfs": ("vfs", "dir", "{id}")}
 """Where each storage driver keeps a layer's files, under the Docker root (by cache-id)."""
 CONTAINERD = "containerd"
@@ -79,17 +86,6 @@ class Unreadable(Exception):
 
 class Differs(Exception):
     """A rebuilt layer's sha256 is not its diff ID (exit 7)."""
-
-
-def chain_ids(layers):
-    """Chain IDs of an ordered list of diff IDs (the classic store's layer keys)."""
-    out = []
-    for diff in layers:
-        if not out:
-            out.append(diff)
-        else:
-            out.append("sha256:" + hashlib.sha256((out[-1] + " " + diff).encode()).hexdigest())
-    return out
 
 
 def read_small(path, what):
@@ -286,7 +282,7 @@ def find_manifest(ctr, image_id, layers, held):
     todo, seen = [(image_id, 0)], 0
     while todo:
         digest, depth = todo.pop(0)
-        if not (isinstance(digest, str) and DIGEST_RE.match(digest) and digest in held):
+        if not (isinstance(digest, str) and protocol.DIGEST_RE.match(digest) and digest in held):
             continue
         seen += 1
         raw = ctr.get(digest, "the image's index or manifest")
@@ -301,7 +297,7 @@ def find_manifest(ctr, image_id, layers, held):
             continue
         cfg = doc.get("config") if isinstance(doc, dict) else None
         cfg = cfg.get("digest") if isinstance(cfg, dict) else None
-        if not (isinstance(cfg, str) and DIGEST_RE.match(cfg) and cfg in held):
+        if not (isinstance(cfg, str) and protocol.DIGEST_RE.match(cfg) and cfg in held):
             continue
         config = ctr.get(cfg, "the image config")
         try:
@@ -337,7 +333,7 @@ def content_plan(a, layers, holds):
         raise Unreadable(f"the manifest of {a.image_id} lists {len(descs or [])} layers, "
                          f"the config {len(layers)}")
     for i, d in enumerate(descs):
-        if not (isinstance(d, dict) and DIGEST_RE.match(str(d.get("digest")))
+        if not (isinstance(d, dict) and protocol.DIGEST_RE.match(str(d.get("digest")))
                 and isinstance(d.get("size"), int) and d["size"] >= 0):
             raise Unreadable(f"the manifest of {a.image_id} has an odd layer entry {i}")
     have = held_run([d["digest"] for d in descs], a.have, holds)
@@ -411,7 +407,7 @@ class Out:
         now = time.monotonic()
         if self.every and now - self.last >= self.every:
             self.last = now
-            print(f"progress bytes={self.n} total={self.total}", file=sys.stderr, flush=True)
+            protocol.progress(sys.stderr, bytes=self.n, total=self.total)
 
     def member(self, name, size, chunks):
         self.write(header(name, size))
@@ -470,11 +466,11 @@ def plan(a):
     before a byte is written."""
     if a.driver not in DIRS and a.driver != CONTAINERD:
         raise Unreadable(f"storage driver {a.driver} keeps layers where this helper does not read")
-    if not DIGEST_RE.match(a.image_id):
+    if not protocol.DIGEST_RE.match(a.image_id):
         raise Unreadable(f"--image-id {a.image_id!r} is not a sha256 digest")
     with open(a.layers_file, encoding="utf-8") as f:
         layers = json.load(f)
-    if not isinstance(layers, list) or not all(isinstance(x, str) and DIGEST_RE.match(x)
+    if not isinstance(layers, list) or not all(isinstance(x, str) and protocol.DIGEST_RE.match(x)
                                                for x in layers):
         raise Unreadable(f"{a.layers_file}: not a list of diff IDs")
     if not 0 <= a.have <= len(layers):
@@ -496,7 +492,7 @@ def plan(a):
         raise Unreadable(f"the config of {a.image_id} names no diff IDs") from None
     if diff_ids != layers:
         raise Unreadable(f"the config of {a.image_id} lists other layers than --layers-file")
-    chains = chain_ids(layers)
+    chains = protocol.chain_ids(layers)
     have = held_run(layers, a.have, holds)
     if a.format == "oci":  # the manifest names every layer's size: each layer's record is read
         every = [Layer(a.root, a.driver, layers[i], chains[i]) for i in range(len(layers))]
@@ -513,10 +509,9 @@ def main(argv=None):
     try:
         cfg_digest, config, layers, manifest, send = plan(a)
     except (Unreadable, OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 6
+        return protocol.fail(str(e), 6)
     if a.check:
-        print(json.dumps({"layers_sent": len(send), "bytes": sum(x.size for x in send)}))
+        protocol.answer({"layers_sent": len(send), "bytes": sum(x.size for x in send)})
         return 0
     if manifest is None:
         names = [layer_name(x) for x in send]
@@ -533,15 +528,14 @@ def main(argv=None):
     except Differs as e:
         # no manifest: the peer's load fails and tags nothing
         sys.stdout.buffer.flush()
-        print(f"error: {e}", file=sys.stderr)
-        return 7
+        return protocol.fail(str(e), 7)
     for name, data in meta:
         out.member(name, len(data), [data])
     out.write(b"\0" * (2 * BLOCK))
     sys.stdout.buffer.flush()
-    print(f"progress bytes={out.n} total={out.n}", file=sys.stderr, flush=True)
-    print(json.dumps({"bytes_out": out.n, "layers_sent": len(send), "layers": len(layers)}),
-          file=sys.stderr, flush=True)
+    # the data stream's exception to the dialect: progress and the report on stderr
+    protocol.progress(sys.stderr, bytes=out.n, total=out.n)
+    protocol.answer({"bytes_out": out.n, "layers_sent": len(send), "layers": len(layers)}, sys.stderr)
     return 0
 
 

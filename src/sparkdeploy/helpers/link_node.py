@@ -39,22 +39,20 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
+
+try:  # in the package (the controller, the tests)
+    from . import protocol
+except ImportError:  # a script: protocol.py beside it (a checkout) or a directory up (staged on a node)
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [_here, os.path.dirname(_here)]
+    import protocol  # type: ignore[import-not-found, no-redef]
 
 SYS = "/sys"
 VERSION = 1
 _PCI = re.compile(r"^([0-9a-fA-F]{4,}):([0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7])$")
 _NAME_DOMAIN = re.compile(r"^(roce|en|ib)P\d+(p\d+s\d+f\d+.*)$")
 _IBDEV2NETDEV = re.compile(r"^(\S+) port (\d+) ==> (\S+) \((\w+)\)\s*$")
-
-
-def read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
 
 
 def listdir(path: str) -> list[str]:
@@ -66,11 +64,8 @@ def listdir(path: str) -> list[str]:
 
 def run(argv: list[str], timeout: float = 10) -> str | None:
     """stdout of ``argv``, or None when it cannot run or fails."""
-    try:
-        cp = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return cp.stdout if cp.returncode == 0 else None
+    code, out, _ = protocol.run(argv, timeout)
+    return out if code == 0 else None
 
 
 # --- interfaces ------------------------------------------------------------------------------
@@ -132,7 +127,7 @@ def gid_table(port_dir: str) -> list[dict]:
     out = []
     names = sorted((n for n in listdir(os.path.join(port_dir, "gids")) if n.isdigit()), key=int)
     for n in names:
-        gid = read(os.path.join(port_dir, "gids", n))
+        gid = protocol.read(os.path.join(port_dir, "gids", n))
         if not gid:
             continue
         try:
@@ -140,8 +135,8 @@ def gid_table(port_dir: str) -> list[dict]:
                 continue
         except ValueError:
             continue
-        kind = read(os.path.join(port_dir, "gid_attrs", "types", n))
-        ndev = read(os.path.join(port_dir, "gid_attrs", "ndevs", n))
+        kind = protocol.read(os.path.join(port_dir, "gid_attrs", "types", n))
+        ndev = protocol.read(os.path.join(port_dir, "gid_attrs", "ndevs", n))
         out.append({"index": int(n), "gid": gid, "type": kind or None, "ndev": ndev or None,
                     "ipv4": mapped_ipv4(gid)})
     return out
@@ -158,10 +153,10 @@ def port_facts(port_dir: str, port: int) -> dict:
     for g in gids:
         if g["ipv4"] and g["type"] == "RoCE v2":
             v2.setdefault(g["ipv4"], g["index"])
-    return {"port": port, "state": _state(read(os.path.join(port_dir, "state"))),
-            "phys_state": _state(read(os.path.join(port_dir, "phys_state"))),
-            "link_layer": read(os.path.join(port_dir, "link_layer")),
-            "rate": read(os.path.join(port_dir, "rate")), "gids": gids, "roce_v2": v2}
+    return {"port": port, "state": _state(protocol.read(os.path.join(port_dir, "state"))),
+            "phys_state": _state(protocol.read(os.path.join(port_dir, "phys_state"))),
+            "link_layer": protocol.read(os.path.join(port_dir, "link_layer")),
+            "rate": protocol.read(os.path.join(port_dir, "rate")), "gids": gids, "roce_v2": v2}
 
 
 def hcas(sys_root: str = SYS) -> list[dict]:
@@ -227,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("facts")
     p.parse_args(argv)
-    print(json.dumps(facts(), sort_keys=True))
+    protocol.answer(facts())
     return 0
 
 

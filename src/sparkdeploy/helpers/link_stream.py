@@ -19,11 +19,18 @@ A failure prints one line on stderr and exits 1.
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import shutil
 import socket
 import sys
 import time
+
+try:  # in the package (the controller, the tests)
+    from . import protocol
+except ImportError:  # a script: protocol.py beside it (a checkout) or a directory up (staged on a node)
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [_here, os.path.dirname(_here)]
+    import protocol  # type: ignore[import-not-found, no-redef]
 
 CHUNK = 1 << 20
 CONNECT_S = 8.0
@@ -116,9 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             out = send(a.to, a.port, a.seconds, a.bind)
     except OSError as e:
         what = f"{a.bind}:{a.port}" if a.cmd == "serve" else f"{a.to}:{a.port}"
-        print(f"error: {a.cmd} {what}: {e.strerror or e}", file=sys.stderr)
-        return 1
-    print(json.dumps(out, sort_keys=True))
+        return protocol.fail(f"{a.cmd} {what}: {e.strerror or e}")
+    protocol.answer(out)
     return 0
 
 

@@ -18,9 +18,15 @@ figure was read (``source``).
 
 from __future__ import annotations
 
-import json
-import subprocess
+import os
 import sys
+
+try:  # in the package (the controller, the tests)
+    from . import protocol
+except ImportError:  # a script: protocol.py beside it (a checkout) or a directory up (staged on a node)
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [_here, os.path.dirname(_here)]
+    import protocol  # type: ignore[import-not-found, no-redef]
 
 MIB = 1024 * 1024
 KIB = 1024
@@ -100,21 +106,8 @@ def judge(gpus: list[dict], meminfo: dict) -> dict:
             "source": "nvidia-smi memory.total/memory.free (the smallest GPU's)"}
 
 
-def run(argv: list[str]) -> tuple[int, str, str]:
-    try:
-        cp = subprocess.run(argv, capture_output=True, text=True, timeout=30,
-                            stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        return 127, "", f"{argv[0]}: not found"
-    except subprocess.TimeoutExpired:
-        return 124, "", f"{argv[0]}: no answer in 30s"
-    except OSError as e:
-        return 126, "", f"{argv[0]}: {e.strerror}"
-    return cp.returncode, cp.stdout, cp.stderr
-
-
 def read_node() -> dict:
-    rc, out, err = run(["nvidia-smi", f"--query-gpu={','.join(QUERY)}",
+    rc, out, err = protocol.run(["nvidia-smi", f"--query-gpu={','.join(QUERY)}",
                         "--format=csv,noheader,nounits"])
     try:
         with open(MEMINFO) as f:
@@ -134,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if args != ["read"]:
         print("usage: memory_node.py read", file=sys.stderr)
         return 2
-    print(json.dumps(read_node(), sort_keys=True))
+    protocol.answer(read_node())
     return 0
 
 

@@ -1,6 +1,6 @@
 """sparkdeploy's node-side helper for model weights (standard library only at import).
 
-Subcommands (each prints one JSON object on stdout; progress lines on stderr):
+Subcommands (each prints one JSON object last on stdout, progress lines before it; see protocol.py):
 
   verify  --dir D --spec S [--quick] [--jobs N] [-- P ...]
       Check every file of the spec (size; sha256 for LFS files, the git blob id for the
@@ -21,7 +21,7 @@ Subcommands (each prints one JSON object on stdout; progress lines on stderr):
       --address: an rsync daemon bound to A only (first free port from P), module ``model`` at
       D, one user whose secret (stdin's first line) goes to a 0600 file in a private 0700
       directory; the daemon stops and the directory goes when stdin ends. Each expected file
-      (stdin's next line, a JSON list) is hashed as soon as it lands and reported on stderr as
+      (stdin's next line, a JSON list) is hashed as soon as it lands and reported on stdout as
       ``file {"path", "state", "why"}``; ``ready {"port", "private"}`` comes first. The daemon
       runs under a ``guard`` whose stdin is a pipe from this helper: when the helper ends, by
       any signal, the guard stops the daemon and removes the directory.
@@ -57,6 +57,13 @@ import time
 import urllib.parse
 from collections.abc import Callable
 
+try:  # in the package (the controller, the tests)
+    from . import protocol
+except ImportError:  # a script: protocol.py beside it (a checkout) or a directory up (staged on a node)
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [_here, os.path.dirname(_here)]
+    import protocol  # type: ignore[import-not-found, no-redef]
+
 META = ".sparkdeploy"
 RECORD = "verified.jsonl"
 LOCK = "download.lock"
@@ -65,25 +72,9 @@ CHUNK = 1024 * 1024
 HF_META = os.path.join(".cache", "huggingface", "download")
 
 
-_say_lock = threading.Lock()
-
-
 def pool(workers: int) -> cf.ThreadPoolExecutor:
     """The one way this helper runs work side by side."""
     return cf.ThreadPoolExecutor(max_workers=max(1, workers))
-
-
-def say(text: str) -> None:
-    with _say_lock:
-        sys.stderr.write(text + "\n")
-        sys.stderr.flush()
-
-
-def progress(**counts: object) -> None:
-    """One progress line in the dialect every sparkdeploy node helper writes on stderr:
-    ``progress k=v ...`` (``bytes`` done, ``total`` expected; values hold no space). Each helper
-    carries these few lines of its own: helpers are standalone scripts."""
-    say("progress " + " ".join(f"{k}={str(v).replace(' ', '_')}" for k, v in counts.items()))
 
 
 # --- records -------------------------------------------------------------------------------
@@ -102,8 +93,8 @@ def cmd_mkroot(a: argparse.Namespace) -> int:
     try:
         make_root(a.dir)
     except OSError as e:
-        say(f"error: cannot create {a.dir}: {e.strerror or e}")
-        return 3
+        return protocol.fail(f"cannot create {a.dir}: {e.strerror or e}", 3)
+    protocol.answer({"dir": a.dir})
     return 0
 
 
@@ -144,7 +135,7 @@ def append_record(root: str, rec: dict) -> None:
             f.flush()
             fcntl.flock(f, fcntl.LOCK_UN)
     except OSError as e:
-        say(f"warning: cannot record {rec.get('path')}: {e}")
+        protocol.say(f"warning: cannot record {rec.get('path')}: {e}")
 
 
 def compact_records(root: str) -> None:
@@ -321,7 +312,7 @@ def check_files(root: str, files: list[dict], quick: bool, jobs: int) -> dict:
         with lock:
             done[0] += want["size"]
             if not quick:
-                progress(bytes=done[0], total=total, file=want["path"])
+                protocol.progress(bytes=done[0], total=total, file=want["path"])
         return want, res
 
     writable = os.access(root, os.W_OK)
@@ -347,7 +338,7 @@ def check_files(root: str, files: list[dict], quick: bool, jobs: int) -> dict:
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    print(json.dumps(check_files(a.dir, load_spec(a.spec, a.names), a.quick, a.jobs)))
+    protocol.answer(check_files(a.dir, load_spec(a.spec, a.names), a.quick, a.jobs))
     return 0
 
 
@@ -408,7 +399,7 @@ class _Fetch:
             self.stop.set()
         compact_records(self.root)
         st = self.state
-        progress(bytes=st["complete"], total=self.total, files=st["files"], of=len(self.files))
+        protocol.progress(bytes=st["complete"], total=self.total, files=st["files"], of=len(self.files))
         return {"fetched_bytes": st["fetched"], "files": st["files"], "present": st["present"],
                 "failed": self.failures, "seconds": round(time.monotonic() - started, 3),
                 "total": self.total}
@@ -418,7 +409,7 @@ class _Fetch:
             with self.lock:
                 done = self.state["complete"]
                 nfiles = self.state["files"]
-            progress(bytes=done + in_flight(self.root), total=self.total, files=nfiles,
+            protocol.progress(bytes=done + in_flight(self.root), total=self.total, files=nfiles,
                      of=len(self.files))
 
     def _count(self, want: dict, *keys: str) -> None:
@@ -444,7 +435,7 @@ class _Fetch:
                          local_dir=self.root, token=self.token, endpoint=self.a.endpoint or None)
             except Exception as e:  # noqa: BLE001 - any failure of one file is reported by name
                 last = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                say(f"retry {rel} (attempt {attempt} of {self.a.attempts}): {last}")
+                protocol.say(f"retry {rel} (attempt {attempt} of {self.a.attempts}): {last}")
                 time.sleep(min(2 * attempt, 10))
                 continue
             # hashed beside the next download, so the hub's bandwidth stays in use
@@ -460,7 +451,7 @@ class _Fetch:
             assert new is not None  # an ok file always has its record
             append_record(self.root, new)
             self._count(want, "fetched")
-            say(f"complete {rel}")
+            protocol.say(f"complete {rel}")
             return
         forget(self.root, rel)
         with self.lock:
@@ -473,7 +464,7 @@ def _end_with_stdin() -> None:
     resumes them; the download lock goes with the process."""
     for _ in sys.stdin:
         pass
-    say("error: the controller's connection ended; the download stops (a re-run resumes it)")
+    protocol.say("error: the controller's connection ended; the download stops (a re-run resumes it)")
     os._exit(9)
 
 
@@ -484,7 +475,7 @@ def cmd_fetch(a: argparse.Namespace) -> int:
     try:
         from huggingface_hub import hf_hub_download
     except ImportError as e:
-        say(f"error: huggingface_hub is not importable here ({e})")
+        protocol.say(f"error: huggingface_hub is not importable here ({e})")
         return 4
     files = load_spec(a.spec, a.names)  # checked before anything is made or removed
     with open(a.spec, encoding="utf-8") as f:
@@ -495,13 +486,13 @@ def cmd_fetch(a: argparse.Namespace) -> int:
     try:
         fcntl.flock(lockf, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        say(f"error: another download into {root} is running")
+        protocol.say(f"error: another download into {root} is running")
         return 5
     # small files first (config and tokenizer are there at once), then shards in order
     files.sort(key=lambda x: (x["size"] > 50_000_000, x["path"]))
     threading.Thread(target=_end_with_stdin, daemon=True).start()
     out = _Fetch(a, spec, files, token).run(hf_hub_download)
-    print(json.dumps(out))
+    protocol.answer(out)
     fcntl.flock(lockf, fcntl.LOCK_UN)
     lockf.close()
     return 3 if out["failed"] else 0
@@ -514,13 +505,13 @@ def cmd_venv(a: argparse.Namespace) -> int:
     py = os.path.join(venv, "bin", "python3")
     probe = [py, "-c", "import huggingface_hub"]
     if os.path.exists(py) and subprocess.run(probe, capture_output=True).returncode == 0:
-        print(json.dumps({"python": py, "created": False}))
+        protocol.answer({"python": py, "created": False})
         return 0
     os.makedirs(os.path.dirname(venv) or ".", mode=0o700, exist_ok=True)
     cp = subprocess.run([sys.executable, "-m", "venv", venv], capture_output=True, text=True)
     if cp.returncode != 0:
         tail = (cp.stderr or cp.stdout).strip().splitlines()
-        say(f"error: python3 -m venv {venv} failed: {tail[-1] if tail else cp.returncode} "
+        protocol.say(f"error: python3 -m venv {venv} failed: {tail[-1] if tail else cp.returncode} "
             "(install python3-venv)")
         return 6
     pip = [py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
@@ -531,10 +522,10 @@ def cmd_venv(a: argparse.Namespace) -> int:
     cp = subprocess.run([*pip, "huggingface_hub"], capture_output=True, text=True)
     if cp.returncode != 0:
         tail = (cp.stderr or cp.stdout).strip().splitlines()
-        say(f"error: pip install huggingface_hub into {venv} failed: "
+        protocol.say(f"error: pip install huggingface_hub into {venv} failed: "
             f"{tail[-1] if tail else cp.returncode}")
         return 6
-    print(json.dumps({"python": py, "created": True}))
+    protocol.answer({"python": py, "created": True})
     return 0
 
 
@@ -721,7 +712,7 @@ def cmd_guard(a: argparse.Namespace) -> int:
         if code is not None:
             with contextlib.suppress(OSError, IndexError), \
                     open(os.path.join(a.private, "rsyncd.log")) as f:
-                say(f.read().strip().splitlines()[-1])
+                protocol.say(f.read().strip().splitlines()[-1])
     finally:
         shutil.rmtree(a.private, ignore_errors=True)
     return 0 if code is None else 1
@@ -787,7 +778,7 @@ class Arrivals:
 
     def _report(self, rel: str, state: str, why: str) -> None:
         self.counts[state] += 1
-        say("file " + json.dumps({"path": rel, "state": state, "why": why}))
+        protocol.event("file", {"path": rel, "state": state, "why": why})
 
     def step(self) -> bool:
         """Hash what landed, report what was checked or will not come; True if anything did."""
@@ -840,41 +831,41 @@ def cmd_receive(a: argparse.Namespace) -> int:
     still checked, and the rest is reported missing."""
     secret = sys.stdin.readline().strip() if a.address else ""
     if a.address and not secret:
-        say("error: no secret on stdin")
+        protocol.say("error: no secret on stdin")
         return 2
     try:
         scope = json.loads(sys.stdin.readline() or "[]")
     except ValueError:
-        say("error: the second line of stdin is not a JSON list of files")
+        protocol.say("error: the second line of stdin is not a JSON list of files")
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     root = a.dir
     files = {x["path"]: x for x in load_spec(a.spec, scope)} if scope else {}
-    say("state " + json.dumps({**check_files(root, list(files.values()), False, a.jobs),
-                               **free_space(root)}))
+    protocol.event("state", {**check_files(root, list(files.values()), False, a.jobs),
+                             **free_space(root)})
     cmds: queue.SimpleQueue[str | None] = queue.SimpleQueue()
     threading.Thread(target=_commands, args=(cmds,), daemon=True).start()
     first = cmds.get()
     if first is None or not first.startswith("expect "):
-        print(json.dumps(no_counts()))
+        protocol.answer(no_counts())
         return 0
     files = {rel: files[rel] for rel in json.loads(first[7:]) if rel in files}
     make_root(root)
     if shutil.which("rsync") is None:
-        say("error: rsync is not installed on this node (apt-get install rsync)")
+        protocol.say("error: rsync is not installed on this node (apt-get install rsync)")
         return 7
     daemon, port, priv = None, None, None
     if a.address:
         try:
             proc, port, priv = start_rsyncd(a, secret)
         except (DaemonError, OSError) as e:
-            say(f"error: {e}")
+            protocol.say(f"error: {e}")
             return 7
         daemon = (proc, priv)
     arrivals = Arrivals(root, files, a.jobs)
     deadline = time.monotonic() + a.max_seconds
     try:
-        say("ready " + json.dumps({"port": port, "private": priv}))
+        protocol.event("ready", {"port": port, "private": priv})
         while not arrivals.done():
             busy = False
             while True:
@@ -894,7 +885,7 @@ def cmd_receive(a: argparse.Namespace) -> int:
                     arrivals.again(json.loads(cmd[7:]))
             busy = arrivals.step() or busy
             if time.monotonic() > deadline:
-                say(f"error: still receiving after {a.max_seconds}s")
+                protocol.say(f"error: still receiving after {a.max_seconds}s")
                 return 8
             if not busy:
                 time.sleep(0.02)
@@ -904,7 +895,7 @@ def cmd_receive(a: argparse.Namespace) -> int:
             stop_rsyncd(*daemon)
     if arrivals.counts["hashed_bytes"] and not download_running(root):
         compact_records(root)
-    print(json.dumps(arrivals.counts))
+    protocol.answer(arrivals.counts)
     return 0
 
 
@@ -946,7 +937,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"verify": cmd_verify, "fetch": cmd_fetch, "venv": cmd_venv,
                 "receive": cmd_receive, "guard": cmd_guard, "mkroot": cmd_mkroot}[a.cmd](a)
     except SpecError as e:
-        say(f"error: {e}")
+        protocol.say(f"error: {e}")
         return 2
 
 

@@ -51,15 +51,22 @@ the have-prefix according to the archive's own manifest (caller error: the outpu
 import argparse
 import hashlib
 import json
+import os
 import re
 import sys
 import tarfile
 import time
 
+try:  # in the package (the controller, the tests)
+    from . import protocol
+except ImportError:  # a script: protocol.py beside it (a checkout) or a directory up (staged on a node)
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [_here, os.path.dirname(_here)]
+    import protocol  # type: ignore[import-not-found, no-redef]
+
 BLOCK = 512
 CHUNK = 1 << 20
 META_LIMIT = 16 << 20  # remember non-dropped members up to this size (manifests, configs, v1 json)
-DIFF_ID_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 # json.Marshal of Docker's zero container.Config, as written by Docker < 25 into every v1 `json`
 # of a non-top layer (field order of the Go struct, compact).
@@ -68,17 +75,6 @@ _ZERO_CONTAINER_CONFIG = (
     '"AttachStderr":false,"Tty":false,"OpenStdin":false,"StdinOnce":false,"Env":null,"Cmd":null,'
     '"Image":"","Volumes":null,"WorkingDir":"","Entrypoint":null,"OnBuild":null,"Labels":null}'
 )
-
-
-def chain_ids(layers):
-    """Chain IDs of an ordered list of diff IDs (the classic store's layer keys)."""
-    out = []
-    for diff in layers:
-        if not out:
-            out.append(diff)
-        else:
-            out.append("sha256:" + hashlib.sha256((out[-1] + " " + diff).encode()).hexdigest())
-    return out
 
 
 def legacy_v1_ids(layers):
@@ -90,7 +86,7 @@ def legacy_v1_ids(layers):
     """
     ids = []
     parent = None
-    for chain in chain_ids(layers)[:-1]:
+    for chain in protocol.chain_ids(layers)[:-1]:
         doc = '{{"container_config":{},"created":"1970-01-01T00:00:00Z","layer_id":"{}"{}}}'.format(
             _ZERO_CONTAINER_CONFIG,
             chain,
@@ -122,7 +118,7 @@ def _read_list(path):
 
 
 def _diff_id(value):
-    if not DIFF_ID_RE.match(value):
+    if not protocol.is_digest(value):
         raise argparse.ArgumentTypeError(f"not a diff ID (sha256:<64 hex>): {value!r}")
     return value
 
@@ -165,15 +161,6 @@ class Drops:
         return None
 
 
-def progress(err, **counts):
-    """One progress line in the dialect every sparkdeploy node helper writes on stderr:
-    ``progress k=v ...`` (``bytes``: done so far; values hold no space). Each helper carries
-    these few lines of its own: helpers are standalone scripts."""
-    err.write("progress " + " ".join(f"{k}={str(v).replace(' ', '_')}"
-                                     for k, v in counts.items()) + "\n")
-    err.flush()
-
-
 class Filter:
     def __init__(self, plan, src, dst, progress=None, err=sys.stderr):
         self.plan = plan
@@ -214,7 +201,7 @@ class Filter:
         now = time.monotonic()
         if force or now - self._last_progress >= self.progress:
             self._last_progress = now
-            progress(self.err, bytes=self.bytes_in, out=self.bytes_out)
+            protocol.progress(self.err, bytes=self.bytes_in, out=self.bytes_out)
 
     def _data(self, size, keep, capture):
         """Copy (keep) or skip the padded data of one member; return captured bytes or None."""
@@ -489,8 +476,8 @@ def main(argv=None):
     if args.stats:
         with open(args.stats, "w", encoding="utf-8") as fh:
             fh.write(text + "\n")
-    if not args.quiet:
-        sys.stderr.write(text + "\n")
+    if not args.quiet:  # stdout is the archive: the report goes last on stderr (protocol.py)
+        protocol.answer(report, sys.stderr)
     return status
 
 

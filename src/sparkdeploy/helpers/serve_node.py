@@ -29,15 +29,14 @@ import socket
 import subprocess
 import sys
 
+try:  # in the package (the controller, the tests)
+    from . import protocol
+except ImportError:  # a script: protocol.py beside it (a checkout) or a directory up (staged on a node)
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [_here, os.path.dirname(_here)]
+    import protocol  # type: ignore[import-not-found, no-redef]
+
 IB = "/sys/class/infiniband"
-
-
-def read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
 
 
 def iface_facts(iface: str) -> dict:
@@ -72,8 +71,8 @@ def gid_facts(hcas: list[str], addr: str, iface: str) -> dict:
             continue
         names = sorted((n for n in os.listdir(gids) if n.isdigit()), key=int)
         for n in names:
-            gid = read(f"{gids}/{n}")
-            kind = read(f"{IB}/{hca}/ports/1/gid_attrs/types/{n}")
+            gid = protocol.read(f"{gids}/{n}")
+            kind = protocol.read(f"{IB}/{hca}/ports/1/gid_attrs/types/{n}")
             if not gid or kind is None or kind.strip() != "RoCE v2":
                 continue
             try:
@@ -81,7 +80,7 @@ def gid_facts(hcas: list[str], addr: str, iface: str) -> dict:
             except ValueError:
                 continue
             if mapped == want:
-                ndev = read(f"{IB}/{hca}/ports/1/gid_attrs/ndevs/{n}")
+                ndev = protocol.read(f"{IB}/{hca}/ports/1/gid_attrs/ndevs/{n}")
                 found.append({"hca": hca, "index": int(n), "ndev": ndev})
         if not any(f["hca"] == hca for f in found):
             seen.append(f"{hca}: no RoCE v2 GID for {addr}")
@@ -113,7 +112,7 @@ def _owner(inode: str) -> str | None:
         try:
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
-                    comm = read(f"/proc/{pid}/comm") or "?"
+                    comm = protocol.read(f"/proc/{pid}/comm") or "?"
                     return f"pid {pid} {comm}"
         except OSError:
             continue
@@ -189,12 +188,12 @@ def cmd_facts(a: argparse.Namespace) -> int:
     }
     if a.model:
         out["model"] = model_facts(a.model)
-    print(json.dumps(out, sort_keys=True))
+    protocol.answer(out)
     return 0
 
 
 def cmd_connect(a: argparse.Namespace) -> int:
-    print(json.dumps(connect(a.addr, a.port, a.source, a.timeout)))
+    protocol.answer(connect(a.addr, a.port, a.source, a.timeout))
     return 0
 
 

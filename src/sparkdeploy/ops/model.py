@@ -37,7 +37,7 @@ from sparkdeploy.nodeops import (
     run_helper,
     stage,
     stage_script,
-    verified,
+    staged_files,
 )
 from sparkdeploy.ops import Ctx
 from sparkdeploy.outside import HubName, OutsideError, request
@@ -175,12 +175,11 @@ def total_bytes(meta: dict[str, Any], only: list[str] | None = None) -> int:
 
 @dataclass
 class Staged:
+    """The model helper and the spec it reads, staged on a node (``run_helper`` runs the helper
+    only while both match their sha256)."""
+
     script: str
     spec: str
-
-    def run(self, argv: list[str]) -> list[str]:
-        """``argv`` run only while both staged files still match their sha256."""
-        return verified([self.script, self.spec], argv)
 
 
 def stage_for(host: Host, meta: dict[str, Any]) -> Staged:
@@ -224,6 +223,12 @@ class ReceiverState(NodeState):
 class VenvAnswer(_Answer):
     python: str = Field(min_length=1)
     created: bool = False
+
+
+class RootAnswer(_Answer):
+    """``model_node.py mkroot``: the model dir is there (made when it was missing)."""
+
+    dir: str
 
 
 class FetchAnswer(_Answer):
@@ -387,7 +392,7 @@ def fetch_argv(dep: Deployment, host: Host, rt: Runtime, st: Staged, owner: str,
         return [rt.python or "python3", st.script, *helper]
     # -i: the token arrives on stdin; never -e (docker keeps env in the container's config)
     mounts = ["-v", f"{m.path}:{m.path}"]
-    for d in dict.fromkeys(os.path.dirname(p) for p in (st.script, st.spec)):
+    for d in dict.fromkeys(os.path.dirname(p) for p in (*staged_files(st.script), st.spec)):
         mounts += ["-v", f"{d}:{d}:ro"]
     return docker(host, "run", "--rm", "-i", "--name", CONTAINER,
                          *labels.of_run(dep.profile.name, "download", DOWNLOAD, dep.wall()),
@@ -402,9 +407,12 @@ def run_fetch(ctx: Ctx, host: Host, rt: Runtime, st: Staged, meta: dict[str, Any
     """Run the downloader on the node; (its report, the one line of why when it failed)."""
     dep = ctx.dep
     m = dep.profile.model
-    mk = host.run(["python3", st.script, "mkroot", "--dir", m.path])
-    if not mk.ok:
-        return None, f"cannot create {m.path}: {mk.one_line_error()}"
+    try:
+        run_helper(host, SCRIPT, ["mkroot", "--dir", m.path], result=RootAnswer, script=st.script,
+                   also=[st.spec], where=f"{host.name}: mkroot", change=True)
+    except HelperFailed as e:
+        why = str(e).removeprefix(f"{host.name}: mkroot: ")
+        return None, why if why.startswith("cannot create ") else f"cannot create {m.path}: {why}"
     own = host.run(["stat", "-c", "%u:%g", "--", m.path], change=False)
     owner = own.stdout.strip() if own.ok else "0:0"
     started = dep.clock()

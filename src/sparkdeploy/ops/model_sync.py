@@ -39,13 +39,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from sparkdeploy import threads
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.fanout import Outcome, pick_source
 from sparkdeploy.hosts import Feed, Host, peer_ssh_argv
-from sparkdeploy.nodeops import NodeUnreachable, helper_error, parse_progress
+from sparkdeploy.nodeops import HelperFailed, NodeUnreachable, helper_error, run_helper
 from sparkdeploy.ops import Ctx
 from sparkdeploy.ops.model import (
     GB,
@@ -61,7 +61,6 @@ from sparkdeploy.ops.model import (
     stage_for,
     total_bytes,
 )
-from sparkdeploy.outside import OutsideError, loads
 from sparkdeploy.results import Result
 from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
@@ -83,13 +82,24 @@ def rsync_available(host: Host) -> str | None:
 
 
 def receive_argv(dep: Deployment, dst: Host, st: Staged, allow: list[str] | None) -> list[str]:
-    """The helper that receives on ``dst``; ``allow`` (rsyncd): the addresses its daemon admits."""
+    """The helper that receives on ``dst``; ``allow`` (rsyncd): the addresses its daemon admits
+    (``run_helper`` runs it only while its staged files match)."""
     m = dep.profile.model
     argv = ["python3", st.script, "receive", "--dir", m.path, "--spec", st.spec]
     if allow is not None:
         argv += ["--address", dst.node.link.address, "--port", str(m.sync.port),
                  "--allow", ",".join(allow), "--max-connections", str(2 * m.sync.streams + 2)]
-    return st.run(argv)
+    return argv
+
+
+class ReceiveReport(BaseModel):
+    """What ``receive`` reports last, when nothing more comes (its counts: kept, not read)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+EVENTS: dict[str, type[BaseModel]] = {"file": FileReport, "state": ReceiverState, "ready": ReadyReport}
+"""The events ``receive`` says while it runs."""
 
 
 class Receiver:
@@ -99,9 +109,10 @@ class Receiver:
     (``expect``: its rsync daemon starts then, with rsyncd), checks each file as it lands,
     beside the transfers still running, and hears which batches have ended (``settle``).
     Commands reach it on stdin (a ``Feed``); stdin's end (``end``) tells it nothing more comes:
-    its daemon stops, and it reports what is left and exits. Its reports come back as stderr
-    lines while it runs. Waiting for its word ends when it says nothing (not even the progress
-    of hashing what the node holds) for ``model.sync.stall_timeout_s``."""
+    its daemon stops, and it reports what is left and exits. Its reports come back as events
+    while it runs (``run_helper``'s streaming form). Waiting for its word ends when it says
+    nothing (not even the progress of hashing what the node holds) for
+    ``model.sync.stall_timeout_s``."""
 
     def __init__(self, ctx: Ctx, host: Host, st: Staged, scope: list[str],
                  secret: str | None, allow: list[str]):
@@ -115,28 +126,20 @@ class Receiver:
         self._ready = False
         self._heard = threading.Event()  # state or ready (or the end) came
         self._reports: queue.SimpleQueue[tuple[str, str, str]] = queue.SimpleQueue()
-        self._lines: list[str] = []
         self._last_word = dep.clock()
         self._feed = Feed()
         self._feed.send((secret + "\n" if secret else "") + json.dumps(scope) + "\n")
         argv = receive_argv(dep, host, st, allow if secret else None)
-        self._thread = threading.Thread(target=self._run, args=(argv,), daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(st, argv), daemon=True)
         self._thread.start()
 
-    def _on_line(self, line: str) -> None:
+    def _on_event(self, kind: str, got: BaseModel | HelperFailed) -> None:
         self._last_word = self.dep.clock()
-        kind, _, rest = line.partition(" ")
-        types: dict[str, type[BaseModel]] = {"file": FileReport, "state": ReceiverState,
-                                             "ready": ReadyReport}
-        if kind in types:
-            try:
-                where = f"{self.host.name}: receive: {kind}"
-                d: dict[str, Any] = loads(types[kind], rest, where).model_dump()
-            except OutsideError as e:  # not JSON, or not what the helper says
-                self.error = self.error or str(e).splitlines()[0]
-                self._lines.append(line)
-                self._heard.set()
-                return
+        if isinstance(got, HelperFailed):  # not JSON, or not what the helper says
+            self.error = self.error or str(got).splitlines()[0]
+            self._heard.set()
+            return
+        d: dict[str, Any] = got.model_dump()
         if kind == "file":
             self._reports.put((d["path"], d["state"], d["why"]))
         elif kind == "state":
@@ -146,19 +149,24 @@ class Receiver:
             self.port = d["port"]
             self._ready = True
             self._heard.set()
-        elif (p := parse_progress(line)) is not None:
-            self.ctx.progress(self.host.name, int(p.get("bytes", 0)),
-                              int(p.get("total", 0)) or None, "B", "hashing")
-        else:
-            self._lines.append(line)
 
-    def _run(self, argv: list[str]) -> None:
+    def _on_progress(self, p: dict[str, str]) -> None:
+        self._last_word = self.dep.clock()
+        self.ctx.progress(self.host.name, int(p.get("bytes", 0)), int(p.get("total", 0)) or None, "B",
+                          "hashing")
+
+    def _on_line(self, line: str) -> None:
+        self._last_word = self.dep.clock()
+
+    def _run(self, st: Staged, argv: list[str]) -> None:
+        where = f"{self.host.name}: receive"
         try:
-            r = self.host.run(argv, input=self._feed, on_stderr=self._on_line,
-                              timeout=HELPER_TIMEOUT_S)
-            if not r.ok:
-                self.error = (f"{self.host.name}: receiving failed: "
-                              f"{helper_error(chr(10).join(self._lines), r.one_line_error())}")
+            run_helper(self.host, SCRIPT, [], result=ReceiveReport, script=st.script, also=[st.spec],
+                       wrap=lambda _: argv, where=where, input=self._feed, timeout=HELPER_TIMEOUT_S,
+                       change=True, events=EVENTS, on_event=self._on_event,
+                       on_progress=self._on_progress, on_line=self._on_line)
+        except HelperFailed as e:
+            self.error = f"{self.host.name}: receiving failed: {str(e).removeprefix(where + ': ')}"
         except NodeUnreachable as e:
             self.error = str(e)
         finally:

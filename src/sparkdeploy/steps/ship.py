@@ -46,6 +46,7 @@ from sparkdeploy.deployment import Deployment
 from sparkdeploy.fanout import Outcome
 from sparkdeploy.hosts import CmdResult, Feed, Host, HostError, NodeUnreachable, peer_ssh_argv
 from sparkdeploy.nodeops import (
+    HelperFailed,
     check_staged,
     docker,
     free_space,
@@ -53,6 +54,7 @@ from sparkdeploy.nodeops import (
     inspect_image,
     listed_tags,
     parse_progress,
+    parse_report,
     stage,
     stage_script,
     tagged,
@@ -60,7 +62,6 @@ from sparkdeploy.nodeops import (
     watched,
 )
 from sparkdeploy.ops.image import STEP_BUILD, chosen_image
-from sparkdeploy.outside import OutsideError, loads
 from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext, step
 
@@ -349,8 +350,8 @@ def _report(stderr: str) -> dict[str, Any]:
         line = line.strip()
         if line.startswith("{"):
             try:
-                return loads(SaveReport, line, "save_filter.py").model_dump(exclude_unset=True)
-            except OutsideError:
+                return parse_report(SaveReport, line, "save_filter.py").model_dump(exclude_unset=True)
+            except HelperFailed:
                 continue
     return {}
 

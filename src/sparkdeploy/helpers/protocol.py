@@ -1,0 +1,102 @@
+"""What every sparkdeploy node helper shares (standard library only; Python 3.8 or newer).
+
+The dialect a helper speaks, read by the controller's ``nodeops`` (its one parser):
+
+- on stdout, ``progress k=v ...`` lines while it works (``progress``: ``bytes`` done, ``total``
+  expected, counts in digits, other values free text without spaces), ``<kind> {json}`` event
+  lines from a helper that streams what it sees (``event``: the model receiver's ``state``,
+  ``ready``, ``file``), and last its report: one JSON object (``answer``);
+- on stderr, why it failed: an ``error: ...`` line and a non-zero exit (``fail``), and any other
+  words for a log (``say``).
+
+The one exception: a helper whose stdout IS a data stream (the ship's ``layer_export.py`` and
+``save_filter.py``, piped into ``docker load`` on the peer) says its progress lines and, last,
+its report on stderr (``stream=sys.stderr``); the controller reads them with the same parser.
+
+On a node this file is staged one directory above each helper (``nodeops.stage_script``: the
+helper lives in ``<stage>/<sha256 of this file>/<sha256 of the helper>/<helper>``) and is
+checked against its sha256 before any helper runs; in a checkout it sits beside them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import threading
+
+DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+"""A content digest as Docker writes it (a diff ID, a config or blob digest)."""
+
+_lock = threading.Lock()  # one line at a time from a helper's threads
+
+
+def is_digest(value: object) -> bool:
+    """``value`` is a ``sha256:<64 hex>`` digest (the name check of every layer a helper reads)."""
+    return isinstance(value, str) and DIGEST_RE.match(value) is not None
+
+
+def chain_ids(layers):
+    """Chain IDs of an ordered list of diff IDs (the classic store's layer keys)."""
+    out = []
+    for diff in layers:
+        if not out:
+            out.append(diff)
+        else:
+            out.append("sha256:" + hashlib.sha256((out[-1] + " " + diff).encode()).hexdigest())
+    return out
+
+
+def say(text: str, stream=None) -> None:
+    """One line on stderr (or ``stream``), whole even when threads write at once."""
+    out = stream or sys.stderr
+    with _lock:
+        out.write(text + "\n")
+        out.flush()
+
+
+def progress(stream=None, **counts: object) -> None:
+    """One ``progress k=v ...`` line (values hold no space) on stdout (or ``stream``)."""
+    say("progress " + " ".join(f"{k}={str(v).replace(' ', '_')}" for k, v in counts.items()),
+        stream or sys.stdout)
+
+
+def event(kind: str, data: object) -> None:
+    """One ``<kind> {json}`` event line on stdout: what a streaming helper saw, as it sees it."""
+    say(f"{kind} {json.dumps(data, sort_keys=True)}", sys.stdout)
+
+
+def fail(why: str, code: int = 1) -> int:
+    """Say why the helper failed (``error: why`` on stderr); the exit code to return."""
+    say(f"error: {why}")
+    return code
+
+
+def answer(report: object, stream=None) -> None:
+    """The helper's report: one JSON object, the last line of stdout (``stream``: the data
+    stream helpers' stderr)."""
+    say(json.dumps(report, sort_keys=True), stream or sys.stdout)
+
+
+def run(argv: list[str], timeout: float = 30) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of a node tool; a missing or hung tool is an exit code too."""
+    try:
+        cp = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                            stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        return 127, "", f"{argv[0]}: not found"
+    except subprocess.TimeoutExpired:
+        return 124, "", f"{argv[0]}: no answer in {timeout:g}s"
+    except OSError as e:
+        return 126, "", f"{argv[0]}: {e.strerror}"
+    return cp.returncode, cp.stdout, cp.stderr
+
+
+def read(path: str) -> str | None:
+    """A small file's text, stripped (None when it cannot be read)."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
