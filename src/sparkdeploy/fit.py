@@ -33,6 +33,11 @@ def gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
+def share(weights: float, parallel: int) -> float:
+    """One rank's slice of ``weights`` bytes under ``parallel`` (= tensor x pipeline) ranks."""
+    return weights / parallel
+
+
 def weight_bytes(files: Sequence[dict]) -> int:
     """The bytes of the weight files among ``files`` (``{"path", "size"}``, as the hub's
     metadata lists them); all files' bytes when none is a weight file."""
@@ -124,7 +129,7 @@ def check(node: str, engine: str, *, gpus: int, weights: int, parallel: int, res
           gpu_usable: int, gpu_total: int, args: Sequence[str] = ()) -> Check:
     """``engine`` (``parallel`` = tensor x pipeline ranks, ``args``) on ``node`` (``gpus`` of
     them in the profile; ``gpu_usable`` / ``gpu_total`` per GPU, as the node reports them)."""
-    return Check(node=node, engine=engine, weights=weights / parallel * gpus,
+    return Check(node=node, engine=engine, weights=share(weights, parallel) * gpus,
                  reserve=reserve_gib * GIB * gpus, usable=gpu_usable * gpus,
                  total=gpu_total * gpus, fraction=memory_fraction(args))
 

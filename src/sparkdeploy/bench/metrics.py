@@ -1,4 +1,5 @@
-"""Benchmark metrics, defined as ``vllm bench serve`` defines them (../shared/FACTS.md).
+"""Benchmark metrics, defined as ``vllm bench serve`` defines them (vllm/benchmarks/serve.py,
+``calculate_metrics``; docs/bench.md compares the two).
 
 A request is a timeline: its start (``time.perf_counter()`` just before the request is sent)
 and the SSE ``data:`` payloads, each with its arrival time. From that timeline:

@@ -19,6 +19,7 @@ from invoke.exceptions import Exit
 from sparkdeploy.bench.client import BenchError
 from sparkdeploy.config import ProfileError
 from sparkdeploy.deployment import Deployment, from_context, state_dir
+from sparkdeploy.estimate import EstimateError
 from sparkdeploy.events import EventSink, printable, rendering
 from sparkdeploy.hosts import HostError
 from sparkdeploy.records import RecordError
@@ -33,22 +34,23 @@ Work = Callable[[Deployment | None, EventSink], list[Result]]
 """A task's work: ``work(dep, events) -> results`` (dep None for work without a profile), each
 result already on ``events``; it runs steps only through ``run_one`` (``steps/registry.py``)."""
 
-USAGE_ERRORS = (ProfileError, PlanError, BenchError)
-"""Bad input (a profile, a plan selection, an input file): exit 2."""
+USAGE_ERRORS = (ProfileError, PlanError, BenchError, EstimateError)
+"""Bad input (a profile, a plan selection, an input file, a model config): exit 2."""
 RUN_ERRORS = (HostError, LockHeld, WaitTimeout, RecordError)
 """What went wrong while running (a node, the lock, a wait, a record): exit 1."""
 
 
 @contextmanager
-def exits() -> Iterator[None]:
-    """The one place an error becomes an exit: one line, status 2 or 1 (``USAGE_ERRORS``,
-    ``RUN_ERRORS``); anything else is a bug and keeps its traceback."""
+def exits(name: str = "") -> Iterator[None]:
+    """The one place an error becomes an exit: one line (after ``name: `` when given), status 2
+    or 1 (``USAGE_ERRORS``, ``RUN_ERRORS``); anything else is a bug and keeps its traceback."""
+    lead = f"{name}: " if name else ""
     try:
         yield
     except USAGE_ERRORS as e:
-        raise Exit(str(e), code=2) from None
+        raise Exit(f"{lead}{e}", code=2) from None
     except RUN_ERRORS as e:
-        raise Exit(str(e), code=1) from None
+        raise Exit(f"{lead}{e}", code=1) from None
 
 
 def failed_count(results: Iterable[Result]) -> str | None:

@@ -3,10 +3,14 @@
 model.download and model.sync each hold a lock of their own (not the deployment's), so the
 sync can run beside the download and send each file as soon as the head has verified it."""
 
-from invoke import Collection
+import json as _json
 
+from invoke import Collection
+from invoke.exceptions import Exit
+
+from sparkdeploy import estimate as est
 from sparkdeploy.tasks import _flags as flags
-from sparkdeploy.tasks._common import run_step
+from sparkdeploy.tasks._common import exits, run_step
 from sparkdeploy.tasks._flags import task
 
 
@@ -46,4 +50,36 @@ def fit(c, profile=None):
     run_step(c, "model.fit", profile=profile, lock=False)
 
 
-ns = Collection("model", download, verify, sync, fit)
+@task(name="estimate", help={
+    "config": "the model's config.json",
+    "weights_gb": "the weights' size in GB (10^9 bytes) of the files the engine loads",
+    "nodes": "nodes, one GPU each",
+    "memory_gib": "GiB an engine may use on each node (default: a GB10's, about 101)",
+    "tp": "tensor-parallel size (default: the layout the engines accept, TP first)",
+    "context": "tokens per sequence (default: the config's max_position_embeddings)",
+    "seqs": "sequences held at once (default 1)", "kv_dtype": "auto, fp8 or bf16 (default auto)",
+    "json": "print the estimate as JSON"})
+def estimate_(c, config, nodes, weights_gb, memory_gib=None, context=None, seqs=None,
+              kv_dtype=None, tp=None, json=False):
+    """Offline: does the model of CONFIG fit NODES nodes of MEMORY_GIB each? The layout the
+    engines accept, then per node the weights' share, the KV cache and the engine's reserve,
+    every figure with its source (exit 1 when it does not fit)."""
+    path = flags.input_file("--config", config)
+    n = flags.integer("--nodes", nodes, min=1)
+    mem = flags.number("--memory-gib", memory_gib, gt=0)
+    tp_ = flags.integer("--tp", tp, min=1)
+    weights = flags.number("--weights-gb", weights_gb, gt=0)
+    ctx = flags.integer("--context", context, min=1)
+    s = flags.integer("--seqs", seqs, default=1, min=1)
+    kv = flags.choice("--kv-dtype", kv_dtype, est.KV_DTYPES) or "auto"
+    with exits("model.estimate"):
+        e = est.estimate(est.load_config(path), weights_bytes=(weights or 0) * 1e9,
+                         nodes=n or 1, memory_gib=mem or est.GB10_USABLE_GIB,
+                         memory_source="--memory-gib" if mem else est.GB10_SOURCE, context=ctx,
+                         seqs=s or 1, kv=kv, tp=tp_)
+    print(_json.dumps(e.as_json(), indent=2) if json else "\n".join(e.lines()), flush=True)
+    if not e.fits:
+        raise Exit(code=1)
+
+
+ns = Collection("model", download, verify, sync, fit, estimate_)
