@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -148,26 +149,37 @@ def reap_exited() -> None:
 def stop(rec: dict | None, timeout: float = 15) -> bool:
     """SIGTERM a recorded process, wait, then SIGKILL. True if it was running.
 
-    A daemon of ours that already died is a zombie until we reap it: reaped here too, so no
-    entry of it stays in ``/proc``."""
+    A daemon of ours (started by ``spawn`` in this process) is waited for, so it leaves no
+    zombie in ``/proc``, also when it dies late; one that already died is reaped here too."""
     if rec is None or not alive(rec):
         reap_exited()
         return False
     pid = int(rec["pid"])
-
-    def gone() -> bool:
-        if alive(rec):
-            return False
-        reap_exited()  # it may have died since the last poll: reap the zombie it left
-        return True
-
     _signal(pid, signal.SIGTERM)
-    if _quietly(gone, timeout, 0.1):
+    if _ended(rec, timeout):
         return True
     _signal(pid, signal.SIGKILL)
     # a process in uninterruptible sleep (a daemon's unmounts on a busy disk) dies when it
     # wakes: wait for that, not only for the signal
-    _quietly(gone, 30, 0.1)
+    _ended(rec, KILLED_WAIT_S)
+    return True
+
+
+KILLED_WAIT_S = 120
+"""How long a SIGKILLed process may take to leave (uninterruptible sleep ends first)."""
+
+
+def _ended(rec: dict, deadline: float) -> bool:
+    """Wait up to ``deadline`` s for a recorded process to end. Our own child is waited for
+    (``waitpid``), which reaps it; any other is polled. True once it has gone."""
+    own = next((p for p in _POPENS if p.pid == rec["pid"]), None)
+    if own is None:
+        return _quietly(lambda: not alive(rec), deadline, 0.1)
+    try:
+        own.wait(timeout=deadline)
+    except subprocess.TimeoutExpired:
+        return False
+    _POPENS.remove(own)
     return True
 
 
@@ -216,7 +228,8 @@ def pids_in_ns(kind: str, inode: int) -> list[int]:
 
 
 def kill_pids(pids: Sequence[int], timeout: float = 10) -> list[int]:
-    """TERM then KILL exactly these PIDs (found by namespace, recorded); return those signalled."""
+    """TERM then KILL exactly these PIDs (found by namespace, recorded); return those signalled.
+    Those that were our own children are waited for, so none stays a zombie."""
     recs = [r for r in (record(p) for p in pids) if r["start"] is not None]
     for r in recs:
         _signal(r["pid"], signal.SIGTERM)
@@ -224,6 +237,8 @@ def kill_pids(pids: Sequence[int], timeout: float = 10) -> list[int]:
     for r in recs:
         if alive(r):
             _signal(r["pid"], signal.SIGKILL)
-    _quietly(lambda: not any(alive(r) for r in recs), 30, 0.1)
-    reap_exited()  # those that were our own children leave no zombie behind
+    end = time.monotonic() + KILLED_WAIT_S
+    for r in recs:
+        _ended(r, max(0.0, end - time.monotonic()))
+    reap_exited()
     return [r["pid"] for r in recs]
