@@ -7,8 +7,9 @@ head's record when there is one, else decided from the hub's listing and index, 
 node's memory is its own report (``sparkdeploy.memory``: nvidia-smi's figures, or
 ``/proc/meminfo`` on a GB10). The arithmetic is ``sparkdeploy.fit``. Every engine of the
 profile is checked (``serve.up`` may fall back to any of them); the first that fits on every
-node is the verdict, one ok line per node; an engine that does not fit is one skipped line. When none fits, one line per node for the engine
-``serve.up`` tries first: failed where it does not fit, naming both numbers.
+node is the verdict, one ok line per node; an engine that does not fit is one skipped line.
+When none fits, one line per node for the engine ``serve.up`` tries first: failed where it does
+not fit, naming both numbers.
 
 It runs after ``services.stop`` (in ``deploy.all``): the units that held the head's GPU are
 stopped first, so their memory counts as usable.
