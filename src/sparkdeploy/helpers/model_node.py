@@ -110,9 +110,7 @@ def cmd_mkroot(a: argparse.Namespace) -> int:
             raise SpecError(f"cannot read the spec {a.spec}: {e}") from None
         path = os.path.join(meta_dir(a.dir), SELECTION)
         try:
-            with open(path + ".tmp", "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(path + ".tmp", path)
+            write_atomic(path, text)
         except OSError as e:
             return protocol.fail(f"cannot record the selection in {path}: {e.strerror or e}", 3)
     protocol.answer({"dir": a.dir})
@@ -191,14 +189,22 @@ def compact_records(root: str) -> None:
                 last[rec["path"]] = json.dumps(rec, sort_keys=True)
             except (ValueError, KeyError, TypeError):
                 continue
-        tmp = path + ".tmp"
-        try:
-            with open(tmp, "w", encoding="utf-8") as out:
-                out.write("".join(v + "\n" for v in last.values()))
-            os.replace(tmp, path)
-        except OSError:  # a full disk: keep the appended record as it is
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        with contextlib.suppress(OSError):  # a full disk: keep the appended record as it is
+            write_atomic(path, "".join(v + "\n" for v in last.values()))
+
+
+def write_atomic(path: str, text: str) -> None:
+    """``text`` into ``path`` through a temporary file renamed into place (a reader sees the
+    old file or the new one); OSError when it cannot, the temporary file gone."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 # --- hashing and checking ------------------------------------------------------------------

@@ -101,11 +101,16 @@ def recorded(dep: Deployment) -> tuple[dict[str, Any] | None, str]:
 
 def selected(dep: Deployment, refresh: bool = False) -> tuple[dict[str, Any], str]:
     """(the selected files' metadata, note): the head's record; with ``refresh`` (the
-    download), the hub's listing first, and the record only while the commit is the same."""
-    rec, why = recorded(dep)
-    if rec is not None and not refresh:
-        return rec, ""
-    meta, note = metadata(dep, refresh=refresh)
+    download), the hub's listing first (a refused one touches no node), and the record only
+    while the commit is the same."""
+    if refresh:
+        meta, note = metadata(dep, refresh=True)
+        rec, why = recorded(dep)
+    else:
+        rec, why = recorded(dep)
+        if rec is not None:
+            return rec, ""
+        meta, note = metadata(dep, refresh=False)
     if rec is not None and rec["commit"] == meta["commit"]:
         return rec, note
     note = "; ".join(n for n in (note, why) if n)
