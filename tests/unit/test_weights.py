@@ -214,3 +214,15 @@ def test_a_repository_without_loadable_weights_downloads_nothing(tmp_path):
         assert not _bodies(srv)
     finally:
         srv.stop()
+
+
+def test_the_perf_figure_selected_ratio_is_one_and_was_about_three(tmp_path, recipe_hub):
+    """``nox -s perf -- model``'s ``model.selected_ratio``, its code run here on loopback (the
+    lab runs it on its nodes): 1.00 with the selection; the whole repository (every file, as
+    ``allow_patterns: ["*"]`` fetches, the default before) is about three times that."""
+    from sparkdeploy.perf import model as perf_model
+
+    dep, _ = _dep(tmp_path / "a", recipe_hub)
+    assert perf_model.selected_ratio(dep, recipe_hub) == pytest.approx(1.0, abs=0.005)
+    dep, _ = _dep(tmp_path / "b", recipe_hub, allow_patterns=["*"])
+    assert 2.9 < perf_model.selected_ratio(dep, recipe_hub) < 3.1
