@@ -226,3 +226,39 @@ def test_the_perf_figure_selected_ratio_is_one_and_was_about_three(tmp_path, rec
     assert perf_model.selected_ratio(dep, recipe_hub) == pytest.approx(1.0, abs=0.005)
     dep, _ = _dep(tmp_path / "b", recipe_hub, allow_patterns=["*"])
     assert 2.9 < perf_model.selected_ratio(dep, recipe_hub) < 3.1
+
+
+# --- the head's record, by the node helper run as a program --------------------------------------
+
+def _helper(*args: str):
+    import subprocess
+    import sys
+
+    from sparkdeploy.packaged import helper
+    return subprocess.run([sys.executable, str(helper("model_node.py")), *args],
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_the_node_records_a_spec_as_its_selection_and_refuses_one_that_is_not(tmp_path):
+    root = tmp_path / "m"
+    assert json.loads(_helper("selection", "--dir", str(root)).stdout) == {"selection": None}
+    spec = {"repo": "o/m", "revision": "main", "commit": "c" * 40,
+            "files": [{"path": "config.json", "size": 2, "sha256": None, "oid": "d" * 40}]}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    assert _helper("mkroot", "--dir", str(root), "--spec", str(tmp_path / "spec.json")).returncode == 0
+    assert json.loads(_helper("selection", "--dir", str(root)).stdout) == {"selection": spec}
+    assert not list((root / ".sparkdeploy").glob("*.tmp"))
+    bad = {**spec, "files": [{"path": "../x", "size": 1}]}
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    r = _helper("mkroot", "--dir", str(tmp_path / "new"), "--spec", str(tmp_path / "bad.json"))
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "error: file name '../x' refused: has an empty, . or .. component")
+    assert not (tmp_path / "new").exists()  # refused before the dir is made
+    r = _helper("mkroot", "--dir", str(root), "--spec", str(tmp_path / "bad.json"))
+    assert r.returncode == 2
+    assert json.loads(_helper("selection", "--dir", str(root)).stdout) == {"selection": spec}
+    # a record that is not a selection (tampered) is none, with a warning
+    (root / ".sparkdeploy" / "selection.json").write_text(json.dumps(bad))
+    r = _helper("selection", "--dir", str(root))
+    assert json.loads(r.stdout.splitlines()[-1]) == {"selection": None}
+    assert "is not a selection: file name '../x' refused" in r.stderr

@@ -97,17 +97,19 @@ def make_root(root: str) -> None:
 
 
 def cmd_mkroot(a: argparse.Namespace) -> int:
+    text = None
+    if a.spec:  # checked before anything is made: a spec that is not one is never recorded
+        try:
+            with open(a.spec, encoding="utf-8") as f:
+                text = f.read()
+            checked_files(json.loads(text))
+        except (OSError, ValueError) as e:
+            raise SpecError(f"cannot read the spec {a.spec}: {e}") from None
     try:
         make_root(a.dir)
     except OSError as e:
         return protocol.fail(f"cannot create {a.dir}: {e.strerror or e}", 3)
-    if a.spec:
-        try:
-            with open(a.spec, encoding="utf-8") as f:
-                text = f.read()
-            checked_files(json.loads(text))  # a spec that is not one is never recorded
-        except (OSError, ValueError) as e:
-            raise SpecError(f"cannot read the spec {a.spec}: {e}") from None
+    if text is not None:
         path = os.path.join(meta_dir(a.dir), SELECTION)
         try:
             write_atomic(path, text)
