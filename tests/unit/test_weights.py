@@ -262,3 +262,37 @@ def test_the_node_records_a_spec_as_its_selection_and_refuses_one_that_is_not(tm
     r = _helper("selection", "--dir", str(root))
     assert json.loads(r.stdout.splitlines()[-1]) == {"selection": None}
     assert "is not a selection: file name '../x' refused" in r.stderr
+
+
+@pytest.mark.parametrize("index, line", [
+    ({"weight_map": {"a": "../x.safetensors"}},
+     "the hub's answer is refused: o/m: model.safetensors.index.json names '../x.safetensors': "
+     "has an empty, . or .. component"),
+    ({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}},
+     "o/m: model.safetensors.index.json names s2.safetensors, which the repository lacks"),
+    ({"metadata": {}}, "o/m: model.safetensors.index.json has no weight_map"),
+])
+def test_an_index_the_engine_cannot_follow_is_one_line_before_any_node(tmp_path, monkeypatch,
+                                                                        index, line):
+    """The hub's listing and index, as the hub would answer them (``outside.request``)."""
+    from sparkdeploy.ops import model as model_ops
+    from sparkdeploy.outside import Response
+
+    listing = {"sha": "c" * 40, "siblings": [
+        {"rfilename": n, "size": 5, "blobId": "d" * 40}
+        for n in ("config.json", "model.safetensors.index.json", "s1.safetensors")]}
+    asked = []
+
+    def answer(method, url, **kw):
+        asked.append(url)
+        body = index if url.endswith("/resolve/" + "c" * 40 + "/model.safetensors.index.json") \
+            else listing
+        return Response(200, json.dumps(body).encode(), {})
+
+    monkeypatch.setattr(model_ops, "request", answer)
+    dep, ctx = deployment(tmp_path, {"spark1": Node(), "spark2": Node()}, "http://hub.invalid",
+                          repo="o/m")
+    [res] = model.download(dep)
+    assert res.status is Status.FAILED and res.why == line
+    assert len(asked) == 2 and ctx.calls == []  # no node touched, nothing fetched
+    assert not os.path.exists(dep.profile.model.path)

@@ -40,7 +40,7 @@ from sparkdeploy.nodeops import (
     staged_files,
 )
 from sparkdeploy.ops import Ctx
-from sparkdeploy.outside import HubName, OutsideError, request
+from sparkdeploy.outside import HubName, OutsideError, name_problem, request
 from sparkdeploy.records import SHA1, SHA256, HubMetadata, RecordError
 from sparkdeploy.results import Result
 
@@ -136,9 +136,15 @@ def fetch_index(dep: Deployment, commit: str) -> list[str]:
     if r.status != 200:
         raise OutsideError(f"{url}: HTTP {r.status}")
     try:
-        return weights.index_files(r.body, f"{m.repo}: {weights.INDEX}")
+        names = weights.index_files(r.body, f"{m.repo}: {weights.INDEX}")
     except weights.SelectionError as e:
         raise ModelError(str(e)) from None
+    for name in names:  # data: a name a node would act on is checked as the listing's are
+        why = name_problem(name)
+        if why:
+            raise ModelError(f"the hub's answer is refused: {m.repo}: {weights.INDEX} names "
+                             f"{name!r:.120}: {why}")
+    return names
 
 
 def fetch_metadata(dep: Deployment) -> dict[str, Any]:

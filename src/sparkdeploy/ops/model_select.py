@@ -101,20 +101,20 @@ def recorded(dep: Deployment) -> tuple[dict[str, Any] | None, str]:
 
 def selected(dep: Deployment, refresh: bool = False) -> tuple[dict[str, Any], str]:
     """(the selected files' metadata, note): the head's record; with ``refresh`` (the
-    download), the hub's listing first (a refused one touches no node), and the record only
-    while the commit is the same."""
+    download), decided from the hub's listing first (a repository refused touches no node),
+    and the head's record kept while it is for the same commit."""
     if refresh:
         meta, note = metadata(dep, refresh=True)
+        fresh = decide(dep, meta)
         rec, why = recorded(dep)
-    else:
-        rec, why = recorded(dep)
-        if rec is not None:
-            return rec, ""
-        meta, note = metadata(dep, refresh=False)
-    if rec is not None and rec["commit"] == meta["commit"]:
-        return rec, note
-    note = "; ".join(n for n in (note, why) if n)
-    return decide(dep, meta), note
+        if rec is not None and rec["commit"] == meta["commit"]:
+            return rec, note
+        return fresh, "; ".join(n for n in (note, why) if n)
+    rec, why = recorded(dep)
+    if rec is not None:
+        return rec, ""
+    meta, note = metadata(dep, refresh=False)
+    return decide(dep, meta), "; ".join(n for n in (note, why) if n)
 
 
 def describe(meta: dict[str, Any]) -> str:
