@@ -296,3 +296,21 @@ def test_an_index_the_engine_cannot_follow_is_one_line_before_any_node(tmp_path,
     assert res.status is Status.FAILED and res.why == line
     assert len(asked) == 2 and ctx.calls == []  # no node touched, nothing fetched
     assert not os.path.exists(dep.profile.model.path)
+
+
+def test_huggingface_hub_reads_the_recipe_repositories_from_the_lab_hub(recipe_hub, tmp_path):
+    from huggingface_hub import HfApi, hf_hub_download
+
+    api = HfApi(endpoint=recipe_hub.url, token=False)
+    info = api.model_info(GPT_OSS, files_metadata=True)
+    assert sorted(s.rfilename for s in info.siblings) == GPT_OSS_LISTING
+    assert {s.rfilename for s in info.siblings if s.lfs} == {
+        p for p in GPT_OSS_LISTING if p.endswith((".safetensors", ".bin"))}
+    got = hf_hub_download(GPT_OSS, "original/model--00007-of-00007.safetensors",
+                          endpoint=recipe_hub.url, local_dir=tmp_path, token=False)
+    assert os.path.getsize(got) == recipe_hub.state.repos[GPT_OSS].files[
+        "original/model--00007-of-00007.safetensors"].size
+    served = sorted(recipe_hub.state.repos)
+    assert served == sorted(["Qwen/Qwen3.5-122B-A10B-FP8", *(la.repo_id for la in
+                                                           hub_layouts.available())])
+    assert len(served) == 6  # the seed's and the five of tests/unit/data/configs
