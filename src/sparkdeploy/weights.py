@@ -100,6 +100,10 @@ def weight_files(listed: Sequence[str], index: list[str] | None,
     have = set(listed)
     where = f"{repo}: " if repo else ""
     if index is not None:
+        other = [n for n in index if not n.endswith(".safetensors")]
+        if other:
+            raise SelectionError(f"{where}{INDEX} names {other[0]}, which is not a safetensors "
+                                 f"file")
         lacking = [n for n in index if n not in have]
         if lacking:
             more = f" and {len(lacking) - 1} more" if len(lacking) > 1 else ""

@@ -8,6 +8,8 @@ import json
 import os
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sparkdeploy import fit, weights
 from sparkdeploy.lab import hub, hub_layouts
@@ -75,6 +77,9 @@ def test_remote_code_and_tiktoken_at_the_root_come_along_not_below_it():
      ["s1.safetensors", "s2.safetensors", "s3.safetensors"],
      "o/m: model.safetensors.index.json names s2.safetensors and 1 more, which the "
      "repository lacks"),
+    (["config.json", "model.safetensors.index.json", "pytorch_model.bin"], ["pytorch_model.bin"],
+     "o/m: model.safetensors.index.json names pytorch_model.bin, which is not a safetensors "
+     "file"),
 ])
 def test_a_repository_the_engine_cannot_load_is_one_line(listing, index, line):
     with pytest.raises(weights.SelectionError) as e:
@@ -91,6 +96,33 @@ def test_an_index_is_read_for_its_weight_map_only():
         weights.index_files('{"metadata": {}}', "x")
     with pytest.raises(weights.SelectionError, match="^x is not JSON"):
         weights.index_files("<html>", "x")
+
+
+NAMES = st.sampled_from([
+    "config.json", "tokenizer.json", "chat_template.jinja", "README.md", "model.safetensors",
+    "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "x.py", "a.tiktoken",
+    "original/config.json", "original/model.safetensors", "metal/model.bin", "model.gguf",
+    "pytorch_model.bin", "model.safetensors.index.json", "sub/x.py", "consolidated.00.pth"])
+
+
+@given(listed=st.lists(NAMES, unique=True), index=st.none() | st.lists(NAMES, unique=True),
+       patterns=st.lists(st.sampled_from(["original/*", "*.bin", "*", "metal/*", "*.md"]),
+                         max_size=2))
+def test_the_selection_only_takes_from_the_listing_and_patterns_only_add(listed, index,
+                                                                        patterns):
+    try:
+        base = weights.select(listed, index)
+    except weights.SelectionError:
+        with pytest.raises(weights.SelectionError):  # patterns never make a bad repo good
+            weights.select(listed, index, patterns)
+        return
+    wide = weights.select(listed, index, patterns)
+    assert base.files == [p for p in listed if p in set(base.files)]  # the listing's order
+    assert set(base.files) <= set(wide.files) <= set(listed)
+    assert set(wide.files) - set(base.files) == set(wide.widened)
+    for p in base.files:  # never a copy: an index-named file, or one beside it at the root
+        assert p in base.weights or ("/" not in p and weights.support(p))
+    assert not any(p.endswith((".bin", ".gguf", ".pth", ".md")) for p in base.files)
 
 
 # --- against the lab hub ---------------------------------------------------------------------
