@@ -135,7 +135,10 @@ class Model(_Strict):
     revision: str = Field(default="main", pattern=r"^[A-Za-z0-9_][A-Za-z0-9_./-]{0,254}$")
     path: AbsPath
     """Where the weights live on every node."""
-    allow_patterns: list[Pattern] = Field(default_factory=lambda: ["*"])
+    allow_patterns: list[Pattern] = Field(default_factory=list)
+    """Files to fetch beyond the ones the engine loads (``sparkdeploy.weights``: the files the
+    safetensors index names, configs, tokenizer, chat template): each file a pattern matches
+    (fnmatch, e.g. ``original/*``) is added; a pattern never removes one."""
     endpoint: Url | None = None
     """The model hub (``HF_ENDPOINT``); None means huggingface_hub's default (or $HF_ENDPOINT)."""
     trust_http: bool = False

@@ -8,7 +8,7 @@ Each kind of record is one pydantic model below, stored in one envelope by one w
     decisions/<profile>/endpoint.json            Endpoint         where it serves
     decisions/<profile>/deploy-<time>.{json,md}  DeployRun        one deploy.all run
     runs/<plan>-<profile>.json                   PlanMemory       each plan step's last outcome
-    model/<repo>@<revision>.json                 HubMetadata      the hub's file list, cached
+    model/<repo>@<revision>.json                 HubMetadata      the hub's file list and index, cached
 
 The envelope says when, by which step and for which profile a record was made::
 
@@ -263,7 +263,9 @@ class HubFile(BaseModel):
 
 class HubMetadata(Record):
     """The model repo's files at one commit, as the hub listed them (every name checked: a
-    tampered cache could name files outside the model dir); also staged as the node's spec."""
+    tampered cache could name files outside the model dir), and the files its
+    ``model.safetensors.index.json`` names (``index``; None: the repo lists no index): what
+    ``sparkdeploy.weights.select`` decides the download from, offline too."""
 
     model_config = ConfigDict(extra="forbid")
     FOLDER = "model"
@@ -274,6 +276,7 @@ class HubMetadata(Record):
     revision: str
     commit: str = Field(pattern=SHA1)
     files: list[HubFile]
+    index: list[HubName] | None = None
     fetched_at: float = Field(ge=0, allow_inf_nan=False)
 
     @classmethod

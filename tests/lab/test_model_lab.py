@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from sparkdeploy.deployment import load
-from sparkdeploy.lab import hub, layout
+from sparkdeploy.lab import hub, hub_layouts, layout
 from sparkdeploy.ops import model as model_ops
+from sparkdeploy.ops import model_select
 from sparkdeploy.results import Status
 from sparkdeploy.steps import model, model_sync, model_verify
 
@@ -105,6 +106,34 @@ def test_download_and_sync_together_leave_identical_verified_weights(lab, dep):
     assert not list(Path("/tmp").glob("sparkdeploy-rsyncd-*"))
 
 
+def test_only_the_files_the_engine_loads_land_on_the_nodes(lab, dep):
+    """The lab hub's gpt-oss-shaped repository holds its weights three times (root, original/,
+    metal/): the head downloads the root shards its index names and the files beside them,
+    records that selection, and the sync sends the worker the same; no byte of original/ or
+    metal/ leaves the hub. (The lab hub must serve the recipe-shaped repositories: a hub
+    started before lab/hub_layouts.py existed is restarted by lab.down/lab.up.)"""
+    gpt = next(la for la in hub_layouts.LAYOUTS if la.repo_id == "openai/gpt-oss-120b")
+    want = sorted([*gpt.root_weights(), *gpt.tokenizer, "config.json", "generation_config.json",
+                   "model.safetensors.index.json"])
+    _with(dep, repo=gpt.repo_id)
+    hub.set_knobs(dep.profile.model.endpoint, reset_stats=True)
+    [down] = model.download(dep)
+    [sent] = model_sync.sync(dep, "spark2")
+    assert down.status is Status.CHANGED, down.why
+    assert sent.status is Status.CHANGED, sent.why
+    find = (f"cd {PATH} && find . \\( -path ./.sparkdeploy -o -path ./.cache \\) -prune -o "
+            "-type f -print | sed 's|^./||' | sort")
+    for n in ("spark1", "spark2"):
+        assert lab.ssh(n, ["sh", "-c", find]).stdout.split() == want, n
+    rec = json.loads(lab.ssh("spark1", ["cat", f"{PATH}/.sparkdeploy/selection.json"]).stdout)
+    assert sorted(f["path"] for f in rec["files"]) == want
+    served = {q["file"] for q in hub.get_stats(dep.profile.model.endpoint)["requests"]
+              if q["method"] == "GET" and q.get("file") and q["status"] in (200, 206)}
+    assert served and not [f for f in served if f.startswith(("original/", "metal/"))], served
+    for r in model_verify.verify(dep):
+        assert r.status is Status.OK, r.why
+
+
 def test_pep668_node_still_downloads_in_a_venv_of_its_own(lab, dep):
     refused = lab.ssh("spark1", ["python3", "-m", "pip", "install", "huggingface_hub"], check=False)
     assert refused.returncode != 0
@@ -119,7 +148,7 @@ def test_pep668_node_still_downloads_in_a_venv_of_its_own(lab, dep):
 
 def test_a_dropped_connection_resumes_and_a_rerun_fetches_nothing(lab, dep):
     url = dep.profile.model.endpoint
-    meta, _ = model_ops.metadata(dep)
+    meta, _ = model_select.selected(dep)
     shard = max(meta["files"], key=lambda f: f["size"])["path"]
     hub.set_knobs(url, fault={"file": shard, "after_bytes": 12_000_000}, reset_stats=True)
     [res] = model.download(dep)
@@ -148,7 +177,7 @@ def test_disk_precheck_names_both_numbers(lab, dep):
 
 def test_disk_full_on_the_worker_then_a_rerun_completes(lab, dep):
     assert model.download(dep)[0].status is Status.CHANGED
-    meta, _ = model_ops.metadata(dep)
+    meta, _ = model_select.selected(dep)
     total = model_ops.total_bytes(meta)
     _tmpfs("spark2", f"{(total + 80_000_000) // 1_000_000}m")  # passes the pre-check
     # one capped stream: ~20 s for the test repo, time to interfere
@@ -174,7 +203,7 @@ def test_disk_full_on_the_worker_then_a_rerun_completes(lab, dep):
 
 def test_a_cut_sync_resumes(lab, dep):
     assert model.download(dep)[0].status is Status.CHANGED
-    meta, _ = model_ops.metadata(dep)
+    meta, _ = model_select.selected(dep)
     total = model_ops.total_bytes(meta)
     # one capped stream: ~20 s for the test repo, time to interfere
     _with(dep, sync=dep.profile.model.sync.model_copy(update={"streams": 1, "bwlimit_mb_s": 15.0}))
@@ -242,7 +271,7 @@ def test_a_controller_killed_mid_sync_leaves_no_listener(lab, dep, tmp_path):
     mid-sync, its SSH connection ends, and with it the daemon, the directory holding its secret
     and the helper; a re-run then completes."""
     assert model.download(dep)[0].status is Status.CHANGED
-    meta, _ = model_ops.metadata(dep)
+    meta, _ = model_select.selected(dep)
     first = sorted(f["path"] for f in meta["files"] if f["path"].endswith(".safetensors"))[0]
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(ROOT / "configs" / "lab.yaml"),
                               str(tmp_path / "killed"), PATH],
@@ -282,7 +311,7 @@ def test_a_receive_helper_killed_mid_sync_leaves_no_daemon_and_no_secret(lab, de
     guard of its daemon reads EOF on the pipe only the helper held, stops the daemon and
     removes the directory holding its secret; the sync fails, and a re-run completes."""
     assert model.download(dep)[0].status is Status.CHANGED
-    meta, _ = model_ops.metadata(dep)
+    meta, _ = model_select.selected(dep)
     first = sorted(f["path"] for f in meta["files"] if f["path"].endswith(".safetensors"))[0]
     _with(dep, sync=dep.profile.model.sync.model_copy(update={"streams": 1, "bwlimit_mb_s": 15.0}))
     box: dict = {}
@@ -324,7 +353,7 @@ def test_a_receive_helper_killed_mid_sync_leaves_no_daemon_and_no_secret(lab, de
 def test_a_corrupted_file_on_the_worker_is_named_and_repaired(lab, dep):
     assert model.download(dep)[0].status is Status.CHANGED
     assert model_sync.sync(dep, "spark2")[0].status is Status.CHANGED
-    meta, _ = model_ops.metadata(dep)
+    meta, _ = model_select.selected(dep)
     shard = sorted(f["path"] for f in meta["files"] if f["path"].endswith(".safetensors"))[-1]
     lab.ssh("spark2", ["sh", "-c", f"printf XXXX | dd of={PATH}/{shard} bs=1 seek=5000 conv=notrunc"])
     [bad] = model_verify.verify(dep, "spark2")

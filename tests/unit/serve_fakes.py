@@ -70,6 +70,8 @@ class FakeNode:
     frozen: set[str] = field(default_factory=set)
     """Containers whose processes are stopped (SIGSTOP): running, state T."""
     saved: list[tuple[str, list[str]]] = field(default_factory=list)
+    selection: dict | None = None
+    """The selection of files the node's model dir records (``model_node.py selection``)."""
     verify: dict = field(default_factory=lambda: {
         "ok": ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"],
         "missing": [], "differ": {}, "unchecked": [], "hashed_bytes": 0, "reused": 3,
@@ -92,6 +94,8 @@ class FakeNode:
         if argv[0] == "python3" and argv[2] == "verify":
             assert "--quick" in argv
             return 0, json.dumps(self.verify) + "\n", ""
+        if argv[0] == "python3" and argv[2] == "selection":  # what the node's model dir records
+            return 0, json.dumps({"selection": self.selection}) + "\n", ""
         if argv[0] == "python3" and argv[2] == "facts":
             return 0, json.dumps(self.facts) + "\n", ""
         if argv[0] == "python3" and argv[2] == "connect":

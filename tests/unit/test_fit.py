@@ -167,6 +167,9 @@ class MemoryNodes(FakeContext):
     def answer(self, alias, argv, stdin, command, kw):
         if argv[:2] == ["sh", "-c"] and "base64 -d" in argv[2]:
             return self.result(command, 0, f"/tmp/sparkdeploy-stage-0/{argv[4]}/{argv[5]}\n")
+        if argv[5].endswith("/model_node.py"):  # the head records no selection yet
+            assert argv[6:8] == ["selection", "--dir"], argv
+            return self.result(command, 0, '{"selection": null}\n')
         assert argv[5].endswith("/memory_node.py") and argv[6:] == ["read"], argv
         return self.result(command, 0, json.dumps(self.answers[alias]) + "\n")
 
@@ -176,9 +179,13 @@ def fit_deployment(tmp_path, answers, data=None):
     dep = deployment(path, tmp_path / "state", MemoryNodes(answers))
     files = [{"path": f"model-0000{i}-of-00005.safetensors", "size": SEED_WEIGHTS // 5,
               "sha256": None, "oid": None} for i in range(1, 6)]
+    index = [f["path"] for f in files]
     files.append({"path": "config.json", "size": 4000, "sha256": None, "oid": None})
+    files.append({"path": "model.safetensors.index.json", "size": 900, "sha256": None,
+                  "oid": None})
     dep.records.write(HubMetadata(repo=dep.profile.model.repo, revision="main", commit="a" * 40,
-                                  files=files, fetched_at=time.time()), cache_name(dep))
+                                  files=files, index=index, fetched_at=time.time()),
+                      cache_name(dep))
     return dep
 
 

@@ -277,7 +277,8 @@ def test_cli_serves_and_reports_ready(tmp_path):
     assert argv == [sys.executable, "-m", "sparkdeploy.lab.hub", "--bind", "127.0.0.1",
                     "--port", "0", "--data", str(tmp_path), "--size-mb", "1", "--shards", "1"]
     proc = subprocess.Popen(
-        [*argv, "--bandwidth-bps", "1000000", "--fault", "model-00001-of-00001.safetensors:100"],
+        [*argv, "--bandwidth-bps", "1000000", "--fault", "model-00001-of-00001.safetensors:100",
+         "--no-recipes"],
         stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline().strip()

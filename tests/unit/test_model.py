@@ -12,6 +12,7 @@ import pytest
 
 from sparkdeploy.lab import hub
 from sparkdeploy.ops import model as model_ops
+from sparkdeploy.ops import model_select
 from sparkdeploy.ops import model_sync as sync_ops
 from sparkdeploy.packaged import helper
 from sparkdeploy.records import HubMetadata
@@ -92,9 +93,9 @@ def test_download_runs_in_a_container_with_the_token_on_stdin_only(tmp_path, lab
             assert TOKEN.encode() not in open(os.path.join(dirpath, n), "rb").read()
     progress = [e for e in events if type(e).__name__ == "Progress"]
     assert progress and progress[-1].done == progress[-1].total == model_ops.total_bytes(
-        model_ops.metadata(dep, refresh=False)[0])
-    # every file is there, as the hub has it
-    meta, _ = model_ops.metadata(dep, refresh=False)
+        model_select.selected(dep)[0])
+    # every selected file is there, as the hub has it
+    meta, _ = model_select.selected(dep)
     for f in meta["files"]:
         assert os.path.getsize(os.path.join(path, f["path"])) == f["size"]
 
@@ -129,7 +130,7 @@ def test_disk_precheck_fails_early_with_both_numbers(tmp_path, lab_hub, token):
     dep, ctx = _dep(tmp_path, lab_hub, free=5_000_000)
     [res] = model.download(dep)
     assert res.status is Status.FAILED
-    need = model_ops.total_bytes(model_ops.metadata(dep, refresh=False)[0]) + 1_000_000
+    need = model_ops.total_bytes(model_select.selected(dep)[0]) + 1_000_000
     assert f"0.01 GB free on /srv, needs {need / 1e9:.2f} GB" in res.why
     assert not _fetches(ctx)
 
@@ -183,13 +184,29 @@ def test_verify_names_a_corrupted_file_and_repair_refetches_only_it(tmp_path, la
     assert model_verify.verify(dep, "spark1")[0].status is Status.OK
 
 
-def test_verify_works_offline_from_the_cached_metadata(tmp_path, lab_hub, token):
+def test_verify_works_offline_from_the_heads_record(tmp_path, lab_hub, token):
+    """The selection the download recorded on the head drives a verify: no hub, and no cache
+    on this controller (a fresh clone's state dir) needed."""
+    import shutil
+
     dep, ctx = _dep(tmp_path, lab_hub)
     model.download(dep)
+    shutil.rmtree(dep.state.path / "model")
     offline = dep.profile.model.model_copy(update={"endpoint": "http://127.0.0.1:9"})
     dep.profile = dep.profile.model_copy(update={"model": offline})
     [res] = model_verify.verify(dep, "spark1")
-    assert res.status is Status.OK and "hub not reachable" in res.why
+    assert res.status is Status.OK and res.why.startswith("spark1: 10 files verified"), res.why
+    assert not (dep.state.path / "model").exists()  # the hub was not asked, nothing cached
+
+
+def test_verify_falls_back_to_the_cached_metadata_without_a_record(tmp_path, lab_hub, token):
+    dep, ctx = _dep(tmp_path, lab_hub)
+    model.download(dep)
+    os.unlink(os.path.join(dep.profile.model.path, ".sparkdeploy", "selection.json"))
+    offline = dep.profile.model.model_copy(update={"endpoint": "http://127.0.0.1:9"})
+    dep.profile = dep.profile.model_copy(update={"model": offline})
+    [res] = model_verify.verify(dep, "spark1")  # decided again from the controller's cache
+    assert res.status is Status.OK and res.why.startswith("spark1: 10 files verified"), res.why
 
 
 def test_second_verify_of_unchanged_files_reads_nothing(tmp_path, lab_hub, token):
@@ -198,7 +215,7 @@ def test_second_verify_of_unchanged_files_reads_nothing(tmp_path, lab_hub, token
     os.unlink(os.path.join(dep.profile.model.path, ".sparkdeploy", "verified.jsonl"))
     one = model_verify.verify(dep, "spark1")[0]
     two = model_verify.verify(dep, "spark1")[0]
-    total = model_ops.total_bytes(model_ops.metadata(dep, refresh=False)[0])
+    total = model_ops.total_bytes(model_select.selected(dep)[0])
     assert one.details["hashed"] == total and one.details["reused"] == 0
     assert two.details["hashed"] == 0 and two.details["reused"] == 10
 
@@ -482,7 +499,7 @@ def test_the_downloader_stops_when_its_stdin_ends(tmp_path, lab_hub):
     import subprocess
 
     dep, _ = _dep(tmp_path, lab_hub)
-    meta, _ = model_ops.metadata(dep)
+    meta, _ = model_select.selected(dep)
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({k: meta[k] for k in ("repo", "revision", "commit", "files")}))
     lab_hub.set_knobs(bandwidth_bps=2_000_000)  # 48 MB: ~25 s, far longer than the test

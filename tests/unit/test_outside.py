@@ -68,15 +68,23 @@ def test_a_hub_listing_an_unsafe_file_name_is_refused_before_the_node_is_touched
     try:
         dep, ctx = _dep(tmp_path, small_hub.url)
         before = _tree(tmp_path)
-        results = model.download(dep) + model_verify.verify(dep)
+        results = model.download(dep)
+        assert ctx.calls == []  # the download asks the hub first: no command reached a node
+        results += model_verify.verify(dep)
     finally:
         del repo.files[name]
     assert [r.status for r in results] == [Status.FAILED, Status.FAILED]
     for r in results:
         assert "the hub's answer is refused" in r.why and "refused:" in r.why
         assert "\n" not in r.why
-    assert ctx.calls == []  # no command reached a node
-    assert _tree(tmp_path) == before  # no cache, no model dir, nothing written
+    # the verify asked the head for its recorded selection (it has none), nothing of the hub's
+    # reached a node: no spec staged, no helper given a file name
+    asked = [argv for _, argv, _ in ctx.calls]
+    assert asked and all("spec.json" not in " ".join(a) for a in asked)
+    assert [a[-3:] for a in asked if "selection" in a] == [["selection", "--dir",
+                                                             dep.profile.model.path]]
+    # no cache, no model dir, nothing written but the journal of that one read
+    assert [p for p in _tree(tmp_path) if p not in before] == ["state", "state/journal.jsonl"]
 
 
 def test_a_tampered_metadata_cache_is_never_used(tmp_path, hostile):

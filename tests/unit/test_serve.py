@@ -60,11 +60,13 @@ def lab(tmp_path, monkeypatch, seed_yaml):
     for k, fn in cluster.probes(MODEL).items():
         monkeypatch.setattr(ep, k, fn)
     monkeypatch.delenv("SPARKDEPLOY_API_KEY", raising=False)
-    meta = {"repo": MODEL, "revision": "main", "commit": "c" * 40, "files": [
-        {"path": p, "size": 10, "sha256": None, "oid": "0" * 40}
-        for p in ("config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")]}
-    from sparkdeploy.ops import model as model_ops
-    monkeypatch.setattr(model_ops, "metadata", lambda dep, refresh=True: (meta, ""))
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    nodes["spark1"].selection = {  # what model.download recorded on the head
+        "repo": MODEL, "revision": "main", "commit": "c" * 40, "files": [
+            {"path": p, "size": 10, "sha256": None, "oid": "0" * 40}
+            for p in ("config.json", *shards)],
+        "selection": {"rule": "index", "weights": shards, "widened": [], "patterns": [],
+                      "listed_files": 5, "listed_bytes": 50}}
     ctx = ServeContext(nodes)
     dep = deployment(prof_path, tmp_path / "state", ctx, clock=clock, profile=prof)
     return dep, ctx, nodes, cluster, clock

@@ -14,6 +14,12 @@ Subcommands (each prints one JSON object last on stdout, progress lines before i
       completes and record it, so ``model.sync`` can send it at once. The token, if any, is the
       first line of stdin; it is handed to huggingface_hub in memory only. It runs for as long
       as stdin stays open (in a container too: ``docker run -i``): at its end it stops.
+  mkroot  --dir D [--spec S]
+      Make the model dir when it is missing; with --spec, record the spec (the selection of
+      files the engine loads, decided on the controller) as ``D/.sparkdeploy/selection.json``,
+      where every controller reads it (``selection``).
+  selection --dir D
+      Print the selection recorded in D (``{"selection": null}`` when there is none).
   venv    --venv DIR --index-url URL
       Create (once) a virtualenv of sparkdeploy's own holding huggingface_hub; print its python.
   receive --dir D --spec S [--address A --port P --allow ADDR,...] [--jobs N]
@@ -66,6 +72,7 @@ except ImportError:  # a script: protocol.py beside it (a checkout) or a directo
 
 META = ".sparkdeploy"
 RECORD = "verified.jsonl"
+SELECTION = "selection.json"
 LOCK = "download.lock"
 CREATED = "created"
 CHUNK = 1024 * 1024
@@ -90,11 +97,41 @@ def make_root(root: str) -> None:
 
 
 def cmd_mkroot(a: argparse.Namespace) -> int:
+    text = None
+    if a.spec:  # checked before anything is made: a spec that is not one is never recorded
+        try:
+            with open(a.spec, encoding="utf-8") as f:
+                text = f.read()
+            checked_files(json.loads(text))
+        except (OSError, ValueError) as e:
+            raise SpecError(f"cannot read the spec {a.spec}: {e}") from None
     try:
         make_root(a.dir)
     except OSError as e:
         return protocol.fail(f"cannot create {a.dir}: {e.strerror or e}", 3)
+    if text is not None:
+        path = os.path.join(meta_dir(a.dir), SELECTION)
+        try:
+            write_atomic(path, text)
+        except OSError as e:
+            return protocol.fail(f"cannot record the selection in {path}: {e.strerror or e}", 3)
     protocol.answer({"dir": a.dir})
+    return 0
+
+
+def cmd_selection(a: argparse.Namespace) -> int:
+    """The selection recorded in the model dir (None: no record, or one that cannot be read)."""
+    path = os.path.join(a.dir, META, SELECTION)
+    try:
+        with open(path, encoding="utf-8") as f:
+            spec = json.load(f)
+        checked_files(spec)
+    except FileNotFoundError:
+        spec = None
+    except (OSError, ValueError, SpecError) as e:
+        protocol.say(f"warning: {path} is not a selection: {e}")
+        spec = None
+    protocol.answer({"selection": spec})
     return 0
 
 
@@ -154,14 +191,22 @@ def compact_records(root: str) -> None:
                 last[rec["path"]] = json.dumps(rec, sort_keys=True)
             except (ValueError, KeyError, TypeError):
                 continue
-        tmp = path + ".tmp"
-        try:
-            with open(tmp, "w", encoding="utf-8") as out:
-                out.write("".join(v + "\n" for v in last.values()))
-            os.replace(tmp, path)
-        except OSError:  # a full disk: keep the appended record as it is
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        with contextlib.suppress(OSError):  # a full disk: keep the appended record as it is
+            write_atomic(path, "".join(v + "\n" for v in last.values()))
+
+
+def write_atomic(path: str, text: str) -> None:
+    """``text`` into ``path`` through a temporary file renamed into place (a reader sees the
+    old file or the new one); OSError when it cannot, the temporary file gone."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 # --- hashing and checking ------------------------------------------------------------------
@@ -920,6 +965,9 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--index-url", required=True)
     k = sub.add_parser("mkroot")
     k.add_argument("--dir", required=True)
+    k.add_argument("--spec", default="")
+    s = sub.add_parser("selection")
+    s.add_argument("--dir", required=True)
     r = sub.add_parser("receive")
     r.add_argument("--dir", required=True)
     r.add_argument("--spec", required=True)
@@ -935,7 +983,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         return {"verify": cmd_verify, "fetch": cmd_fetch, "venv": cmd_venv,
-                "receive": cmd_receive, "guard": cmd_guard, "mkroot": cmd_mkroot}[a.cmd](a)
+                "receive": cmd_receive, "guard": cmd_guard, "mkroot": cmd_mkroot,
+                "selection": cmd_selection}[a.cmd](a)
     except SpecError as e:
         protocol.say(f"error: {e}")
         return 2

@@ -1,8 +1,10 @@
-"""The lab hub's generated model repository: ``Qwen/Qwen3.5-122B-A10B-FP8`` in miniature.
+"""The lab hub's generated model repositories: ``Qwen/Qwen3.5-122B-A10B-FP8`` in miniature.
 
 The real config shape, a small valid tokenizer, a safetensors index and N shards with valid
 headers and pseudo-random data, generated deterministically into a data directory and reused
-while the generation parameters are unchanged (``prepare_repo``). Served by ``lab.hub``.
+while the generation parameters are unchanged (``prepare_repo``). The recipe-shaped ones
+(``lab.hub_layouts``: gpt-oss-120b with its original/ and metal/ copies, and the others) are
+generated and reused the same way (``_prepared``). Served by ``lab.hub``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ DEFAULT_SIZE_MB = 300
 DEFAULT_SHARDS = 8
 REPO_ID = "Qwen/Qwen3.5-122B-A10B-FP8"
 GENERATOR_VERSION = 1  # bump when the generated content changes
-LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".model", ".jpg")
+"""Stored in LFS on the hub (its default .gitattributes names these)."""
 CREATED_AT = "2026-02-24T00:00:00.000Z"
 
 
@@ -295,7 +298,7 @@ def _shard_plan(size_mb: int, shards: int) -> list[list[tuple[str, str, list[int
     return plan
 
 
-_DTYPE_BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
+_DTYPE_BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1}
 
 
 def _write_shard(path: Path, tensors: list[tuple[str, str, list[int]]], seed: str) -> dict:
@@ -370,12 +373,17 @@ def prepare_repo(
     repo_id: str = REPO_ID,
 ) -> Repo:
     """Generate the miniature model into data_dir (idempotent, safe across processes)."""
-    data_dir = Path(data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
     shards = max(1, min(shards, LAYERS))
-    target = _repo_dir(data_dir, repo_id, size_mb, shards)
     params = {"generator": GENERATOR_VERSION, "repo_id": repo_id, "size_mb": size_mb,
               "shards": shards}
+    return _prepared(Path(data_dir), _repo_dir(Path(data_dir), repo_id, size_mb, shards), params,
+                     lambda tmp: _generate(tmp, params))
+
+
+def _prepared(data_dir: Path, target: Path, params: dict[str, Any], generate: Any) -> Repo:
+    """The repo at ``target`` when it was generated with ``params`` and is whole, else
+    ``generate(tmp)`` (its manifest) into a directory that replaces ``target``."""
+    data_dir.mkdir(parents=True, exist_ok=True)
     with open(data_dir / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         manifest_path = target / ".lab-hub.json"
@@ -388,11 +396,29 @@ def prepare_repo(
                 return _repo_from_manifest(target, manifest)
 
         def build(tmp: Path) -> dict[str, Any]:
-            manifest = _generate(tmp, params)
+            manifest = generate(tmp)
             (tmp / ".lab-hub.json").write_text(json.dumps(manifest, indent=1))
             return manifest
 
         return _repo_from_manifest(target, replace_dir(target, build))
+
+
+def _manifest(root: Path, params: dict[str, Any], repo_id: str) -> dict[str, Any]:
+    """The manifest of every file under ``root``: size, git blob id (of the LFS pointer for an
+    LFS file), sha256; the commit a hash of them all."""
+    files: dict[str, dict[str, Any]] = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        data = path.read_bytes()
+        sha = hashlib.sha256(data).hexdigest()
+        lfs = rel.endswith(LFS_SUFFIXES)
+        oid = _git_blob_oid(lfs_pointer(sha, len(data)) if lfs else data)
+        files[rel] = {"size": len(data), "oid": oid, "sha256": sha, "lfs": lfs}
+    commit = hashlib.sha1(
+        json.dumps([repo_id, {p: f["oid"] for p, f in files.items()}]).encode()
+    ).hexdigest()
+    return {"params": params, "repo_id": repo_id, "commit": commit, "files": files,
+            "tensor_counts": {}}
 
 
 def _generate(root: Path, params: dict[str, Any]) -> dict[str, Any]:

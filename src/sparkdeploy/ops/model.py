@@ -22,11 +22,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, urljoin, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sparkdeploy import labels, threads
+from sparkdeploy import labels, threads, weights
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Feed, Host
 from sparkdeploy.nodeops import (
@@ -40,7 +40,7 @@ from sparkdeploy.nodeops import (
     staged_files,
 )
 from sparkdeploy.ops import Ctx
-from sparkdeploy.outside import HubName, OutsideError, request
+from sparkdeploy.outside import HubName, OutsideError, name_problem, request
 from sparkdeploy.records import SHA1, SHA256, HubMetadata, RecordError
 from sparkdeploy.results import Result
 
@@ -110,40 +110,79 @@ class _ModelInfo(BaseModel):
     siblings: list[_Sibling] = Field(max_length=100_000)
 
 
-def fetch_metadata(dep: Deployment) -> dict[str, Any]:
-    """The repo's files at the profile's revision (allow_patterns applied) from the hub, every
-    one checked (``HubName``); ``OutsideError`` when the hub does not answer in time,
-    ``ModelError`` when its answer is refused."""
-    from huggingface_hub.utils import filter_repo_objects
-
-    m = dep.profile.model
-    url = (f"{endpoint(dep)}/api/models/{m.repo}/revision/{quote(m.revision, safe='')}"
-           "?blobs=true")
+def _hub_headers(dep: Deployment) -> dict[str, str]:
     token, _ = hub_token(dep)
     headers = {"Accept": "application/json", "User-Agent": "sparkdeploy"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    r = request("GET", url, headers=headers, deadline=HUB_DEADLINE_S)
+    return headers
+
+
+def fetch_index(dep: Deployment, commit: str) -> list[str]:
+    """The files the repo's ``model.safetensors.index.json`` names (at ``commit``), read from
+    the hub (a redirect is followed, to another host without the token); ``OutsideError`` when
+    the hub does not answer, ``ModelError`` when the answer is no index."""
+    m = dep.profile.model
+    url = f"{endpoint(dep)}/{m.repo}/resolve/{commit}/{weights.INDEX}"
+    headers = _hub_headers(dep)
+    for _ in range(4):
+        r = request("GET", url, headers=headers, deadline=HUB_DEADLINE_S)
+        if r.status not in (301, 302, 303, 307, 308) or "location" not in r.headers:
+            break
+        nxt = urljoin(url, r.headers["location"])
+        if urlsplit(nxt).netloc != urlsplit(url).netloc:
+            headers.pop("Authorization", None)
+        url = nxt
+    if r.status != 200:
+        raise OutsideError(f"{url}: HTTP {r.status}")
+    try:
+        names = weights.index_files(r.body, f"{m.repo}: {weights.INDEX}")
+    except weights.SelectionError as e:
+        raise ModelError(str(e)) from None
+    for name in names:  # data: a name a node would act on is checked as the listing's are
+        why = name_problem(name)
+        if why:
+            raise ModelError(f"the hub's answer is refused: {m.repo}: {weights.INDEX} names "
+                             f"{name!r:.120}: {why}")
+    return names
+
+
+def fetch_metadata(dep: Deployment) -> dict[str, Any]:
+    """The repo's files at the profile's revision from the hub, every one checked
+    (``HubName``), and the files its safetensors index names; ``OutsideError`` when the hub
+    does not answer in time, ``ModelError`` when its answer is refused."""
+    m = dep.profile.model
+    url = (f"{endpoint(dep)}/api/models/{m.repo}/revision/{quote(m.revision, safe='')}"
+           "?blobs=true")
+    r = request("GET", url, headers=_hub_headers(dep), deadline=HUB_DEADLINE_S)
     if r.status != 200:
         raise OutsideError(f"{url}: HTTP {r.status}")
     try:
         info = r.json(_ModelInfo, url)
     except OutsideError as e:
         raise ModelError(f"the hub's answer is refused: {e}") from None
-    sibs = list(filter_repo_objects(info.siblings, allow_patterns=m.allow_patterns,
-                                    key=lambda s: s.rfilename))
     files = [{"path": s.rfilename, "size": int(s.size or 0),
               "sha256": s.lfs.sha256 if s.lfs else None, "oid": s.blobId}
-             for s in sorted(sibs, key=lambda s: s.rfilename)]
+             for s in sorted(info.siblings, key=lambda s: s.rfilename)]
+    listed = {f["path"] for f in files}
+    index = fetch_index(dep, info.sha) if weights.INDEX in listed else None
     return {"repo": m.repo, "revision": m.revision, "commit": info.sha, "files": files,
-            "fetched_at": time.time()}
+            "index": index, "fetched_at": time.time()}
+
+
+def _usable_cache(rec: HubMetadata | None) -> dict[str, Any] | None:
+    """A cached listing the selection can be decided from (one cached before the index was
+    kept lists an index it does not hold: not used)."""
+    if rec is None or (rec.index is None and any(f.path == weights.INDEX for f in rec.files)):
+        return None
+    return rec.model_dump()
 
 
 def metadata(dep: Deployment, refresh: bool = True) -> tuple[dict[str, Any], str]:
-    """(metadata, note): fresh from the hub when it answers (and cached), else the cache."""
+    """(the hub's listing and index, note): fresh from the hub when it answers (and cached),
+    else the cache. Which of the files to fetch: ``sparkdeploy.ops.model_select``."""
     try:
-        rec = dep.records.read(HubMetadata, cache_name(dep))
-        cached, bad_cache = (rec.model_dump() if rec else None), ""
+        cached, bad_cache = _usable_cache(dep.records.read(HubMetadata, cache_name(dep))), ""
     except RecordError as e:  # never used: a tampered one could name files outside the model dir
         cached, bad_cache = None, str(e)
     if cached and not refresh:
@@ -158,9 +197,6 @@ def metadata(dep: Deployment, refresh: bool = True) -> tuple[dict[str, Any], str
         cache = f"; the cache is not usable: {bad_cache}" if bad_cache else ""
         raise ModelError(f"cannot read {dep.profile.model.repo}@{dep.profile.model.revision} "
                          f"from {endpoint(dep)}: {why}{cache}") from None
-    if not meta["files"]:
-        raise ModelError(f"{meta['repo']}@{meta['revision']}: no file matches allow_patterns "
-                         f"{dep.profile.model.allow_patterns}")
     if not dep.dry:
         dep.records.write(HubMetadata.model_validate(meta), cache_name(dep))
     return meta, ""
@@ -184,7 +220,7 @@ class Staged:
 
 def stage_for(host: Host, meta: dict[str, Any]) -> Staged:
     """The helper and the spec on the node, staged side by side (one round trip, not two)."""
-    spec = {k: meta[k] for k in ("repo", "revision", "commit", "files")}
+    spec = {k: meta[k] for k in ("repo", "revision", "commit", "files", "selection") if k in meta}
     with threads.pool(2) as p:
         script = p.submit(stage_script, host, SCRIPT)
         spec_path = p.submit(stage, host, "spec.json", json.dumps(spec, sort_keys=True))
@@ -408,8 +444,9 @@ def run_fetch(ctx: Ctx, host: Host, rt: Runtime, st: Staged, meta: dict[str, Any
     dep = ctx.dep
     m = dep.profile.model
     try:
-        run_helper(host, SCRIPT, ["mkroot", "--dir", m.path], result=RootAnswer, script=st.script,
-                   also=[st.spec], where=f"{host.name}: mkroot", change=True)
+        # the model dir, and the selection recorded in it: the head's record of what to fetch
+        run_helper(host, SCRIPT, ["mkroot", "--dir", m.path, "--spec", st.spec], result=RootAnswer,
+                   script=st.script, also=[st.spec], where=f"{host.name}: mkroot", change=True)
     except HelperFailed as e:
         why = str(e).removeprefix(f"{host.name}: mkroot: ")
         return None, why if why.startswith("cannot create ") else f"cannot create {m.path}: {why}"

@@ -130,12 +130,13 @@ def _check_verified(dep: Deployment, host: Host, meta: dict[str, Any], pf: Prefl
 
 
 def model_metadata(dep: Deployment) -> tuple[dict[str, Any] | None, str]:
-    """The model's file list as ``model.download`` cached it (the hub when nothing is cached);
-    (None, why) when neither answers: then the weights are checked for presence only."""
-    from sparkdeploy.ops import model
+    """The files the engine loads, as the head records them (decided from the hub or the cache
+    when it records none); (None, why) when none answers: then the weights are checked for
+    presence only."""
+    from sparkdeploy.ops import model, model_select
 
     try:
-        meta, _ = model.metadata(dep, refresh=False)
+        meta, _ = model_select.selected(dep)
         return meta, ""
     except model.ModelError as e:
         return None, str(e)

@@ -14,6 +14,12 @@ own on both nodes (``PATH``), emptied first. Figures, in this order:
 - ``model.sync_speedup``: bytes / seconds of ``model.sync`` of the downloaded weights to an
   emptied worker, over the same for ``rsync -a`` over SSH head -> worker's link address (the
   best of three alternating runs each; stderr shows every run and the CPU it kept busy).
+- ``model.selected_ratio``: ``model.download`` of the lab hub's gpt-oss-shaped repository
+  (``lab.hub_layouts``: its weights three times, root, ``original/`` and ``metal/``, as the real
+  one's 3 x 65 GB) into an emptied head; the bytes of file bodies the hub served / the bytes of
+  the files the engine loads (the root shards the index names, config, tokenizer, template and
+  generation config, as the layout declares them). 1.00 when only those are fetched; about 3
+  when every file is (``allow_patterns: ["*"]``, the default before the selection).
 
 Needs root and the lab (brought up if needed).
 """
@@ -39,6 +45,9 @@ SIZE_MB = 1100
 SHARDS = 10
 LIMIT_BPS = 30_000_000
 PORT = 8902
+RATIO_REPO = "openai/gpt-oss-120b"
+RATIO_MB = 32
+"""Data bytes of each of the gpt-oss-shaped repository's three copies of its weights."""
 
 
 def _say(msg: str) -> None:
@@ -79,15 +88,45 @@ def run() -> dict[str, float]:
     controller = urlsplit(dep.profile.model.endpoint or "").hostname or "127.0.0.1"
     _say(f"generating a {SIZE_MB} MB repo in {SHARDS} shards (cached after the first run)")
     srv = hub.start_hub(bind=controller, port=PORT, size_mb=SIZE_MB, shards=SHARDS,
-                        bandwidth_bps=LIMIT_BPS)
+                        bandwidth_bps=LIMIT_BPS, recipes=True, recipe_size_mb=RATIO_MB)
     try:
         m = dep.profile.model.model_copy(update={"path": PATH, "endpoint": srv.url})
         dep.profile = dep.profile.model_copy(update={"model": m})
-        return measure(dep, srv)
+        figures = measure(dep, srv)
+        wipe(dep, dep.profile.head.name)
+        figures["selected_ratio"] = selected_ratio(dep, srv)
+        _say(f"gpt-oss-shaped repo: fetched / loaded = {figures['selected_ratio']:.2f}")
+        return figures
     finally:
         srv.stop()
         for n in (dep.profile.head.name, dep.profile.workers[0].name):
             wipe(dep, n)
+
+
+def engine_bytes(srv, repo_id: str) -> int:
+    """The bytes of the files the engine loads in the hub's ``repo_id``, from its layout's
+    declaration (not from the selection measured): the root shards its index names, config,
+    generation config, tokenizer and template files, the index itself."""
+    from sparkdeploy.lab import hub_layouts
+
+    layout = next(la for la in hub_layouts.LAYOUTS if la.repo_id == repo_id)
+    repo = srv.state.repos[repo_id]
+    names = [*layout.root_weights(), *layout.tokenizer, "config.json", "generation_config.json",
+             "model.safetensors.index.json"]
+    return sum(repo.files[n].size for n in names)
+
+
+def selected_ratio(dep: Deployment, srv, repo_id: str = RATIO_REPO) -> float:
+    """``model.download`` of ``repo_id`` from the hub ``srv`` into the profile's (emptied) model
+    path on the head: the file bodies the hub served, over the bytes the engine loads."""
+    m = dep.profile.model.model_copy(update={"repo": repo_id, "endpoint": srv.url})
+    dep.profile = dep.profile.model_copy(update={"model": m})
+    srv.set_knobs(reset_stats=True)
+    [res] = _must(model.download(dep), f"model.download of {repo_id}")
+    _say(f"download of {repo_id}: {res.why}")
+    served = sum(q["bytes"] for q in srv.stats()["requests"]
+                 if q["method"] == "GET" and q.get("file") and q["status"] in (200, 206))
+    return served / engine_bytes(srv, repo_id)
 
 
 def measure(dep: Deployment, srv) -> dict[str, float]:

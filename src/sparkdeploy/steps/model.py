@@ -7,19 +7,21 @@ how: ``sparkdeploy.ops.model``).
 
 from __future__ import annotations
 
-from sparkdeploy.ops.model import DOWNLOAD, ModelError, download_on, metadata, own_lock
+from sparkdeploy.ops.model import DOWNLOAD, ModelError, download_on, own_lock
+from sparkdeploy.ops.model_select import describe, selected
 from sparkdeploy.steps.registry import StepContext, step
 
 
 @step(DOWNLOAD, needs=("model.fit", "link.check"), long=True)
 def download(ctx: StepContext, node: str | None = None) -> None:
-    """Download the weights on the head, verified (resumes; only what is missing)."""
+    """Download the weights on the head, verified (resumes; only what is missing): the files
+    the engine loads, decided from the hub's listing and index and recorded on the head."""
     dep = ctx.dep
     host = dep.host(node or dep.profile.head.name)
     try:
-        meta, note = metadata(dep)
+        meta, note = selected(dep, refresh=True)
     except ModelError as e:  # refused before anything is held or written
         ctx.failed(str(e), host.name)
         return
     with own_lock(dep, DOWNLOAD):
-        download_on(ctx, host, meta, note)
+        download_on(ctx, host, meta, "; ".join(n for n in (describe(meta), note) if n))

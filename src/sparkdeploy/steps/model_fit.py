@@ -2,13 +2,14 @@
 that node reports its GPUs can use, and the engine's memory fraction against what the node can
 give, before a byte is downloaded (``model.download`` and ``model.sync`` need it).
 
-The weights' size is the hub's (``steps.model.metadata``: the download's own record when there
-is one, else one call to the hub, recorded); each node's memory is its own report
-(``sparkdeploy.memory``: nvidia-smi's figures, or ``/proc/meminfo`` on a GB10). The arithmetic
-is ``sparkdeploy.fit``. Every engine of the profile is checked (``serve.up`` may fall back to
-any of them); the first that fits on every node is the verdict, one ok line per node; an
-engine that does not fit is one skipped line. When none fits, one line per node for the engine
-``serve.up`` tries first: failed where it does not fit, naming both numbers.
+The weights' size is that of the files the engine loads (``ops.model_select.selected``: the
+head's record when there is one, else decided from the hub's listing and index, cached); each
+node's memory is its own report (``sparkdeploy.memory``: nvidia-smi's figures, or
+``/proc/meminfo`` on a GB10). The arithmetic is ``sparkdeploy.fit``. Every engine of the
+profile is checked (``serve.up`` may fall back to any of them); the first that fits on every
+node is the verdict, one ok line per node; an engine that does not fit is one skipped line.
+When none fits, one line per node for the engine ``serve.up`` tries first: failed where it does
+not fit, naming both numbers.
 
 It runs after ``services.stop`` (in ``deploy.all``): the units that held the head's GPU are
 stopped first, so their memory counts as usable.
@@ -23,7 +24,8 @@ from sparkdeploy.fit import Check, FitError
 from sparkdeploy.hosts import Host
 from sparkdeploy.memory import NodeMemory
 from sparkdeploy.nodeops import HelperFailed
-from sparkdeploy.ops.model import ModelError, metadata
+from sparkdeploy.ops.model import ModelError
+from sparkdeploy.ops.model_select import selected
 from sparkdeploy.steps.registry import StepContext, step
 
 FIT = "model.fit"
@@ -96,7 +98,7 @@ def model_fit(ctx: StepContext) -> None:
     memory the node reports, before anything is downloaded."""
     dep = ctx.dep
     try:
-        meta, note = metadata(dep, refresh=False)
+        meta, note = selected(dep)
     except ModelError as e:
         ctx.failed(str(e))
         return

@@ -1,7 +1,8 @@
-"""``model.verify``: every file's size, every LFS file's sha256 (the others' git blob id) against
-the hub's metadata, cached on the controller under the state dir so that a verify works
-offline; ``--repair`` re-fetches (head, ``model.download``'s way) or re-sends (workers,
-``model.sync``'s way) only the files that differ.
+"""``model.verify``: every selected file's size, every LFS file's sha256 (the others' git blob
+id) against the hub's metadata as the head's selection records it (no hub needed; with no
+record, the hub's listing or its cache on the controller); ``--repair`` re-fetches (head,
+``model.download``'s way) or re-sends (workers, ``model.sync``'s way) only the files that
+differ.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from sparkdeploy.ops.model import (
     describe_bad,
     download_on,
     in_gb,
-    metadata,
     node_state,
     stage_for,
     total_bytes,
 )
+from sparkdeploy.ops.model_select import selected
 from sparkdeploy.ops.model_sync import SYNC, sync_files
 from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext, step
@@ -28,10 +29,11 @@ from sparkdeploy.steps.registry import StepContext, step
 
 @step(VERIFY, needs=(DOWNLOAD, SYNC))
 def verify(ctx: StepContext, node: str | None = None, repair: bool = False) -> None:
-    """Verify the weights on every node against the hub's metadata (cached for offline use)."""
+    """Verify the weights on every node against the selection the head records (the hub's
+    sizes and hashes of the files the engine loads)."""
     dep = ctx.dep
     try:
-        meta, note = metadata(dep)
+        meta, note = selected(dep)
     except ModelError as e:
         ctx.failed(str(e))
         return

@@ -17,8 +17,10 @@ from sparkdeploy.tasks._flags import task
 @task(default=True, help={"nodes": "the node to download on (default: the head)",
                           "node": "deprecated: --nodes", "profile": "profile file"})
 def download(c, nodes=None, profile=None, node=None):
-    """Download the profile's weights on the head, verified; a re-run fetches only what is
-    missing. The token comes from HF_TOKEN or the hub login and reaches the node by stdin."""
+    """Download the weights on the head, verified: the files the engine loads (the safetensors
+    index's shards, configs, tokenizer, template; model.allow_patterns adds more), recorded on
+    the head for sync and verify; a re-run fetches only what is missing. The token comes from
+    HF_TOKEN or the hub login and reaches the node by stdin."""
     flag, picked = flags.nodes(nodes, node=node)
     if picked is not None and (picked == "all" or len(flags.name_list(flag, picked)) != 1):
         raise flags.usage(flag, f"downloads on one node, not {picked!r}")
