@@ -207,7 +207,7 @@ def _without_model_part(body: dict[str, Any], origin: dict[KeyPath, str]) -> Non
         _drop(body, origin, path)
     for leaf, (value, by) in keep.items():
         if value is not None:
-            node = body
+            node: dict[Any, Any] = body
             for k in leaf[:-1]:
                 node = node.setdefault(k, {})
             node[leaf[-1]] = value
