@@ -270,3 +270,20 @@ def test_every_flag_is_a_door(tmp_path, flags, line):
         discover(ctx, nodes=flags.pop("aliases", None), **flags)
     assert (e.value.code, str(e.value.message)) == (2, line)
     assert ctx.calls == []
+
+
+def test_recipe_flag_writes_a_profile_that_says_recipe(tmp_path, monkeypatch, capsys):
+    target = tmp_path / "mine.yaml"
+    _, code, _ = run(tmp_path, monkeypatch, spark_pair(tmp_path), capsys, write=str(target),
+                     recipe="gpt-oss-120b")
+    assert code == 0
+    assert "  recipe: gpt-oss-120b   # --recipe: the model, images and engines\n" in target.read_text()
+    p = load_profile(target)
+    assert (p.recipe, p.model.repo) == ("gpt-oss-120b", "openai/gpt-oss-120b")
+    assert [(e.name, e.tensor_parallel) for e in p.engines] == [("vllm", 2)]
+
+
+def test_an_unknown_recipe_reads_no_node(tmp_path, monkeypatch, capsys):
+    ctx, code, _ = run(tmp_path, monkeypatch, spark_pair(tmp_path), capsys,
+                       write=str(tmp_path / "mine.yaml"), recipe="nope")
+    assert code == 2 and helper_args(ctx, "spark1") == []
