@@ -575,9 +575,10 @@ def read_recipe(name: str, dirs: list[Path] | None = None,
 def with_recipe(merged: Merged, recipe: str | None = None,
                 recipe_dirs: tuple[str, ...] = ()) -> Merged:
     """``merged`` over the recipe it names (or ``recipe``, replacing its model part)."""
-    dirs = [*recipe_dirs, *rcp.profile_dirs(merged)]
-    if dirs:
-        merged.body["recipes"] = [str(Path(d).resolve()) for d in rcp.profile_dirs(merged)]
+    own = [str(Path(d).resolve()) for d in rcp.profile_dirs(merged)]
+    if own:
+        merged.body["recipes"] = own
+    dirs = [*recipe_dirs, *own]
     name = recipe if recipe is not None else merged.body.get("recipe")
     if name is None:
         return merged
