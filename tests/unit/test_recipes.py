@@ -147,3 +147,12 @@ def test_inv_recipe_list_json_and_an_unknown_show():
     assert {"name", "repo", "weights_bytes", "min_nodes", "engines"} <= set(rows["gpt-oss-120b"])
     r = run_inv("recipe.show", "nope")
     assert r.returncode == 2 and r.stderr.startswith("--recipe: no recipe named 'nope' (recipes: ")
+
+
+def test_deploy_all_with_an_unknown_recipe_or_directory_is_one_line_exit_2(tmp_path):
+    r = run_inv("deploy.all", "--recipe", "nope")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("--recipe: no recipe named 'nope' (recipes: glm-4.5-air-fp8, ")
+    r = run_inv("deploy.all", "--recipe", "gpt-oss-120b", "--recipes", str(tmp_path / "none"))
+    assert (r.returncode, r.stderr) == (
+        2, f"--recipe: recipe directory {tmp_path / 'none'} does not exist\n")
