@@ -24,7 +24,8 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from sparkdeploy import checks
+from sparkdeploy import checks, fit
+from sparkdeploy import recipes as rcp
 from sparkdeploy.overlays import Merged, ProfileError, load_merged, parse_dotted
 
 
@@ -307,7 +308,7 @@ class Serve(_Strict):
 class Fit(_Strict):
     """``model.fit``: what an engine needs per GPU beside its slice of the weights."""
 
-    reserve_gib: float = Field(default=8.0, ge=0, le=4096)
+    reserve_gib: float = Field(default=fit.RESERVE_GIB, ge=0, le=4096)
     """GiB per GPU beside the weights: CUDA context and NCCL buffers (~1.5), the activations of
     the engine's memory profiling run (~3), CUDA graphs (~1.5), a minimal KV cache (~2). An
     estimate to refuse what cannot work, not a measurement."""
@@ -338,6 +339,10 @@ class Bench(_Strict):
 class Profile(_Strict):
     name: Annotated[str, AfterValidator(checks.profile_name)]
     """The deployment's name: in unit descriptions, state-dir file names and container labels."""
+    recipe: Text | None = None
+    """The recipe the model part comes from (``recipes``); the profile's own values win."""
+    recipes: list[Text] = Field(default_factory=list)
+    """Owners' recipe directories, looked up before the package's (absolute once loaded)."""
     ssh: SshSettings = Field(default_factory=SshSettings)
     link: LinkSettings = Field(default_factory=LinkSettings)
     nodes: list[Node] = Field(min_length=1)
@@ -467,9 +472,12 @@ def _cross_checks(p: Profile) -> tuple[str, str] | None:
     return None
 
 
-def load_profile(path: str | Path) -> Profile:
-    """Read, merge (``extends:``) and validate a profile; raise ``ProfileError`` with one line."""
-    return load_layered(path)[0]
+def load_profile(path: str | Path, recipe: str | None = None,
+                 recipe_dirs: tuple[str, ...] = ()) -> Profile:
+    """Read, merge (``extends:``, ``recipe:``) and validate a profile; raise ``ProfileError``
+    with one line. ``recipe``: deploy this recipe instead of the profile's model part;
+    ``recipe_dirs``: owners' recipe directories beside the profile's ``recipes:``."""
+    return load_layered(path, recipe, recipe_dirs)[0]
 
 
 def _blame(merged: Merged, key: str, msg: str) -> ProfileError:
@@ -479,9 +487,10 @@ def _blame(merged: Merged, key: str, msg: str) -> ProfileError:
     return ProfileError(f"{where}: {key}: {msg}{via}")
 
 
-def load_layered(path: str | Path) -> tuple[Profile, Merged]:
+def load_layered(path: str | Path, recipe: str | None = None,
+                 recipe_dirs: tuple[str, ...] = ()) -> tuple[Profile, Merged]:
     """The validated profile and how it was merged (files, provenance, overrides)."""
-    merged = load_merged(path)
+    merged = with_recipe(load_merged(path), recipe, recipe_dirs)
     try:
         profile = Profile.model_validate(merged.body)
     except ValidationError as e:
@@ -490,3 +499,93 @@ def load_layered(path: str | Path) -> tuple[Profile, Merged]:
     if problem:
         raise _blame(merged, *problem)
     return profile, merged
+
+
+# --- recipes -------------------------------------------------------------------------------
+
+
+class RecipeWeights(_Strict):
+    bytes: int = Field(gt=0, le=10**15)
+    """The bytes of the files the engine loads (the safetensors files the index names)."""
+    source: Text
+
+
+class RecipeContext(_Strict):
+    tokens: int = Field(ge=1, le=10**8)
+    """The context length the engines' args give (``--max-model-len``, ``--context-length``)."""
+    source: Text
+
+
+class RecipeLayout(_Strict):
+    """A layout a public recipe ran: TP x PP on ``nodes`` nodes of one GPU each."""
+
+    nodes: int = Field(ge=1, le=64)
+    tp: int = Field(ge=1, le=64)
+    pp: int = Field(ge=1, le=64)
+    source: Text
+
+    @model_validator(mode="after")
+    def _whole(self) -> RecipeLayout:
+        if self.tp * self.pp != self.nodes:
+            raise ValueError(f"tp x pp = {self.tp * self.pp}, not the {self.nodes} node(s)")
+        return self
+
+
+class RecipeSources(_Strict):
+    """Where the recipe's parts come from (a working Spark recipe, a launcher's, a model card)."""
+
+    model: Text
+    images: Text
+    engines: Text
+    config: Text
+    """Where the config.json shipped beside the recipe was copied from."""
+
+
+class About(_Strict):
+    """What a recipe knows beyond the profile's model part."""
+
+    title: Text
+    config: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*\.json$")
+    """The model's config.json, a file beside the recipe."""
+    weights: RecipeWeights
+    context: RecipeContext
+    layouts: list[RecipeLayout] = Field(default_factory=list)
+    sources: RecipeSources
+
+
+class RecipeFile(_Strict):
+    about: About
+    model: Model
+    images: Images
+    engines: list[Engine] = Field(min_length=1)
+
+
+def read_recipe(name: str, dirs: list[Path] | None = None,
+                where: str = "--recipe") -> rcp.Recipe:
+    """Recipe ``name`` (owners' ``dirs`` first, then the package's) over the base, validated:
+    ``ProfileError`` naming the file and the key."""
+    recipe = rcp.read(name, dirs if dirs is not None else rcp.directories(), where)
+    try:
+        RecipeFile.model_validate(recipe.merged.body)
+    except ValidationError as e:
+        raise _blame(recipe.merged, *_first_error(e)) from None
+    if not recipe.config_path().is_file():
+        raise rcp.RecipeError(f"{recipe.path}: sparkdeploy.about.config: "
+                              f"{recipe.about['config']}: no such file beside the recipe")
+    return recipe
+
+
+def with_recipe(merged: Merged, recipe: str | None = None,
+                recipe_dirs: tuple[str, ...] = ()) -> Merged:
+    """``merged`` over the recipe it names (or ``recipe``, replacing its model part)."""
+    own = [str(Path(d).resolve()) for d in rcp.profile_dirs(merged)]
+    if own:
+        merged.body["recipes"] = own
+    dirs = [*recipe_dirs, *own]
+    name = recipe if recipe is not None else merged.body.get("recipe")
+    if name is None:
+        return merged
+    where = "--recipe" if recipe is not None else \
+        f"{merged.file_of(('recipe',))}: sparkdeploy.recipe"
+    found = read_recipe(name, rcp.directories(dirs), where)
+    return rcp.apply(merged, found, override=recipe is not None)

@@ -66,8 +66,10 @@ class Deployment:
         return [self.host(n.strip()) for n in names.split(",") if n.strip()]
 
 
-def from_context(ctx: Context, profile: str | None = None) -> Deployment:
-    """Build a deployment from invoke's config (explicit ``profile`` wins over config)."""
+def from_context(ctx: Context, profile: str | None = None, recipe: str | None = None,
+                 recipe_dirs: tuple[str, ...] = ()) -> Deployment:
+    """Build a deployment from invoke's config (explicit ``profile`` wins over config;
+    ``recipe``: that recipe's model part instead of the profile's)."""
     cfg = {**DEFAULTS, **(ctx.config.get("sparkdeploy") or {})}
     path = profile or cfg["profile"]
     if not path:
@@ -76,7 +78,7 @@ def from_context(ctx: Context, profile: str | None = None) -> Deployment:
     if path == DEFAULTS["profile"] and not Path(path).exists():
         raise ProfileError(f"{path}: no such profile file (the default, for a checkout; else pass "
                            "--profile FILE: `sparkdeploy profile.seed` prints the seed's)")
-    return load(path, state_dir(ctx), ctx)
+    return load(path, state_dir(ctx), ctx, recipe, recipe_dirs)
 
 
 def state_dir(ctx: Context) -> Path:
@@ -84,11 +86,11 @@ def state_dir(ctx: Context) -> Path:
     return Path((ctx.config.get("sparkdeploy") or {}).get("state_dir") or DEFAULTS["state_dir"])
 
 
-def load(profile: str | Path, state_dir: str | Path,
-         ctx: Context | None = None) -> Deployment:
+def load(profile: str | Path, state_dir: str | Path, ctx: Context | None = None,
+         recipe: str | None = None, recipe_dirs: tuple[str, ...] = ()) -> Deployment:
     """A deployment outside invoke (benchmarks, tests): a fresh quiet Context by default."""
     ctx = ctx or Context()
-    prof = load_profile(profile)
+    prof = load_profile(profile, recipe, recipe_dirs)
     state = StateDir(Path(state_dir))
     hosts = {n.name: Host(n, prof.ssh, ctx, state) for n in prof.nodes}
     return Deployment(prof, str(profile), state, hosts, dry=bool(ctx.config.run.dry))

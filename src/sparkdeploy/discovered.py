@@ -87,14 +87,21 @@ def node_lines(f: Found) -> list[str]:
 
 
 def render(nodes: list[Found], *, ssh_config: str | None, seed_nodes: list[str],
-           target: Path | None, command: str) -> str:
+           target: Path | None, command: str, recipe: str | None = None,
+           recipes: list[str] | None = None) -> str:
     """The profile's text. ``seed_nodes``: the nodes the seed's ``services.stop`` names (those
-    not among ``nodes`` are removed: their units are the seed owner's)."""
+    not among ``nodes`` are removed: their units are the seed owner's). ``recipe``: the model
+    part comes from that recipe instead of the seed's (``recipes``: owners' directories)."""
     names = [f.name for f in nodes]
     out = [f"# Written by `{comment(command)}`: only what was read from the nodes;",
            "# everything else comes from the seed deployment profile this extends.",
            f"extends: {scalar(extends_for(target))}   # the seed deployment profile",
            "sparkdeploy:"]
+    if recipe:
+        out.append(_line(2, "recipe", scalar(recipe), "--recipe: the model, images and engines"))
+    if recipes:
+        out.append(_line(2, "recipes", "[" + ", ".join(scalar(d) for d in recipes) + "]",
+                         "--recipes: owners' recipe directories"))
     if ssh_config:
         out += ["  ssh:", _line(4, "config", scalar(ssh_config),
                                 "--ssh-config: where the aliases resolve")]

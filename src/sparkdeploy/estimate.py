@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 from sparkdeploy import fit
-from sparkdeploy.config import Fit
 from sparkdeploy.fit import GIB
 
 VLLM_MODEL = "https://github.com/vllm-project/vllm/blob/main/vllm/config/model.py"
@@ -458,7 +457,7 @@ def estimate(cfg: Any, *, weights_bytes: float, weights_source: str = "--weights
     if ctx.value < 1:
         raise EstimateError(f"--context: must be >= 1, not {ctx.value}")
     kvd = kv_dtype(model, kv)
-    rg = Fit().reserve_gib if reserve_gib is None else reserve_gib
+    rg = fit.RESERVE_GIB if reserve_gib is None else reserve_gib
     reserve = Figure(rg * GIB, "the profile's fit.reserve_gib (sparkdeploy.config.Fit)"
                      if reserve_gib is None else "reserve given")
     usable = Figure(memory_gib * GIB, memory_source)

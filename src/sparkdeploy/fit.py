@@ -23,6 +23,8 @@ GIB = 1024 ** 3
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 """The files that are weights; when a repo has none of them, every file counts."""
 FRACTION_FLAGS = ("--gpu-memory-utilization", "--mem-fraction-static")
+RESERVE_GIB = 8.0
+"""The default ``fit.reserve_gib`` (``config.Fit``): GiB per GPU beside the weights."""
 
 
 class FitError(ValueError):

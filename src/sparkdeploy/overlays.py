@@ -242,18 +242,24 @@ def _load(path: Path, label: str, stack: list[tuple[Path, str]]) -> Merged:
     refs = _parents(data, label)
     if not refs:
         return Merged(copy.deepcopy(own), [label], _origins(own, label))
-    out = Merged(body={}, files=[])
+    parents = []
     for ref in refs:
         parent = Path(ref) if os.path.isabs(ref) else path.parent / ref
         if not parent.exists():
             raise ProfileError(f"{label}: extends: {ref}: no such profile file")
-        m = _load(parent, _parent_label(label, ref), stack + [(real, label)])
+        parents.append(_load(parent, _parent_label(label, ref), stack + [(real, label)]))
+    return layered(parents + [Merged(copy.deepcopy(own), [label], _origins(own, label))])
+
+
+def layered(layers: list[Merged]) -> Merged:
+    """``layers`` merged in order, each over the ones before it (as a file over the files it
+    extends): their files, provenance and overrides kept."""
+    out = Merged(body={}, files=[])
+    for m in layers:
         first = not out.files
         out.files += [f for f in m.files if f not in out.files]
         out.overrides += m.overrides
         _merge(out, m.body, m.origin, m.top, first=first)
-    out.files.append(label)
-    _merge(out, own, _origins(own, label), label)
     return out
 
 

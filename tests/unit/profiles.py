@@ -10,15 +10,20 @@ from typing import Any
 
 import yaml
 
+from sparkdeploy.config import with_recipe
 from sparkdeploy.lab import internet, layout
+from sparkdeploy.overlays import load_merged
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED = ROOT / "configs" / "qwen3.5-122b-a10b-fp8.yaml"
 
 
 def seed_data() -> dict[str, Any]:
-    """The seed profile's YAML, parsed afresh (a test may change it)."""
-    return yaml.safe_load(SEED.read_text())
+    """The seed profile laid over its recipe, as one standalone profile (a test may change it)."""
+    body = with_recipe(load_merged(SEED)).body
+    body.pop("recipe", None)
+    body.setdefault("endpoint", None)  # the seed says `endpoint: null`
+    return {"sparkdeploy": body}
 
 
 def write_profile(tmp_path: Path, data: dict[str, Any] | str, name: str = "p.yaml") -> Path:

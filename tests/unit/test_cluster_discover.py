@@ -226,13 +226,22 @@ def test_missing_rsync_and_no_gpu_fail_the_node(tmp_path, monkeypatch, capsys):
 
 def test_a_profile_the_loader_refuses_is_not_written(tmp_path, monkeypatch, capsys):
     pair = spark_pair(tmp_path)
-    pair["spark2"].gpus = 2  # 3 GPUs in all: the seed's engines are tensor parallel 2
+    pair["spark2"].gpus = 52  # 53 GPUs: a prime above 48 layers: no layout for them
     target = tmp_path / "mine.yaml"
     _, code, out = run(tmp_path, monkeypatch, pair, capsys, write=str(target))
     assert code == 1 and not target.exists()
-    assert re.search(r"the discovered profile does not validate: .*sparkdeploy\.engines\[0\]\."
-                     r"tensor_parallel: tensor_parallel x pipeline_parallel = 2, but the nodes "
-                     r"declare 3 GPUs", out)
+    assert re.search(r"the discovered profile does not validate: .*recipe qwen3\.5-122b-a10b-fp8: "
+                     r"no layout for 53 node\(s\)", out)
+
+
+def test_three_gpus_get_the_recipes_layout_pipeline_parallel_3(tmp_path, monkeypatch, capsys):
+    pair = spark_pair(tmp_path)
+    pair["spark2"].gpus = 2  # 3 GPUs: Qwen3.5's 32 heads do not divide by 3, so PP=3
+    target = tmp_path / "mine.yaml"
+    _, code, _ = run(tmp_path, monkeypatch, pair, capsys, write=str(target))
+    assert code == 0
+    p = load_profile(target)
+    assert [(e.tensor_parallel, e.pipeline_parallel) for e in p.engines] == [(1, 3)] * 3
 
 
 def test_dry_run_reads_but_only_says_it_would_write(tmp_path, monkeypatch, capsys):
@@ -261,3 +270,20 @@ def test_every_flag_is_a_door(tmp_path, flags, line):
         discover(ctx, nodes=flags.pop("aliases", None), **flags)
     assert (e.value.code, str(e.value.message)) == (2, line)
     assert ctx.calls == []
+
+
+def test_recipe_flag_writes_a_profile_that_says_recipe(tmp_path, monkeypatch, capsys):
+    target = tmp_path / "mine.yaml"
+    _, code, _ = run(tmp_path, monkeypatch, spark_pair(tmp_path), capsys, write=str(target),
+                     recipe="gpt-oss-120b")
+    assert code == 0
+    assert "  recipe: gpt-oss-120b   # --recipe: the model, images and engines\n" in target.read_text()
+    p = load_profile(target)
+    assert (p.recipe, p.model.repo) == ("gpt-oss-120b", "openai/gpt-oss-120b")
+    assert [(e.name, e.tensor_parallel) for e in p.engines] == [("vllm", 2)]
+
+
+def test_an_unknown_recipe_reads_no_node(tmp_path, monkeypatch, capsys):
+    ctx, code, _ = run(tmp_path, monkeypatch, spark_pair(tmp_path), capsys,
+                       write=str(tmp_path / "mine.yaml"), recipe="nope")
+    assert code == 2 and helper_args(ctx, "spark1") == []

@@ -2,13 +2,14 @@ import json
 import shlex
 
 import pytest
+import yaml
 
 from sparkdeploy.config import load_profile
 from sparkdeploy.ops.image import decision
 from sparkdeploy.records import ImageDecision
 from sparkdeploy.steps import images, ship
 from tests.unit.fakes import WALL, FakeContext, deployment
-from tests.unit.profiles import SEED
+from tests.unit.profiles import SEED, seed_data
 
 
 @pytest.fixture
@@ -118,8 +119,9 @@ def test_index_url_with_credentials_is_refused(tmp_path):
     from sparkdeploy.config import ProfileError
 
     p = tmp_path / "p.yaml"
-    p.write_text(SEED.read_text().replace("index_url: https://pypi.org/simple",
-                                          "index_url: https://user:pw@example.org/simple"))
+    data = seed_data()
+    data["sparkdeploy"]["images"]["layer"]["index_url"] = "https://user:pw@example.org/simple"
+    p.write_text(yaml.safe_dump(data))
     with pytest.raises(ProfileError, match="images.layer.index_url: must not carry credentials"):
         load_profile(p)
 

@@ -28,7 +28,7 @@ def child(path: Path, body: dict, extends=None) -> Path:
 def seed_copy(tmp_path) -> Path:
     p = tmp_path / "base" / "seed.yaml"
     p.parent.mkdir()
-    p.write_text(SEED.read_text())
+    p.write_text(yaml.safe_dump(seed_data()))  # the seed over its recipe, standalone
     return p
 
 

@@ -213,12 +213,14 @@ def deliver(ctx: StepContext, text: str, target: Path | None, dry: bool) -> None
 @step(STEP)
 def discover(ctx: StepContext, nodes: list[tuple[str, str]], ssh: SshSettings | None = None,
              runner: Context | None = None, write: Path | None = None,
-             interface: str | None = None, command: str = "inv cluster.discover") -> None:
+             interface: str | None = None, command: str = "inv cluster.discover",
+             recipe: str | None = None, recipes: tuple[str, ...] = ()) -> None:
     """Read every node of ``nodes`` ((name, ssh alias), the head first), pick the fast link,
-    then write the profile to ``write`` or hand it over to be printed."""
+    then write the profile to ``write`` or hand it over to be printed (``recipe``: the profile
+    says ``recipe: NAME``; ``recipes``: owners' recipe directories)."""
     ssh = ssh or SshSettings()
     hosts = probe_hosts(nodes, ssh, runner, ctx.events)
-    seed = load_profile(packaged.data(packaged.SEED_PROFILE))
+    seed = load_profile(packaged.data(packaged.SEED_PROFILE), recipe, recipes)
     found = _read_all(ctx, hosts, seed.model.path, trust_hint(hosts, ssh))
     if found is None:
         ctx.failed("not every node could be read: no profile")
@@ -231,6 +233,7 @@ def discover(ctx: StepContext, nodes: list[tuple[str, str]], ssh: SshSettings | 
         for line in link_warnings(found[h.name].link, next(e for e in link.ends if e.node == h.name)):
             ctx.ok(f"warning: {line}", h.name)
     text = render([_found(h, found[h.name], link) for h in hosts], ssh_config=ssh.config,
-                  seed_nodes=list(seed.services.stop), target=write, command=command)
+                  seed_nodes=list(seed.services.stop), target=write, command=command,
+                  recipe=recipe, recipes=[str(Path(d).resolve()) for d in recipes])
     deliver(ctx, text, write, hosts[0].dry)
 

@@ -13,9 +13,10 @@ from sparkdeploy.tasks import (
     link,
     model,
     profile,
+    recipe,
     serve,
     services,
 )
 
-ns = Collection(profile, hosts, cluster, link, services, image, model, lab, bench, serve, deploy)
+ns = Collection(profile, recipe, hosts, cluster, link, services, image, model, lab, bench, serve, deploy)
 ns.configure({"sparkdeploy": dict(DEFAULTS)})

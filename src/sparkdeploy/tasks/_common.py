@@ -63,7 +63,8 @@ def drive(c: Context, name: str, work: Work, *, profile: str | None = None,
           deployment: Literal["needed", "optional", "none"] = "needed", lock: bool = True,
           live: bool = True, prepare: Callable[[Deployment], None] | None = None,
           show: Callable[[Deployment | None, list[Result]], None] | None = None,
-          verdict: Callable[[list[Result]], str | None] = failed_count) -> list[Result]:
+          verdict: Callable[[list[Result]], str | None] = failed_count,
+          recipe: str | None = None, recipe_dirs: tuple[str, ...] = ()) -> list[Result]:
     """Run a task: load the deployment (``deployment``: "needed"; "optional": None when the
     profile cannot be loaded; "none": never read), ``prepare(dep)`` (checks of the task's flags
     against the profile, a plan shown before it runs), then ``work(dep, events)`` with its event
@@ -72,7 +73,8 @@ def drive(c: Context, name: str, work: Work, *, profile: str | None = None,
     the run is dry), then the recap (``recap``: per node, the counts of ok/changed/skipped/failed
     results), then ``show(dep, results)`` (tables, a record, a profile printed last so that it
     can be redirected to a file and cut from the end), and exit 1 with
-    ``verdict(results)`` when it names a failure. Errors exit as ``exits`` says."""
+    ``verdict(results)`` when it names a failure. Errors exit as ``exits`` says. ``recipe``:
+    deploy that recipe's model part instead of the profile's (``recipe_dirs``: owners' recipes)."""
     with exits():
         dep: Deployment | None = None
         if deployment != "none":
@@ -81,7 +83,7 @@ def drive(c: Context, name: str, work: Work, *, profile: str | None = None,
             if why:
                 raise usage("sparkdeploy.state_dir", why)
             try:
-                dep = load(c, profile)
+                dep = load(c, profile, recipe, recipe_dirs)
             except ProfileError:
                 if deployment == "needed":
                     raise
@@ -103,10 +105,11 @@ def drive(c: Context, name: str, work: Work, *, profile: str | None = None,
     return results
 
 
-def load(c: Context, profile: str | None = None) -> Deployment:
+def load(c: Context, profile: str | None = None, recipe: str | None = None,
+         recipe_dirs: tuple[str, ...] = ()) -> Deployment:
     """The deployment of invoke's config (``profile`` wins); a bad profile raises
     ``ProfileError`` (``drive`` makes it an exit)."""
-    return from_context(c, profile)
+    return from_context(c, profile, recipe, recipe_dirs)
 
 
 def run_step(c: Context, name: str, *, profile: str | None = None, lock: bool = True,

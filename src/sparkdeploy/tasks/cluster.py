@@ -7,9 +7,10 @@ from pathlib import Path
 from invoke import Collection
 
 from sparkdeploy import checks
-from sparkdeploy.config import SshSettings
+from sparkdeploy.config import SshSettings, read_recipe
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.discover import node_name
+from sparkdeploy.recipes import directories
 from sparkdeploy.results import Result
 from sparkdeploy.steps.cluster import STEP
 from sparkdeploy.steps.registry import run_one
@@ -49,8 +50,11 @@ def _show(dep: Deployment | None, results: list[Result]) -> None:
 @task(default=True, help={"nodes": "ssh aliases, the first the head: spark1,spark2",
             "ssh_config": "an ssh_config file the aliases resolve in (default: ssh's own)",
             "write": "write the profile to this file (default: print it)",
-            "interface": "the fast link's interface, when more than one qualifies"})
-def discover(c, nodes=None, ssh_config=None, write=None, interface=None):
+            "interface": "the fast link's interface, when more than one qualifies",
+            "recipe": "the profile deploys this recipe (`inv recipe.list`)",
+            "recipes": "an owner's recipe directory (DIR[,DIR...]), looked up first"})
+def discover(c, nodes=None, ssh_config=None, write=None, interface=None, recipe=None,
+             recipes=None):
     """Read each node over SSH (architecture, GPUs, memory, disk, Docker, privilege, rsync,
     python3, the fast-link candidates), pick the fast link, print or write a profile that
     extends the seed deployment profile."""
@@ -58,10 +62,19 @@ def discover(c, nodes=None, ssh_config=None, write=None, interface=None):
     ssh = ssh_flag(ssh_config)
     target = flags.output_file("--write", write)
     iface = None if interface is None else flags.parsed("--interface", interface, checks.interface)
+    dirs = tuple(flags.name_list("--recipes", recipes))
     command = f"inv cluster.discover --nodes {','.join(a for _, a in pairs)}"
-    drive(c, STEP, lambda dep, events: run_one(
-        None, STEP, events=events, nodes=pairs, ssh=ssh, runner=c, interface=iface,
-        write=Path(target) if target else None, command=command), deployment="none", show=_show)
+    if recipe is not None:
+        command += f" --recipe {recipe}"
+
+    def work(dep, events):
+        if recipe is not None:  # an unknown recipe: one line, exit 2, before any node is read
+            read_recipe(recipe, directories(list(dirs)))
+        return run_one(None, STEP, events=events, nodes=pairs, ssh=ssh, runner=c,
+                       interface=iface, write=Path(target) if target else None,
+                       command=command, recipe=recipe, recipes=dirs)
+
+    drive(c, STEP, work, deployment="none", show=_show)
 
 
 ns = Collection("cluster", discover)

@@ -53,9 +53,10 @@ class _Plan:
         bad = [n for n, r in self.out.runs.items() if r.state == "failed"] if self.out else []
         return f"{len(bad)} step(s) failed: {', '.join(bad)}; run it again to resume" if bad else None
 
-    def drive(self, c, profile, show=None) -> None:
+    def drive(self, c, profile, show=None, recipe=None, recipes=None) -> None:
         drive(c, self.name, self.work, profile=profile, prepare=self.prepare, show=show,
-              verdict=self.verdict)
+              verdict=self.verdict, recipe=recipe,
+              recipe_dirs=tuple(flags.name_list("--recipes", recipes)))
 
 
 @task(name="all", default=True, help={
@@ -65,8 +66,11 @@ class _Plan:
     "bench": "run the bench smoke even when nothing changed",
     "persist": "make the deployment come back at boot (serve.persist)",
     "profile": "profile file",
+    "recipe": "deploy this recipe (its model, images, engines) on the profile's cluster",
+    "recipes": "an owner's recipe directory (DIR[,DIR...]), looked up first",
 })
-def all_(c, serial=False, only=None, skip=None, bench=False, persist=False, profile=None):
+def all_(c, serial=False, only=None, skip=None, bench=False, persist=False, profile=None,
+         recipe=None, recipes=None):
     """Deploy: free the head, choose/build/ship the image, download and sync the weights, serve
     (with fallback), bench smoke, optionally persist; resumable, records every decision."""
     run = _Plan("deploy", lambda d: plans.plan(d, bench=bench, persist=persist), serial=serial,
@@ -80,7 +84,7 @@ def all_(c, serial=False, only=None, skip=None, bench=False, persist=False, prof
         print(f"endpoint: {endpoint or '-'}", flush=True)
         print(f"record: {written.markdown if written else 'none (dry run)'}", flush=True)
 
-    run.drive(c, profile, show)
+    run.drive(c, profile, show, recipe=recipe, recipes=recipes)
 
 
 @task(help={"purge": "also remove the weights and sparkdeploy's images from the nodes",
