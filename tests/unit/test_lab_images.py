@@ -210,6 +210,9 @@ class FakeAPI:
     def images(self, **kw):
         return []
 
+    def tag(self, image, repository, tag):
+        self.images_[f"{repository}:{tag}"] = self.images_[image]
+
     def remove_image(self, *a, **kw):
         raise AssertionError("nothing to remove")
 
@@ -249,6 +252,17 @@ def test_builds_what_is_missing_then_is_ok(fake_engine):
     assert [r.status for r in second] == [Status.OK] * 3
     assert len(api.builds) == 3
     assert [r.details["recipe"] for r in second] == [r.details["recipe"] for r in first]
+
+
+def test_the_recipes_vllm_images_are_the_labs_vllm_image_by_other_names(fake_engine):
+    api, build, _ = fake_engine
+    build(archive_dir=None)
+    vllm = api.images_["hellohal2064/vllm-qwen3.5-gb10"]["Id"]
+    for ref in ("sparkarena/spark-vllm-docker:mxfp4", "nvcr.io/nvidia/vllm:25.11-py3"):
+        assert api.images_[ref]["Id"] == vllm
+    del api.images_["sparkarena/spark-vllm-docker:mxfp4"]
+    assert [r.status for r in build(archive_dir=None)] == [Status.OK] * 3  # named again
+    assert api.images_["sparkarena/spark-vllm-docker:mxfp4"]["Id"] == vllm
 
 
 def test_a_tag_with_another_recipe_or_no_standin_label_is_rebuilt(fake_engine):

@@ -7,7 +7,9 @@ with python3), three images tagged with the real names:
 - ``scitrera/dgx-spark-sglang:0.5.10rc0``: sglang 0.5.10rc0 (holds ``srt/models/qwen3_5.py``
   and ``qwen3_5_mtp.py``) + transformers 4.57.1;
 - ``hellohal2064/vllm-qwen3.5-gb10``: vllm 0.17.1 (the real wheel with its compiled ``*.so``
-  libraries left out, RECORD rewritten to match) + real Ray + transformers 4.57.1.
+  libraries left out, RECORD rewritten to match) + real Ray + transformers 4.57.1; also
+  tagged ``sparkarena/spark-vllm-docker:mxfp4`` and ``nvcr.io/nvidia/vllm:25.11-py3``, the
+  recipes' vLLM images (the lab stands in for them with vLLM 0.17.1's files).
 
 Everything lives in a venv at ``/opt/venv`` first on the image's PATH, so the container's
 ``python3`` has the packages (as in the real images; bookworm's own python3 is
@@ -98,6 +100,9 @@ class Recipe:
     engine_requirement: str  # "name==version": the engine wheel, installed with --no-deps
     requires: tuple[str, ...]  # installed with their dependencies
     strip_compiled: bool = False  # leave the engine wheel's *.so out
+    also: tuple[str, ...] = ()
+    """More names of the same image: the refs of recipes' images whose engine version the lab
+    does not build, stood in for by this one (same engine files, this engine version)."""
 
     @property
     def engine_name(self) -> str:
@@ -114,7 +119,10 @@ COMMUNITY_IMAGES: tuple[Recipe, ...] = (
     Recipe("scitrera/dgx-spark-sglang:0.5.10rc0", "sglang", "sglang==0.5.10rc0",
            ("transformers==4.57.1", *SGLANG_IMPORT_DEPS)),
     Recipe("hellohal2064/vllm-qwen3.5-gb10", "vllm", "vllm==0.17.1",
-           ("transformers==4.57.1", "ray==2.60.0"), strip_compiled=True),
+           ("transformers==4.57.1", "ray==2.60.0"), strip_compiled=True,
+           # the recipes' vLLM images (sparkdeploy/data/recipes): vLLM 0.17.1 holds gpt_oss.py,
+           # glm4_moe.py and llama.py, transformers 4.57.1 parses gpt_oss and glm4_moe
+           also=("sparkarena/spark-vllm-docker:mxfp4", "nvcr.io/nvidia/vllm:25.11-py3")),
 )
 
 # --- the shims and the wiring script (run inside the build stage) --------------------------
@@ -200,7 +208,7 @@ def recipe_hash(recipe: Recipe, base_ident: str, standin_source: bytes) -> str:
     """What decides an image's content: pins, Dockerfile shape, shims, stand-in, base image."""
     ident = {
         "format": FORMAT,
-        "recipe": asdict(recipe),
+        "recipe": {k: v for k, v in asdict(recipe).items() if k != "also"},  # names only
         "base": base_ident,
         "dockerfile": dockerfile(recipe, "BASE", "ENGINE.whl", {}),
         "wire": WIRE_PY,
@@ -428,6 +436,7 @@ def build_community_images(
         archive = archive_path(archive_dir, recipe, h) if archive_dir else None
         if _matches(have, h):
             note = _ensure_archive(api, recipe.tag, archive)
+            _tag_also(api, recipe)
             results.append(Result(STEP, Status.OK, f"{recipe.tag}: present (recipe {h[:12]}){note}", node,
                                   {"image": recipe.tag, "recipe": h, "size": _size(api, recipe.tag)}))
             continue
@@ -458,11 +467,19 @@ def build_community_images(
             _prune_build_stages(api)
         image_id = api.inspect_image(recipe.tag)["Id"]
         _remove_superseded(api, recipe.tag, image_id)
+        _tag_also(api, recipe)
         secs = time.monotonic() - t0
         results.append(Result(STEP, Status.CHANGED, f"{recipe.tag}: {how} in {secs:.0f}s{note}", node,
                               {"image": recipe.tag, "recipe": h, "id": image_id,
                                "size": _size(api, recipe.tag), "seconds": round(secs, 1)}))
     return results
+
+
+def _tag_also(api, recipe: Recipe) -> None:
+    """Give the image its other names (``Recipe.also``)."""
+    for ref in recipe.also:
+        repo, _, tag = ref.rpartition(":")
+        api.tag(recipe.tag, repo, tag)
 
 
 def _matches(labels: dict[str, str] | None, recipe_hash_: str) -> bool:
