@@ -310,3 +310,36 @@ def test_rollback_purge_removes_the_weights_and_our_images(lab, state_dir):
     finally:
         bad = [x for x in lifecycle.up(nodes=2, flavor=layout.DEFAULT_DOCKERD) if x.failed]
         assert not bad, [x.why for x in bad]
+
+
+def test_deploy_all_of_a_recipe_serves_its_model_from_only_the_files_the_engine_loads(
+        lab, tmp_path):
+    """`deploy.all --recipe gpt-oss-120b` on the pair: the recipe's model, image and engine
+    (vLLM's own multi-node mode, TP=2 from the calculator) over the lab's cluster; each node
+    holds the files the engine loads and none of the repository's other copies; then
+    `deploy.rollback --recipe ... --purge --yes` leaves the pair as it was."""
+    from sparkdeploy.lab import layout, lifecycle
+
+    state = tmp_path / "state"
+    r = inv(state, "deploy.all", "--recipe", "gpt-oss-120b", timeout=1200)
+    try:
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+        last = r.stdout.strip().splitlines()[-2:]
+        url = last[0].split(" ", 1)[1]
+        models = requests.get(url.rstrip("/") + "/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == ["openai/gpt-oss-120b"]
+        data = json.loads(Path(last[1].split(" ", 1)[1]).with_suffix(".json").read_text())["data"]
+        assert data["engine"]["chosen"] == "vllm"
+        for node in ("spark1", "spark2"):
+            files = lab.ssh(node, ["find", "/srv/models/gpt-oss-120b", "-type", "f",
+                                   "-not", "-path", "*/.sparkdeploy/*"]).stdout.split()
+            names = sorted(f.removeprefix("/srv/models/gpt-oss-120b/") for f in files)
+            assert "model-00000-of-00014.safetensors" in names, names
+            assert not [n for n in names if n.startswith(("original/", "metal/"))], names
+    finally:
+        down = inv(state, "deploy.rollback", "--recipe", "gpt-oss-120b", "--purge", "--yes")
+        assert down.returncode == 0, down.stdout[-3000:] + down.stderr[-2000:]
+        bad = [x for x in lifecycle.up(nodes=2, flavor=layout.DEFAULT_DOCKERD) if x.failed]
+        assert not bad, [x.why for x in bad]
+    for node in ("spark1", "spark2"):
+        assert lab.ssh(node, ["test", "-e", "/srv/models/gpt-oss-120b"], check=False).returncode == 1

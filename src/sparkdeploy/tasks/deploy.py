@@ -88,8 +88,9 @@ def all_(c, serial=False, only=None, skip=None, bench=False, persist=False, prof
 
 
 @task(help={"purge": "also remove the weights and sparkdeploy's images from the nodes",
-            "yes": "do not ask before --purge removes anything", "profile": "profile file"})
-def rollback(c, purge=False, yes=False, profile=None):
+            "yes": "do not ask before --purge removes anything", "profile": "profile file",
+            "recipe": "the recipe deploy.all --recipe deployed", "recipes": "as deploy.all's"})
+def rollback(c, purge=False, yes=False, profile=None, recipe=None, recipes=None):
     """Undo the deployment: serve.unpersist, serve.down, services.restore (the head's units are
     back); --purge also removes the weights and sparkdeploy's images, after asking."""
     def confirm(dep: Deployment) -> None:
@@ -104,7 +105,7 @@ def rollback(c, purge=False, yes=False, profile=None):
                 raise Exit("nothing removed", code=1)
 
     _Plan("rollback", lambda d: plans.rollback_plan(d, purge=purge), serial=True,
-          before=confirm).drive(c, profile)
+          before=confirm).drive(c, profile, recipe=recipe, recipes=recipes)
 
 
 ns = Collection("deploy", all_, rollback)
