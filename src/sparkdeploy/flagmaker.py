@@ -20,6 +20,7 @@ import sys
 import venv
 from pathlib import Path
 
+from sparkdeploy.engine_flags import release
 from sparkdeploy.files import write_text_atomic
 
 HELPER = Path(__file__).resolve().parent / "helpers" / "engine_flags.py"
@@ -31,12 +32,6 @@ _SPEC = re.compile(r"^(sglang|vllm)==([0-9]+(?:\.[0-9]+)*)((?:rc|a|b)[0-9]+)?$")
 
 class FlagMakerError(Exception):
     """One line for the user."""
-
-
-def release(version: str) -> str:
-    """``0.5.10rc0`` -> ``0.5.10``: the release a pre-release maps to."""
-    m = re.match(r"^[0-9]+(?:\.[0-9]+)*", version)
-    return m.group(0) if m else version
 
 
 def parse_spec(spec: str) -> tuple[str, str]:

@@ -268,7 +268,7 @@ def install_fakes(names, missing: bool = False) -> Fakes:
         except ValueError:  # a fake in sys.modules (its spec is gone): not installed
             return None
 
-    importlib.util.find_spec = find_spec  # type: ignore[assignment]
+    importlib.util.find_spec = find_spec
     return last
 
 
@@ -296,14 +296,14 @@ def catch_parser(build) -> argparse.ArgumentParser:
     except Caught as c:
         return c.parser
     finally:
-        argparse.ArgumentParser.parse_known_args, argparse.ArgumentParser.parse_args = saved
+        argparse.ArgumentParser.parse_known_args, argparse.ArgumentParser.parse_args = saved  # type: ignore[method-assign]
     raise RuntimeError("the engine built no parser")
 
 
 def sglang_parser() -> argparse.ArgumentParser:
     server_args = importlib.import_module("sglang.srt.server_args")
     # the prog of a parser without one: what `python3 -m sglang.launch_server` makes it
-    sys.argv = [os.path.join(os.path.dirname(server_args.__file__), "..", "launch_server.py")]
+    sys.argv = [os.path.join(os.path.dirname(str(server_args.__file__)), "..", "launch_server.py")]
     return catch_parser(lambda: server_args.prepare_server_args([]))
 
 
@@ -322,7 +322,8 @@ def force_vllm_platform(platform: str) -> None:
     names = {"cpu": ("vllm.platforms.cpu", "CpuPlatform"),
              "cuda": ("vllm.platforms.cuda", "CudaPlatform")}
     mod, cls = names[platform]
-    platforms._current_platform = getattr(importlib.import_module(mod), cls)()
+    platform_class = getattr(importlib.import_module(mod), cls)
+    setattr(platforms, "_current_platform", platform_class())  # noqa: B010 - vLLM's private global
 
 
 def subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:

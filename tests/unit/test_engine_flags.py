@@ -1,0 +1,101 @@
+"""Every command sparkdeploy generates, checked against the engines' flag manifests (made from
+the real parsers by ``nox -s engine_flags``), and the one-line errors of the check."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import yaml
+
+from sparkdeploy import engine_flags as ef
+from sparkdeploy.config import load_profile
+from sparkdeploy.engines import launch
+from tests.unit.conftest import SEED, seed_data
+
+SGLANG_VERSIONS = ("0.5.4", "0.5.10rc0")  # the lab images' (lab/images.py) and the seed's candidates
+
+
+def _nodes(tmp_path, n: int):
+    data = seed_data()
+    d = data["sparkdeploy"]
+    first = d["nodes"][1]
+    d["nodes"] = d["nodes"][:1]
+    for i in range(n - 1):
+        node = copy.deepcopy(first)
+        node.update(name=f"spark{i + 2}", ssh=f"spark{i + 2}")
+        node["link"]["address"] = f"192.168.100.{11 + i}"
+        d["nodes"].append(node)
+    for e in d["engines"]:
+        e["tensor_parallel"] = n
+    p = tmp_path / f"p{n}.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return load_profile(p)
+
+
+def _sglang_args(argv: tuple[str, ...]) -> list[str]:
+    assert argv[0] == "python3" and argv[1] in ("-m", "-c")
+    return list(argv[3:])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("version", SGLANG_VERSIONS)
+@pytest.mark.parametrize("api_key", [False, True])
+def test_every_sglang_command_sparkdeploy_generates_is_accepted_by_the_real_parser(tmp_path, n, version,
+                                                                                  api_key):
+    prof = _nodes(tmp_path, n)
+    engines = [e for e in prof.engines if e.kind == "sglang"]
+    assert engines
+    for engine in engines:
+        for c in launch(prof, engine, {}, api_key).containers:
+            args = _sglang_args(c.argv) + (["--api-key", "k"] if api_key and c.rank == 0 else [])
+            ef.check_args("sglang", version, args)  # raises on the first flag it refuses
+
+
+def test_a_misspelled_flag_is_one_line_with_the_closest_real_flag():
+    with pytest.raises(ef.FlagError) as e:
+        ef.check_args("sglang", "0.5.10rc0", ["--mem-fraction-statik", "0.85"])
+    assert str(e.value) == ("--mem-fraction-statik: not a flag of sglang 0.5.10; "
+                            "did you mean --mem-fraction-static?")
+
+
+def test_a_prefix_is_not_a_flag_though_the_engine_would_take_it_today():
+    with pytest.raises(ef.FlagError, match=r"^--tp: not a flag of sglang 0.5.4; did you mean --tp-size\?$"):
+        ef.check_args("sglang", "0.5.4", ["--tp", "2"])
+
+
+def test_a_value_given_to_a_switch_is_refused_in_both_spellings():
+    for args in (["--trust-remote-code", "true"], ["--trust-remote-code=true"]):
+        with pytest.raises(ef.FlagError, match=r"^--trust-remote-code: a switch of sglang 0.5.10, "
+                                               r"it takes no value \('true'\)$"):
+            ef.check_args("sglang", "0.5.10", args)
+
+
+def test_a_value_outside_the_choices_is_one_line():
+    with pytest.raises(ef.FlagError, match=r"^--tokenizer-mode fast: not one of auto, slow \(sglang 0.5.10\)$"):
+        ef.check_args("sglang", "0.5.10", ["--tokenizer-mode", "fast"])
+
+
+def test_an_engine_version_without_a_manifest_says_how_to_make_one():
+    with pytest.raises(ef.FlagError) as e:
+        ef.check_args("sglang", "0.5.99", ["--port", "1"])
+    assert str(e.value) == ("no flag manifest for sglang 0.5.99: make one with "
+                            "`nox -s engine_flags -- sglang==0.5.99`")
+
+
+def test_a_file_that_is_not_a_manifest_is_one_line(tmp_path):
+    (tmp_path / "sglang-9.9.json").write_text(json.dumps({"options": [{"flags": ["--x"]}]}))
+    with pytest.raises(ef.FlagError, match=r"^sglang-9.9.json: not a flag manifest \(KeyError"):
+        ef.manifest("sglang", "9.9", tmp_path)
+
+
+def test_the_manifests_hold_the_real_parsers_counts_and_say_where_they_come_from():
+    new, old = ef.manifest("sglang", "0.5.10"), ef.manifest("sglang", "0.5.4")
+    assert (len(old["options"]), new["built_from"]) == (274, "sglang==0.5.10rc0")
+    assert "release candidate 0.5.10rc0" in new["note"] and new["allow_abbrev"] is True
+    assert {"--tp-size", "--tensor-parallel-size"} <= set(new["by_flag"]) and "--tp" not in new["by_flag"]
+
+
+def test_the_seed_profile_loads():
+    assert load_profile(SEED).engines
