@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -14,6 +18,7 @@ from sparkdeploy.config import load_profile
 from sparkdeploy.engines import launch
 from tests.unit.conftest import SEED, seed_data
 
+SRC = Path(__file__).resolve().parents[2] / "src"
 SGLANG_VERSIONS = ("0.5.4", "0.5.10rc0")  # the lab images' (lab/images.py) and the seed's candidates
 
 
@@ -99,3 +104,28 @@ def test_the_manifests_hold_the_real_parsers_counts_and_say_where_they_come_from
 
 def test_the_seed_profile_loads():
     assert load_profile(SEED).engines
+
+
+def _standin(args: list[str], manifest) -> subprocess.CompletedProcess:
+    code = "import sys; from sparkdeploy.lab.standins.engine_server import sglang_main; sglang_main(sys.argv[1:])"
+    env = {**os.environ, "SPARKDEPLOY_STANDIN_FLAGS": str(manifest), "PYTHONPATH": str(SRC)}
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
+                          timeout=60)
+
+
+@pytest.mark.parametrize(("version", "prog"), [("0.5.10", "sglang serve"), ("0.5.4", "launch_server.py")])
+def test_the_sglang_standin_refuses_an_unknown_flag_as_the_real_parser_does(version, prog):
+    cp = _standin(["--model-path", "/m", "--tp-size", "2", "--mem-fraction-statik", "0.8"],
+                  ef.DIR / f"sglang-{version}.json")
+    lines = cp.stderr.splitlines()
+    assert cp.returncode == 2 and lines[0].startswith(f"usage: {prog} ")
+    assert lines[-1] == f"{prog}: error: unrecognized arguments: --mem-fraction-statik 0.8"
+
+
+def test_the_lab_images_carry_their_engine_versions_manifest_for_the_standin():
+    from sparkdeploy.lab import images
+
+    by_tag = {r.tag: images.flag_manifest(r) for r in images.COMMUNITY_IMAGES}
+    assert by_tag["scitrera/dgx-spark-sglang:0.5.10rc0"] == (ef.DIR / "sglang-0.5.10.json").read_bytes()
+    assert by_tag["lmsysorg/sglang:spark"] == (ef.DIR / "sglang-0.5.4.json").read_bytes()
+    assert by_tag["hellohal2064/vllm-qwen3.5-gb10"] is None  # no vLLM manifest yet
