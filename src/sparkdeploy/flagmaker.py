@@ -3,7 +3,8 @@ sglang==X vllm==Y``): ``python -m sparkdeploy.flagmaker sglang==0.5.10rc0 ...``.
 
 For each ``engine==version``: a scratch virtualenv outside the repository
 (``~/.cache/sparkdeploy/engine-flags/<engine>-<version>/``, made once), the engine's wheel from
-the package index without its dependencies, plus ``packaging``; then the node-less helper
+the package index without its dependencies, plus the few light packages it must import for
+real (``LIGHT``: ``packaging``; for vLLM its pydantic and transformers side, about 760 MB); then the node-less helper
 ``helpers/engine_flags.py`` runs in it and builds the engine's own parser with the GPU stack and
 every other missing package faked (FACTS: "The engines' own parsers, without a GPU"). The
 manifest goes to ``src/sparkdeploy/data/engine-flags/<engine>-<release>.json``: a release
@@ -27,6 +28,17 @@ HELPER = Path(__file__).resolve().parent / "helpers" / "engine_flags.py"
 OUT = Path(__file__).resolve().parent / "data" / "engine-flags"
 CACHE = Path.home() / ".cache" / "sparkdeploy" / "engine-flags"
 FORMAT = 1
+LIGHT = {
+    "sglang": ("packaging",),
+    # what vLLM's import of its CLI needs for real (its pydantic config classes, transformers'
+    # config side); the GPU stack and everything else stays faked
+    "vllm": ("packaging", "pydantic", "transformers<5", "fastapi", "openai", "msgspec", "pyyaml",
+             "cloudpickle", "numpy", "regex", "cachetools", "psutil", "pillow", "prometheus_client",
+             "aiohttp", "pyzmq", "requests", "tqdm", "typing_extensions", "filelock", "blake3",
+             "py-cpuinfo", "protobuf", "sentencepiece", "tiktoken", "gguf", "partial-json-parser",
+             "python-json-logger", "cbor2", "ijson", "setproctitle", "einops", "lark", "diskcache",
+             "watchfiles", "pybase64", "openai-harmony", "email-validator"),
+}
 _SPEC = re.compile(r"^(sglang|vllm)==([0-9]+(?:\.[0-9]+)*)((?:rc|a|b)[0-9]+)?$")
 
 
@@ -47,12 +59,12 @@ def scratch_python(engine: str, version: str, cache: Path = CACHE) -> Path:
     py = root / "bin" / "python"
     if not (root / ".ready").exists():
         venv.create(root, with_pip=True, clear=True)
-        cp = subprocess.run([str(py), "-m", "pip", "install", "--quiet", "--no-deps",
-                             "--disable-pip-version-check", f"{engine}=={version}", "packaging"],
-                            capture_output=True, text=True)
-        if cp.returncode != 0:
-            raise FlagMakerError(f"pip install {engine}=={version}: "
-                                 + (cp.stderr.strip().splitlines() or ["failed"])[-1])
+        pip = [str(py), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        for argv in ([*pip, "--no-deps", f"{engine}=={version}"], [*pip, *LIGHT[engine]]):
+            cp = subprocess.run(argv, capture_output=True, text=True)
+            if cp.returncode != 0:
+                raise FlagMakerError(f"pip install {engine}=={version}: "
+                                     + (cp.stderr.strip().splitlines() or ["failed"])[-1])
         (root / ".ready").touch()
     return py
 

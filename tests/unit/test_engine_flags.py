@@ -58,6 +58,23 @@ def test_every_sglang_command_sparkdeploy_generates_is_accepted_by_the_real_pars
             ef.check_args("sglang", version, args)  # raises on the first flag it refuses
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_every_vllm_command_sparkdeploy_generates_is_accepted_by_the_real_parser(tmp_path, n):
+    prof = _nodes(tmp_path, n)
+    checked = 0
+    for engine in (e for e in prof.engines if e.kind in ("vllm", "vllm-ray")):
+        for c in launch(prof, engine, {}, True).containers:
+            if c.argv[:2] == ("vllm", "serve"):  # Ray's own containers run `ray start`
+                ef.check_args("vllm", "0.17.1", list(c.argv[2:]))
+                checked += 1
+    assert checked >= 2
+
+
+def test_vllm_refuses_a_flag_of_sglang_and_names_its_own():
+    with pytest.raises(ef.FlagError, match=r"^--mem-fraction-static: not a flag of vllm 0.17.1"):
+        ef.check_args("vllm", "0.17.1", ["/m", "--mem-fraction-static", "0.8"])
+
+
 def test_a_misspelled_flag_is_one_line_with_the_closest_real_flag():
     with pytest.raises(ef.FlagError) as e:
         ef.check_args("sglang", "0.5.10rc0", ["--mem-fraction-statik", "0.85"])
@@ -128,4 +145,4 @@ def test_the_lab_images_carry_their_engine_versions_manifest_for_the_standin():
     by_tag = {r.tag: images.flag_manifest(r) for r in images.COMMUNITY_IMAGES}
     assert by_tag["scitrera/dgx-spark-sglang:0.5.10rc0"] == (ef.DIR / "sglang-0.5.10.json").read_bytes()
     assert by_tag["lmsysorg/sglang:spark"] == (ef.DIR / "sglang-0.5.4.json").read_bytes()
-    assert by_tag["hellohal2064/vllm-qwen3.5-gb10"] is None  # no vLLM manifest yet
+    assert by_tag["hellohal2064/vllm-qwen3.5-gb10"] == (ef.DIR / "vllm-0.17.1.json").read_bytes()

@@ -28,6 +28,7 @@ its ``nargs`` and ``choices``.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import importlib
 import importlib.abc
@@ -62,7 +63,7 @@ FAKED = {
 }
 
 
-class _FakeMeta(type):
+class _FakeMeta(abc.ABCMeta):
     """The type of every fake attribute: anything read from it is another fake, calling it on a
     single function gives the function back (a decorator), any other call gives a fake."""
 
@@ -75,6 +76,9 @@ class _FakeMeta(type):
         if not cls.__dict__.get("_is_fake"):
             return super().__call__(*args, **kwargs)
         return _called(args, kwargs)
+
+    def register(cls, *args, **kwargs):  # ABCMeta's own, and a fake's (AutoConfig.register(a, b))
+        return args[0] if args else None
 
     def __getitem__(cls, item):
         return cls
@@ -151,6 +155,20 @@ class _Value(str):
     def __hash__(self):
         return 0
 
+    def __mul__(self, other):
+        return _Value()
+
+    __rmul__ = __truediv__ = __rtruediv__ = __sub__ = __rsub__ = __floordiv__ = __pow__ = __mul__
+    __neg__ = __abs__ = __mul__
+
+    def __int__(self):
+        return 0
+
+    __index__ = __int__
+
+    def __float__(self):
+        return 0.0
+
 
 def _called(args, kwargs):
     """A fake called: on one function (a decorator), the function; else a ``_Value``."""
@@ -174,10 +192,25 @@ ABSENT = {"torch": ("npu", "hpu", "musa", "mlu")}
 engine's ``hasattr(torch, "npu")`` must say no)."""
 
 
+def _int_info(dtype=None):
+    return types.SimpleNamespace(min=-(2**63), max=2**63 - 1, bits=64)
+
+
+def _float_info(dtype=None):
+    return types.SimpleNamespace(min=-3.4e38, max=3.4e38, eps=1.2e-7, tiny=1.2e-38, bits=32)
+
+
+REAL = {"torch": {"iinfo": _int_info, "finfo": _float_info}}
+"""Attributes of a fake that must be real values (bounds that a pydantic model of the engine
+takes as its fields' limits: ``torch.iinfo(torch.long).max``)."""
+
+
 class _FakeModule(types.ModuleType):
     def __getattr__(self, name: str):
         if (name.startswith("__") and name.endswith("__")) or name in ABSENT.get(self.__name__, ()):
             raise AttributeError(name)
+        if name in REAL.get(self.__name__, {}):
+            return REAL[self.__name__][name]
         value = _fake(f"{self.__name__}.{name}")
         setattr(self, name, value)
         return value
@@ -264,9 +297,10 @@ def install_fakes(names, missing: bool = False) -> Fakes:
         if listed.find_spec(full) is not None or last.covers(full):
             return None
         try:
-            return real_find_spec(name, package)
+            spec = real_find_spec(name, package)
         except ValueError:  # a fake in sys.modules (its spec is gone): not installed
             return None
+        return None if spec is not None and isinstance(spec.loader, _FakeLoader) else spec
 
     importlib.util.find_spec = find_spec
     return last
@@ -354,8 +388,10 @@ def describe(parser: argparse.ArgumentParser) -> dict:
             "nargs": action.nargs if action.nargs is None or isinstance(action.nargs, int)
             else str(action.nargs),
             "takes_value": takes,
-            "choices": ([_plain(c) for c in action.choices] if action.choices is not None
-                        else None),
+            "choices": (None if action.choices is None else
+                        sorted(map(_plain, action.choices), key=str)  # a set: one order
+                        if isinstance(action.choices, (set, frozenset))
+                        else [_plain(c) for c in action.choices]),
             "action": type(action).__name__,
         }
         if action.option_strings:
