@@ -116,3 +116,11 @@ def probe(session: nox.Session, target: str) -> None:
         session.install(target)
         session.run("python", "-m", "sparkdeploy.lab.probes", "config", "--expect", CONFIG_MATRIX[target],
                     *session.posargs)
+
+
+@nox.session(default=False)
+def engine_flags(session: nox.Session) -> None:
+    """Flag manifests from the engines' real parsers, no GPU: `-- sglang==X vllm==Y` writes
+    src/sparkdeploy/data/engine-flags/<engine>-<version>.json (scratch venvs under ~/.cache)."""
+    session.install("-e", ".")
+    session.run("python", "-m", "sparkdeploy.flagmaker", *session.posargs)

@@ -48,6 +48,7 @@ CLASSES = (
     "model-config-unrecognized",
     "image-without-ray",
     "port-in-use",
+    "engine-flag-unknown",
     "unknown",
 )
 
@@ -184,6 +185,14 @@ CONFIG_LOOKUP = pat(r"configuration_auto|CONFIG_MAPPING|AutoConfig|model_type|co
                     "configuration_auto", "config_mapping", "autoconfig", "model_type", "config_dict", icase=False)
 
 RULES: tuple[Rule, ...] = (
+    # -- the engine's parser refused its command line (argparse: usage, then this line, exit 2) --
+    Rule("engine-flag-unknown", 110,
+         pat(r"^\S+: error: (?:unrecognized arguments|argument --[\w-]+: invalid choice|"
+             r"argument --[\w-]+: ignored explicit argument|argument --[\w-]+: expected one argument)",
+             "error: "),
+         "the engine refused a flag of its command line (a flag this engine version lacks, a value "
+         "outside its choices, a value given to a switch): check engines[].args against "
+         "docs/engine-flags.md"),
     # -- a port the engine (or its rendezvous) needs is taken --
     Rule("port-in-use", 100,
          pat(r"\[Errno 98\]|\berrno:? 98\b|EADDRINUSE|address already in use",

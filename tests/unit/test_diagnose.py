@@ -30,6 +30,7 @@ EXPECTED: dict[str, dict[str, list[int]]] = {
     "arch-unsupported/sgl-kernel-rmsnorm-no-kernel-image.log": {"": [2]},
     "port-in-use/c10d-store-port-taken.log": {"": [2, 3]},
     "port-in-use/uvicorn-bind.log": {"": [5]},
+    "engine-flag-unknown/sglang-reasoning-parser-underscore.log": {"": [2]},
     "model-config-unrecognized/transformers-keyerror-qwen2.log": {"": [11]},
     "model-config-unrecognized/vllm-qwen3-moe-not-recognized.log": {"": [2]},
     "unknown/vllm-served-fine.log": {"": [7]},

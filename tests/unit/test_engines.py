@@ -82,7 +82,7 @@ VLLM_ARGS = ["--distributed-executor-backend", "ray", "--gpu-memory-utilization"
 
 def sglang_argv(rank, nnodes, tp, head="192.168.100.10"):
     return ["python3", "-m", "sglang.launch_server", "--model-path", MODEL, "--served-model-name",
-            REPO_ID, "--tp", str(tp), "--nnodes", str(nnodes), "--node-rank", str(rank),
+            REPO_ID, "--tp-size", str(tp), "--nnodes", str(nnodes), "--node-rank", str(rank),
             "--dist-init-addr", f"{head}:20000", "--host", "0.0.0.0", "--port", "30000",
             *SGLANG_ARGS]
 
@@ -342,7 +342,7 @@ def test_sglang_n_nodes_exact_argv_and_env_of_every_rank(tmp_path, n, tp, pp):
             *common(f"sparkdeploy-sglang-{role}", role, i - 1, p, p.engines[0]),
             *envs([*link("enp1s0f0np0", GID[i], ADDR[1]), ("SGLANG_HOST_IP", ADDR[i])]),
             "sparkdeploy/sglang-qwen3.5:latest", "python3", "-m", "sglang.launch_server",
-            "--model-path", MODEL, "--served-model-name", REPO_ID, "--tp", str(tp),
+            "--model-path", MODEL, "--served-model-name", REPO_ID, "--tp-size", str(tp),
             *(["--pp-size", str(pp)] if pp > 1 else []), "--nnodes", str(n), "--node-rank",
             str(i - 1), "--dist-init-addr", f"{ADDR[1]}:20000", "--host", "0.0.0.0", "--port",
             "30000", *SGLANG_ARGS])

@@ -26,7 +26,7 @@ from sparkdeploy.engines.base import (
 )
 
 DEFAULT_DIST_PORT = 20000
-_VALUED = {"--model-path", "--served-model-name", "--tp", "--pp-size", "--nnodes", "--node-rank",
+_VALUED = {"--model-path", "--served-model-name", "--tp-size", "--pp-size", "--nnodes", "--node-rank",
            "--dist-init-addr", "--host", "--port"}
 # SGLang takes the key only as --api-key. It reaches the container as a variable handed over
 # through --env-file; this launcher, run by the image's python3, appends it to sys.argv and runs
@@ -49,7 +49,7 @@ def build(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
         role, rank = role_of(profile, node)
         nf = facts.get(node.name, NodeFacts())
         ours = ["--model-path", profile.model.path, "--served-model-name", profile.model.repo,
-                "--tp", str(engine.tensor_parallel)]
+                "--tp-size", str(engine.tensor_parallel)]  # in full: --tp is only a prefix (FACTS)
         if engine.pipeline_parallel > 1:
             ours += ["--pp-size", str(engine.pipeline_parallel)]
         if len(nodes) > 1:

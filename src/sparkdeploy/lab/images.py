@@ -66,6 +66,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from sparkdeploy.engine_flags import DIR as FLAGS_DIR
+from sparkdeploy.engine_flags import release
 from sparkdeploy.files import move_in
 from sparkdeploy.lab import layout
 from sparkdeploy.results import Result, Status
@@ -204,6 +206,14 @@ def dockerfile(recipe: Recipe, base_image: str, engine_wheel: str, labels: dict[
     ])
 
 
+def flag_manifest(recipe: Recipe, root: Path = FLAGS_DIR) -> bytes | None:
+    """The flag manifest of the recipe's engine version (``data/engine-flags/``), which the
+    stand-in parses with in the image (``/opt/standin/engine-flags.json``); None when there is
+    none (vLLM 0.17.1 today): the stand-in then refuses nothing."""
+    path = root / f"{recipe.engine_name}-{release(recipe.engine_version)}.json"
+    return path.read_bytes() if path.is_file() else None
+
+
 def recipe_hash(recipe: Recipe, base_ident: str, standin_source: bytes) -> str:
     """What decides an image's content: pins, Dockerfile shape, shims, stand-in, base image."""
     ident = {
@@ -214,6 +224,7 @@ def recipe_hash(recipe: Recipe, base_ident: str, standin_source: bytes) -> str:
         "wire": WIRE_PY,
         "shims": [SGLANG_SHIM, VLLM_SHIM],
         "standin": hashlib.sha256(standin_source).hexdigest(),
+        "flags": hashlib.sha256(flag_manifest(recipe) or b"").hexdigest(),
         "strip": COMPILED_RE.pattern if recipe.strip_compiled else None,
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
@@ -348,6 +359,9 @@ def write_context(ctx: Path, recipe: Recipe, base_image: str, labels: dict[str, 
         _link_or_copy(w, ctx / "wheels" / "deps" / w.name)
     (ctx / "standin").mkdir()
     (ctx / "standin" / "engine_server.py").write_bytes(standin_source)
+    flags = flag_manifest(recipe)
+    if flags is not None:
+        (ctx / "standin" / "engine-flags.json").write_bytes(flags)
     (ctx / "wire.py").write_text(WIRE_PY)
     (ctx / "shims.json").write_text(json.dumps({"sglang": SGLANG_SHIM, "vllm": VLLM_SHIM}))
     (ctx / "Dockerfile").write_text(dockerfile(recipe, base_image, engine_wheel.name, labels))

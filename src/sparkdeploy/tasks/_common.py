@@ -19,6 +19,7 @@ from invoke.exceptions import Exit
 from sparkdeploy.bench.client import BenchError
 from sparkdeploy.config import ProfileError
 from sparkdeploy.deployment import Deployment, from_context, state_dir
+from sparkdeploy.engine_flags import FlagError
 from sparkdeploy.estimate import EstimateError
 from sparkdeploy.events import EventSink, printable, rendering
 from sparkdeploy.hosts import HostError
@@ -34,8 +35,8 @@ Work = Callable[[Deployment | None, EventSink], list[Result]]
 """A task's work: ``work(dep, events) -> results`` (dep None for work without a profile), each
 result already on ``events``; it runs steps only through ``run_one`` (``steps/registry.py``)."""
 
-USAGE_ERRORS = (ProfileError, PlanError, BenchError, EstimateError)
-"""Bad input (a profile, a plan selection, an input file, a model config): exit 2."""
+USAGE_ERRORS = (ProfileError, PlanError, BenchError, EstimateError, FlagError)
+"""Bad input (a profile, a plan selection, an input file, a model config, an engine flag): exit 2."""
 RUN_ERRORS = (HostError, LockHeld, WaitTimeout, RecordError)
 """What went wrong while running (a node, the lock, a wait, a record): exit 1."""
 

@@ -1195,8 +1195,36 @@ class SglangLog:
         print(f"{self.host}:{self.pid}:{self.tid} [0] {where} NCCL WARN {msg}", flush=True)
 
 
+FLAGS_FILE = "engine-flags.json"
+"""The flag manifest of the image's engine version, copied beside this file into the lab's
+images (``lab/images.py``); ``SPARKDEPLOY_STANDIN_FLAGS`` names another."""
+
+
+def refuse_unknown_flags(argv: list[str]) -> None:
+    """Parse ``argv`` as the real engine's parser would, from its manifest (every option
+    string, which take a value, ``allow_abbrev``, ``prog``), with the stand-in's own flags
+    beside: an unknown flag is argparse's ``usage: ...`` and ``<prog>: error: unrecognized
+    arguments: ...``, exit 2. No manifest (the controller's tests): nothing refused here."""
+    path = Path(os.environ.get(ENV + "FLAGS") or Path(__file__).with_name(FLAGS_FILE))
+    if not path.is_file():
+        return
+    data = json.loads(path.read_text())
+    p = argparse.ArgumentParser(prog=data["prog"], allow_abbrev=data["allow_abbrev"], add_help=False,
+                                conflict_handler="resolve")  # a stand-in flag the engine has too
+    for o in data["options"]:
+        if o["takes_value"]:
+            p.add_argument(*o["flags"], dest=o["dest"], nargs=o["nargs"])
+        else:
+            p.add_argument(*o["flags"], dest=o["dest"], action="store_true")
+    for pos in data["positionals"]:
+        p.add_argument(pos["dest"], nargs=pos["nargs"])
+    add_timing_flags(p)
+    p.parse_args(argv)
+
+
 def sglang_main(argv: list[str] | None = None) -> int:
     """``python3 -m sglang.launch_server`` with SGLang's flags."""
+    refuse_unknown_flags(list(sys.argv[1:] if argv is None else argv))
     p = argparse.ArgumentParser(prog="sglang.launch_server", allow_abbrev=False)
     p.add_argument("--model-path", "--model", required=True)
     p.add_argument("--served-model-name")

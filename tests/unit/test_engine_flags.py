@@ -1,0 +1,148 @@
+"""Every command sparkdeploy generates, checked against the engines' flag manifests (made from
+the real parsers by ``nox -s engine_flags``), and the one-line errors of the check."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sparkdeploy import engine_flags as ef
+from sparkdeploy.config import load_profile
+from sparkdeploy.engines import launch
+from tests.unit.conftest import SEED, seed_data
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+SGLANG_VERSIONS = ("0.5.4", "0.5.10rc0")  # the lab images' (lab/images.py) and the seed's candidates
+
+
+def _nodes(tmp_path, n: int):
+    data = seed_data()
+    d = data["sparkdeploy"]
+    first = d["nodes"][1]
+    d["nodes"] = d["nodes"][:1]
+    for i in range(n - 1):
+        node = copy.deepcopy(first)
+        node.update(name=f"spark{i + 2}", ssh=f"spark{i + 2}")
+        node["link"]["address"] = f"192.168.100.{11 + i}"
+        d["nodes"].append(node)
+    for e in d["engines"]:
+        e["tensor_parallel"] = n
+    p = tmp_path / f"p{n}.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return load_profile(p)
+
+
+def _sglang_args(argv: tuple[str, ...]) -> list[str]:
+    assert argv[0] == "python3" and argv[1] in ("-m", "-c")
+    return list(argv[3:])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("version", SGLANG_VERSIONS)
+@pytest.mark.parametrize("api_key", [False, True])
+def test_every_sglang_command_sparkdeploy_generates_is_accepted_by_the_real_parser(tmp_path, n, version,
+                                                                                  api_key):
+    prof = _nodes(tmp_path, n)
+    engines = [e for e in prof.engines if e.kind == "sglang"]
+    assert engines
+    for engine in engines:
+        for c in launch(prof, engine, {}, api_key).containers:
+            args = _sglang_args(c.argv) + (["--api-key", "k"] if api_key and c.rank == 0 else [])
+            ef.check_args("sglang", version, args)  # raises on the first flag it refuses
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_every_vllm_command_sparkdeploy_generates_is_accepted_by_the_real_parser(tmp_path, n):
+    prof = _nodes(tmp_path, n)
+    checked = 0
+    for engine in (e for e in prof.engines if e.kind in ("vllm", "vllm-ray")):
+        for c in launch(prof, engine, {}, True).containers:
+            if c.argv[:2] == ("vllm", "serve"):  # Ray's own containers run `ray start`
+                ef.check_args("vllm", "0.17.1", list(c.argv[2:]))
+                checked += 1
+    assert checked >= 2
+
+
+def test_vllm_refuses_a_flag_of_sglang_and_names_its_own():
+    with pytest.raises(ef.FlagError, match=r"^--mem-fraction-static: not a flag of vllm 0.17.1"):
+        ef.check_args("vllm", "0.17.1", ["/m", "--mem-fraction-static", "0.8"])
+
+
+def test_a_misspelled_flag_is_one_line_with_the_closest_real_flag():
+    with pytest.raises(ef.FlagError) as e:
+        ef.check_args("sglang", "0.5.10rc0", ["--mem-fraction-statik", "0.85"])
+    assert str(e.value) == ("--mem-fraction-statik: not a flag of sglang 0.5.10; "
+                            "did you mean --mem-fraction-static?")
+
+
+def test_a_prefix_is_not_a_flag_though_the_engine_would_take_it_today():
+    with pytest.raises(ef.FlagError, match=r"^--tp: not a flag of sglang 0.5.4; did you mean --tp-size\?$"):
+        ef.check_args("sglang", "0.5.4", ["--tp", "2"])
+
+
+def test_a_value_given_to_a_switch_is_refused_in_both_spellings():
+    for args in (["--trust-remote-code", "true"], ["--trust-remote-code=true"]):
+        with pytest.raises(ef.FlagError, match=r"^--trust-remote-code: a switch of sglang 0.5.10, "
+                                               r"it takes no value \('true'\)$"):
+            ef.check_args("sglang", "0.5.10", args)
+
+
+def test_a_value_outside_the_choices_is_one_line():
+    with pytest.raises(ef.FlagError, match=r"^--tokenizer-mode fast: not one of auto, slow \(sglang 0.5.10\)$"):
+        ef.check_args("sglang", "0.5.10", ["--tokenizer-mode", "fast"])
+
+
+def test_an_engine_version_without_a_manifest_says_how_to_make_one():
+    with pytest.raises(ef.FlagError) as e:
+        ef.check_args("sglang", "0.5.99", ["--port", "1"])
+    assert str(e.value) == ("no flag manifest for sglang 0.5.99: make one with "
+                            "`nox -s engine_flags -- sglang==0.5.99`")
+
+
+def test_a_file_that_is_not_a_manifest_is_one_line(tmp_path):
+    (tmp_path / "sglang-9.9.json").write_text(json.dumps({"options": [{"flags": ["--x"]}]}))
+    with pytest.raises(ef.FlagError, match=r"^sglang-9.9.json: not a flag manifest \(KeyError"):
+        ef.manifest("sglang", "9.9", tmp_path)
+
+
+def test_the_manifests_hold_the_real_parsers_counts_and_say_where_they_come_from():
+    new, old = ef.manifest("sglang", "0.5.10"), ef.manifest("sglang", "0.5.4")
+    assert (len(old["options"]), new["built_from"]) == (274, "sglang==0.5.10rc0")
+    assert "release candidate 0.5.10rc0" in new["note"] and new["allow_abbrev"] is True
+    assert {"--tp-size", "--tensor-parallel-size"} <= set(new["by_flag"]) and "--tp" not in new["by_flag"]
+
+
+def test_the_seed_profile_loads():
+    assert load_profile(SEED).engines
+
+
+def _standin(args: list[str], manifest) -> subprocess.CompletedProcess:
+    code = "import sys; from sparkdeploy.lab.standins.engine_server import sglang_main; sglang_main(sys.argv[1:])"
+    env = {**os.environ, "SPARKDEPLOY_STANDIN_FLAGS": str(manifest), "PYTHONPATH": str(SRC)}
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
+                          timeout=60)
+
+
+@pytest.mark.parametrize(("version", "prog"), [("0.5.10", "sglang serve"), ("0.5.4", "launch_server.py")])
+def test_the_sglang_standin_refuses_an_unknown_flag_as_the_real_parser_does(version, prog):
+    cp = _standin(["--model-path", "/m", "--tp-size", "2", "--mem-fraction-statik", "0.8"],
+                  ef.DIR / f"sglang-{version}.json")
+    lines = cp.stderr.splitlines()
+    assert cp.returncode == 2 and lines[0].startswith(f"usage: {prog} ")
+    assert lines[-1] == f"{prog}: error: unrecognized arguments: --mem-fraction-statik 0.8"
+
+
+def test_the_lab_images_carry_their_engine_versions_manifest_for_the_standin():
+    from sparkdeploy.lab import images
+
+    by_tag = {r.tag: images.flag_manifest(r) for r in images.COMMUNITY_IMAGES}
+    assert by_tag["scitrera/dgx-spark-sglang:0.5.10rc0"] == (ef.DIR / "sglang-0.5.10.json").read_bytes()
+    assert by_tag["lmsysorg/sglang:spark"] == (ef.DIR / "sglang-0.5.4.json").read_bytes()
+    assert by_tag["hellohal2064/vllm-qwen3.5-gb10"] == (ef.DIR / "vllm-0.17.1.json").read_bytes()
