@@ -194,6 +194,16 @@ def test_download_fetches_only_what_the_engine_loads_and_records_it_on_the_head(
     assert rec["selection"]["weights"] == GPT_OSS_ROOT and rec["commit"] == repo.commit
 
 
+def test_a_rerun_at_the_same_commit_fetches_no_file_not_even_the_index(tmp_path, recipe_hub):
+    dep, _ = _dep(tmp_path, recipe_hub)
+    [first] = model.download(dep)
+    assert first.status is Status.CHANGED, first.why
+    recipe_hub.set_knobs(reset_stats=True)
+    [again] = model.download(dep)
+    assert again.status is Status.OK, again.why
+    assert _bodies(recipe_hub) == {}
+
+
 def test_verify_and_fit_read_the_heads_selection(tmp_path, recipe_hub):
     dep, ctx = _dep(tmp_path, recipe_hub)
     model.download(dep)

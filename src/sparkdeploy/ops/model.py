@@ -147,10 +147,11 @@ def fetch_index(dep: Deployment, commit: str) -> list[str]:
     return names
 
 
-def fetch_metadata(dep: Deployment) -> dict[str, Any]:
+def fetch_metadata(dep: Deployment, cached: dict[str, Any] | None = None) -> dict[str, Any]:
     """The repo's files at the profile's revision from the hub, every one checked
-    (``HubName``), and the files its safetensors index names; ``OutsideError`` when the hub
-    does not answer in time, ``ModelError`` when its answer is refused."""
+    (``HubName``), and the files its safetensors index names (``cached``'s when it is for the
+    same commit: a commit's files never change, so a re-run fetches no file); ``OutsideError``
+    when the hub does not answer in time, ``ModelError`` when its answer is refused."""
     m = dep.profile.model
     url = (f"{endpoint(dep)}/api/models/{m.repo}/revision/{quote(m.revision, safe='')}"
            "?blobs=true")
@@ -165,7 +166,12 @@ def fetch_metadata(dep: Deployment) -> dict[str, Any]:
               "sha256": s.lfs.sha256 if s.lfs else None, "oid": s.blobId}
              for s in sorted(info.siblings, key=lambda s: s.rfilename)]
     listed = {f["path"] for f in files}
-    index = fetch_index(dep, info.sha) if weights.INDEX in listed else None
+    if weights.INDEX not in listed:
+        index = None
+    elif cached and cached.get("commit") == info.sha and cached.get("index") is not None:
+        index = cached["index"]
+    else:
+        index = fetch_index(dep, info.sha)
     return {"repo": m.repo, "revision": m.revision, "commit": info.sha, "files": files,
             "index": index, "fetched_at": time.time()}
 
@@ -188,7 +194,7 @@ def metadata(dep: Deployment, refresh: bool = True) -> tuple[dict[str, Any], str
     if cached and not refresh:
         return cached, ""
     try:
-        meta = fetch_metadata(dep)
+        meta = fetch_metadata(dep, cached)
     except OutsideError as e:  # a hub that cannot be reached falls back to the cache
         why = str(e)
         if cached:
