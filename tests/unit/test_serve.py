@@ -409,3 +409,50 @@ def test_an_interrupted_start_removes_what_it_started(lab):
     finally:
         serve.bring_up = real
     assert nodes["spark1"].containers == {} and nodes["spark1"].removed == ["sparkdeploy-sglang-head"]
+
+
+def _probed(dep, sglang_version: str) -> None:
+    """What image.probe records: the sglang engine serves from the layer over scitrera's image,
+    whose SGLang version the probe read."""
+    from sparkdeploy.records import Candidate, EngineImage, ImageDecision
+    base = "scitrera/dgx-spark-sglang:0.5.10rc0"
+    dep.records.write(ImageDecision(
+        node="spark1", arch="arm64", config_from=base, chosen=None,
+        engines={"sglang": EngineImage(image=base, kind="sglang", needs_layer=True,
+                                       serve_image=SG_IMAGE)},
+        candidates=[Candidate(image="lmsysorg/sglang:spark", engine="sglang", verdict="rejected",
+                              engine_version="0.5.4"),
+                    Candidate(image=base, engine="sglang", verdict="viable",
+                              engine_version=sglang_version)],
+        summary="sglang: layer over " + base))
+
+
+def test_the_engine_flags_are_checked_against_the_probed_version_before_anything_starts(lab):
+    dep, ctx, nodes, cluster, clock = lab
+    healthy_sglang(nodes)
+    _probed(dep, "0.5.10rc0")
+    dep.profile.engines[0].args.extend(["--mem-fraction-statik", "0.8"])
+    results = serve.up(dep, engine="sglang")
+    bad = [(r.node, r.why) for r in results if r.failed]
+    assert bad == [("spark1", "sglang: --mem-fraction-statik: not a flag of sglang 0.5.10; "
+                               "did you mean --mem-fraction-static?")]
+    assert not runs(ctx, "spark1") and not runs(ctx, "spark2")
+
+
+def test_flags_that_the_engine_accepts_pass_and_the_preflight_says_against_what(lab):
+    dep, ctx, nodes, cluster, clock = lab
+    healthy_sglang(nodes)
+    _probed(dep, "0.5.4")
+    results = serve.up(dep, engine="sglang")
+    assert not [r for r in results if r.failed], [r.why for r in results if r.failed]
+    [pre] = [r for r in results if (r.details or {}).get("part") == "preflight"]
+    assert "flags checked against sglang 0.5.4" in pre.why
+
+
+def test_an_engine_version_without_a_manifest_stops_the_preflight(lab):
+    dep, ctx, nodes, cluster, clock = lab
+    healthy_sglang(nodes)
+    _probed(dep, "0.5.99")
+    bad = [(r.node, r.why) for r in serve.up(dep, engine="sglang") if r.failed]
+    assert bad == [("spark1", "sglang: no flag manifest for sglang 0.5.99: make one with "
+                              "`nox -s engine_flags -- sglang==0.5.99`")]

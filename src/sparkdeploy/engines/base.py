@@ -108,6 +108,17 @@ class ContainerSpec:
     def environment(self) -> dict[str, str]:
         return dict(self.env)
 
+    @property
+    def engine_args(self) -> tuple[str, ...] | None:
+        """What the engine's own argument parser reads (``vllm serve ARGS``, SGLang's
+        ``launch_server ARGS``), None for a container that runs no engine (``ray start``)."""
+        if self.argv[:2] == ("vllm", "serve"):
+            return self.argv[2:]
+        if self.argv[:3] == ("python3", "-m", "sglang.launch_server") or (
+                self.argv[:2] == ("python3", "-c")):
+            return self.argv[3:]
+        return None
+
 
 @dataclass(frozen=True)
 class Stage:

@@ -15,12 +15,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from sparkdeploy import engine_flags
 from sparkdeploy.config import Engine
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import Launch, NodeFacts
 from sparkdeploy.hosts import Host, HostError
 from sparkdeploy.nodeops import NodeUnreachable, inspect_image, run_helper
 from sparkdeploy.ops import Ctx
+from sparkdeploy.ops import image as image_ops
 from sparkdeploy.ops.units import gpu_processes
 from sparkdeploy.results import Result
 
@@ -200,6 +202,39 @@ def _check_images(dep: Deployment, ref: str, hosts: list[Host], pf: Preflight) -
     pf.ship_to = [n for n, i in ids.items() if i is None]
 
 
+def engine_version(dep: Deployment, engine: Engine) -> str | None:
+    """The engine version ``image.probe`` found in the image this engine serves from (None
+    before it has probed that image)."""
+    rec = image_ops.decision(dep)
+    chosen = rec.engines.get(engine.name) if rec else None
+    if rec is None or chosen is None:
+        return None
+    for cand in rec.candidates:
+        if cand.image == chosen.image and cand.engine == engine.software:
+            version = (cand.model_extra or {}).get("engine_version")
+            return str(version) if version else None
+    return None
+
+
+def _check_flags(dep: Deployment, engine: Engine, lau: Launch, pf: Preflight) -> str:
+    """Every container's engine command line against the engine version's own parser
+    (``sparkdeploy.engine_flags``); a refused flag is a problem on that node. Returns what was
+    checked, for the ok line."""
+    version = engine_version(dep, engine)
+    if version is None:
+        return (f"flags not checked: no image.probe record names the {engine.software} "
+                f"version of {engine.image}")
+    for c in lau.containers:
+        if c.engine_args is None:
+            continue
+        try:
+            engine_flags.check_args(engine.software, version, list(c.engine_args))
+        except engine_flags.FlagError as e:
+            pf.fail(c.node, f"{engine.name}: {e}")
+            return "flags refused"
+    return f"flags checked against {engine.software} {engine_flags.release(version)}"
+
+
 def check(ctx: Ctx, engine: Engine, lau: Launch) -> Preflight:
     """Check every node the launch uses, reporting as part of ``ctx``'s step; nothing is
     changed on any node."""
@@ -229,8 +264,10 @@ def check(ctx: Ctx, engine: Engine, lau: Launch) -> Preflight:
             _check_gpu(h, pf)
     if None not in gathered:
         _check_images(dep, engine.image, hosts, pf)
+    flags = _check_flags(dep, engine, lau, pf)
     if not pf.problems:
         ship = f"; image to ship to {', '.join(pf.ship_to)}" if pf.ship_to else ""
         weights = "weights verified" if meta is not None else f"weights present (not verified: {why})"
-        ctx.ok(f"{len(hosts)} node(s) ready for {engine.name}: {weights}{ship}", part=PART)
+        ctx.ok(f"{len(hosts)} node(s) ready for {engine.name}: {weights}; {flags}{ship}",
+               part=PART)
     return pf
