@@ -93,7 +93,7 @@ def start(lab, advertise: bool):
         lab.ssh(node, ["docker", "run", "-d", "--name", NAME, "--network=host", "--ipc=host", "--gpus=all",
                        f"--volume={MODEL}:/model:ro", *flags, SGLANG,
                        "python3", "-m", "sglang.launch_server", "--model-path", "/model",
-                       "--served-model-name", "Qwen/Qwen3.5-122B-A10B-FP8", "--tp", "2", "--nnodes", "2",
+                       "--served-model-name", "Qwen/Qwen3.5-122B-A10B-FP8", "--tp-size", "2", "--nnodes", "2",
                        "--node-rank", str(rank), "--dist-init-addr", f"{head_ip}:{DIST}",
                        "--host", "0.0.0.0", "--port", str(PORT), "--trust-remote-code"])
 
@@ -128,6 +128,17 @@ def assert_hangs_like_the_real_thing(lab):
     for node in lab.nodes[:2]:
         running = lab.ssh(node, ["docker", "inspect", "-f", "{{.State.Running}}", NAME]).stdout.strip()
         assert running == "true"
+
+
+def test_sglang_refuses_a_flag_its_version_lacks_as_its_parser_does(sglang):
+    lab = sglang
+    cp = lab.ssh(lab.nodes[0], ["docker", "run", "--rm", "--network=host", f"--volume={MODEL}:/model:ro",
+                                SGLANG, "python3", "-m", "sglang.launch_server", "--model-path",
+                                "/model", "--mem-fraction-statik", "0.8"], check=False)
+    assert cp.returncode == 2, cp.stdout + cp.stderr
+    lines = cp.stderr.strip().splitlines()
+    assert lines[0].startswith("usage: sglang serve ")
+    assert lines[-1] == "sglang serve: error: unrecognized arguments: --mem-fraction-statik 0.8"
 
 
 def test_sglang_with_sglang_host_ip_serves_and_streams(sglang):
