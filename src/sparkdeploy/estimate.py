@@ -471,6 +471,9 @@ def estimate(cfg: Any, *, weights_bytes: float, weights_source: str = "--weights
         if why:
             raise EstimateError(f"TP={tp} refused: {why}; valid TPs: "
                                 f"{', '.join(map(str, valid_tps(model)))}")
+        if nodes // tp > model.layers:
+            raise EstimateError(f"--tp: {tp} on {nodes} node(s) leaves PP={nodes // tp}: more "
+                                f"stages than the model's {model.layers} layers")
         chosen = (tp, nodes // tp)
     else:
         for t, p in candidates(nodes):

@@ -494,6 +494,14 @@ def test_forced_tp():
     e = run(LLAMA, nodes=4, tp=2, context=10)
     assert (e.tp, e.pp, e.refused) == (2, 2, ())
     assert (run(LLAMA, nodes=2, tp=1, context=10).tp, run(LLAMA, nodes=2, tp=1, context=10).pp) == (1, 2)
+    # PP=4 over 2 layers would leave two nodes without a layer (and halve the weights' share):
+    # refused as the automatic choice refuses it
+    two = {**LLAMA, "num_hidden_layers": 2}
+    with pytest.raises(est.EstimateError) as err:
+        run(two, nodes=4, tp=1, context=10)
+    assert str(err.value) == ("--tp: 1 on 4 node(s) leaves PP=4: more stages than the model's 2 "
+                              "layers")
+    assert (run(two, nodes=4, tp=2, context=10).pp, run(two, nodes=2, tp=1, context=10).pp) == (2, 2)
     for tp in (0, 3):
         with pytest.raises(est.EstimateError) as err:
             run(LLAMA, nodes=4, tp=tp, context=10)
