@@ -658,12 +658,91 @@ def test_min_nodes_skips_refused_counts_and_stops_at_most():
     """One layer, 3 heads: 2 nodes have no layout (skipped), 3 nodes take TP=3."""
     c = {"num_hidden_layers": 1, "num_attention_heads": 3, "head_dim": 8,
          "max_position_embeddings": 100}
-    e = est.min_nodes(c, weights_bytes=250 * GIB, memory_gib=100, reserve_gib=0)
+    e = est.min_nodes(c, weights_bytes=250 * GIB, memory_gib=84, reserve_gib=0)
     assert e is not None and (e.nodes, e.tp, e.pp) == (3, 3, 1)
-    assert est.min_nodes(c, weights_bytes=250 * GIB, memory_gib=100, reserve_gib=0, most=2) is None
+    assert est.min_nodes(c, weights_bytes=250 * GIB, memory_gib=84, reserve_gib=0, most=2) is None
+    # the reserve given reaches every try: 83.3 GiB of weights + 8 GiB does not fit 84 GiB
+    assert est.min_nodes(c, weights_bytes=250 * GIB, memory_gib=84, reserve_gib=8, most=3) is None
+    one = est.min_nodes(LLAMA, weights_bytes=50e9, memory_gib=101, context=8192)
+    assert one is not None and one.nodes == 1
+    # 800 GiB: 100 GiB a node on 8 (+ 8 reserve > 101), 88.9 on 9: only past the default 8
+    assert est.min_nodes(LLAMA, weights_bytes=800 * GIB, memory_gib=101, context=10) is None
+    nine = est.min_nodes(LLAMA, weights_bytes=800 * GIB, memory_gib=101, context=10, most=9)
+    assert nine is not None and (nine.nodes, nine.tp, nine.pp) == (9, 1, 9)
     # Llama at 141 GB: one node does not fit, two do; most=1 stops before
     two = est.min_nodes(LLAMA, weights_bytes=141e9, memory_gib=101, context=8192)
     assert two is not None and two.nodes == 2
     assert est.min_nodes(LLAMA, weights_bytes=141e9, memory_gib=101, context=8192, most=1) is None
     big = est.min_nodes(LLAMA, weights_bytes=700 * GIB, memory_gib=101, context=8192)
     assert big is not None and (big.nodes, big.tp) == (8, 8)
+
+
+@pytest.mark.parametrize("key", [
+    "num_key_value_heads", "head_dim", "kv_lora_rank", "qk_rope_head_dim",
+    "full_attention_interval", "linear_num_key_heads", "max_position_embeddings",
+])
+def test_a_bad_number_in_the_language_models_part_names_its_path(key):
+    text = {k: v for k, v in QWEN35["text_config"].items() if k != "layer_types"}
+    c = {"text_config": {**text, "kv_lora_rank": 512, key: "8"}}
+    with pytest.raises(est.EstimateError) as e:
+        est.read_config(c)
+    assert str(e.value) == f"text_config.{key}: '8' is not a whole number"
+
+
+def test_bad_hidden_size_and_sliding_window_name_their_path():
+    base = {k: v for k, v in QWEN35["text_config"].items() if k != "head_dim"}
+    with pytest.raises(est.EstimateError) as e:
+        est.read_config({"text_config": {**base, "hidden_size": -2}})
+    assert str(e.value) == "text_config.hidden_size: -2 is not a whole number"
+    sliding = {**base, "head_dim": 256, "layer_types": ["sliding_attention"] * 48,
+               "sliding_window": 1.5}
+    with pytest.raises(est.EstimateError) as e:
+        est.read_config({"text_config": sliding})
+    assert str(e.value) == "text_config.sliding_window: 1.5 is not a whole number"
+
+
+def test_head_dim_from_hidden_size_is_a_whole_number():
+    """hidden_size 100 over 3 heads: head_dim 33 (the floor, as the engines' integer division)."""
+    c = {"num_hidden_layers": 1, "num_attention_heads": 3, "hidden_size": 100}
+    e = run(c, nodes=1, context=10)
+    assert e.model.head_dim == 33
+    assert e.kv_bytes_per_token == 2 * 3 * 33 * 2
+
+
+def test_forced_tp2_refused():
+    c = {"num_hidden_layers": 4, "num_attention_heads": 3, "head_dim": 8}
+    with pytest.raises(est.EstimateError) as e:
+        run(c, nodes=2, tp=2, context=10)
+    assert str(e.value).startswith("TP=2 refused: 3 attention heads do not divide by 2")
+
+
+def test_json_rounds_to_three_places():
+    j = run(LLAMA, nodes=1, context=10, reserve_gib=0.12345, memory_gib=100.00049).as_json()
+    assert (j["per_node"]["reserve_gib"], j["per_node"]["usable_gib"]) == (0.123, 100.0)
+
+
+def test_sliding_window_on_every_layer():
+    """Qwen3-235B with its use_sliding_window on (window 4096): every layer holds at most 4096
+    tokens at a context of 8192; none count per token in the full-attention figure."""
+    c = {**QWEN3, "use_sliding_window": True, "sliding_window": 4096}
+    e = run(c, nodes=2, context=8192, seqs=3)
+    assert (e.kv_bytes_per_token, e.sliding_bytes_per_token) == (0, 94 * 2 * 4 * 128 * 2)
+    assert e.worst.kv == 3 * 94 * 4096 * 2 * 2 * 128 * 2
+    mixed = {**GPT_OSS, "layer_types": ["full_attention"] * 6 + ["sliding_attention"] * 30}
+    e = run(mixed, nodes=1, context=8192)
+    assert e.worst.kv == (6 * 8192 + 30 * 128) * 2 * 8 * 64 * 2
+
+
+def test_load_config(tmp_path):
+    good = tmp_path / "config.json"
+    good.write_text(json.dumps(LLAMA))
+    assert est.load_config(good) == LLAMA
+    with pytest.raises(est.EstimateError) as e:
+        est.load_config(tmp_path / "none.json")
+    assert str(e.value) == f"{tmp_path / 'none.json'}: No such file or directory"
+    good.write_text("\n" * 100000 + "{x")
+    with pytest.raises(est.EstimateError) as e:
+        est.load_config(good)
+    # json's message, first line, cut at 80 characters: "(char 100001)" loses its end
+    assert str(e.value) == (f"{good}: not JSON (Expecting property name enclosed in double quotes: "
+                            "line 100001 column 2 (char 10)")
