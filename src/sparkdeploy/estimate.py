@@ -283,10 +283,9 @@ def kv_heads_per_rank(model: Model, tp: int) -> int:
     return max(1, model.kv_heads // tp)
 
 
-def layer_token_bytes(model: Model, kind: str, tp: int, dtype_bytes: float) -> float:
-    """KV bytes per token of one attention layer on one TP rank (0 for linear attention)."""
-    if kind == "linear":
-        return 0
+def layer_token_bytes(model: Model, tp: int, dtype_bytes: float) -> float:
+    """KV bytes per token of one full or sliding-window attention layer on one TP rank (a
+    linear-attention layer holds a state per sequence instead: ``linear_state_bytes``)."""
     if model.mla is not None:
         rank, rope = model.mla
         return (rank + rope) * dtype_bytes
@@ -425,9 +424,9 @@ def stage_share(model: Model, layers: range, tp: int, pp: int, *, weights: float
             kv += seqs * linear_state_bytes(model, tp, DTYPE_BYTES[model.dtype])
         elif kind == "sliding":
             kv += seqs * min(context, model.window or context) * \
-                layer_token_bytes(model, kind, tp, kv_bytes)
+                layer_token_bytes(model, tp, kv_bytes)
         else:
-            kv += seqs * context * layer_token_bytes(model, kind, tp, kv_bytes)
+            kv += seqs * context * layer_token_bytes(model, tp, kv_bytes)
     return Stage(layers=len(layers), weights=fit.share(weights, tp * pp), kv=kv, reserve=reserve,
                  usable=usable)
 
@@ -470,6 +469,9 @@ def estimate(cfg: Any, *, weights_bytes: float, weights_source: str = "--weights
         if why:
             raise EstimateError(f"TP={tp} refused: {why}; valid TPs: "
                                 f"{', '.join(map(str, valid_tps(model)))}")
+        if nodes // tp > model.layers:
+            raise EstimateError(f"--tp: {tp} on {nodes} node(s) leaves PP={nodes // tp}: more "
+                                f"stages than the model's {model.layers} layers")
         chosen = (tp, nodes // tp)
     else:
         for t, p in candidates(nodes):
@@ -490,8 +492,8 @@ def estimate(cfg: Any, *, weights_bytes: float, weights_source: str = "--weights
                                seqs=seqs, kv_bytes=kvd.value, reserve=reserve.value,
                                usable=usable.value)
                    for layers in stages(model.layers, p))
-    full = sum(layer_token_bytes(model, k, 1, kvd.value) for k in model.kinds if k == "full")
-    sliding = sum(layer_token_bytes(model, k, 1, kvd.value) for k in model.kinds if k == "sliding")
+    full = model.kinds.count("full") * layer_token_bytes(model, 1, kvd.value)
+    sliding = model.kinds.count("sliding") * layer_token_bytes(model, 1, kvd.value)
     linear = sum(linear_state_bytes(model, 1, DTYPE_BYTES[model.dtype])
                  for k in model.kinds if k == "linear")
     return Estimate(model=model, tp=t, pp=p, nodes=nodes, context=ctx, seqs=seqs, kv_dtype=kvd,
