@@ -93,7 +93,7 @@ def test_engine_wheel_downloaded_once_without_deps_then_stripped_once(tmp_path, 
         make_wheel(Path(argv[argv.index("--dest") + 1]) / "eng-1.0-cp38-abi3-linux_x86_64.whl")
         return subprocess.CompletedProcess(argv, 0, "", "")
 
-    recipe = images.Recipe("x/eng:1", "vllm", "eng==1.0", ("dep==2",), strip_compiled=True)
+    recipe = images.ImageSpec("x/eng:1", "vllm", "eng==1.0", ("dep==2",), strip_compiled=True)
     out = images.ensure_engine_wheel(recipe, cache, stripped, runner=runner)
     assert len(calls) == 1
     argv = calls[0]
@@ -117,7 +117,7 @@ def test_unstripped_engine_wheel_is_the_cached_file(tmp_path):
     def runner(argv, **kw):
         raise AssertionError("no download when the wheel is cached")
 
-    recipe = images.Recipe("lmsysorg/sglang:spark", "sglang", "sglang==0.5.4", ())
+    recipe = images.ImageSpec("lmsysorg/sglang:spark", "sglang", "sglang==0.5.4", ())
     assert images.ensure_engine_wheel(recipe, cache, tmp_path / "s", runner=runner) == whl
 
 
@@ -133,9 +133,9 @@ def test_recipe_hash_is_stable_and_follows_every_input():
     others = {
         images.recipe_hash(RECIPE, "sha256:other-base", b"standin"),
         images.recipe_hash(RECIPE, "sha256:base", b"standin v2"),
-        images.recipe_hash(images.Recipe(RECIPE.tag, "vllm", "vllm==0.17.0", RECIPE.requires,
+        images.recipe_hash(images.ImageSpec(RECIPE.tag, "vllm", "vllm==0.17.0", RECIPE.requires,
                                          True), "sha256:base", b"standin"),
-        images.recipe_hash(images.Recipe(RECIPE.tag, "vllm", RECIPE.engine_requirement,
+        images.recipe_hash(images.ImageSpec(RECIPE.tag, "vllm", RECIPE.engine_requirement,
                                          RECIPE.requires, False), "sha256:base", b"standin"),
     }
     assert h not in others and len(others) == 4

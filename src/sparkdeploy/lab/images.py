@@ -96,7 +96,9 @@ requests and tqdm (which transformers brings); sglang/utils.py imports IPython a
 
 
 @dataclass(frozen=True)
-class Recipe:
+class ImageSpec:
+    """How the lab builds one community image (not a model recipe: ``sparkdeploy.recipes``)."""
+
     tag: str
     engine: str  # "sglang" | "vllm"
     engine_requirement: str  # "name==version": the engine wheel, installed with --no-deps
@@ -115,12 +117,12 @@ class Recipe:
         return self.engine_requirement.split("==", 1)[1]
 
 
-COMMUNITY_IMAGES: tuple[Recipe, ...] = (
-    Recipe("lmsysorg/sglang:spark", "sglang", "sglang==0.5.4",
+COMMUNITY_IMAGES: tuple[ImageSpec, ...] = (
+    ImageSpec("lmsysorg/sglang:spark", "sglang", "sglang==0.5.4",
            ("transformers==4.57.1", *SGLANG_IMPORT_DEPS)),
-    Recipe("scitrera/dgx-spark-sglang:0.5.10rc0", "sglang", "sglang==0.5.10rc0",
+    ImageSpec("scitrera/dgx-spark-sglang:0.5.10rc0", "sglang", "sglang==0.5.10rc0",
            ("transformers==4.57.1", *SGLANG_IMPORT_DEPS)),
-    Recipe("hellohal2064/vllm-qwen3.5-gb10", "vllm", "vllm==0.17.1",
+    ImageSpec("hellohal2064/vllm-qwen3.5-gb10", "vllm", "vllm==0.17.1",
            ("transformers==4.57.1", "ray==2.60.0"), strip_compiled=True,
            # the recipes' vLLM images (sparkdeploy/data/recipes): vLLM 0.17.1 holds gpt_oss.py,
            # glm4_moe.py and llama.py, transformers 4.57.1 parses gpt_oss and glm4_moe
@@ -180,7 +182,7 @@ print(f"stand-in shim: {target}")
 '''
 
 
-def dockerfile(recipe: Recipe, base_image: str, engine_wheel: str, labels: dict[str, str]) -> str:
+def dockerfile(recipe: ImageSpec, base_image: str, engine_wheel: str, labels: dict[str, str]) -> str:
     """The multi-stage Dockerfile: wheels only in the build stage, the venv in the final one."""
     reqs = " ".join(f'"{r}"' for r in recipe.requires)
     pip = f"{VENV}/bin/pip install --no-cache-dir --no-index --disable-pip-version-check"
@@ -206,7 +208,7 @@ def dockerfile(recipe: Recipe, base_image: str, engine_wheel: str, labels: dict[
     ])
 
 
-def flag_manifest(recipe: Recipe, root: Path = FLAGS_DIR) -> bytes | None:
+def flag_manifest(recipe: ImageSpec, root: Path = FLAGS_DIR) -> bytes | None:
     """The flag manifest of the recipe's engine version (``data/engine-flags/``), which the
     stand-in parses with in the image (``/opt/standin/engine-flags.json``); None when there is
     none (vLLM 0.17.1 today): the stand-in then refuses nothing."""
@@ -214,7 +216,7 @@ def flag_manifest(recipe: Recipe, root: Path = FLAGS_DIR) -> bytes | None:
     return path.read_bytes() if path.is_file() else None
 
 
-def recipe_hash(recipe: Recipe, base_ident: str, standin_source: bytes) -> str:
+def recipe_hash(recipe: ImageSpec, base_ident: str, standin_source: bytes) -> str:
     """What decides an image's content: pins, Dockerfile shape, shims, stand-in, base image."""
     ident = {
         "format": FORMAT,
@@ -281,7 +283,7 @@ def _find_wheel(cache: Path, requirement: str) -> Path | None:
     return hits[0] if hits else None
 
 
-def ensure_engine_wheel(recipe: Recipe, cache: Path = WHEEL_CACHE,
+def ensure_engine_wheel(recipe: ImageSpec, cache: Path = WHEEL_CACHE,
                         stripped_cache: Path = STRIPPED_CACHE,
                         runner: Callable[..., subprocess.CompletedProcess] = subprocess.run,
                         ) -> Path:
@@ -313,7 +315,7 @@ def ensure_engine_wheel(recipe: Recipe, cache: Path = WHEEL_CACHE,
     return out
 
 
-def dependency_wheels(recipe: Recipe, cache: Path = WHEEL_CACHE) -> list[Path]:
+def dependency_wheels(recipe: ImageSpec, cache: Path = WHEEL_CACHE) -> list[Path]:
     """The wheels that ``recipe.requires`` resolves to (through ``pkgindex.ensure_wheels``)."""
     from sparkdeploy.lab import pkgindex
 
@@ -322,7 +324,7 @@ def dependency_wheels(recipe: Recipe, cache: Path = WHEEL_CACHE) -> list[Path]:
     return [cache / f for f in files]
 
 
-def prefetch_wheels(recipes: Sequence[Recipe] = COMMUNITY_IMAGES, cache: Path = WHEEL_CACHE,
+def prefetch_wheels(recipes: Sequence[ImageSpec] = COMMUNITY_IMAGES, cache: Path = WHEEL_CACHE,
                     stripped_cache: Path = STRIPPED_CACHE) -> tuple[bool, str]:
     """Every wheel the recipes need, in the cache (``lab.up`` may run this early, in parallel
     with debootstrap). No network when all are cached. Returns (downloaded anything, why)."""
@@ -350,7 +352,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def write_context(ctx: Path, recipe: Recipe, base_image: str, labels: dict[str, str],
+def write_context(ctx: Path, recipe: ImageSpec, base_image: str, labels: dict[str, str],
                   engine_wheel: Path, dep_wheels: Iterable[Path], standin_source: bytes) -> None:
     (ctx / "wheels" / "engine").mkdir(parents=True)
     (ctx / "wheels" / "deps").mkdir()
@@ -418,7 +420,7 @@ def build_community_images(
     docker_base_url: str,
     base_image: str = layout.BASE_IMAGE,
     *,
-    recipes: Sequence[Recipe] = COMMUNITY_IMAGES,
+    recipes: Sequence[ImageSpec] = COMMUNITY_IMAGES,
     cache_dir: Path = WHEEL_CACHE,
     stripped_cache: Path = STRIPPED_CACHE,
     archive_dir: Path | None = ARCHIVE_DIR,
@@ -489,8 +491,8 @@ def build_community_images(
     return results
 
 
-def _tag_also(api, recipe: Recipe) -> None:
-    """Give the image its other names (``Recipe.also``)."""
+def _tag_also(api, recipe: ImageSpec) -> None:
+    """Give the image its other names (``ImageSpec.also``)."""
     for ref in recipe.also:
         repo, _, tag = ref.rpartition(":")
         api.tag(recipe.tag, repo, tag)
@@ -501,7 +503,7 @@ def _matches(labels: dict[str, str] | None, recipe_hash_: str) -> bool:
             and labels.get(layout.STANDIN_LABEL) == "true")
 
 
-def archive_path(archive_dir: Path, recipe: Recipe, recipe_hash_: str) -> Path:
+def archive_path(archive_dir: Path, recipe: ImageSpec, recipe_hash_: str) -> Path:
     slug = re.sub(r"[^A-Za-z0-9.]+", "_", recipe.tag)
     return archive_dir / f"{slug}-{recipe_hash_}.tar"
 
