@@ -69,6 +69,8 @@ def http_url(v: str) -> str:
         raise ValueError(f"{v!r} is not a URL ({e})") from None
     if u.scheme not in ("http", "https") or not u.hostname:
         raise ValueError(f"{v!r} is not an http(s) URL with a host")
+    if not hostname(u.hostname):  # no resolver takes it (an empty label, a label too long ...)
+        raise ValueError(f"{v!r}: {u.hostname!r} is not a host name or an IP address")
     if port == 0:
         raise ValueError(f"{v!r}: port 0 is out of range (1..65535)")
     if any(ch.isspace() for ch in v):

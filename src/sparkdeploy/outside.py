@@ -112,27 +112,60 @@ class Response:
         return loads(cls, self.body, where)
 
 
-@contextmanager
-def watchdog(sock: socket.socket | None, seconds: float) -> Iterator[threading.Event]:
-    """Shut ``sock`` down after ``seconds`` unless the block ends first: every read and write
-    on it then ends at once. The event says whether it fired."""
-    fired = threading.Event()
+class Watch:
+    """What a ``watchdog`` saw: ``fired`` once it shut the socket, ``why`` (``"deadline"`` or
+    ``"idle"``); ``touch()`` says progress was made (the idle clock starts again)."""
 
-    def fire() -> None:
-        fired.set()
+    def __init__(self, seconds: float, idle: float | None):
+        self.fired = threading.Event()
+        self.why: str | None = None
+        self.end = time.monotonic() + max(0.0, seconds)
+        self.idle = idle
+        self.last = time.monotonic()
+        self.done = threading.Event()
+
+    def touch(self) -> None:
+        self.last = time.monotonic()
+
+    def is_set(self) -> bool:
+        return self.fired.is_set()
+
+    def _due(self) -> tuple[float, str]:
+        if self.idle is not None and self.last + self.idle < self.end:
+            return self.last + self.idle, "idle"
+        return self.end, "deadline"
+
+    def _run(self, sock: socket.socket | None) -> None:
+        while True:
+            due, why = self._due()
+            left = due - time.monotonic()
+            if left <= 0:
+                break
+            if self.done.wait(left):
+                return
+        self.why = why
+        self.fired.set()
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
 
-    timer = threading.Timer(max(0.0, seconds), fire)
-    timer.daemon = True
-    timer.start()
+
+@contextmanager
+def watchdog(sock: socket.socket | None, seconds: float,
+             idle: float | None = None) -> Iterator[Watch]:
+    """Shut ``sock`` down after ``seconds`` unless the block ends first, or (``idle``) when
+    ``idle`` seconds pass without a ``touch()``: every read and write on it then ends at once.
+    A server that trickles bytes without making progress is cut off by ``idle``, which a
+    socket timeout (seconds without a byte) never does."""
+    watch = Watch(seconds, idle)
+    thread = threading.Thread(target=watch._run, args=(sock,), daemon=True, name="watchdog")
+    thread.start()
     try:
-        yield fired
+        yield watch
     finally:
-        timer.cancel()
+        watch.done.set()
 
 
 def request(method: str, url: str, *, headers: dict[str, str] | None = None,
@@ -152,7 +185,7 @@ def request(method: str, url: str, *, headers: dict[str, str] | None = None,
     try:
         try:
             conn.connect()
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: a host name no resolver takes (idna)
             raise OutsideError(f"cannot reach {url}: {e}") from None
         with watchdog(conn.sock, end - time.monotonic()) as fired:
             try:
@@ -181,4 +214,4 @@ def request(method: str, url: str, *, headers: dict[str, str] | None = None,
 
 __all__ = ["HubName", "MAX_BODY", "ListedModel", "ModelList", "OutsideError", "Response",
            "last_line", "loads", "name_problem",
-           "request", "validated", "watchdog"]
+           "request", "validated", "Watch", "watchdog"]

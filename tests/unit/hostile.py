@@ -12,13 +12,16 @@ from dataclasses import dataclass, field
 @dataclass
 class Hostile:
     """``mode``: ``answer`` (status + body), ``silent`` (accept, read, never answer),
-    ``trickle`` (headers, then one body byte every ``gap`` seconds, never ending)."""
+    ``trickle`` (headers, then one body byte every ``gap`` seconds, never ending),
+    ``trickle-headers`` (one byte of the status line every ``gap`` seconds, never ending)."""
 
     mode: str = "answer"
     status: int = 200
     body: bytes = b"{}"
     ctype: str = "application/json"
     gap: float = 0.05
+    routes: dict[str, bytes] = field(default_factory=dict)
+    """Paths answered 200 with this JSON body whatever the mode (``/v1/models``, say)."""
     seen: list[dict[str, str]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
 
@@ -60,8 +63,17 @@ class Hostile:
                 if length:
                     f.read(length)
                 self.seen.append(headers)
+                if self.paths[-1] in self.routes:
+                    body = self.routes[self.paths[-1]]
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+                    continue
                 if self.mode == "silent":
                     self._stop.wait()
+                    return
+                if self.mode == "trickle-headers":
+                    while not self._stop.wait(self.gap):
+                        conn.sendall(b"H")
                     return
                 if self.mode == "trickle":
                     conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"

@@ -112,10 +112,14 @@ def test_stats_are_numpys_linear_percentiles_under_their_names():
 def test_text_of_a_chunk_counts_every_reasoning_field_and_nothing_else():
     from sparkdeploy.bench import metrics
 
-    assert metrics._text({"choices": [{"delta": {"reasoning": "r"}}]}) == "r"
-    assert metrics._text({"choices": [{"delta": {"reasoning_content": "a", "content": "b"}}]}) == "ba"
-    assert metrics._text({"choices": [{"index": 0}]}) == ""
-    assert metrics._text({"choices": []}) == ""
+    def text(d: dict) -> str:
+        return metrics.Chunk.model_validate(d).text()
+
+    assert text({"choices": [{"delta": {"reasoning": "r"}}]}) == "r"
+    assert text({"choices": [{"delta": {"reasoning_content": "a", "content": "b"}}]}) == "ba"
+    assert text({"choices": [{"index": 0}]}) == ""
+    assert text({"choices": []}) == ""
+    assert text({"choices": None, "usage": None}) == ""
 
 
 def _tl(*payloads, start=0.0, end=None):

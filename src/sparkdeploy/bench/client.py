@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from sparkdeploy import checks
 from sparkdeploy.bench.metrics import Timeline, analyse, stats, summarize
 from sparkdeploy.endpoint import headers as auth_headers
 from sparkdeploy.events import EventSink, Progress
-from sparkdeploy.outside import ModelList, OutsideError, request, watchdog
+from sparkdeploy.outside import ModelList, OutsideError, Watch, request, watchdog
 
 DAY_S = 86400.0
 """The longest a timeout or a deadline of the client may be."""
@@ -49,9 +50,12 @@ class Target:
 
     @classmethod
     def parse(cls, url: str) -> Target:
+        try:
+            checks.http_url(url if "://" in url else "http://" + url)
+        except ValueError as e:
+            raise BenchError(f"not an http(s) URL: {e}") from None
         u = urlsplit(url if "://" in url else "http://" + url)
-        if u.scheme not in ("http", "https") or not u.hostname:
-            raise BenchError(f"not an http(s) URL: {url!r}")
+        assert u.hostname is not None  # http_url checked it
         prefix = u.path.rstrip("/")
         if prefix.endswith("/v1"):
             prefix = prefix[:-3]
@@ -60,7 +64,8 @@ class Target:
 
     @property
     def url(self) -> str:
-        return f"{self.scheme}://{self.host}:{self.port}{self.prefix}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address
+        return f"{self.scheme}://{host}:{self.port}{self.prefix}"
 
     def connect(self, timeout: float) -> http.client.HTTPConnection:
         cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
@@ -82,7 +87,8 @@ class Settings:
     thinking: bool | None = None  # None: leave the server's default
     ignore_eos: bool = True
     timeout: float
-    """Seconds without a byte before a request fails (a stalled stream)."""
+    """Seconds without an SSE data event (or, before the answer, without its headers) before
+    a request fails: a stalled stream, or one that trickles bytes and never a whole event."""
     deadline: float
     """Seconds the whole of one request may take (a server that trickles bytes ends on time)."""
     seed: int = 0
@@ -138,8 +144,14 @@ class Overhead:
     events: int = 0
 
 
-def _stream(conn, target: Target, path: str, body: bytes, tl: Timeline, ov: Overhead) -> None:
-    """Send one request, record every SSE data payload with its arrival time."""
+MAX_EVENT = 1024 * 1024
+"""The most one SSE event may hold (a chunk of one token is well under 1 kB)."""
+
+
+def _stream(conn, target: Target, path: str, body: bytes, tl: Timeline, ov: Overhead,
+            watch: Watch | None = None) -> None:
+    """Send one request, record every SSE data payload with its arrival time; each one is
+    progress for ``watch`` (a server that trickles bytes without whole events is cut off)."""
     # the API key (SPARKDEPLOY_API_KEY) as the readiness checks send it: a header, never argv
     headers = {"Content-Type": "application/json", "Accept": "text/event-stream",
                **auth_headers()}
@@ -154,7 +166,7 @@ def _stream(conn, target: Target, path: str, body: bytes, tl: Timeline, ov: Over
     conn.endheaders(body)
     resp = conn.getresponse()
     if resp.status != 200:
-        raw = resp.read()
+        raw = resp.read(64 * 1024)  # an error body's first 64 kB say what went wrong
         tl.end = perf()
         try:
             d = json.loads(raw)
@@ -184,7 +196,13 @@ def _stream(conn, target: Target, path: str, body: bytes, tl: Timeline, ov: Over
             for line in ev.split(b"\n"):
                 if line.startswith(b"data:"):
                     events.append((t, line[5:].strip()))
+                    if watch is not None:
+                        watch.touch()
         handling.append(perf() - t)
+        if len(buf) > MAX_EVENT:
+            tl.end = perf()
+            tl.error = f"an SSE event larger than {MAX_EVENT} bytes"
+            return
         if events and events[-1][1] == b"[DONE]":
             # drain the chunked terminator so the connection can be reused
             while read1(65536):
@@ -297,14 +315,16 @@ class _Level:
         try:
             if conn is None:
                 conn = self.target.connect(self.s.timeout)
-            with watchdog(conn.sock, self.s.deadline) as late:  # the whole request
-                _stream(conn, self.target, self.path, self.bodies[i], tl, self.ov[k])
+            # the whole request within the deadline, and an SSE event at least every timeout
+            with watchdog(conn.sock, self.s.deadline, idle=self.s.timeout) as late:
+                _stream(conn, self.target, self.path, self.bodies[i], tl, self.ov[k], late)
         except TimeoutError:
             tl.error = f"timeout: no data for {self.s.timeout:g}s"
-        except (OSError, http.client.HTTPException) as e:
+        except (OSError, ValueError, http.client.HTTPException) as e:
             tl.error = f"{type(e).__name__}: {e}".rstrip(": ")
         if late is not None and late.is_set():
-            tl.error = f"deadline: not done within {self.s.deadline:g}s"
+            tl.error = (f"deadline: not done within {self.s.deadline:g}s" if late.why == "deadline"
+                        else f"timeout: no data for {self.s.timeout:g}s")
         if tl.end is None:
             tl.end = time.perf_counter()
         if tl.error is not None and conn is not None:

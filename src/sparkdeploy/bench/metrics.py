@@ -25,6 +25,11 @@ import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from pydantic import BaseModel, Field
+
+from sparkdeploy.outside import OutsideError, validated
 
 DONE = b"[DONE]"
 
@@ -65,20 +70,52 @@ class RequestMetrics:
                 "tokens_source": self.tokens_source, "error": self.error}
 
 
-def _text(d: dict) -> str:
-    choices = d.get("choices") or []
-    if not choices:
-        return ""
-    c = choices[0] or {}
-    delta = c.get("delta")
-    if isinstance(delta, dict):
-        return (delta.get("content") or "") + (delta.get("reasoning_content") or "") + (
-            delta.get("reasoning") or "")
-    return c.get("text") or ""
+Count = Annotated[int, Field(strict=True, ge=0, le=10**9)]
+"""A token count as a server sends it: a JSON integer (not "5", 5.5, true or a word)."""
+
+
+class _Delta(BaseModel):
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class _Choice(BaseModel):
+    delta: _Delta | None = None
+    text: str | None = None
+
+
+class _Usage(BaseModel):
+    prompt_tokens: Count | None = None
+    completion_tokens: Count | None = None
+
+
+class Chunk(BaseModel):
+    """What the metrics read of one SSE event (the rest of it is ignored); an event that does not
+    fit fails its request with one line naming the field."""
+
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None
+    error: Any = None
+
+    def text(self) -> str:
+        if not self.choices:
+            return ""
+        c = self.choices[0]
+        if c.delta is not None:
+            d = c.delta
+            return (d.content or "") + (d.reasoning_content or "") + (d.reasoning or "")
+        return c.text or ""
+
+
+def _error_text(err: Any) -> str:
+    msg = err.get("message") if isinstance(err, dict) else err
+    return str(msg)[:200]
 
 
 def analyse(tl: Timeline) -> RequestMetrics:
-    """One request's metrics from its timeline (errors stay errors; parse errors become one)."""
+    """One request's metrics from its timeline (errors stay errors; an event that is not JSON or
+    does not fit ``Chunk`` becomes one)."""
     error = tl.error
     first: float | None = None
     last_text = last_any = 0.0
@@ -92,19 +129,24 @@ def analyse(tl: Timeline) -> RequestMetrics:
             continue
         try:
             d = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):
             error = error or f"bad SSE payload: {payload[:80]!r}"
             break
         if not isinstance(d, dict):
             continue
-        if d.get("error"):
-            err = d["error"]
-            error = error or f"error event: {err.get('message') if isinstance(err, dict) else err}"
-        usage = d.get("usage")
-        if isinstance(usage, dict):
-            usage_out = usage.get("completion_tokens", usage_out)
-            usage_in = usage.get("prompt_tokens", usage_in)
-        if _text(d):
+        try:
+            c = validated(Chunk, d, "bad SSE event")
+        except OutsideError as e:
+            error = error or str(e)
+            break
+        if c.error:
+            error = error or f"error event: {_error_text(c.error)}"
+        if c.usage is not None:
+            if c.usage.completion_tokens is not None:
+                usage_out = c.usage.completion_tokens
+            if c.usage.prompt_tokens is not None:
+                usage_in = c.usage.prompt_tokens
+        if c.text():
             chunks += 1
             if first is None:
                 first = t
@@ -123,7 +165,7 @@ def analyse(tl: Timeline) -> RequestMetrics:
     ttft = (first - tl.start) * 1000.0
     e2el = (last_any - tl.start) * 1000.0
     if usage_out is not None:
-        out, source = int(usage_out), "usage"
+        out, source = usage_out, "usage"
     else:
         out, source = chunks, "chunks"
     tpot = (e2el - ttft) / (out - 1) if out > 1 else None

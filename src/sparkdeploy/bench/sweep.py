@@ -45,10 +45,9 @@ def run_sweep(url: str, settings: Settings, *, concurrency: list[int] | None = N
     level's requests are reported as ``Progress("bench.run", None, done, total, "req", level)``
     as they finish (warm-up included)."""
     target = Target.parse(url)
-    if settings.model is None:
-        settings.model = default_model(target)
-    else:
-        default_model(target)  # fail early, with one line, when the endpoint is unreachable
+    listed = default_model(target, deadline=min(10.0, settings.timeout))
+    if settings.model is None:  # else: the call above fails early, in one line, when unreachable
+        settings.model = listed
     levels: list[tuple[int | None, float | None]]
     if rates:
         levels = [(max_concurrency, r) for r in rates]

@@ -79,17 +79,25 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
         targets.append(("plot", Path(plot_path)))
     if save_dir:
         stem = Path(save_dir) / time.strftime("bench-%Y%m%d-%H%M%S")
-        stem.parent.mkdir(parents=True, exist_ok=True)  # our own state dir: made, not refused
+        try:
+            stem.parent.mkdir(parents=True, exist_ok=True)  # our own state dir: made, not refused
+        except OSError as e:
+            ctx.failed(f"--save: cannot make {stem.parent}: {e.strerror or e}")
+            return
         targets += [("json", stem.with_suffix(".json")), ("plot", stem.with_suffix(".png"))]
     title = f"{doc['config']['model']} @ {doc['config']['url']}"
     for kind, path in targets:
         # whole or not at all: a failure leaves no half-written file
-        if kind == "json":
-            write_text_atomic(path, sweep_json(doc))
-        else:
-            from sparkdeploy.bench.plot import plot as draw
+        try:
+            if kind == "json":
+                write_text_atomic(path, sweep_json(doc))
+            else:
+                from sparkdeploy.bench.plot import plot as draw
 
-            write_atomic(path, lambda tmp: draw(doc["runs"], tmp, title=title))
+                write_atomic(path, lambda tmp: draw(doc["runs"], tmp, title=title))
+        except OSError as e:
+            ctx.failed(f"cannot write {path}: {e.strerror or e}")
+            continue
         ctx.changed(f"wrote {path}", path=str(path))
     if baseline is not None:
         good, line = check_baseline(doc, *baseline)
