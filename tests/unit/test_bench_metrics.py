@@ -78,7 +78,8 @@ def test_percentiles_linear_like_numpy():
     assert percentile(xs, 90) == pytest.approx(7.6)  # numpy.percentile(xs, 90)
     assert percentile(xs, 99) == pytest.approx(9.76)
     assert stats(xs)["mean"] == 4.0
-    assert stats([]) == {"mean": None, "median": None, "p90": None, "p99": None}
+    assert stats([]) == {"mean": None, "median": None, "p50": None, "p90": None, "p95": None,
+                         "p99": None}
 
 
 def test_summary_counts_failures_and_aggregates():
@@ -103,8 +104,10 @@ def test_stats_are_numpys_linear_percentiles_under_their_names():
     from sparkdeploy.bench import metrics
 
     got = metrics.stats([float(x) for x in (10, 1, 9, 2, 8, 3, 7, 4, 6, 5)])
-    assert got == pytest.approx({"mean": 5.5, "median": 5.5, "p90": 9.1, "p99": 9.91})
-    assert metrics.stats([]) == {"mean": None, "median": None, "p90": None, "p99": None}
+    assert got == pytest.approx({"mean": 5.5, "median": 5.5, "p50": 5.5, "p90": 9.1, "p95": 9.55,
+                                 "p99": 9.91})
+    assert metrics.stats([]) == {"mean": None, "median": None, "p50": None, "p90": None,
+                                 "p95": None, "p99": None}
     with pytest.raises(ValueError, match="^no values$"):
         metrics.percentile([], 50)
 
@@ -214,3 +217,71 @@ def test_request_json_carries_the_metrics_under_their_names():
     assert m.as_json() == pytest.approx({
         "ttft_ms": 100.0, "e2el_ms": 250.0, "output_tokens": 4, "input_tokens": 7, "tpot_ms": 50.0,
         "decode_tok_s": 20.0, "tokens_source": "usage", "error": None})
+
+
+def _req(ttft, e2el, out, error=None):
+    from sparkdeploy.bench.metrics import RequestMetrics
+
+    tpot = (e2el - ttft) / (out - 1) if error is None and out > 1 else None
+    return RequestMetrics(ttft, e2el, out, 7, [], tpot, None, "usage", error, 0.0, 1.0)
+
+
+def test_goodput_counts_requests_that_met_every_slo_over_all_requests():
+    from sparkdeploy.bench.metrics import goodput, met_slo
+
+    slo = {"ttft_ms": 100.0, "tpot_ms": 20.0}
+    reqs = [_req(100.0, 290.0, 11),     # TTFT at the SLO, TPOT 19: good (<= as vLLM)
+            _req(100.1, 200.0, 11),     # TTFT over
+            _req(50.0, 260.0, 11),      # TPOT 21: over
+            _req(50.0, 9e9, 1),         # one token: TPOT counts 0 (vLLM), no E2E SLO: good
+            _req(None, None, None, error="HTTP 500")]  # failed: never good, but counted
+    assert [met_slo(r, slo) for r in reqs] == [True, False, False, True, False]
+    assert goodput(reqs, slo, 4.0) == {"slo": slo, "good": 2, "req_s": 0.5, "fraction": 0.4}
+    assert met_slo(reqs[0], {"e2el_ms": 289.9}) is False
+    assert goodput([], slo, 0.0)["fraction"] == 0.0
+
+
+@pytest.mark.parametrize(("text", "slo"), [
+    ("ttft=2s,tpot=80ms,e2e=30s", {"ttft_ms": 2000.0, "tpot_ms": 80.0, "e2el_ms": 30000.0}),
+    ("tpot=40", {"tpot_ms": 40.0}),
+    (" TTFT = 0.5s , e2el=1500ms", {"ttft_ms": 500.0, "e2el_ms": 1500.0}),
+])
+def test_slo_flags_parse_to_milliseconds(text, slo):
+    from sparkdeploy.bench.metrics import parse_slo
+
+    assert parse_slo(text) == slo
+
+
+_NOT_SLO = "is not ttft=, tpot= or e2e= a duration (e.g. ttft=2s,tpot=80ms,e2e=30s)"
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("ttft", f"'ttft' {_NOT_SLO}"),
+    ("itl=5ms", f"'itl=5ms' {_NOT_SLO}"),
+    ("ttft=fast", "ttft: 'fast' is not a duration (2s, 80ms)"),
+    ("ttft=0s", "ttft: '0s' is not within (0, 1 day]"),
+    ("tpot=nanms", "tpot: 'nanms' is not within (0, 1 day]"),
+    ("e2e=1s,e2el=2s", "e2el is given twice"),
+])
+def test_a_bad_slo_is_one_line(text, says):
+    from sparkdeploy.bench.metrics import parse_slo
+
+    with pytest.raises(ValueError) as e:
+        parse_slo(text)
+    assert str(e.value) == says
+
+
+def test_confidence_interval_is_students_t():
+    from sparkdeploy.bench.metrics import confidence, intervals
+
+    c = confidence([1.0, 2.0, 3.0])  # mean 2, s 1, t(0.975, 2) 4.303
+    assert c["mean"] == 2.0 and c["runs"] == 3
+    assert c["low"] == pytest.approx(2 - 4.303 / 3 ** 0.5)
+    assert c["high"] == pytest.approx(2 + 4.303 / 3 ** 0.5)
+    assert confidence([5.0]) == {"mean": 5.0, "low": None, "high": None, "runs": 1}
+    wide = confidence([float(x) for x in range(40)])  # beyond the table: the normal's 1.96
+    assert wide["high"] - wide["mean"] == pytest.approx(1.96 * (5330 / 39) ** 0.5 / 40 ** 0.5)
+    got = intervals([{"output_tok_s": 10.0, "ttft_ms": {"p50": 5.0}},
+                     {"output_tok_s": 12.0, "ttft_ms": {"p50": None}}])
+    assert set(got) == {"output_tok_s", "ttft_ms.p50"}
+    assert got["ttft_ms.p50"]["runs"] == 1 and got["output_tok_s"]["mean"] == 11.0

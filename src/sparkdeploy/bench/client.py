@@ -28,7 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from sparkdeploy import checks
-from sparkdeploy.bench.metrics import Timeline, analyse, stats, summarize
+from sparkdeploy.bench.metrics import Timeline, analyse, met_slo, stats, summarize
 from sparkdeploy.endpoint import headers as auth_headers
 from sparkdeploy.events import EventSink, Progress
 from sparkdeploy.outside import ModelList, OutsideError, Watch, request, watchdog
@@ -338,10 +338,13 @@ class _Level:
 
 def run_level(target: Target, s: Settings, requests: int, concurrency: int | None = None,
               rate: float | None = None, path: str | None = None, first_index: int = 0,
-              events: EventSink | None = None, step: str = "bench.run", note: str = "") -> dict:
+              events: EventSink | None = None, step: str = "bench.run", note: str = "",
+              slo: dict[str, float] | None = None, keep: list | None = None) -> dict:
     """Run ``requests`` requests at a fixed concurrency, or Poisson arrivals at ``rate`` req/s
     (then ``concurrency`` caps the workers, default min(requests, 256)). Returns
-    ``{"summary", "requests", "client"}``. With ``events``, each finished request is a
+    ``{"summary", "requests"}`` (``summary["client"]``: the client's overhead; with ``slo``,
+    ``summary["goodput"]`` and each request's ``slo_met``); ``keep`` gets the requests'
+    ``RequestMetrics`` (to pool repeated runs). With ``events``, each finished request is a
     ``Progress(step, None, finished, requests, "req", note)``."""
     if requests < 1 or (concurrency is not None and concurrency < 1) or (rate is not None and rate <= 0):
         raise BenchError(f"nothing to run: {requests} request(s), concurrency {concurrency}, "
@@ -381,7 +384,9 @@ def run_level(target: Target, s: Settings, requests: int, concurrency: int | Non
     timelines = [tl for tl in level.timelines if tl is not None]  # all: every worker ran to the end
     metrics = [analyse(tl) for tl in timelines]
     parse_s = time.perf_counter() - parse0
-    summary = summarize(metrics)
+    summary = summarize(metrics, slo=slo)
+    if keep is not None:
+        keep.extend(metrics)
     handling = [x * 1e6 for o in level.ov for x in o.handling_s]
     lateness = [max(0.0, tl.start - tl.scheduled) * 1000.0 for tl in timelines
                 if tl.scheduled is not None]
@@ -394,4 +399,8 @@ def run_level(target: Target, s: Settings, requests: int, concurrency: int | Non
         "cpu_pct": 100.0 * (cpu1 - cpu0) / max(wall1 - wall0, 1e-9),
         "parse_after_s": parse_s,
     }
-    return {"summary": summary, "requests": [m.as_json() for m in metrics]}
+    rows = [m.as_json() for m in metrics]
+    if slo:
+        for row, m in zip(rows, metrics, strict=True):
+            row["slo_met"] = met_slo(m, slo)
+    return {"summary": summary, "requests": rows}

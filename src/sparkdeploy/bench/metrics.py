@@ -185,15 +185,126 @@ def percentile(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+QUANTILES = (50, 90, 95, 99)
+"""The percentiles every latency is reported at (``p50`` is also kept as ``median``)."""
+
+
 def stats(values: list[float]) -> dict[str, float | None]:
+    """Mean, median and p50/p90/p95/p99 (numpy's linear interpolation); None without values."""
     if not values:
-        return {"mean": None, "median": None, "p90": None, "p99": None}
-    return {"mean": sum(values) / len(values), "median": percentile(values, 50),
-            "p90": percentile(values, 90), "p99": percentile(values, 99)}
+        return {"mean": None, "median": None, **{f"p{q}": None for q in QUANTILES}}
+    qs = {f"p{q}": percentile(values, q) for q in QUANTILES}
+    return {"mean": sum(values) / len(values), "median": qs["p50"], **qs}
 
 
-def summarize(reqs: list[RequestMetrics], duration_s: float | None = None) -> dict:
-    """The run summary (the issue's JSON shape, plus totals and the error tally)."""
+# --- goodput: the requests that met every SLO -------------------------------------------------
+#
+# As vLLM defines it (vllm/benchmarks/serve.py, calculate_metrics, ``--goodput ttft:MS tpot:MS
+# e2el:MS``): a completed request is good when every metric given is at most its SLO
+# (``s >= r``), a request of one output token counting TPOT 0; ``request_goodput`` = good
+# requests / the run's duration. The fraction as AIPerf defines it (aiperf
+# GoodRequestFractionMetric, docs/tutorials/goodput.md): good requests / (completed + failed),
+# so a run that drops requests does not look good because its survivors were fast.
+
+SLO_KEYS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2e": "e2el_ms", "e2el": "e2el_ms"}
+_UNITS = {"ms": 1.0, "s": 1000.0}
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """``"ttft=2s,tpot=80ms,e2e=30s"`` (any subset; ``ms`` or ``s``, a bare number is ms as in
+    vLLM's ``--goodput``) -> ``{"ttft_ms": 2000.0, "tpot_ms": 80.0, "e2el_ms": 30000.0}``;
+    ValueError naming what does not fit."""
+    out: dict[str, float] = {}
+    for part in str(text).split(","):
+        key, sep, value = part.strip().partition("=")
+        key, value = key.strip().lower(), value.strip().lower()
+        if not sep or key not in SLO_KEYS:
+            raise ValueError(f"{part.strip()!r} is not ttft=, tpot= or e2e= a duration "
+                             "(e.g. ttft=2s,tpot=80ms,e2e=30s)")
+        unit = "ms" if value.endswith("ms") else "s" if value.endswith("s") else ""
+        try:
+            ms = float(value[: len(value) - len(unit)]) * _UNITS.get(unit, 1.0)
+        except ValueError:
+            raise ValueError(f"{key}: {value!r} is not a duration (2s, 80ms)") from None
+        if not 0 < ms <= 86_400_000:  # nan and inf fail this too
+            raise ValueError(f"{key}: {value!r} is not within (0, 1 day]")
+        if SLO_KEYS[key] in out:
+            raise ValueError(f"{key} is given twice")
+        out[SLO_KEYS[key]] = ms
+    return out
+
+
+def met_slo(r: RequestMetrics, slo: dict[str, float]) -> bool:
+    """Whether request ``r`` met every SLO (a failed request meets none)."""
+    if not r.ok:
+        return False
+    got: dict[str, float | None] = {"ttft_ms": r.ttft_ms, "tpot_ms": r.tpot_ms or 0.0,
+                                    "e2el_ms": r.e2el_ms}
+    return all((v := got[k]) is not None and v <= limit for k, limit in slo.items())
+
+
+def goodput(reqs: list[RequestMetrics], slo: dict[str, float], duration_s: float) -> dict:
+    good = sum(met_slo(r, slo) for r in reqs)
+    return {"slo": dict(slo), "good": good,
+            "req_s": good / duration_s if duration_s > 0 else 0.0,
+            "fraction": good / len(reqs) if reqs else 0.0}
+
+
+# --- a 95 % confidence interval over repeated runs (--runs K) ----------------------------------
+#
+# Student's t: mean +- t(0.975, K-1) * s / sqrt(K), s the sample standard deviation of the K
+# runs' figures (AIPerf's multi-run confidence reporting, docs/tutorials/multi-run-confidence.md,
+# reports the same per metric). The two-sided 97.5 % quantiles for 1..30 degrees of freedom,
+# from the standard t table; beyond 30 the normal's 1.96 is within 1.5 % of them.
+
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+        2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    return T975[df - 1] if df <= len(T975) else 1.96
+
+
+def confidence(values: list[float]) -> dict[str, float | int | None]:
+    """The mean of ``values`` (one per run) and its 95 % interval; no interval from one run."""
+    n = len(values)
+    if n == 0:
+        return {"mean": None, "low": None, "high": None, "runs": 0}
+    mean = sum(values) / n
+    if n == 1:
+        return {"mean": mean, "low": None, "high": None, "runs": 1}
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = t975(n - 1) * sd / math.sqrt(n)
+    return {"mean": mean, "low": mean - half, "high": mean + half, "runs": n}
+
+
+HEADLINES = (("output_tok_s",), ("requests_s",), ("goodput", "req_s"), ("goodput", "fraction"),
+             ("per_request_output_tok_s", "median"), ("ttft_ms", "p50"), ("ttft_ms", "p90"),
+             ("tpot_ms", "p50"), ("itl_ms", "p50"), ("e2el_ms", "p50"))
+"""The figures ``--runs K`` gives an interval for (``summary["ci95"]["ttft_ms.p50"]``)."""
+
+
+def intervals(summaries: list[dict]) -> dict[str, dict]:
+    """``summary["ci95"]``: per headline figure, its interval over the runs that have it."""
+    out: dict[str, dict] = {}
+    for keys in HEADLINES:
+        values = []
+        for s in summaries:
+            v: Any = s
+            for k in keys:
+                v = v.get(k) if isinstance(v, dict) else None
+            if isinstance(v, (int, float)):
+                values.append(float(v))
+        if values:
+            out[".".join(keys)] = confidence(values)
+    return out
+
+
+def summarize(reqs: list[RequestMetrics], duration_s: float | None = None,
+              slo: dict[str, float] | None = None) -> dict:
+    """The run summary (the issue's JSON shape, plus totals and the error tally; ``goodput``
+    against ``slo`` when given)."""
     ok = [r for r in reqs if r.ok]
     if duration_s is None:
         ends = [r.end for r in reqs if r.end is not None]
@@ -217,4 +328,5 @@ def summarize(reqs: list[RequestMetrics], duration_s: float | None = None) -> di
         "total_input_tokens": sum(r.input_tokens or 0 for r in ok),
         "output_tokens_source": "+".join(sources) if sources else None,
         "errors": dict(Counter(r.error for r in reqs if r.error)),
+        **({"goodput": goodput(reqs, slo, duration_s)} if slo else {}),
     }

@@ -24,31 +24,44 @@ def run_table(run: dict) -> Table:
     t = Table(title=f"{level_name(run)}: {s['completed']}/{s['requests']} ok, "
                     f"{s['failed']} failed, {s['duration_s']:.2f} s", title_justify="left")
     t.add_column("metric")
-    for q in ("mean", "median", "p90", "p99"):
+    cols = ("mean", "p50", "p90", "p95", "p99")
+    for q in cols:
         t.add_column(q, justify="right")
+    blank = ("",) * (len(cols) - 1)
     for key, label in (("ttft_ms", "TTFT ms"), ("itl_ms", "ITL ms"), ("tpot_ms", "TPOT ms"),
                        ("e2el_ms", "E2EL ms"),
                        ("per_request_output_tok_s", "decode tok/s (per request)")):
         st = s[key]
-        t.add_row(label, *(_f(st[q], 2) for q in ("mean", "median", "p90", "p99")))
+        t.add_row(label, *(_f(st.get(q, st["median"] if q == "p50" else None), 2) for q in cols))
     t.add_section()
-    t.add_row("output tok/s (aggregate)", _f(s["output_tok_s"]), "", "", "")
-    t.add_row("requests/s", _f(s["requests_s"], 3), "", "", "")
+    t.add_row("output tok/s (aggregate)", _f(s["output_tok_s"]), *blank)
+    t.add_row("requests/s", _f(s["requests_s"], 3), *blank)
+    good = s.get("goodput")
+    if good:
+        slo = ", ".join(f"{k.removesuffix('_ms')}<={v:g}ms" for k, v in good["slo"].items())
+        t.add_row("goodput req/s", _f(good["req_s"], 3), f"{good['good']} good", *blank[1:])
+        t.add_row(f"goodput fraction ({slo})", _f(good["fraction"] * 100, 1) + "%", *blank)
     src = s.get("output_tokens_source")
     t.add_row("output tokens", f"{s['total_output_tokens']:,}",
-              f"from {src}" if src else "", "", "")
+              f"from {src}" if src else "", *blank[1:])
     for err, count in (s.get("errors") or {}).items():
-        t.add_row(f"[red]failed x{count}[/]", f"[red]{err}[/]", "", "", "")
+        t.add_row(f"[red]failed x{count}[/]", f"[red]{err}[/]", *blank)
+    ci = s.get("ci95")
+    if ci:
+        t.add_section()
+        for name, c in ci.items():
+            span = "-" if c["low"] is None else f"{_f(c['low'], 2)} .. {_f(c['high'], 2)}"
+            t.add_row(f"95% CI {name} ({c['runs']} runs)", _f(c["mean"], 2), span, *blank[1:])
     c = s.get("client")
     if c:
         t.add_section()
-        t.add_row("client: per-event handling us", *(_f(c["event_handling_us"][q], 1)
-                                                      for q in ("mean", "median", "p90", "p99")))
-        t.add_row("client: start lateness ms", *(_f(c["start_lateness_ms"][q], 2)
-                                                 for q in ("mean", "median", "p90", "p99")))
-        t.add_row("client: wake-up lag ms", *(_f(c["probe_wake_lag_ms"][q], 2)
-                                              for q in ("mean", "median", "p90", "p99")))
-        t.add_row("client: CPU %", _f(c["cpu_pct"]), "", "", "")
+        for key, label, digits in (("event_handling_us", "client: per-event handling us", 1),
+                                   ("start_lateness_ms", "client: start lateness ms", 2),
+                                   ("probe_wake_lag_ms", "client: wake-up lag ms", 2)):
+            st = c[key]
+            t.add_row(label, *(_f(st.get(q, st["median"] if q == "p50" else None), digits)
+                               for q in cols))
+        t.add_row("client: CPU %", _f(c["cpu_pct"]), *blank)
     return t
 
 

@@ -11,11 +11,14 @@ from pydantic import BaseModel, Field, model_validator
 
 from sparkdeploy import checks
 from sparkdeploy.bench.client import BenchError, Settings, Target, default_model, run_level
+from sparkdeploy.bench.metrics import RequestMetrics, intervals, summarize
 from sparkdeploy.events import EventSink
 from sparkdeploy.files import MB, InputError, read_input
 from sparkdeploy.outside import OutsideError, loads
 
 STEP = "bench.run"
+MAX_RUNS = 100
+"""``--runs``: repeats of each level (the interval narrows as 1/sqrt(K); 100 is plenty)."""
 
 
 def parse_levels(text: str | None, kind=int) -> list:
@@ -40,10 +43,14 @@ def parse_levels(text: str | None, kind=int) -> list:
 
 def run_sweep(url: str, settings: Settings, *, concurrency: list[int] | None = None,
               rates: list[float] | None = None, requests: int, warmup: int,
-              max_concurrency: int | None = None, events: EventSink | None = None) -> dict:
-    """The whole run as the JSON document (``config`` + ``runs``). With ``events``, each
-    level's requests are reported as ``Progress("bench.run", None, done, total, "req", level)``
-    as they finish (warm-up included)."""
+              max_concurrency: int | None = None, events: EventSink | None = None,
+              slo: dict[str, float] | None = None, runs: int = 1) -> dict:
+    """The whole run as the JSON document (``config`` + ``runs``, one per level). With ``events``,
+    each level's requests are reported as ``Progress("bench.run", None, done, total, "req",
+    level)`` as they finish (warm-up included). With ``slo``, each level's summary has its
+    ``goodput``; with ``runs`` > 1 each level is measured that many times (each request a prompt
+    of its own): the summary pools every run's requests, ``repeats`` holds each run's summary and
+    ``summary["ci95"]`` the 95 % interval of each headline figure over the runs."""
     target = Target.parse(url)
     listed = default_model(target, deadline=min(10.0, settings.timeout))
     if settings.model is None:  # else: the call above fails early, in one line, when unreachable
@@ -57,6 +64,7 @@ def run_sweep(url: str, settings: Settings, *, concurrency: list[int] | None = N
         "config": {"url": target.url, **settings.as_json(), "requests": requests,
                    "warmup": warmup, "concurrency": concurrency if not rates else None,
                    "rates": rates or None, "max_concurrency": max_concurrency,
+                   "slo": slo or None, "runs": runs,
                    "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")},
         "runs": [],
     }
@@ -67,10 +75,24 @@ def run_sweep(url: str, settings: Settings, *, concurrency: list[int] | None = N
             run_level(target, settings, warmup, concurrency=min(warmup, conc or 1),
                       first_index=10_000_000 + index, events=events, step=STEP,
                       note=f"{name}: warm-up")
-        res = run_level(target, settings, requests, concurrency=conc, rate=rate,
-                        first_index=index, events=events, step=STEP, note=name)
-        index += requests
-        doc["runs"].append({"concurrency": conc, "rate": rate, **res})
+        kept: list[RequestMetrics] = []
+        repeats = []
+        for k in range(runs):
+            note = name if runs == 1 else f"{name}: run {k + 1}/{runs}"
+            repeats.append(run_level(target, settings, requests, concurrency=conc, rate=rate,
+                                     first_index=index, events=events, step=STEP, note=note,
+                                     slo=slo, keep=kept))
+            index += requests
+        if runs == 1:
+            doc["runs"].append({"concurrency": conc, "rate": rate, **repeats[0]})
+            continue
+        each = [r["summary"] for r in repeats]
+        summary = summarize(kept, sum(s["duration_s"] for s in each), slo=slo)
+        summary["client"] = each[-1]["client"]
+        summary["ci95"] = intervals(each)
+        doc["runs"].append({"concurrency": conc, "rate": rate, "summary": summary,
+                            "requests": [row for r in repeats for row in r["requests"]],
+                            "repeats": each})
     return doc
 
 

@@ -29,10 +29,13 @@ def level_line(run: dict[str, Any]) -> str:
         return "-" if v is None else f"{v:,.{digits}f}"
 
     bad = f", {s['failed']} failed" if s["failed"] else ""
+    good = s.get("goodput")
+    slo = (f", goodput {good['req_s']:,.3f} req/s ({good['fraction'] * 100:.1f}% met the SLO)"
+           if good else "")
     return (f"{level_name(run)}: {s['completed']}/{s['requests']} ok{bad}, "
             f"{num(s['output_tok_s'])} output tok/s, decode median "
             f"{num(s['per_request_output_tok_s']['median'])} tok/s, TTFT median "
-            f"{num(s['ttft_ms']['median'])} ms")
+            f"{num(s['ttft_ms']['median'])} ms{slo}")
 
 
 def request_settings(b: Bench, **given: Any) -> Settings:
@@ -46,7 +49,8 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
               rates: Sequence[float] = (), requests: int, warmup: int,
               max_concurrency: int | None = None, json_path: str | Path | None = None,
               plot_path: str | Path | None = None, save_dir: str | Path | None = None,
-              baseline: tuple[float, float] | None = None) -> None:
+              baseline: tuple[float, float] | None = None,
+              slo: dict[str, float] | None = None, runs: int = 1) -> None:
     """Run the sweep (no deployment needed: ``ctx`` may have none); one result per level
     (``details["run"]`` holds it), one per file written, and the baseline gate's when
     ``baseline`` (decode tok/s, tolerance %) is given. Failed requests are counted in a level's
@@ -56,7 +60,7 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
     try:
         doc = run_sweep(url, settings, concurrency=list(concurrency), rates=list(rates),
                         requests=requests, warmup=warmup, max_concurrency=max_concurrency,
-                        events=ctx.events)
+                        events=ctx.events, slo=slo, runs=runs)
     except BenchError as e:
         ctx.failed(str(e))
         return

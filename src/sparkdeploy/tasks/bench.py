@@ -39,6 +39,8 @@ _HELP = {
     "baseline_tolerance": "allowed shortfall against the baseline (default: the profile's "
                           "bench.baseline_tolerance_pct)",
     "profile": "profile file (default: sparkdeploy.profile from invoke config)",
+    "slo": "goodput against SLOs, any of ttft=2s,tpot=80ms,e2e=30s (a bare number is ms)",
+    "runs": "measure each level K times: pooled figures and a 95% interval for each headline one",
 }
 
 
@@ -46,10 +48,11 @@ _HELP = {
 def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=None,
         requests=None, input_tokens=None, output_tokens=None, warmup=None, thinking=None,
         api="chat", json=None, plot=None, timeout=None, deadline=None, save=False,
-        check_baseline=False, baseline_tolerance=None, profile=None):
+        check_baseline=False, baseline_tolerance=None, profile=None, slo=None, runs=None):
     """Benchmark an endpoint: a concurrency (or rate) sweep, vLLM bench-serve metrics."""
     from sparkdeploy.bench.compare import parse_pct
-    from sparkdeploy.bench.sweep import parse_levels
+    from sparkdeploy.bench.metrics import parse_slo
+    from sparkdeploy.bench.sweep import MAX_RUNS, parse_levels
     from sparkdeploy.endpoint import url as endpoint_url
     from sparkdeploy.steps.bench import STEP, benchmark, request_settings
     from sparkdeploy.steps.registry import run_one
@@ -72,6 +75,8 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
         "--baseline-tolerance", baseline_tolerance, parse_pct)
     json_path = flags.output_file("--json", json)
     plot_path = flags.output_file("--plot", plot)
+    slos = None if slo is None else flags.parsed("--slo", slo, parse_slo)
+    k_runs = flags.integer("--runs", runs, default=1, min=1, max=MAX_RUNS)
     if cap is not None and not rates:
         raise flags.usage("--max-concurrency", "only applies with --rate")
 
@@ -92,7 +97,7 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
                        requests=n or bench.requests, warmup=bench.warmup if k is None else k,
                        max_concurrency=cap, json_path=json_path, plot_path=plot_path,
                        save_dir=state_dir(c) / "bench" if save else None,
-                       baseline=gate if check_baseline else None)
+                       baseline=gate if check_baseline else None, slo=slos, runs=k_runs)
 
     drive(c, STEP, work, profile=profile, deployment="optional" if url else "needed", lock=False,
           show=lambda dep, results: _tables(results))
