@@ -22,6 +22,7 @@ import yaml
 from sparkdeploy.deployment import load
 from sparkdeploy.records import ServeDecision
 from sparkdeploy.steps.registry import run_one
+from tests.unit.profiles import seed_data
 
 pytestmark = pytest.mark.lab
 
@@ -141,8 +142,7 @@ def test_sglang_serves_across_both_nodes_over_the_fast_link(clean):
 def test_without_sglang_host_ip_sglang_hangs_and_is_diagnosed(clean):
     lab, tmp, state, prof, dep = clean
     fault(state, prof, "none")
-    sg = yaml.safe_load((REPO / "configs" / "qwen3.5-122b-a10b-fp8.yaml").read_text())
-    [engine] = [e for e in sg["sparkdeploy"]["engines"] if e["name"] == "sglang"]
+    [engine] = [e for e in seed_data()["sparkdeploy"]["engines"] if e["name"] == "sglang"]
     engine["env"] = {"SGLANG_HOST_IP": None}
     p = profile(tmp, "no-host-ip", engines=[engine])
     cp = inv(state, p, "serve.up")

@@ -7,7 +7,6 @@ the native pair back. Leaves the lab as test_serve_lab's fixtures do: nothing se
 from __future__ import annotations
 
 import pytest
-import yaml
 
 from sparkdeploy.records import ServeDecision
 from tests.lab.test_serve_lab import (  # noqa: F401  (the fixtures)
@@ -23,6 +22,7 @@ from tests.lab.test_serve_lab import (  # noqa: F401  (the fixtures)
     results,
     stream,
 )
+from tests.unit.profiles import seed_data
 
 pytestmark = pytest.mark.lab
 
@@ -42,8 +42,7 @@ def logs(lab, node: str, name: str) -> str:
 
 def native_first(tmp):
     """The seed's engines with the native mode first and vLLM on Ray as its fallback."""
-    seed = yaml.safe_load((REPO / "configs" / "qwen3.5-122b-a10b-fp8.yaml").read_text())
-    engines = {e["kind"]: e for e in seed["sparkdeploy"]["engines"]}
+    engines = {e["kind"]: e for e in seed_data()["sparkdeploy"]["engines"]}
     return profile(tmp, "native-first", engines=[engines["vllm"], engines["vllm-ray"]])
 
 
