@@ -63,7 +63,24 @@ FAKED = {
 }
 
 
-class _FakeMeta(abc.ABCMeta):
+class _Zero:
+    """What a fake is as a number or in a comparison: zero, and never less or more."""
+
+    def __int__(self):
+        return 0
+
+    __index__ = __int__
+
+    def __float__(self):
+        return 0.0
+
+    def __lt__(self, other):
+        return False
+
+    __gt__ = __le__ = __ge__ = __lt__
+
+
+class _FakeMeta(_Zero, abc.ABCMeta):
     """The type of every fake attribute: anything read from it is another fake, calling it on a
     single function gives the function back (a decorator), any other call gives a fake."""
 
@@ -103,19 +120,6 @@ class _FakeMeta(abc.ABCMeta):
     def __bool__(cls):
         return False
 
-    def __int__(cls):
-        return 0
-
-    __index__ = __int__
-
-    def __float__(cls):
-        return 0.0
-
-    def __lt__(cls, other):
-        return False
-
-    __gt__ = __le__ = __ge__ = __lt__
-
     def __enter__(cls):
         return cls
 
@@ -129,7 +133,7 @@ class _FakeMeta(abc.ABCMeta):
         return cls is other
 
 
-class _Value(str):
+class _Value(_Zero, str):
     """What calling a fake gives: an empty (false) string whose attributes are more of them,
     callable in turn (a value used as a name, a flag or a decorator still works)."""
 
@@ -147,11 +151,6 @@ class _Value(str):
     def __iter__(self):
         return iter(())
 
-    def __lt__(self, other):
-        return False
-
-    __le__ = __gt__ = __ge__ = __lt__
-
     def __hash__(self):
         return 0
 
@@ -160,14 +159,6 @@ class _Value(str):
 
     __rmul__ = __truediv__ = __rtruediv__ = __sub__ = __rsub__ = __floordiv__ = __pow__ = __mul__
     __neg__ = __abs__ = __mul__
-
-    def __int__(self):
-        return 0
-
-    __index__ = __int__
-
-    def __float__(self):
-        return 0.0
 
 
 def _called(args, kwargs):
