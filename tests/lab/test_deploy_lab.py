@@ -233,6 +233,9 @@ def test_a_hang_ends_on_vllm_with_the_diagnosis_in_the_record(lab, state_dir, tm
     data = json.loads(record.with_suffix(".json").read_text())["data"]
     engine = data["engine"]
     assert engine["chosen"] == "vllm-ray"
+    # vLLM's ranks (the Ray workers' lines in the API server's log) marked the distributed init;
+    # the hung SGLang never reached it
+    assert {"containers_running", "dist_init", "port_open", "first_token"} <= set(engine["startup"])
     [tried] = engine["tried"]
     assert (tried["engine"], tried["class"]) == ("sglang", "nccl-init-hang")
     assert tried["evidence"]
@@ -243,6 +246,7 @@ def test_a_hang_ends_on_vllm_with_the_diagnosis_in_the_record(lab, state_dir, tm
     dep = deployment.load(prof, state_dir)
     decision = dep.records.read(ServeDecision)
     [hung] = decision.tried
+    assert "dist_init" not in (hung.startup or {}) and "port_open" not in (hung.startup or {})
     # detected within the stall time + 10 %, the fallback started soon after
     assert STALL <= hung.silent_s <= STALL * 1.1
     print(f"\nserve.hang_to_fallback_seconds: {hung.fallback_after_s}")
