@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkdeploy.bench.client import BenchError, Settings
+from sparkdeploy.bench.engine import DISAGREE_PCT, disagreements
 from sparkdeploy.bench.report import level_name
 from sparkdeploy.bench.sweep import STEP, check_baseline, run_sweep, sweep_json
 from sparkdeploy.config import Bench
@@ -36,6 +37,30 @@ def level_line(run: dict[str, Any]) -> str:
             f"{num(s['output_tok_s'])} output tok/s, decode median "
             f"{num(s['per_request_output_tok_s']['median'])} tok/s, TTFT median "
             f"{num(s['ttft_ms']['median'])} ms{slo}")
+
+
+def engine_lines(ctx: StepContext, run: dict[str, Any]) -> None:
+    """The level's engine figures in one line, and one naming where client and engine disagree
+    by more than 10 % (a reading that failed after the run: one skipped line)."""
+    eng = run["summary"].get("engine")
+    if not eng:
+        return
+    if "skipped" in eng:
+        ctx.skipped(f"{level_name(run)}: {eng['skipped']}")
+        return
+
+    def ms(key: str) -> str:
+        return "-" if eng.get(key) is None else f"{eng[key]:,.1f} ms"
+
+    kv, pre = eng.get("kv_cache_peak_pct"), eng.get("preemptions")
+    ctx.ok(f"{level_name(run)}: engine ({eng.get('engine') or '?'}) /metrics: TTFT mean "
+           f"{ms('ttft_ms')}, ITL mean {ms('itl_ms')}, end-to-end mean {ms('e2el_ms')}, queue "
+           f"mean {ms('queue_ms')}, KV cache peak {'-' if kv is None else f'{kv:.1f}%'}, "
+           f"preemptions {'-' if pre is None else f'{pre:g}'}")
+    differ = disagreements(eng.get("vs_client") or [])
+    if differ:
+        ctx.ok(f"{level_name(run)}: client and engine disagree by more than "
+               f"{DISAGREE_PCT:g}%: {differ}")
 
 
 def request_settings(b: Bench, **given: Any) -> Settings:
@@ -64,10 +89,14 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
     except BenchError as e:
         ctx.failed(str(e))
         return
+    skipped = doc["engine_metrics"]["skipped"]
+    if skipped:
+        ctx.skipped(f"{skipped}: the client's figures only")
     for run in doc["runs"]:
         s = run["summary"]
         if s["completed"]:
             ctx.ok(level_line(run), run=run)
+            engine_lines(ctx, run)
             continue
         errors = s.get("errors") or {}
         first = max(errors, key=lambda e: errors[e]) if errors else "no request ran"
