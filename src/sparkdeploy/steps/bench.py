@@ -39,6 +39,33 @@ def level_line(run: dict[str, Any]) -> str:
             f"{num(s['ttft_ms']['median'])} ms{slo}")
 
 
+def html_beside(json_path: str | Path) -> Path:
+    """Where the HTML report of ``--json F`` goes: ``F`` with ``.html`` for ``.json``."""
+    p = Path(json_path)
+    return p.with_suffix(".html") if p.suffix == ".json" else p.with_name(p.name + ".html")
+
+
+def report_context(dep: Any) -> dict[str, Any]:
+    """What the HTML report shows of the deployment: its profile (secrets redacted), the image
+    chosen per engine, the startup timings when the serve record has them. A record that cannot be read is left out."""
+    from sparkdeploy.records import ImageDecision, RecordError, ServeDecision
+    from sparkdeploy.state import redact_values
+
+    out: dict[str, Any] = {"profile": redact_values(dep.profile.model_dump(mode="json"))}
+    try:
+        image = dep.records.read(ImageDecision)
+        if image is not None:
+            out["image"] = {"engines": {k: v.model_dump(mode="json")
+                                        for k, v in image.engines.items()}}
+        serve = dep.records.read(ServeDecision)
+        startup = getattr(serve, "startup", None) if serve is not None else None
+        if startup:
+            out["startup"] = startup if isinstance(startup, dict) else startup.model_dump(mode="json")
+    except (RecordError, OSError, AttributeError, TypeError):
+        pass
+    return out
+
+
 def engine_lines(ctx: StepContext, run: dict[str, Any]) -> None:
     """The level's engine figures in one line, and one naming where client and engine disagree
     by more than 10 % (a reading that failed after the run: one skipped line)."""
@@ -75,7 +102,8 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
               max_concurrency: int | None = None, json_path: str | Path | None = None,
               plot_path: str | Path | None = None, save_dir: str | Path | None = None,
               baseline: tuple[float, float] | None = None,
-              slo: dict[str, float] | None = None, runs: int = 1) -> None:
+              slo: dict[str, float] | None = None, runs: int = 1,
+              context: dict[str, Any] | None = None) -> None:
     """Run the sweep (no deployment needed: ``ctx`` may have none); one result per level
     (``details["run"]`` holds it), one per file written, and the baseline gate's when
     ``baseline`` (decode tok/s, tolerance %) is given. Failed requests are counted in a level's
@@ -89,6 +117,8 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
     except BenchError as e:
         ctx.failed(str(e))
         return
+    if context:
+        doc["context"] = context  # the profile, image, startup timings: the HTML report shows them
     skipped = doc["engine_metrics"]["skipped"]
     if skipped:
         ctx.skipped(f"{skipped}: the client's figures only")
@@ -106,8 +136,8 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
         ctx.failed("every request failed: nothing written")
         return
     targets: list[tuple[str, Path]] = []
-    if json_path:
-        targets.append(("json", Path(json_path)))
+    if json_path:  # the HTML report always beside the JSON
+        targets += [("json", Path(json_path)), ("html", html_beside(json_path))]
     if plot_path:
         targets.append(("plot", Path(plot_path)))
     if save_dir:
@@ -117,13 +147,18 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
         except OSError as e:
             ctx.failed(f"--save: cannot make {stem.parent}: {e.strerror or e}")
             return
-        targets += [("json", stem.with_suffix(".json")), ("plot", stem.with_suffix(".png"))]
+        targets += [("json", stem.with_suffix(".json")), ("html", stem.with_suffix(".html")),
+                    ("plot", stem.with_suffix(".png"))]
     title = f"{doc['config']['model']} @ {doc['config']['url']}"
     for kind, path in targets:
         # whole or not at all: a failure leaves no half-written file
         try:
             if kind == "json":
                 write_text_atomic(path, sweep_json(doc))
+            elif kind == "html":
+                from sparkdeploy.bench.html import run_report
+
+                write_text_atomic(path, run_report(doc))
             else:
                 from sparkdeploy.bench.plot import plot as draw
 
@@ -158,4 +193,4 @@ def run(ctx: StepContext, url: str | None = None, settings: Settings | None = No
               warmup=b.warmup if warmup is None else warmup,
               max_concurrency=max_concurrency, json_path=json_path, plot_path=plot_path,
               save_dir=dep.state.path / "bench" if save else None,
-              baseline=gate if check else None)
+              baseline=gate if check else None, context=report_context(dep))

@@ -27,7 +27,7 @@ _HELP = {
     "warmup": "warm-up requests before each level, not measured",
     "thinking": "on|off: chat_template_kwargs.enable_thinking (default: the server's)",
     "api": "chat|completions",
-    "json": "write the results JSON here",
+    "json": "write the results JSON here, and the HTML report beside it (F.json -> F.html)",
     "plot": "write the four-panel PNG here",
     "timeout": "seconds without data before a request fails (default: the profile's bench.timeout_s, "
                "at most a day)",
@@ -54,7 +54,7 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
     from sparkdeploy.bench.metrics import parse_slo
     from sparkdeploy.bench.sweep import MAX_RUNS, parse_levels
     from sparkdeploy.endpoint import url as endpoint_url
-    from sparkdeploy.steps.bench import STEP, benchmark, request_settings
+    from sparkdeploy.steps.bench import STEP, benchmark, report_context, request_settings
     from sparkdeploy.steps.registry import run_one
 
     # every flag first: a bad one exits 2 before the profile is read or a request is sent
@@ -97,7 +97,8 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
                        requests=n or bench.requests, warmup=bench.warmup if k is None else k,
                        max_concurrency=cap, json_path=json_path, plot_path=plot_path,
                        save_dir=state_dir(c) / "bench" if save else None,
-                       baseline=gate if check_baseline else None, slo=slos, runs=k_runs)
+                       baseline=gate if check_baseline else None, slo=slos, runs=k_runs,
+                       context=report_context(dep) if dep is not None else None)
 
     drive(c, STEP, work, profile=profile, deployment="optional" if url else "needed", lock=False,
           show=lambda dep, results: _tables(results))
@@ -107,12 +108,15 @@ def _tables(results) -> None:
     """Each level's table after the stream (rich renders plain text off a terminal)."""
     from rich.console import Console
 
-    from sparkdeploy.bench.report import run_table
+    from sparkdeploy.bench.report import engine_table, run_table
 
     console = Console()
     runs = [r.details["run"] for r in results if "run" in r.details]
     for r in runs:
         console.print(run_table(r))
+        engine = engine_table(r)
+        if engine is not None:
+            console.print(engine)
     sources = {r["summary"]["output_tokens_source"] for r in runs} - {None}
     if sources and sources != {"usage"}:
         console.print("note: some output token counts are chunk counts (no usage from the server)")

@@ -64,8 +64,8 @@ Behaviour
 ``/health`` (200), ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``; non-streaming
 and SSE streaming. ``/metrics``: the engine's Prometheus families (``EngineMetrics``: vLLM's
 always, SGLang's with ``--enable-metrics``, the generic server's with ``--metrics vllm|sglang``),
-from the timings the server really measured of the requests it served. A streamed chat answer is: a role chunk (``delta: {"role": "assistant",
-"content": ""}``), then ``reasoning_content`` chunks (unless
+from the timings the server really measured of the requests it served. A streamed chat answer
+is: a role chunk (``delta: {"role": "assistant", "content": ""}``), then ``reasoning_content`` chunks (unless
 ``chat_template_kwargs.enable_thinking`` is false), then ``content`` chunks, one token per
 chunk, then a usage chunk when ``stream_options.include_usage``, then ``data: [DONE]``.
 Token i (0-based) is sent at ``arrival + ttft + i * gap`` (``time.monotonic``; deadlines, so
@@ -461,7 +461,7 @@ class EngineMetrics:
                 labels = sched if key == "queue" else base
                 out += [f"# HELP {name} {doc}", f"# TYPE {name} histogram"]
                 acc = 0
-                for bound, n in zip(h.bounds, h.counts):
+                for bound, n in zip(h.bounds, h.counts, strict=True):
                     acc += n
                     out.append(f"{name}_bucket{_labels({**labels, 'le': _go_float(bound)})} {_go_float(acc)}")
                 out.append(f"{name}_count{_labels(labels)} {_go_float(acc)}")
