@@ -123,8 +123,9 @@ def _tables(results) -> None:
 
 
 @task(help={"base": "the reference results JSON", "new": "the results JSON to judge",
-            "max_regression": "allowed worsening per headline metric (default 5%)"})
-def compare(c, base, new, max_regression="5%"):
+            "max_regression": "allowed worsening per headline metric (default 5%)",
+            "html": "write the HTML report of the comparison (both runs' tables and plots) here"})
+def compare(c, base, new, max_regression="5%", html=None):
     """Side-by-side headline metrics; exit 1 when NEW is worse than BASE beyond the threshold."""
     from rich.console import Console
 
@@ -134,10 +135,21 @@ def compare(c, base, new, max_regression="5%"):
     from sparkdeploy.bench.sweep import load_json
 
     threshold = flags.parsed("--max-regression", max_regression, parse_pct)
+    html_path = flags.output_file("--html", html)
     with exits():
-        result = cmp(load_json(flags.input_file("BASE", base)),
-                     load_json(flags.input_file("NEW", new)), threshold)
+        base_doc = load_json(flags.input_file("BASE", base))
+        new_doc = load_json(flags.input_file("NEW", new))
+        result = cmp(base_doc, new_doc, threshold)
     console = Console()
+    if html_path:
+        from sparkdeploy.bench.html import compare_report
+        from sparkdeploy.files import write_text_atomic
+
+        try:
+            write_text_atomic(html_path, compare_report(base_doc, new_doc, result, base, new))
+        except OSError as e:
+            raise Exit(f"cannot write {html_path}: {e.strerror or e}", code=1) from None
+        console.print(f"wrote {html_path}")
     console.print(comparison_table(result, base, new))
     for level in result.only_base:
         console.print(f"{level}: only in {base}")
