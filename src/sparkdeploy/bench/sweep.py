@@ -82,7 +82,8 @@ def run_sweep(url: str, settings: Settings, *, concurrency: list[int] | None = N
         watch = None
         if engine_metrics["skipped"] is None:
             try:
-                watch = Watch(engine_metrics["url"], settings.model).start()
+                watch = Watch(engine_metrics["url"], settings.model,
+                              deadline=min(5.0, settings.timeout)).start()
             except MetricsError as e:
                 engine_metrics["skipped"] = f"engine metrics: {e}"
         kept: list[RequestMetrics] = []
