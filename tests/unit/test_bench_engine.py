@@ -196,3 +196,18 @@ def test_refused_connection_is_skipped(tmp_path):
     with pytest.raises(em.MetricsError) as e:
         em.scrape("http://127.0.0.1:9/metrics", deadline=2)
     assert "cannot reach http://127.0.0.1:9/metrics" in str(e.value)
+
+
+def test_a_disagreement_is_named_in_a_line_and_the_table(vllm, tmp_path, capsys):
+    srv, url = vllm
+    itl = srv.state.metrics.hist["itl"]
+    real = itl.observe
+    itl.observe = lambda v: real(v * 2)  # an engine whose ITL is twice what the client sees
+    bench_tasks.run(ctx(tmp_path), url=url, concurrency="1", requests=2, output_tokens=6,
+                    input_tokens=4, warmup=0)
+    printed = capsys.readouterr().out
+    line = next(ln for ln in printed.splitlines() if "disagree by more than 10%" in ln)
+    assert "concurrency 1: client and engine disagree by more than 10%: ITL client " in line
+    assert "TTFT" not in line.split("disagree", 1)[1]  # TTFT agrees
+    assert "(-50." in line or "(-49." in line
+    assert "engine /metrics (vllm) vs client" in printed and "DISAGREE" in printed

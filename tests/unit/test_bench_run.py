@@ -170,6 +170,8 @@ def test_the_registered_step_benchmarks_the_profiles_endpoint_with_progress(serv
     assert sorted(p.suffix for p in (tmp_path / "state" / "bench").iterdir()) == [
         ".html", ".json", ".png"]
     assert [f.status for f in files] == [Status.CHANGED, Status.CHANGED, Status.CHANGED]
+    html = next((tmp_path / "state" / "bench").glob("*.html")).read_text()
+    assert dep.profile.name in html and "<h2>profile</h2>" in html  # the deployment's context
     assert gate.status is Status.OK and "baseline 27 tok/s" in gate.why
     assert [e for e in got if isinstance(e, Result)] == results
     progress = [e for e in got if isinstance(e, Progress)]

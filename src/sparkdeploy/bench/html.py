@@ -92,6 +92,12 @@ def level_section(run: dict) -> str:
     for err, count in (s.get("errors") or {}).items():
         totals.append([f"failed x{count}", err])
     out.append(table("throughput", ["figure", "value"], totals))
+    ci = s.get("ci95")
+    if ci:
+        out.append(table("95% confidence intervals over the runs", ["figure", "mean", "low", "high",
+                                                                     "runs"],
+                         [[name, _f(c["mean"]), _f(c["low"]), _f(c["high"]), c["runs"]]
+                          for name, c in ci.items()]))
     eng = s.get("engine")
     if eng and "skipped" in eng:
         out.append(f"<p>{_e(eng['skipped'])}</p>")
