@@ -211,3 +211,33 @@ def test_a_disagreement_is_named_in_a_line_and_the_table(vllm, tmp_path, capsys)
     assert "TTFT" not in line.split("disagree", 1)[1]  # TTFT agrees
     assert "(-50." in line or "(-49." in line
     assert "engine /metrics (vllm) vs client" in printed and "DISAGREE" in printed
+
+
+def test_the_reports_context_reads_the_deployments_records(tmp_path):
+    from sparkdeploy.bench.html import run_report
+    from sparkdeploy.deployment import load
+    from sparkdeploy.records import DeployRun, RunEngine, RunImage, StepTiming
+    from sparkdeploy.steps.bench import report_context
+    from tests.unit.profiles import SEED
+
+    dep = load(SEED, tmp_path / "state")
+    image_id = "sha256:" + "ab" * 32
+    for stamp, tag in (("20260101-000000", "old:tag"), ("20260102-000000", "new:tag")):
+        run = DeployRun(plan=["serve.up"], serial=True, wall_s=1.0, failed=False, changed=True,
+                        image=RunImage(tag=tag, id=image_id, base="b", base_id=None,
+                                       engine="sglang", needs_layer=False, summary=None,
+                                       candidates=[]),
+                        engine=RunEngine(chosen="sglang", tried=[], decided=None, run_dir=None,
+                                         serve_up=[]),
+                        endpoint=None, steps={"serve.up": StepTiming(state="done", elapsed=42.5,
+                                                                     why="")}, bench=None)
+        dep.records.write(run, f"deploy-{stamp}")
+    got = report_context(dep)
+    assert got["image"] == {"deployed": {"tag": "new:tag", "id": image_id, "base": "b",
+                                         "base_id": None, "engine": "sglang",
+                                         "needs_layer": False, "summary": None,
+                                         "candidates": []}}
+    assert got["deploy_steps_s"] == {"serve.up": 42.5}
+    assert got["profile"]["name"] == dep.profile.name
+    page = run_report({"config": {"model": "m", "url": "u"}, "runs": [], "context": got})
+    assert image_id in page and "new:tag" in page and "42.5" in page

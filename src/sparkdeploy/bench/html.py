@@ -132,6 +132,7 @@ def context_section(context: dict | None) -> str:
         return ""
     out = []
     for key, label in (("image", "image"), ("startup", "startup timings"),
+                       ("deploy_steps_s", "last deploy.all: seconds per step"),
                        ("profile", "profile")):
         value = context.get(key)
         if value:

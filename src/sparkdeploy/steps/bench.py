@@ -47,22 +47,31 @@ def html_beside(json_path: str | Path) -> Path:
 
 def report_context(dep: Any) -> dict[str, Any]:
     """What the HTML report shows of the deployment: its profile (secrets redacted), the image
-    chosen per engine, the startup timings when the serve record has them. A record that cannot be read is left out."""
-    from sparkdeploy.records import ImageDecision, RecordError, ServeDecision
+    chosen per engine and the one the last ``deploy.all`` served (tag, image ID, base and its
+    ID), that run's step timings, and the startup timings when a record has them. A record that
+    cannot be read is left out."""
+    from sparkdeploy.records import DeployRun, ImageDecision, RecordError, ServeDecision
     from sparkdeploy.state import redact_values
 
     out: dict[str, Any] = {"profile": redact_values(dep.profile.model_dump(mode="json"))}
     try:
         image = dep.records.read(ImageDecision)
         if image is not None:
-            out["image"] = {"engines": {k: v.model_dump(mode="json")
-                                        for k, v in image.engines.items()}}
+            out["image"] = {"chosen": {k: v.model_dump(mode="json")
+                                       for k, v in image.engines.items()}}
+        runs = sorted(dep.records.path(ImageDecision).parent.glob("deploy-*.json"))
+        run = dep.records.read(DeployRun, runs[-1].stem) if runs else None
+        if run is not None:
+            out.setdefault("image", {})["deployed"] = run.image.model_dump(mode="json")
+            out["deploy_steps_s"] = {k: v.elapsed for k, v in run.steps.items()}
         serve = dep.records.read(ServeDecision)
-        startup = getattr(serve, "startup", None) if serve is not None else None
-        if startup:
-            out["startup"] = startup if isinstance(startup, dict) else startup.model_dump(mode="json")
-    except (RecordError, OSError, AttributeError, TypeError):
-        pass
+        for rec in (serve, run):
+            startup = getattr(rec, "startup", None)  # startup timings, where a record keeps them
+            if startup:
+                out["startup"] = (startup if isinstance(startup, dict)
+                                  else startup.model_dump(mode="json"))
+    except (RecordError, OSError):
+        pass  # the report goes without them
     return out
 
 
