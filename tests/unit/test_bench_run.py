@@ -85,7 +85,7 @@ def test_save_under_state_dir_and_baseline_gate(server, tmp_path):
     bench_tasks.run(c, url=url, concurrency="1", requests=2, output_tokens=4, warmup=0,
                     save=True, check_baseline=True)
     files = sorted(p.suffix for p in (tmp_path / "state" / "bench").iterdir())
-    assert files == [".json", ".png"]
+    assert files == [".html", ".json", ".png"]
     doc = json.loads(next((tmp_path / "state" / "bench").glob("*.json")).read_text())
     doc["runs"][0]["summary"]["per_request_output_tok_s"]["median"] = 24.4  # no timing here
     assert check_baseline(doc, 27.0, 10)[0] is True  # floor 24.3
@@ -162,12 +162,16 @@ def test_the_registered_step_benchmarks_the_profiles_endpoint_with_progress(serv
     dep = load(prof, tmp_path / "state")
     with dep.events.collect() as got:
         results = run_one(dep, "bench.run", check=True, save=True)
-    one, two, *files, gate = results
+    skipped, one, two, *files, gate = results
+    assert skipped.status is Status.SKIPPED and skipped.why.startswith("engine metrics: ")
     assert one.status is Status.OK and one.why.startswith("concurrency 1: 4/4 ok, ")
     assert two.status is Status.OK and two.why.startswith("concurrency 2: 4/4 ok, ")
     assert two.details["run"]["summary"]["requests"] == 4
-    assert sorted(p.suffix for p in (tmp_path / "state" / "bench").iterdir()) == [".json", ".png"]
-    assert [f.status for f in files] == [Status.CHANGED, Status.CHANGED]
+    assert sorted(p.suffix for p in (tmp_path / "state" / "bench").iterdir()) == [
+        ".html", ".json", ".png"]
+    assert [f.status for f in files] == [Status.CHANGED, Status.CHANGED, Status.CHANGED]
+    html = next((tmp_path / "state" / "bench").glob("*.html")).read_text()
+    assert dep.profile.name in html and "<h2>profile</h2>" in html  # the deployment's context
     assert gate.status is Status.OK and "baseline 27 tok/s" in gate.why
     assert [e for e in got if isinstance(e, Result)] == results
     progress = [e for e in got if isinstance(e, Progress)]

@@ -388,11 +388,13 @@ def test_a_deployment_serving_something_else_says_what_and_is_redeployed(lab, tm
                        profile=dep.profile.model_copy(update={"engines": [eng]}))
     st = serve.status(other)
     assert (st[-1].status, st[-1].why) == (Status.FAILED,
-                                          "sglang on the nodes differs from the profile: engine.args[5]")
+                                          "sglang on the nodes differs from the profile: engine.args"
+                                          f"[{len(dep.profile.engines[0].args)}]")
     healthy_sglang(nodes)
     res = serve.up(other)
     assert res[0].why == ("removed this deployment's old containers (sglang on the nodes differs "
-                          "from the profile: engine.args[5]): spark1: sparkdeploy-sglang-head, "
+                          f"from the profile: engine.args[{len(eng.args) - 1}]): spark1: "
+                          "sparkdeploy-sglang-head, "
                           "spark2: sparkdeploy-sglang-worker")
     assert res[-1].why == "endpoint: http://10.0.0.1:30000"
     [head] = [c for c in nodes["spark1"].containers.values()]
