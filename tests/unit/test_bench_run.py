@@ -306,3 +306,24 @@ def test_the_api_key_travels_in_the_header_and_nowhere_in_what_is_written(tmp_pa
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_compare_sets_the_startup_timings_side_by_side_without_gating_on_them(tmp_path, capsys):
+    from sparkdeploy.bench.compare import compare
+
+    base, new = _doc(200.0, 27.0, 100.0, 37.0), _doc(200.0, 27.0, 100.0, 37.0)
+    base["context"] = {"startup": {"port_open": 40.0, "first_token": 41.0, "dist_init": 12.0}}
+    new["context"] = {"startup": {"port_open": 60.0, "first_token": 62.0}}
+    got = compare(base, new)
+    assert [(r.metric, r.base, r.new, r.change_pct, r.regressed) for r in got.startup] == [
+        ("dist_init s", 12.0, None, None, False),
+        ("port_open s", 40.0, 60.0, 50.0, False),
+        ("first_token s", 41.0, 62.0, pytest.approx(51.22, abs=0.01), False)]
+    assert got.regressions == []  # a slower bring-up is shown, not a failed gate
+    b, n = tmp_path / "b.json", tmp_path / "n.json"
+    b.write_text(json.dumps(base))
+    n.write_text(json.dumps(new))
+    bench_tasks.compare(ctx(tmp_path), str(b), str(n))
+    out = capsys.readouterr().out
+    assert "first_token s" in out and "+51.2%" in out and "(not gated)" in out
+    assert compare(_doc(1, 1, 1, 1), _doc(1, 1, 1, 1)).startup == []

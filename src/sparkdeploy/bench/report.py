@@ -109,4 +109,7 @@ def comparison_table(cmp: Comparison, base_name: str, new_name: str) -> Table:
         change = "-" if r.change_pct is None else f"{r.change_pct:+.1f}%"
         verdict = "[red]REGRESSION[/]" if r.regressed else "ok"
         t.add_row(r.level, r.metric, _f(r.base, 2), _f(r.new, 2), change, verdict)
+    for r in cmp.startup:  # side by side only: one bring-up each is no measurement to gate on
+        change = "-" if r.change_pct is None else f"{r.change_pct:+.1f}%"
+        t.add_row(r.level, r.metric, _f(r.base, 2), _f(r.new, 2), change, "(not gated)")
     return t
