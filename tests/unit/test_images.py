@@ -82,7 +82,8 @@ def test_judge_viable_and_decision(dep):
     assert v["verdict"] == "viable" and m["verdict"] == "missing"
     rec = images.decide(dep, "spark1", "arm64", "hub", [m, n, v])
     assert rec["chosen"] == {"engine": "sglang", "kind": "sglang", "image": "scitrera/dgx-spark-sglang:0.5.10rc0",
-                             "needs_layer": True, "serve_image": "sparkdeploy/sglang-qwen3.5:latest"}
+                             "digest": "sha256:aa", "needs_layer": True,
+                             "serve_image": "sparkdeploy/sglang-qwen3.5:latest"}
     assert rec["engines"]["vllm-ray"]["serve_image"] == "hellohal2064/vllm-qwen3.5-gb10"
     assert rec["engines"]["vllm-ray"]["kind"] == "vllm-ray"  # judged by the vllm software's rule
     images.write_record(dep, rec)
@@ -209,7 +210,8 @@ def test_the_decision_record_carries_who_and_when_and_ship_reads_it(dep):
     assert got.chosen.serve_image == "hellohal2064/vllm-qwen3.5-gb10"
     assert ship.default_image(dep) == "hellohal2064/vllm-qwen3.5-gb10"
     md = dep.records.path(ImageDecision, suffix=".md").read_text()
-    assert "| hellohal2064/vllm-qwen3.5-gb10 | vllm | 0.17.1 | 4.57.1 | yes | no | linux/arm64 | viable |" in md
+    assert ("| hellohal2064/vllm-qwen3.5-gb10 | vllm | 0.17.1 | 4.57.1 | yes | no | linux/arm64 | viable "
+            "| sha256:aa | - |") in md
 
 
 PAGE_53 = PAGE.replace("transformers-5.2.0-", "transformers-5.3.0-")

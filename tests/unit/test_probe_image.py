@@ -143,6 +143,8 @@ def test_seed_image_needs_newer_transformers(tmp_path):
                 "reasons": ["transformers 4.57.1 cannot parse model_type qwen3_5_moe"],
             }
         },
+        "nccl": {"loads": None, "path": None, "version": None, "why": "no libnccl.so.2 in the image",
+                 "wheel": None, "system": None},
     }
 
 

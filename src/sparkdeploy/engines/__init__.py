@@ -13,16 +13,19 @@ BUILDERS = {"sglang": sglang.build, "vllm": vllm.build, "vllm-ray": vllm_ray.bui
 
 
 def launch(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
-           api_key: bool = False, image_id: str | None = None) -> Launch:
+           api_key: bool = False, image_id: str | None = None,
+           image_digest: str | None = None) -> Launch:
     """The containers ``engine`` runs on the profile's nodes, in start order, each labelled
-    with what it is (``labels.engine_labels``; ``image_id``: the image's ID on the nodes)."""
+    with what it is (``labels.engine_labels``; ``image_id``: the image's ID on the nodes;
+    ``image_digest``: the digest image.probe decided on for it)."""
     lau = BUILDERS[engine.kind](profile, engine, facts, api_key)
     fp = labels.engine_fingerprint(profile, engine)
 
     def labelled(c: ContainerSpec) -> ContainerSpec:
         return replace(c, labels=tuple(sorted(labels.engine_labels(
             deployment=profile.name, engine=engine.name, kind=engine.kind, role=c.role,
-            rank=c.rank, port=lau.port, fingerprint=fp, image_id=image_id).items())))
+            rank=c.rank, port=lau.port, fingerprint=fp, image_id=image_id,
+            image_digest=image_digest).items())))
 
     return replace(lau, stages=tuple(replace(s, containers=tuple(map(labelled, s.containers)))
                                      for s in lau.stages))

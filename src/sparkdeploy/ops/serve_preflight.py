@@ -38,6 +38,9 @@ class Preflight:
     ship_to: list[str] = field(default_factory=list)
     """Nodes without the engine's image (``image.ship`` puts it there from the head)."""
     image_id: str | None = None
+    image_digest: str | None = None
+    """The digest image.probe decided on for the image the engine serves (the candidate's, or
+    the base's of the layer built over it)."""
     start: int = 0
     """Where the preflight's results begin among the step's."""
 
@@ -202,6 +205,25 @@ def _check_images(dep: Deployment, ref: str, hosts: list[Host], pf: Preflight) -
     pf.ship_to = [n for n, i in ids.items() if i is None]
 
 
+def decided_digest(dep: Deployment, engine: Engine) -> str | None:
+    """The digest image.probe recorded for the candidate this engine serves from."""
+    rec = image_ops.decision(dep)
+    chosen = rec.engines.get(engine.name) if rec else None
+    return chosen.digest if chosen else None
+
+
+def check_pins(ctx: Ctx) -> bool:
+    """Before anything stops: every candidate's tag still names the image image.probe decided
+    on (``ops.image.moved``); each one that moved is one failed result. True when none did."""
+    try:
+        lines = image_ops.moved(ctx.dep)
+    except HostError as e:
+        lines = [str(e)]
+    for line in lines:
+        ctx.failed(line, ctx.dep.profile.head.name, part=PART)
+    return not lines
+
+
 def engine_version(dep: Deployment, engine: Engine) -> str | None:
     """The engine version ``image.probe`` found in the image this engine serves from (None
     before it has probed that image)."""
@@ -264,6 +286,7 @@ def check(ctx: Ctx, engine: Engine, lau: Launch) -> Preflight:
             _check_gpu(h, pf)
     if None not in gathered:
         _check_images(dep, engine.image, hosts, pf)
+    pf.image_digest = decided_digest(dep, engine)
     flags = _check_flags(dep, engine, lau, pf)
     if not pf.problems:
         ship = f"; image to ship to {', '.join(pf.ship_to)}" if pf.ship_to else ""
