@@ -191,3 +191,68 @@ def test_engine_containers_carry_the_decided_digest(tmp_path):
     for c in lau.containers:
         got = dict(c.labels)
         assert (got[lbl.IMAGE_ID], got[lbl.IMAGE_DIGEST]) == (ID1, AAA)
+
+
+def test_a_pinned_engine_image_runs_by_the_id_it_resolved_to_on_the_head():
+    from sparkdeploy.engines import launch
+
+    prof = load_profile(SEED)
+    eng = prof.engines[1].model_copy(update={"image": f"{VLLM}@{AAA}"})
+    assert {c.image for c in launch(prof, eng, {}, image_id=ID1).containers} == {ID1}
+    assert {c.image for c in launch(prof, eng, {}).containers} == {f"{VLLM}@{AAA}"}  # the draft
+    tagged_eng = prof.engines[1]
+    assert {c.image for c in launch(prof, tagged_eng, {}, image_id=ID1).containers} == {VLLM}
+
+
+class Nodes(FakeContext):
+    """``docker image inspect`` per node: {node: {ref or ID: info}}."""
+
+    def __init__(self, held):
+        super().__init__()
+        self._set("held", held)
+
+    def answer(self, alias, argv, stdin, command, kw):
+        assert argv[3:6] == ["image", "inspect", "--format"], command
+        got = self.held[alias].get(argv[-1])
+        return (self.result(command, stdout=json.dumps(got)) if got
+                else self.result(command, 1, stderr="Error: No such image"))
+
+
+def test_the_preflight_looks_for_a_pinned_image_on_the_workers_by_the_heads_id(tmp_path):
+    from sparkdeploy.ops import serve_preflight
+
+    ref = f"{VLLM}@{AAA}"
+    ctx = Nodes({"spark1": {ref: info(ID1, f"{VLLM}@{AAA}")}, "spark2": {ID1: info(ID1)}})
+    dep = deployment(SEED, tmp_path / "state", ctx)
+    pf = serve_preflight.Preflight(FakeStep(dep))
+    serve_preflight._check_images(dep, ref, [dep.host("spark2"), dep.host("spark1")], pf)
+    assert (pf.image_id, pf.ship_to, pf.problems) == (ID1, [], [])
+    assert [(a, argv[-1]) for a, argv in ctx.calls] == [("spark1", ref), ("spark2", ID1)]
+
+
+class FakeStep:
+    """The little of a step context the preflight's image check uses."""
+
+    def __init__(self, dep):
+        self.dep, self.results = dep, []
+
+    def failed(self, why, node=None, **details):
+        from sparkdeploy.results import Result, Status
+
+        self.results.append(Result("serve.up", Status.FAILED, why, node, details))
+
+
+def test_ship_checks_a_pinned_image_on_the_peer_by_id_and_diff_ids():
+    from sparkdeploy.steps import ship
+
+    class Peer:
+        name = "spark2"
+
+    src = {"Id": ID1, "RootFS": {"Layers": ["sha256:l1", "sha256:l2"]}}
+    assert ship.verify(Peer(), ID1, src, True, {"Id": ID1, "RootFS": src["RootFS"]}, set()) is None
+    assert ship.verify(Peer(), ID1, src, True, {"Id": ID2, "RootFS": src["RootFS"]}, set()) == (
+        f"config digest differs: source {ID1}, spark2 {ID2}")
+    assert ship.verify(Peer(), ID1, src, True, None, set()) == f"spark2 has no {ID1}"
+    # a tag is still checked in the peer's list (an incomplete image is not listed)
+    assert ship.verify(Peer(), VLLM, src, True, {"Id": ID1, "RootFS": src["RootFS"]}, set()) == (
+        f"spark2 does not list {VLLM}:latest (an incomplete image?)")

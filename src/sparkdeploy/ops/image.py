@@ -30,6 +30,21 @@ def chosen(dep: Deployment) -> dict[str, Any]:
     return rec.chosen.model_dump() if rec and rec.chosen else {}
 
 
+def engine_digest(dep: Deployment, engine: str) -> str | None:
+    """The digest image.probe decided on for the candidate engine ``engine`` serves from (the
+    engine containers' ``org.sparkdeploy.image.digest`` label)."""
+    rec = decision(dep)
+    chosen = rec.engines.get(engine) if rec else None
+    return chosen.digest if chosen else None
+
+
+def pinned(ref: str) -> bool:
+    """Whether ``ref`` names its image by digest (``repo[:tag]@sha256:...``). Such a reference
+    resolves only where the image came from a registry: ``docker save``/``load`` keep no repo
+    digest, so a node that got the image from another node holds it by ID only."""
+    return "@sha256:" in ref
+
+
 def repo_of(ref: str) -> str:
     """The repository of a reference (``repo[:tag][@digest]`` -> ``repo``)."""
     name = ref.split("@", 1)[0]
