@@ -86,10 +86,18 @@ _IFACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,31}$")
 _PATH_RE = re.compile(r"^/[A-Za-z0-9_./+@-]*$")
 
 
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
 def image_ref(v: str) -> str:
-    """An image reference as docker takes it positionally (``repo[:tag][@digest]``)."""
+    """An image reference as docker takes it positionally (``repo[:tag][@digest]``); a digest
+    is ``sha256:`` and 64 lowercase hex digits (docker refuses any other form)."""
     if not _IMAGE_RE.fullmatch(v):
         raise ValueError(f"{v!r} is not an image reference (repo[:tag][@digest], no leading '-')")
+    name, at, digest = v.partition("@")
+    if at and (not name or not _DIGEST_RE.fullmatch(digest)):
+        raise ValueError(f"{v!r} has a malformed digest: a pin is repo[:tag]@sha256:<64 lowercase "
+                         "hex digits>")
     return v
 
 

@@ -194,6 +194,11 @@ class DerivativeImage(_Strict):
     index_url: Url = "https://pypi.org/simple"
     """Where ``requirement`` is resolved and installed from (credential-free: it is recorded in
     the image history)."""
+    nccl: Literal["image", "system"] = "image"
+    """Which NCCL the derivative's torch loads: ``image`` (as the base image has it) or
+    ``system`` (the system's libnccl2, installed when missing; the nvidia-nccl wheel's
+    libnccl.so.2 made a link to it, as vllm#42354 and eugr/spark-vllm-docker's
+    use-official-vllm mod do against multi-node hangs on DGX Spark)."""
     override_engine_requirement: bool = False
     """``image.build`` resolves ``requirement`` together with what the base image's engine
     declares of transformers (the newest release satisfying both) and fails when none does;

@@ -40,6 +40,8 @@ ENGINE = f"{NS}.engine"
 ENGINE_KIND = f"{NS}.engine.kind"
 RANK = f"{NS}.rank"
 IMAGE_ID = f"{NS}.image.id"
+IMAGE_DIGEST = f"{NS}.image.digest"
+"""The digest ``image.probe`` decided on for the engine's image (its repo digest, else its ID)."""
 PORT = f"{NS}.port"
 """The engine's API port: the endpoint is this port on the head."""
 FINGERPRINT = f"{NS}.fingerprint"
@@ -47,6 +49,10 @@ FINGERPRINT_KEYS = f"{NS}.fingerprint.keys"
 
 # on images (image.build)
 BASE_ID = f"{NS}.base.id"
+BASE_DIGEST = f"{NS}.base.digest"
+"""The base's repo digest when it came from a registry, else its ID (``ops.image.digest_of``)."""
+NCCL = f"{NS}.nccl"
+"""``image`` (the NCCL the base image's torch loads) or ``system`` (the layer made it libnccl2)."""
 TRANSFORMERS = f"{NS}.transformers.version"
 DOCKERFILE = f"{NS}.dockerfile.sha256"
 REQUIREMENT = f"{NS}.transformers.requirement"
@@ -89,13 +95,16 @@ def engine_fingerprint(profile: Any, engine: Any) -> dict[str, Any]:
 
 
 def engine_labels(*, deployment: str, engine: str, kind: str, role: str, rank: int, port: int,
-                  fingerprint: dict[str, Any], image_id: str | None = None) -> dict[str, str]:
+                  fingerprint: dict[str, Any], image_id: str | None = None,
+                  image_digest: str | None = None) -> dict[str, str]:
     """The labels of one engine container (``started`` adds when and by what)."""
     out = {DEPLOYMENT: deployment, ENGINE: engine, ENGINE_KIND: kind, ROLE: role,
            RANK: str(rank), PORT: str(port), FINGERPRINT: digest(fingerprint),
            FINGERPRINT_KEYS: json.dumps(key_digests(fingerprint), separators=(",", ":"))}
     if image_id:
         out[IMAGE_ID] = image_id
+    if image_digest:
+        out[IMAGE_DIGEST] = image_digest
     return out
 
 

@@ -31,7 +31,7 @@ from sparkdeploy.endpoint import url as endpoint_url
 from sparkdeploy.fingerprint import flat
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image, tagged
-from sparkdeploy.ops.image import chosen, decision
+from sparkdeploy.ops.image import chosen, decision, moved
 from sparkdeploy.ops.serve import startup_line
 from sparkdeploy.records import (
     DeployRun,
@@ -317,6 +317,17 @@ def plan(dep: Deployment, *, bench: bool = False, persist: bool = False) -> list
     if persist:
         steps.append(PlanStep("serve.persist", fingerprint=fp_persist))
     return steps
+
+
+def refusal(dep: Deployment) -> str | None:
+    """Why ``deploy.all`` must not start (None: it may): a candidate's tag names another image
+    than the one image.probe decided on, one line each (checked before anything stops, in a dry
+    run too: the decision, the build and the ship all rest on that image)."""
+    try:
+        lines = moved(dep)
+    except NodeUnreachable:
+        return None  # the plan's hosts.check says so, one line per node
+    return "\n".join(lines) or None
 
 
 def rollback_plan(dep: Deployment, *, purge: bool = False) -> list[PlanStep]:

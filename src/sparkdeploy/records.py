@@ -88,6 +88,8 @@ class EngineImage(BaseModel):
     kind: str
     needs_layer: bool
     serve_image: str
+    digest: str | None = None
+    """The candidate's digest when decided (``Candidate.digest``)."""
 
 
 class ChosenImage(EngineImage):
@@ -102,6 +104,12 @@ class Candidate(BaseModel):
     engine: str
     verdict: str
     why: str = ""
+    digest: str | None = None
+    """Its repo digest when it came from a registry, else its image ID (``ops.image.digest_of``):
+    the image the tag named when it was decided."""
+    image_id: str | None = None
+    nccl: dict[str, Any] | None = None
+    """Which libnccl.so.2 its torch loads and both libraries' versions (the probe's ``nccl``)."""
 
 
 class ImageDecision(Record):

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from sparkdeploy import plan as plans
 from sparkdeploy.deployment import load
 from sparkdeploy.lab import layout
 from sparkdeploy.nodeops import docker, inspect_image
 from sparkdeploy.results import Status
-from sparkdeploy.steps import ship
+from sparkdeploy.steps import images, ship
 
 pytestmark = pytest.mark.lab
 
@@ -168,3 +169,76 @@ def test_a_load_killed_on_the_peer_hands_over_to_the_next_way(dep):
     assert inspect_image(dep.host("spark2"), VLLM)["Id"] == inspect_image(dep.host("spark1"), VLLM)["Id"]
     [rerun] = ship.ship(dep, "spark2", VLLM)
     assert rerun.status is Status.OK, rerun.why
+
+
+# --- pinned images and the NCCL an image loads (issue 30) -----------------------------------------
+
+WHEEL_NCCL = "nvidia-nccl-cu13"
+
+
+def test_probe_reports_the_nccl_and_the_digest_of_each_lab_image(state, dep):
+    """The community images carry the nvidia-nccl-cu13 wheel's libnccl.so.2 and libnccl2's
+    (lab.images): the probe says torch would load the wheel's, with both versions, and records
+    each candidate's digest (built here: no registry, so its image ID)."""
+    r = inv(state, "image.probe", timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"NCCL: loads the {WHEEL_NCCL} wheel's 2.28.9 (also libnccl2 2.28.9)" in r.stdout
+    rec = json.loads(next((state / "decisions").glob("*-lab/image-probe.json")).read_text())["data"]
+    head = dep.host("spark1")
+    for cand in rec["candidates"]:
+        nccl = cand["nccl"]
+        assert (nccl["loads"], nccl["version"]) == ("wheel", "2.28.9"), cand["image"]
+        assert nccl["path"].endswith("/site-packages/nvidia/nccl/lib/libnccl.so.2")
+        assert nccl["system"]["path"].endswith("-linux-gnu/libnccl.so.2")
+        assert cand["digest"] == cand["image_id"] == inspect_image(head, cand["image"])["Id"]
+    assert rec["chosen"]["digest"] == inspect_image(head, SGLANG)["Id"]
+
+
+def test_a_moved_tag_refuses_deploy_all_and_serve_up_before_anything_stops(state, dep):
+    """spark1's lmsysorg/sglang:spark is retagged to another image after the probe: deploy.all
+    (dry) and serve.up refuse with the one line, exit 1, and no container was touched."""
+    head = dep.host("spark1")
+    was = inspect_image(head, SGLANG_OLD)["Id"]
+    other = inspect_image(head, VLLM)["Id"]
+    decided = {c["image"]: c for c in json.loads(next((state / "decisions").glob(
+        "*-lab/image-probe.json")).read_text())["data"]["candidates"]}
+    assert decided[SGLANG_OLD]["digest"] == was  # the probe above decided on this one
+    before = head.run(docker(head, "ps", "-a", "-q", "--no-trunc"), change=False).stdout
+    line = (f"{SGLANG_OLD} was {was} when decided, is {other} now; run image.probe to accept it")
+    try:
+        assert head.run(docker(head, "tag", VLLM, SGLANG_OLD)).ok
+        dry = inv(state, "--dry", "deploy.all", timeout=300)
+        assert (dry.returncode, dry.stderr.strip()) == (1, line), dry.stdout + dry.stderr
+        up = inv(state, "serve.up", timeout=300)
+        assert up.returncode == 1, up.stdout + up.stderr
+        assert line in up.stdout, up.stdout
+        assert head.run(docker(head, "ps", "-a", "-q", "--no-trunc"), change=False).stdout == before
+    finally:
+        head.run(docker(head, "tag", was, SGLANG_OLD))
+    assert plans.refusal(dep) is None  # the tag names the decided image again
+
+
+def test_the_layer_with_the_system_nccl_makes_torch_load_libnccl2(tmp_path, lab):
+    """images.layer.nccl: system: the wheel's libnccl.so.2 becomes a link to libnccl2's (the
+    lab image has it: nothing to install), the build's own probe confirms it, and a probe of
+    the built image says the system's library loads."""
+    tag = "sparkdeploy/sglang-qwen3.5:nccl-system"
+    prof = tmp_path / "nccl-system.yaml"
+    prof.write_text(f"extends: {PROFILE}\nsparkdeploy:\n  images:\n    layer:\n"
+                    f"      nccl: system\n      tag: {tag}\n")
+    dep = load(prof, tmp_path / "state")
+    head = dep.host("spark1")
+    try:
+        [res] = images.build(dep)
+        assert res.status is Status.CHANGED and res.why.endswith("+ the system NCCL"), res.why
+        labels = inspect_image(head, tag)["Config"]["Labels"]
+        assert labels["org.sparkdeploy.nccl"] == "system"
+        assert labels["org.sparkdeploy.base.digest"] == inspect_image(head, SGLANG)["Id"]
+        report = json.loads(head.run(docker(head, "run", "--rm", "--network", "none",
+                                            "--entrypoint", "cat", tag,
+                                            "/usr/share/sparkdeploy/probe.json"),
+                                     change=False).stdout)
+        assert (report["nccl"]["loads"], report["nccl"]["version"]) == ("system", "2.28.9")
+        assert report["nccl"]["wheel"]["version"] == "2.28.9"  # still installed, both reported
+    finally:
+        head.run(docker(head, "image", "rm", "-f", tag))

@@ -23,7 +23,8 @@ GOOD = [
                         "::1", f"{LABEL}.{LABEL}.{LABEL}.{'a' * 61}"]),
     (checks.http_url, ["http://spark1:8000/v1", "https://hub.example", "http://h:1/",
                        "http://h:65535/a@b", "http://[::1]:8000", "http://10.0.0.1.:80"]),
-    (checks.image_ref, ["lmsysorg/sglang:v0.5.9@sha256:ab12", "Local_Image-1.x"]),
+    (checks.image_ref, ["lmsysorg/sglang:v0.5.9@sha256:" + "ab12" * 16, "Local_Image-1.x",
+                        "lmsysorg/sglang@sha256:" + "0" * 64]),
     (checks.interface, ["enp1s0f0np0", "rocep1s0f0", "A_b.c:d-e", "a" * 32]),
     (checks.abs_path, ["/", "/var/run/docker.sock", "/a/..b/c", "/A_z+@-.9"]),
     (checks.no_control, ["plain text, X and é", ""]),
@@ -81,6 +82,14 @@ BAD = [
     (checks.http_url, "http://h/\x1b[2J", r"contains a control character ('\x1b')"),
     (checks.image_ref, "-x", "is not an image reference (repo[:tag][@digest], no leading '-')"),
     (checks.image_ref, "a b", "is not an image reference (repo[:tag][@digest], no leading '-')"),
+    (checks.image_ref, "a@sha256:ab12", "has a malformed digest: a pin is repo[:tag]@sha256:<64 "
+     "lowercase hex digits>"),
+    (checks.image_ref, "a@sha256:" + "A" * 64, "has a malformed digest: a pin is "
+     "repo[:tag]@sha256:<64 lowercase hex digits>"),
+    (checks.image_ref, "a@md5:" + "a" * 64, "has a malformed digest: a pin is "
+     "repo[:tag]@sha256:<64 lowercase hex digits>"),
+    (checks.image_ref, "a@sha256:" + "a" * 64 + "@sha256:" + "a" * 64, "has a malformed digest: "
+     "a pin is repo[:tag]@sha256:<64 lowercase hex digits>"),
     (checks.interface, "a" * 33, "is not an interface name"),
     (checks.interface, "-x", "is not an interface name"),
     (checks.abs_path, "/a/../b", "is not a plain absolute path"),

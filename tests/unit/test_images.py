@@ -82,7 +82,8 @@ def test_judge_viable_and_decision(dep):
     assert v["verdict"] == "viable" and m["verdict"] == "missing"
     rec = images.decide(dep, "spark1", "arm64", "hub", [m, n, v])
     assert rec["chosen"] == {"engine": "sglang", "kind": "sglang", "image": "scitrera/dgx-spark-sglang:0.5.10rc0",
-                             "needs_layer": True, "serve_image": "sparkdeploy/sglang-qwen3.5:latest"}
+                             "digest": "sha256:aa", "needs_layer": True,
+                             "serve_image": "sparkdeploy/sglang-qwen3.5:latest"}
     assert rec["engines"]["vllm-ray"]["serve_image"] == "hellohal2064/vllm-qwen3.5-gb10"
     assert rec["engines"]["vllm-ray"]["kind"] == "vllm-ray"  # judged by the vllm software's rule
     images.write_record(dep, rec)
@@ -209,7 +210,8 @@ def test_the_decision_record_carries_who_and_when_and_ship_reads_it(dep):
     assert got.chosen.serve_image == "hellohal2064/vllm-qwen3.5-gb10"
     assert ship.default_image(dep) == "hellohal2064/vllm-qwen3.5-gb10"
     md = dep.records.path(ImageDecision, suffix=".md").read_text()
-    assert "| hellohal2064/vllm-qwen3.5-gb10 | vllm | 0.17.1 | 4.57.1 | yes | no | linux/arm64 | viable |" in md
+    assert ("| hellohal2064/vllm-qwen3.5-gb10 | vllm | 0.17.1 | 4.57.1 | yes | no | linux/arm64 | viable "
+            "| sha256:aa | - |") in md
 
 
 PAGE_53 = PAGE.replace("transformers-5.2.0-", "transformers-5.3.0-")
@@ -236,6 +238,7 @@ class BuildCtx(__import__("invoke").Context):
         super().__init__(Config(overrides={"run": {"dry": True}}))
         self._set("declares", declares)
         self._set("probes", [])
+        self._set("listed", [])
 
     def run(self, command, **kw):
         from invoke import Result
@@ -253,6 +256,7 @@ class BuildCtx(__import__("invoke").Context):
         elif "inspect" in argv:
             out = json.dumps({"Id": "sha256:" + "b" * 64, "RootFS": {"Layers": []}})
         elif "ls" in argv:
+            self.listed.append(argv)
             out = ""
         else:
             raise AssertionError(argv)
@@ -339,3 +343,25 @@ def test_probe_refuses_a_head_whose_arch_is_not_the_profiles(tmp_path, seed_path
     assert (r.status, r.node) == ("failed", "spark1")
     assert r.why == (f"spark1 is linux/amd64, the profile says arch: arm64 "
                      f"(fix nodes[].arch in {SEED})")
+
+
+def test_build_with_the_system_nccl_says_so_and_finds_only_a_build_that_did(build_dep):
+    dep, ctx = build_dep("==5.3.0")
+    layer = dep.profile.images.layer.model_copy(update={"nccl": "system"})
+    dep.profile = dep.profile.model_copy(update={"images": dep.profile.images.model_copy(
+        update={"layer": layer})})
+    [res] = images.build(dep)
+    assert res.why.endswith("(sglang 0.5.10rc0: transformers==5.3.0) + the system NCCL")
+    [ls] = ctx.listed
+    assert "label=org.sparkdeploy.nccl=system" in ls
+    assert f"label=org.sparkdeploy.base.id=sha256:{'b' * 64}" in ls
+
+
+def test_the_dockerfile_links_the_wheels_nccl_to_libnccl2_and_labels_the_digest():
+    from sparkdeploy import packaged
+
+    text = (packaged.data("docker") / "transformers.Dockerfile").read_text()
+    assert 'ln -s "${sys_nccl}" "${lib}"' in text
+    assert "apt-get install -y --no-install-recommends libnccl2" in text
+    assert 'org.sparkdeploy.base.digest="${BASE_IMAGE_DIGEST}"' in text
+    assert 'org.sparkdeploy.nccl="${NCCL}"' in text

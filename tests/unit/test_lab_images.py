@@ -346,3 +346,44 @@ def test_prefetch_fetches_every_recipes_wheels_and_says_what_is_new(tmp_path, mo
     assert [k for k, _ in seen] == ["engine", "deps"] * 3
     assert images.prefetch_wheels(cache=cache, stripped_cache=tmp_path / "s") == (
         False, "engine and dependency wheels cached")
+
+
+def test_the_images_carry_both_nccl_libraries_files_where_pip_and_dpkg_put_them(tmp_path):
+    """The probe reads real files: the nvidia-nccl-cu13 wheel in the venv (its dist-info names it)
+    and libnccl2 in /usr/lib/<triplet> with its dpkg status stanza."""
+    text = images.dockerfile(RECIPE, "base", "vllm-0.17.1-x.whl", {})
+    build, final = text.split("\n\n", 1)
+    assert "COPY nccl/site /tmp/nccl-site" in build
+    assert "COPY nccl/system /tmp/nccl" in final
+    assert 'ln -s libnccl.so.2.28.9 "$d/libnccl.so.2"' in final
+    files = images.nccl_site_files()
+    assert files["nvidia/nccl/lib/libnccl.so.2"] == images.NCCL_FAKE
+    meta = files["nvidia_nccl_cu13-2.28.9.dist-info/METADATA"].decode()
+    assert "Name: nvidia-nccl-cu13\nVersion: 2.28.9\n" in meta
+    assert images.NCCL_DPKG.startswith("Package: libnccl2\nStatus: install ok installed\n")
+    assert "\nVersion: 2.28.9-1+cuda13.0\n" in images.NCCL_DPKG
+
+
+def test_the_probe_finds_the_lab_images_nccl_as_laid_out(tmp_path):
+    """The files the lab puts in an image, laid out under a root, read by the real probe."""
+    import subprocess
+    import sys
+
+    from sparkdeploy.packaged import helper
+
+    site, root = tmp_path / "site", tmp_path / "root"
+    for rel, data in images.nccl_site_files().items():
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_bytes(data)
+    lib = root / "usr/lib/x86_64-linux-gnu"
+    lib.mkdir(parents=True)
+    (lib / "libnccl.so.2.28.9").write_bytes(images.NCCL_FAKE)
+    (lib / "libnccl.so.2").symlink_to("libnccl.so.2.28.9")
+    (root / "var/lib/dpkg").mkdir(parents=True)
+    (root / "var/lib/dpkg/status").write_text(images.NCCL_DPKG.replace("ARCH", "amd64"))
+    cp = subprocess.run([sys.executable, "-S", str(helper("probe_image.py")), "--engine", "vllm",
+                         "--root", str(root)], capture_output=True, text=True, timeout=60,
+                        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
+    nccl = json.loads(cp.stdout)["nccl"]
+    assert (nccl["loads"], nccl["version"]) == ("wheel", "2.28.9")
+    assert (nccl["wheel"]["package"], nccl["system"]["version"]) == ("nvidia-nccl-cu13", "2.28.9")

@@ -143,6 +143,8 @@ def test_seed_image_needs_newer_transformers(tmp_path):
                 "reasons": ["transformers 4.57.1 cannot parse model_type qwen3_5_moe"],
             }
         },
+        "nccl": {"loads": None, "path": None, "version": None, "why": "no libnccl.so.2 in the image",
+                 "wheel": None, "system": None},
     }
 
 
@@ -357,3 +359,100 @@ def test_declared_requirement_forms(monkeypatch, line, want):
     monkeypatch.setattr(mod, "_distribution", lambda name: Dist)
     got = mod.declared_requirements("sglang")
     assert got == ({} if want is None else {"transformers": want})
+
+
+# --- the NCCL torch loads (files only: the wheel's lib, libnccl2's, the image's environment) ---
+
+WHEEL_LIB = "nvidia/nccl/lib/libnccl.so.2"
+TRIPLET = "usr/lib/aarch64-linux-gnu"
+DPKG = ("Package: libnccl-dev\nStatus: install ok installed\nVersion: 2.27.7-1+cuda13.0\n\n"
+        "Package: libnccl2\nStatus: install ok installed\nVersion: 2.27.7-1+cuda13.0\n"
+        "Architecture: arm64\n")
+
+
+def nccl_wheel(site: Path, version="2.28.9", cuda="13"):
+    dist(site, f"nvidia_nccl_cu{cuda}", version, {WHEEL_LIB: "fake so\n"})
+    # the wheel's METADATA names the distribution as pip lists it
+    meta = site / f"nvidia_nccl_cu{cuda}-{version}.dist-info" / "METADATA"
+    meta.write_text(f"Metadata-Version: 2.1\nName: nvidia-nccl-cu{cuda}\nVersion: {version}\n")
+
+
+def libnccl2(root: Path, version="2.27.7", dpkg=True):
+    lib = root / TRIPLET
+    lib.mkdir(parents=True, exist_ok=True)
+    (lib / f"libnccl.so.{version}").write_text("fake so\n")
+    (lib / "libnccl.so.2").symlink_to(f"libnccl.so.{version}")
+    if dpkg:
+        (root / "var/lib/dpkg").mkdir(parents=True, exist_ok=True)
+        (root / "var/lib/dpkg/status").write_text(DPKG.replace("2.27.7", version))
+
+
+def nccl_of(tmp_path: Path, site: Path, **env: str) -> dict:
+    root = tmp_path / "root"
+    root.mkdir(exist_ok=True)
+    cp = subprocess.run([sys.executable, "-S", str(SCRIPT), "--engine", "sglang", "--root", str(root)],
+                        capture_output=True, text=True, timeout=60,
+                        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", **env})
+    assert cp.returncode == 0, cp.stderr
+    return json.loads(cp.stdout)["nccl"]
+
+
+def test_the_wheel_wins_over_libnccl2_and_both_versions_are_reported(tmp_path):
+    site = tmp_path / "site"
+    nccl_wheel(site)
+    libnccl2(tmp_path / "root")
+    got = nccl_of(tmp_path, site)
+    assert (got["loads"], got["version"], got["path"]) == ("wheel", "2.28.9", str(site / WHEEL_LIB))
+    assert got["wheel"]["package"] == "nvidia-nccl-cu13" and got["wheel"]["version"] == "2.28.9"
+    assert got["system"]["path"] == "/usr/lib/aarch64-linux-gnu/libnccl.so.2"
+    assert got["system"]["version"] == "2.27.7"  # from dpkg's status, not libnccl-dev's stanza
+    assert got["why"] == ("torch's RPATH $ORIGIN/../../nvidia/nccl/lib finds the nvidia-nccl-cu13 "
+                          "wheel's first")
+
+
+def test_ld_library_path_does_not_beat_the_wheel(tmp_path):
+    site = tmp_path / "site"
+    nccl_wheel(site)
+    libnccl2(tmp_path / "root")
+    got = nccl_of(tmp_path, site, LD_LIBRARY_PATH="/usr/lib/aarch64-linux-gnu")
+    assert got["loads"] == "wheel"
+
+
+def test_the_wheels_lib_linked_to_libnccl2_loads_the_system_nccl(tmp_path):
+    site = tmp_path / "site"
+    nccl_wheel(site)
+    root = tmp_path / "root"
+    libnccl2(root)
+    wheel_lib = site / WHEEL_LIB
+    wheel_lib.rename(wheel_lib.with_name("libnccl.so.2.sparkdeploy-wheel"))
+    wheel_lib.symlink_to(root / TRIPLET / "libnccl.so.2")
+    got = nccl_of(tmp_path, site)
+    assert (got["loads"], got["version"]) == ("system", "2.27.7")
+    assert got["wheel"]["version"] == "2.28.9"  # still installed: both versions reported
+    assert got["why"] == ("the wheel's libnccl.so.2 links to the system's "
+                          "/usr/lib/aarch64-linux-gnu/libnccl.so.2")
+
+
+def test_ld_preload_of_libnccl2_wins(tmp_path):
+    site = tmp_path / "site"
+    nccl_wheel(site)
+    libnccl2(tmp_path / "root")
+    got = nccl_of(tmp_path, site, LD_PRELOAD="/usr/lib/aarch64-linux-gnu/libnccl.so.2")
+    assert (got["loads"], got["version"]) == ("system", "2.27.7")
+    assert got["why"] == "LD_PRELOAD names /usr/lib/aarch64-linux-gnu/libnccl.so.2"
+
+
+def test_without_the_wheel_the_system_nccl_loads_version_from_the_file_name(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    libnccl2(tmp_path / "root", "2.26.2", dpkg=False)
+    got = nccl_of(tmp_path, site, VLLM_NCCL_SO_PATH="/opt/nccl/libnccl.so.2")
+    assert (got["loads"], got["version"], got["wheel"]) == ("system", "2.26.2", None)
+    assert got["vllm_nccl_so_path"] == "/opt/nccl/libnccl.so.2"
+
+
+def test_the_wheel_alone(tmp_path):
+    site = tmp_path / "site"
+    nccl_wheel(site, "2.27.3", cuda="12")
+    got = nccl_of(tmp_path, site)
+    assert (got["loads"], got["version"], got["system"]) == ("wheel", "2.27.3", None)

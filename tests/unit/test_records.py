@@ -44,7 +44,7 @@ def test_envelope_and_markdown(tmp_path):
     assert {k: env[k] for k in ("name", "step", "profile", "time", "time_iso")} == {
         "name": "image-probe", "step": "image.probe", "profile": "qwen-lab", "time": T,
         "time_iso": "2026-01-01T00:00:00Z"}
-    assert env["data"]["chosen"] == {"engine": "sglang", **CHOSEN}
+    assert env["data"]["chosen"] == {"engine": "sglang", **CHOSEN, "digest": None}  # not probed
     assert env["data"]["candidates"][0]["platform"] == "linux/arm64"  # the probe's extras kept
     got = rec.read(ImageDecision)
     assert got.model_dump() == decision().model_dump() and got.made.time_iso == "2026-01-01T00:00:00Z"

@@ -15,9 +15,15 @@ python3 with a timeout, offline.  An engine is ``ok`` when it is installed, at l
 version, every expected file is present and, for engines named by ``--require-config`` only, the
 config parses; ``reasons`` lists every reason it is not.  ``requires`` is what the engine's own
 metadata declares of transformers (its version specifier), so a layer can honour it.
+
+``nccl`` says which ``libnccl.so.2`` the image's torch loads, read from files (torch is not
+imported, no GPU is needed): the ``nvidia-nccl-cu*`` wheel's (``<site>/nvidia/nccl/lib``) or the
+system's ``libnccl2`` (``/usr/lib/<triplet>/libnccl.so.2``), each with its version, and why that
+one loads (see ``which_nccl``).
 """
 
 import argparse
+import glob
 import json
 import os
 import platform
@@ -219,6 +225,127 @@ def probe_config(model_dir, timeout):
 
 
 # ---------------------------------------------------------------------------------------------
+# the NCCL torch loads
+#
+# How torch finds libnccl.so.2, as its wheels are built: libtorch_cuda.so names libnccl.so.2
+# (DT_NEEDED) and carries the RPATH $ORIGIN/../../nvidia/nccl/lib, set with patchelf when the
+# wheel is built against the PyPI NVIDIA libraries (pytorch .ci/manywheel/build_cuda.sh,
+# CUDA_RPATHS); torch/__init__.py's _load_global_deps loads libtorch_global_deps.so with
+# RTLD_GLOBAL and, when that fails, preloads each library from <sys.path>/nvidia/<lib>/lib
+# (_preload_cuda_deps, 'nccl': 'libnccl.so.*[0-9]').  So the wheel's copy wins whenever the
+# nvidia-nccl-cu* wheel is installed beside torch, ahead of LD_LIBRARY_PATH (an RPATH is searched
+# before it) and of the system's ld.so.cache; only LD_PRELOAD (loaded before anything) or the
+# wheel's file replaced by a link to the system's (the fix of vllm#42354 / #41725 and of
+# eugr/spark-vllm-docker's use-official-vllm mod) makes torch load the system's libnccl2.
+# Without the wheel, the loader's own order applies: LD_LIBRARY_PATH, then /usr/lib/<triplet>.
+# vLLM's own NCCL wrapper opens VLLM_NCCL_SO_PATH when it is set (vllm/envs.py), reported too.
+
+NCCL_SONAME = "libnccl.so.2"
+_NCCL_FILE = re.compile(r"libnccl\.so\.2\.(\d+)\.(\d+)$")
+_NCCL_WHEEL = re.compile(r"^nvidia-nccl-cu\d+$")
+
+
+def _real(path):
+    return os.path.realpath(path) if os.path.lexists(path) else None
+
+
+def _file_version(path):
+    """The NCCL version in the name the soname link resolves to (libnccl.so.2.28.9 -> 2.28.9)."""
+    m = _NCCL_FILE.search(os.path.basename(os.path.realpath(path)))
+    return f"2.{m.group(1)}.{m.group(2)}" if m else None
+
+
+def nccl_wheel():
+    """The nvidia-nccl-cu* wheel's library: {package, version, path, real} or None."""
+    dists = []
+    if _metadata is not None:
+        for d in _metadata.distributions():
+            name = (d.metadata["Name"] or "").lower().replace("_", "-")
+            if _NCCL_WHEEL.match(name):
+                dists.append((name, d.metadata["Version"] or d.version))
+    for entry in sys.path:
+        path = os.path.join(entry or ".", "nvidia", "nccl", "lib", NCCL_SONAME)
+        if os.path.lexists(path):
+            name, version = dists[0] if dists else (None, None)
+            return {"package": name, "version": version or _file_version(path), "path": path,
+                    "real": _real(path)}
+    return None
+
+
+def dpkg_version(root, package="libnccl2"):
+    """The version dpkg's status file records for PACKAGE (2.28.9-1+cuda13.0 -> 2.28.9)."""
+    try:
+        with open(os.path.join(root, "var/lib/dpkg/status"), encoding="utf-8", errors="replace") as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    for stanza in text.split("\n\n"):
+        fields = dict(re.findall(r"^([A-Za-z-]+):[ \t]*(.*)$", stanza, re.MULTILINE))
+        if fields.get("Package") == package and "installed" in fields.get("Status", ""):
+            return fields.get("Version", "").split("-", 1)[0] or None
+    return None
+
+
+def nccl_system(root="/"):
+    """The system's libnccl2 library: {path, real, version} or None."""
+    found = sorted(glob.glob(os.path.join(root, "usr/lib/*", NCCL_SONAME)))
+    found += [p for p in (os.path.join(root, "usr/lib", NCCL_SONAME),) if os.path.lexists(p)]
+    if not found:
+        return None
+    path = found[0]
+    return {"path": "/" + os.path.relpath(path, root) if root != "/" else path,
+            "real": _real(path), "version": dpkg_version(root) or _file_version(path)}
+
+
+def which_nccl(wheel, system, env, root="/"):
+    """(which loads: "wheel", "system", "preload" or None, the path, why) as torch's loading
+    order above decides it from the image's files and environment."""
+    def inside(p):
+        return os.path.join(root, p.lstrip("/")) if root != "/" else p
+
+    sys_real = system["real"] if system else None
+    for item in (env.get("LD_PRELOAD") or "").replace(":", " ").split():
+        if os.path.basename(item).startswith("libnccl.so"):
+            real = _real(inside(item))
+            kind = "system" if real and real == sys_real else (
+                "wheel" if wheel and real == wheel["real"] else "preload")
+            return kind, item, f"LD_PRELOAD names {item}"
+    if wheel:
+        if sys_real and wheel["real"] == sys_real:
+            return "system", wheel["path"], (f"the wheel's {NCCL_SONAME} links to the system's "
+                                             f"{system['path']}")
+        return "wheel", wheel["path"], ("torch's RPATH $ORIGIN/../../nvidia/nccl/lib finds the "
+                                        f"{wheel['package'] or 'nvidia-nccl'} wheel's first")
+    for d in (env.get("LD_LIBRARY_PATH") or "").split(":"):
+        path = os.path.join(d, NCCL_SONAME) if d else ""
+        if path and os.path.lexists(inside(path)):
+            real = _real(inside(path))
+            kind = "system" if real == sys_real else "preload"
+            return kind, path, f"LD_LIBRARY_PATH finds {path}"
+    if system:
+        return "system", system["path"], "no nvidia-nccl wheel: the loader finds libnccl2's"
+    return None, None, "no libnccl.so.2 in the image"
+
+
+def probe_nccl(env=None, root="/"):
+    env = os.environ if env is None else env
+    wheel, system = nccl_wheel(), nccl_system(root)
+    loads, path, why = which_nccl(wheel, system, env, root)
+    version = None
+    if loads == "wheel" and wheel:
+        version = wheel["version"]
+    elif loads == "system" and system:
+        version = system["version"]
+    elif path:
+        version = _file_version(os.path.join(root, path.lstrip("/")) if root != "/" else path)
+    out = {"loads": loads, "path": path, "version": version, "why": why,
+           "wheel": wheel, "system": system}
+    if env.get("VLLM_NCCL_SO_PATH"):
+        out["vllm_nccl_so_path"] = env["VLLM_NCCL_SO_PATH"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # command line
 
 
@@ -274,6 +401,7 @@ def parse_args(argv):
         metavar="ENGINE",
         help="this engine needs transformers to parse the config (repeatable)",
     )
+    p.add_argument("--root", default="/", help=argparse.SUPPRESS)  # tests: where /usr/lib is
     p.add_argument(
         "--timeout",
         type=float,
@@ -345,6 +473,7 @@ def probe(args):
         "packages": packages,
         "config": config,
         "engines": out_engines,
+        "nccl": probe_nccl(root=args.root),
     }
 
 

@@ -21,6 +21,12 @@ installed ``sglang/launch_server.py`` is replaced by a shim), ``vllm serve`` run
 check uses the real Ray in the image. The sglang images also get the few light packages that
 ``import sglang`` needs (aiohttp, IPython, pybase64, pydantic), as the real images have them.
 
+NCCL as the Spark images hold it: both the ``nvidia-nccl-cu13`` wheel's library (in the venv's
+site-packages, with its dist-info) and the system's ``libnccl2`` (``/usr/lib/<triplet>/``, with its
+dpkg status stanza), so ``image.probe`` reads which one torch would load from real files. The
+libraries are tiny fakes under their real names (nothing in the lab loads them); the versions are
+the ones owners found on a Spark: both 2.28.9, different builds (vllm#41725, vllm#42354).
+
 Wheels come from the controller's cache (``/var/cache/sparkdeploy/wheels``, filled with
 ``pip download`` through ``sparkdeploy.lab.pkgindex``); the build itself has no network
 (``network_mode=none``): a multi-stage Dockerfile copies the wheels into a build stage, installs
@@ -182,6 +188,48 @@ print(f"stand-in shim: {target}")
 '''
 
 
+# --- NCCL's files (fakes under the real names) ------------------------------------------------
+
+NCCL_VERSION = "2.28.9"
+"""Both libraries' version on the Spark of vllm#41725 (the wheel and DGX OS's libnccl2)."""
+NCCL_WHEEL = "nvidia-nccl-cu13"
+NCCL_DEB_VERSION = f"{NCCL_VERSION}-1+cuda13.0"
+NCCL_FAKE = b"lab stand-in: not a shared library (image.probe reads names, never loads it)\n"
+NCCL_DPKG = f"""Package: libnccl2
+Status: install ok installed
+Priority: optional
+Section: libs
+Installed-Size: 190244
+Maintainer: cudatools <cudatools@nvidia.com>
+Architecture: ARCH
+Source: nccl
+Version: {NCCL_DEB_VERSION}
+Description: NVIDIA Collective Communication Library (NCCL) Runtime
+ NCCL (pronounced "Nickel") is a stand-alone library of standard collective
+ communication routines for GPUs.
+Homepage: https://developer.nvidia.com/nccl
+
+"""
+
+
+def nccl_site_files() -> dict[str, bytes]:
+    """The ``nvidia-nccl-cu13`` wheel as pip leaves it in site-packages (its library and its
+    dist-info: METADATA, INSTALLER, RECORD)."""
+    info = f"{NCCL_WHEEL.replace('-', '_')}-{NCCL_VERSION}.dist-info"
+    files = {
+        "nvidia/nccl/lib/libnccl.so.2": NCCL_FAKE,
+        f"{info}/METADATA": (f"Metadata-Version: 2.1\nName: {NCCL_WHEEL}\nVersion: {NCCL_VERSION}\n"
+                             "Summary: NVIDIA Collective Communication Library (NCCL) Runtime\n"
+                             "Home-page: https://developer.nvidia.com/cuda-zone\n"
+                             "Author: Nvidia CUDA Installer Team\nLicense: NVIDIA Proprietary "
+                             "Software\nRequires-Python: >=3\n").encode(),
+        f"{info}/INSTALLER": b"pip\n",
+    }
+    record = [f"{name},," for name in files] + [f"{info}/RECORD,,"]
+    files[f"{info}/RECORD"] = ("\n".join(record) + "\n").encode()
+    return files
+
+
 def dockerfile(recipe: ImageSpec, base_image: str, engine_wheel: str, labels: dict[str, str]) -> str:
     """The multi-stage Dockerfile: wheels only in the build stage, the venv in the final one."""
     reqs = " ".join(f'"{r}"' for r in recipe.requires)
@@ -197,10 +245,22 @@ def dockerfile(recipe: ImageSpec, base_image: str, engine_wheel: str, labels: di
         f"COPY standin {STANDIN_DIR}",
         "COPY wire.py shims.json /tmp/",
         f"RUN {VENV}/bin/python3 /tmp/wire.py {recipe.engine} /tmp/shims.json",
+        # the nvidia-nccl-cu13 wheel's files, where pip puts them in the venv
+        "COPY nccl/site /tmp/nccl-site",
+        f'RUN cp -r /tmp/nccl-site/. "$({VENV}/bin/python3 -c '
+        "'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])')\"/",
         "",
         f"FROM {base_image}",
         f"COPY --from=build {VENV} {VENV}",
         f"COPY --from=build {STANDIN_DIR} {STANDIN_DIR}",
+        # libnccl2's files, where its .deb puts them, and its dpkg status stanza
+        "COPY nccl/system /tmp/nccl",
+        'RUN d="$(dirname "$(ls /usr/lib/*-linux-gnu/libc.so.6 | head -n 1)")" \\',
+        f' && mv /tmp/nccl/libnccl.so.{NCCL_VERSION} "$d/" \\',
+        f' && ln -s libnccl.so.{NCCL_VERSION} "$d/libnccl.so.2" \\',
+        ' && sed "s/^Architecture: ARCH$/Architecture: $(dpkg --print-architecture)/" '
+        "/tmp/nccl/status >> /var/lib/dpkg/status \\",
+        " && rm -rf /tmp/nccl",
         f"ENV VIRTUAL_ENV={VENV} PATH={PATH} RAY_USAGE_STATS_ENABLED=0",
         f"LABEL {label_args}",
         'CMD ["/bin/bash"]',
@@ -228,6 +288,7 @@ def recipe_hash(recipe: ImageSpec, base_ident: str, standin_source: bytes) -> st
         "standin": hashlib.sha256(standin_source).hexdigest(),
         "flags": hashlib.sha256(flag_manifest(recipe) or b"").hexdigest(),
         "strip": COMPILED_RE.pattern if recipe.strip_compiled else None,
+        "nccl": [NCCL_DPKG, {k: v.decode() for k, v in nccl_site_files().items()}],
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -364,6 +425,12 @@ def write_context(ctx: Path, recipe: ImageSpec, base_image: str, labels: dict[st
     flags = flag_manifest(recipe)
     if flags is not None:
         (ctx / "standin" / "engine-flags.json").write_bytes(flags)
+    for rel, data in nccl_site_files().items():
+        (ctx / "nccl" / "site" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ctx / "nccl" / "site" / rel).write_bytes(data)
+    (ctx / "nccl" / "system").mkdir(parents=True)
+    (ctx / "nccl" / "system" / f"libnccl.so.{NCCL_VERSION}").write_bytes(NCCL_FAKE)
+    (ctx / "nccl" / "system" / "status").write_text(NCCL_DPKG)
     (ctx / "wire.py").write_text(WIRE_PY)
     (ctx / "shims.json").write_text(json.dumps({"sglang": SGLANG_SHIM, "vllm": VLLM_SHIM}))
     (ctx / "Dockerfile").write_text(dockerfile(recipe, base_image, engine_wheel.name, labels))

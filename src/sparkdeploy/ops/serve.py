@@ -22,6 +22,7 @@ from sparkdeploy.engines.base import API_KEY_ENV, run_args, secret_lines
 from sparkdeploy.files import write_text_atomic
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import HelperFailed, NodeUnreachable, docker, inspect_image, run_helper
+from sparkdeploy.ops import image as image_ops
 from sparkdeploy.ops import serve_preflight
 from sparkdeploy.ops.serve_containers import RAY_PROBE
 from sparkdeploy.ops.serve_watch import StartFailed, Watch
@@ -240,6 +241,7 @@ def running_launch(dep: Deployment, eng: Engine) -> Launch:
         got = node_facts(dep, dep.host(n.name), [], [])
         facts[n.name] = NodeFacts(got["gid"]["index"], bool(got["rdma_devices"]))
     image = inspect_image(dep.host(dep.profile.head.name), eng.image) or {}
-    return launch(dep.profile, eng, facts, image_id=image.get("Id"))
+    return launch(dep.profile, eng, facts, image_id=image.get("Id"),
+                  image_digest=image_ops.engine_digest(dep, eng.name))
 
 

@@ -38,6 +38,9 @@ class Preflight:
     ship_to: list[str] = field(default_factory=list)
     """Nodes without the engine's image (``image.ship`` puts it there from the head)."""
     image_id: str | None = None
+    image_digest: str | None = None
+    """The digest image.probe decided on for the image the engine serves (the candidate's, or
+    the base's of the layer built over it)."""
     start: int = 0
     """Where the preflight's results begin among the step's."""
 
@@ -186,11 +189,13 @@ def _check_gpu(host: Host, pf: Preflight) -> None:
 
 
 def _check_images(dep: Deployment, ref: str, hosts: list[Host], pf: Preflight) -> None:
-    ids: dict[str, str | None] = {}
-    for h in hosts:
-        info = inspect_image(h, ref)
-        ids[h.name] = info.get("Id") if info else None
     head = dep.profile.head.name
+    ids: dict[str, str | None] = {}
+    # the head first: a pin by digest resolves there only, the workers hold it by that ID
+    for h in sorted(hosts, key=lambda h: h.name != head):
+        want = ids.get(head) if image_ops.pinned(ref) and h.name != head else ref
+        info = inspect_image(h, want) if want else None
+        ids[h.name] = info.get("Id") if info else None
     if ids.get(head) is None:
         pf.fail(head, f"no image {ref} on the head (image.build or a pull first)")
         return
@@ -200,6 +205,18 @@ def _check_images(dep: Deployment, ref: str, hosts: list[Host], pf: Preflight) -
         shown = ", ".join(f"{n} {i[:19]}" for n, i in present.items())
         pf.fail(None, f"image {ref} differs between nodes: {shown}")
     pf.ship_to = [n for n, i in ids.items() if i is None]
+
+
+def check_pins(ctx: Ctx) -> bool:
+    """Before anything stops: every candidate's tag still names the image image.probe decided
+    on (``ops.image.moved``); each one that moved is one failed result. True when none did."""
+    try:
+        lines = image_ops.moved(ctx.dep)
+    except HostError as e:
+        lines = [str(e)]
+    for line in lines:
+        ctx.failed(line, ctx.dep.profile.head.name, part=PART)
+    return not lines
 
 
 def engine_version(dep: Deployment, engine: Engine) -> str | None:
@@ -264,6 +281,7 @@ def check(ctx: Ctx, engine: Engine, lau: Launch) -> Preflight:
             _check_gpu(h, pf)
     if None not in gathered:
         _check_images(dep, engine.image, hosts, pf)
+    pf.image_digest = image_ops.engine_digest(dep, engine.name)
     flags = _check_flags(dep, engine, lau, pf)
     if not pf.problems:
         ship = f"; image to ship to {', '.join(pf.ship_to)}" if pf.ship_to else ""

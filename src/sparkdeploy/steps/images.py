@@ -37,7 +37,7 @@ from sparkdeploy.nodeops import (
     stage,
     stage_script,
 )
-from sparkdeploy.ops.image import STEP_BUILD
+from sparkdeploy.ops.image import STEP_BUILD, digest_of
 from sparkdeploy.records import ImageDecision, Written, markdown_table
 from sparkdeploy.results import Result, Status
 from sparkdeploy.steps.registry import StepContext, step
@@ -105,6 +105,7 @@ class ProbeReport(_Loose):
     packages: dict[str, str | None] = {}
     config: dict[str, Any] | None = None
     engines: dict[str, EngineProbe] = {}
+    nccl: dict[str, Any] | None = None
 
 
 def probe_argv(dep: Deployment, head: Host, ref: str, probe_path: str, config_dir: str) -> list[str]:
@@ -138,6 +139,7 @@ def judge(dep: Deployment, ref: str, engine: str, arch: str, info: dict | None,
     if info is None:
         return {**row, "verdict": "missing", "why": error or "not on the head and not pullable"}
     img_arch = image_arch(info)
+    row["digest"], row["image_id"] = digest_of(info, ref), info.get("Id")
     row["platform"] = f"{info.get('Os', 'linux')}/{img_arch}"
     row["platform_ok"] = img_arch == arch
     if report is None:
@@ -148,6 +150,7 @@ def judge(dep: Deployment, ref: str, engine: str, arch: str, info: dict | None,
     row["transformers"] = (report.get("packages") or {}).get("transformers")
     row["config_ok"] = (report.get("config") or {}).get("ok")
     row["files_ok"] = all((eng.get("model_files") or {}).values()) if eng.get("model_files") else None
+    row["nccl"] = report.get("nccl")
     reasons = list(eng.get("reasons") or [])
     if not row["platform_ok"]:
         reasons.insert(0, f"image is {row['platform']}, {dep.profile.head.name} is linux/{arch}")
@@ -159,6 +162,25 @@ def judge(dep: Deployment, ref: str, engine: str, arch: str, info: dict | None,
         return {**row, "verdict": "needs-layer", "why": "; ".join(reasons)
                 + f"; fixed by the layer {derivative.requirement} -> {derivative.tag}"}
     return {**row, "verdict": "rejected", "why": "; ".join(reasons) or "probe says not ok"}
+
+
+def nccl_line(nccl: dict[str, Any] | None) -> str:
+    """What the probe says of NCCL, in words: the library torch loads, its version, and the
+    other library's version when both are in the image (``""`` when the probe said nothing)."""
+    if not nccl:
+        return ""
+    loads = nccl.get("loads")
+    wheel, system = nccl.get("wheel") or {}, nccl.get("system") or {}
+    if loads is None:
+        return "none in the image"
+    name = {"wheel": f"the {wheel.get('package') or 'nvidia-nccl'} wheel's",
+            "system": "the system's libnccl2"}.get(loads, "")
+    line = f"loads {name or nccl.get('path')} {nccl.get('version') or '(version unknown)'}".replace("  ", " ")
+    other = system if loads == "wheel" else wheel if loads == "system" else {}
+    if other:
+        what = "libnccl2" if loads == "wheel" else (wheel.get("package") or "nvidia-nccl wheel")
+        line += f" (also {what} {other.get('version') or '?'})"
+    return line
 
 
 def image_arch(info: dict) -> str:
@@ -197,7 +219,9 @@ def probe(ctx: StepContext, only: str | None = None) -> None:
         row = _probe_one(dep, head, cand.ref, cand.engine, arch, probe_path, config_path)
         rows.append(row)
         status = Status.OK if row["verdict"] in ("viable", "needs-layer") else Status.SKIPPED
-        ctx.report(Result(STEP_PROBE, status, f"{cand.ref}: {row['verdict']}: {row['why']}",
+        nccl = nccl_line(row.get("nccl"))
+        ctx.report(Result(STEP_PROBE, status, f"{cand.ref}: {row['verdict']}: {row['why']}"
+                          + (f"; NCCL: {nccl}" if nccl else ""),
                           head.name, {k: v for k, v in row.items() if k not in ("probe", "why")}))
     record = decide(dep, head.name, arch, source, rows)
     if dep.dry:
@@ -241,6 +265,7 @@ def decide(dep: Deployment, node: str, arch: str, source: str, rows: list[dict])
         for row in rows:
             if row["engine"] == eng.software and row["verdict"] in ("viable", "needs-layer"):
                 per_engine[eng.name] = {"image": row["image"], "kind": eng.kind,
+                                        "digest": row.get("digest"),
                                         "needs_layer": row["verdict"] == "needs-layer",
                                         "serve_image": (dep.profile.images.layer.tag
                                                         if row["verdict"] == "needs-layer"
@@ -257,7 +282,7 @@ def decide(dep: Deployment, node: str, arch: str, source: str, rows: list[dict])
 
 
 PROBE_COLUMNS = ["image", "engine", "engine version", "transformers", "model files",
-                 "config parses", "platform", "verdict"]
+                 "config parses", "platform", "verdict", "digest", "NCCL"]
 
 
 def probe_rows(record: dict[str, Any]) -> list[list[str]]:
@@ -268,7 +293,8 @@ def probe_rows(record: dict[str, Any]) -> list[list[str]]:
 
     return [[r["image"], r["engine"], r.get("engine_version") or "-", r.get("transformers") or "-",
              yn(r.get("files_ok")), yn(r.get("config_ok")),
-             r.get("platform", "-") + ("" if r.get("platform_ok", True) else " (!)"), r["verdict"]]
+             r.get("platform", "-") + ("" if r.get("platform_ok", True) else " (!)"), r["verdict"],
+             r.get("digest") or "-", nccl_line(r.get("nccl")) or "-"]
             for r in record["candidates"]]
 
 
@@ -446,9 +472,11 @@ def _build(ctx: StepContext, no_cache: bool = False) -> Result:
     except ResolveError as e:
         return ctx.failed(str(e), head.name)
     df_sha = hashlib.sha256(dockerfile.encode()).hexdigest()
-    labels = {LABEL_BASE_ID: base["Id"], LABEL_DOCKERFILE: df_sha, LABEL_TF: version}
+    labels = {LABEL_BASE_ID: base["Id"], LABEL_DOCKERFILE: df_sha, LABEL_TF: version,
+              lbl.NCCL: derivative.nccl}
     existing = None if no_cache else _find_built(head, labels)
-    what = f"{derivative.tag} = {derivative.base} + transformers=={version} ({engine_note})"
+    what = (f"{derivative.tag} = {derivative.base} + transformers=={version} ({engine_note})"
+            + (" + the system NCCL" if derivative.nccl == "system" else ""))
     if existing:
         tagged = inspect_image(head, derivative.tag)
         if tagged and tagged["Id"] == existing:
@@ -465,6 +493,7 @@ def _build(ctx: StepContext, no_cache: bool = False) -> Result:
     except ConfigUnavailable as e:
         return ctx.failed(str(e), head.name)
     build_args = {"BASE_IMAGE": derivative.base, "BASE_IMAGE_ID": base["Id"],
+                  "BASE_IMAGE_DIGEST": digest_of(base, derivative.base), "NCCL": derivative.nccl,
                   "TRANSFORMERS_VERSION": version, "DOCKERFILE_SHA256": df_sha,
                   "TRANSFORMERS_REQUIREMENT": derivative.requirement, "ENGINE_REQUIRES": engine_note,
                   "PIP_INDEX_URL": derivative.index_url}

@@ -85,7 +85,8 @@ def try_engine(ctx: StepContext, engine: Engine, run: Run) -> str | None:
         shipped = ctx.call("image.ship", to=",".join(pf.ship_to), image=engine.image)
         if any(r.failed for r in shipped):
             return None
-    lau = launch(dep.profile, engine, pf.facts, bool(run.secrets), image_id=pf.image_id)
+    lau = launch(dep.profile, engine, pf.facts, bool(run.secrets), image_id=pf.image_id,
+                 image_digest=pf.image_digest)
     if dep.dry:
         for c in lau.containers:
             start(dep, dep.host(c.node), c, run.secrets)
@@ -238,6 +239,8 @@ def up(ctx: StepContext, engine: str | None = None) -> None:
     """Bring the model up across the nodes, falling back to the next engine on a failure."""
     dep = ctx.dep
     engines = _order(dep, engine)
+    if not serve_preflight.check_pins(ctx):  # before anything stops: a moved tag refuses
+        return
     if _before(ctx, engines):
         return
     run = Run(dep)

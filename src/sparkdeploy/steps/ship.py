@@ -61,7 +61,7 @@ from sparkdeploy.nodeops import (
     verified,
     watched,
 )
-from sparkdeploy.ops.image import STEP_BUILD, chosen_image
+from sparkdeploy.ops.image import STEP_BUILD, chosen_image, pinned
 from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext, step
 
@@ -369,6 +369,8 @@ def verify(peer: Host, ref: str, src_info: dict, by_id: bool, info: dict | None,
         return f"diff IDs differ: source {want_layers}, {peer.name} {got_layers}"
     if by_id and info["Id"] != src_info["Id"]:
         return f"config digest differs: source {src_info['Id']}, {peer.name} {info['Id']}"
+    if ref.startswith("sha256:"):
+        return None  # an image shipped by ID (a digest pin): no tag to list
     if tagged(ref) not in tags:
         return f"{peer.name} does not list {tagged(ref)} (an incomplete image?)"
     return None
@@ -660,6 +662,11 @@ def ship(ctx: StepContext, to: str = "all", image: str | None = None) -> None:
         if src_info is None:
             ctx.failed(f"{head.name} has no image {ref}", head.name)
             return
+        if pinned(ref):
+            # docker load keeps no repo digest: the pin travels as the ID it resolved to on the
+            # head, and each peer is checked by that ID (config digest) and its diff IDs
+            ctx.log(head.name, f"{ref} is {src_info['Id']} here: shipped and checked by that ID")
+            ref = src_info["Id"]
         _fan_out(ctx, plan, hosts, head, ref, src_info, early)
     finally:
         for m in early.values():

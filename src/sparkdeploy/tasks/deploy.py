@@ -73,8 +73,13 @@ def all_(c, serial=False, only=None, skip=None, bench=False, persist=False, prof
          recipe=None, recipes=None):
     """Deploy: free the head, choose/build/ship the image, download and sync the weights, serve
     (with fallback), bench smoke, optionally persist; resumable, records every decision."""
+    def pinned(dep: Deployment) -> None:
+        why = plans.refusal(dep)
+        if why:
+            raise Exit(why, code=1)
+
     run = _Plan("deploy", lambda d: plans.plan(d, bench=bench, persist=persist), serial=serial,
-                only=only, skip=skip)
+                only=only, skip=skip, before=pinned)
 
     def show(dep: Deployment | None, results: list[Result]) -> None:
         assert dep is not None and run.out is not None

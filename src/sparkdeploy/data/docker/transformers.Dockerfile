@@ -7,7 +7,8 @@
 #
 #   docker build -f docker/transformers.Dockerfile \
 #     --build-arg BASE_IMAGE=scitrera/dgx-spark-sglang:0.5.10rc0 \
-#     --build-arg BASE_IMAGE_ID=sha256:... --build-arg TRANSFORMERS_VERSION=5.3.0 \
+#     --build-arg BASE_IMAGE_ID=sha256:... --build-arg BASE_IMAGE_DIGEST=sha256:... \
+#     --build-arg NCCL=image|system --build-arg TRANSFORMERS_VERSION=5.3.0 \
 #     --build-arg TRANSFORMERS_REQUIREMENT='transformers>=5' \
 #     --build-arg ENGINE_REQUIRES='sglang 0.5.10rc0: transformers==5.3.0' \
 #     --build-arg DOCKERFILE_SHA256=... [--build-arg PIP_INDEX_URL=http://index.lab/simple] \
@@ -63,9 +64,37 @@ RUN --mount=type=secret,id=pipconf \
 sys.exit(0 if v == sys.argv[1] else 'transformers is %s, wanted %s' % (v, sys.argv[1]))" \
       "${TRANSFORMERS_VERSION}"
 
+# NCCL=system: torch loads the system's libnccl2 instead of the nvidia-nccl-cu* wheel's copy
+# (images.layer.nccl).  torch's wheels find libnccl.so.2 through the RPATH
+# $ORIGIN/../../nvidia/nccl/lib before anything else but LD_PRELOAD, so the wheel's file becomes a
+# link to the system's library (kept beside it as .sparkdeploy-wheel): the fix DGX Spark owners
+# made against multi-node hangs after 20-26 minutes (vllm#42354, vllm#41725) and what
+# eugr/spark-vllm-docker's use-official-vllm mod does.  A link covers every process of the
+# image, whatever its environment (an LD_PRELOAD in ENV would be dropped by an engine's env
+# override).  libnccl2 is installed with apt-get when the base image lacks it.
+ARG NCCL=image
+RUN set -eu; \
+    if [ "${NCCL}" = system ]; then \
+      sys_nccl=$(ls /usr/lib/*/libnccl.so.2 2>/dev/null | head -n 1 || true); \
+      if [ -z "${sys_nccl}" ]; then \
+        DEBIAN_FRONTEND=noninteractive apt-get update; \
+        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends libnccl2; \
+        rm -rf /var/lib/apt/lists/*; \
+        sys_nccl=$(ls /usr/lib/*/libnccl.so.2 | head -n 1); \
+      fi; \
+      for lib in $(python3 -c "import glob, os, sys; print(' '.join(sorted({p for d in sys.path \
+for p in glob.glob(os.path.join(d or '.', 'nvidia', 'nccl', 'lib', 'libnccl.so.2'))})))"); do \
+        if [ "$(readlink -f "${lib}")" != "$(readlink -f "${sys_nccl}")" ]; then \
+          mv "${lib}" "${lib}.sparkdeploy-wheel"; \
+          ln -s "${sys_nccl}" "${lib}"; \
+        fi; \
+      done; \
+    fi
+
 # The probe runs in a throw-away stage: the probe script and the config never land in the image;
 # only its JSON verdict does (copied below, which also makes BuildKit run this stage).
 FROM transformers AS probe
+ARG NCCL=image
 COPY probe_image.py /tmp/sparkdeploy-probe/probe_image.py
 COPY model/ /tmp/sparkdeploy-probe/model/
 RUN set -eu; \
@@ -75,7 +104,11 @@ RUN set -eu; \
     cat /tmp/sparkdeploy-probe/probe.json; \
     python3 -c "import json, sys; c = json.load(open(sys.argv[1]))['config']; \
 sys.exit(0 if c and c['ok'] else 'the model config does not parse: %s' % (c or {}).get('error'))" \
-      /tmp/sparkdeploy-probe/probe.json
+      /tmp/sparkdeploy-probe/probe.json; \
+    python3 -c "import json, sys; n = json.load(open(sys.argv[1])).get('nccl') or {}; \
+sys.exit(0 if sys.argv[2] != 'system' or n.get('loads') == 'system' else \
+'torch would load %s, not the system NCCL: %s' % (n.get('path'), n.get('why')))" \
+      /tmp/sparkdeploy-probe/probe.json "${NCCL}"
 
 FROM transformers
 ARG BASE_IMAGE
@@ -84,9 +117,13 @@ ARG TRANSFORMERS_VERSION
 ARG TRANSFORMERS_REQUIREMENT=""
 ARG ENGINE_REQUIRES=""
 ARG DOCKERFILE_SHA256=""
+ARG BASE_IMAGE_DIGEST=""
+ARG NCCL=image
 COPY --from=probe /tmp/sparkdeploy-probe/probe.json /usr/share/sparkdeploy/probe.json
 LABEL org.opencontainers.image.base.name="${BASE_IMAGE}" \
       org.sparkdeploy.base.id="${BASE_IMAGE_ID}" \
+      org.sparkdeploy.base.digest="${BASE_IMAGE_DIGEST}" \
+      org.sparkdeploy.nccl="${NCCL}" \
       org.sparkdeploy.transformers.version="${TRANSFORMERS_VERSION}" \
       org.sparkdeploy.transformers.requirement="${TRANSFORMERS_REQUIREMENT}" \
       org.sparkdeploy.engine.requires="${ENGINE_REQUIRES}" \
