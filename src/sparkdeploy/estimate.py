@@ -20,7 +20,7 @@ source).
   state per sequence: a conv state of ``(kernel - 1) x (2 x key heads x key dim + value heads x
   value dim)`` and a recurrent state of ``value heads x key dim x value dim`` (vLLM's
   ``MambaStateShapeCalculator.gated_delta_net_state_shape``), split by TP.
-- **Per node.** Weights / (TP x PP) (as ``sparkdeploy.fit``), the KV of its stage's layers for C
+- **Per node.** Weights / (TP x PP) (each rank holds one slice), the KV of its stage's layers for C
   tokens x S sequences, the engine's reserve (``fit.reserve_gib``). Under PP the layers split
   evenly, the first ``L mod PP`` stages one more; the heaviest node decides.
 """
@@ -427,7 +427,7 @@ def stage_share(model: Model, layers: range, tp: int, pp: int, *, weights: float
                 layer_token_bytes(model, tp, kv_bytes)
         else:
             kv += seqs * context * layer_token_bytes(model, tp, kv_bytes)
-    return Stage(layers=len(layers), weights=fit.share(weights, tp * pp), kv=kv, reserve=reserve,
+    return Stage(layers=len(layers), weights=weights / (tp * pp), kv=kv, reserve=reserve,
                  usable=usable)
 
 
