@@ -133,11 +133,18 @@ def _checkpoint_kv(cfg: dict[str, Any]) -> str | None:
 def load_config(path: Path) -> Any:
     """The parsed JSON of the config.json at ``path`` (``EstimateError``: not JSON)."""
     try:
-        return json.loads(path.read_bytes())
-    except (ValueError, RecursionError) as e:
-        raise EstimateError(f"{path}: not JSON ({str(e).splitlines()[0][:80]})") from None
+        body = path.read_bytes()
     except OSError as e:
         raise EstimateError(f"{path}: {e.strerror}") from None
+    return parse_config(body, str(path))
+
+
+def parse_config(body: bytes, where: str) -> Any:
+    """The parsed JSON of a config.json read from ``where`` (``EstimateError``: not JSON)."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise EstimateError(f"{where}: not JSON ({str(e).splitlines()[0][:80]})") from None
 
 
 def read_config(cfg: Any) -> Model:

@@ -231,13 +231,16 @@ class MemoryNodes(FakeContext):
         return self.result(command, 0, json.dumps(self.answers[alias]) + "\n")
 
 
-def fit_deployment(tmp_path, answers, data=None, config: dict | None | str = "seed"):
-    """The profile ``data`` (None: the seed's, with its recipe) on nodes that answer
-    ``answers``, the head's config.json ``config`` (``"seed"``: the seed recipe's)."""
+def fit_deployment(tmp_path, answers, data=None, config: dict | None | str = "seed",
+                   recipe: str | None = None, weights: int = SEED_WEIGHTS):
+    """The profile ``data`` (None: the seed's, with its recipe, or ``recipe`` as
+    ``deploy.all --recipe`` gives it) on nodes that answer ``answers``, the head's config.json
+    ``config`` (``"seed"``: the seed recipe's), the hub listing ``weights`` bytes of weights."""
     path = write_profile(tmp_path, data) if data is not None else SEED
     cfg = seed_config() if config == "seed" else config
-    dep = deployment(path, tmp_path / "state", MemoryNodes(answers, cfg))
-    files = [{"path": f"model-0000{i}-of-00005.safetensors", "size": SEED_WEIGHTS // 5,
+    dep = deployment(path, tmp_path / "state", MemoryNodes(answers, cfg),
+                     profile=load_profile(path, recipe) if recipe else None)
+    files = [{"path": f"model-0000{i}-of-00005.safetensors", "size": weights // 5,
               "sha256": None, "oid": None} for i in range(1, 6)]
     index = [f["path"] for f in files]
     files.append({"path": "config.json", "size": 4000, "sha256": None, "oid": None})
@@ -375,3 +378,51 @@ def test_step_a_config_that_is_no_model_config_is_one_line(tmp_path):
     res = model_fit.model_fit(dep)
     assert [(r.status, r.why) for r in res] == [
         (Status.FAILED, "not a model config: no num_hidden_layers or num_attention_heads")]
+
+
+# --- model.precheck: before services.stop, each node's memory as it would be with the units gone ---
+
+def test_precheck_counts_what_the_units_hold_as_usable_and_model_fit_does_not(tmp_path):
+    # spark2's MemAvailable is 4 GiB (a unit still holds the rest): the bound is MemTotal less
+    # the OS's 4 GiB, so the precheck passes and model.fit, after services.stop, decides
+    dep = fit_deployment(tmp_path, {"spark1": gb10(), "spark2": gb10(SMALL)})
+    pre = model_fit.model_precheck(dep)
+    assert [(r.node, r.status) for r in pre] == [("spark1", Status.OK), ("spark2", Status.OK)]
+    assert pre[1].why.startswith(
+        "spark2: sglang fits: 66.6 GiB needed (58.2 GiB of weights + 0.4 GiB KV cache for 32768 "
+        "tokens x 1 sequence(s) + 8.0 GiB reserve), --mem-fraction-static 0.85 x 121.7 GiB = "
+        "103.4 GiB; 117.7 GiB usable of 121.7 GiB (unified memory, usable at most, every unit "
+        "stopped: MemTotal less 4 GiB for the OS; weights 116.4 GiB;")
+    assert [r.status for r in model_fit.model_fit(dep)] == [Status.OK, Status.FAILED]
+
+
+def test_precheck_refuses_the_235b_recipe_on_two_sparks_with_the_numbers(tmp_path):
+    dep = fit_deployment(tmp_path, {"spark1": gb10(), "spark2": gb10()},
+                         recipe="qwen3-235b-a22b-instruct-2507-fp8", weights=236_000_000_000)
+    res = model_fit.model_precheck(dep)
+    assert [(r.node, r.status) for r in res] == [("spark1", Status.FAILED),
+                                                 ("spark2", Status.FAILED), (None, Status.FAILED)]
+    assert res[0].why.startswith(
+        "spark1: sglang does not fit: 120.8 GiB needed (109.9 GiB of weights + 2.9 GiB KV cache "
+        "for 32768 tokens x 1 sequence(s) + 8.0 GiB reserve) > 117.7 GiB usable (unified memory, "
+        "usable at most, every unit stopped: MemTotal less 4 GiB for the OS; weights 219.8 GiB; "
+        "config recipe qwen3-235b-a22b-instruct-2507-fp8's "
+        "qwen3-235b-a22b-instruct-2507-fp8.config.json; TP=2 x PP=1")
+    assert res[2].why == ("recipe qwen3-235b-a22b-instruct-2507-fp8 needs 3 node(s) of 117.7 GiB "
+                          "(TP=1 x PP=3); the profile has 2 GPU(s)")
+
+
+def test_precheck_on_discrete_gpus_counts_their_whole_memory():
+    rows = mn.parse_gpus("0, NVIDIA H100 80GB HBM3, 81559, 20000\n", mn.QUERY)
+    m = model_fit.at_most(NodeMemory.model_validate(mn.judge(rows, {})))
+    assert (m.gpu_usable, m.source) == (81559 * MIB, "at most, every unit stopped: memory.total")
+    assert model_fit.at_most(NodeMemory.model_validate(gb10())).gpu_usable == 127600748 * KIB - 4 * GIB
+
+
+def test_the_precheck_comes_before_anything_stops_or_pulls():
+    registry.load_all()
+    plan = {"hosts.check", "model.precheck", "services.stop", "model.fit", "image.probe",
+            "model.download"}
+    assert registry.needs_in("services.stop", plan) == {"hosts.check", "model.precheck"}
+    assert "model.precheck" in registry.needs_in("image.probe", plan)
+    assert registry.needs_in("model.precheck", plan) == {"hosts.check"}

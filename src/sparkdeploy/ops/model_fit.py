@@ -12,7 +12,6 @@ and ``auto``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,7 +31,7 @@ CONFIG = "config.json"
 
 def model_config(dep: Deployment, commit: str | None) -> tuple[Any, str]:
     """(the model's config.json, parsed; where it came from). ``ModelError`` (one line) when
-    none can be read."""
+    none can be read, ``EstimateError`` when what was read is not JSON."""
     p = dep.profile
     if p.recipe:
         try:
@@ -49,24 +48,17 @@ def model_config(dep: Deployment, commit: str | None) -> tuple[Any, str]:
     try:
         got = dep.host(p.head.name).run(["cat", "--", path], change=False)
         if got.ok:
-            return _parsed(got.stdout.encode(), f"{p.head.name}:{path}"), f"{p.head.name}:{path}"
+            return est.parse_config(got.stdout.encode(), f"{p.head.name}:{path}"), f"{p.head.name}:{path}"
         why.append(f"{p.head.name}:{path}: {got.one_line_error()}")
     except HostError as e:
         why.append(str(e))
     if commit:
         where = f"the hub's {p.model.repo}@{commit[:12]} {CONFIG}"
         try:
-            return _parsed(fetch_file(dep, commit, CONFIG), where), where
+            return est.parse_config(fetch_file(dep, commit, CONFIG), where), where
         except OutsideError as e:
             why.append(str(e))
     raise ModelError(f"no {CONFIG} to size the model from: {'; '.join(why)}")
-
-
-def _parsed(body: bytes, where: str) -> Any:
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as e:
-        raise ModelError(f"{where}: not JSON ({str(e).splitlines()[0][:80]})") from None
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from sparkdeploy.ops.model_select import selected
 from sparkdeploy.steps.registry import StepContext, step
 
 FIT = "model.fit"
+PRECHECK = "model.precheck"
 
 
 def node_memory(ctx: StepContext) -> dict[str, NodeMemory]:
@@ -86,7 +87,7 @@ def checks(ctx: StepContext, cfg: Any, weights: int,
 
 
 def report(ctx: StepContext, weights: int, by_engine: dict[str, list[Sized]],
-           mem: dict[str, NodeMemory], note: str) -> None:
+           mem: dict[str, NodeMemory], note: str, upper: bool = False) -> None:
     fitting, lines = fit.verdict({e: [s.check for s in ss] for e, ss in by_engine.items()})
     for e, ss in by_engine.items():
         bad = [s.check for s in ss if not s.check.fits]
@@ -96,7 +97,8 @@ def report(ctx: StepContext, weights: int, by_engine: dict[str, list[Sized]],
     for c in lines:
         m = mem[c.node]
         s = sized[(c.engine, c.node)]
-        why = (f"{c.line()} ({'unified' if m.unified else 'own'} memory; weights "
+        kind = f"{'unified' if m.unified else 'own'} memory{f', usable {m.source}' if upper else ''}"
+        why = (f"{c.line()} ({kind}; weights "
                f"{fit.gib(weights)}{note}; {s.sources()})")
         details: dict[str, Any] = {"engine": c.engine, "need": c.need, "usable": c.usable,
                                    "asks": c.asks, "total": c.total, "kv": c.kv,
@@ -104,11 +106,9 @@ def report(ctx: StepContext, weights: int, by_engine: dict[str, list[Sized]],
         (ctx.ok if c.fits else ctx.failed)(why, c.node, **details)
 
 
-@step(FIT, needs=("services.stop",))
-def model_fit(ctx: StepContext) -> None:
-    """Check that each node's share (weights, KV cache, reserve: the fit calculator on the
-    model's config.json) and the engines' memory fraction fit the memory the node reports,
-    before anything is downloaded."""
+def sized_up(ctx: StepContext, upper: bool) -> None:
+    """``model.fit``'s check (``upper``: ``model.precheck``'s, on ``at_most`` of each node's
+    memory): one failed line when the weights, the config or a node's figures are missing."""
     dep = ctx.dep
     try:
         meta, note = selected(dep)
@@ -125,6 +125,64 @@ def model_fit(ctx: StepContext) -> None:
     mem = node_memory(ctx)
     if len(mem) < len(gpu_nodes(ctx)):
         return  # a node without figures was one failed line already
+    if upper:
+        mem = {n: at_most(m) for n, m in mem.items()}
     by_engine = checks(ctx, cfg, weights, mem)
     if by_engine:
-        report(ctx, weights, by_engine, mem, f"{f'; {note}' if note else ''}; config {cfg_source}")
+        report(ctx, weights, by_engine, mem, f"{f'; {note}' if note else ''}; config {cfg_source}",
+               upper)
+    if upper and ctx.results and any(r.failed for r in ctx.results):
+        fewest(ctx, cfg, weights, mem)
+
+
+OS_SHARE_GIB = 4.0
+"""What ``model.precheck`` leaves the operating system of a unified-memory node with every unit
+stopped: less than the 8.6 GiB an idle DGX OS held on the recorded GB10 (MemTotal 121.7 GiB,
+MemAvailable 113.1 GiB: tests/unit/data/memory/gb10-meminfo.txt), so the bound stays above what
+the node can really give."""
+
+
+def at_most(m: NodeMemory) -> NodeMemory:
+    """What the node's GPUs could use at most with every unit stopped, an upper bound: on
+    unified memory (a GB10) ``MemAvailable`` counts what the units hold as used, so MemTotal
+    less the OS's share; on a discrete GPU its whole memory.total. Never less than usable now."""
+    total, now = m.gpu_total or 0, m.gpu_usable or 0
+    if m.unified:
+        share = int(OS_SHARE_GIB * fit.GIB) // max(m.gpus, 1)
+        bound, how = total - share, f"MemTotal less {OS_SHARE_GIB:g} GiB for the OS"
+    else:
+        bound, how = total, "memory.total"
+    return m.model_copy(update={"gpu_usable": max(now, bound),
+                                "source": f"at most, every unit stopped: {how}"})
+
+
+def fewest(ctx: StepContext, cfg: Any, weights: int, mem: dict[str, NodeMemory]) -> None:
+    """With a recipe: the fewest nodes of this memory it needs (the fit calculator's layout)."""
+    p = ctx.dep.profile
+    if not p.recipe:
+        return
+    gib = min((m.gpu_usable or 0) for m in mem.values()) / fit.GIB
+    first = p.engines[0]
+    ctx_len = fit.arg_count(list(first.args), fit.CONTEXT_FLAGS)
+    e = est.min_nodes(cfg, weights_bytes=weights, memory_gib=gib,
+                      context=ctx_len[1] if ctx_len else None,
+                      reserve_gib=p.fit.reserve(first.name))
+    have = sum(n.gpus for n in gpu_nodes(ctx))
+    need = (f"needs {e.nodes} node(s) of {gib:.1f} GiB (TP={e.tp} x PP={e.pp})" if e else
+            f"fits no cluster of up to 8 nodes of {gib:.1f} GiB")
+    ctx.failed(f"recipe {p.recipe} {need}; the profile has {have} GPU(s)")
+
+
+@step(PRECHECK, needs=("hosts.check",))
+def model_precheck(ctx: StepContext) -> None:
+    """Before anything stops or downloads: could the model fit even with every unit stopped
+    (each node's memory at most, ``at_most``)? Refuses what cannot, with the numbers."""
+    sized_up(ctx, upper=True)
+
+
+@step(FIT, needs=("services.stop",))
+def model_fit(ctx: StepContext) -> None:
+    """Check that each node's share (weights, KV cache, reserve: the fit calculator on the
+    model's config.json) and the engines' memory fraction fit the memory the node reports,
+    before anything is downloaded."""
+    sized_up(ctx, upper=False)
