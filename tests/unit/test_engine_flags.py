@@ -272,10 +272,11 @@ def test_the_probed_version_is_the_one_checked_against(tmp_path):
                             "did you mean --mem-fraction-static?")
 
 
-def test_deploy_all_refuses_a_misspelled_flag_in_one_line_exit_2_before_any_step(tmp_path):
+@pytest.mark.parametrize("task", ["deploy.all", "profile.check"])
+def test_a_misspelled_flag_is_one_line_exit_2_before_any_step(tmp_path, task):
     profile, _ = _seed_with(tmp_path, "--mem-fraction-statik", "0.8")
     root = SRC.parent
-    r = subprocess.run([sys.executable, "-m", "invoke", "deploy.all", "--profile", str(profile)],
+    r = subprocess.run([sys.executable, "-m", "invoke", task, "--profile", str(profile)],
                        cwd=root, capture_output=True, text=True, timeout=120,
                        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(SRC),
                             "INVOKE_SPARKDEPLOY_STATE_DIR": str(tmp_path / "state")})
