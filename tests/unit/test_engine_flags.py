@@ -224,6 +224,14 @@ def test_without_a_probe_a_flag_no_version_has_is_refused_naming_every_version()
     assert ef.check_args_any("vllm", ["--max-model-len", "8"], "x") == "0.17.1"
 
 
+def test_without_a_probe_an_engine_with_no_manifest_says_how_to_make_one(tmp_path):
+    with pytest.raises(ef.FlagError) as e:
+        ef.check_args_any("sglang", ["--port", "1"], "no probe yet", tmp_path)
+    assert str(e.value) == ("no flag manifest for sglang: make one with "
+                            "`nox -s engine_flags -- sglang==VERSION`")
+    assert ef.versions("sglang") == ["0.5.4", "0.5.10"]  # by number, not by spelling
+
+
 def test_without_a_probe_a_flag_one_version_has_passes_and_the_probed_version_decides():
     only_new = sorted(set(ef.manifest("sglang", "0.5.10")["by_flag"])
                       - set(ef.manifest("sglang", "0.5.4")["by_flag"]))

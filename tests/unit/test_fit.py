@@ -160,6 +160,30 @@ def test_engine_args_the_fit_cannot_read_are_one_line(args, why):
 
 
 @pytest.mark.parametrize("args, want", [
+    ([], ("auto", "no --kv-cache-dtype in the engine's args")),
+    (["--kv-cache-dtype", "auto"], ("auto", "--kv-cache-dtype auto in the engine's args")),
+    (["--kv-cache-dtype=fp8"], ("fp8", "--kv-cache-dtype fp8 in the engine's args")),
+    (["--kv-cache-dtype", "fp8_e5m2"], ("fp8", "--kv-cache-dtype fp8_e5m2 in the engine's args")),
+    (["--kv-cache-dtype", "fp4_e2m1"], ("fp8", "--kv-cache-dtype fp4_e2m1 in the engine's args")),
+    (["--kv-cache-dtype", "bfloat16"], ("bf16", "--kv-cache-dtype bfloat16 in the engine's args")),
+    (["--kv-cache-dtype", "bf16", "--kv-cache-dtype", "fp8"],
+     ("fp8", "--kv-cache-dtype fp8 in the engine's args")),
+])
+def test_kv_cache_dtype_of_the_engines_args(args, want):
+    assert fit.kv_choice(args) == want
+
+
+@pytest.mark.parametrize("args, want", [
+    ([], None),
+    (["--max-model-len", "8192"], ("--max-model-len", 8192)),
+    (["--context-length=4096", "--max-model-len", "2048"], ("--max-model-len", 2048)),
+    (["--context-length"], None),
+])
+def test_context_from_either_engines_flag_the_last_wins(args, want):
+    assert fit.arg_count(args, fit.CONTEXT_FLAGS) == want
+
+
+@pytest.mark.parametrize("args, want", [
     ([], None),
     (["--mem-fraction-static", "0.85"], ("--mem-fraction-static", 0.85)),
     (["--gpu-memory-utilization=0.7"], ("--gpu-memory-utilization", 0.7)),
