@@ -17,6 +17,7 @@ on the model's config.json under the engine's TP x PP):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,6 +57,23 @@ def arg_value(args: Sequence[str], flags: Sequence[str]) -> tuple[str, str] | No
     return found
 
 
+HUMAN_INT_FLAGS = ("--max-model-len",)
+"""vLLM reads these as human-readable numbers (``vllm/engine/arg_utils.py``
+``human_readable_int``): ``32k`` is 32,000, ``32K`` 32,768, a decimal only with k/m/g/t."""
+_SUFFIX = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12,
+           "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def _count(flag: str, text: str) -> int | None:
+    """``text`` as the engine reads ``flag``'s value (None: not a number it takes)."""
+    if text.isdigit():
+        return int(text)
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([kmgtKMGT])", text.strip())
+    if flag not in HUMAN_INT_FLAGS or not m or ("." in m[1] and m[2].isupper()):
+        return None
+    return int(float(m[1]) * _SUFFIX[m[2]])
+
+
 def arg_count(args: Sequence[str], flags: Sequence[str]) -> tuple[str, int] | None:
     """(flag, whole number >= 1) the last of ``flags`` sets in ``args``; ``FitError`` when its
     value is not one."""
@@ -63,9 +81,10 @@ def arg_count(args: Sequence[str], flags: Sequence[str]) -> tuple[str, int] | No
     if found is None:
         return None
     flag, text = found
-    if not text.isdigit() or int(text) < 1:
+    n = _count(flag, text)
+    if n is None or n < 1:
         raise FitError(f"{flag} {text!r} is not a whole number >= 1")
-    return flag, int(text)
+    return flag, n
 
 
 def memory_fraction(args: Sequence[str]) -> tuple[str, float] | None:

@@ -150,6 +150,8 @@ def test_a_tp_the_heads_do_not_divide_names_the_valid_ones():
 @pytest.mark.parametrize("args, why", [
     (["--max-running-requests", "many"], "--max-running-requests 'many' is not a whole number >= 1"),
     (["--context-length=0"], "--context-length '0' is not a whole number >= 1"),
+    (["--context-length", "32k"], "--context-length '32k' is not a whole number >= 1"),
+    (["--max-model-len", "1.5K"], "--max-model-len '1.5K' is not a whole number >= 1"),
     (["--kv-cache-dtype", "int4"], "--kv-cache-dtype 'int4' is not a KV cache dtype the fit knows "
                                    "(auto, bf16, bfloat16, fp8*, fp4*)"),
 ])
@@ -178,6 +180,9 @@ def test_kv_cache_dtype_of_the_engines_args(args, want):
     (["--max-model-len", "8192"], ("--max-model-len", 8192)),
     (["--context-length=4096", "--max-model-len", "2048"], ("--max-model-len", 2048)),
     (["--context-length"], None),
+    (["--max-model-len", "32k"], ("--max-model-len", 32000)),  # vLLM's human_readable_int
+    (["--max-model-len", "32K"], ("--max-model-len", 32768)),
+    (["--max-model-len", "25.6k"], ("--max-model-len", 25600)),
 ])
 def test_context_from_either_engines_flag_the_last_wins(args, want):
     assert fit.arg_count(args, fit.CONTEXT_FLAGS) == want
