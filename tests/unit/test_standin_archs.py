@@ -26,6 +26,7 @@ VLLM_REGISTRY = (
     "    'GoneForCausalLM': ('gone', 'GoneForCausalLM'),\n"
     "}\n"
     "_MULTIMODAL_MODELS = {'Qwen3VLForConditionalGeneration': ('qwen3_vl', 'Qwen3VL')}\n"
+    "_TRANSFORMERS_BACKEND_MODELS = {'TransformersForCausalLM': ('transformers', 'X')}\n"
     "_PREVIOUSLY_SUPPORTED_MODELS = {'OldForCausalLM': '0.10.2'}\n"
 )
 
@@ -43,6 +44,8 @@ def packages(tmp_path, monkeypatch):
     (vmodels / "registry.py").write_text(VLLM_REGISTRY)
     for mod in ("llama", "gpt_oss", "qwen3_vl"):
         (vmodels / f"{mod}.py").write_text("")
+    (vmodels / "transformers").mkdir()
+    (vmodels / "transformers" / "__init__.py").write_text("")  # a module that is a package
     monkeypatch.setenv(es.ENV + "PACKAGES", str(site))
     return site
 
@@ -59,7 +62,8 @@ def test_what_each_engine_registers_is_read_from_its_files(packages):
                                             "Qwen3MoeForCausalLM"]
     # a table entry whose module the image lacks is no architecture it can load
     assert es.supported_archs("vllm") == ["LlamaForCausalLM", "GptOssForCausalLM",
-                                          "Qwen3VLForConditionalGeneration"]
+                                          "Qwen3VLForConditionalGeneration",
+                                          "TransformersForCausalLM"]
 
 
 def test_without_the_engine_package_nothing_is_refused(tmp_path, monkeypatch):
@@ -101,7 +105,7 @@ def test_the_vllm_standin_refuses_as_vllm_0_17_does(packages, tmp_path, capsys):
         "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig",
         "  Value error, Model architectures ['Qwen3MoeForCausalLM'] are not supported for now. "
         "Supported architectures: dict_keys(['LlamaForCausalLM', 'GptOssForCausalLM', "
-        f"'Qwen3VLForConditionalGeneration']) [type=value_error, input_value=ArgsKwargs((), "
+        f"'Qwen3VLForConditionalGeneration', 'TransformersForCausalLM']) [type=value_error, input_value=ArgsKwargs((), "
         f"{{'model': {path!r}}}), input_type=ArgsKwargs]",
         "    For further information visit https://errors.pydantic.dev/2.11/v/value_error"]
     assert diagnose.classify({"spark1": err}).cls == "model-config-unrecognized"

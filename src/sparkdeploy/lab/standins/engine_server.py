@@ -1275,8 +1275,9 @@ def supported_archs(engine: str) -> list[str] | None:
                 first = v.elts[0] if isinstance(v, ast.Tuple) and v.elts else None
                 mod = first.value if isinstance(first, ast.Constant) else None
                 arch = k.value if isinstance(k, ast.Constant) else None
-                if isinstance(arch, str) and isinstance(mod, str) and arch not in out and \
-                        (registry.parent / f"{mod}.py").is_file():
+                if isinstance(arch, str) and isinstance(mod, str) and arch not in out and (
+                        (registry.parent / f"{mod}.py").is_file()
+                        or (registry.parent / mod / "__init__.py").is_file()):  # a module or a package
                     out.append(arch)
         return out
     models = pkg / SGLANG_MODELS
