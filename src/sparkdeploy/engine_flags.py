@@ -86,6 +86,31 @@ def check_args(engine: str, version: str, args: list[str], root: Path = DIR) -> 
                             f"({what})")
 
 
+def versions(engine: str, root: Path = DIR) -> list[str]:
+    """The versions of ``engine`` with a manifest, oldest first."""
+    found = [f.stem.removeprefix(f"{engine}-") for f in root.glob(f"{engine}-*.json")]
+    return sorted(found, key=lambda v: tuple(int(x) for x in re.findall(r"[0-9]+", v)))
+
+
+def check_args_any(engine: str, args: list[str], why: str, root: Path = DIR) -> str:
+    """``args`` against every manifest of ``engine`` (the version is not known: ``why``): they
+    pass when one version accepts them all; else the newest version's refusal, naming the
+    others. Returns the version that accepted them. ``FlagError`` when there is no manifest."""
+    known = versions(engine, root)
+    if not known:
+        raise FlagError(f"no flag manifest for {engine}: make one with "
+                        f"`nox -s engine_flags -- {engine}==VERSION`")
+    refused: FlagError | None = None
+    for v in reversed(known):
+        try:
+            check_args(engine, v, args, root)
+            return v
+        except FlagError as e:
+            refused = refused or e
+    others = ", ".join(known[:-1])
+    raise FlagError(f"{refused} ({f'nor of {engine} {others}; ' if others else ''}{why})")
+
+
 def closest(name: str, flags: list[str]) -> list[str]:
     """The real flag ``name`` most likely means: the shortest it is a prefix of (what the engine
     reads it as today), else the closest spelling."""

@@ -20,7 +20,7 @@ source).
   state per sequence: a conv state of ``(kernel - 1) x (2 x key heads x key dim + value heads x
   value dim)`` and a recurrent state of ``value heads x key dim x value dim`` (vLLM's
   ``MambaStateShapeCalculator.gated_delta_net_state_shape``), split by TP.
-- **Per node.** Weights / (TP x PP) (as ``sparkdeploy.fit``), the KV of its stage's layers for C
+- **Per node.** Weights / (TP x PP) (each rank holds one slice), the KV of its stage's layers for C
   tokens x S sequences, the engine's reserve (``fit.reserve_gib``). Under PP the layers split
   evenly, the first ``L mod PP`` stages one more; the heaviest node decides.
 """
@@ -133,11 +133,18 @@ def _checkpoint_kv(cfg: dict[str, Any]) -> str | None:
 def load_config(path: Path) -> Any:
     """The parsed JSON of the config.json at ``path`` (``EstimateError``: not JSON)."""
     try:
-        return json.loads(path.read_bytes())
-    except (ValueError, RecursionError) as e:
-        raise EstimateError(f"{path}: not JSON ({str(e).splitlines()[0][:80]})") from None
+        body = path.read_bytes()
     except OSError as e:
         raise EstimateError(f"{path}: {e.strerror}") from None
+    return parse_config(body, str(path))
+
+
+def parse_config(body: bytes, where: str) -> Any:
+    """The parsed JSON of a config.json read from ``where`` (``EstimateError``: not JSON)."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise EstimateError(f"{where}: not JSON ({str(e).splitlines()[0][:80]})") from None
 
 
 def read_config(cfg: Any) -> Model:
@@ -427,7 +434,7 @@ def stage_share(model: Model, layers: range, tp: int, pp: int, *, weights: float
                 layer_token_bytes(model, tp, kv_bytes)
         else:
             kv += seqs * context * layer_token_bytes(model, tp, kv_bytes)
-    return Stage(layers=len(layers), weights=fit.share(weights, tp * pp), kv=kv, reserve=reserve,
+    return Stage(layers=len(layers), weights=weights / (tp * pp), kv=kv, reserve=reserve,
                  usable=usable)
 
 

@@ -5,8 +5,9 @@ of the profile slices and node facts the steps depend on, and the run record.
 The plan (data, run by ``sparkdeploy.runner``)::
 
     link.check (the link doctor) -> model.download, serve.up
-    hosts.check -> services.stop (head) -> model.fit (every node's memory against its share)
-    hosts.check -> image.probe -> image.build (when the chosen image needs the layer) ->
+    hosts.check -> model.precheck (could it fit with every unit stopped?) -> services.stop
+    (head) -> model.fit (every node's memory against its share)
+    model.precheck -> image.probe -> image.build (when the chosen image needs the layer) ->
     image.ship (workers)
     model.fit -> model.download (head, long: starts first) ~> model.sync (workers; starts once the download
     has started and follows it file by file) -> model.verify (every node, from the records)
@@ -301,6 +302,8 @@ def plan(dep: Deployment, *, bench: bool = False, persist: bool = False) -> list
         PlanStep("link.check"),
         PlanStep("model.download", {"node": head}, fingerprint=fp_model),
         PlanStep("hosts.check", fingerprint=fp_hosts),
+        # what cannot fit even with every unit stopped is refused before anything stops or pulls
+        PlanStep("model.precheck", fingerprint=fp_fit, reuse=True),
         PlanStep("services.stop", {"node": head}, fingerprint=fp_services, reuse=True),
         PlanStep("model.fit", fingerprint=fp_fit, reuse=True),
         # the probe runs CPU-only containers (no GPU, no network): it need not wait for the GPU

@@ -168,3 +168,40 @@ def test_vllm_serve_runs_the_standin_and_checks_the_real_ray_cluster(head_images
             "specs=[{'node:127.0.0.1': 0.001, 'GPU': 1.0}, {'GPU': 1.0}]") in out
     assert "Cannot provide a placement group of placement_group_specs=" in out
     assert "rc=1" in lines and lines[-1] == "vllm"
+
+
+JUDGE = ('python3 -c "import sys; sys.path.insert(0, \'/opt/standin\'); import engine_server as e; '
+         "print(e.unsupported_arch(sys.argv[1], \'/tmp/m\'))\" {engine}")
+"""The stand-in's verdict on /tmp/m's architectures, from the image's own engine files."""
+
+
+def _with_config(archs: list[str]) -> str:
+    return ("mkdir -p /tmp/m && printf '%s' '" + json.dumps({"architectures": archs})
+            + "' > /tmp/m/config.json; ")
+
+
+def test_the_standins_refuse_an_architecture_the_images_engine_lacks_as_the_engine_does(head_images):
+    head, _ = head_images
+    # SGLang 0.5.4 predates Qwen3.5 (no qwen3_5.py): refused, naming what its files register
+    out = run_in(head, "lmsysorg/sglang:spark",
+                 _with_config(MODEL_CONFIG["architectures"])
+                 + "python3 -m sglang.launch_server --model-path /tmp/m --port 30000 2>&1; echo rc=$?")
+    lines = out.strip().splitlines()
+    assert lines[-1] == "rc=1", out[-2000:]
+    said = next(ln for ln in lines if ln.startswith("ValueError: Model architectures"))
+    assert said.startswith("ValueError: Model architectures ['Qwen3_5MoeForConditionalGeneration'] "
+                           "are not supported for now. Supported architectures: dict_keys([")
+    assert "'Qwen3MoeForCausalLM'" in said and "'LlamaForCausalLM'" in said
+    # the images the seed's rules choose register it: not refused there
+    for image, engine in (("scitrera/dgx-spark-sglang:0.5.10rc0", "sglang"),
+                          ("hellohal2064/vllm-qwen3.5-gb10", "vllm")):
+        got = run_in(head, image, _with_config(MODEL_CONFIG["architectures"])
+                     + JUDGE.format(engine=engine))
+        assert got.strip().splitlines()[-1] == "None", (image, got[-2000:])
+    # vLLM 0.17.1: an architecture it has no file for, refused in its pydantic wrapping, exit 1
+    out = run_in(head, "hellohal2064/vllm-qwen3.5-gb10",
+                 _with_config(["NoSuchModelForCausalLM"]) + "vllm serve /tmp/m 2>&1; echo rc=$?")
+    lines = out.strip().splitlines()
+    assert lines[-1] == "rc=1", out[-2000:]
+    assert "  Value error, Model architectures ['NoSuchModelForCausalLM'] are not supported for now." \
+        in "\n".join(lines), out[-2000:]

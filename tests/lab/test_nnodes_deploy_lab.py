@@ -1,6 +1,8 @@
 """deploy.all on three and four lab nodes, through the real `inv`: `lab.up --nodes 3` with
-configs/lab-3nodes.yaml (pipeline parallel 3), then `--nodes 4` with configs/lab-4nodes.yaml
-(tensor parallel 2 x pipeline parallel 2). Each ends serving: the weights verified on every node
+configs/lab-3nodes.yaml (pipeline parallel 3), then `--nodes 4` with configs/lab-4nodes.yaml and
+`deploy.all --recipe qwen3-235b-a22b-instruct-2507-fp8` (the 235B recipe, too big for two Sparks:
+the model part from the recipe, the layout the fit calculator picks for four nodes, TP=4; the
+lab hub serves the repository's real config.json and file layout). Each ends serving: the weights verified on every node
 (its own records agree with the head's), the same image ID on every node, one engine rank per
 node read from the labels `docker ps` shows there (ranks 0..N-1, the image ID each runs), the
 pipeline's stages in the ranks' own logs, and the endpoint streams. Each takes its deployment
@@ -22,6 +24,7 @@ import pytest
 import requests
 
 from sparkdeploy import deployment
+from sparkdeploy.config import read_recipe
 from sparkdeploy.lab import layout, lifecycle
 from sparkdeploy.labels import parse_ps, ps_args
 from tests.lab.conftest import lab_with
@@ -32,7 +35,12 @@ pytestmark = pytest.mark.lab
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = {3: "configs/lab-3nodes.yaml", 4: "configs/lab-4nodes.yaml"}
-STAGES = {3: [(0, 0), (1, 0), (2, 0)], 4: [(0, 0), (0, 1), (1, 0), (1, 1)]}
+RECIPES = {4: "qwen3-235b-a22b-instruct-2507-fp8"}
+"""The recipe ``deploy.all --recipe`` deploys on that many nodes (else the profile's model)."""
+LAYOUTS = {3: (1, 3), 4: (4, 1)}
+"""(TP, PP) of the engines: the profile's on three; the fit calculator's for the recipe on four
+(64 attention heads and 4 KV heads divide by 4: tensor parallel first)."""
+STAGES = {3: [(0, 0), (1, 0), (2, 0)], 4: [(0, 0), (0, 1), (0, 2), (0, 3)]}
 """(pipeline stage, tensor rank) of the node ranks, in order, as SGLang tags their log lines."""
 
 
@@ -68,7 +76,12 @@ def image_ids(lab, nodes: list[str], ref: str) -> dict[str, str]:
 
 def check_serving(lab, n: int, state: Path, out: str) -> None:
     """What a finished deploy.all on ``n`` nodes must have left on them."""
-    dep = deployment.load(ROOT / PROFILES[n], state)
+    dep = deployment.load(ROOT / PROFILES[n], state, recipe=RECIPES.get(n))
+    assert {(e.tensor_parallel, e.pipeline_parallel) for e in dep.profile.engines} == {LAYOUTS[n]}
+    if n in RECIPES:
+        assert dep.profile.model.repo == "Qwen/Qwen3-235B-A22B-Instruct-2507-FP8"
+        tp, pp, why = read_recipe(RECIPES[n]).layout(n)
+        assert (tp, pp) == LAYOUTS[n] and why.startswith("the fit calculator"), why
     nodes = [x.name for x in dep.profile.nodes]
     assert nodes == lifecycle.lab_facts()["nodes"] == layout.node_names(n)
     last = out.strip().splitlines()[-2:]
@@ -77,6 +90,7 @@ def check_serving(lab, n: int, state: Path, out: str) -> None:
     data = json.loads(record.with_suffix(".json").read_text())["data"]
     assert data["engine"]["chosen"] == "sglang" and not data["engine"].get("tried"), data["engine"]
     assert {s["state"] for s in data["steps"].values()} <= {"done", "skipped"}, data["steps"]
+    assert data["steps"]["model.precheck"]["state"] == data["steps"]["model.fit"]["state"] == "done"
     # the weights: every node's own records hold every file the head's do, same sizes
     weights = {x: verified(lab, x, dep.profile.model.path) for x in nodes}
     assert weights[nodes[0]] and all(w == weights[nodes[0]] for w in weights.values())
@@ -108,7 +122,7 @@ def check_serving(lab, n: int, state: Path, out: str) -> None:
 def deploy_on(lab, n: int, state: Path) -> None:
     started = time.monotonic()
     try:
-        r = inv(n, state, "deploy.all")
+        r = inv(n, state, "deploy.all", *(["--recipe", RECIPES[n]] if n in RECIPES else []))
         took = time.monotonic() - started
         print(f"\nnnodes.deploy_all_{n}_seconds: {took:.1f}")
         assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-2000:]
@@ -118,7 +132,7 @@ def deploy_on(lab, n: int, state: Path) -> None:
         restore = inv(n, state, "services.restore")
     assert down.returncode == 0, down.stdout[-2000:] + down.stderr
     assert restore.returncode == 0, restore.stdout[-2000:] + restore.stderr
-    dep = deployment.load(ROOT / PROFILES[n], state)
+    dep = deployment.load(ROOT / PROFILES[n], state, recipe=RECIPES.get(n))
     for x in layout.node_names(n):
         assert engine_containers(lab, x, dep.profile.name) == [], x
 
@@ -127,7 +141,7 @@ def test_three_nodes_pipeline_parallel_deploy_all_serves(grown, tmp_path):
     deploy_on(grown, 3, tmp_path / "state")
 
 
-def test_four_nodes_tp2_x_pp2_deploy_all_serves(grown, tmp_path):
+def test_four_nodes_the_235b_recipe_deploy_all_serves_on_tp4(grown, tmp_path):
     bad = [r for r in lifecycle.up(nodes=4, flavor=layout.DEFAULT_DOCKERD) if r.failed]
     assert not bad, [r.why for r in bad]
     deploy_on(grown, 4, tmp_path / "state")

@@ -23,6 +23,14 @@ SGLANG_VERSIONS = ("0.5.4", "0.5.10rc0")  # the lab images' (lab/images.py) and 
 
 
 def _nodes(tmp_path, n: int):
+    data = _nodes_data(n)
+    p = tmp_path / f"p{n}.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return load_profile(p)
+
+
+def _nodes_data(n: int) -> dict:
+    """The seed profile on ``n`` nodes (the second one's facts copied), its engines on TP=n."""
     data = seed_data()
     d = data["sparkdeploy"]
     first = d["nodes"][1]
@@ -34,9 +42,7 @@ def _nodes(tmp_path, n: int):
         d["nodes"].append(node)
     for e in d["engines"]:
         e["tensor_parallel"] = n
-    p = tmp_path / f"p{n}.yaml"
-    p.write_text(yaml.safe_dump(data))
-    return load_profile(p)
+    return data
 
 
 def _sglang_args(argv: tuple[str, ...]) -> list[str]:
@@ -146,3 +152,145 @@ def test_the_lab_images_carry_their_engine_versions_manifest_for_the_standin():
     assert by_tag["scitrera/dgx-spark-sglang:0.5.10rc0"] == (ef.DIR / "sglang-0.5.10.json").read_bytes()
     assert by_tag["lmsysorg/sglang:spark"] == (ef.DIR / "sglang-0.5.4.json").read_bytes()
     assert by_tag["hellohal2064/vllm-qwen3.5-gb10"] == (ef.DIR / "vllm-0.17.1.json").read_bytes()
+
+
+# --- every recipe, 1 to 4 nodes, each engine kind; and the check before anything stops ---------
+
+def _lab_versions() -> dict[str, str]:
+    """{image ref: the engine version the lab's image of it holds} (lab/images.py)."""
+    from sparkdeploy.lab import images
+
+    return {ref: spec.engine_version for spec in images.COMMUNITY_IMAGES
+            for ref in (spec.tag, *spec.also)}
+
+
+def _recipe_commands(tmp_path, name: str, n: int):
+    """(engine, its engine args) of every engine container ``deploy.all --recipe name`` would
+    start on the seed's cluster grown to ``n`` nodes; the RecipeError when no layout exists."""
+    from sparkdeploy.recipes import RecipeError
+
+    p = tmp_path / f"{name}-{n}.yaml"
+    p.write_text(yaml.safe_dump(_nodes_data(n)))
+    try:
+        prof = load_profile(p, name)
+    except RecipeError as e:
+        return e
+    return [(e, list(c.engine_args)) for e in prof.engines
+            for c in launch(prof, e, {}, True).containers if c.engine_args is not None]
+
+
+def _recipes() -> list[str]:
+    from sparkdeploy import recipes as rcp
+
+    return list(rcp.known(rcp.directories()))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("name", _recipes())
+def test_every_command_of_every_recipe_on_1_to_4_nodes_is_accepted_by_the_real_parser(tmp_path,
+                                                                                      name, n):
+    got = _recipe_commands(tmp_path, name, n)
+    if isinstance(got, Exception):  # the engines accept no layout on n nodes: said, not run
+        assert f"recipe {name}: no layout for {n} node(s)" in str(got)
+        return
+    versions = _lab_versions()
+    assert got
+    for engine, args in got:
+        version = versions.get(engine.image)
+        if version:
+            ef.check_args(engine.software, version, args)
+        else:  # an image the lab does not build: some version with a manifest accepts them
+            ef.check_args_any(engine.software, args, f"{engine.image} is not a lab image")
+
+
+def test_the_recipes_commands_cover_every_engine_kind_on_every_node_count(tmp_path):
+    from typing import get_args
+
+    from sparkdeploy.config import EngineKind
+
+    for n in (1, 2, 3, 4):
+        kinds = set()
+        for name in _recipes():
+            got = _recipe_commands(tmp_path, name, n)
+            kinds |= set() if isinstance(got, Exception) else {e.kind for e, _ in got}
+        assert kinds == set(get_args(EngineKind)), n
+
+
+def test_without_a_probe_a_flag_no_version_has_is_refused_naming_every_version():
+    with pytest.raises(ef.FlagError) as e:
+        ef.check_args_any("sglang", ["--mem-fraction-statik", "0.8"], "no probe yet")
+    assert str(e.value) == ("--mem-fraction-statik: not a flag of sglang 0.5.10; did you mean "
+                            "--mem-fraction-static? (nor of sglang 0.5.4; no probe yet)")
+    assert ef.check_args_any("vllm", ["--max-model-len", "8"], "x") == "0.17.1"
+
+
+def test_without_a_probe_an_engine_with_no_manifest_says_how_to_make_one(tmp_path):
+    with pytest.raises(ef.FlagError) as e:
+        ef.check_args_any("sglang", ["--port", "1"], "no probe yet", tmp_path)
+    assert str(e.value) == ("no flag manifest for sglang: make one with "
+                            "`nox -s engine_flags -- sglang==VERSION`")
+    assert ef.versions("sglang") == ["0.5.4", "0.5.10"]  # by number, not by spelling
+
+
+def test_without_a_probe_a_flag_one_version_has_passes_and_the_probed_version_decides():
+    only_new = sorted(set(ef.manifest("sglang", "0.5.10")["by_flag"])
+                      - set(ef.manifest("sglang", "0.5.4")["by_flag"]))
+    flag = next(f for f in only_new if not ef.manifest("sglang", "0.5.10")["by_flag"][f]["takes_value"])
+    assert ef.check_args_any("sglang", [flag], "no probe yet") == "0.5.10"
+    with pytest.raises(ef.FlagError, match=rf"^{flag}: not a flag of sglang 0.5.4"):
+        ef.check_args("sglang", "0.5.4", [flag])
+
+
+def _seed_with(tmp_path, *extra: str):
+    from tests.unit.fakes import deployment
+
+    data = seed_data()
+    data["sparkdeploy"]["engines"][0]["args"] += list(extra)
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p, deployment(p, tmp_path / "state")
+
+
+def test_deploy_checks_every_engines_flags_before_anything_and_says_against_what(tmp_path):
+    from sparkdeploy.ops.engine_check import check_flags
+
+    _, dep = _seed_with(tmp_path)
+    assert check_flags(dep) == [
+        "engine sglang: flags checked against a sglang version with a manifest (0.5.10)",
+        "engine vllm-ray: flags checked against a vllm version with a manifest (0.17.1)",
+        "engine vllm: flags checked against a vllm version with a manifest (0.17.1)"]
+
+
+def test_the_probed_version_is_the_one_checked_against(tmp_path):
+    from sparkdeploy.ops.engine_check import check_flags
+    from sparkdeploy.records import Candidate, EngineImage, ImageDecision
+
+    _, dep = _seed_with(tmp_path, "--mem-fraction-statik", "0.8")
+    base = dep.profile.engines[0].image
+    dep.records.write(ImageDecision(
+        node="spark1", arch="arm64", config_from=base, chosen=None,
+        engines={"sglang": EngineImage(image=base, kind="sglang", needs_layer=False,
+                                       serve_image=base)},
+        candidates=[Candidate(image=base, engine="sglang", verdict="viable",
+                              engine_version="0.5.10rc0")],
+        summary="sglang: " + base))
+    with pytest.raises(ef.FlagError) as e:
+        check_flags(dep)
+    assert str(e.value) == ("engine sglang: --mem-fraction-statik: not a flag of sglang 0.5.10; "
+                            "did you mean --mem-fraction-static?")
+
+
+@pytest.mark.parametrize("task", ["deploy.all", "profile.check"])
+def test_a_misspelled_flag_is_one_line_exit_2_before_any_step(tmp_path, task):
+    profile, _ = _seed_with(tmp_path, "--mem-fraction-statik", "0.8")
+    root = SRC.parent
+    r = subprocess.run([sys.executable, "-m", "invoke", task, "--profile", str(profile)],
+                       cwd=root, capture_output=True, text=True, timeout=120,
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(SRC),
+                            "INVOKE_SPARKDEPLOY_STATE_DIR": str(tmp_path / "state")})
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "engine sglang: --mem-fraction-statik: not a flag of sglang 0.5.10; did you mean "
+        "--mem-fraction-static? (nor of sglang 0.5.4; no image.probe record names the sglang "
+        "version of sparkdeploy/sglang-qwen3.5:latest)"]
+    assert r.stdout == ""

@@ -101,7 +101,7 @@ def test_a_run_asks_each_node_each_fact_once(lab, fake_steps):
     ctx.calls.clear()
     out = Runner(again, plans.plan(again)).run()
     assert not out.failed and {n for n, r in out.runs.items() if r.reused} == {
-        "services.stop", "model.fit", "image.probe", "image.ship"}
+        "model.precheck", "services.stop", "model.fit", "image.probe", "image.ship"}
     written = plans.write_record(again, out, plans.plan(again))
     assert f"serving `{LAYER}` = `{IDS[LAYER]}`" in written.markdown.read_text()
     assert facts_asked(ctx) == {

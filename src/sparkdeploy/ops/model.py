@@ -118,12 +118,11 @@ def _hub_headers(dep: Deployment) -> dict[str, str]:
     return headers
 
 
-def fetch_index(dep: Deployment, commit: str) -> list[str]:
-    """The files the repo's ``model.safetensors.index.json`` names (at ``commit``), read from
-    the hub (a redirect is followed, to another host without the token); ``OutsideError`` when
-    the hub does not answer, ``ModelError`` when the answer is no index."""
+def fetch_file(dep: Deployment, commit: str, name: str) -> bytes:
+    """The repo's file ``name`` at ``commit``, read from the hub (a redirect is followed, to
+    another host without the token); ``OutsideError`` when the hub does not answer."""
     m = dep.profile.model
-    url = f"{endpoint(dep)}/{m.repo}/resolve/{commit}/{weights.INDEX}"
+    url = f"{endpoint(dep)}/{m.repo}/resolve/{commit}/{name}"
     headers = _hub_headers(dep)
     for _ in range(4):
         r = request("GET", url, headers=headers, deadline=HUB_DEADLINE_S)
@@ -135,8 +134,16 @@ def fetch_index(dep: Deployment, commit: str) -> list[str]:
         url = nxt
     if r.status != 200:
         raise OutsideError(f"{url}: HTTP {r.status}")
+    return r.body
+
+
+def fetch_index(dep: Deployment, commit: str) -> list[str]:
+    """The files the repo's ``model.safetensors.index.json`` names (at ``commit``), read from
+    the hub (``fetch_file``); ``ModelError`` when the answer is no index."""
+    m = dep.profile.model
+    body = fetch_file(dep, commit, weights.INDEX)
     try:
-        names = weights.index_files(r.body, f"{m.repo}: {weights.INDEX}")
+        names = weights.index_files(body, f"{m.repo}: {weights.INDEX}")
     except weights.SelectionError as e:
         raise ModelError(str(e)) from None
     for name in names:  # data: a name a node would act on is checked as the listing's are

@@ -188,7 +188,7 @@ def image_arch(info: dict) -> str:
     return ARCH.get(a, a)
 
 
-@step(STEP_PROBE, needs=("hosts.check",))
+@step(STEP_PROBE, needs=("hosts.check", "model.precheck"))
 def probe(ctx: StepContext, only: str | None = None) -> None:
     """Probe every candidate (or only the image ``only``) on the head, decide, and write the
     decision record ``image-probe`` (not in a dry run): the decision is the last result."""

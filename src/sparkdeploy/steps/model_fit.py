@@ -1,34 +1,41 @@
-"""``model.fit``: the weights' share of each node, plus the engine's reserve, against the memory
-that node reports its GPUs can use, and the engine's memory fraction against what the node can
-give, before a byte is downloaded (``model.download`` and ``model.sync`` need it).
+"""``model.fit``: each node's share under the engine's TP x PP (the weights' slice, the KV cache
+for the engine's context, the engine's reserve: the fit calculator, ``sparkdeploy.estimate``, on
+the model's config.json) against the memory that node reports its GPUs can use, and the engine's
+memory fraction against what the node can give, before a byte is downloaded (``model.download``
+and ``model.sync`` need it).
 
 The weights' size is that of the files the engine loads (``ops.model_select.selected``: the
-head's record when there is one, else decided from the hub's listing and index, cached); each
-node's memory is its own report (``sparkdeploy.memory``: nvidia-smi's figures, or
-``/proc/meminfo`` on a GB10). The arithmetic is ``sparkdeploy.fit``. Every engine of the
-profile is checked (``serve.up`` may fall back to any of them); the first that fits on every
+head's record when there is one, else decided from the hub's listing and index, cached); the
+config.json and the engine's inputs are ``ops.model_fit``'s; each node's memory is its own report
+(``sparkdeploy.memory``: nvidia-smi's figures, or ``/proc/meminfo`` on a GB10). Every engine of
+the profile is checked (``serve.up`` may fall back to any of them); the first that fits on every
 node is the verdict, one ok line per node; an engine that does not fit is one skipped line.
 When none fits, one line per node for the engine ``serve.up`` tries first: failed where it does
 not fit, naming both numbers.
 
 It runs after ``services.stop`` (in ``deploy.all``): the units that held the head's GPU are
-stopped first, so their memory counts as usable.
+stopped first, so their memory counts as usable. ``profile.check`` refused before that what
+cannot fit even with every unit stopped.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from sparkdeploy import estimate as est
 from sparkdeploy import fit, memory
-from sparkdeploy.fit import Check, FitError
+from sparkdeploy.estimate import EstimateError
+from sparkdeploy.fit import FitError
 from sparkdeploy.hosts import Host
 from sparkdeploy.memory import NodeMemory
 from sparkdeploy.nodeops import HelperFailed
 from sparkdeploy.ops.model import ModelError
+from sparkdeploy.ops.model_fit import Sized, model_config, size
 from sparkdeploy.ops.model_select import selected
 from sparkdeploy.steps.registry import StepContext, step
 
 FIT = "model.fit"
+PRECHECK = "model.precheck"
 
 
 def node_memory(ctx: StepContext) -> dict[str, NodeMemory]:
@@ -60,42 +67,48 @@ def gpu_nodes(ctx: StepContext) -> list:
     return [n for n in ctx.dep.profile.nodes if n.gpus > 0]
 
 
-def checks(ctx: StepContext, weights: int, mem: dict[str, NodeMemory]) -> dict[str, list[Check]]:
-    """{engine: its check on every node}; an engine whose args cannot be read is one failed line."""
+def checks(ctx: StepContext, cfg: Any, weights: int,
+           mem: dict[str, NodeMemory]) -> dict[str, list[Sized]]:
+    """{engine: its sizing on every node}; an engine the calculator refuses (a TP the heads do
+    not divide, args it cannot read) is one failed line."""
     p = ctx.dep.profile
-    out: dict[str, list[Check]] = {}
+    out: dict[str, list[Sized]] = {}
     for e in p.engines:
         try:
-            out[e.name] = [fit.check(n.name, e.name, gpus=n.gpus, weights=weights,
-                                     parallel=e.tensor_parallel * e.pipeline_parallel,
-                                     reserve_gib=p.fit.reserve(e.name),
-                                     gpu_usable=mem[n.name].gpu_usable or 0,
-                                     gpu_total=mem[n.name].gpu_total or 0, args=e.args)
+            out[e.name] = [size(cfg, e, node=n.name, gpus=n.gpus, weights=weights,
+                                reserve_gib=p.fit.reserve(e.name),
+                                gpu_usable=mem[n.name].gpu_usable or 0,
+                                gpu_total=mem[n.name].gpu_total or 0,
+                                memory_source=mem[n.name].source)
                            for n in gpu_nodes(ctx)]
-        except FitError as e_:
+        except (FitError, EstimateError) as e_:
             ctx.failed(f"engine {e.name}: {e_}")
     return out
 
 
-def report(ctx: StepContext, weights: int, by_engine: dict[str, list[Check]],
-           mem: dict[str, NodeMemory], note: str) -> None:
-    fitting, lines = fit.verdict(by_engine)
-    for e, cs in by_engine.items():
-        bad = [c for c in cs if not c.fits]
+def report(ctx: StepContext, weights: int, by_engine: dict[str, list[Sized]],
+           mem: dict[str, NodeMemory], note: str, upper: bool = False) -> None:
+    fitting, lines = fit.verdict({e: [s.check for s in ss] for e, ss in by_engine.items()})
+    for e, ss in by_engine.items():
+        bad = [s.check for s in ss if not s.check.fits]
         if fitting is not None and bad:
             ctx.skipped(f"{'; '.join(c.line() for c in bad)} ({fitting} does)", engine=e)
+    sized = {(s.check.engine, s.check.node): s for ss in by_engine.values() for s in ss}
     for c in lines:
         m = mem[c.node]
-        why = f"{c.line()} ({'unified' if m.unified else 'own'} memory; weights {fit.gib(weights)}{note})"
+        s = sized[(c.engine, c.node)]
+        kind = f"{'unified' if m.unified else 'own'} memory{f', usable {m.source}' if upper else ''}"
+        why = (f"{c.line()} ({kind}; weights "
+               f"{fit.gib(weights)}{note}; {s.sources()})")
         details: dict[str, Any] = {"engine": c.engine, "need": c.need, "usable": c.usable,
-                                   "asks": c.asks, "total": c.total}
+                                   "asks": c.asks, "total": c.total, "kv": c.kv,
+                                   "tp": s.estimate.tp, "pp": s.estimate.pp}
         (ctx.ok if c.fits else ctx.failed)(why, c.node, **details)
 
 
-@step(FIT, needs=("services.stop",))
-def model_fit(ctx: StepContext) -> None:
-    """Check that each node's share of the weights and the engines' memory fraction fit the
-    memory the node reports, before anything is downloaded."""
+def sized_up(ctx: StepContext, upper: bool) -> None:
+    """``model.fit``'s check (``upper``: ``model.precheck``'s, on ``at_most`` of each node's
+    memory): one failed line when the weights, the config or a node's figures are missing."""
     dep = ctx.dep
     try:
         meta, note = selected(dep)
@@ -103,9 +116,73 @@ def model_fit(ctx: StepContext) -> None:
         ctx.failed(str(e))
         return
     weights = fit.weight_bytes(meta["files"])
+    try:
+        cfg, cfg_source = model_config(dep, meta.get("commit"))
+        est.read_config(cfg)
+    except (ModelError, EstimateError) as e:
+        ctx.failed(f"{e}")
+        return
     mem = node_memory(ctx)
     if len(mem) < len(gpu_nodes(ctx)):
         return  # a node without figures was one failed line already
-    by_engine = checks(ctx, weights, mem)
+    if upper:
+        mem = {n: at_most(m) for n, m in mem.items()}
+    by_engine = checks(ctx, cfg, weights, mem)
     if by_engine:
-        report(ctx, weights, by_engine, mem, f"; {note}" if note else "")
+        report(ctx, weights, by_engine, mem, f"{f'; {note}' if note else ''}; config {cfg_source}",
+               upper)
+    if upper and ctx.results and any(r.failed for r in ctx.results):
+        fewest(ctx, cfg, weights, mem)
+
+
+OS_SHARE_GIB = 4.0
+"""What ``model.precheck`` leaves the operating system of a unified-memory node with every unit
+stopped: less than the 8.6 GiB an idle DGX OS held on the recorded GB10 (MemTotal 121.7 GiB,
+MemAvailable 113.1 GiB: tests/unit/data/memory/gb10-meminfo.txt), so the bound stays above what
+the node can really give."""
+
+
+def at_most(m: NodeMemory) -> NodeMemory:
+    """What the node's GPUs could use at most with every unit stopped, an upper bound: on
+    unified memory (a GB10) ``MemAvailable`` counts what the units hold as used, so MemTotal
+    less the OS's share; on a discrete GPU its whole memory.total. Never less than usable now."""
+    total, now = m.gpu_total or 0, m.gpu_usable or 0
+    if m.unified:
+        share = int(OS_SHARE_GIB * fit.GIB) // max(m.gpus, 1)
+        bound, how = total - share, f"MemTotal less {OS_SHARE_GIB:g} GiB for the OS"
+    else:
+        bound, how = total, "memory.total"
+    return m.model_copy(update={"gpu_usable": max(now, bound),
+                                "source": f"at most, every unit stopped: {how}"})
+
+
+def fewest(ctx: StepContext, cfg: Any, weights: int, mem: dict[str, NodeMemory]) -> None:
+    """With a recipe: the fewest nodes of this memory it needs (the fit calculator's layout)."""
+    p = ctx.dep.profile
+    if not p.recipe:
+        return
+    gib = min((m.gpu_usable or 0) for m in mem.values()) / fit.GIB
+    first = p.engines[0]
+    ctx_len = fit.arg_count(list(first.args), fit.CONTEXT_FLAGS)
+    e = est.min_nodes(cfg, weights_bytes=weights, memory_gib=gib,
+                      context=ctx_len[1] if ctx_len else None,
+                      reserve_gib=p.fit.reserve(first.name))
+    have = sum(n.gpus for n in gpu_nodes(ctx))
+    need = (f"needs {e.nodes} node(s) of {gib:.1f} GiB (TP={e.tp} x PP={e.pp})" if e else
+            f"fits no cluster of up to 8 nodes of {gib:.1f} GiB")
+    ctx.failed(f"recipe {p.recipe} {need}; the profile has {have} GPU(s)")
+
+
+@step(PRECHECK, needs=("hosts.check",))
+def model_precheck(ctx: StepContext) -> None:
+    """Before anything stops or downloads: could the model fit even with every unit stopped
+    (each node's memory at most, ``at_most``)? Refuses what cannot, with the numbers."""
+    sized_up(ctx, upper=True)
+
+
+@step(FIT, needs=("services.stop",))
+def model_fit(ctx: StepContext) -> None:
+    """Check that each node's share (weights, KV cache, reserve: the fit calculator on the
+    model's config.json) and the engines' memory fraction fit the memory the node reports,
+    before anything is downloaded."""
+    sized_up(ctx, upper=False)

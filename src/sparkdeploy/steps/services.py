@@ -212,7 +212,7 @@ def _stop_node(ctx: StepContext, host: Host, units: list[str]) -> bool:
     return True
 
 
-@step(STEP_STOP, needs=("hosts.check",))
+@step(STEP_STOP, needs=("hosts.check", "model.precheck"))
 def stop(ctx: StepContext, node: str | None = None) -> None:
     """Stop each node's configured units in order, then wait until its GPU is free."""
     dep = ctx.dep

@@ -13,6 +13,7 @@ from sparkdeploy import plan as plans
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.endpoint import url as endpoint_url
 from sparkdeploy.events import EventSink
+from sparkdeploy.ops.engine_check import check_flags
 from sparkdeploy.plan import PlanRun, PlanStep
 from sparkdeploy.results import Result
 from sparkdeploy.runner import Runner, select
@@ -73,13 +74,18 @@ def all_(c, serial=False, only=None, skip=None, bench=False, persist=False, prof
          recipe=None, recipes=None):
     """Deploy: free the head, choose/build/ship the image, download and sync the weights, serve
     (with fallback), bench smoke, optionally persist; resumable, records every decision."""
-    def pinned(dep: Deployment) -> None:
+    def checked(dep: Deployment) -> None:
+        """Every engine's flags against the real engine's (exit 2), then the decided images'
+        tags against what they name now (exit 1), before anything runs."""
+        for line in check_flags(dep):
+            if dep.dry:
+                print(line, flush=True)
         why = plans.refusal(dep)
         if why:
             raise Exit(why, code=1)
 
     run = _Plan("deploy", lambda d: plans.plan(d, bench=bench, persist=persist), serial=serial,
-                only=only, skip=skip, before=pinned)
+                only=only, skip=skip, before=checked)
 
     def show(dep: Deployment | None, results: list[Result]) -> None:
         assert dep is not None and run.out is not None

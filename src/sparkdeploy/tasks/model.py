@@ -47,8 +47,9 @@ def sync(c, to=None, profile=None, nodes=None):
 
 @task(help={"profile": "profile file"})
 def fit(c, profile=None):
-    """Check that each node's share of the weights, plus the engine's reserve, and the engine's
-    memory fraction fit the memory the node reports (before downloading; exit 1 when not)."""
+    """Check that each node's share (weights, KV cache for the engine's context, reserve: the fit
+    calculator on the model's config.json under the engine's TP x PP) and the engine's memory
+    fraction fit the memory the node reports (before downloading; exit 1 when not)."""
     run_step(c, "model.fit", profile=profile, lock=False)
 
 

@@ -1,4 +1,5 @@
-"""`inv profile.check`: validate the profile and print it resolved, touching no node (its
+"""`inv profile.check`: validate the profile (its engines' flags against the engines' flag
+manifests, ``ops.engine_check``) and print it resolved, touching no node (its
 secrets, such as an engine env's ``HF_TOKEN``, shown as ``***``: ``state.redact``);
 `profile.seed`: where the seed profile the package ships is."""
 
@@ -10,6 +11,7 @@ from invoke import Collection
 from sparkdeploy import packaged
 from sparkdeploy.config import load_layered
 from sparkdeploy.deployment import Deployment
+from sparkdeploy.ops.engine_check import check_flags
 from sparkdeploy.overlays import REMOVED, UNSET, Merged, dotted
 from sparkdeploy.results import Result
 from sparkdeploy.state import REDACTED, is_secret_name, redact, redact_values
@@ -52,8 +54,9 @@ def _shown(v, secret: bool) -> str:
 
 @task(default=True, help={"profile": "profile file (default: sparkdeploy.profile)"})
 def check(c, profile=None):
-    """Validate the profile and print it with every default filled in (and, for a profile
-    that extends others, which values each file overrides)."""
+    """Validate the profile (every engine's flags too, against the real engine's: exit 2 naming
+    one it lacks) and print it with every default filled in (and, for a profile that extends
+    others, which values each file overrides)."""
     def show(dep: Deployment | None, results: list[Result]) -> None:
         assert dep is not None
         p = dep.profile
@@ -67,7 +70,8 @@ def check(c, profile=None):
         shown = redact_values({"sparkdeploy": p.model_dump(mode="json")})
         print(redact(yaml.safe_dump(shown, sort_keys=False)), end="")
 
-    drive(c, "profile.check", lambda dep, events: [], profile=profile, lock=False, show=show)
+    drive(c, "profile.check", lambda dep, events: [], profile=profile, lock=False, show=show,
+          prepare=check_flags)
 
 
 @task

@@ -55,6 +55,10 @@ Entry points (what the image shims call)
     ``VLLM_HOST_IP`` that is no Ray node's address) it prints vLLM's ``Waiting for creating a
     placement group of specs for N seconds ...`` lines (10, 30, 70, 150, 310 s ...) and gives up
     after 1800 s like vLLM; once placed, one GPU actor per bundle holds each node's GPU.
+Both refuse a model whose config.json ``architectures`` the image's engine does not register,
+with the engine's own error and exit 1 (``unsupported_arch``): what it registers is read from
+the engine's model files in the image (SGLang's ``srt/models/*.py`` ``EntryClass``, vLLM's
+``model_executor/models/registry.py`` tables), never from a list here.
 ``run_server(config)`` / ``start_in_thread(config)``
     In-process use (tests): build a ``Config``, serve forever, or start in a daemon thread and get
     the ``StandinServer`` back (``.port``, ``.shutdown()``).
@@ -1445,6 +1449,123 @@ def refuse_unknown_flags(argv: list[str]) -> None:
     p.parse_args(argv)
 
 
+# --- the model's architecture, against the model files the image's engine holds ------------
+
+VLLM_REGISTRY = "model_executor/models/registry.py"
+"""vLLM's table of architectures (``_TEXT_GENERATION_MODELS`` and the other ``_*_MODELS`` dicts:
+architecture -> (module, class)), each module a file beside it."""
+SGLANG_MODELS = "srt/models"
+"""SGLang's model files: ``sglang/srt/models/registry.py`` imports each and registers the class(es)
+its ``EntryClass`` names, under the class's name."""
+
+
+def engine_package(engine: str) -> Path | None:
+    """The engine's installed package directory (``SPARKDEPLOY_STANDIN_PACKAGES``: a directory
+    holding it instead), found without importing it; None when it is not installed."""
+    import importlib.util
+
+    root = os.environ.get(ENV + "PACKAGES")
+    if root:
+        return Path(root) / engine if (Path(root) / engine).is_dir() else None
+    try:
+        spec = importlib.util.find_spec(engine)
+    except (ImportError, ValueError):
+        return None
+    return Path(spec.origin).parent if spec and spec.origin else None
+
+
+def supported_archs(engine: str) -> list[str] | None:
+    """The architectures the image's engine registers, in its own order, read from its real files
+    (None: the engine's package is not here, e.g. the controller's tests)."""
+    import ast
+
+    pkg = engine_package(engine)
+    if pkg is None:
+        return None
+    out: list[str] = []
+    if engine == "vllm":
+        registry = pkg / VLLM_REGISTRY
+        if not registry.is_file():
+            return None
+        for node in ast.parse(registry.read_text()).body:
+            if not (isinstance(node, ast.Assign) and len(node.targets) == 1
+                    and isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.Dict)):
+                continue
+            name = node.targets[0].id
+            if not name.endswith("_MODELS") or name == "_PREVIOUSLY_SUPPORTED_MODELS":
+                continue
+            for k, v in zip(node.value.keys, node.value.values, strict=True):
+                first = v.elts[0] if isinstance(v, ast.Tuple) and v.elts else None
+                mod = first.value if isinstance(first, ast.Constant) else None
+                arch = k.value if isinstance(k, ast.Constant) else None
+                if isinstance(arch, str) and isinstance(mod, str) and arch not in out and (
+                        (registry.parent / f"{mod}.py").is_file()
+                        or (registry.parent / mod / "__init__.py").is_file()):  # a module or a package
+                    out.append(arch)
+        return out
+    models = pkg / SGLANG_MODELS
+    if not models.is_dir():
+        return None
+    for f in sorted(models.glob("*.py")):
+        try:
+            tree = ast.parse(f.read_text())
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue  # SGLang ignores a module it cannot import
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "EntryClass"
+                                                    for t in node.targets):
+                names = node.value.elts if isinstance(node.value, ast.List | ast.Tuple) else [node.value]
+                out += [n.id for n in names if isinstance(n, ast.Name) and n.id not in out]
+    return out
+
+
+def model_archs(model_path: str) -> list[str] | None:
+    """The ``architectures`` of the model dir's config.json (None: no such file or key)."""
+    try:
+        archs = json.loads((Path(model_path) / "config.json").read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return [str(a) for a in archs] if isinstance(archs, list) and archs else None
+
+
+def unsupported_arch(engine: str, model_path: str) -> str | None:
+    """The engine's own refusal of the model's architectures (its registry's
+    ``_raise_for_unsupported``: vllm/model_executor/models/registry.py, sglang/srt/models/
+    registry.py), or None when one of them is registered (or nothing says)."""
+    archs, known = model_archs(model_path), supported_archs(engine)
+    if archs is None or known is None or any(a in known for a in archs):
+        return None
+    keys = "dict_keys([" + ", ".join(repr(k) for k in known) + "])"
+    return f"Model architectures {archs} are not supported for now. Supported architectures: {keys}"
+
+
+def refuse_arch_sglang(model_path: str) -> None:
+    """SGLang resolves the architecture as its scheduler loads the model: the scheduler's
+    traceback, the launcher's sigquit line, exit 1 (as ``_load_weights``' failure)."""
+    why = unsupported_arch("sglang", model_path)
+    if why is None:
+        return
+    log("Scheduler hit an exception: ", engine="sglang")
+    print(f"ValueError: {why}", file=sys.stderr, flush=True)
+    print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] Received sigquit from a child process. "
+          "It usually means the child failed.", file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
+def refuse_arch_vllm(model_path: str) -> None:
+    """vLLM checks the architecture as ``vllm serve`` builds its ``ModelConfig`` (a pydantic
+    dataclass: the ValueError comes wrapped in pydantic's ValidationError), exit 1."""
+    why = unsupported_arch("vllm", model_path)
+    if why is None:
+        return
+    print("pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
+          f"  Value error, {why} [type=value_error, input_value=ArgsKwargs((), {{'model': "
+          f"{model_path!r}}}), input_type=ArgsKwargs]\n"
+          "    For further information visit https://errors.pydantic.dev/2.11/v/value_error",
+          file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
 def sglang_main(argv: list[str] | None = None) -> int:
     """``python3 -m sglang.launch_server`` with SGLang's flags."""
     refuse_unknown_flags(list(sys.argv[1:] if argv is None else argv))
@@ -1484,6 +1605,7 @@ def sglang_main(argv: list[str] | None = None) -> int:
               f" over {ns.nnodes} node(s) puts {len(layout)} ranks on this node; it has {gpus} "
               "GPU(s))", file=sys.stderr, flush=True)
         return 1
+    refuse_arch_sglang(ns.model_path)
     if ns.nnodes <= 1:
         slog = SglangLog(0 if ns.tp > 1 else None)
         slog("Init torch distributed begin.")  # one node: the ranks' group on loopback
@@ -1974,6 +2096,7 @@ def vllm_main(argv: list[str] | None = None) -> int:
         + (f" (ignored flags: {' '.join(unknown)})" if unknown else ""),
         engine="vllm",
     )
+    refuse_arch_vllm(model_path)
     actors: list = []
     try:
         if ns.nnodes > 1 and ns.distributed_executor_backend != "ray":
