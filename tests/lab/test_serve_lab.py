@@ -190,15 +190,6 @@ def test_bad_cases_one_line_and_nothing_started(clean):
     nodes[1]["ssh"] = "spark2-gone.invalid"
     _one_line_refusal(lab, state, profile(tmp, "unreachable", nodes=nodes), "spark2",
                       "unreachable: ssh: Could not resolve hostname spark2-gone.invalid")
-    # image IDs differ: spark2 holds another image under the engine's tag
-    lab.ssh("spark2", ["docker", "image", "rm", "-f", DERIVED], check=False)
-    base = lab.ssh("spark2", ["docker", "image", "ls", "--format", "{{.Repository}}:{{.Tag}}"]
-                   ).stdout.split()[0]
-    lab.ssh("spark2", ["docker", "tag", base, DERIVED])
-    try:
-        _one_line_refusal(lab, state, prof, "-", f"image {DERIVED} differs between nodes: spark1 sha256:")
-    finally:
-        lab.ssh("spark2", ["docker", "image", "rm", DERIVED], check=False)
     # weights missing on the worker
     shard = lab.ssh("spark2", ["sh", "-c", "ls /srv/models/Qwen3.5-122B-A10B-FP8/*.safetensors"]
                     ).stdout.split()[0]

@@ -200,11 +200,10 @@ def _check_images(dep: Deployment, ref: str, hosts: list[Host], pf: Preflight) -
         pf.fail(head, f"no image {ref} on the head (image.build or a pull first)")
         return
     pf.image_id = ids[head]
-    present = {n: i for n, i in ids.items() if i}
-    if len(set(present.values())) > 1:
-        shown = ", ".join(f"{n} {i[:19]}" for n, i in present.items())
-        pf.fail(None, f"image {ref} differs between nodes: {shown}")
-    pf.ship_to = [n for n, i in ids.items() if i is None]
+    # the head's image is the one image.probe judged: a worker without it, or with another
+    # image under the same name (an older build), gets the head's shipped (image.ship sends
+    # only the layers it lacks)
+    pf.ship_to = [n for n, i in ids.items() if i != ids[head]]
 
 
 def check_pins(ctx: Ctx) -> bool:
