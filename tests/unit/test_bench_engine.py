@@ -209,7 +209,10 @@ def test_a_disagreement_is_named_in_a_line_and_the_table(vllm, tmp_path, capsys)
     line = next(ln for ln in printed.splitlines() if "disagree by more than 10%" in ln)
     assert "concurrency 1: client and engine disagree by more than 10%: ITL client " in line
     assert "TTFT" not in line.split("disagree", 1)[1]  # TTFT agrees
-    assert "(-50." in line or "(-49." in line
+    # the engine doubles what it measured itself: the client's figure about half the engine's
+    # (the two clocks differ by a few percent on a loaded machine)
+    change = float(re.search(r"\((-?\d+\.\d)%\)", line).group(1))
+    assert -60 < change < -40, line
     assert "engine /metrics (vllm) vs client" in printed and "DISAGREE" in printed
 
 
