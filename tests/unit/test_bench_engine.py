@@ -3,6 +3,7 @@ them before and after each level and sets them beside the client's figures."""
 
 import json
 import math
+import re
 
 import pytest
 from invoke import Config, Context
