@@ -70,7 +70,7 @@ class Tokens:
 
     def __init__(self, where: str | Path):
         try:
-            from tokenizers import Tokenizer
+            from tokenizers import Tokenizer  # type: ignore[import-not-found,unused-ignore]
         except ImportError:
             raise BenchError("the tokenizers library is missing (pip install "
                              "'sparkdeploy[bench]'): no depth sweep without the model's "
@@ -151,7 +151,7 @@ def _median(values: list[float]) -> float | None:
 
 def depth_row(depth: int, reqs: list[RequestMetrics]) -> dict[str, Any]:
     """One depth's figures: per run, and the medians over the runs (their 95 % interval too)."""
-    runs = []
+    runs: list[dict[str, Any]] = []
     for r in reqs:
         assert r.ttft_ms is not None and r.input_tokens is not None  # checked by the caller
         runs.append({"prompt_tokens": r.input_tokens, "ttft_ms": r.ttft_ms,

@@ -689,7 +689,7 @@ def _reply(prompt: str, garbage: bool) -> list[str] | None:
     the bench's coherence prompts), as a healthy model gives it; None for any other prompt.
     Under the garbage fault every answer is the same token again and again."""
     if garbage:
-        return [_NONSENSE]
+        return [_NONSENSE] * 16
     if m := _ARITHMETIC.search(prompt):
         a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
         return [str(a + b if op == "+" else a - b if op == "-" else a * b)]
