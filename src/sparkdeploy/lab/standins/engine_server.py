@@ -79,9 +79,11 @@ also the lab fault ``oom-at-load``: SGLang's ranks and vLLM while loading the we
 a port that really is taken gives the same).
 
 Per request, ``SPARKDEPLOY_STANDIN_FAULTS`` / ``--faults`` / ``POST /_control {"faults": ...}``:
-a comma-separated list of rules ``KIND[:every=N|:fraction=F][:after=K][:seconds=S]``, KIND one
-of ``http500``, ``close`` (stream closed midway, after K tokens), ``stall`` (no bytes for S
-seconds after K tokens, then carry on). Generation requests are numbered 1, 2, ... (reset by
+a comma-separated list of rules ``KIND[:every=N|:fraction=F][:after=K][:seconds=S][:first=M]``,
+KIND one of ``http500``, ``close`` (stream closed midway, after K tokens), ``stall`` (no bytes
+for S seconds after K tokens, then carry on), ``garbage`` (the answer is the same token again
+and again; also the lab fault ``garbage``, read from the lab view on every request); ``first=M``
+leaves requests before the M-th alone. Generation requests are numbered 1, 2, ... (reset by
 ``POST /_control {"reset": true}``); the first rule that selects request n applies.
 ``every=N`` selects n % N == 0; ``fraction=F`` selects n when floor(n*F) > floor((n-1)*F)
 (deterministic, exactly F of the requests). ``GET /_control`` shows the state and counters.
@@ -134,8 +136,12 @@ class FaultRule:
     fraction: float | None = None
     after: int = 4
     seconds: float = 30.0
+    first: int = 1
+    """The first request the rule may select (``first=3``: the first two are left alone)."""
 
     def selects(self, n: int) -> bool:
+        if n < self.first:
+            return False
         if self.every:
             return n % self.every == 0
         if self.fraction is not None:
@@ -149,6 +155,7 @@ class FaultRule:
             "fraction": self.fraction,
             "after": self.after,
             "seconds": self.seconds,
+            "first": self.first,
         }
 
 
@@ -183,6 +190,8 @@ def parse_faults(spec: str | list | None) -> list[FaultRule]:
                 rule.after = int(val)
             elif key == "seconds":
                 rule.seconds = float(val)
+            elif key == "first":
+                rule.first = int(val)
             else:
                 raise ValueError(f"unknown fault option {key!r}")
         rules.append(rule)
