@@ -3,7 +3,8 @@
 rest of the lab's data).
 
 Two sorts. ``FAULTS`` are read by the engine stand-ins when they start (``sglang-hang``,
-``oom-at-load``), or on every request (``garbage``: nonsense answers, ``/health`` still 200). ``ACTIONS`` act at once on the engine containers running on one node
+``oom-at-load``), or on every request (``garbage``: nonsense answers, ``/health`` still 200).
+``ACTIONS`` act at once on the engine containers running on one node
 (``--nodes``, default: the last worker): ``rank-wedged`` SIGSTOPs every process of them (a rank
 that is alive and serves nothing: ``ps`` shows state T, the head's streams stall while its
 ``/health`` answers), ``rank-exit`` SIGKILLs their engine process (the container exits 137).

@@ -19,9 +19,8 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
-
 import tempfile
+from pathlib import Path
 
 from sparkdeploy.bench.client import Settings
 from sparkdeploy.bench.depth import run_depths
