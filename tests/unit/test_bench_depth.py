@@ -277,3 +277,35 @@ def test_bench_run_refuses_flags_of_the_other_sweep(tmp_path, given, says):
 
 def test_depths_parse():
     assert parse_depths("0, 2048,8192") == [0, 2048, 8192]
+
+
+# --- the head's tokenizer by default --------------------------------------------------------------
+
+def test_without_tokenizer_the_heads_model_directory_gives_it(standin, tokdir, tmp_path):
+    from sparkdeploy.bench.client import Settings
+    from sparkdeploy.results import Status
+    from sparkdeploy.steps.bench import depth_benchmark
+    from sparkdeploy.steps.registry import run_one
+    from tests.unit.fakes import FakeNode, scripted
+
+    head = FakeNode()
+    dep, ctx_, _ = scripted(tmp_path, {"spark1": head, "spark2": FakeNode()})
+    path = f"{dep.profile.model.path.rstrip('/')}/tokenizer.json"
+    keep = tmp_path / "state" / "bench" / "tokenizer"
+
+    def sweep():
+        return run_one(None, "bench.depth", f"http://127.0.0.1:{standin.port}",
+                       Settings(input_tokens=1, output_tokens=2, timeout=10, deadline=10),
+                       body=depth_benchmark, tokenizer=None, depths=[0], runs=1,
+                       deployment=dep, tokenizer_dir=keep)
+
+    [missing] = sweep()
+    assert missing.status is Status.FAILED and missing.why == (
+        f"no tokenizer: spark1:{path} does not exist (is the model downloaded?); pass "
+        "--tokenizer DIR")
+    assert standin.state.snapshot()["requests"] == 0 and not keep.exists()
+    assert ("spark1", ["cat", "--", path]) in ctx_.calls
+    head.node_files[path] = (tokdir / "tokenizer.json").read_text()
+    [row] = sweep()
+    assert row.status is Status.OK and row.details["depth"]["depth"] == 0
+    assert (keep / "tokenizer.json").read_text() == head.node_files[path]
