@@ -25,6 +25,7 @@ from pathlib import Path
 from sparkdeploy.bench.client import Settings
 from sparkdeploy.bench.depth import run_depths
 from sparkdeploy.bench.sweep import run_sweep
+from sparkdeploy.files import write_text_atomic
 from sparkdeploy.lab.hub_repo import tokenizer_files
 from sparkdeploy.lab.standins import engine_server as es
 from sparkdeploy.wait import Stop, WaitTimeout, wait_for
@@ -87,7 +88,7 @@ def depth_accuracy() -> dict[str, float]:
     (template included) as the stand-in counted them with the model's tokenizer."""
     with tempfile.TemporaryDirectory() as tmp:
         for name, data in tokenizer_files().items():
-            (Path(tmp) / name).write_bytes(data)
+            write_text_atomic(Path(tmp) / name, data.decode())
         srv = es.start_in_thread(es.Config(
             port=0, ttft_ms=DEPTH_TTFT_MS, gap_ms=1000.0 / DEPTH_TOK_S, tokenizer=tmp,
             prefill_tok_s=PREFILL_TOK_S, decode_half_depth=DECODE_HALF_DEPTH))
