@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sparkdeploy.bench.gate import PROMPTS
@@ -28,6 +29,8 @@ class Hostile:
     coherent: bool = False
     """Answer the coherence gate's prompts right (a stream as vLLM sends it), whatever the mode:
     what the server then does wrong reaches the measured requests."""
+    gate_tokens: Callable[[str], int] = lambda prompt: 20
+    """The ``usage.prompt_tokens`` a coherent answer reports for a gate prompt."""
     seen: list[dict[str, str]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
 
@@ -68,7 +71,7 @@ class Hostile:
                         length = int(v)
                 body = f.read(length) if length else b""
                 self.seen.append(headers)
-                if self.coherent and (answer := _gate_answer(body)) is not None:
+                if self.coherent and (answer := _gate_answer(body, self.gate_tokens)) is not None:
                     conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                                  b"Content-Length: %d\r\n\r\n" % len(answer) + answer)
                     continue
@@ -107,7 +110,7 @@ class Hostile:
                 pass
 
 
-def _gate_answer(body: bytes) -> bytes | None:
+def _gate_answer(body: bytes, tokens: Callable[[str], int]) -> bytes | None:
     """The right answer, as a stream, when ``body`` asks one of the coherence gate's prompts."""
     try:
         asked = json.loads(body)["messages"][-1]["content"]
@@ -118,5 +121,5 @@ def _gate_answer(body: bytes) -> bytes | None:
         return None
     events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
               {"choices": [{"index": 0, "delta": {"content": want}, "finish_reason": "stop"}]},
-              {"choices": [], "usage": {"prompt_tokens": 20, "completion_tokens": 1}}]
+              {"choices": [], "usage": {"prompt_tokens": tokens(asked), "completion_tokens": 1}}]
     return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"

@@ -76,7 +76,7 @@ def test_the_standins_usage_counts_the_rendered_chat(tokdir):
     counter = es.PromptCounter.load(str(tokdir))
     body = {"messages": [{"role": "user", "content": "the theater in 2048"}]}
     want = Tokens(tokdir).count(chatml("the theater in 2048"))
-    assert es._count_prompt(body, True, counter, thinking=True) == want
+    assert es._count_prompt(body, True, counter) == want
     assert es._count_prompt(body, True, None) == 4  # no tokenizer: words, as before
 
 
@@ -233,6 +233,48 @@ def test_a_server_counting_with_another_tokenizer_is_refused(tokdir, tmp_path, c
                            f"{tokdir}/tokenizer.json 40; 'Repeat this word exactly, nothing "
                            f"else: pineapple': server 7, {tokdir}/tokenizer.json 45)")
     assert line.endswith("not the served model's tokenizer; no figures")
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    (b'data: {"choices": [{"delta": {"content": "x"}}]}\n\ndata: {"choices": [], "usage": '
+     b'{"prompt_tokens": "many", "completion_tokens": 2}}\n\ndata: [DONE]\n\n',
+     "bad SSE event: usage.prompt_tokens: Input should be a valid integer"),
+    (b'data: {"choices": [{"delta": {"content": 7}}]}\n\ndata: [DONE]\n\n',
+     "bad SSE event: choices.0.delta.content: Input should be a valid string"),
+    (b'data: {"choices": "x"}\n\ndata: [DONE]\n\n', "bad SSE event: choices: Input should be a valid list"),
+    (b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n', "stream closed midway (after 1 events)"),
+])
+def test_a_measured_answer_that_does_not_fit_is_one_line(tokdir, tmp_path, capsys, body, says):
+    tokens = Tokens(tokdir)
+    srv = Hostile(body=body, ctype="text/event-stream", coherent=True,
+                  routes={"/v1/models": b'{"data": [{"id": "m"}]}'},
+                  gate_tokens=lambda p: tokens.count(chatml(p)))
+    out = tmp_path / "d.json"
+    try:
+        with pytest.raises(Exit) as e:
+            bench_tasks.depth(ctx(tmp_path), url=srv.url, tokenizer=str(tokdir), depths="0",
+                              runs="1", timeout="2", json=str(out))
+    finally:
+        srv.close()
+    assert e.value.code == 1 and not out.exists()
+    assert failed_lines(capsys.readouterr().out) == [f"depth 0, run 1: {says}; no figures"]
+
+
+@pytest.mark.parametrize("mode", ["trickle", "trickle-headers", "silent"])
+def test_a_measured_answer_that_trickles_ends_within_the_timeout(tokdir, tmp_path, capsys, mode):
+    tokens = Tokens(tokdir)
+    srv = Hostile(mode=mode, gap=0.02, coherent=True, gate_tokens=lambda p: tokens.count(chatml(p)),
+                  routes={"/v1/models": b'{"data": [{"id": "m"}]}'})
+    started = time.monotonic()
+    try:
+        with pytest.raises(Exit) as e:
+            bench_tasks.depth(ctx(tmp_path), url=srv.url, tokenizer=str(tokdir), depths="0",
+                              runs="1", timeout="1", deadline="86400")
+    finally:
+        srv.close()
+    assert e.value.code == 1 and time.monotonic() - started < 3
+    assert failed_lines(capsys.readouterr().out) == [
+        "depth 0, run 1: timeout: no data for 1s; no figures"]
 
 
 def test_a_measured_stream_that_stalls_ends_at_the_timeout(standin, tokdir, tmp_path, capsys):

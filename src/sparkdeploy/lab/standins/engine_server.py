@@ -558,8 +558,7 @@ class Handler(BaseHTTPRequestHandler):
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
         max_tokens = int(max_tokens) if max_tokens else cfg.default_max_tokens
         thinking = chat and (body.get("chat_template_kwargs") or {}).get("enable_thinking", True)
-        prompt_tokens = _count_prompt(body, chat, self.server.state.counter_for_prompts(),
-                                      bool(thinking))
+        prompt_tokens = _count_prompt(body, chat, self.server.state.counter_for_prompts())
         garbage = (rule is not None and rule.kind == "garbage") or GARBAGE in lab_faults()
         words = _reply(_last_user_text(body, chat), garbage)
         if words is not None and not body.get("ignore_eos"):
@@ -707,22 +706,21 @@ def _reply(prompt: str, garbage: bool) -> list[str] | None:
     return None
 
 
-def _chatml(body: dict, thinking: bool) -> str:
-    """The chat as the lab's Qwen chat template renders it (ChatML, ``lab.hub_repo.CHAT_TEMPLATE``)
-    with the generation prompt; what a real engine tokenizes for a chat request."""
+def _chatml(body: dict) -> str:
+    """The chat as the lab model's chat template renders it (ChatML, ``lab.hub_repo.CHAT_TEMPLATE``,
+    which opens the answer with ``<think>`` whatever ``enable_thinking`` says) with the generation
+    prompt: what a real engine tokenizes for a chat request."""
     out = "".join(f"<|im_start|>{m.get('role', '')}\n{m.get('content', '')}<|im_end|>\n"
                   for m in body.get("messages", []) if isinstance(m, dict))
-    return out + ("<|im_start|>assistant\n<think>\n" if thinking
-                  else "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    return out + "<|im_start|>assistant\n<think>\n"
 
 
-def _count_prompt(body: dict, chat: bool, counter: PromptCounter | None = None,
-                  thinking: bool = True) -> int:
+def _count_prompt(body: dict, chat: bool, counter: PromptCounter | None = None) -> int:
     """``usage.prompt_tokens``: with the served model's tokenizer, the rendered chat (template
     included) or the completion prompt; without one, whitespace-separated words."""
     if counter is not None:
         if chat:
-            return counter.count(_chatml(body, thinking))
+            return counter.count(_chatml(body))
         p = body.get("prompt", "")
         return counter.count("".join(map(str, p)) if isinstance(p, list) else str(p))
     if chat:
