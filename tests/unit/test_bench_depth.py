@@ -351,3 +351,23 @@ def test_without_tokenizer_the_heads_model_directory_gives_it(standin, tokdir, t
     [row] = sweep()
     assert row.status is Status.OK and row.details["depth"]["depth"] == 0
     assert (keep / "tokenizer.json").read_text() == head.node_files[path]
+
+
+def test_the_standin_as_a_command_counts_with_the_model_directory_it_serves(tokdir, tmp_path):
+    """``engine_server --model DIR`` (and SGLang's --model-path, vLLM's model argument): the
+    directory's tokenizer counts, so the depth sweep runs against the command as the lab runs it."""
+    from sparkdeploy.perf.bench import free_port, start_standin
+
+    port = free_port()
+    proc = start_standin(port, 5, 500, ["--model", str(tokdir), "--prefill-tok-s", "100000"])
+    out = tmp_path / "d.json"
+    try:
+        bench_tasks.depth(ctx(tmp_path), url=f"http://127.0.0.1:{port}", tokenizer=str(tokdir),
+                          depths="0,300", runs="1", output_tokens="4", json=str(out))
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    rows = json.loads(out.read_text())["depths"]
+    tokens = Tokens(tokdir)
+    assert [r["prompt_tokens"] for r in rows] == [tokens.count(chatml(message(tokens, d, 0, 0)))
+                                                  for d in (0, 300)]

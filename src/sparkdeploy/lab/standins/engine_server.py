@@ -238,7 +238,8 @@ def _arg_parser(prog: str = "engine_server") -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=int(_env("PORT", "8000")))
     p.add_argument("--model", default=_env("MODEL", "standin"))
     p.add_argument("--tokenizer", default=_env("TOKENIZER"),
-                   help="the model directory whose tokenizer.json counts prompt tokens")
+                   help="the model directory whose tokenizer.json counts prompt tokens (default: "
+                   "--model when it is such a directory; else prompt tokens are words)")
     add_timing_flags(p)
     return p
 
@@ -984,6 +985,8 @@ def start_in_thread(cfg: Config) -> StandinServer:
 
 def main(argv: list[str] | None = None) -> int:
     ns = _arg_parser().parse_args(argv)
+    if ns.tokenizer is None and Path(ns.model, "tokenizer.json").is_file():
+        ns.tokenizer = ns.model  # --model a model directory: its tokenizer counts, as an engine's
     try:
         cfg = config_from_args(ns)
     except ValueError as e:
