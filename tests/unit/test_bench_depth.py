@@ -257,7 +257,8 @@ def test_a_measured_answer_that_does_not_fit_is_one_line(tokdir, tmp_path, capsy
     finally:
         srv.close()
     assert e.value.code == 1 and not out.exists()
-    assert failed_lines(capsys.readouterr().out) == [f"depth 0, run 1: {says}; no figures"]
+    assert failed_lines(capsys.readouterr().out) == [f"depth 0, run 1: {says}",
+                                                     "no depth was measured: nothing written"]
 
 
 @pytest.mark.parametrize("mode", ["trickle", "trickle-headers", "silent"])
@@ -274,20 +275,24 @@ def test_a_measured_answer_that_trickles_ends_within_the_timeout(tokdir, tmp_pat
         srv.close()
     assert e.value.code == 1 and time.monotonic() - started < 3
     assert failed_lines(capsys.readouterr().out) == [
-        "depth 0, run 1: timeout: no data for 1s; no figures"]
+        "depth 0, run 1: timeout: no data for 1s", "no depth was measured: nothing written"]
 
 
-def test_a_measured_stream_that_stalls_ends_at_the_timeout(standin, tokdir, tmp_path, capsys):
-    standin.state.control({"faults": "stall:first=3:after=1:seconds=3"})
+def test_a_depth_that_fails_is_one_line_and_the_others_are_written(standin, tokdir, tmp_path,
+                                                                    capsys):
+    # requests 1-2: the gate; 3: depth 0; 4: depth 256 stalls past the timeout; 5: depth 512
+    standin.state.control({"faults": "stall:first=4:every=4:after=1:seconds=3"})
+    out = tmp_path / "d.json"
     started = time.monotonic()
     with pytest.raises(Exit) as e:
         bench_tasks.depth(ctx(tmp_path), url=f"http://127.0.0.1:{standin.port}",
-                          tokenizer=str(tokdir), depths="0", runs="1", timeout="1",
-                          deadline="86400", json=str(tmp_path / "d.json"))
-    assert e.value.code == 1 and time.monotonic() - started < 2.5
-    assert failed_lines(capsys.readouterr().out) == [
-        "depth 0, run 1: timeout: no data for 1s; no figures"]
-    assert not (tmp_path / "d.json").exists()
+                          tokenizer=str(tokdir), depths="0,256,512", runs="1", timeout="1",
+                          deadline="86400", output_tokens="4", json=str(out))
+    assert e.value.code == 1 and time.monotonic() - started < 3
+    assert failed_lines(capsys.readouterr().out) == ["depth 256, run 1: timeout: no data for 1s"]
+    rows = json.loads(out.read_text())["depths"]
+    assert rows[1] == {"depth": 256, "error": "depth 256, run 1: timeout: no data for 1s"}
+    assert [r["depth"] for r in rows] == [0, 256, 512] and rows[2]["tg_tok_s"] > 0
 
 
 @pytest.mark.parametrize(("given", "says"), [

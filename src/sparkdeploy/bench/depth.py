@@ -172,7 +172,10 @@ def depth_row(depth: int, reqs: list[RequestMetrics]) -> dict[str, Any]:
 def run_depths(url: str, settings: Settings, tokenizer: str | Path, depths: list[int], *,
                runs: int = 1, events: EventSink | None = None, step: str = STEP) -> dict:
     """The sweep as its JSON document (``config``, ``gate``, ``depths``); ``BenchError`` (one
-    line) when the endpoint, the tokenizer, the gate or a request fails, before any figure."""
+    line) when the endpoint, the tokenizer or the gate fails (before any measured request) or the
+    server counts a prompt otherwise than the tokenizer. A depth where a request failed (a prompt
+    beyond the context window, a stall) is ``{"depth", "error"}`` (the first failure) and the
+    sweep goes on."""
     tokens = Tokens(tokenizer)  # no tokenizer: fail before the first request
     if settings.output_tokens < 2:
         raise BenchError("--output-tokens must be at least 2: decode is the tokens after the first")
@@ -193,10 +196,12 @@ def run_depths(url: str, settings: Settings, tokenizer: str | Path, depths: list
         kept: list[RequestMetrics] = []
         run_level(target, s, runs, concurrency=1, events=events, step=step,
                   note=f"depth {depth}", keep=kept, bodies=[prompt_body(s, t) for t in texts])
+        failed = None
         for k, (text, r) in enumerate(zip(texts, kept, strict=True)):
             where = f"depth {depth}, run {k + 1}"
-            if r.error is not None:
-                raise BenchError(f"{where}: {r.error}; no figures")
+            if r.error is not None:  # past the context window, a stall: this depth has no figure
+                failed = failed or f"{where}: {r.error}"
+                continue
             want = tokens.count(text) + extra
             if r.input_tokens != want:
                 raise BenchError(
@@ -204,6 +209,7 @@ def run_depths(url: str, settings: Settings, tokenizer: str | Path, depths: list
                     f"{tokens.path} counts {want} ({want - extra} + {extra} of the template): "
                     "not the served model's tokenizer; no figures")
             if r.decode_tok_s is None:
-                raise BenchError(f"{where}: no decode rate (fewer than 2 output tokens)")
-        doc["depths"].append(depth_row(depth, kept))
+                failed = failed or f"{where}: no decode rate (fewer than 2 output tokens)"
+        doc["depths"].append({"depth": depth, "error": failed} if failed
+                             else depth_row(depth, kept))
     return doc

@@ -104,6 +104,8 @@ def depth_accuracy() -> dict[str, float]:
     out: dict[str, float] = {}
     worst_pp = worst_tg = 0.0
     for row in doc["depths"]:
+        if row.get("error"):
+            raise RuntimeError(row["error"])
         p = row["prompt_tokens"]
         pp_set = p / (DEPTH_TTFT_MS / 1000.0 + p / PREFILL_TOK_S)
         tg_set = DEPTH_TOK_S / (1.0 + p / DECODE_HALF_DEPTH)

@@ -149,8 +149,9 @@ def depth_benchmark(ctx: StepContext, url: str, settings: Settings, *, tokenizer
                     tokenizer_dir: Path | None = None) -> None:
     """The depth sweep (``bench.depth``): one result per depth (``details["depth"]``), one per
     file written. The model's tokenizer is ``tokenizer``, else the head's (``deployment``'s model
-    directory, fetched into ``tokenizer_dir``); no tokenizer, a gate that fails or a request
-    that fails is one failed result and nothing written."""
+    directory, fetched into ``tokenizer_dir``); no tokenizer or a gate that fails is one failed
+    result and nothing written; a depth whose request failed is a failed result (the others are
+    written), and when no depth was measured nothing is written."""
     from sparkdeploy.bench.depth import run_depths
 
     if tokenizer is None:
@@ -168,7 +169,13 @@ def depth_benchmark(ctx: StepContext, url: str, settings: Settings, *, tokenizer
         ctx.failed(str(e))
         return
     for row in doc["depths"]:
-        ctx.ok(depth_line(row), depth=row, model=doc["config"]["model"])
+        if row.get("error"):
+            ctx.failed(row["error"])
+        else:
+            ctx.ok(depth_line(row), depth=row, model=doc["config"]["model"])
+    if all(row.get("error") for row in doc["depths"]):
+        ctx.failed("no depth was measured: nothing written")
+        return
     if json_path:
         try:
             write_text_atomic(Path(json_path), sweep_json(doc))
