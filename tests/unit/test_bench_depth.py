@@ -72,6 +72,32 @@ def test_the_standin_counts_tokens_as_the_tokenizers_library(tokdir, text):
     assert counter.count(text) == Tokens(tokdir).count(text)
 
 
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+              r"\s*[\r\n]+|\s+(?!\S)|\s+")
+"""Qwen2/Qwen3's tokenizer.json pre-tokenizer pattern (a Split, then ByteLevel without its regex)."""
+
+
+@pytest.fixture(scope="module")
+def qwen_style(tmp_path_factory, tokdir):
+    data = json.loads((tokdir / "tokenizer.json").read_text())
+    data["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": QWEN_SPLIT}, "behavior": "Isolated",
+         "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+         "use_regex": False}]}
+    d = tmp_path_factory.mktemp("qwen-style")
+    (d / "tokenizer.json").write_text(json.dumps(data))
+    return d
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=TEXT)
+def test_a_split_pre_tokenizer_as_qwens_is_counted_as_tokenizers_does(qwen_style, text):
+    counter = es.PromptCounter.load(str(qwen_style))
+    assert counter is not None
+    assert counter.count(text) == Tokens(qwen_style).count(text)
+
+
 def test_the_standins_usage_counts_the_rendered_chat(tokdir):
     counter = es.PromptCounter.load(str(tokdir))
     body = {"messages": [{"role": "user", "content": "the theater in 2048"}]}
