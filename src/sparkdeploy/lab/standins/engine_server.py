@@ -90,7 +90,19 @@ leaves requests before the M-th alone. Generation requests are numbered 1, 2, ..
 
 Timing, ``--ttft-ms`` / ``SPARKDEPLOY_STANDIN_TTFT_MS`` (default 120) and ``--tok-s`` /
 ``SPARKDEPLOY_STANDIN_TOK_S`` (default 27) or ``--gap-ms`` / ``SPARKDEPLOY_STANDIN_GAP_MS``;
-``POST /_control {"ttft_ms": .., "gap_ms": ..}`` changes them while running.
+``POST /_control {"ttft_ms": .., "gap_ms": ..}`` changes them while running. The prompt shapes
+both, so a depth sweep measures something: the first token waits ttft + prompt tokens /
+``--prefill-tok-s`` (default 8000; 0: not at all), and every decode step takes gap x (1 + prompt
+tokens / ``--decode-half-depth``) (default 131072: half the rate at that depth; 0: no slowdown);
+``Config()`` in a test has both off. ``usage.prompt_tokens`` is counted with the served model's
+``tokenizer.json`` (SGLang's ``--model-path``, vLLM's model, ``--model`` or ``--tokenizer`` here,
+when it is a directory holding one) over the chat as the lab model's template renders it
+(``PromptCounter``: the same count as the ``tokenizers`` library, standard library only);
+otherwise it is the prompt's words.
+
+Answers: a prompt with one right answer (``What is A + B?``, ``Repeat this word ...: W``, the
+bench's coherence gate) is answered right and the answer ends there (EOS), unless
+``ignore_eos``; every other prompt gets the stand-in's words.
 """
 
 from __future__ import annotations
