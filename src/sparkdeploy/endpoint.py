@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -78,15 +80,18 @@ class _Chunk(BaseModel):
     choices: list[_Choice] = []
 
 
-def stream_chat(url: str, model: str, max_tokens: int = 8, deadline: float = 120) -> str:
+def stream_chat(url: str, model: str, max_tokens: int = 8, deadline: float = 120,
+                on_first: Callable[[], None] | None = None) -> str:
     """One streamed chat completion, all of it within ``deadline``; the text (content or
-    reasoning) it returned ('' if none, or when a chunk is not what one should be)."""
+    reasoning) it returned ('' if none, or when a chunk is not what one should be).
+    ``on_first`` is called when the first bytes carrying content (or reasoning) arrive."""
     body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}],
             "max_tokens": max_tokens, "stream": True}
     try:
         r = request("POST", f"{url}/v1/chat/completions", body=json.dumps(body).encode(),
                     headers={"Content-Type": "application/json", **headers()},
-                    deadline=deadline, max_body=1024 * 1024)
+                    deadline=deadline, max_body=1024 * 1024,
+                    on_data=_first_content(on_first) if on_first else None)
     except OutsideError:
         return ""
     if r.status != 200:
@@ -101,6 +106,28 @@ def stream_chat(url: str, model: str, max_tokens: int = 8, deadline: float = 120
             return ""
         text += [c.delta.content or c.delta.reasoning_content or "" for c in chunk.choices]
     return "".join(text)
+
+
+_CONTENT = re.compile(rb'"(?:reasoning_)?content"\s*:\s*"[^"]')
+"""A chunk's non-empty content or reasoning (the opening chunk's ``"content": ""`` is not)."""
+
+
+def _first_content(on_first: Callable[[], None]) -> Callable[[bytes], None]:
+    seen = bytearray()
+    done = False
+
+    def data(chunk: bytes) -> None:
+        nonlocal done
+        if done:
+            return
+        seen.extend(chunk)
+        if _CONTENT.search(seen):
+            done = True
+            on_first()
+        else:
+            del seen[:-256]  # a match split across reads is still found
+
+    return data
 
 
 def recorded(records: Records) -> Endpoint | None:

@@ -18,7 +18,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
@@ -170,11 +170,11 @@ def watchdog(sock: socket.socket | None, seconds: float,
 
 def request(method: str, url: str, *, headers: dict[str, str] | None = None,
             body: bytes | None = None, deadline: float = 30.0,
-            max_body: int = MAX_BODY) -> Response:
+            max_body: int = MAX_BODY, on_data: Callable[[bytes], None] | None = None) -> Response:
     """One HTTP(S) request, all of it within ``deadline`` seconds, its body at most
     ``max_body`` bytes; ``OutsideError`` naming the URL otherwise (or when it cannot be
     reached). Never a proxy from the environment: the controller talks to its nodes and the
-    profile's hub directly."""
+    profile's hub directly. ``on_data`` sees each piece of the body as it arrives."""
     u = urlsplit(url)
     if u.scheme not in ("http", "https") or not u.hostname:
         raise OutsideError(f"{url}: not an http(s) URL")
@@ -200,6 +200,8 @@ def request(method: str, url: str, *, headers: dict[str, str] | None = None,
                     if size > max_body:
                         raise OutsideError(f"{url}: answer larger than {max_body} bytes")
                     chunks.append(data)
+                    if on_data:
+                        on_data(data)
             except (OSError, http.client.HTTPException, ValueError) as e:
                 if fired.is_set() or time.monotonic() >= end:
                     raise OutsideError(f"{url}: no whole answer within {deadline:g}s") from None

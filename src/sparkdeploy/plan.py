@@ -32,6 +32,7 @@ from sparkdeploy.fingerprint import flat
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image, tagged
 from sparkdeploy.ops.image import chosen, decision
+from sparkdeploy.ops.serve import startup_line
 from sparkdeploy.records import (
     DeployRun,
     RunEngine,
@@ -397,12 +398,15 @@ def _engine(runs: dict[str, StepRun], dep: Deployment) -> RunEngine:
                                   | {"evidence": [list(e) for e in a.evidence[:6]]})
              for a in (rec.tried if rec else [])]
     return RunEngine(chosen=chosen, tried=tried, decided=rec.made.time_iso if rec and rec.made else None,
-                     run_dir=rec.run_dir if rec else None, serve_up=said)
+                     run_dir=rec.run_dir if rec else None, serve_up=said,
+                     startup=rec.startup if rec else None)
 
 
 def _engine_markdown(engine: RunEngine) -> list[str]:
     md = [f"- serving with **{engine.chosen or 'none'}**"
           + (f" (decided {engine.decided})" if engine.decided else "")]
+    if engine.startup:
+        md.append(f"- {startup_line(engine.startup)}, from the engine's start")
     if not engine.tried:
         md.append("- why: the profile's first engine, and it came up")
     for a in engine.tried:

@@ -142,6 +142,8 @@ class Attempt(BaseModel):
     given_up_at: float | None = None
     fallback_after_s: float | None = None
     """From the hang's start to the next engine's start (set when there is a next engine)."""
+    startup: dict[str, float] | None = None
+    """The startup milestones it reached before it failed (``ops.serve.STARTUP``)."""
 
 
 class ServeDecision(Record):
@@ -152,6 +154,8 @@ class ServeDecision(Record):
     """The engines that failed before the one chosen: outcome, diagnosis class, evidence."""
     chosen: str | None
     run_dir: str
+    startup: dict[str, float] | None = None
+    """The chosen engine's startup milestones, seconds from its start (``ops.serve.STARTUP``)."""
 
     @field_serializer("tried")
     def _tried(self, tried: list[Attempt]) -> list[dict[str, Any]]:
@@ -207,6 +211,8 @@ class RunEngine(BaseModel):
     tried: list[Tried]
     decided: str | None
     run_dir: str | None
+    startup: dict[str, float] | None = None
+    """The chosen engine's startup milestones (``ServeDecision.startup``)."""
     serve_up: list[str]
     """What serve.up said in the run."""
 

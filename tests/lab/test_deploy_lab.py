@@ -100,6 +100,34 @@ def test_second_run_changes_nothing(lab, state_dir):
     print(took)
 
 
+def test_bench_reads_the_engines_own_metrics_beside_its_own(lab, state_dir, tmp_path):
+    """bench.run on the deployment the tests above left serving (SGLang across both nodes, with
+    the recipe's --enable-metrics) sets the engine's /metrics means beside the client's and
+    writes the HTML report beside the JSON."""
+    from sparkdeploy.endpoint import url as endpoint_url
+
+    dep = dep_for(state_dir)
+    assert "--enable-metrics" in dep.profile.engines[0].args  # the recipe's
+    url = endpoint_url(dep)
+    out = tmp_path / "run.json"
+    r = inv(state_dir, "bench.run", "--url", url, "--concurrency", "1,2", "--requests", "4",
+            "--output-tokens", "16", "--warmup", "1", "--json", str(out))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["engine_metrics"]["skipped"] is None
+    for run in doc["runs"]:
+        s, eng = run["summary"], run["summary"]["engine"]
+        assert eng["engine"] == "sglang" and eng["ttft_count"] == 4
+        assert eng["families"]["ttft_ms"] == "sglang:time_to_first_token_seconds"
+        # the head's stand-in measured the same requests the client did, over the lab network
+        assert eng["ttft_ms"] == pytest.approx(s["ttft_ms"]["mean"], rel=0.10)
+        assert eng["itl_ms"] == pytest.approx(s["itl_ms"]["mean"], rel=0.10)
+        assert 0 < eng["kv_cache_peak_pct"] <= 100 and eng["preemptions"] == 0
+    assert "engine (sglang) /metrics: TTFT mean" in r.stdout
+    html = out.with_suffix(".html").read_text()
+    assert "engine /metrics (sglang) vs client" in html and "data:image/png;base64," in html
+
+
 VERIFIED = """import json, sys
 seen = {}
 try:
@@ -233,6 +261,9 @@ def test_a_hang_ends_on_vllm_with_the_diagnosis_in_the_record(lab, state_dir, tm
     data = json.loads(record.with_suffix(".json").read_text())["data"]
     engine = data["engine"]
     assert engine["chosen"] == "vllm-ray"
+    # vLLM's ranks (the Ray workers' lines in the API server's log) marked the distributed init;
+    # the hung SGLang never reached it
+    assert {"containers_running", "dist_init", "port_open", "first_token"} <= set(engine["startup"])
     [tried] = engine["tried"]
     assert (tried["engine"], tried["class"]) == ("sglang", "nccl-init-hang")
     assert tried["evidence"]
@@ -243,6 +274,7 @@ def test_a_hang_ends_on_vllm_with_the_diagnosis_in_the_record(lab, state_dir, tm
     dep = deployment.load(prof, state_dir)
     decision = dep.records.read(ServeDecision)
     [hung] = decision.tried
+    assert "dist_init" not in (hung.startup or {}) and "port_open" not in (hung.startup or {})
     # detected within the stall time + 10 %, the fallback started soon after
     assert STALL <= hung.silent_s <= STALL * 1.1
     print(f"\nserve.hang_to_fallback_seconds: {hung.fallback_after_s}")

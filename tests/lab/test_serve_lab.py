@@ -137,6 +137,13 @@ def test_sglang_serves_across_both_nodes_over_the_fast_link(clean):
     assert "NCCL_IB_HCA=rocep1s0f0,roceP2p1s0f0" in env_of
     st = inv(state, prof, "serve.status")
     assert st.returncode == 0 and f"endpoint: {url} healthy (sglang since " in st.stdout
+    # the startup milestones, each from the engine's start, the distributed init read from
+    # SGLang's own line; serve.status says them again
+    startup = load(prof, state).records.read(ServeDecision).startup
+    order = ["containers_running", "dist_init", "port_open", "health", "model_listed", "first_token"]
+    assert set(startup) == set(order)
+    assert [startup[k] for k in order] == sorted(startup[k] for k in order)
+    assert "sglang: bring-up " in st.stdout and "dist init " in st.stdout
 
 
 def test_without_sglang_host_ip_sglang_hangs_and_is_diagnosed(clean):

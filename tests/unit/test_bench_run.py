@@ -86,7 +86,7 @@ def test_save_under_state_dir_and_baseline_gate(server, tmp_path):
     bench_tasks.run(c, url=url, concurrency="1", requests=2, output_tokens=4, warmup=0,
                     save=True, check_baseline=True)
     files = sorted(p.suffix for p in (tmp_path / "state" / "bench").iterdir())
-    assert files == [".json", ".png"]
+    assert files == [".html", ".json", ".png"]
     doc = json.loads(next((tmp_path / "state" / "bench").glob("*.json")).read_text())
     doc["runs"][0]["summary"]["per_request_output_tok_s"]["median"] = 24.4  # no timing here
     assert check_baseline(doc, 27.0, 10)[0] is True  # floor 24.3
@@ -163,12 +163,16 @@ def test_the_registered_step_benchmarks_the_profiles_endpoint_with_progress(serv
     dep = load(prof, tmp_path / "state")
     with dep.events.collect() as got:
         results = run_one(dep, "bench.run", check=True, save=True)
-    one, two, *files, gate = results
+    skipped, one, two, *files, gate = results
+    assert skipped.status is Status.SKIPPED and skipped.why.startswith("engine metrics: ")
     assert one.status is Status.OK and one.why.startswith("concurrency 1: 4/4 ok, ")
     assert two.status is Status.OK and two.why.startswith("concurrency 2: 4/4 ok, ")
     assert two.details["run"]["summary"]["requests"] == 4
-    assert sorted(p.suffix for p in (tmp_path / "state" / "bench").iterdir()) == [".json", ".png"]
-    assert [f.status for f in files] == [Status.CHANGED, Status.CHANGED]
+    assert sorted(p.suffix for p in (tmp_path / "state" / "bench").iterdir()) == [
+        ".html", ".json", ".png"]
+    assert [f.status for f in files] == [Status.CHANGED, Status.CHANGED, Status.CHANGED]
+    html = next((tmp_path / "state" / "bench").glob("*.html")).read_text()
+    assert dep.profile.name in html and "<h2>profile</h2>" in html  # the deployment's context
     assert gate.status is Status.OK and "baseline 27 tok/s" in gate.why
     assert [e for e in got if isinstance(e, Result)] == results
     progress = [e for e in got if isinstance(e, Progress)]
@@ -303,3 +307,24 @@ def test_the_api_key_travels_in_the_header_and_nowhere_in_what_is_written(tmp_pa
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_compare_sets_the_startup_timings_side_by_side_without_gating_on_them(tmp_path, capsys):
+    from sparkdeploy.bench.compare import compare
+
+    base, new = _doc(200.0, 27.0, 100.0, 37.0), _doc(200.0, 27.0, 100.0, 37.0)
+    base["context"] = {"startup": {"port_open": 40.0, "first_token": 41.0, "dist_init": 12.0}}
+    new["context"] = {"startup": {"port_open": 60.0, "first_token": 62.0}}
+    got = compare(base, new)
+    assert [(r.metric, r.base, r.new, r.change_pct, r.regressed) for r in got.startup] == [
+        ("dist_init s", 12.0, None, None, False),
+        ("port_open s", 40.0, 60.0, 50.0, False),
+        ("first_token s", 41.0, 62.0, pytest.approx(51.22, abs=0.01), False)]
+    assert got.regressions == []  # a slower bring-up is shown, not a failed gate
+    b, n = tmp_path / "b.json", tmp_path / "n.json"
+    b.write_text(json.dumps(base))
+    n.write_text(json.dumps(new))
+    bench_tasks.compare(ctx(tmp_path), str(b), str(n))
+    out = capsys.readouterr().out
+    assert "first_token s" in out and "+51.2%" in out and "(not gated)" in out
+    assert compare(_doc(1, 1, 1, 1), _doc(1, 1, 1, 1)).startup == []

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
 import threading
@@ -360,7 +361,8 @@ def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
     assert "needs no layer" in out.runs["image.build"].why
     assert calls.options["model.sync"] == {"to": "spark2"}
     assert calls.options["bench.run"]["concurrency"] == [1]
-    dep.records.write(ServeDecision(chosen="vllm-ray", run_dir="/runs/1", tried=[
+    dep.records.write(ServeDecision(chosen="vllm-ray", run_dir="/runs/1",
+                                    startup={"port_open": 40.2, "first_token": 41.0}, tried=[
         {"engine": "sglang", "outcome": "hang", "class": "nccl-init-hang", "phase": "init",
          "why": "no progress for 60s", "fallback_after_s": 61.5,
          "evidence": [["spark1.log", 41, "CustomAllreduce is disabled because this process group "
@@ -370,6 +372,9 @@ def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
     md = written.markdown.read_text()
     assert "serving `layer:1` = `sha256:layer:1`" in md and "| model.download | done |" in md
     assert "serving with **vllm-ray**" in md
+    assert "- bring-up 41.0 s (port 40.2 s, first token 41.0 s), from the engine's start" in md
+    assert json.loads(written.json.read_text())["data"]["engine"]["startup"] == {
+        "first_token": 41.0, "port_open": 40.2}
     assert "sglang was tried first: hang in init, diagnosis `nccl-init-hang`: no progress for 60s" in md
     assert "evidence: `spark1.log:41`: `CustomAllreduce is disabled" in md
     assert written.json.exists() and '"chosen": "vllm-ray"' in written.json.read_text()

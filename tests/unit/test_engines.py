@@ -75,7 +75,8 @@ def common(name, role, rank, p, eng, rdma=True):
             f"--volume={MODEL}:{MODEL}:ro"]
 
 
-SGLANG_ARGS = ["--trust-remote-code", "--mem-fraction-static", "0.85", "--context-length", "32768"]
+SGLANG_ARGS = ["--trust-remote-code", "--mem-fraction-static", "0.85", "--context-length", "32768",
+               "--enable-metrics"]
 VLLM_ARGS = ["--distributed-executor-backend", "ray", "--gpu-memory-utilization", "0.85",
              "--max-model-len", "32768", "--trust-remote-code"]
 

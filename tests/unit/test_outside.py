@@ -366,3 +366,46 @@ def test_node_facts_that_do_not_fit_are_one_line(printed, why):
     with pytest.raises(OutsideError) as e:
         last_line(FactsAnswer, printed, "spark1: serve_node.py facts")
     assert str(e.value).startswith("spark1: serve_node.py facts: ") and why in str(e.value)
+
+
+def test_the_first_token_is_when_the_first_content_arrives_not_the_role_chunk():
+    """``stream_chat(on_first=...)`` fires once, when bytes carrying content arrive: after the
+    opening role chunk (``"content": ""``) and the server's pause, before the stream ends."""
+    import http.server
+    import threading
+
+    from sparkdeploy import endpoint as ep
+
+    pause, tail = 0.4, 0.4
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n')
+            self.wfile.flush()
+            time.sleep(pause)
+            self.wfile.write(b'data: {"choices": [{"delta": {"content": "Hel"}}]}\n\n')
+            self.wfile.flush()
+            time.sleep(tail)
+            self.wfile.write(b'data: {"choices": [{"delta": {"content": "lo"}}]}\n\ndata: [DONE]\n\n')
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        firsts: list[float] = []
+        t0 = time.monotonic()
+        text = ep.stream_chat(f"http://127.0.0.1:{srv.server_address[1]}", "m",
+                              on_first=lambda: firsts.append(time.monotonic() - t0))
+        ended = time.monotonic() - t0
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert text == "Hello"
+    [first] = firsts
+    assert pause <= first < ended - tail / 2

@@ -88,6 +88,14 @@ def healthy_vllm(nodes, cluster):
     cluster.ray_gpus.update({"192.168.100.10": 1.0, "192.168.100.11": 1.0})
 
 
+def hung_sglang(nodes):
+    """Both SGLang ranks start their distributed init and say nothing more."""
+    nodes["spark1"].scripts["sparkdeploy-sglang-head"] = Script(
+        [(1, "[2026-12-02 17:00:01] Init torch distributed begin."), (2, HANG)], opens={20000: 1})
+    nodes["spark2"].scripts["sparkdeploy-sglang-worker"] = Script(
+        [(1, "[2026-12-02 17:00:02] Init torch distributed begin."), (2, HANG)])
+
+
 def runs(ctx, alias):
     return [argv[3:] for a, argv in ctx.calls if a == alias and argv[:1] == ["docker"]
             and argv[3:4] == ["run"]]
@@ -204,10 +212,7 @@ def test_missing_image_on_the_worker_is_shipped_first(lab, monkeypatch):
 
 def test_hang_is_diagnosed_removed_everywhere_and_falls_back_to_vllm(lab):
     dep, ctx, nodes, cluster, clock = lab
-    nodes["spark1"].scripts["sparkdeploy-sglang-head"] = Script(
-        [(1, "[2026-12-02 17:00:01] Init torch distributed begin."), (2, HANG)], opens={20000: 1})
-    nodes["spark2"].scripts["sparkdeploy-sglang-worker"] = Script(
-        [(1, "[2026-12-02 17:00:02] Init torch distributed begin."), (2, HANG)])
+    hung_sglang(nodes)
     healthy_vllm(nodes, cluster)
     t0 = clock()
     with dep.events.collect() as events:
@@ -322,7 +327,9 @@ def test_down_removes_every_container_and_status_reports(lab):
         ("spark1", "sparkdeploy-sglang-head running since 2026-11-30T01:10:00Z by serve.up"),
         ("spark2", "sparkdeploy-sglang-worker running since 2026-11-30T01:10:02Z by serve.up"),
         (None, "endpoint: http://10.0.0.1:30000 healthy (sglang since 2026-11-30T01:10:00Z), "
-               f"serves {MODEL}")]
+               f"serves {MODEL}"),
+        (None, "sglang: bring-up 8.0 s (running 2.0 s, dist init 3.0 s, port 8.0 s, health 8.0 s, "
+               "listed 8.0 s, first token 8.0 s)")]
     down = serve.down(dep)
     assert [(r.node, r.status, r.why) for r in down] == [
         ("spark1", Status.CHANGED, "removed sparkdeploy-sglang-head"),
@@ -381,11 +388,13 @@ def test_a_deployment_serving_something_else_says_what_and_is_redeployed(lab, tm
                        profile=dep.profile.model_copy(update={"engines": [eng]}))
     st = serve.status(other)
     assert (st[-1].status, st[-1].why) == (Status.FAILED,
-                                          "sglang on the nodes differs from the profile: engine.args[5]")
+                                          "sglang on the nodes differs from the profile: engine.args"
+                                          f"[{len(dep.profile.engines[0].args)}]")
     healthy_sglang(nodes)
     res = serve.up(other)
     assert res[0].why == ("removed this deployment's old containers (sglang on the nodes differs "
-                          "from the profile: engine.args[5]): spark1: sparkdeploy-sglang-head, "
+                          f"from the profile: engine.args[{len(eng.args) - 1}]): spark1: "
+                          "sparkdeploy-sglang-head, "
                           "spark2: sparkdeploy-sglang-worker")
     assert res[-1].why == "endpoint: http://10.0.0.1:30000"
     [head] = [c for c in nodes["spark1"].containers.values()]
@@ -456,3 +465,48 @@ def test_an_engine_version_without_a_manifest_stops_the_preflight(lab):
     bad = [(r.node, r.why) for r in serve.up(dep, engine="sglang") if r.failed]
     assert bad == [("spark1", "sglang: no flag manifest for sglang 0.5.99: make one with "
                               "`nox -s engine_flags -- sglang==0.5.99`")]
+
+
+def test_serve_up_times_each_startup_milestone_from_the_engines_start(lab):
+    from sparkdeploy.ops.serve import STARTUP, startup_line
+
+    dep, ctx, nodes, cluster, clock = lab
+    healthy_sglang(nodes)
+    results = serve.up(dep)
+    rec = dep.records.read(ServeDecision)
+    assert set(rec.startup) == set(STARTUP)
+    got = [rec.startup[k] for k in STARTUP]
+    assert got == sorted(got)
+    # the engine's own line (3 s after the head started) marks the distributed init, seen at the
+    # first poll after it; the API port opens 8 s after the head started
+    poll = dep.profile.serve.poll_s
+    assert 3 <= rec.startup["dist_init"] <= 3 + 2 * poll
+    assert rec.startup["port_open"] >= 8
+    assert results[-2].why == (f"sglang serves {dep.profile.model.repo}; "
+                               f"{startup_line(rec.startup)}")
+    assert results[-2].details["startup"] == rec.startup
+    assert "sglang: bring-up " in dep.records.path(ServeDecision).with_suffix(".md").read_text()
+    # serve.status says it again, from the record on the nodes' deployment
+    status = [r.why for r in serve.status(dep)]
+    assert f"sglang: {startup_line(rec.startup)}" in status
+
+
+def test_an_engine_given_up_on_keeps_the_milestones_it_reached(lab):
+    dep, ctx, nodes, cluster, clock = lab
+    hung_sglang(nodes)
+    healthy_vllm(nodes, cluster)
+    nodes["spark1"].scripts["sparkdeploy-vllm-ray-api"].lines.append(
+        (3, "(RayWorkerWrapper pid=311) INFO 12-02 17:00:03 [parallel_state.py:1326] rank 1 in "
+            "world size 2 is assigned as DP rank 0, PP rank 0, TP rank 1, EP rank 1"))
+    serve.up(dep)
+    [tried] = dep.records.read(ServeDecision).tried
+    assert set(tried.startup) == {"containers_running"}  # never past the distributed init
+    assert "dist_init" in dep.records.read(ServeDecision).startup  # vLLM's ranks said they joined
+
+
+def test_startup_line_names_the_milestones_reached_in_order():
+    from sparkdeploy.ops.serve import startup_line
+
+    assert startup_line({"port_open": 40.25, "containers_running": 3.1, "first_token": 41.0}) == (
+        "bring-up 41.0 s (running 3.1 s, port 40.2 s, first token 41.0 s)")
+    assert startup_line({}) == "bring-up: no milestone reached"

@@ -8,7 +8,7 @@ them is worse than BASE by more than ``max_regression_pct`` percent, or is missi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 HEADLINES = [
@@ -35,6 +35,9 @@ class Comparison:
     only_base: list[str]
     only_new: list[str]
     max_regression_pct: float
+    startup: list[Row] = field(default_factory=list)
+    """The deployment's startup milestones both files carry (``context.startup``, seconds):
+    shown side by side, never a regression (a bring-up is one sample, not a measurement)."""
 
     @property
     def regressions(self) -> list[Row]:
@@ -91,4 +94,22 @@ def compare(base: dict, new: dict, max_regression_pct: float = 5.0) -> Compariso
             worse = -change if higher else change
             rows.append(Row(level, metric, bv, nv, change, worse > max_regression_pct))
     return Comparison(rows, [k for k in b if k not in n], [k for k in n if k not in b],
-                      max_regression_pct)
+                      max_regression_pct, startup_rows(base, new))
+
+
+def startup_rows(base: dict, new: dict) -> list[Row]:
+    """One row per startup milestone either file has (``ops.serve.STARTUP`` order)."""
+    from sparkdeploy.ops.serve import STARTUP
+
+    def of(doc: dict) -> dict:
+        got = _get(doc, ("context", "startup"))
+        return got if isinstance(got, dict) else {}
+
+    b, n = of(base), of(new)
+    rows = []
+    for k in (k for k in STARTUP if k in b or k in n):
+        bv, nv = b.get(k), n.get(k)
+        ok = isinstance(bv, int | float) and isinstance(nv, int | float)
+        change = (nv - bv) / bv * 100.0 if ok and bv else None
+        rows.append(Row("startup", f"{k} s", bv, nv, change, False))
+    return rows

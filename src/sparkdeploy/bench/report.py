@@ -87,6 +87,38 @@ def depth_table(model: str, rows: list[dict], output_tokens: int) -> Table:
     return t
 
 
+def engine_rows(eng: dict) -> list[tuple[str, str, str, str, str]]:
+    """The engine's figures beside the client's, as rows of text (metric, client, engine,
+    difference, verdict): the console table and the HTML report show the same."""
+    rows = []
+    for r in eng.get("vs_client") or []:
+        diff = "-" if r["diff_pct"] is None else f"{r['diff_pct']:+.1f}%"
+        rows.append((f"{r['label']} mean ms", _f(r["client"], 2), _f(r["engine"], 2), diff,
+                     "DISAGREE" if r["disagree"] else "ok"))
+    kv = eng.get("kv_cache_peak_pct")
+    for label, value in (("queue mean ms", _f(eng.get("queue_ms"), 2)),
+                         ("KV cache peak", "-" if kv is None else f"{kv:.1f}%"),
+                         ("preemptions", _f(eng.get("preemptions"), 0)),
+                         ("running peak", _f(eng.get("running_peak"), 0)),
+                         ("waiting peak", _f(eng.get("waiting_peak"), 0))):
+        rows.append((label, "", value, "", ""))
+    return rows
+
+
+def engine_table(run: dict) -> Table | None:
+    """The level's engine /metrics beside the client's means (None: none were read)."""
+    eng = run["summary"].get("engine")
+    if not eng or "skipped" in eng:
+        return None
+    t = Table(title=f"{level_name(run)}: engine /metrics ({eng.get('engine') or '?'}) vs client",
+              title_justify="left")
+    for col in ("metric", "client", "engine", "client - engine", ""):
+        t.add_column(col, justify="left" if col in ("metric", "") else "right")
+    for row in engine_rows(eng):
+        t.add_row(*row[:4], "[red]DISAGREE[/]" if row[4] == "DISAGREE" else row[4])
+    return t
+
+
 def comparison_table(cmp: Comparison, base_name: str, new_name: str) -> Table:
     t = Table(title=f"{new_name} vs {base_name} (max regression {cmp.max_regression_pct:g}%)",
               title_justify="left")
@@ -99,4 +131,7 @@ def comparison_table(cmp: Comparison, base_name: str, new_name: str) -> Table:
         change = "-" if r.change_pct is None else f"{r.change_pct:+.1f}%"
         verdict = "[red]REGRESSION[/]" if r.regressed else "ok"
         t.add_row(r.level, r.metric, _f(r.base, 2), _f(r.new, 2), change, verdict)
+    for r in cmp.startup:  # side by side only: one bring-up each is no measurement to gate on
+        change = "-" if r.change_pct is None else f"{r.change_pct:+.1f}%"
+        t.add_row(r.level, r.metric, _f(r.base, 2), _f(r.new, 2), change, "(not gated)")
     return t

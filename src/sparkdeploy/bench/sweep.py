@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from sparkdeploy import checks
 from sparkdeploy.bench.client import BenchError, Settings, Target, default_model, run_level
+from sparkdeploy.bench.engine import MetricsError, Watch, metrics_url, versus
 from sparkdeploy.bench.metrics import RequestMetrics, intervals, summarize
 from sparkdeploy.events import EventSink
 from sparkdeploy.files import MB, InputError, read_input
@@ -72,6 +73,9 @@ def run_sweep(url: str, settings: Settings, *, concurrency: list[int] | None = N
         "gate": [{"prompt": a.prompt, "answer": a.answer} for a in answers],
         "runs": [],
     }
+    # the engine's own /metrics beside each level's figures (bench/engine.py); none: one line
+    engine_metrics: dict[str, Any] = {"url": metrics_url(target.url), "skipped": None}
+    doc["engine_metrics"] = engine_metrics
     index = 0
     for conc, rate in levels:
         name = f"concurrency {conc}" if rate is None else f"rate {rate:g} req/s"
@@ -79,25 +83,50 @@ def run_sweep(url: str, settings: Settings, *, concurrency: list[int] | None = N
             run_level(target, settings, warmup, concurrency=min(warmup, conc or 1),
                       first_index=10_000_000 + index, events=events, step=STEP,
                       note=f"{name}: warm-up")
+        watch = None
+        if engine_metrics["skipped"] is None:
+            try:
+                watch = Watch(engine_metrics["url"], settings.model,
+                              deadline=min(5.0, settings.timeout)).start()
+            except MetricsError as e:
+                engine_metrics["skipped"] = f"engine metrics: {e}"
         kept: list[RequestMetrics] = []
         repeats = []
-        for k in range(runs):
-            note = name if runs == 1 else f"{name}: run {k + 1}/{runs}"
-            repeats.append(run_level(target, settings, requests, concurrency=conc, rate=rate,
-                                     first_index=index, events=events, step=STEP, note=note,
-                                     slo=slo, keep=kept))
-            index += requests
+        try:
+            for k in range(runs):
+                note = name if runs == 1 else f"{name}: run {k + 1}/{runs}"
+                repeats.append(run_level(target, settings, requests, concurrency=conc, rate=rate,
+                                         first_index=index, events=events, step=STEP, note=note,
+                                         slo=slo, keep=kept))
+                index += requests
+        except BaseException:
+            if watch is not None:
+                watch.cancel()
+            raise
         if runs == 1:
             doc["runs"].append({"concurrency": conc, "rate": rate, **repeats[0]})
+            _engine_beside(repeats[0]["summary"], watch)
             continue
         each = [r["summary"] for r in repeats]
         summary = summarize(kept, sum(s["duration_s"] for s in each), slo=slo)
         summary["client"] = each[-1]["client"]
         summary["ci95"] = intervals(each)
+        _engine_beside(summary, watch)
         doc["runs"].append({"concurrency": conc, "rate": rate, "summary": summary,
                             "requests": [row for r in repeats for row in r["requests"]],
                             "repeats": each})
     return doc
+
+
+def _engine_beside(summary: dict, watch: Watch | None) -> None:
+    """The level's engine figures (``summary["engine"]``), their means set beside the client's
+    (``engine["vs_client"]``)."""
+    if watch is None:
+        return
+    engine = watch.stop()
+    if "skipped" not in engine:
+        engine["vs_client"] = versus(summary, engine)
+    summary["engine"] = engine
 
 
 def sweep_json(doc: dict) -> str:

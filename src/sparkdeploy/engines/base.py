@@ -142,6 +142,9 @@ class Launch:
     served_model: str
     wait_port: int | None = None
     """The port of the ``dist-port`` wait (on the head's fast-link address)."""
+    dist_ready: str | None = None
+    """The regular expression a line of the engine's own log matches once its distributed
+    init is done (the startup timing ``dist_init``); None: the engine prints none we know."""
 
     @property
     def containers(self) -> list[ContainerSpec]:

@@ -38,6 +38,13 @@ _WITH_KEY = ("import os, runpy, sys; "
              "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)")
 
 
+DIST_READY = r"Init torch distributed ends\."
+"""What every SGLang rank logs once torch.distributed and NCCL are up, one node or several
+(``ModelRunner.init_torch_distributed`` in python/sglang/srt/model_executor/model_runner.py:
+``Init torch distributed ends. elapsed=... s, mem usage=... GB``; older releases print no
+``elapsed``)."""
+
+
 def build(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
           api_key: bool = False) -> Launch:
     check_inputs(profile, engine)
@@ -74,4 +81,4 @@ def build(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
     else:
         stages = (Stage((specs[0],), wait="dist-port"), Stage(tuple(specs[1:])))
     return Launch(engine, stages, head.name, engine.port, profile.model.repo,
-                  wait_port=dist_port if len(specs) > 1 else None)
+                  wait_port=dist_port if len(specs) > 1 else None, dist_ready=DIST_READY)

@@ -74,7 +74,8 @@ def single(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
     """One node: one container, ``vllm serve`` with the multiprocessing executor."""
     only = node_spec(profile, engine, facts, profile.head, "head", 0,
                      serve_argv(profile, engine, "mp"), (engine.port,), secret_env=secret)
-    return Launch(engine, (Stage((only,)),), profile.head.name, engine.port, profile.model.repo)
+    return Launch(engine, (Stage((only,)),), profile.head.name, engine.port, profile.model.repo,
+                  dist_ready=RANK_JOINED)
 
 
 def build(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
@@ -99,4 +100,5 @@ def build(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
                                secret_env=secret if rank == 0 else ()))
     stages = (Stage((specs[0],), wait="dist-port"),
               Stage(tuple(specs[1:]), wait="ranks-joined", joined=RANK_JOINED))
-    return Launch(engine, stages, head.name, engine.port, profile.model.repo, wait_port=port)
+    return Launch(engine, stages, head.name, engine.port, profile.model.repo, wait_port=port,
+                  dist_ready=RANK_JOINED)

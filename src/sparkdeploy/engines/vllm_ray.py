@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from sparkdeploy.config import Engine, Profile
 from sparkdeploy.engines.base import Launch, NodeFacts, Stage, check_inputs, ordered_nodes, role_of
-from sparkdeploy.engines.vllm import API_KEY_VAR, node_spec, serve_argv, single
+from sparkdeploy.engines.vllm import API_KEY_VAR, RANK_JOINED, node_spec, serve_argv, single
 
 DEFAULT_RAY_PORT = 6379
 RAY_TMP = "/tmp/ray"
@@ -57,4 +57,5 @@ def build(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
                {"RAY_ADDRESS": f"{head.link.address}:{ray_port}"},
                volumes_from=ray_head.name, pid_from=ray_head.name, secret_env=secret)
     stages = (Stage((ray_head,)), Stage(tuple(workers), wait="ray-nodes"), Stage((api,)))
-    return Launch(engine, stages, head.name, engine.port, profile.model.repo)
+    return Launch(engine, stages, head.name, engine.port, profile.model.repo,
+                  dist_ready=RANK_JOINED)  # the Ray workers' lines reach the API server's log

@@ -111,6 +111,16 @@ class Watch:
         self.followed: list[Followed] = []
         self.last_progress = dep.clock()
         self.last_what = "start"
+        self.t0 = self.last_progress
+        self.marks: dict[str, float] = {}
+        """Startup milestones: {name: seconds from the watch's start}, each the first time."""
+        self.marked_by_log: dict[str, re.Pattern[str]] = {}
+        """{milestone: the log line that marks it} (e.g. the engine's distributed init done)."""
+
+    def mark(self, name: str, again: bool = False) -> None:
+        """``name`` reached now (kept from the first time unless ``again``)."""
+        if again or name not in self.marks:
+            self.marks[name] = round(self.dep.clock() - self.t0, 2)
 
     def add(self, host: Host, spec: ContainerSpec) -> None:
         self.followed.append(Followed(host, spec))
@@ -150,6 +160,9 @@ class Watch:
                 self.progress(f"log of {f.spec.name}")
                 for line in new:
                     self.ctx.log(f.host.name, f"{f.spec.name}: {line}")
+                for name, rx in self.marked_by_log.items():
+                    if name not in self.marks and any(rx.search(line) for line in new):
+                        self.mark(name)
         by_host: dict[str, list[Followed]] = {}
         for f in self.followed:
             by_host.setdefault(f.host.name, []).append(f)

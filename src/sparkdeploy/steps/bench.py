@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkdeploy.bench.client import BenchError, Settings
+from sparkdeploy.bench.engine import DISAGREE_PCT, disagreements
 from sparkdeploy.bench.report import level_name
 from sparkdeploy.bench.sweep import STEP, check_baseline, run_sweep, sweep_json
 from sparkdeploy.config import Bench
@@ -39,6 +40,66 @@ def level_line(run: dict[str, Any]) -> str:
             f"{num(s['ttft_ms']['median'])} ms{slo}")
 
 
+def html_beside(json_path: str | Path) -> Path:
+    """Where the HTML report of ``--json F`` goes: ``F`` with ``.html`` for ``.json``."""
+    p = Path(json_path)
+    return p.with_suffix(".html") if p.suffix == ".json" else p.with_name(p.name + ".html")
+
+
+def report_context(dep: Any) -> dict[str, Any]:
+    """What the HTML report shows of the deployment: its profile (secrets redacted), the image
+    chosen per engine and the one the last ``deploy.all`` served (tag, image ID, base and its
+    ID), that run's step timings, and the startup timings when a record has them. A record that
+    cannot be read is left out."""
+    from sparkdeploy.records import DeployRun, ImageDecision, RecordError, ServeDecision
+    from sparkdeploy.state import redact_values
+
+    out: dict[str, Any] = {"profile": redact_values(dep.profile.model_dump(mode="json"))}
+    try:
+        image = dep.records.read(ImageDecision)
+        if image is not None:
+            out["image"] = {"chosen": {k: v.model_dump(mode="json")
+                                       for k, v in image.engines.items()}}
+        runs = sorted(dep.records.path(ImageDecision).parent.glob("deploy-*.json"))
+        run = dep.records.read(DeployRun, runs[-1].stem) if runs else None
+        if run is not None:
+            out.setdefault("image", {})["deployed"] = run.image.model_dump(mode="json")
+            out["deploy_steps_s"] = {k: v.elapsed for k, v in run.steps.items()}
+        serve = dep.records.read(ServeDecision)
+        for rec in (serve, run):
+            startup = getattr(rec, "startup", None)  # startup timings, where a record keeps them
+            if startup:
+                out["startup"] = (startup if isinstance(startup, dict)
+                                  else startup.model_dump(mode="json"))
+    except (RecordError, OSError):
+        pass  # the report goes without them
+    return out
+
+
+def engine_lines(ctx: StepContext, run: dict[str, Any]) -> None:
+    """The level's engine figures in one line, and one naming where client and engine disagree
+    by more than 10 % (a reading that failed after the run: one skipped line)."""
+    eng = run["summary"].get("engine")
+    if not eng:
+        return
+    if "skipped" in eng:
+        ctx.skipped(f"{level_name(run)}: {eng['skipped']}")
+        return
+
+    def ms(key: str) -> str:
+        return "-" if eng.get(key) is None else f"{eng[key]:,.1f} ms"
+
+    kv, pre = eng.get("kv_cache_peak_pct"), eng.get("preemptions")
+    ctx.ok(f"{level_name(run)}: engine ({eng.get('engine') or '?'}) /metrics: TTFT mean "
+           f"{ms('ttft_ms')}, ITL mean {ms('itl_ms')}, end-to-end mean {ms('e2el_ms')}, queue "
+           f"mean {ms('queue_ms')}, KV cache peak {'-' if kv is None else f'{kv:.1f}%'}, "
+           f"preemptions {'-' if pre is None else f'{pre:g}'}")
+    differ = disagreements(eng.get("vs_client") or [])
+    if differ:
+        ctx.ok(f"{level_name(run)}: client and engine disagree by more than "
+               f"{DISAGREE_PCT:g}%: {differ}")
+
+
 def request_settings(b: Bench, **given: Any) -> Settings:
     """A request's settings: what was given (None: not given), else the profile's ``bench``."""
     chosen = {k: v for k, v in given.items() if v is not None}
@@ -51,7 +112,8 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
               max_concurrency: int | None = None, json_path: str | Path | None = None,
               plot_path: str | Path | None = None, save_dir: str | Path | None = None,
               baseline: tuple[float, float] | None = None,
-              slo: dict[str, float] | None = None, runs: int = 1) -> None:
+              slo: dict[str, float] | None = None, runs: int = 1,
+              context: dict[str, Any] | None = None) -> None:
     """Run the sweep (no deployment needed: ``ctx`` may have none); one result per level
     (``details["run"]`` holds it), one per file written, and the baseline gate's when
     ``baseline`` (decode tok/s, tolerance %) is given. Failed requests are counted in a level's
@@ -65,10 +127,16 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
     except BenchError as e:
         ctx.failed(str(e))
         return
+    if context:
+        doc["context"] = context  # the profile, image, startup timings: the HTML report shows them
+    skipped = doc["engine_metrics"]["skipped"]
+    if skipped:
+        ctx.skipped(f"{skipped}: the client's figures only")
     for run in doc["runs"]:
         s = run["summary"]
         if s["completed"]:
             ctx.ok(level_line(run), run=run)
+            engine_lines(ctx, run)
             continue
         errors = s.get("errors") or {}
         first = max(errors, key=lambda e: errors[e]) if errors else "no request ran"
@@ -78,8 +146,8 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
         ctx.failed("every request failed: nothing written")
         return
     targets: list[tuple[str, Path]] = []
-    if json_path:
-        targets.append(("json", Path(json_path)))
+    if json_path:  # the HTML report always beside the JSON
+        targets += [("json", Path(json_path)), ("html", html_beside(json_path))]
     if plot_path:
         targets.append(("plot", Path(plot_path)))
     if save_dir:
@@ -89,13 +157,18 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
         except OSError as e:
             ctx.failed(f"--save: cannot make {stem.parent}: {e.strerror or e}")
             return
-        targets += [("json", stem.with_suffix(".json")), ("plot", stem.with_suffix(".png"))]
+        targets += [("json", stem.with_suffix(".json")), ("html", stem.with_suffix(".html")),
+                    ("plot", stem.with_suffix(".png"))]
     title = f"{doc['config']['model']} @ {doc['config']['url']}"
     for kind, path in targets:
         # whole or not at all: a failure leaves no half-written file
         try:
             if kind == "json":
                 write_text_atomic(path, sweep_json(doc))
+            elif kind == "html":
+                from sparkdeploy.bench.html import run_report
+
+                write_text_atomic(path, run_report(doc))
             else:
                 from sparkdeploy.bench.plot import plot as draw
 
@@ -206,4 +279,4 @@ def run(ctx: StepContext, url: str | None = None, settings: Settings | None = No
               warmup=b.warmup if warmup is None else warmup,
               max_concurrency=max_concurrency, json_path=json_path, plot_path=plot_path,
               save_dir=dep.state.path / "bench" if save else None,
-              baseline=gate if check else None)
+              baseline=gate if check else None, context=report_context(dep))

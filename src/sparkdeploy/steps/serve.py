@@ -31,7 +31,15 @@ from sparkdeploy.engines.base import API_KEY_ENV
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import NodeUnreachable, docker
 from sparkdeploy.ops import serve_preflight
-from sparkdeploy.ops.serve import STEP_UP, Run, bring_up, ray_nodes, start
+from sparkdeploy.ops.serve import (
+    STEP_UP,
+    Run,
+    bring_up,
+    ray_nodes,
+    start,
+    startup,
+    startup_line,
+)
 from sparkdeploy.ops.serve_containers import (
     RAY_PROBE,
     Serving,
@@ -85,7 +93,9 @@ def try_engine(ctx: StepContext, engine: Engine, run: Run) -> str | None:
         return None
     watch = Watch(ctx, dep.profile.serve.stall_s, dep.profile.serve.poll_s)
     try:
-        return bring_up(dep, lau, run, watch)
+        url = bring_up(dep, lau, run, watch)
+        run.startup = startup(watch)
+        return url
     except EngineFailed as e:
         e.watch = watch  # type: ignore[attr-defined]
         e.launch = lau  # type: ignore[attr-defined]
@@ -111,6 +121,8 @@ def give_up(dep: Deployment, engine: Engine, err: EngineFailed, run: Run) -> Att
                       diagnosis=diag.cls, summary=getattr(diag, "summary", ""),
                       evidence=[[e.label, e.line_no, e.text] for e in diag.evidence],
                       logs=str(logdir), removed=removed, left={n: c for n, c in left.items() if c})
+    if watch and watch.marks:
+        attempt.startup = startup(watch)
     if isinstance(err, Stalled):
         attempt.stall_s = dep.profile.serve.stall_s
         attempt.silent_s = round(err.silent_s, 1)
@@ -126,11 +138,14 @@ def write_record(dep: Deployment, run: Run, chosen: str | None, url: str | None)
     md = markdown_table(["engine", "outcome", "class", "phase", "evidence"], rows) if rows else \
         "No engine failed."
     md += f"\n\nChosen: {chosen or 'none'}" + (f", serving at {url}" if url else "") + "\n"
+    if chosen and run.startup:
+        md += f"\n{chosen}: {startup_line(run.startup)}, from its start.\n"
     for a in run.attempts:
         if a.fallback_after_s is not None:
             md += (f"\n{a.engine}: {a.fallback_after_s:.1f}s from the hang's start (last "
                    f"output or readiness step) to starting the next engine.\n")
-    dep.records.write(ServeDecision(tried=run.attempts, chosen=chosen, run_dir=str(run.dir)),
+    dep.records.write(ServeDecision(tried=run.attempts, chosen=chosen, run_dir=str(run.dir),
+                                    startup=run.startup if chosen else None),
                       markdown=md, title="serve.up: engine")
 
 
@@ -255,9 +270,10 @@ def up(ctx: StepContext, engine: str | None = None) -> None:
         record_endpoint(dep, url, eng.name, bool(run.secrets))
         tried = [a.engine for a in run.attempts]
         note = f" (after {', '.join(tried)} failed)" if tried else ""
-        ctx.changed(f"{eng.name} serves {dep.profile.model.repo}{note}", engine=eng.name,
+        took = f"; {startup_line(run.startup)}" if run.startup else ""
+        ctx.changed(f"{eng.name} serves {dep.profile.model.repo}{note}{took}", engine=eng.name,
                     tried=tried, fallback=bool(tried), endpoint=url,
-                    diagnosis=run.attempts[-1].diagnosis if tried else None)
+                    diagnosis=run.attempts[-1].diagnosis if tried else None, startup=run.startup)
         ctx.ok(f"endpoint: {url}", endpoint=url, engine=eng.name)
         # the step succeeded: the engines it replaced stay in the stream and the record
         ctx.supersede(replaced)
@@ -365,6 +381,10 @@ def status(ctx: StepContext) -> None:
         if got.url:
             ctx.ok(f"endpoint: {got.url} healthy ({eng.name} since {got.since or '?'}), serves "
                    f"{dep.profile.model.repo}", endpoint=got.url, engine=eng.name, since=got.since)
+            rec = dep.records.read(ServeDecision)
+            if rec and rec.chosen == eng.name and rec.startup:
+                ctx.ok(f"{eng.name}: {startup_line(rec.startup)}", engine=eng.name,
+                       startup=rec.startup)
         else:
             ctx.failed(got.why, engine=eng.name)
     unknown = sorted(engines - {e.name for e in dep.profile.engines})

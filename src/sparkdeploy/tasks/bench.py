@@ -30,7 +30,7 @@ _HELP = {
     "warmup": "warm-up requests before each level, not measured",
     "thinking": "on|off: chat_template_kwargs.enable_thinking (default: the server's)",
     "api": "chat|completions",
-    "json": "write the results JSON here",
+    "json": "write the results JSON here, and the HTML report beside it (F.json -> F.html)",
     "plot": "write the four-panel PNG here",
     "timeout": "seconds without data before a request fails (default: the profile's bench.timeout_s, "
                "at most a day)",
@@ -86,7 +86,7 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
     from sparkdeploy.bench.metrics import parse_slo
     from sparkdeploy.bench.sweep import MAX_RUNS, parse_levels
     from sparkdeploy.endpoint import url as endpoint_url
-    from sparkdeploy.steps.bench import STEP, benchmark, request_settings
+    from sparkdeploy.steps.bench import STEP, benchmark, report_context, request_settings
     from sparkdeploy.steps.registry import run_one
 
     # every flag first: a bad one exits 2 before the profile is read or a request is sent
@@ -129,7 +129,8 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
                        requests=n or bench.requests, warmup=bench.warmup if k is None else k,
                        max_concurrency=cap, json_path=json_path, plot_path=plot_path,
                        save_dir=state_dir(c) / "bench" if save else None,
-                       baseline=gate if check_baseline else None, slo=slos, runs=k_runs)
+                       baseline=gate if check_baseline else None, slo=slos, runs=k_runs,
+                       context=report_context(dep) if dep is not None else None)
 
     drive(c, STEP, work, profile=profile, deployment="optional" if url else "needed", lock=False,
           show=lambda dep, results: _tables(results))
@@ -194,20 +195,24 @@ def _tables(results) -> None:
     """Each level's table after the stream (rich renders plain text off a terminal)."""
     from rich.console import Console
 
-    from sparkdeploy.bench.report import run_table
+    from sparkdeploy.bench.report import engine_table, run_table
 
     console = Console()
     runs = [r.details["run"] for r in results if "run" in r.details]
     for r in runs:
         console.print(run_table(r))
+        engine = engine_table(r)
+        if engine is not None:
+            console.print(engine)
     sources = {r["summary"]["output_tokens_source"] for r in runs} - {None}
     if sources and sources != {"usage"}:
         console.print("note: some output token counts are chunk counts (no usage from the server)")
 
 
 @task(help={"base": "the reference results JSON", "new": "the results JSON to judge",
-            "max_regression": "allowed worsening per headline metric (default 5%)"})
-def compare(c, base, new, max_regression="5%"):
+            "max_regression": "allowed worsening per headline metric (default 5%)",
+            "html": "write the HTML report of the comparison (both runs' tables and plots) here"})
+def compare(c, base, new, max_regression="5%", html=None):
     """Side-by-side headline metrics; exit 1 when NEW is worse than BASE beyond the threshold."""
     from rich.console import Console
 
@@ -217,10 +222,21 @@ def compare(c, base, new, max_regression="5%"):
     from sparkdeploy.bench.sweep import load_json
 
     threshold = flags.parsed("--max-regression", max_regression, parse_pct)
+    html_path = flags.output_file("--html", html)
     with exits():
-        result = cmp(load_json(flags.input_file("BASE", base)),
-                     load_json(flags.input_file("NEW", new)), threshold)
+        base_doc = load_json(flags.input_file("BASE", base))
+        new_doc = load_json(flags.input_file("NEW", new))
+        result = cmp(base_doc, new_doc, threshold)
     console = Console()
+    if html_path:
+        from sparkdeploy.bench.html import compare_report
+        from sparkdeploy.files import write_text_atomic
+
+        try:
+            write_text_atomic(html_path, compare_report(base_doc, new_doc, result, base, new))
+        except OSError as e:
+            raise Exit(f"cannot write {html_path}: {e.strerror or e}", code=1) from None
+        console.print(f"wrote {html_path}")
     console.print(comparison_table(result, base, new))
     for level in result.only_base:
         console.print(f"{level}: only in {base}")

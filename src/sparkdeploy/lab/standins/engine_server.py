@@ -62,8 +62,10 @@ Entry points (what the image shims call)
 Behaviour
 ---------
 ``/health`` (200), ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``; non-streaming
-and SSE streaming. A streamed chat answer is: a role chunk (``delta: {"role": "assistant",
-"content": ""}``), then ``reasoning_content`` chunks (unless
+and SSE streaming. ``/metrics``: the engine's Prometheus families (``EngineMetrics``: vLLM's
+always, SGLang's with ``--enable-metrics``, the generic server's with ``--metrics vllm|sglang``),
+from the timings the server really measured of the requests it served. A streamed chat answer
+is: a role chunk (``delta: {"role": "assistant", "content": ""}``), then ``reasoning_content`` chunks (unless
 ``chat_template_kwargs.enable_thinking`` is false), then ``content`` chunks, one token per
 chunk, then a usage chunk when ``stream_options.include_usage``, then ``data: [DONE]``.
 Token i (0-based) is sent at ``arrival + ttft + i * gap`` (``time.monotonic``; deadlines, so
@@ -238,6 +240,11 @@ class Config:
     the rate at this depth (0: decode does not slow)."""
     tokenizer: str | None = None
     """The served model's directory (or its tokenizer.json): prompt tokens counted with it."""
+    metrics: str | None = None
+    """The ``/metrics`` the server exports: ``"vllm"`` (vLLM always does), ``"sglang"`` (SGLang
+    with ``--enable-metrics``), None (404)."""
+    kv_tokens: int = 65536
+    """The KV cache's size in tokens (what ``/metrics`` reports its usage against)."""
 
 
 def _env(name: str, default=None):
@@ -252,6 +259,8 @@ def _arg_parser(prog: str = "engine_server") -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=_env("TOKENIZER"),
                    help="the model directory whose tokenizer.json counts prompt tokens (default: "
                    "--model when it is such a directory; else prompt tokens are words)")
+    p.add_argument("--metrics", choices=METRIC_FORMATS, default=_env("METRICS") or None,
+                   help="export /metrics as this engine does (default: none, 404)")
     add_timing_flags(p)
     return p
 
@@ -272,6 +281,7 @@ def add_timing_flags(p: argparse.ArgumentParser) -> None:
                    help="prefill rate: TTFT grows by prompt tokens / this (0: a fixed TTFT)")
     g.add_argument("--decode-half-depth", type=int, default=int(_env("DECODE_HALF_DEPTH", "131072")),
                    help="prompt tokens at which decode runs at half --tok-s (0: no slowdown)")
+    g.add_argument("--kv-tokens", type=int, default=int(_env("KV_TOKENS", "65536")))
 
 
 def config_from_args(ns: argparse.Namespace, **over) -> Config:
@@ -291,6 +301,8 @@ def config_from_args(ns: argparse.Namespace, **over) -> Config:
         prefill_tok_s=ns.prefill_tok_s,
         decode_half_depth=ns.decode_half_depth,
         tokenizer=getattr(ns, "tokenizer", None),
+        kv_tokens=ns.kv_tokens,
+        metrics=getattr(ns, "metrics", None),
     )
     if cfg.prefill_tok_s < 0 or cfg.decode_half_depth < 0:
         raise ValueError("--prefill-tok-s and --decode-half-depth must not be negative")
@@ -313,6 +325,192 @@ def log(msg: str, *, engine: str = "standin") -> None:
     print(line, flush=True)
 
 
+# --- the engine's own /metrics (Prometheus text exposition format 0.0.4) -----------------------
+#
+# Names, kinds, labels and histogram buckets as the real engines register them:
+# - vLLM: vllm/v1/metrics/loggers.py (PrometheusStatLogger; the 0.11+ layout: labels
+#   model_name and engine, ``vllm:inter_token_latency_seconds`` replacing
+#   ``time_per_output_token_seconds``, ``kv_cache_usage_perc`` replacing ``gpu_cache_usage_perc``).
+#   TTFT: the request's arrival at the server -> its first token; ITL: between consecutive
+#   tokens; e2e: arrival -> finish; queue: waiting before it is scheduled. /metrics always served.
+# - SGLang: python/sglang/srt/metrics/collector.py (TokenizerMetricsCollector: label model_name;
+#   SchedulerMetricsCollector: model_name, engine_type, tp_rank, pp_rank, labels from
+#   scheduler_metrics_mixin.py), only with ``--enable-metrics`` (else FastAPI's 404
+#   ``{"detail":"Not Found"}``). ``token_usage`` is used KV tokens / the pool's tokens.
+# prometheus_client writes a counter ``X`` as ``X_total``, a histogram as ``_bucket{le=..}``
+# (cumulative), ``_count``, ``_sum``; labels sorted by name; values as Go floats (``1.0``, ``+Inf``).
+
+_TTFT_VLLM = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+              10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_VLLM = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+             20.0, 40.0, 80.0)
+_REQUEST_VLLM = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TTFT_SGLANG = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
+_ITL_SGLANG = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060,
+               0.080, 0.100, 0.200, 0.400, 0.600, 0.800, 1.000, 2.000, 4.000, 6.000, 8.000)
+_E2E_SGLANG = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200,
+               1800, 2400)
+_QUEUE_SGLANG = (0.0, 0.1, 0.2, 0.5, 1, 2, 3, 4, 5, 10, 15, 20, 30, 40, 50, 60, 70, 80, 90, 100, 200,
+                 300, 400, 500, 600, 700, 800, 900, 1000, 1200, 1400, 1600, 1800, 2000, 2500, 3000)
+
+METRIC_FORMATS = ("vllm", "sglang")
+# what each histogram measures -> (name, help, buckets) per engine
+_HISTOGRAMS = {
+    "vllm": {
+        "ttft": ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                 _TTFT_VLLM),
+        "itl": ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                _ITL_VLLM),
+        "e2e": ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                _REQUEST_VLLM),
+        "queue": ("vllm:request_queue_time_seconds",
+                  "Histogram of time spent in WAITING phase for request.", _REQUEST_VLLM),
+    },
+    "sglang": {
+        "ttft": ("sglang:time_to_first_token_seconds",
+                 "Histogram of time to first token in seconds.", _TTFT_SGLANG),
+        "itl": ("sglang:inter_token_latency_seconds",
+                "Histogram of inter-token latency in seconds.", _ITL_SGLANG),
+        "e2e": ("sglang:e2e_request_latency_seconds",
+                "Histogram of End-to-end request latency in seconds", _E2E_SGLANG),
+        "queue": ("sglang:queue_time_seconds", "Histogram of queueing time in seconds.",
+                  _QUEUE_SGLANG),
+    },
+}
+
+
+def _go_float(v: float) -> str:
+    """A value as prometheus_client writes it (Go's float formatting: ``1.0``, ``+Inf``)."""
+    if v == math.inf:
+        return "+Inf"
+    if v == -math.inf:
+        return "-Inf"
+    if math.isnan(v):
+        return "NaN"
+    return repr(float(v))
+
+
+def _labels(d: dict) -> str:
+    esc = {k: str(v).replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"") for k, v in d.items()}
+    return "{" + ",".join(f'{k}="{esc[k]}"' for k in sorted(esc)) + "}"
+
+
+class _Histogram:
+    def __init__(self, buckets: tuple):
+        self.bounds = tuple(float(b) for b in buckets) + (math.inf,)
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+                break
+
+
+class EngineMetrics:
+    """What the stand-in measured of the requests it served (``time.monotonic`` seconds, from
+    the request line's arrival), kept as the engine keeps it and written as its ``/metrics``.
+    The KV cache: ``kv_tokens`` tokens; a running request holds its prompt from its first token
+    and one more per token; a request whose prompt does not fit counts a preemption (its timing
+    is unchanged here)."""
+
+    def __init__(self, fmt: str, model: str, kv_tokens: int):
+        self.fmt, self.model, self.kv_tokens = fmt, model, max(1, kv_tokens)
+        self.lock = threading.Lock()
+        self.hist = {k: _Histogram(b) for k, (_n, _h, b) in _HISTOGRAMS[fmt].items()}
+        self.prompt_tokens = self.generation_tokens = self.requests = self.preemptions = 0
+        self.kv_used = 0
+        self.running = 0
+
+    # the life of one request, called by its handler
+    def admitted(self, arrival: float) -> None:
+        with self.lock:
+            self.running += 1
+            self.hist["queue"].observe(max(0.0, time.monotonic() - arrival))
+
+    def token(self, req: dict) -> None:
+        """Token ``req["tokens"]`` was just sent."""
+        now = time.monotonic()
+        with self.lock:
+            if req["tokens"] == 0:
+                self.hist["ttft"].observe(now - req["arrival"])
+                if self.kv_used + req["prompt"] > self.kv_tokens:
+                    self.preemptions += 1
+                req["held"] = req["prompt"]
+            else:
+                self.hist["itl"].observe(now - req["last"])
+            req["held"] += 1
+            self.kv_used += req["held"] - req.get("counted", 0)
+            req["counted"] = req["held"]
+            req["tokens"] += 1
+            req["last"] = now
+
+    def finished(self, req: dict, ok: bool) -> None:
+        with self.lock:
+            self.running -= 1
+            self.kv_used -= req.get("counted", 0)
+            if ok:
+                self.hist["e2e"].observe(time.monotonic() - req["arrival"])
+                self.requests += 1
+                self.prompt_tokens += req["prompt"]
+                self.generation_tokens += req["tokens"]
+
+    def text(self) -> str:
+        with self.lock:
+            usage = min(1.0, self.kv_used / self.kv_tokens)
+            if self.fmt == "vllm":
+                base = {"engine": "0", "model_name": self.model}
+                sched = base
+                gauges = [("vllm:num_requests_running", "Number of requests in model execution batches.",
+                           self.running),
+                          ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", 0),
+                          ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)]
+                counters = [("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                             self.preemptions, sched),
+                            ("vllm:prompt_tokens", "Number of prefill tokens processed.",
+                             self.prompt_tokens, base),
+                            ("vllm:generation_tokens", "Number of generation tokens processed.",
+                             self.generation_tokens, base)]
+            else:
+                base = {"model_name": self.model}
+                sched = {"engine_type": "unified", "model_name": self.model, "pp_rank": "0",
+                         "tp_rank": "0"}
+                gauges = [("sglang:num_running_reqs", "The number of running requests.", self.running),
+                          ("sglang:num_used_tokens", "The number of used tokens.", self.kv_used),
+                          ("sglang:token_usage", "The token usage.", usage),
+                          ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", 0),
+                          ("sglang:max_total_num_tokens",
+                           "Maximum total number of tokens in the KV cache pool.", self.kv_tokens)]
+                counters = [("sglang:num_retracted_requests", "Total number of retracted requests.",
+                             self.preemptions, sched),
+                            ("sglang:prompt_tokens", "Number of prefill tokens processed.",
+                             self.prompt_tokens, base),
+                            ("sglang:generation_tokens", "Number of generation tokens processed.",
+                             self.generation_tokens, base),
+                            ("sglang:num_requests", "Number of requests processed.", self.requests, base)]
+            out: list[str] = []
+            for name, doc, value in gauges:
+                out += [f"# HELP {name} {doc}", f"# TYPE {name} gauge",
+                        f"{name}{_labels(sched)} {_go_float(value)}"]
+            for name, doc, value, labels in counters:
+                out += [f"# HELP {name}_total {doc}", f"# TYPE {name}_total counter",
+                        f"{name}_total{_labels(labels)} {_go_float(value)}"]
+            for key, (name, doc, _b) in _HISTOGRAMS[self.fmt].items():
+                h = self.hist[key]
+                labels = sched if key == "queue" else base
+                out += [f"# HELP {name} {doc}", f"# TYPE {name} histogram"]
+                acc = 0
+                for bound, n in zip(h.bounds, h.counts, strict=True):
+                    acc += n
+                    out.append(f"{name}_bucket{_labels({**labels, 'le': _go_float(bound)})} {_go_float(acc)}")
+                out.append(f"{name}_count{_labels(labels)} {_go_float(acc)}")
+                out.append(f"{name}_sum{_labels(labels)} {_go_float(h.sum)}")
+            return "\n".join(out) + "\n"
+
+
 # --- the HTTP server --------------------------------------------------------------------
 
 
@@ -326,6 +524,7 @@ class State:
         self.served = 0
         self.faulted: dict[str, int] = {k: 0 for k in FAULT_KINDS}
         self.active = 0
+        self.metrics = EngineMetrics(cfg.metrics, cfg.model, cfg.kv_tokens) if cfg.metrics else None
         self.lost: threading.Event | None = None
         """Set when a peer rank died (multi-node SGLang): the half-cluster serves nothing."""
         self._counter: PromptCounter | None = None
@@ -518,6 +717,15 @@ class Handler(BaseHTTPRequestHandler):
             )
         elif path == "/_control":
             self._json(200, st.snapshot())
+        elif path == "/metrics" and st.metrics is not None:
+            data = st.metrics.text().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        elif path == "/metrics" and st.cfg.engine == "sglang":
+            self._json(404, {"detail": "Not Found"})  # FastAPI's: no route without --enable-metrics
         else:
             self._error(404, f"no route {path}", "NotFoundError")
 
@@ -550,12 +758,25 @@ class Handler(BaseHTTPRequestHandler):
         if st.broken:  # a rank died: requests are accepted and never answered
             _silence()
         _n, rule = st.next_request()
+        self.req = {"arrival": arrival, "prompt": _count_prompt(body, chat), "tokens": 0}
+        if st.metrics is not None:
+            st.metrics.admitted(arrival)
+        ok = False
         try:
             self._answer(chat, body, arrival, rule)
+            ok = self.req["tokens"] > 0
         except _Closed:
             self.close_connection = True
         finally:
             st.done()
+            if st.metrics is not None:
+                st.metrics.finished(self.req, ok)
+
+    def _sent(self) -> None:
+        """A token of the current request was just sent (or, not streaming, produced)."""
+        m = self.server.state.metrics
+        if m is not None:
+            m.token(self.req)
 
     def _step(self) -> None:
         """One decode step: with other ranks, it needs every one of them (see DecodeSteps)."""
@@ -599,6 +820,7 @@ class Handler(BaseHTTPRequestHandler):
             for i in range(n):
                 _sleep_until(arrival + ttft + i * gap)
                 self._step()
+                self._sent()
             if rule and rule.kind == "stall":
                 time.sleep(rule.seconds)
             if rule and rule.kind == "close":
@@ -678,6 +900,7 @@ class Handler(BaseHTTPRequestHandler):
             _sleep_until(start + i * gap)
             self._step()
             self._chunk(data)
+            self._sent()
         tail = b""
         if include_usage:
             tail += event(None, {"usage": usage})
@@ -1477,6 +1700,7 @@ def sglang_main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--api-key")
+    p.add_argument("--enable-metrics", action="store_true")
     p.add_argument("--watchdog-timeout", type=float, default=None,
                    help="SGLang's scheduler watchdog: a rank hung this long is killed (SIGKILL, "
                    "exit -9), silently; off by default here (SGLang's is 300 s)")
@@ -1484,7 +1708,8 @@ def sglang_main(argv: list[str] | None = None) -> int:
     ns, unknown = p.parse_known_args(argv)
     model = ns.served_model_name or ns.model_path
     ns.model = model
-    cfg = config_from_args(ns, engine="sglang", api_key=ns.api_key, tokenizer=ns.model_path)
+    cfg = config_from_args(ns, engine="sglang", api_key=ns.api_key, tokenizer=ns.model_path,
+                           metrics="sglang" if ns.enable_metrics else None)
     log(
         f"server_args=ServerArgs(model_path={ns.model_path!r}, tp_size={ns.tp}, "
         f"pp_size={ns.pp}, nnodes={ns.nnodes}, node_rank={ns.node_rank}, dist_init_addr={ns.dist_init_addr!r}, "
@@ -1500,6 +1725,9 @@ def sglang_main(argv: list[str] | None = None) -> int:
               "GPU(s))", file=sys.stderr, flush=True)
         return 1
     if ns.nnodes <= 1:
+        slog = SglangLog(0 if ns.tp > 1 else None)
+        slog("Init torch distributed begin.")  # one node: the ranks' group on loopback
+        slog("Init torch distributed ends. elapsed=0.05 s, mem usage=0.09 GB")
         return run_server(cfg)
     if ns.dist_init_addr is None:
         print("ValueError: --dist-init-addr is required when --nnodes > 1", file=sys.stderr)
@@ -1805,6 +2033,14 @@ def vlog(msg: str, src: str, who: str | None = None, level: str = "INFO") -> Non
     print(f"{prefix}{level} {time.strftime('%m-%d %H:%M:%S')} [{src}] {msg}", flush=True)
 
 
+def assigned(ranks: range, world: int, tp: int, who: str | None) -> None:
+    """What every vLLM rank logs once it is in the model-parallel groups (vLLM's
+    ``initialize_model_parallel``, vllm/distributed/parallel_state.py), for ``ranks``."""
+    for r in ranks:
+        vlog(f"rank {r} in world size {world} is assigned as DP rank 0, PP rank {r // tp}, "
+             f"TP rank {r % tp}, EP rank {r % tp}", "parallel_state.py:1326", who)
+
+
 def advertised_ip(env: dict, headless: bool, faults: set[str]) -> str:
     """The address a vLLM rank advertises to its peers (``get_ip()``: VLLM_HOST_IP, else the
     default route's source). The lab fault ``vllm-wrong-address`` sets a headless worker's
@@ -1891,9 +2127,7 @@ def _vllm_multinode(ns, cfg: Config, env: dict) -> int:
     vlog(f"vLLM is using nccl=={NCCL_VERSION}", "pynccl.py:71", who)
     nccl_init(SglangLog(None), env, interfaces(), rdv, nodes, port, _silence)
     tp = ns.tensor_parallel_size
-    for r in range(rank, rank + local):
-        vlog(f"rank {r} in world size {world} is assigned as DP rank 0, PP rank {r // tp}, "
-             f"TP rank {r % tp}, EP rank {r % tp}", "parallel_state.py:1326", who)
+    assigned(range(rank, rank + local), world, tp, who)
     hold_gpu("VLLM::Worker")
     t0 = time.perf_counter()
     vlog(f"Starting to load model {ns.model_path}...", "gpu_model_runner.py:2338", who)
@@ -1969,7 +2203,8 @@ def vllm_main(argv: list[str] | None = None) -> int:
         print("vllm serve: error: the model is required", file=sys.stderr)
         return 2
     ns.model = ns.served_model_name[0] if ns.served_model_name else model_path
-    cfg = config_from_args(ns, engine="vllm", api_key=ns.api_key, tokenizer=model_path)
+    cfg = config_from_args(ns, engine="vllm", api_key=ns.api_key, tokenizer=model_path,
+                           metrics="vllm")
     world = ns.tensor_parallel_size * ns.pipeline_parallel_size
     log(
         ("vLLM headless" if ns.headless else f"vLLM API server version {VLLM_VERSION};")
@@ -1993,11 +2228,14 @@ def vllm_main(argv: list[str] | None = None) -> int:
                                timeout=float(env.get(ENV + "PG_TIMEOUT_S", PG_WAIT_TIMEOUT)))
             actors = start_ray_workers(ray, pg, world)
             log(f"Ray placement group ready: {world} GPU workers, driver on {driver_ip}", engine="vllm")
+            assigned(range(world), world, ns.tensor_parallel_size, "RayWorkerWrapper")
         elif world > int(os.environ.get(ENV + "GPUS", "1")):
             raise StandinError(
                 f"ValueError: tensor_parallel_size x pipeline_parallel_size = {world} exceeds the "
                 f"GPUs on this node; use --distributed-executor-backend ray across nodes"
             )
+        else:
+            assigned(range(world), world, ns.tensor_parallel_size, "Worker" if world > 1 else None)
     except (StandinError, DistError) as e:
         print(str(e), file=sys.stderr, flush=True)
         return 1
