@@ -73,10 +73,14 @@ def lab_down(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
-    """Benchmark the profile's endpoint (or `-- --url URL`): JSON and PNG under
+    """The client's accuracy against the engine stand-in (`bench.pp_error_pct`,
+    `bench.tg_error_pct` at every depth, goodput exactness, ITL/TTFT/decode); then, given
+    arguments (`-- --url URL`, `-- --profile F`), benchmark that endpoint: JSON and PNG under
     <state_dir>/bench/, fail when the single-request decode rate is >10% below the baseline."""
     session.install("-e", ".[bench]")
-    session.run("inv", "bench.run", "--save", "--check-baseline", *session.posargs)
+    session.run("python", "-m", "sparkdeploy.perf", "bench")
+    if session.posargs:
+        session.run("inv", "bench.run", "--save", "--check-baseline", *session.posargs)
 
 
 @nox.session(default=False)

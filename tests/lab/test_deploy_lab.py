@@ -128,6 +128,52 @@ def test_bench_reads_the_engines_own_metrics_beside_its_own(lab, state_dir, tmp_
     assert "engine /metrics (sglang) vs client" in html and "data:image/png;base64," in html
 
 
+def test_depth_sweep_with_the_heads_tokenizer(lab, state_dir, tmp_path):
+    """bench.depth on the deployment left serving, without --url or --tokenizer: the profile's
+    endpoint, the head's model directory's tokenizer.json (read over SSH); the engine stand-in
+    counts prompts with the same tokenizer, its prefill rate grows and decode slows with depth."""
+    out = tmp_path / "depth.json"
+    r = inv(state_dir, "bench.depth", "--depths", "0,1024,4096", "--runs", "2",
+            "--output-tokens", "8", "--json", str(out))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    rows = doc["depths"]
+    assert [d["depth"] for d in rows] == [0, 1024, 4096]
+    assert doc["config"]["tokenizer"].endswith("bench/tokenizer/tokenizer.json")
+    assert all(d["prompt_tokens"] > d["depth"] for d in rows)
+    assert rows[0]["pp_tok_s"] < rows[1]["pp_tok_s"] < rows[2]["pp_tok_s"]
+    assert rows[0]["tg_tok_s"] > rows[2]["tg_tok_s"]
+    assert "pp @ d4096" in r.stdout and "tg8 @ d4096" in r.stdout
+
+
+def test_garbage_fails_the_coherence_gate_while_health_is_green(lab, state_dir, tmp_path):
+    """`inv lab.fault garbage`: the serving engine answers nonsense at once while /health is 200;
+    bench.run and bench.depth exit 1 on the gate's line, write no JSON; `lab.fault none` and the
+    gate passes again."""
+    from sparkdeploy.endpoint import url as endpoint_url
+
+    url = endpoint_url(dep_for(state_dir)).rstrip("/")
+    out = tmp_path / "garbage.json"
+    r = inv(state_dir, "lab.fault", "garbage")
+    assert r.returncode == 0, r.stdout + r.stderr
+    try:
+        assert requests.get(url + "/health", timeout=10).status_code == 200
+        for task in (["bench.run", "--requests", "2", "--warmup", "0"],
+                     ["bench.depth", "--depths", "0", "--runs", "1"]):
+            r = inv(state_dir, *task, "--json", str(out))
+            assert r.returncode == 1, r.stdout[-4000:] + r.stderr[-2000:]
+            gate = [ln for ln in r.stdout.splitlines() if "coherence gate:" in ln]
+            assert len(gate) == 1 and ("'What is 17 + 25? Answer with the number only.' came "
+                                       "back '!!!!") in gate[0], r.stdout
+            assert not out.exists()
+    finally:
+        r = inv(state_dir, "lab.fault", "none")
+        assert r.returncode == 0, r.stdout + r.stderr
+    r = inv(state_dir, "bench.run", "--requests", "2", "--warmup", "0", "--json", str(out))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert json.loads(out.read_text())["gate"][0]["answer"].strip() == "42"
+
+
 VERIFIED = """import json, sys
 seen = {}
 try:

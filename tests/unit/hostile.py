@@ -4,9 +4,13 @@ headers of each request, so a test can assert what reached it."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from sparkdeploy.bench.gate import PROMPTS
 
 
 @dataclass
@@ -22,6 +26,11 @@ class Hostile:
     gap: float = 0.05
     routes: dict[str, bytes] = field(default_factory=dict)
     """Paths answered 200 with this JSON body whatever the mode (``/v1/models``, say)."""
+    coherent: bool = False
+    """Answer the coherence gate's prompts right (a stream as vLLM sends it), whatever the mode:
+    what the server then does wrong reaches the measured requests."""
+    gate_tokens: Callable[[str], int] = lambda prompt: 20
+    """The ``usage.prompt_tokens`` a coherent answer reports for a gate prompt."""
     seen: list[dict[str, str]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
 
@@ -60,9 +69,12 @@ class Hostile:
                     headers[k.strip().lower()] = v.strip()
                     if k.strip().lower() == "content-length":
                         length = int(v)
-                if length:
-                    f.read(length)
+                body = f.read(length) if length else b""
                 self.seen.append(headers)
+                if self.coherent and (answer := _gate_answer(body, self.gate_tokens)) is not None:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                                 b"Content-Length: %d\r\n\r\n" % len(answer) + answer)
+                    continue
                 if self.paths[-1] in self.routes:
                     body = self.routes[self.paths[-1]]
                     conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
@@ -96,3 +108,18 @@ class Hostile:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+def _gate_answer(body: bytes, tokens: Callable[[str], int]) -> bytes | None:
+    """The right answer, as a stream, when ``body`` asks one of the coherence gate's prompts."""
+    try:
+        asked = json.loads(body)["messages"][-1]["content"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    want = dict(PROMPTS).get(asked)
+    if want is None:
+        return None
+    events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+              {"choices": [{"index": 0, "delta": {"content": want}, "finish_reason": "stop"}]},
+              {"choices": [], "usage": {"prompt_tokens": tokens(asked), "completion_tokens": 1}}]
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"

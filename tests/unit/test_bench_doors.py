@@ -85,7 +85,8 @@ BAD_ANSWERS = [
 
 @pytest.mark.parametrize(("body", "says"), BAD_ANSWERS)
 def test_an_answer_with_a_field_that_does_not_fit_fails_in_one_line(tmp_path, capsys, body, says):
-    srv = Hostile(body=body, ctype="text/event-stream", routes={"/v1/models": MODELS})
+    srv = Hostile(body=body, ctype="text/event-stream", routes={"/v1/models": MODELS},
+                  coherent=True)
     out = tmp_path / "r.json"
     try:
         with pytest.raises(Exit) as e:
@@ -98,6 +99,40 @@ def test_an_answer_with_a_field_that_does_not_fit_fails_in_one_line(tmp_path, ca
         "concurrency 1: 0/2 ok, 2 failed, 0.0 output tok/s, decode median - tok/s, TTFT median "
         f"- ms: no request succeeded (most often: {says})",
         "every request failed: nothing written"]
+
+
+GATE_LINE = "coherence gate: 'What is 17 + 25? Answer with the number only.'"
+
+
+@pytest.mark.parametrize(("body", "says"), BAD_ANSWERS)
+def test_a_gate_answer_that_does_not_fit_is_one_line_and_no_measured_request(tmp_path, capsys,
+                                                                              body, says):
+    srv = Hostile(body=body, ctype="text/event-stream", routes={"/v1/models": MODELS})
+    out = tmp_path / "r.json"
+    try:
+        with pytest.raises(Exit) as e:
+            bench_tasks.run(ctx(tmp_path), url=srv.url, concurrency="1", requests="2",
+                            output_tokens="3", warmup="0", timeout="2", json=str(out), save=True)
+    finally:
+        srv.close()
+    assert e.value.code == 1 and not out.exists() and not (tmp_path / "state" / "bench").exists()
+    assert failed_lines(capsys.readouterr().out) == [f"{GATE_LINE}: {says}; no figures"]
+    assert srv.paths == ["/v1/models", "/v1/chat/completions"]  # the gate's first prompt only
+
+
+@pytest.mark.parametrize("mode", ["trickle", "trickle-headers", "silent"])
+def test_a_gate_answer_that_trickles_ends_within_the_timeout(tmp_path, capsys, mode):
+    srv = Hostile(mode=mode, gap=0.02, routes={"/v1/models": MODELS})
+    started = time.monotonic()
+    try:
+        with pytest.raises(Exit) as e:
+            bench_tasks.run(ctx(tmp_path), url=srv.url, requests="2", timeout="1",
+                            deadline="86400")
+    finally:
+        srv.close()
+    assert e.value.code == 1 and time.monotonic() - started < 3
+    assert failed_lines(capsys.readouterr().out) == [
+        f"{GATE_LINE}: timeout: no data for 1s; no figures"]
 
 
 @pytest.mark.parametrize(("models", "says"), [
@@ -147,7 +182,7 @@ def test_save_on_an_unreachable_endpoint_writes_nothing(tmp_path, capsys):
 @pytest.mark.parametrize("mode", ["trickle", "trickle-headers", "silent"])
 def test_a_server_that_trickles_ends_within_the_timeout(tmp_path, capsys, mode):
     # a byte every 20 ms: never a socket timeout; the deadline (a day) never comes either
-    srv = Hostile(mode=mode, gap=0.02, routes={"/v1/models": MODELS})
+    srv = Hostile(mode=mode, gap=0.02, routes={"/v1/models": MODELS}, coherent=True)
     started = time.monotonic()
     try:
         with pytest.raises(Exit) as e:

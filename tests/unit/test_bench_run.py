@@ -35,7 +35,8 @@ def ctx(tmp_path) -> Context:
 
 
 def test_faulty_requests_fail_with_their_error_and_files_are_written(server, tmp_path):
-    # requests are numbered per server: warm-up is request 1, the measured ones 2..13
+    # requests are numbered per server: the coherence gate's are 1 and 2 (left alone), warm-up
+    # is request 3, the measured ones 4..15
     server.state.control({"faults": "http500:every=4,close:every=5:after=2,"
                                     "stall:every=7:after=1:seconds=1.5"})
     out, png = tmp_path / "r.json", tmp_path / "r.png"
@@ -45,13 +46,13 @@ def test_faulty_requests_fail_with_their_error_and_files_are_written(server, tmp
     doc = json.loads(out.read_text())
     run = doc["runs"][0]
     s = run["summary"]
-    # 4, 8, 12 -> 500; 5, 10 -> closed; 7 -> stalled past the 0.5 s timeout
-    assert s["requests"] == 12 and s["failed"] == 6 and s["completed"] == 6
+    # 4, 8, 12 -> 500; 5, 10, 15 -> closed; 7, 14 -> stalled past the 0.5 s timeout
+    assert s["requests"] == 12 and s["failed"] == 8 and s["completed"] == 4
     assert s["errors"] == {"HTTP 500: stand-in fault: internal server error": 3,
-                           "stream closed midway (after 3 events)": 2,
-                           "timeout: no data for 0.5s": 1}
+                           "stream closed midway (after 3 events)": 3,
+                           "timeout: no data for 0.5s": 2}
     errors = [r["error"] for r in run["requests"]]
-    assert errors.count(None) == 6
+    assert errors.count(None) == 4
     ok = [r for r in run["requests"] if r["error"] is None]
     assert all(r["output_tokens"] == 6 for r in ok)
     assert png.read_bytes()[:4] == b"\x89PNG"
@@ -183,7 +184,7 @@ def test_the_registered_step_benchmarks_the_profiles_endpoint_with_progress(serv
 
 
 def test_a_run_where_every_request_failed_exits_1_and_writes_nothing(server, tmp_path, capsys):
-    server.state.control({"faults": "http500:every=1"})
+    server.state.control({"faults": "http500:every=1:first=3"})  # after the coherence gate's
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     with pytest.raises(Exit) as e:
         bench_tasks.run(ctx(tmp_path), url=f"http://127.0.0.1:{server.port}", concurrency="2",

@@ -124,9 +124,15 @@ def synthetic_prompt(n_words: int, index: int, seed: int) -> str:
 
 
 def request_body(s: Settings, index: int) -> bytes:
-    prompt = synthetic_prompt(s.input_tokens, index, s.seed)
+    return prompt_body(s, synthetic_prompt(s.input_tokens, index, s.seed))
+
+
+def prompt_body(s: Settings, prompt: str, **extra: Any) -> bytes:
+    """A streamed request for ``prompt`` (usage included), shaped by ``s``: its API, model,
+    ``max_tokens`` (= ``s.output_tokens``, with ``ignore_eos`` when ``s.ignore_eos``) and
+    thinking switch; ``extra`` fields as given (``temperature=0``)."""
     body: dict = {"model": s.model, "max_tokens": s.output_tokens, "stream": True,
-                  "stream_options": {"include_usage": True}}
+                  "stream_options": {"include_usage": True}, **extra}
     if s.ignore_eos:
         body["ignore_eos"] = True
     if s.api == "chat":
@@ -311,41 +317,51 @@ class _Level:
 
     def _request(self, conn: Any, i: int, k: int, tl: Timeline) -> Any:
         """Request ``i`` on ``conn``; the connection to use next (a new one after an error)."""
-        late = None
+        return guarded_request(conn, self.target, self.s, self.path, self.bodies[i], tl, self.ov[k])
+
+
+def guarded_request(conn: Any, target: Target, s: Settings, path: str, body: bytes, tl: Timeline,
+                    ov: Overhead) -> Any:
+    """One streamed request on ``conn`` (None: connect first) within ``s.deadline``, an SSE event
+    at least every ``s.timeout``; whatever goes wrong is ``tl.error`` (one line). Returns the
+    connection to use next (a new one after an error, or None)."""
+    late = None
+    try:
+        if conn is None:
+            conn = target.connect(s.timeout)
+        # the whole request within the deadline, and an SSE event at least every timeout
+        with watchdog(conn.sock, s.deadline, idle=s.timeout) as late:
+            _stream(conn, target, path, body, tl, ov, late)
+    except TimeoutError:
+        tl.error = f"timeout: no data for {s.timeout:g}s"
+    except (OSError, ValueError, http.client.HTTPException) as e:
+        tl.error = f"{type(e).__name__}: {e}".rstrip(": ")
+    if late is not None and late.is_set():
+        tl.error = (f"deadline: not done within {s.deadline:g}s" if late.why == "deadline"
+                    else f"timeout: no data for {s.timeout:g}s")
+    if tl.end is None:
+        tl.end = time.perf_counter()
+    if tl.error is not None and conn is not None:
+        conn.close()
         try:
-            if conn is None:
-                conn = self.target.connect(self.s.timeout)
-            # the whole request within the deadline, and an SSE event at least every timeout
-            with watchdog(conn.sock, self.s.deadline, idle=self.s.timeout) as late:
-                _stream(conn, self.target, self.path, self.bodies[i], tl, self.ov[k], late)
-        except TimeoutError:
-            tl.error = f"timeout: no data for {self.s.timeout:g}s"
-        except (OSError, ValueError, http.client.HTTPException) as e:
-            tl.error = f"{type(e).__name__}: {e}".rstrip(": ")
-        if late is not None and late.is_set():
-            tl.error = (f"deadline: not done within {self.s.deadline:g}s" if late.why == "deadline"
-                        else f"timeout: no data for {self.s.timeout:g}s")
-        if tl.end is None:
-            tl.end = time.perf_counter()
-        if tl.error is not None and conn is not None:
-            conn.close()
-            try:
-                conn = self.target.connect(self.s.timeout)
-            except OSError:
-                conn = None
-        return conn
+            conn = target.connect(s.timeout)
+        except OSError:
+            conn = None
+    return conn
 
 
 def run_level(target: Target, s: Settings, requests: int, concurrency: int | None = None,
               rate: float | None = None, path: str | None = None, first_index: int = 0,
               events: EventSink | None = None, step: str = "bench.run", note: str = "",
-              slo: dict[str, float] | None = None, keep: list | None = None) -> dict:
+              slo: dict[str, float] | None = None, keep: list | None = None,
+              bodies: list[bytes] | None = None) -> dict:
     """Run ``requests`` requests at a fixed concurrency, or Poisson arrivals at ``rate`` req/s
     (then ``concurrency`` caps the workers, default min(requests, 256)). Returns
     ``{"summary", "requests"}`` (``summary["client"]``: the client's overhead; with ``slo``,
     ``summary["goodput"]`` and each request's ``slo_met``); ``keep`` gets the requests'
     ``RequestMetrics`` (to pool repeated runs). With ``events``, each finished request is a
-    ``Progress(step, None, finished, requests, "req", note)``."""
+    ``Progress(step, None, finished, requests, "req", note)``. ``bodies``: the requests' bodies
+    (one per request; default: synthetic prompts of ``s.input_tokens`` words)."""
     if requests < 1 or (concurrency is not None and concurrency < 1) or (rate is not None and rate <= 0):
         raise BenchError(f"nothing to run: {requests} request(s), concurrency {concurrency}, "
                          f"rate {rate}")
@@ -356,8 +372,9 @@ def run_level(target: Target, s: Settings, requests: int, concurrency: int | Non
             raise BenchError(f"{name} {secs!r} is not within (0, {DAY_S:g}] seconds")
     path = path or ("/v1/chat/completions" if s.api == "chat" else "/v1/completions")
     workers, offsets = _arrivals(s, requests, concurrency, rate)
-    level = _Level(target, s, path, [request_body(s, first_index + i) for i in range(requests)],
-                   offsets, workers, paced=rate is not None)
+    if bodies is None:
+        bodies = [request_body(s, first_index + i) for i in range(requests)]
+    level = _Level(target, s, path, bodies, offsets, workers, paced=rate is not None)
     old_switch = sys.getswitchinterval()
     sys.setswitchinterval(0.001)
     probe = _Probe()

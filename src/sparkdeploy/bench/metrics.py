@@ -98,6 +98,14 @@ class Chunk(BaseModel):
     usage: _Usage | None = None
     error: Any = None
 
+    def answer(self) -> str:
+        """The answer's text in this chunk (``content``, or a completion's ``text``), without
+        the reasoning."""
+        if not self.choices:
+            return ""
+        c = self.choices[0]
+        return (c.delta.content or "") if c.delta is not None else (c.text or "")
+
     def text(self) -> str:
         if not self.choices:
             return ""

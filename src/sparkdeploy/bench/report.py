@@ -65,6 +65,28 @@ def run_table(run: dict) -> Table:
     return t
 
 
+def depth_table(model: str, rows: list[dict], output_tokens: int) -> Table:
+    """The depth sweep as llama-bench prints it (llama-benchy's columns: model, test, t/s): a
+    ``pp`` and a ``tg`` row per depth, median +- standard deviation over the runs."""
+    runs = max((len(r["runs"]) for r in rows), default=0)
+    t = Table(title=f"prefill (pp) and decode (tg) by context depth: median ± sd of {runs} run(s)",
+              title_justify="left")
+    for col, j in (("model", "left"), ("test", "right"), ("t/s", "right"), ("ttft (ms)", "right"),
+                   ("prompt tokens", "right")):
+        t.add_column(col, justify=j)  # type: ignore[arg-type]
+
+    def pm(row: dict, key: str, digits: int) -> str:
+        sd = row.get(f"{key}_sd")
+        return _f(row[key], digits) + ("" if sd is None else f" ± {_f(sd, digits)}")
+
+    for row in rows:
+        d = row["depth"]
+        t.add_row(model, f"pp @ d{d}", pm(row, "pp_tok_s", 2), pm(row, "ttft_ms", 2),
+                  _f(row["prompt_tokens"], 0))
+        t.add_row(model, f"tg{output_tokens} @ d{d}", pm(row, "tg_tok_s", 2), "", "")
+    return t
+
+
 def engine_rows(eng: dict) -> list[tuple[str, str, str, str, str]]:
     """The engine's figures beside the client's, as rows of text (metric, client, engine,
     difference, verdict): the console table and the HTML report show the same."""

@@ -56,6 +56,9 @@ def run_sweep(url: str, settings: Settings, *, concurrency: list[int] | None = N
     listed = default_model(target, deadline=min(10.0, settings.timeout))
     if settings.model is None:  # else: the call above fails early, in one line, when unreachable
         settings.model = listed
+    from sparkdeploy.bench import gate
+
+    answers = gate.check(target, settings)  # a model that answers nonsense gets no figures
     levels: list[tuple[int | None, float | None]]
     if rates:
         levels = [(max_concurrency, r) for r in rates]
@@ -67,6 +70,7 @@ def run_sweep(url: str, settings: Settings, *, concurrency: list[int] | None = N
                    "rates": rates or None, "max_concurrency": max_concurrency,
                    "slo": slo or None, "runs": runs,
                    "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")},
+        "gate": [{"prompt": a.prompt, "answer": a.answer} for a in answers],
         "runs": [],
     }
     # the engine's own /metrics beside each level's figures (bench/engine.py); none: one line

@@ -3,7 +3,8 @@
 rest of the lab's data).
 
 Two sorts. ``FAULTS`` are read by the engine stand-ins when they start (``sglang-hang``,
-``oom-at-load``). ``ACTIONS`` act at once on the engine containers running on one node
+``oom-at-load``), or on every request (``garbage``: nonsense answers, ``/health`` still 200).
+``ACTIONS`` act at once on the engine containers running on one node
 (``--nodes``, default: the last worker): ``rank-wedged`` SIGSTOPs every process of them (a rank
 that is alive and serves nothing: ``ps`` shows state T, the head's streams stall while its
 ``/health`` answers), ``rank-exit`` SIGKILLs their engine process (the container exits 137).
@@ -40,7 +41,12 @@ FAULTS: dict[str, str] = {
     "vllm-wrong-address": "vLLM's headless workers advertise 127.0.1.1 (VLLM_HOST_IP as `hostname "
                           "-i` gives it on a stock node): the head never reaches their message "
                           "queues and waits after loading the weights",
+    "garbage": "every engine stand-in answers nonsense (the same token again and again) while "
+               "/health stays 200, as a stale image did (spark-arena's blog); bench's coherence "
+               "gate refuses to measure it",
 }
+AT_ONCE = frozenset({"garbage"})
+"""FAULTS the engine stand-ins read on every request: they show in engines already serving."""
 ACTIONS: dict[str, str] = {
     "rank-wedged": "every process of the node's engine containers SIGSTOPped (state T)",
     "rank-exit": "the engine process of the node's engine containers SIGKILLed (exit 137)",
@@ -170,7 +176,9 @@ def set_fault(name: str, record: Path | None = None, node: str | None = None) ->
            + (f"; continued {len(resumed)} stopped process(es)" if resumed else "")
            + (f"; {memory_fault.NAME} undone on {', '.join(unbound)}" if unbound else "")
            + "".join(f"; {x}'s link restored: {', '.join(h)}" for x, h in healed.items()))
-    if name != "none":
+    if name in AT_ONCE:
+        why += f". {name}: {FAULTS[name]}. It shows at once, in engines already serving too"
+    elif name != "none":
         why += (f". {name}: {FAULTS[name]}. It shows in engines started from now on; one "
                 "already serving keeps serving (`inv serve.down` first, and the next "
                 "deploy.all starts the engines again)")

@@ -17,6 +17,7 @@ from sparkdeploy.bench.engine import DISAGREE_PCT, disagreements
 from sparkdeploy.bench.report import level_name
 from sparkdeploy.bench.sweep import STEP, check_baseline, run_sweep, sweep_json
 from sparkdeploy.config import Bench
+from sparkdeploy.deployment import Deployment
 from sparkdeploy.endpoint import url as endpoint_url
 from sparkdeploy.files import write_atomic, write_text_atomic
 from sparkdeploy.steps.registry import StepContext, step
@@ -179,6 +180,82 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
     if baseline is not None:
         good, line = check_baseline(doc, *baseline)
         (ctx.ok if good else ctx.failed)(line)
+
+
+def depth_line(row: dict[str, Any]) -> str:
+    """One line per depth: prefill and decode rates and TTFT (medians over the runs)."""
+    return (f"depth {row['depth']}: pp {row['pp_tok_s']:,.1f} tok/s ({row['prompt_tokens']:,.0f} "
+            f"prompt tokens), tg {row['tg_tok_s']:,.2f} tok/s, TTFT {row['ttft_ms']:,.1f} ms "
+            f"(median of {len(row['runs'])})")
+
+
+def head_tokenizer(ctx: StepContext, dep: Deployment, save_dir: Path) -> Path | None:
+    """The model's tokenizer.json from the head's model directory, kept under ``save_dir``
+    (None, with a failed result, when the head has none)."""
+    from sparkdeploy.hosts import HostError
+    from sparkdeploy.nodeops import read_node_file
+
+    head = dep.host(dep.profile.head.name)
+    path = f"{dep.profile.model.path.rstrip('/')}/tokenizer.json"
+    try:
+        text = read_node_file(head, path)
+    except HostError as e:
+        ctx.failed(f"no tokenizer: cannot read {head.name}:{path}: {e}; pass --tokenizer DIR")
+        return None
+    if text is None:
+        ctx.failed(f"no tokenizer: {head.name}:{path} does not exist (is the model downloaded?); "
+                   "pass --tokenizer DIR")
+        return None
+    local = save_dir / "tokenizer.json"
+    try:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(local, text)
+    except OSError as e:
+        ctx.failed(f"cannot keep the tokenizer at {local}: {e.strerror or e}")
+        return None
+    return local
+
+
+def depth_benchmark(ctx: StepContext, url: str, settings: Settings, *, tokenizer: str | Path | None,
+                    depths: Sequence[int], runs: int = 1, json_path: str | Path | None = None,
+                    deployment: Deployment | None = None,
+                    tokenizer_dir: Path | None = None) -> None:
+    """The depth sweep (``bench.depth``): one result per depth (``details["depth"]``), one per
+    file written. The model's tokenizer is ``tokenizer``, else the head's (``deployment``'s model
+    directory, fetched into ``tokenizer_dir``); no tokenizer or a gate that fails is one failed
+    result and nothing written; a depth whose request failed is a failed result (the others are
+    written), and when no depth was measured nothing is written."""
+    from sparkdeploy.bench.depth import run_depths
+
+    if tokenizer is None:
+        if deployment is None or tokenizer_dir is None:
+            ctx.failed("no tokenizer: pass --tokenizer DIR (the served model's directory with its "
+                       "tokenizer.json); there is no fallback")
+            return
+        tokenizer = head_tokenizer(ctx, deployment, tokenizer_dir)
+        if tokenizer is None:
+            return
+    try:
+        doc = run_depths(url, settings, tokenizer, list(depths), runs=runs, events=ctx.events,
+                         step=ctx.name)
+    except BenchError as e:
+        ctx.failed(str(e))
+        return
+    for row in doc["depths"]:
+        if row.get("error"):
+            ctx.failed(row["error"])
+        else:
+            ctx.ok(depth_line(row), depth=row, model=doc["config"]["model"])
+    if all(row.get("error") for row in doc["depths"]):
+        ctx.failed("no depth was measured: nothing written")
+        return
+    if json_path:
+        try:
+            write_text_atomic(Path(json_path), sweep_json(doc))
+        except OSError as e:
+            ctx.failed(f"cannot write {json_path}: {e.strerror or e}")
+            return
+        ctx.changed(f"wrote {json_path}", path=str(json_path))
 
 
 @step(STEP, needs=("serve.up",))

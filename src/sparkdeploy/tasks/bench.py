@@ -15,6 +15,9 @@ from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks._common import drive, exits
 from sparkdeploy.tasks._flags import task
 
+DEPTH_STEP = "bench.depth"
+DEFAULT_DEPTHS = "0,4096,16384,32768"
+
 _HELP = {
     "url": "OpenAI-compatible endpoint (default: the one serve.up recorded, else the profile's)",
     "model": "model name (default: the first one /v1/models lists)",
@@ -41,6 +44,20 @@ _HELP = {
     "profile": "profile file (default: sparkdeploy.profile from invoke config)",
     "slo": "goodput against SLOs, any of ttft=2s,tpot=80ms,e2e=30s (a bare number is ms)",
     "runs": "measure each level K times: pooled figures and a 95% interval for each headline one",
+    "depths": "a depth sweep instead (as bench.depth): context depths in tokens, e.g. 0,4096,16384",
+    "tokenizer": "with --depths: the served model's directory (its tokenizer.json; default: the "
+                 "head's model directory)",
+}
+_DEPTH_HELP = {
+    "url": _HELP["url"], "model": _HELP["model"], "thinking": _HELP["thinking"],
+    "timeout": _HELP["timeout"], "deadline": _HELP["deadline"], "profile": _HELP["profile"],
+    "depths": f"context depths in tokens, comma-separated (default {DEFAULT_DEPTHS})",
+    "tokenizer": "the served model's directory, or its tokenizer.json (default: the head's model "
+                 "directory); no tokenizer, no sweep",
+    "runs": "requests per depth, each with a prompt of its own; the figures are their medians "
+            "(default 3)",
+    "output_tokens": "tokens each measured request asks for, exactly (ignore_eos; default 128)",
+    "json": "write the results JSON here",
 }
 
 
@@ -48,8 +65,23 @@ _HELP = {
 def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=None,
         requests=None, input_tokens=None, output_tokens=None, warmup=None, thinking=None,
         api="chat", json=None, plot=None, timeout=None, deadline=None, save=False,
-        check_baseline=False, baseline_tolerance=None, profile=None, slo=None, runs=None):
-    """Benchmark an endpoint: a concurrency (or rate) sweep, vLLM bench-serve metrics."""
+        check_baseline=False, baseline_tolerance=None, profile=None, slo=None, runs=None,
+        depths=None, tokenizer=None):
+    """Benchmark an endpoint: a concurrency (or rate) sweep, vLLM bench-serve metrics (or, with
+    --depths, the depth sweep of bench.depth)."""
+    if depths is not None:
+        for flag, given in (("--concurrency", concurrency), ("--rate", rate), ("--slo", slo),
+                            ("--plot", plot), ("--requests", requests), ("--warmup", warmup),
+                            ("--input-tokens", input_tokens), ("--max-concurrency", max_concurrency),
+                            ("--check-baseline", check_baseline or None), ("--save", save or None),
+                            ("--api", None if api == "chat" else api)):
+            if given is not None:
+                raise flags.usage(flag, "does not apply to a depth sweep (--depths)")
+        return depth(c, url=url, model=model, tokenizer=tokenizer, depths=depths, runs=runs,
+                     output_tokens=output_tokens, thinking=thinking, json=json, timeout=timeout,
+                     deadline=deadline, profile=profile)
+    if tokenizer is not None:
+        raise flags.usage("--tokenizer", "only applies with --depths")
     from sparkdeploy.bench.compare import parse_pct
     from sparkdeploy.bench.metrics import parse_slo
     from sparkdeploy.bench.sweep import MAX_RUNS, parse_levels
@@ -102,6 +134,61 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
 
     drive(c, STEP, work, profile=profile, deployment="optional" if url else "needed", lock=False,
           show=lambda dep, results: _tables(results))
+
+
+@task(help=_DEPTH_HELP)
+def depth(c, url=None, model=None, tokenizer=None, depths=DEFAULT_DEPTHS, runs=None,
+          output_tokens=None, thinking=None, json=None, timeout=None, deadline=None, profile=None):
+    """Prefill (pp) and decode (tg) rates at increasing context depths, llama-bench style, with
+    the model's own tokenizer, after the coherence gate."""
+    from sparkdeploy.bench.depth import parse_depths
+    from sparkdeploy.bench.sweep import MAX_RUNS
+    from sparkdeploy.endpoint import url as endpoint_url
+    from sparkdeploy.steps.bench import depth_benchmark, request_settings
+    from sparkdeploy.steps.registry import run_one
+
+    url = flags.url("--url", url)
+    model = None if model is None else flags.parsed("--model", model, checks.no_control)
+    flags.choice("--thinking", thinking, ("on", "off"))
+    levels = flags.parsed("--depths", depths, parse_depths)
+    k_runs = flags.integer("--runs", runs, default=3, min=1, max=MAX_RUNS)
+    n_out = flags.integer("--output-tokens", output_tokens, default=128, min=2,
+                          max=checks.MAX_TOKENS)
+    secs = flags.number("--timeout", timeout, gt=0, max=DAY_S)
+    whole = flags.number("--deadline", deadline, gt=0, max=DAY_S)
+    json_path = flags.output_file("--json", json)
+    tok = None if tokenizer is None else flags.parsed("--tokenizer", tokenizer, checks.no_control)
+
+    def work(dep: Deployment | None, events: EventSink) -> list[Result]:
+        bench = dep.profile.bench if dep is not None else Bench()
+        target = url or (endpoint_url(dep) if dep is not None else None)
+        if not target:
+            raise Exit("the profile has no endpoint (sparkdeploy.endpoint): pass --url URL", code=2)
+        settings = request_settings(bench, model=model, output_tokens=n_out,
+                                    thinking=None if thinking is None else thinking == "on",
+                                    timeout=secs, deadline=whole)
+        return run_one(None, DEPTH_STEP, target, settings, events=events, body=depth_benchmark,
+                       tokenizer=tok, depths=levels, runs=k_runs, json_path=json_path, deployment=dep,
+                       tokenizer_dir=state_dir(c) / "bench" / "tokenizer")
+
+    # the profile is needed for the endpoint (no --url); without --tokenizer, the head's is read
+    # when there is one (the step says what to pass when there is none)
+    drive(c, DEPTH_STEP, work, profile=profile, deployment="optional" if url else "needed",
+          lock=False,
+          show=lambda dep, results: _depth_table(results, n_out))
+
+
+def _depth_table(results, output_tokens: int) -> None:
+    from rich.console import Console
+
+    from sparkdeploy.bench.report import depth_table
+
+    rows = [r.details["depth"] for r in results if "depth" in r.details]
+    if rows:
+        model = next(r.details["model"] for r in results if "depth" in r.details)
+        console = Console()
+        console.width = max(console.width, 100)  # a row of a table is one line, as llama-bench's
+        console.print(depth_table(model, rows, output_tokens))
 
 
 def _tables(results) -> None:

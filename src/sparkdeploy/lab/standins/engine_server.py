@@ -85,16 +85,30 @@ also the lab fault ``oom-at-load``: SGLang's ranks and vLLM while loading the we
 a port that really is taken gives the same).
 
 Per request, ``SPARKDEPLOY_STANDIN_FAULTS`` / ``--faults`` / ``POST /_control {"faults": ...}``:
-a comma-separated list of rules ``KIND[:every=N|:fraction=F][:after=K][:seconds=S]``, KIND one
-of ``http500``, ``close`` (stream closed midway, after K tokens), ``stall`` (no bytes for S
-seconds after K tokens, then carry on). Generation requests are numbered 1, 2, ... (reset by
+a comma-separated list of rules ``KIND[:every=N|:fraction=F][:after=K][:seconds=S][:first=M]``,
+KIND one of ``http500``, ``close`` (stream closed midway, after K tokens), ``stall`` (no bytes
+for S seconds after K tokens, then carry on), ``garbage`` (the answer is the same token again
+and again; also the lab fault ``garbage``, read from the lab view on every request); ``first=M``
+leaves requests before the M-th alone. Generation requests are numbered 1, 2, ... (reset by
 ``POST /_control {"reset": true}``); the first rule that selects request n applies.
 ``every=N`` selects n % N == 0; ``fraction=F`` selects n when floor(n*F) > floor((n-1)*F)
 (deterministic, exactly F of the requests). ``GET /_control`` shows the state and counters.
 
 Timing, ``--ttft-ms`` / ``SPARKDEPLOY_STANDIN_TTFT_MS`` (default 120) and ``--tok-s`` /
 ``SPARKDEPLOY_STANDIN_TOK_S`` (default 27) or ``--gap-ms`` / ``SPARKDEPLOY_STANDIN_GAP_MS``;
-``POST /_control {"ttft_ms": .., "gap_ms": ..}`` changes them while running.
+``POST /_control {"ttft_ms": .., "gap_ms": ..}`` changes them while running. The prompt shapes
+both, so a depth sweep measures something: the first token waits ttft + prompt tokens /
+``--prefill-tok-s`` (default 8000; 0: not at all), and every decode step takes gap x (1 + prompt
+tokens / ``--decode-half-depth``) (default 131072: half the rate at that depth; 0: no slowdown);
+``Config()`` in a test has both off. ``usage.prompt_tokens`` is counted with the served model's
+``tokenizer.json`` (SGLang's ``--model-path``, vLLM's model, ``--model`` or ``--tokenizer`` here,
+when it is a directory holding one) over the chat as the lab model's template renders it
+(``PromptCounter``: the same count as the ``tokenizers`` library, standard library only);
+otherwise it is the prompt's words.
+
+Answers: a prompt with one right answer (``What is A + B?``, ``Repeat this word ...: W``, the
+bench's coherence gate) is answered right and the answer ends there (EOS), unless
+``ignore_eos``; every other prompt gets the stand-in's words.
 """
 
 from __future__ import annotations
@@ -104,11 +118,13 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import socket
 import sys
 import threading
 import time
+import unicodedata
 import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -116,7 +132,7 @@ from pathlib import Path
 from typing import NoReturn
 
 ENV = "SPARKDEPLOY_STANDIN_"
-FAULT_KINDS = ("http500", "close", "stall")
+FAULT_KINDS = ("http500", "close", "stall", "garbage")
 STARTUP_FAULTS = ("none", "hang", "oom", "port_in_use")
 _WORDS = (
     "the model answers with steady tokens from the stand in engine while the benchmark "
@@ -138,8 +154,12 @@ class FaultRule:
     fraction: float | None = None
     after: int = 4
     seconds: float = 30.0
+    first: int = 1
+    """The first request the rule may select (``first=3``: the first two are left alone)."""
 
     def selects(self, n: int) -> bool:
+        if n < self.first:
+            return False
         if self.every:
             return n % self.every == 0
         if self.fraction is not None:
@@ -153,6 +173,7 @@ class FaultRule:
             "fraction": self.fraction,
             "after": self.after,
             "seconds": self.seconds,
+            "first": self.first,
         }
 
 
@@ -187,6 +208,8 @@ def parse_faults(spec: str | list | None) -> list[FaultRule]:
                 rule.after = int(val)
             elif key == "seconds":
                 rule.seconds = float(val)
+            elif key == "first":
+                rule.first = int(val)
             else:
                 raise ValueError(f"unknown fault option {key!r}")
         rules.append(rule)
@@ -214,6 +237,13 @@ class Config:
     """Tensor parallel's lockstep with the other ranks (multi-node): every token waits for one."""
     api_key: str | None = None
     """``--api-key`` (SGLang, vLLM) or ``VLLM_API_KEY``: /v1/* then need ``Authorization: Bearer``."""
+    prefill_tok_s: float = 0.0
+    """Prefill rate: the first token waits ``ttft_ms`` plus prompt tokens / this (0: no wait)."""
+    decode_half_depth: int = 0
+    """Decode slows with the prompt: the gap is ``gap_ms * (1 + prompt tokens / this)``, half
+    the rate at this depth (0: decode does not slow)."""
+    tokenizer: str | None = None
+    """The served model's directory (or its tokenizer.json): prompt tokens counted with it."""
     metrics: str | None = None
     """The ``/metrics`` the server exports: ``"vllm"`` (vLLM always does), ``"sglang"`` (SGLang
     with ``--enable-metrics``), None (404)."""
@@ -230,6 +260,9 @@ def _arg_parser(prog: str = "engine_server") -> argparse.ArgumentParser:
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(_env("PORT", "8000")))
     p.add_argument("--model", default=_env("MODEL", "standin"))
+    p.add_argument("--tokenizer", default=_env("TOKENIZER"),
+                   help="the model directory whose tokenizer.json counts prompt tokens (default: "
+                   "--model when it is such a directory; else prompt tokens are words)")
     p.add_argument("--metrics", choices=METRIC_FORMATS, default=_env("METRICS") or None,
                    help="export /metrics as this engine does (default: none, 404)")
     add_timing_flags(p)
@@ -248,6 +281,10 @@ def add_timing_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--startup-fault", choices=STARTUP_FAULTS, default=_env("STARTUP_FAULT", "none") or "none")
     g.add_argument("--faults", default=_env("FAULTS", ""))
     g.add_argument("--log-requests", action="store_true", default=_env("LOG_REQUESTS", "") not in ("", "0"))
+    g.add_argument("--prefill-tok-s", type=float, default=float(_env("PREFILL_TOK_S", "8000")),
+                   help="prefill rate: TTFT grows by prompt tokens / this (0: a fixed TTFT)")
+    g.add_argument("--decode-half-depth", type=int, default=int(_env("DECODE_HALF_DEPTH", "131072")),
+                   help="prompt tokens at which decode runs at half --tok-s (0: no slowdown)")
     g.add_argument("--kv-tokens", type=int, default=int(_env("KV_TOKENS", "65536")))
 
 
@@ -265,9 +302,14 @@ def config_from_args(ns: argparse.Namespace, **over) -> Config:
         startup_fault=ns.startup_fault,
         faults=parse_faults(ns.faults),
         log_requests=ns.log_requests,
+        prefill_tok_s=ns.prefill_tok_s,
+        decode_half_depth=ns.decode_half_depth,
+        tokenizer=getattr(ns, "tokenizer", None),
         kv_tokens=ns.kv_tokens,
         metrics=getattr(ns, "metrics", None),
     )
+    if cfg.prefill_tok_s < 0 or cfg.decode_half_depth < 0:
+        raise ValueError("--prefill-tok-s and --decode-half-depth must not be negative")
     for k, v in over.items():
         setattr(cfg, k, v)
     return cfg
@@ -489,6 +531,16 @@ class State:
         self.metrics = EngineMetrics(cfg.metrics, cfg.model, cfg.kv_tokens) if cfg.metrics else None
         self.lost: threading.Event | None = None
         """Set when a peer rank died (multi-node SGLang): the half-cluster serves nothing."""
+        self._counter: PromptCounter | None = None
+        self._counter_loaded = False
+
+    def counter_for_prompts(self) -> PromptCounter | None:
+        """The served model's tokenizer (loaded once); None: prompt tokens are words."""
+        with self.lock:
+            if not self._counter_loaded:
+                self._counter_loaded = True
+                self._counter = PromptCounter.load(self.cfg.tokenizer) if self.cfg.tokenizer else None
+            return self._counter
 
     @property
     def broken(self) -> bool:
@@ -738,17 +790,29 @@ class Handler(BaseHTTPRequestHandler):
 
     def _answer(self, chat: bool, body: dict, arrival: float, rule: FaultRule | None) -> None:
         cfg = self.server.state.cfg
-        ttft, gap = cfg.ttft_ms / 1000.0, cfg.gap_ms / 1000.0
         if rule and rule.kind == "http500":
             self._error(500, "stand-in fault: internal server error", "InternalServerError")
             return
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
         max_tokens = int(max_tokens) if max_tokens else cfg.default_max_tokens
-        n = max_tokens if body.get("ignore_eos") else min(max_tokens, cfg.natural_tokens)
-        n = max(n, 1)
         thinking = chat and (body.get("chat_template_kwargs") or {}).get("enable_thinking", True)
-        n_reason = min(cfg.reasoning_tokens, n // 2) if thinking else 0
-        prompt_tokens = _count_prompt(body, chat)
+        prompt_tokens = _count_prompt(body, chat, self.server.state.counter_for_prompts())
+        garbage = (rule is not None and rule.kind == "garbage") or GARBAGE in lab_faults()
+        words = _reply(_last_user_text(body, chat), garbage)
+        if words is not None and not body.get("ignore_eos"):
+            # a prompt with one right answer: the model says it and stops (EOS)
+            n_reason = min(cfg.reasoning_tokens, max_tokens - 1) if thinking else 0
+            n = min(max_tokens, n_reason + len(words))
+        else:
+            n = max_tokens if body.get("ignore_eos") else min(max_tokens, cfg.natural_tokens)
+            n = max(n, 1)
+            n_reason = min(cfg.reasoning_tokens, n // 2) if thinking else 0
+        pieces = [_token(i) for i in range(n_reason)] + [
+            (words[(i - n_reason) % len(words)] if words else _token(i)) for i in range(n_reason, n)]
+        # the prompt's length sets the time to the first token and slows every decode step
+        ttft = cfg.ttft_ms / 1000.0 + (prompt_tokens / cfg.prefill_tok_s if cfg.prefill_tok_s else 0.0)
+        gap = cfg.gap_ms / 1000.0 * (1.0 + (prompt_tokens / cfg.decode_half_depth
+                                            if cfg.decode_half_depth else 0.0))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         model = body.get("model") or cfg.model
@@ -767,8 +831,8 @@ class Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
                 _abort(self.connection)
                 return
-            reasoning = "".join(_token(i) for i in range(n_reason))
-            text = "".join(_token(i) for i in range(n_reason, n))
+            reasoning = "".join(pieces[:n_reason])
+            text = "".join(pieces[n_reason:])
             if chat:
                 msg = {"role": "assistant", "content": text}
                 if thinking:
@@ -833,9 +897,9 @@ class Handler(BaseHTTPRequestHandler):
             fin = finish if last else None
             if chat:
                 key = "reasoning_content" if i < n_reason else "content"
-                choice = {"index": 0, "delta": {key: _token(i)}, "logprobs": None, "finish_reason": fin}
+                choice = {"index": 0, "delta": {key: pieces[i]}, "logprobs": None, "finish_reason": fin}
             else:
-                choice = {"index": 0, "text": _token(i), "logprobs": None, "finish_reason": fin}
+                choice = {"index": 0, "text": pieces[i], "logprobs": None, "finish_reason": fin}
             data = event(choice)
             _sleep_until(start + i * gap)
             self._step()
@@ -849,13 +913,187 @@ class Handler(BaseHTTPRequestHandler):
         self._chunk(b"")  # the chunked-encoding terminator: the connection stays open
 
 
-def _count_prompt(body: dict, chat: bool) -> int:
+GARBAGE = "garbage"
+"""The lab fault (``inv lab.fault garbage``): every answer is nonsense while /health stays 200,
+as a stale image's broken kernels answered (spark-arena's blog: garbage with green health)."""
+_NONSENSE = "!"
+"""What a broken model streams: the same token over and over (the familiar ``!!!!!!``)."""
+
+
+def _last_user_text(body: dict, chat: bool) -> str:
+    if not chat:
+        p = body.get("prompt", "")
+        return str(p[-1]) if isinstance(p, list) and p else str(p)
+    users = [m for m in body.get("messages", []) if isinstance(m, dict) and m.get("role") == "user"]
+    return str(users[-1].get("content", "")) if users else ""
+
+
+_ARITHMETIC = re.compile(r"what is (-?\d{1,9}) *([-+*]) *(-?\d{1,9})\s*\?", re.IGNORECASE)
+_REPEAT = re.compile(r"repeat (?:this|the following) word[^:]*:\s*([^\s]+)\s*$", re.IGNORECASE)
+
+
+def _reply(prompt: str, garbage: bool) -> list[str] | None:
+    """The answer to a question with one right answer (an arithmetic sum, a word to repeat back:
+    the bench's coherence prompts), as a healthy model gives it; None for any other prompt.
+    Under the garbage fault every answer is the same token again and again."""
+    if garbage:
+        return [_NONSENSE] * 16
+    if m := _ARITHMETIC.search(prompt):
+        a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+        return [str(a + b if op == "+" else a - b if op == "-" else a * b)]
+    if m := _REPEAT.search(prompt):
+        return [m.group(1)]
+    return None
+
+
+def _chatml(body: dict) -> str:
+    """The chat as the lab model's chat template renders it (ChatML, ``lab.hub_repo.CHAT_TEMPLATE``,
+    which opens the answer with ``<think>`` whatever ``enable_thinking`` says) with the generation
+    prompt: what a real engine tokenizes for a chat request."""
+    out = "".join(f"<|im_start|>{m.get('role', '')}\n{m.get('content', '')}<|im_end|>\n"
+                  for m in body.get("messages", []) if isinstance(m, dict))
+    return out + "<|im_start|>assistant\n<think>\n"
+
+
+def _count_prompt(body: dict, chat: bool, counter: PromptCounter | None = None) -> int:
+    """``usage.prompt_tokens``: with the served model's tokenizer, the rendered chat (template
+    included) or the completion prompt; without one, whitespace-separated words."""
+    if counter is not None:
+        if chat:
+            return counter.count(_chatml(body))
+        p = body.get("prompt", "")
+        return counter.count("".join(map(str, p)) if isinstance(p, list) else str(p))
     if chat:
         text = " ".join(str(m.get("content", "")) for m in body.get("messages", []) if isinstance(m, dict))
     else:
         p = body.get("prompt", "")
         text = " ".join(map(str, p)) if isinstance(p, list) else str(p)
     return max(1, len(text.split()))
+
+
+# --- counting tokens as the model's tokenizer.json does (standard library only) -------------
+#
+# The lab image has no `tokenizers`, so the count is done here: a byte-level BPE as Hugging Face
+# `tokenizers` runs one (tokenizers/src/pre_tokenizers/byte_level.rs, models/bpe/model.rs):
+# added tokens split out first (each one token), the normalizer (NFC), the pre-tokenizer's regex
+# (ByteLevel's GPT-2 pattern, or a Split pattern as Qwen's and Llama 3's tokenizer.json give),
+# each piece's UTF-8 bytes mapped to printable characters, then the merges applied lowest rank
+# first. Python's `re` has no \p{L} or \p{N}: letters are [^\W\d_], numbers \d (the same for
+# ASCII and for most text; the bench's prompts are ASCII). A tokenizer outside this (another
+# model type, another normalizer or pre-tokenizer) is not loaded: the count falls back to words.
+
+_GPT2_SPLIT = (r"'s|'t|'re|'ve|'m|'ll|'d| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+")
+
+
+def _py_regex(pattern: str) -> str:
+    """A `tokenizers` (Oniguruma) pre-tokenizer pattern in Python's `re` dialect."""
+    for a, b in ((r"[^\r\n\p{L}\p{N}]", r"(?:[^\r\n\w]|_)"), (r"[^\s\p{L}\p{N}]", r"(?:[^\s\w]|_)"),
+                 (r"\p{L}", r"[^\W\d_]"), (r"\p{N}", r"\d")):
+        pattern = pattern.replace(a, b)
+    return pattern
+
+
+def _byte_chars() -> list[str]:
+    """Byte -> printable character of byte-level BPE (GPT-2's table)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+class PromptCounter:
+    """Counts tokens as the model's ``tokenizer.json`` encodes a text (no special tokens added)."""
+
+    def __init__(self, data: dict):
+        model = data.get("model") or {}
+        if model.get("type") != "BPE":
+            raise ValueError(f"model type {model.get('type')!r} (only byte-level BPE is counted)")
+        norm = data.get("normalizer")
+        if norm is not None and norm.get("type") != "NFC":
+            raise ValueError(f"normalizer {norm.get('type')!r}")
+        self.nfc = norm is not None
+        self.split = self._splitter(data.get("pre_tokenizer") or {})
+        self.vocab = model.get("vocab") or {}
+        merges = model.get("merges") or []
+        self.ranks = {tuple(m.split(" ", 1) if isinstance(m, str) else m): i for i, m in enumerate(merges)}
+        self.ignore_merges = bool(model.get("ignore_merges"))
+        added = sorted((str(a["content"]) for a in data.get("added_tokens") or [] if a.get("content")),
+                       key=len, reverse=True)
+        self.added = re.compile("|".join(map(re.escape, added))) if added else None
+        self.bytes = _byte_chars()
+        self.cache: dict[str, int] = {}
+
+    @staticmethod
+    def _splitter(pre: dict) -> re.Pattern:
+        steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]
+        pattern = None
+        for step in steps or []:
+            kind = step.get("type")
+            if kind == "Split" and step.get("behavior") == "Isolated" and "Regex" in (step.get("pattern") or {}):
+                pattern = _py_regex(step["pattern"]["Regex"])
+            elif kind == "ByteLevel" and step.get("use_regex", True):
+                pattern = _GPT2_SPLIT
+            elif kind != "ByteLevel":
+                raise ValueError(f"pre-tokenizer {kind!r}")
+        if pattern is None:
+            raise ValueError("no byte-level pre-tokenizer")
+        return re.compile(pattern)
+
+    @classmethod
+    def load(cls, where: str) -> PromptCounter | None:
+        """The tokenizer.json in directory ``where`` (or that file); None when there is none or
+        it is not one this counts (said once on stderr)."""
+        path = Path(where)
+        path = path / "tokenizer.json" if path.is_dir() else path
+        try:
+            return cls(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError, AttributeError, re.error) as e:
+            print(f"stand-in: prompt tokens counted as words ({path}: {e})", file=sys.stderr, flush=True)
+            return None
+
+    def _bpe(self, piece: str) -> int:
+        if piece in self.cache:
+            return self.cache[piece]
+        word = "".join(self.bytes[b] for b in piece.encode("utf-8"))
+        parts = list(word)
+        if self.ignore_merges and word in self.vocab:
+            parts = [word]
+        ranks = self.ranks
+        while len(parts) > 1:
+            best = min(((ranks[p], i) for i, p in enumerate(zip(parts, parts[1:], strict=False))
+                        if p in ranks), default=None)
+            if best is None:
+                break
+            a, b = parts[best[1]], parts[best[1] + 1]
+            out, i = [], 0
+            while i < len(parts):
+                if i + 1 < len(parts) and parts[i] == a and parts[i + 1] == b:
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(parts[i])
+                    i += 1
+            parts = out
+        self.cache[piece] = len(parts)
+        return len(parts)
+
+    def count(self, text: str) -> int:
+        n, pos = 0, 0
+        spans = list(self.added.finditer(text)) if self.added else []
+        for m in [*spans, None]:
+            chunk = text[pos:m.start()] if m is not None else text[pos:]
+            if self.nfc:
+                chunk = unicodedata.normalize("NFC", chunk)
+            n += sum(self._bpe(p) for p in self.split.findall(chunk))
+            if m is not None:
+                n += 1
+                pos = m.end()
+        return n
 
 
 def _sleep_until(deadline: float) -> None:
@@ -986,6 +1224,8 @@ def start_in_thread(cfg: Config) -> StandinServer:
 
 def main(argv: list[str] | None = None) -> int:
     ns = _arg_parser().parse_args(argv)
+    if ns.tokenizer is None and Path(ns.model, "tokenizer.json").is_file():
+        ns.tokenizer = ns.model  # --model a model directory: its tokenizer counts, as an engine's
     try:
         cfg = config_from_args(ns)
     except ValueError as e:
@@ -1589,7 +1829,7 @@ def sglang_main(argv: list[str] | None = None) -> int:
     ns, unknown = p.parse_known_args(argv)
     model = ns.served_model_name or ns.model_path
     ns.model = model
-    cfg = config_from_args(ns, engine="sglang", api_key=ns.api_key,
+    cfg = config_from_args(ns, engine="sglang", api_key=ns.api_key, tokenizer=ns.model_path,
                            metrics="sglang" if ns.enable_metrics else None)
     log(
         f"server_args=ServerArgs(model_path={ns.model_path!r}, tp_size={ns.tp}, "
@@ -2085,7 +2325,8 @@ def vllm_main(argv: list[str] | None = None) -> int:
         print("vllm serve: error: the model is required", file=sys.stderr)
         return 2
     ns.model = ns.served_model_name[0] if ns.served_model_name else model_path
-    cfg = config_from_args(ns, engine="vllm", api_key=ns.api_key, metrics="vllm")
+    cfg = config_from_args(ns, engine="vllm", api_key=ns.api_key, tokenizer=model_path,
+                           metrics="vllm")
     world = ns.tensor_parallel_size * ns.pipeline_parallel_size
     log(
         ("vLLM headless" if ns.headless else f"vLLM API server version {VLLM_VERSION};")
