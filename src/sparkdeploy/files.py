@@ -85,6 +85,18 @@ class InputError(ValueError):
     """A file that cannot be read as an input; ``str()`` is one line naming it."""
 
 
+class OutputError(Exception):
+    """An output file that could not be written; ``str()`` is one line naming it."""
+
+
+def write_output(path: Path, text: str) -> None:
+    """``write_text_atomic`` for a file the user asked for: ``OutputError`` when it fails."""
+    try:
+        write_text_atomic(path, text)
+    except OSError as e:
+        raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
+
+
 class Escape(ValueError):
     """A name that would leave its root (absolute, ``..``, a symlink out, a control character)."""
 

@@ -22,6 +22,7 @@ from sparkdeploy.deployment import Deployment, from_context, state_dir
 from sparkdeploy.engine_flags import FlagError
 from sparkdeploy.estimate import EstimateError
 from sparkdeploy.events import EventSink, printable, rendering
+from sparkdeploy.files import OutputError
 from sparkdeploy.hosts import HostError
 from sparkdeploy.records import RecordError
 from sparkdeploy.results import Result
@@ -37,8 +38,8 @@ result already on ``events``; it runs steps only through ``run_one`` (``steps/re
 
 USAGE_ERRORS = (ProfileError, PlanError, BenchError, EstimateError, FlagError)
 """Bad input (a profile, a plan selection, an input file, a model config, an engine flag): exit 2."""
-RUN_ERRORS = (HostError, LockHeld, WaitTimeout, RecordError)
-"""What went wrong while running (a node, the lock, a wait, a record): exit 1."""
+RUN_ERRORS = (HostError, LockHeld, WaitTimeout, RecordError, OutputError)
+"""What went wrong while running (a node, the lock, a wait, a record, an output file): exit 1."""
 
 
 @contextmanager

@@ -227,15 +227,13 @@ def compare(c, base, new, max_regression="5%", html=None):
         base_doc = load_json(flags.input_file("BASE", base))
         new_doc = load_json(flags.input_file("NEW", new))
         result = cmp(base_doc, new_doc, threshold)
+        if html_path:
+            from sparkdeploy.bench.html import compare_report
+            from sparkdeploy.files import write_output
+
+            write_output(html_path, compare_report(base_doc, new_doc, result, base, new))
     console = Console()
     if html_path:
-        from sparkdeploy.bench.html import compare_report
-        from sparkdeploy.files import write_text_atomic
-
-        try:
-            write_text_atomic(html_path, compare_report(base_doc, new_doc, result, base, new))
-        except OSError as e:
-            raise Exit(f"cannot write {html_path}: {e.strerror or e}", code=1) from None
         console.print(f"wrote {html_path}")
     console.print(comparison_table(result, base, new))
     for level in result.only_base:
