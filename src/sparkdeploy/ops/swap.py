@@ -1,0 +1,193 @@
+"""What ``serve.swap`` reads and keeps on the nodes, below its steps: the memory the serving
+engine's containers hold (``held``), the swap's phase on the head (``read_phase``,
+``write_phase``), the other models' directories a prune would remove (``model_dirs``), and the
+new model's coherence check (``coherent``).
+
+Memory held: ``docker stats --no-stream`` of the serving engine's containers, its ``MemUsage``
+column (the container cgroup's ``memory.current`` less its inactive file cache, as docker's CLI
+computes it: docker/cli ``cli/command/container/stats_helpers.go``, ``calculateMemUsageUnixNoCache``).
+On a GB10 the GPU's memory is the node's (unified); what the engine holds there is what the
+cgroup is charged with, so the figure that comes back once the engine stops is this one.
+
+The phase record lives on the head (``NODE_RECORD``), not only under the controller's state dir:
+a controller killed in the cut-over leaves the nodes saying which models were swapped, from
+what, and how far it got, and any controller holding the profile completes or rolls back.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from sparkdeploy import endpoint as ep
+from sparkdeploy.config import load_profile
+from sparkdeploy.deployment import Deployment
+from sparkdeploy.hosts import Host
+from sparkdeploy.nodeops import NodeUnreachable, docker
+from sparkdeploy.ops.serve import drop_previous, put_file
+from sparkdeploy.ops.serve_containers import serving
+from sparkdeploy.outside import OutsideError, request
+
+NODE_RECORD = "/var/lib/sparkdeploy-node/swap.json"
+PREPARE, CUT_OVER, DONE, ROLLED_BACK = "prepare", "cut-over", "done", "rolled-back"
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([A-Za-z]+)\s*$")
+
+
+def parse_size(text: str) -> int | None:
+    """docker's ``1.5GiB`` / ``512MiB`` / ``0B`` in bytes (None when it is no such figure)."""
+    m = _SIZE.match(text)
+    if not m or m.group(2).lower() not in _UNITS:
+        return None
+    try:
+        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    except ValueError:
+        return None
+
+
+STATS = ("stats", "--no-stream", "--format", "{{.Name}}\t{{.MemUsage}}")
+
+
+def held(host: Host, names: list[str]) -> int:
+    """Bytes the containers ``names`` hold on the node now (``docker stats``' memory usage, the
+    part before `` / ``); 0 for none. Raises NodeUnreachable."""
+    if not names:
+        return 0
+    r = host.run(docker(host, *STATS, *names), change=False, timeout=60)
+    total = 0
+    for line in r.stdout.splitlines() if r.ok else []:
+        name, _, usage = line.partition("\t")
+        size = parse_size(usage.split("/")[0]) if name in names else None
+        total += size or 0
+    return total
+
+
+# --- the phase, on the head ------------------------------------------------------------------
+
+class Phase(BaseModel):
+    """How far a swap got, as the head keeps it."""
+
+    phase: str
+    from_model: str
+    to_model: str
+    from_recipe: str | None = None
+    """The recipe the old deployment was (None: the profile's own model part)."""
+    to_recipe: str | None = None
+    engine: str | None = None
+    """The engine the new one was asked for (``--engine``)."""
+    why: str = ""
+    at: str = ""
+
+
+def read_phase(head: Host) -> Phase | None:
+    """The head's swap record (None: no swap ever, or a record that is none)."""
+    try:
+        r = head.run(["cat", "--", NODE_RECORD], change=False, sudo=True)
+    except NodeUnreachable:
+        return None
+    if not r.ok:
+        return None
+    try:
+        return Phase.model_validate_json(r.stdout)
+    except ValidationError:
+        return None
+
+
+def write_phase(head: Host, phase: Phase) -> None:
+    if put_file(head, NODE_RECORD, phase.model_dump_json(indent=1) + "\n", "0644"):
+        drop_previous(head, [NODE_RECORD])
+
+
+# --- the other models on a node --------------------------------------------------------------
+
+DU = 'for d in "$1"/*/; do [ -d "$d" ] && du -s -B1 -- "$d"; done; true'
+
+
+def model_dirs(host: Host, parent: str) -> dict[str, int]:
+    """{directory: bytes} of each directory under ``parent`` on the node (the models' home)."""
+    r = host.run(["sh", "-c", DU, "sh", parent.rstrip("/") or "/"], change=False, sudo=True,
+                 timeout=600)
+    out: dict[str, int] = {}
+    for line in r.stdout.splitlines() if r.ok else []:
+        size, _, path = line.partition("\t")
+        if size.isdigit() and path:
+            out[path.rstrip("/")] = int(size)
+    return out
+
+
+# --- coherence -------------------------------------------------------------------------------
+
+PROMPT = "Reply with the word: ready"
+
+
+def coherent(url: str, want: str, deadline: float = 60.0) -> str | None:
+    """Why the endpoint does not serve ``want`` coherently (None: it does): ``/v1/models`` lists
+    it, and one chat completion addressed to that name comes back 200 as that model, with text
+    and a finish reason."""
+    listed = ep.models(url)
+    if want not in listed:
+        return f"/v1/models lists {', '.join(listed) or 'nothing'}, not {want}"
+    body = {"model": want, "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": 16, "stream": False}
+    try:
+        r = request("POST", f"{url}/v1/chat/completions", body=json.dumps(body).encode(),
+                    headers={"Content-Type": "application/json", **ep.headers()},
+                    deadline=deadline)
+    except OutsideError as e:
+        return f"the completion did not come back: {e}"
+    if r.status != 200:
+        return f"the completion came back {r.status}"
+    try:
+        data: Any = json.loads(r.body)
+        choice = data["choices"][0]
+        msg = choice.get("message") or {}
+        text = msg.get("content") or msg.get("reasoning_content") or choice.get("text") or ""
+        model, finish = data.get("model"), choice.get("finish_reason")
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return "the completion came back as no chat completion"
+    if model != want:
+        return f"the completion came back from {model!r}, not {want}"
+    if not str(text).strip() or not finish:
+        return "the completion came back empty" if not str(text).strip() else \
+            "the completion came back without a finish reason"
+    return None
+
+
+# --- the two deployments ---------------------------------------------------------------------
+
+def serving_url(dep: Deployment) -> tuple[str, str] | None:
+    """(engine, endpoint) of the engine of ``dep`` the nodes serve as its profile says."""
+    for eng in dep.profile.engines:
+        try:
+            got = serving(dep, eng)
+        except NodeUnreachable:
+            return None
+        if got.url:
+            return eng.name, got.url
+    return None
+
+
+def beside(new: Deployment, recipe: str | None, dirs: tuple[str, ...] = ()) -> Deployment:
+    """The deployment of the same profile file with ``recipe``'s model part (None: the
+    profile's own), on ``new``'s hosts, state dir, clock and event stream."""
+    prof = load_profile(new.profile_path, recipe, dirs)
+    return Deployment(prof, new.profile_path, new.state, new.hosts, dry=new.dry,
+                      sleep=new.sleep, clock=new.clock, wall=new.wall, events=new.events)
+
+
+def old_deployment(new: Deployment, dirs: tuple[str, ...] = ()) -> tuple[Deployment, str | None]:
+    """(the deployment the nodes serve now, its recipe): the one the head's swap record says
+    (the last swap's new model when it ended, else its old one), else the profile's own; the
+    first of these the nodes serve as its profile says, else the first."""
+    rec = read_phase(new.host(new.profile.head.name))
+    picks: list[str | None] = []
+    if rec is not None:
+        picks.append(rec.to_recipe if rec.phase == DONE else rec.from_recipe)
+    picks.append(None)
+    cands = [(beside(new, r, dirs), r) for r in dict.fromkeys(picks)]
+    return next(((d, r) for d, r in cands if serving_url(d) is not None), cands[0])
