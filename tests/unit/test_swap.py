@@ -1,0 +1,275 @@
+"""serve.swap: what it reads on the nodes (docker stats, the models' directories, the head's
+phase record), the coherence check against the engine stand-in, the fit and disk checks'
+numbers, and the swap's order of steps: prepare while the old one serves, nothing stopped when
+the prepare fails, the old one back on a failed bring-up or an incoherent answer."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparkdeploy.lab.standins import engine_server as es
+from sparkdeploy.memory import NodeMemory
+from sparkdeploy.ops import swap as ops
+from sparkdeploy.results import Result, Status
+from sparkdeploy.steps import swap as sw
+from sparkdeploy.steps.registry import run_one
+from tests.unit.fakes import FakeContext, deployment, split_command
+from tests.unit.profiles import SEED
+
+GIB = 1024 ** 3
+
+
+class Answering(FakeContext):
+    """Answers each argv by the first rule whose words it contains."""
+
+    def __init__(self, rules: dict[str, tuple[int, str]]):
+        super().__init__()
+        self._set("rules", rules)
+
+    def answer(self, alias, argv, stdin, command, kw):
+        for key, (code, out) in self.rules.items():
+            if key in argv:
+                return self.result(command, code, out)
+        return self.result(command, 1, "", "not scripted")
+
+
+@pytest.fixture
+def dep(tmp_path):
+    def make(rules=None, recipe=None):
+        ctx = Answering(rules or {})
+        from sparkdeploy.config import load_profile
+
+        prof = load_profile(SEED, recipe)
+        return deployment(SEED, tmp_path / "state", ctx, profile=prof), ctx
+    return make
+
+
+@pytest.mark.parametrize("text,want", [
+    ("1.5GiB", int(1.5 * GIB)), ("512MiB", 512 * 2**20), ("0B", 0), ("2GB", 2 * 10**9),
+    (" 10.25kB ", 10250), ("--", None), ("12", None), ("1.2.3GiB", None), ("3 parsecs", None),
+])
+def test_parse_size(text, want):
+    assert ops.parse_size(text) == want
+
+
+def test_held_sums_the_old_containers_memory_usage(dep):
+    d, ctx = dep({"stats": (0, "sd-sglang-head\t1.5GiB / 119.7GiB\nother\t9GiB / 119.7GiB\n"
+                               "sd-sglang-w\t512MiB / 119.7GiB\n")})
+    got = ops.held(d.host("spark1"), ["sd-sglang-head", "sd-sglang-w"])
+    assert got == int(1.5 * GIB) + 512 * 2**20  # the container not asked for is left out
+    _, argv = split_command(ctx.commands[-1])
+    assert argv[argv.index("stats"):] == ["stats", "--no-stream", "--format",
+                                          "{{.Name}}\t{{.MemUsage}}", "sd-sglang-head",
+                                          "sd-sglang-w"]
+
+
+def test_held_of_nothing_runs_nothing(dep):
+    d, ctx = dep()
+    assert ops.held(d.host("spark1"), []) == 0
+    assert ctx.commands == []
+
+
+def test_model_dirs_reads_du(dep):
+    d, ctx = dep({"sh": (0, "1000\t/srv/models/a/\n2500\t/srv/models/b/\ngarbage\n")})
+    assert ops.model_dirs(d.host("spark1"), "/srv/models/") == {"/srv/models/a": 1000,
+                                                                "/srv/models/b": 2500}
+    _, argv = split_command(ctx.commands[-1])
+    assert argv[-4:] == ["-c", ops.DU, "sh", "/srv/models"]
+
+
+def test_read_phase_and_a_record_that_is_none(dep):
+    rec = ops.Phase(phase=ops.CUT_OVER, from_model="a/A", to_model="b/B", engine="sglang")
+    d, _ = dep({"cat": (0, rec.model_dump_json())})
+    assert ops.read_phase(d.host("spark1")) == rec
+    d, _ = dep({"cat": (0, "{not json")})
+    assert ops.read_phase(d.host("spark1")) is None
+    d, _ = dep({"cat": (1, "")})
+    assert ops.read_phase(d.host("spark1")) is None
+
+
+@pytest.fixture
+def standin():
+    srv = es.start_in_thread(es.Config(port=0, ttft_ms=1, gap_ms=1, model="org/new",
+                                       reasoning_tokens=0))
+    yield f"http://127.0.0.1:{srv.port}", srv
+    srv.shutdown()
+
+
+def test_coherent_when_the_new_model_answers(standin, monkeypatch):
+    monkeypatch.delenv("SPARKDEPLOY_API_KEY", raising=False)
+    url, _ = standin
+    assert ops.coherent(url, "org/new") is None
+
+
+def test_incoherent_when_another_model_is_listed(standin, monkeypatch):
+    monkeypatch.delenv("SPARKDEPLOY_API_KEY", raising=False)
+    url, _ = standin
+    assert ops.coherent(url, "org/old") == "/v1/models lists org/new, not org/old"
+
+
+def test_incoherent_when_the_completion_fails(standin, monkeypatch):
+    monkeypatch.delenv("SPARKDEPLOY_API_KEY", raising=False)
+    url, srv = standin
+    srv.state.control({"faults": "http500"})
+    assert ops.coherent(url, "org/new") == "the completion came back 500"
+
+
+def test_incoherent_when_nothing_answers():
+    assert ops.coherent("http://127.0.0.1:9", "org/new", deadline=2).startswith(
+        "/v1/models lists nothing")
+
+
+# --- the checks ------------------------------------------------------------------------------
+
+def _mem(usable_gib: float) -> NodeMemory:
+    return NodeMemory(gpus=1, unified=True, gpu_total=int(119.7 * GIB),
+                      gpu_usable=int(usable_gib * GIB), source="test")
+
+
+def test_fit_counts_what_the_old_engine_holds(dep, monkeypatch):
+    new, _ = dep(recipe="gpt-oss-120b")
+    old, _ = dep()
+    files = [{"path": "model.safetensors", "size": 60 * GIB}]
+    monkeypatch.setattr(sw, "selected", lambda d: ({"files": files}, ""))
+    monkeypatch.setattr(sw, "node_memory", lambda ctx: {"spark1": _mem(10), "spark2": _mem(10)})
+    monkeypatch.setattr(sw, "old_containers", lambda o, n: [f"{n}-old"])
+    held = {"spark1": 100 * GIB, "spark2": 5 * GIB}
+    monkeypatch.setattr(ops, "held", lambda h, names: held[h.name])
+    out = run_one(new, sw.FIT, old=old)
+    by_node = {r.node: r for r in out if r.node}
+    assert by_node["spark1"].status is Status.OK
+    assert by_node["spark1"].details["usable"] == 110 * GIB
+    assert by_node["spark2"].status is Status.FAILED
+    assert "15.0 GiB usable" in by_node["spark2"].why
+    assert "spark1 100.0 GiB, spark2 5.0 GiB" in by_node["spark2"].why
+
+
+def test_disk_refuses_with_free_needed_and_what_prune_frees(dep, monkeypatch):
+    new, _ = dep(recipe="gpt-oss-120b")
+    path = new.profile.model.path
+    files = [{"path": "a.safetensors", "size": 50 * 10**9}, {"path": "config.json", "size": 0}]
+    monkeypatch.setattr(sw, "selected", lambda d: ({"files": files}, ""))
+    free = {"spark1": 200 * 10**9, "spark2": 20 * 10**9}
+    monkeypatch.setattr(sw, "free_space", lambda h, p: (free[h.name], "/srv"))
+    dirs = {path: 10 * 10**9, "/srv/models/Qwen3.5-122B-A10B-FP8": 125 * 10**9,
+            "/srv/models/old-one": 30 * 10**9}
+    monkeypatch.setattr(ops, "model_dirs", lambda h, parent: dict(dirs))
+    out = run_one(new, sw.DISK, keep=["/srv/models/Qwen3.5-122B-A10B-FP8"])
+    by_node = {r.node: r for r in out}
+    assert by_node["spark1"].status is Status.OK
+    assert by_node["spark1"].details["need"] == 40 * 10**9  # 10 GB are there already
+    bad = by_node["spark2"]
+    assert bad.status is Status.FAILED
+    assert bad.details["free"] == 20 * 10**9
+    assert "20.00 GB free on /srv" in bad.why
+    assert "model.prune would free 30.00 GB (/srv/models/old-one 30.00 GB)" in bad.why
+
+
+# --- the swap's order ------------------------------------------------------------------------
+
+class Swap:
+    """The swap's collaborators scripted: what serves, what each step says."""
+
+    def __init__(self, monkeypatch, new, old, *, serving_new=None, up_fails=False,
+                 prepare_fails=None, coherent=None, persisted=False):
+        self.calls: list[tuple[str, str, dict]] = []
+        self.phases: list[str] = []
+        self.new, self.old = new, old
+        monkeypatch.setattr(ops, "serving_url",
+                            lambda d: serving_new if d is new else ("sglang", "http://h:30000"))
+        monkeypatch.setattr(ops, "read_phase", lambda h: None)
+        monkeypatch.setattr(ops, "write_phase", lambda h, rec: self.phases.append(rec.phase))
+        monkeypatch.setattr(ops, "coherent", lambda url, want: coherent)
+        monkeypatch.setattr(sw, "persisted", lambda d: persisted)
+        monkeypatch.setattr(sw, "prepare", lambda ctx, o, keep: prepare_fails)
+        monkeypatch.setattr(sw.Health, "__enter__", lambda s: s)
+
+        def call_on(ctx, d, name, **opts):
+            which = "new" if d is new else "old"
+            self.calls.append((which, name, opts))
+            if name == "serve.up" and which == "new" and up_fails:
+                return [ctx.report(Result("serve.up", Status.FAILED, "sglang stalled; class: "
+                                          "sglang-hang"))]
+            if name == "serve.up":
+                return [ctx.report(Result("serve.up", Status.OK, "endpoint: http://h:30000", None,
+                                          {"endpoint": "http://h:30000", "engine": "sglang"}))]
+            return [ctx.report(Result(name, Status.CHANGED, "done"))]
+        monkeypatch.setattr(sw, "call_on", call_on)
+
+    def run(self, **kw):
+        return run_one(self.new, sw.STEP, old=self.old, **kw)
+
+
+def test_swap_to_what_serves_is_ok_and_stops_nothing(dep, monkeypatch):
+    new, _ = dep(recipe="gpt-oss-120b")
+    old, _ = dep()
+    s = Swap(monkeypatch, new, old, serving_new=("sglang", "http://h:30000"))
+    out = s.run()
+    assert [r.status for r in out] == [Status.OK]
+    assert "already serves openai/gpt-oss-120b: nothing stopped" in out[0].why
+    assert s.calls == [] and s.phases == []
+
+
+def test_a_failed_prepare_stops_nothing(dep, monkeypatch):
+    new, _ = dep(recipe="gpt-oss-120b")
+    old, _ = dep()
+    s = Swap(monkeypatch, new, old, prepare_fails="swap.fit: spark2: does not fit")
+    out = s.run()
+    assert s.calls == []
+    assert out[-1].status is Status.FAILED
+    assert out[-1].why == ("swap refused: prepare: swap.fit: spark2: does not fit; nothing was "
+                           "stopped")
+
+
+def test_swap_stops_the_old_then_brings_up_the_new(dep, monkeypatch):
+    new, _ = dep(recipe="gpt-oss-120b")
+    old, _ = dep()
+    s = Swap(monkeypatch, new, old)
+    out = s.run(engine="sglang", to_recipe="gpt-oss-120b")
+    assert [(w, n) for w, n, _ in s.calls] == [("old", "serve.down"), ("new", "serve.up")]
+    assert s.calls[1][2] == {"engine": "sglang"}
+    assert s.phases == [ops.PREPARE, ops.CUT_OVER, ops.DONE]
+    done = [r for r in out if r.step == sw.STEP]
+    assert done[0].status is Status.CHANGED
+    assert done[0].details["bringup_s"] is not None and done[0].details["outcome"] == "swapped"
+    assert done[-1].why == "endpoint: http://h:30000"
+    rec = new.records.read(sw.SwapRecord, done[0].details["record"].rsplit("/", 1)[1][:-3])
+    assert (rec.from_model, rec.to_model, rec.outcome) == (old.profile.model.repo,
+                                                           "openai/gpt-oss-120b", "swapped")
+
+
+def test_a_failed_bringup_brings_the_old_one_back(dep, monkeypatch):
+    new, _ = dep(recipe="gpt-oss-120b")
+    old, _ = dep()
+    s = Swap(monkeypatch, new, old, up_fails=True)
+    out = s.run()
+    assert [(w, n) for w, n, _ in s.calls] == [("old", "serve.down"), ("new", "serve.up"),
+                                              ("new", "serve.down"), ("old", "serve.up")]
+    assert s.calls[-1][2] == {"engine": "sglang"}  # the engine that served before
+    assert s.phases == [ops.PREPARE, ops.CUT_OVER, ops.ROLLED_BACK]
+    last = [r for r in out if r.step == sw.STEP][-1]
+    assert last.status is Status.FAILED
+    assert last.why.startswith("swap rolled-back: sglang stalled; class: sglang-hang; the old "
+                               f"model {old.profile.model.repo} serves again")
+
+
+def test_an_incoherent_answer_brings_the_old_one_back(dep, monkeypatch):
+    new, _ = dep(recipe="gpt-oss-120b")
+    old, _ = dep()
+    s = Swap(monkeypatch, new, old, coherent="the completion came back 500")
+    out = s.run()
+    assert [(w, n) for w, n, _ in s.calls][-2:] == [("new", "serve.down"), ("old", "serve.up")]
+    assert "coherence check: the completion came back 500" in out[-1].why
+
+
+def test_a_persisted_deployment_swaps_its_units_after_the_new_one_passed(dep, monkeypatch):
+    new, _ = dep(recipe="gpt-oss-120b")
+    old, _ = dep()
+    s = Swap(monkeypatch, new, old, persisted=True)
+    s.run()
+    assert [(w, n) for w, n, _ in s.calls] == [("old", "serve.down"), ("new", "serve.up"),
+                                              ("old", "serve.unpersist"), ("new", "serve.persist")]
+    s2 = Swap(monkeypatch, new, old, persisted=True, up_fails=True)
+    s2.run()
+    assert [(w, n) for w, n, _ in s2.calls][-2:] == [("new", "serve.down"),
+                                                    ("old", "serve.persist")]
