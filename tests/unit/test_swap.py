@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import pytest
 
+from sparkdeploy import swap as sw
 from sparkdeploy.lab.standins import engine_server as es
 from sparkdeploy.memory import NodeMemory
 from sparkdeploy.ops import swap as ops
 from sparkdeploy.results import Result, Status
-from sparkdeploy.steps import swap as sw
+from sparkdeploy.steps import model_fit
+from sparkdeploy.steps import swap as checks
 from sparkdeploy.steps.registry import run_one
 from tests.unit.fakes import FakeContext, deployment, split_command
 from tests.unit.profiles import SEED
@@ -130,12 +132,13 @@ def test_fit_counts_what_the_old_engine_holds(dep, monkeypatch):
     new, _ = dep(recipe="gpt-oss-120b")
     old, _ = dep()
     files = [{"path": "model.safetensors", "size": 60 * GIB}]
-    monkeypatch.setattr(sw, "selected", lambda d: ({"files": files}, ""))
-    monkeypatch.setattr(sw, "node_memory", lambda ctx: {"spark1": _mem(10), "spark2": _mem(10)})
-    monkeypatch.setattr(sw, "old_containers", lambda o, n: [f"{n}-old"])
+    monkeypatch.setattr(model_fit, "selected", lambda d: ({"files": files}, ""))
+    monkeypatch.setattr(model_fit, "node_memory",
+                        lambda ctx: {"spark1": _mem(10), "spark2": _mem(10)})
+    monkeypatch.setattr(checks, "old_containers", lambda o, n: [f"{n}-old"])
     held = {"spark1": 100 * GIB, "spark2": 5 * GIB}
     monkeypatch.setattr(ops, "held", lambda h, names: held[h.name])
-    out = run_one(new, sw.FIT, old=old)
+    out = run_one(new, checks.FIT, old=old)
     by_node = {r.node: r for r in out if r.node}
     assert by_node["spark1"].status is Status.OK
     assert by_node["spark1"].details["usable"] == 110 * GIB
@@ -148,13 +151,13 @@ def test_disk_refuses_with_free_needed_and_what_prune_frees(dep, monkeypatch):
     new, _ = dep(recipe="gpt-oss-120b")
     path = new.profile.model.path
     files = [{"path": "a.safetensors", "size": 50 * 10**9}, {"path": "config.json", "size": 0}]
-    monkeypatch.setattr(sw, "selected", lambda d: ({"files": files}, ""))
+    monkeypatch.setattr(checks, "selected", lambda d: ({"files": files}, ""))
     free = {"spark1": 200 * 10**9, "spark2": 20 * 10**9}
-    monkeypatch.setattr(sw, "free_space", lambda h, p: (free[h.name], "/srv"))
+    monkeypatch.setattr(checks, "free_space", lambda h, p: (free[h.name], "/srv"))
     dirs = {path: 10 * 10**9, "/srv/models/Qwen3.5-122B-A10B-FP8": 125 * 10**9,
             "/srv/models/old-one": 30 * 10**9}
     monkeypatch.setattr(ops, "model_dirs", lambda h, parent: dict(dirs))
-    out = run_one(new, sw.DISK, keep=["/srv/models/Qwen3.5-122B-A10B-FP8"])
+    out = run_one(new, checks.DISK, keep=["/srv/models/Qwen3.5-122B-A10B-FP8"])
     by_node = {r.node: r for r in out}
     assert by_node["spark1"].status is Status.OK
     assert by_node["spark1"].details["need"] == 40 * 10**9  # 10 GB are there already
@@ -197,7 +200,7 @@ class Swap:
         monkeypatch.setattr(sw, "call_on", call_on)
 
     def run(self, **kw):
-        return run_one(self.new, sw.STEP, old=self.old, **kw)
+        return sw.run(self.new, self.old, **kw)
 
 
 def test_swap_to_what_serves_is_ok_and_stops_nothing(dep, monkeypatch):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -143,19 +142,34 @@ def coherent(url: str, want: str, deadline: float = 60.0) -> str | None:
     if r.status != 200:
         return f"the completion came back {r.status}"
     try:
-        data: Any = json.loads(r.body)
-        choice = data["choices"][0]
-        msg = choice.get("message") or {}
-        text = msg.get("content") or msg.get("reasoning_content") or choice.get("text") or ""
-        model, finish = data.get("model"), choice.get("finish_reason")
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        got = r.json(_Completion, f"{url}/v1/chat/completions")
+    except OutsideError:
         return "the completion came back as no chat completion"
-    if model != want:
-        return f"the completion came back from {model!r}, not {want}"
-    if not str(text).strip() or not finish:
-        return "the completion came back empty" if not str(text).strip() else \
-            "the completion came back without a finish reason"
+    if got.model != want:
+        return f"the completion came back from {got.model!r}, not {want}"
+    c = got.choices[0] if got.choices else _CompletionChoice()
+    text = (c.message.content or c.message.reasoning_content or "") if c.message else ""
+    if not (text or c.text or "").strip():
+        return "the completion came back empty"
+    if not c.finish_reason:
+        return "the completion came back without a finish reason"
     return None
+
+
+class _Message(BaseModel):
+    content: str | None = None
+    reasoning_content: str | None = None
+
+
+class _CompletionChoice(BaseModel):
+    message: _Message | None = None
+    text: str | None = None
+    finish_reason: str | None = None
+
+
+class _Completion(BaseModel):
+    model: str | None = None
+    choices: list[_CompletionChoice] = []
 
 
 # --- the two deployments ---------------------------------------------------------------------

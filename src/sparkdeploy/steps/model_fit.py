@@ -92,10 +92,20 @@ def report(ctx: StepContext, weights: int, by_engine: dict[str, list[Check]],
         (ctx.ok if c.fits else ctx.failed)(why, c.node, **details)
 
 
+def freed(ctx: StepContext, mem: dict[str, NodeMemory], held: dict[str, int]) -> dict[str, NodeMemory]:
+    """Each node's memory as it will be once an engine holding ``held`` bytes there is gone
+    (``serve.swap``: the old engine still serves while the new model's fit is checked)."""
+    p = ctx.dep.profile
+    return {n: m.model_copy(update={"gpu_usable": (m.gpu_usable or 0)
+                                    + held.get(n, 0) // max(p.node(n).gpus, 1)})
+            for n, m in mem.items()}
+
+
 @step(FIT, needs=("services.stop",))
-def model_fit(ctx: StepContext) -> None:
+def model_fit(ctx: StepContext, held: dict[str, int] | None = None) -> None:
     """Check that each node's share of the weights and the engines' memory fraction fit the
-    memory the node reports, before anything is downloaded."""
+    memory the node reports, before anything is downloaded. ``held``: {node: bytes} an engine
+    that will be gone by then holds now (counted as usable)."""
     dep = ctx.dep
     try:
         meta, note = selected(dep)
@@ -106,6 +116,11 @@ def model_fit(ctx: StepContext) -> None:
     mem = node_memory(ctx)
     if len(mem) < len(gpu_nodes(ctx)):
         return  # a node without figures was one failed line already
+    said = f"; {note}" if note else ""
+    if held is not None:
+        mem = freed(ctx, mem, held)
+        said += "; usable counts what the engine to be replaced holds (docker stats): " + \
+            ", ".join(f"{n} {fit.gib(b)}" for n, b in held.items())
     by_engine = checks(ctx, weights, mem)
     if by_engine:
-        report(ctx, weights, by_engine, mem, f"; {note}" if note else "")
+        report(ctx, weights, by_engine, mem, said)

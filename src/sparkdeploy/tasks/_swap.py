@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from invoke import Context
 
+from sparkdeploy import swap as swapping
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.events import EventSink
 from sparkdeploy.ops import swap as ops
 from sparkdeploy.results import Result
-from sparkdeploy.steps.registry import run_one
 from sparkdeploy.tasks._common import drive
 from sparkdeploy.tasks._flags import usage
 
@@ -19,7 +19,8 @@ def swap(c: Context, *, recipe: str | None, engine: str | None, profile: str | N
          recipes: tuple[str, ...] = ()) -> list[Result]:
     if not recipe:
         raise usage("--recipe", "name the recipe to swap to (recipe.list shows them)")
-    old: dict[str, object] = {}
+    old: dict[str, Deployment] = {}
+    old_recipe: dict[str, str | None] = {}
 
     def prepare(dep: Deployment) -> None:
         names = [e.name for e in dep.profile.engines]
@@ -29,11 +30,12 @@ def swap(c: Context, *, recipe: str | None, engine: str | None, profile: str | N
                             f"(engines: {', '.join(names)})")
             dep.profile = dep.profile.model_copy(
                 update={"engines": [e for e in dep.profile.engines if e.name == engine]})
-        old["dep"], old["recipe"] = ops.old_deployment(dep, recipes)
+        old["dep"], old_recipe["recipe"] = ops.old_deployment(dep, recipes)
 
     def work(dep: Deployment | None, events: EventSink) -> list[Result]:
-        return run_one(dep, "serve.swap", old=old["dep"], engine=engine,
-                       from_recipe=old["recipe"], to_recipe=recipe)
+        assert dep is not None  # drive loads it ("needed")
+        return swapping.run(dep, old["dep"], engine=engine, from_recipe=old_recipe["recipe"],
+                            to_recipe=recipe)
 
     def show(dep: Deployment | None, results: list[Result]) -> None:
         took = next((r.details["bringup_s"] for r in results
