@@ -276,3 +276,87 @@ def test_a_persisted_deployment_swaps_its_units_after_the_new_one_passed(dep, mo
     s2.run()
     assert [(w, n) for w, n, _ in s2.calls][-2:] == [("new", "serve.down"),
                                                     ("old", "serve.persist")]
+
+
+class _Ctx:
+    """What ``prepare`` uses of a step context: the deployment, ``call``, the results."""
+
+    def __init__(self, dep, fail=None):
+        self.dep, self.fail, self.called, self.results = dep, fail, [], []
+
+    def call(self, name, **opts):
+        self.called.append((name, opts))
+        return [Result(name, Status.FAILED, "no room")] if name == self.fail else []
+
+
+def test_prepare_runs_the_new_deployments_steps_and_stops_nothing(dep, monkeypatch):
+    import sparkdeploy.runner as runner
+    from sparkdeploy.plan import PlanRun, StepRun
+
+    new, _ = dep(recipe="gpt-oss-120b")
+    old, _ = dep()
+    ran = {}
+
+    class FakeRunner:
+        def __init__(self, d, steps, name, serial):
+            ran.update(dep=d, steps=[s.name for s in steps], name=name)
+
+        def run(self):
+            return PlanRun("swap", {n: StepRun(n, state="done") for n in ran["steps"]}, 1.0, False)
+
+    monkeypatch.setattr(runner, "Runner", FakeRunner)
+    ctx = _Ctx(new)
+    assert sw.prepare(ctx, old, ["/srv/models/old"]) is None
+    assert ran["dep"] is new and ran["name"] == "swap"
+    assert ran["steps"] == ["model.download", "image.probe", "image.build", "image.ship",
+                            "model.sync", "model.verify"]
+    assert ctx.called == [("swap.fit", {"old": old}), ("swap.disk", {"keep": ["/srv/models/old"]}),
+                          ("swap.flags", {})]
+
+
+def test_prepare_stops_at_a_check_before_the_plan(dep, monkeypatch):
+    import sparkdeploy.runner as runner
+
+    new, _ = dep(recipe="gpt-oss-120b")
+    old, _ = dep()
+    monkeypatch.setattr(runner, "Runner", lambda *a, **k: pytest.fail("the plan ran"))
+    ctx = _Ctx(new, fail="swap.disk")
+    assert sw.prepare(ctx, old, []) == "swap.disk: no room"
+
+
+def test_the_old_deployment_is_the_one_the_nodes_serve(dep, monkeypatch):
+    new, _ = dep(recipe="gpt-oss-120b")
+    rec = ops.Phase(phase=ops.DONE, from_model="Qwen/Qwen3.5-122B-A10B-FP8",
+                    to_model="openai/gpt-oss-20b", from_recipe=None, to_recipe="gpt-oss-20b")
+    monkeypatch.setattr(ops, "read_phase", lambda h: rec)
+    serves = {"openai/gpt-oss-20b"}
+    monkeypatch.setattr(ops, "serving_url", lambda d: ("vllm", "http://h:8000")
+                        if d.profile.model.repo in serves else None)
+    old, recipe = ops.old_deployment(new)
+    assert (old.profile.model.repo, recipe) == ("openai/gpt-oss-20b", "gpt-oss-20b")
+    assert old.events is new.events and old.hosts is new.hosts
+    serves = {"Qwen/Qwen3.5-122B-A10B-FP8"}  # the swap's model was replaced since: the profile's
+    old, recipe = ops.old_deployment(new)
+    assert (old.profile.model.repo, recipe) == ("Qwen/Qwen3.5-122B-A10B-FP8", None)
+
+
+@pytest.mark.parametrize("phase,to,want", [
+    (None, None, None),
+    (ops.PREPARE, "openai/gpt-oss-20b", None),        # the old one serves: watched as ever
+    (ops.CUT_OVER, "openai/gpt-oss-20b", "paused"),   # stopped on purpose: nothing to restart
+    (ops.ROLLED_BACK, "openai/gpt-oss-20b", None),
+    (ops.DONE, "openai/gpt-oss-20b", "swapped"),      # another model serves: the watch ends
+    (ops.DONE, "Qwen/Qwen3.5-122B-A10B-FP8", None),   # a swap back to this one
+])
+def test_the_watchdog_pauses_for_the_cut_over(dep, monkeypatch, phase, to, want):
+    from sparkdeploy.steps import watchdog
+    from sparkdeploy.steps.registry import StepContext
+
+    d, _ = dep()
+    rec = ops.Phase(phase=phase, from_model="x/y", to_model=to) if phase else None
+    monkeypatch.setattr(ops, "read_phase", lambda h: rec)
+    ctx = StepContext("serve.watch", d.events, d)
+    assert watchdog.swap_pause(ctx) == want
+    if want == "swapped":
+        assert ctx.results[-1].why.startswith("serve.swap replaced Qwen/Qwen3.5-122B-A10B-FP8 "
+                                              "with openai/gpt-oss-20b: this watch ends")
