@@ -214,6 +214,10 @@ def body(ctx: StepContext, old: Deployment, engine: str | None = None,
         ctx.ok(f"{now[0]} already serves {new.profile.model.repo}: nothing stopped",
                engine=now[0], endpoint=now[1])
         return
+    clash = ops.shared_dir(old.profile.model, new.profile.model)
+    if clash:
+        ctx.failed(clash)
+        return
     head = new.host(new.profile.head.name)
     was = ops.read_phase(head)
     old_now = ops.serving_url(old)

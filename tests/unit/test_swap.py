@@ -360,3 +360,22 @@ def test_the_watchdog_pauses_for_the_cut_over(dep, monkeypatch, phase, to, want)
     if want == "swapped":
         assert ctx.results[-1].why.startswith("serve.swap replaced Qwen/Qwen3.5-122B-A10B-FP8 "
                                               "with openai/gpt-oss-20b: this watch ends")
+
+
+@pytest.mark.parametrize("old,new,clash", [
+    (("a/m", "main", "/srv/models/m"), ("b/m", "main", "/srv/models/m"), True),
+    (("a/m", "main", "/srv/models/m"), ("a/m", "v2", "/srv/models/m"), True),
+    (("a/m", "main", "/srv/models/m"), ("a/n", "main", "/srv/models/m/n"), True),
+    (("a/m", "main", "/srv/models/m/x"), ("a/n", "main", "/srv/models/m"), True),
+    (("a/m", "main", "/srv/models/m"), ("a/m", "main", "/srv/models/m"), False),
+    (("a/m", "main", "/srv/models/m"), ("a/mm", "main", "/srv/models/mm"), False),
+])
+def test_two_models_never_share_a_directory(old, new, clash):
+    from types import SimpleNamespace as M
+
+    o, n = (M(repo=r, revision=v, path=p) for r, v, p in (old, new))
+    why = ops.shared_dir(o, n)
+    assert (why is not None) == clash
+    if clash:
+        assert why.startswith(f"model.path: {n.repo}@{n.revision} would go to {n.path}, which "
+                              f"holds {o.repo}@{o.revision}")

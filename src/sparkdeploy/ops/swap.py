@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import PurePosixPath
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -170,6 +172,21 @@ class _CompletionChoice(BaseModel):
 class _Completion(BaseModel):
     model: str | None = None
     choices: list[_CompletionChoice] = []
+
+
+def shared_dir(old: Any, new: Any) -> str | None:
+    """Why the new model (``model`` of its profile) cannot go where ``old``'s is (None: it
+    can): another repo or revision in the same directory, or in one inside the other, would
+    overwrite the weights the old model comes back from. Recipes put each model in
+    ``/srv/models/<the repo's name>`` (``recipes.MODELS_DIR``): two repos of one name from two
+    owners meet there unless a recipe says ``model.path``."""
+    if (old.repo, old.revision) == (new.repo, new.revision):
+        return None
+    a, b = PurePosixPath(old.path), PurePosixPath(new.path)
+    if a == b or a in b.parents or b in a.parents:
+        return (f"model.path: {new.repo}@{new.revision} would go to {new.path}, which holds "
+                f"{old.repo}@{old.revision} ({old.path}): give the recipe its own model.path")
+    return None
 
 
 # --- the two deployments ---------------------------------------------------------------------
