@@ -72,11 +72,29 @@ def test_held_of_nothing_runs_nothing(dep):
 
 
 def test_model_dirs_reads_du(dep):
-    d, ctx = dep({"sh": (0, "1000\t/srv/models/a/\n2500\t/srv/models/b/\ngarbage\n")})
-    assert ops.model_dirs(d.host("spark1"), "/srv/models/") == {"/srv/models/a": 1000,
-                                                                "/srv/models/b": 2500}
+    d, ctx = dep({"sh": (0, "1000\t1700000000\t/srv/models/a/\n2500\t1700000500\t/srv/models/b/\n"
+                           "garbage\n12\tnot-a-time\t/srv/models/c/\n")})
+    assert ops.model_dirs(d.host("spark1"), "/srv/models/") == {
+        "/srv/models/a": ops.ModelDir("/srv/models/a", 1000, 1700000000),
+        "/srv/models/b": ops.ModelDir("/srv/models/b", 2500, 1700000500)}
     _, argv = split_command(ctx.commands[-1])
     assert argv[-4:] == ["-c", ops.DU, "sh", "/srv/models"]
+    assert '[ -f "$d/config.json" ]' in ops.DU  # only a model's directory is ever listed
+
+
+def _dirs(*rows):
+    return {p: ops.ModelDir(p, b, t) for p, b, t in rows}
+
+
+@pytest.mark.parametrize("keep,gone", [
+    (0, ["/m/a", "/m/b", "/m/c"]),
+    (1, ["/m/a", "/m/b"]),            # the most recent other (c) stays
+    (2, ["/m/a"]),
+    (5, []),
+])
+def test_to_prune_keeps_the_serving_one_and_the_most_recent_others(keep, gone):
+    dirs = _dirs(("/m/serving", 9, 1), ("/m/a", 1, 10), ("/m/b", 2, 20), ("/m/c", 3, 30))
+    assert [d.path for d in ops.to_prune(dirs, ["/m/serving/"], keep)] == gone
 
 
 def test_read_phase_and_a_record_that_is_none(dep):
@@ -154,8 +172,8 @@ def test_disk_refuses_with_free_needed_and_what_prune_frees(dep, monkeypatch):
     monkeypatch.setattr(checks, "selected", lambda d: ({"files": files}, ""))
     free = {"spark1": 200 * 10**9, "spark2": 20 * 10**9}
     monkeypatch.setattr(checks, "free_space", lambda h, p: (free[h.name], "/srv"))
-    dirs = {path: 10 * 10**9, "/srv/models/Qwen3.5-122B-A10B-FP8": 125 * 10**9,
-            "/srv/models/old-one": 30 * 10**9}
+    dirs = _dirs((path, 10 * 10**9, 5), ("/srv/models/Qwen3.5-122B-A10B-FP8", 125 * 10**9, 4),
+                 ("/srv/models/old-one", 30 * 10**9, 1), ("/srv/models/recent", 7 * 10**9, 3))
     monkeypatch.setattr(ops, "model_dirs", lambda h, parent: dict(dirs))
     out = run_one(new, checks.DISK, keep=["/srv/models/Qwen3.5-122B-A10B-FP8"])
     by_node = {r.node: r for r in out}
@@ -165,6 +183,7 @@ def test_disk_refuses_with_free_needed_and_what_prune_frees(dep, monkeypatch):
     assert bad.status is Status.FAILED
     assert bad.details["free"] == 20 * 10**9
     assert "20.00 GB free on /srv" in bad.why
+    # model.keep 1: the most recent other model (recent) stays
     assert "model.prune would free 30.00 GB (/srv/models/old-one 30.00 GB)" in bad.why
 
 
@@ -379,3 +398,25 @@ def test_two_models_never_share_a_directory(old, new, clash):
     if clash:
         assert why.startswith(f"model.path: {n.repo}@{n.revision} would go to {n.path}, which "
                               f"holds {o.repo}@{o.revision}")
+
+
+def test_prune_removes_beyond_keep_never_the_serving_one(dep, monkeypatch):
+    d, ctx = dep({"rm": (0, "")})
+    dirs = _dirs(("/srv/models/serving", 9 * 10**9, 1), ("/srv/models/a", 2 * 10**9, 10),
+                 ("/srv/models/b", 3 * 10**9, 20))
+    monkeypatch.setattr(ops, "model_dirs", lambda h, parent: dict(dirs))
+    out = run_one(d, "model.prune", serving="/srv/models/serving")
+    assert [(r.node, r.status) for r in out] == [("spark1", Status.CHANGED),
+                                                 ("spark2", Status.CHANGED)]
+    assert out[0].why == "removed /srv/models/a (2.00 GB): 2.00 GB freed"
+    rms = [split_command(c)[1] for c in ctx.commands if "rm" in split_command(c)[1]]
+    assert [a[a.index("rm"):] for a in rms] == [["rm", "-rf", "--", "/srv/models/a"]] * 2
+
+
+def test_prune_with_nothing_beyond_keep_removes_nothing(dep, monkeypatch):
+    d, ctx = dep()
+    monkeypatch.setattr(ops, "model_dirs", lambda h, parent: _dirs(("/srv/models/s", 1, 1),
+                                                                   ("/srv/models/a", 1, 2)))
+    out = run_one(d, "model.prune", serving="/srv/models/s")
+    assert [r.status for r in out] == [Status.OK, Status.OK]
+    assert ctx.commands == []

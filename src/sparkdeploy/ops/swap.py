@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -106,19 +107,43 @@ def write_phase(head: Host, phase: Phase) -> None:
 
 # --- the other models on a node --------------------------------------------------------------
 
-DU = 'for d in "$1"/*/; do [ -d "$d" ] && du -s -B1 -- "$d"; done; true'
+DU = ('for d in "$1"/*/; do [ -f "$d/config.json" ] && du -s -B1 --time --time-style=+%s -- '
+      '"$d"; done; true')
+"""Each directory under the models' home that holds a model (its ``config.json``): nothing
+else there is ever listed, so never pruned."""
 
 
-def model_dirs(host: Host, parent: str) -> dict[str, int]:
-    """{directory: bytes} of each directory under ``parent`` on the node (the models' home)."""
+@dataclass(frozen=True)
+class ModelDir:
+    """One model's directory on a node: its bytes and when a file in it last changed."""
+
+    path: str
+    bytes: int
+    mtime: int
+
+
+def model_dirs(host: Host, parent: str) -> dict[str, ModelDir]:
+    """{directory: ModelDir} of each model directory under ``parent`` on the node (the
+    models' home; one holding a ``config.json``), from GNU du (``--time``: the newest
+    modification time of anything in it)."""
     r = host.run(["sh", "-c", DU, "sh", parent.rstrip("/") or "/"], change=False, sudo=True,
                  timeout=600)
-    out: dict[str, int] = {}
+    out: dict[str, ModelDir] = {}
     for line in r.stdout.splitlines() if r.ok else []:
-        size, _, path = line.partition("\t")
-        if size.isdigit() and path:
-            out[path.rstrip("/")] = int(size)
+        size, _, rest = line.partition("\t")
+        when, _, path = rest.partition("\t")
+        if size.isdigit() and when.isdigit() and path:
+            out[path.rstrip("/")] = ModelDir(path.rstrip("/"), int(size), int(when))
     return out
+
+
+def to_prune(dirs: dict[str, ModelDir], protect: list[str], keep: int) -> list[ModelDir]:
+    """What ``model.prune`` removes of ``dirs``: all but the ``protect``ed ones (the serving
+    model's, a swap's new one) and the ``keep`` most recently written of the others."""
+    kept = {p.rstrip("/") for p in protect}
+    others = sorted((d for d in dirs.values() if d.path not in kept),
+                    key=lambda d: (-d.mtime, d.path))
+    return sorted(others[keep:], key=lambda d: d.path)
 
 
 # --- coherence -------------------------------------------------------------------------------

@@ -42,15 +42,16 @@ def swap_fit(ctx: StepContext, old: Deployment | None = None) -> None:
 def present_bytes(ctx: StepContext, node: str, path: str) -> int:
     """Bytes already under the new model's directory on ``node`` (a re-run resumes)."""
     parent = str(PurePosixPath(path).parent)
-    return ops.model_dirs(ctx.dep.host(node), parent).get(path.rstrip("/"), 0)
+    got = ops.model_dirs(ctx.dep.host(node), parent).get(path.rstrip("/"))
+    return got.bytes if got else 0
 
 
-def prunable(ctx: StepContext, node: str, keep: list[str]) -> dict[str, int]:
-    """{directory: bytes} ``model.prune`` would remove on ``node``: every model directory
-    beside the new model's but those in ``keep`` (the serving one, the new one)."""
-    parent = str(PurePosixPath(ctx.dep.profile.model.path).parent)
-    kept = {k.rstrip("/") for k in keep}
-    return {d: b for d, b in ops.model_dirs(ctx.dep.host(node), parent).items() if d not in kept}
+def prunable(ctx: StepContext, node: str, protect: list[str]) -> list[ops.ModelDir]:
+    """What ``model.prune`` would remove on ``node`` with ``protect`` (the serving model's
+    directory, the new one's) left: ``ops.swap.to_prune`` with the profile's ``model.keep``."""
+    p = ctx.dep.profile.model
+    dirs = ops.model_dirs(ctx.dep.host(node), str(PurePosixPath(p.path).parent))
+    return ops.to_prune(dirs, protect, p.keep)
 
 
 @step(DISK)
@@ -81,10 +82,11 @@ def swap_disk(ctx: StepContext, keep: list[str] | None = None) -> None:
                    free=got[0], need=missing)
             return
         extra = prunable(ctx, node, [*(keep or []), path])
-        freed = sum(extra.values())
+        freed = sum(d.bytes for d in extra)
         what = (f"; model.prune would free {freed / GB:.2f} GB ("
-                + ", ".join(f"{d} {b / GB:.2f} GB" for d, b in extra.items()) + ")"
-                if extra else "; model.prune would free nothing (no other model's weights)")
+                + ", ".join(f"{d.path} {d.bytes / GB:.2f} GB" for d in extra) + ")"
+                if extra else f"; model.prune would free nothing (model.keep: "
+                f"{dep.profile.model.keep} other model(s) stay)")
         ctx.failed(short.why + what, node, **short.details, prunable=freed)
 
     ctx.each([n.name for n in dep.profile.nodes], one)

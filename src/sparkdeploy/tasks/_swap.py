@@ -1,16 +1,21 @@
-"""``inv serve.swap``'s driver: the new deployment (the profile with ``--recipe``'s model
+"""``inv serve.swap``'s and ``inv model.prune``'s drivers: the new deployment (the profile with ``--recipe``'s model
 part), the old one beside it (``ops.swap.old_deployment``), the ``serve.swap`` step, and its
 last lines (``bring-up N s``, ``endpoint: URL``, the record)."""
 
 from __future__ import annotations
 
+import sys
+
 from invoke import Context
+from invoke.exceptions import Exit
 
 from sparkdeploy import swap as swapping
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.events import EventSink
 from sparkdeploy.ops import swap as ops
 from sparkdeploy.results import Result
+from sparkdeploy.steps import model_prune
+from sparkdeploy.steps.registry import run_one
 from sparkdeploy.tasks._common import drive
 from sparkdeploy.tasks._flags import usage
 
@@ -51,3 +56,32 @@ def swap(c: Context, *, recipe: str | None, engine: str | None, profile: str | N
 
     return drive(c, "serve.swap", work, profile=profile, prepare=prepare, show=show,
                  recipe=recipe, recipe_dirs=recipes)
+
+
+def prune(c: Context, *, yes: bool, profile: str | None) -> list[Result]:
+    """``inv model.prune``: what it would remove on each node, asked about unless ``yes``, then
+    the ``model.prune`` step with the serving model's directory (the deployment the nodes serve
+    now: ``ops.swap.old_deployment``) left."""
+    serving: dict[str, str] = {}
+
+    def confirm(dep: Deployment) -> None:
+        serving["path"] = ops.old_deployment(dep)[0].profile.model.path
+        found = {h.name: model_prune.targets(dep, h, serving["path"]) for h in dep.hosts.values()}
+        if not any(found.values()) or dep.dry:
+            return
+        print(f"model.prune will remove (serving: {serving['path']}; model.keep: "
+              f"{dep.profile.model.keep}):", flush=True)
+        for node, dirs in found.items():
+            print(f"  {node}: {model_prune.listing(dirs) or 'nothing'}", flush=True)
+        if yes:
+            return
+        if not sys.stdin.isatty():
+            raise usage("--yes", "model.prune removes weights: confirm with --yes when not on a "
+                        "terminal")
+        if input("remove these? [y/N] ").strip().lower() not in ("y", "yes"):
+            raise Exit("nothing removed", code=1)
+
+    def work(dep: Deployment | None, events: EventSink) -> list[Result]:
+        return run_one(dep, model_prune.PRUNE, serving=serving.get("path"))
+
+    return drive(c, model_prune.PRUNE, work, profile=profile, prepare=confirm, live=False)
