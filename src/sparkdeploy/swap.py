@@ -159,7 +159,7 @@ def bring_back(ctx: StepContext, old: Deployment, engine: str | None, was_persis
             if bad else f"the old model {old.profile.model.repo} serves again")
 
 
-def cut_over(ctx: StepContext, old: Deployment, engine: str | None, old_engine: str | None,
+def cut_over(ctx: StepContext, old: Deployment, engine: str | None,
              decision: ImageDecision | None, record: ops.Phase) -> Outcome:
     new = ctx.dep
     head = new.host(new.profile.head.name)
@@ -185,7 +185,7 @@ def cut_over(ctx: StepContext, old: Deployment, engine: str | None, old_engine: 
         bad = ops.coherent(url, new.profile.model.repo)
         why = f"coherence check: {bad}" if bad else None
     if why is not None:
-        back = bring_back(ctx, old, old_engine, was_persisted, decision)
+        back = bring_back(ctx, old, record.from_engine, was_persisted, decision)
         record.phase, record.why = ops.ROLLED_BACK, f"{why}; {back}"
         ops.write_phase(head, record)
         return Outcome("rolled-back", f"{why}; {back}", bringup_s=bringup)
@@ -204,22 +204,35 @@ def cut_over(ctx: StepContext, old: Deployment, engine: str | None, old_engine: 
                    url, served)
 
 
+def settled(ctx: StepContext, was: ops.Phase | None) -> bool:
+    """The new model serves already: ok, nothing stopped (True). A swap to it that a killed
+    controller left in its cut-over is completed on the head's record."""
+    new = ctx.dep
+    now = ops.serving_url(new)
+    if now is None:
+        return False
+    if (was is not None and was.phase in (ops.PREPARE, ops.CUT_OVER)
+            and was.to_model == new.profile.model.repo and not new.dry):
+        was.phase, was.why = ops.DONE, f"{new.profile.model.repo} serves (completed by a re-run)"
+        ops.write_phase(new.host(new.profile.head.name), was)
+    ctx.ok(f"{now[0]} already serves {new.profile.model.repo}: nothing stopped",
+           engine=now[0], endpoint=now[1])
+    return True
+
+
 def body(ctx: StepContext, old: Deployment, engine: str | None = None,
          from_recipe: str | None = None, to_recipe: str | None = None) -> None:
     """Swap ``old`` (serving) for the new deployment (``ctx.dep``): prepare while the old one
     serves, then the cut-over; back to the old one on any failure there."""
     new = ctx.dep
-    now = ops.serving_url(new)
-    if now is not None:
-        ctx.ok(f"{now[0]} already serves {new.profile.model.repo}: nothing stopped",
-               engine=now[0], endpoint=now[1])
+    head = new.host(new.profile.head.name)
+    was = ops.read_phase(head)
+    if settled(ctx, was):
         return
     clash = ops.shared_dir(old.profile.model, new.profile.model)
     if clash:
         ctx.failed(clash)
         return
-    head = new.host(new.profile.head.name)
-    was = ops.read_phase(head)
     old_now = ops.serving_url(old)
     if old_now is None and not (was and was.phase == ops.CUT_OVER):
         ctx.failed(f"nothing of this deployment serves {old.profile.model.repo}: deploy.all "
@@ -228,8 +241,8 @@ def body(ctx: StepContext, old: Deployment, engine: str | None = None,
     record = ops.Phase(phase=ops.PREPARE, from_model=old.profile.model.repo,
                        to_model=new.profile.model.repo, from_recipe=from_recipe,
                        to_recipe=to_recipe, engine=engine,
+                       from_engine=old_now[0] if old_now else (was.from_engine if was else None),
                        at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    old_engine = old_now[0] if old_now else (was.engine if was else None)
     decision = old.records.read(ImageDecision)
     if not new.dry and old_now is not None:
         ops.write_phase(head, record)
@@ -247,17 +260,18 @@ def body(ctx: StepContext, old: Deployment, engine: str | None = None,
     phase(ctx, PREPARE, "done", "the new weights and image are on every node", t0)
     t1 = new.clock()
     phase(ctx, CUT_OVER, "running", f"{old.profile.model.repo} -> {new.profile.model.repo}")
-    out = cut_over(ctx, old, engine, old_engine, decision, record)
+    out = cut_over(ctx, old, engine, decision, record)
     phase(ctx, CUT_OVER, "done" if out.state in ("swapped", "dry") else "failed", out.why, t1)
     _finish(ctx, out, record)
 
 
 def _finish(ctx: StepContext, out: Outcome, record: ops.Phase) -> None:
     new = ctx.dep
-    details: dict[str, Any] = {"bringup_s": out.bringup_s, "downtime_s": out.downtime_s, "engine": out.engine,
-               "outcome": out.state}
-    if out.state == "dry":
-        ctx.would(f"swap {record.from_model} for {record.to_model}")
+    details: dict[str, Any] = {"bringup_s": out.bringup_s, "downtime_s": out.downtime_s,
+                               "engine": out.engine, "outcome": out.state}
+    if new.dry:
+        ctx.would(f"swap {record.from_model} for {record.to_model}" + (
+            "" if out.state == "dry" else f" ({out.why})"))
         return
     rec = SwapRecord(from_model=record.from_model, to_model=record.to_model,
                      from_recipe=record.from_recipe, to_recipe=record.to_recipe,

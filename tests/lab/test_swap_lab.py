@@ -3,7 +3,7 @@ profile's model serving (deployed first when nothing serves), a swap to gpt-oss-
 client asking every 0.5 s through it (the new model answers, the downtime about one bring-up),
 a swap to the model already serving (ok, nothing stopped), then a swap back whose engine hangs
 (`lab.fault engine-hang --model`, `--engine sglang`): exit 1, the diagnosis named, gpt-oss-120b
-serving again and answering throughout.
+serving again.
 
 A profile on top of the lab's shortens the stall so that the hang is found within ~45 s."""
 

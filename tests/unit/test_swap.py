@@ -193,13 +193,13 @@ class Swap:
     """The swap's collaborators scripted: what serves, what each step says."""
 
     def __init__(self, monkeypatch, new, old, *, serving_new=None, up_fails=False,
-                 prepare_fails=None, coherent=None, persisted=False):
+                 prepare_fails=None, coherent=None, persisted=False, was=None, old_serves=True):
         self.calls: list[tuple[str, str, dict]] = []
         self.phases: list[str] = []
         self.new, self.old = new, old
-        monkeypatch.setattr(ops, "serving_url",
-                            lambda d: serving_new if d is new else ("sglang", "http://h:30000"))
-        monkeypatch.setattr(ops, "read_phase", lambda h: None)
+        monkeypatch.setattr(ops, "serving_url", lambda d: serving_new if d is new else (
+            ("sglang", "http://h:30000") if old_serves else None))
+        monkeypatch.setattr(ops, "read_phase", lambda h: was)
         monkeypatch.setattr(ops, "write_phase", lambda h, rec: self.phases.append(rec.phase))
         monkeypatch.setattr(ops, "coherent", lambda url, want: coherent)
         monkeypatch.setattr(sw, "persisted", lambda d: persisted)
@@ -359,21 +359,23 @@ def test_the_old_deployment_is_the_one_the_nodes_serve(dep, monkeypatch):
     assert (old.profile.model.repo, recipe) == ("Qwen/Qwen3.5-122B-A10B-FP8", None)
 
 
-@pytest.mark.parametrize("phase,to,want", [
-    (None, None, None),
-    (ops.PREPARE, "openai/gpt-oss-20b", None),        # the old one serves: watched as ever
-    (ops.CUT_OVER, "openai/gpt-oss-20b", "paused"),   # stopped on purpose: nothing to restart
-    (ops.ROLLED_BACK, "openai/gpt-oss-20b", None),
-    (ops.DONE, "openai/gpt-oss-20b", "swapped"),      # another model serves: the watch ends
-    (ops.DONE, "Qwen/Qwen3.5-122B-A10B-FP8", None),   # a swap back to this one
+@pytest.mark.parametrize("phase,to,serves,want", [
+    (None, None, False, None),
+    (ops.PREPARE, "openai/gpt-oss-20b", True, None),       # the old one serves: watched as ever
+    (ops.CUT_OVER, "openai/gpt-oss-20b", False, "paused"),  # stopped on purpose: no restart
+    (ops.ROLLED_BACK, "openai/gpt-oss-20b", True, None),
+    (ops.DONE, "openai/gpt-oss-20b", False, "swapped"),     # another model serves: it ends
+    (ops.DONE, "openai/gpt-oss-20b", True, None),           # deployed again since the swap
+    (ops.DONE, "Qwen/Qwen3.5-122B-A10B-FP8", True, None),   # a swap back to this one
 ])
-def test_the_watchdog_pauses_for_the_cut_over(dep, monkeypatch, phase, to, want):
+def test_the_watchdog_pauses_for_the_cut_over(dep, monkeypatch, phase, to, serves, want):
     from sparkdeploy.steps import watchdog
     from sparkdeploy.steps.registry import StepContext
 
     d, _ = dep()
     rec = ops.Phase(phase=phase, from_model="x/y", to_model=to) if phase else None
     monkeypatch.setattr(ops, "read_phase", lambda h: rec)
+    monkeypatch.setattr(ops, "serving_url", lambda x: ("sglang", "http://h:30000") if serves else None)
     ctx = StepContext("serve.watch", d.events, d)
     assert watchdog.swap_pause(ctx) == want
     if want == "swapped":
@@ -420,3 +422,44 @@ def test_prune_with_nothing_beyond_keep_removes_nothing(dep, monkeypatch):
     out = run_one(d, "model.prune", serving="/srv/models/s")
     assert [r.status for r in out] == [Status.OK, Status.OK]
     assert ctx.commands == []
+
+
+def test_a_rerun_after_a_killed_cut_over_completes_or_brings_the_old_one_back(dep, monkeypatch):
+    new, _ = dep(recipe="gpt-oss-120b")
+    old, _ = dep()
+    killed = ops.Phase(phase=ops.CUT_OVER, from_model=old.profile.model.repo,
+                       to_model="openai/gpt-oss-120b", from_engine="vllm-ray")
+    # the new one came up before the controller died: the record is completed, nothing stopped
+    s = Swap(monkeypatch, new, old, serving_new=("vllm", "http://h:8000"), was=killed.model_copy())
+    out = s.run()
+    assert s.calls == [] and s.phases == [ops.DONE] and out[-1].status is Status.OK
+    # neither serves: the cut-over runs again; a failure brings back the engine that served
+    monkeypatch.setattr(sw, "prepare", lambda ctx, o, keep: None)
+    s = Swap(monkeypatch, new, old, was=killed.model_copy(), old_serves=False, up_fails=True)
+    s.run()
+    assert s.calls[-1] == ("old", "serve.up", {"engine": "vllm-ray"})
+    assert s.phases == [ops.CUT_OVER, ops.ROLLED_BACK]  # nothing served: no prepare record
+
+
+def test_nothing_serving_and_no_swap_under_way_is_refused(dep, monkeypatch):
+    new, _ = dep(recipe="gpt-oss-120b")
+    old, _ = dep()
+    s = Swap(monkeypatch, new, old, old_serves=False)
+    out = s.run(to_recipe="gpt-oss-120b")
+    assert s.calls == [] and out[-1].status is Status.FAILED
+    assert out[-1].why == (f"nothing of this deployment serves {old.profile.model.repo}: "
+                           "deploy.all --recipe gpt-oss-120b deploys the new model")
+
+
+def test_a_dry_swap_writes_nothing(dep, monkeypatch, tmp_path):
+    from sparkdeploy.config import load_profile
+
+    state = tmp_path / "dry-state"
+    new = deployment(SEED, state, FakeContext(dry=True),
+                     profile=load_profile(SEED, "gpt-oss-120b"), dry=True)
+    old, _ = dep()
+    s = Swap(monkeypatch, new, old)
+    out = s.run()
+    assert s.phases == [] and not state.exists()  # no phase on the head, no record
+    assert out[-1].status is Status.SKIPPED
+    assert out[-1].why == f"would swap {old.profile.model.repo} for openai/gpt-oss-120b"

@@ -82,6 +82,8 @@ class Phase(BaseModel):
     to_recipe: str | None = None
     engine: str | None = None
     """The engine the new one was asked for (``--engine``)."""
+    from_engine: str | None = None
+    """The engine the old one served with (brought back with it)."""
     why: str = ""
     at: str = ""
 

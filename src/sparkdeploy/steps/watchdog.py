@@ -110,8 +110,8 @@ def restart(ctx: StepContext, lau: Launch, w: wd.Wedge, pol: wd.Policy) -> str:
 
 def swap_pause(ctx: StepContext) -> str | None:
     """What a ``serve.swap`` on the head says of this watch: ``paused`` during its cut-over
-    (the old engine stops on purpose: nothing to restart), ``swapped`` once another model than
-    the profile's serves (said so: the watch ends), else None."""
+    (the old engine stops on purpose: nothing to restart), ``swapped`` once a swap put another
+    model than the profile's in its place (said so: the watch ends), else None."""
     from sparkdeploy.ops import swap as swap_ops
 
     dep = ctx.dep
@@ -121,7 +121,8 @@ def swap_pause(ctx: StepContext) -> str | None:
     if rec.phase == swap_ops.CUT_OVER:
         ctx.progress(None, 0, None, "checks", f"paused: serve.swap's cut-over to {rec.to_model}")
         return "paused"
-    if rec.phase == swap_ops.DONE and rec.to_model != dep.profile.model.repo:
+    if (rec.phase == swap_ops.DONE and rec.to_model != dep.profile.model.repo
+            and swap_ops.serving_url(dep) is None):  # not deployed again since
         ctx.ok(f"serve.swap replaced {dep.profile.model.repo} with {rec.to_model}: this watch "
                "ends (serve.watch with the new deployment's profile watches it)")
         return "swapped"
