@@ -159,6 +159,16 @@ def bring_back(ctx: StepContext, old: Deployment, engine: str | None, was_persis
             if bad else f"the old model {old.profile.model.repo} serves again")
 
 
+def roll_back(ctx: StepContext, old: Deployment, why: str, was_persisted: bool,
+              decision: ImageDecision | None, record: ops.Phase,
+              bringup: float | None = None) -> Outcome:
+    """The cut-over failed (``why``): the old one back, the head's record saying so."""
+    back = bring_back(ctx, old, record.from_engine, was_persisted, decision)
+    record.phase, record.why = ops.ROLLED_BACK, f"{why}; {back}"
+    ops.write_phase(ctx.dep.host(ctx.dep.profile.head.name), record)
+    return Outcome("rolled-back", f"{why}; {back}", bringup_s=bringup)
+
+
 def cut_over(ctx: StepContext, old: Deployment, engine: str | None,
              decision: ImageDecision | None, record: ops.Phase) -> Outcome:
     new = ctx.dep
@@ -169,8 +179,9 @@ def cut_over(ctx: StepContext, old: Deployment, engine: str | None,
         ops.write_phase(head, record)
     last_good = time.time()
     down = call_on(ctx, old, "serve.down")
-    if failed(down):
-        return Outcome("failed", f"the old engine did not stop: {failed(down)[0].why}")
+    if failed(down) and not new.dry:
+        return roll_back(ctx, old, f"the old engine did not stop: {failed(down)[0].why}",
+                         was_persisted, decision, record)
     t0 = new.clock()
     up = call_on(ctx, new, "serve.up", engine=engine)
     bringup = round(new.clock() - t0, 1)
@@ -185,19 +196,16 @@ def cut_over(ctx: StepContext, old: Deployment, engine: str | None,
         bad = ops.coherent(url, new.profile.model.repo)
         why = f"coherence check: {bad}" if bad else None
     if why is not None:
-        back = bring_back(ctx, old, record.from_engine, was_persisted, decision)
-        record.phase, record.why = ops.ROLLED_BACK, f"{why}; {back}"
-        ops.write_phase(head, record)
-        return Outcome("rolled-back", f"{why}; {back}", bringup_s=bringup)
-    downtime = round(time.time() - last_good, 1)
-    if was_persisted:
+        return roll_back(ctx, old, why, was_persisted, decision, record, bringup)
+    if was_persisted:  # the hand-over to the new units is part of the downtime
         for name, opts in (("serve.unpersist", {}), ("serve.persist", {"engine": served})):
             bad_p = failed(call_on(ctx, old if name == "serve.unpersist" else new, name, **opts))
             if bad_p:
                 record.phase, record.why = ops.DONE, f"{name}: {bad_p[0].why}"
                 ops.write_phase(head, record)
                 return Outcome("failed", f"the new model serves, but {name}: {bad_p[0].why}",
-                               bringup, downtime, url, served)
+                               bringup, round(time.time() - last_good, 1), url, served)
+    downtime = round(time.time() - last_good, 1)
     record.phase, record.why = ops.DONE, f"{new.profile.model.repo} serves"
     ops.write_phase(head, record)
     return Outcome("swapped", f"{served} serves {new.profile.model.repo}", bringup, downtime,

@@ -193,7 +193,8 @@ class Swap:
     """The swap's collaborators scripted: what serves, what each step says."""
 
     def __init__(self, monkeypatch, new, old, *, serving_new=None, up_fails=False,
-                 prepare_fails=None, coherent=None, persisted=False, was=None, old_serves=True):
+                 prepare_fails=None, coherent=None, persisted=False, was=None, old_serves=True,
+                 down_fails=False):
         self.calls: list[tuple[str, str, dict]] = []
         self.phases: list[str] = []
         self.new, self.old = new, old
@@ -209,6 +210,8 @@ class Swap:
         def call_on(ctx, d, name, **opts):
             which = "new" if d is new else "old"
             self.calls.append((which, name, opts))
+            if name == "serve.down" and which == "old" and down_fails:
+                return [ctx.report(Result("serve.down", Status.FAILED, "still there: x", "spark2"))]
             if name == "serve.up" and which == "new" and up_fails:
                 return [ctx.report(Result("serve.up", Status.FAILED, "sglang stalled; class: "
                                           "sglang-hang"))]
@@ -463,3 +466,13 @@ def test_a_dry_swap_writes_nothing(dep, monkeypatch, tmp_path):
     assert s.phases == [] and not state.exists()  # no phase on the head, no record
     assert out[-1].status is Status.SKIPPED
     assert out[-1].why == f"would swap {old.profile.model.repo} for openai/gpt-oss-120b"
+
+
+def test_an_old_engine_that_does_not_stop_is_brought_back_and_nothing_new_starts(dep, monkeypatch):
+    new, _ = dep(recipe="gpt-oss-120b")
+    old, _ = dep()
+    s = Swap(monkeypatch, new, old, down_fails=True)
+    out = s.run()
+    assert [(w, n) for w, n, _ in s.calls] == [("old", "serve.down"), ("new", "serve.down"),
+                                              ("old", "serve.up")]
+    assert out[-1].why.startswith("swap rolled-back: the old engine did not stop: still there: x")
