@@ -122,13 +122,14 @@ def phase(ctx: StepContext, name: str, state: str, why: str = "", t0: float | No
     ctx.events.emit(StepState(name, state, why, took))
 
 
-def prepare(ctx: StepContext, old: Deployment, keep: list[str]) -> str | None:
+def prepare(ctx: StepContext, old: Deployment, keep: list[str],
+            old_engine: str | None = None) -> str | None:
     """The prepare phase on the new deployment (``ctx.dep``); why it failed, or None."""
     from sparkdeploy import plan as plans
     from sparkdeploy.runner import Runner
 
     new = ctx.dep
-    for name, opts in ((FIT, {"old": old}), (DISK, {"keep": keep})):
+    for name, opts in ((FIT, {"old": old, "engine": old_engine}), (DISK, {"keep": keep})):
         bad = failed(ctx.call(name, **opts))
         if bad:
             return f"{name}: {bad[0].why}"
@@ -258,7 +259,7 @@ def body(ctx: StepContext, old: Deployment, engine: str | None = None,
     phase(ctx, PREPARE, "running", f"{new.profile.model.repo} while "
           f"{old.profile.model.repo} serves")
     with Health(ctx, old_now[1] if old_now else None, old.profile.model.repo):
-        why = prepare(ctx, old, [old.profile.model.path])
+        why = prepare(ctx, old, [old.profile.model.path], record.from_engine)
     if why is not None:
         phase(ctx, PREPARE, "failed", why, t0)
         if decision is not None and not new.dry:

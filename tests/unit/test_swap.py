@@ -165,6 +165,27 @@ def test_fit_counts_what_the_old_engine_holds(dep, monkeypatch):
     assert "spark1 100.0 GiB, spark2 5.0 GiB" in by_node["spark2"].why
 
 
+def test_fit_counts_what_the_old_engine_asked_for_when_its_cgroup_says_less(dep, monkeypatch):
+    """On a GB10 the CUDA allocations may not show in docker stats: the old sglang's
+    --mem-fraction-static 0.85 x the node's total counts when larger; never above the total."""
+    new, _ = dep(recipe="gpt-oss-120b")
+    old, _ = dep()
+    files = [{"path": "model.safetensors", "size": 60 * GIB}]
+    monkeypatch.setattr(model_fit, "selected", lambda d: ({"files": files}, ""))
+    monkeypatch.setattr(checks, "selected", lambda d: ({"files": files}, ""))
+    monkeypatch.setattr(model_fit, "node_memory",
+                        lambda ctx: {"spark1": _mem(10), "spark2": _mem(10)})
+    monkeypatch.setattr(checks.memory, "read", lambda h: _mem(10))
+    monkeypatch.setattr(checks, "old_containers", lambda o, n: [f"{n}-old"])
+    monkeypatch.setattr(ops, "held", lambda h, names: 2 * GIB)
+    out = run_one(new, checks.FIT, old=old, engine="sglang")
+    asked = int(0.85 * int(119.7 * GIB))
+    by_node = {r.node: r for r in out if r.node}
+    assert by_node["spark1"].details["usable"] == min(10 * GIB + asked, int(119.7 * GIB))
+    assert by_node["spark1"].status is Status.OK
+    assert checks.old_demand(old, "nosuch", {"spark1": GIB}) == {}
+
+
 def test_disk_refuses_with_free_needed_and_what_prune_frees(dep, monkeypatch):
     new, _ = dep(recipe="gpt-oss-120b")
     path = new.profile.model.path
@@ -204,7 +225,7 @@ class Swap:
         monkeypatch.setattr(ops, "write_phase", lambda h, rec: self.phases.append(rec.phase))
         monkeypatch.setattr(ops, "coherent", lambda url, want: coherent)
         monkeypatch.setattr(sw, "persisted", lambda d: persisted)
-        monkeypatch.setattr(sw, "prepare", lambda ctx, o, keep: prepare_fails)
+        monkeypatch.setattr(sw, "prepare", lambda ctx, o, keep, engine=None: prepare_fails)
         monkeypatch.setattr(sw.Health, "__enter__", lambda s: s)
 
         def call_on(ctx, d, name, **opts):
@@ -332,8 +353,8 @@ def test_prepare_runs_the_new_deployments_steps_and_stops_nothing(dep, monkeypat
     assert ran["dep"] is new and ran["name"] == "swap"
     assert ran["steps"] == ["model.download", "image.probe", "image.build", "image.ship",
                             "model.sync", "model.verify"]
-    assert ctx.called == [("swap.fit", {"old": old}), ("swap.disk", {"keep": ["/srv/models/old"]}),
-                          ("swap.flags", {})]
+    assert ctx.called == [("swap.fit", {"old": old, "engine": None}),
+                          ("swap.disk", {"keep": ["/srv/models/old"]}), ("swap.flags", {})]
 
 
 def test_prepare_stops_at_a_check_before_the_plan(dep, monkeypatch):
@@ -437,7 +458,7 @@ def test_a_rerun_after_a_killed_cut_over_completes_or_brings_the_old_one_back(de
     out = s.run()
     assert s.calls == [] and s.phases == [ops.DONE] and out[-1].status is Status.OK
     # neither serves: the cut-over runs again; a failure brings back the engine that served
-    monkeypatch.setattr(sw, "prepare", lambda ctx, o, keep: None)
+    monkeypatch.setattr(sw, "prepare", lambda ctx, o, keep, engine=None: None)
     s = Swap(monkeypatch, new, old, was=killed.model_copy(), old_serves=False, up_fails=True)
     s.run()
     assert s.calls[-1] == ("old", "serve.up", {"engine": "vllm-ray"})

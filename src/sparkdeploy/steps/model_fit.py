@@ -94,11 +94,12 @@ def report(ctx: StepContext, weights: int, by_engine: dict[str, list[Check]],
 
 def freed(ctx: StepContext, mem: dict[str, NodeMemory], held: dict[str, int]) -> dict[str, NodeMemory]:
     """Each node's memory as it will be once an engine holding ``held`` bytes there is gone
-    (``serve.swap``: the old engine still serves while the new model's fit is checked)."""
+    (``serve.swap``: the old engine still serves while the new model's fit is checked), never
+    more than the node's total."""
     p = ctx.dep.profile
-    return {n: m.model_copy(update={"gpu_usable": (m.gpu_usable or 0)
-                                    + held.get(n, 0) // max(p.node(n).gpus, 1)})
-            for n, m in mem.items()}
+    return {n: m.model_copy(update={"gpu_usable": min(
+        (m.gpu_usable or 0) + held.get(n, 0) // max(p.node(n).gpus, 1),
+        m.gpu_total or 0)}) for n, m in mem.items()}
 
 
 @step(FIT, needs=("services.stop",))
@@ -119,7 +120,7 @@ def model_fit(ctx: StepContext, held: dict[str, int] | None = None) -> None:
     said = f"; {note}" if note else ""
     if held is not None:
         mem = freed(ctx, mem, held)
-        said += "; usable counts what the engine to be replaced holds (docker stats): " + \
+        said += "; usable counts what the engine to be replaced holds: " + \
             ", ".join(f"{n} {fit.gib(b)}" for n, b in held.items())
     by_engine = checks(ctx, weights, mem)
     if by_engine:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from pathlib import PurePosixPath
 
+from sparkdeploy import fit, memory
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import EngineError, launch
-from sparkdeploy.nodeops import free_space
+from sparkdeploy.nodeops import HelperFailed, free_space
 from sparkdeploy.ops import serve_preflight
 from sparkdeploy.ops import swap as ops
 from sparkdeploy.ops.model import GB, ModelError, short_of
@@ -29,14 +30,48 @@ def old_containers(old: Deployment, node: str) -> list[str]:
     return [c.name for c in ours(old.host(node), old.profile.name) if c.running]
 
 
+def old_demand(old: Deployment, engine: str | None, totals: dict[str, int]) -> dict[str, int]:
+    """{node: bytes} the old engine asked for there, as ``model.fit`` reckons it for that
+    engine: its memory fraction x the node's total, else its weights' share + reserve ({} when
+    the old engine or its weights' sizes are not known)."""
+    eng = next((e for e in old.profile.engines if e.name == engine), None)
+    if eng is None:
+        return {}
+    try:
+        meta, _ = selected(old)
+        checks = {n.name: fit.check(n.name, eng.name, gpus=n.gpus,
+                                    weights=fit.weight_bytes(meta["files"]),
+                                    parallel=eng.tensor_parallel * eng.pipeline_parallel,
+                                    reserve_gib=old.profile.fit.reserve(eng.name), gpu_usable=0,
+                                    gpu_total=totals[n.name] // max(n.gpus, 1), args=eng.args)
+                  for n in old.profile.nodes if n.name in totals}
+    except (ModelError, fit.FitError):
+        return {}
+    return {n: int(c.asks if c.asks is not None else c.need) for n, c in checks.items()}
+
+
 @step(FIT)
-def swap_fit(ctx: StepContext, old: Deployment | None = None) -> None:
-    """The new model (``ctx.dep``) against each node's memory once ``old``'s engine is gone:
-    ``model.fit`` with what the old engine's containers hold counted as usable."""
+def swap_fit(ctx: StepContext, old: Deployment | None = None, engine: str | None = None) -> None:
+    """The new model (``ctx.dep``) against each node's memory once ``old``'s engine (named
+    ``engine``) is gone: ``model.fit`` with what that engine holds counted as usable. What it
+    holds is the larger of ``docker stats``' figure for its containers (``ops.swap.held``) and
+    what it asked for (``old_demand``): on a GB10 the CUDA allocations may not be charged to the
+    container's cgroup, and ``nvidia-smi`` gives no per-process memory there."""
     dep = ctx.dep
-    held = {n.name: ops.held(dep.host(n.name), old_containers(old, n.name)) if old else 0
-            for n in dep.profile.nodes if n.gpus > 0}
-    ctx.call("model.fit", held=held)
+    nodes = [n.name for n in dep.profile.nodes if n.gpus > 0]
+    stats = {n: ops.held(dep.host(n), old_containers(old, n)) if old else 0 for n in nodes}
+    asked: dict[str, int] = {}
+    if old is not None and engine is not None:
+        totals = {}
+        for n in nodes:
+            try:
+                m = memory.read(dep.host(n))
+            except HelperFailed:
+                continue
+            if m.gpu_total is not None:
+                totals[n] = m.gpu_total * max(m.gpus, 1)
+        asked = old_demand(old, engine, totals)
+    ctx.call("model.fit", held={n: max(stats[n], asked.get(n, 0)) for n in nodes})
 
 
 def present_bytes(ctx: StepContext, node: str, path: str) -> int:
