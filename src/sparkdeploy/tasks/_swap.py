@@ -45,8 +45,9 @@ def swap(c: Context, *, recipe: str | None, engine: str | None, profile: str | N
     def show(dep: Deployment | None, results: list[Result]) -> None:
         took = next((r.details["bringup_s"] for r in results
                      if r.step == "serve.swap" and r.details.get("bringup_s") is not None), None)
+        # the new model's, or after a way back the old one's as serve.up brought it back
         url = next((r.details["endpoint"] for r in reversed(results)
-                    if r.step == "serve.swap" and r.details.get("endpoint")), None)
+                    if r.details.get("endpoint") and not r.failed), None)
         record = next((r.details["record"] for r in results if r.details.get("record")), None)
         if took is not None:
             print(f"bring-up {took:g} s", flush=True)
