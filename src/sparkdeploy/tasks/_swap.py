@@ -16,7 +16,7 @@ from sparkdeploy.ops import swap as ops
 from sparkdeploy.results import Result
 from sparkdeploy.steps import model_prune
 from sparkdeploy.steps.registry import run_one
-from sparkdeploy.tasks._common import drive
+from sparkdeploy.tasks._common import drive, failed_count
 from sparkdeploy.tasks._flags import usage
 
 
@@ -55,8 +55,13 @@ def swap(c: Context, *, recipe: str | None, engine: str | None, profile: str | N
         if record:
             print(f"record: {record}", flush=True)
 
+    def verdict(results: list[Result]) -> str | None:
+        """The swap's own failure (why it was refused or rolled back), else any other."""
+        said = next((r.why for r in reversed(results) if r.step == "serve.swap" and r.failed), None)
+        return said or failed_count(results)
+
     return drive(c, "serve.swap", work, profile=profile, prepare=prepare, show=show,
-                 recipe=recipe, recipe_dirs=recipes)
+                 verdict=verdict, recipe=recipe, recipe_dirs=recipes)
 
 
 def prune(c: Context, *, yes: bool, profile: str | None) -> list[Result]:
