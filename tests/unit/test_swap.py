@@ -497,3 +497,26 @@ def test_an_old_engine_that_does_not_stop_is_brought_back_and_nothing_new_starts
     assert [(w, n) for w, n, _ in s.calls] == [("old", "serve.down"), ("new", "serve.down"),
                                               ("old", "serve.up")]
     assert out[-1].why.startswith("swap rolled-back: the old engine did not stop: still there: x")
+
+
+def test_the_task_prints_bringup_endpoint_record_and_exits_with_the_swaps_reason(monkeypatch, capsys):
+    from sparkdeploy.tasks import _swap
+
+    rolled = [Result("serve.up", Status.FAILED, "vllm hang: ..."),
+              Result("serve.up", Status.OK, "endpoint: http://h:30000", None,
+                     {"endpoint": "http://h:30000", "engine": "sglang"}),
+              Result("serve.swap", Status.FAILED, "swap rolled-back: vllm hang: ...; the old model "
+                     "a/b serves again", None, {"bringup_s": 41.5, "record": "/s/swap.md"})]
+    seen = {}
+
+    def drive(c, name, work, **kw):
+        kw["show"](None, rolled)
+        seen.update(name=name, verdict=kw["verdict"](rolled))
+        return rolled
+
+    monkeypatch.setattr(_swap, "drive", drive)
+    _swap.swap(None, recipe="gpt-oss-120b", engine=None, profile=None)
+    assert capsys.readouterr().out.splitlines() == ["bring-up 41.5 s", "endpoint: http://h:30000",
+                                                    "record: /s/swap.md"]
+    assert seen == {"name": "serve.swap",
+                    "verdict": "swap rolled-back: vllm hang: ...; the old model a/b serves again"}
