@@ -41,6 +41,14 @@ def env(lab, tmp_path_factory):
         assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     yield prof, state
     faults.set_fault("none")
+    # the pair as the other lab tests expect it: nothing of either model serving, the head's
+    # units back, no swap record, gpt-oss-120b's weights gone (the lab profile's stay)
+    for args in (("deploy.rollback", "--recipe", NEW), ("deploy.rollback",)):
+        r = inv(state, *args, profile=prof)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    new = load(prof, state, recipe=NEW)
+    for n in ("spark1", "spark2"):
+        lab.ssh(n, ["rm", "-rf", "--", new.profile.model.path, ops.NODE_RECORD])
 
 
 def test_swap_serves_the_new_model_with_a_bringups_downtime(env):
