@@ -235,7 +235,7 @@ def body(ctx: StepContext, old: Deployment, engine: str | None = None,
     serves, then the cut-over; back to the old one on any failure there."""
     new = ctx.dep
     head = new.host(new.profile.head.name)
-    was = ops.read_phase(head)
+    was = ops.read_phase(head, new.profile.name)
     if settled(ctx, was):
         return
     clash = ops.shared_dir(old.profile.model, new.profile.model)
@@ -247,7 +247,8 @@ def body(ctx: StepContext, old: Deployment, engine: str | None = None,
         ctx.failed(f"nothing of this deployment serves {old.profile.model.repo}: deploy.all "
                    f"--recipe {to_recipe or '...'} deploys the new model")
         return
-    record = ops.Phase(phase=ops.PREPARE, from_model=old.profile.model.repo,
+    record = ops.Phase(phase=ops.PREPARE, deployment=new.profile.name,
+                       from_model=old.profile.model.repo,
                        to_model=new.profile.model.repo, from_recipe=from_recipe,
                        to_recipe=to_recipe, engine=engine,
                        from_engine=old_now[0] if old_now else (was.from_engine if was else None),

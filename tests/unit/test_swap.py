@@ -98,9 +98,12 @@ def test_to_prune_keeps_the_serving_one_and_the_most_recent_others(keep, gone):
 
 
 def test_read_phase_and_a_record_that_is_none(dep):
-    rec = ops.Phase(phase=ops.CUT_OVER, from_model="a/A", to_model="b/B", engine="sglang")
+    rec = ops.Phase(phase=ops.CUT_OVER, deployment="lab", from_model="a/A", to_model="b/B",
+                    engine="sglang")
     d, _ = dep({"cat": (0, rec.model_dump_json())})
     assert ops.read_phase(d.host("spark1")) == rec
+    assert ops.read_phase(d.host("spark1"), "lab") == rec
+    assert ops.read_phase(d.host("spark1"), "another") is None  # another deployment's swap
     d, _ = dep({"cat": (0, "{not json")})
     assert ops.read_phase(d.host("spark1")) is None
     d, _ = dep({"cat": (1, "")})
@@ -221,7 +224,7 @@ class Swap:
         self.new, self.old = new, old
         monkeypatch.setattr(ops, "serving_url", lambda d: serving_new if d is new else (
             ("sglang", "http://h:30000") if old_serves else None))
-        monkeypatch.setattr(ops, "read_phase", lambda h: was)
+        monkeypatch.setattr(ops, "read_phase", lambda h, deployment=None: was)
         monkeypatch.setattr(ops, "write_phase", lambda h, rec: self.phases.append(rec.phase))
         monkeypatch.setattr(ops, "coherent", lambda url, want: coherent)
         monkeypatch.setattr(sw, "persisted", lambda d: persisted)
@@ -371,7 +374,7 @@ def test_the_old_deployment_is_the_one_the_nodes_serve(dep, monkeypatch):
     new, _ = dep(recipe="gpt-oss-120b")
     rec = ops.Phase(phase=ops.DONE, from_model="Qwen/Qwen3.5-122B-A10B-FP8",
                     to_model="openai/gpt-oss-20b", from_recipe=None, to_recipe="gpt-oss-20b")
-    monkeypatch.setattr(ops, "read_phase", lambda h: rec)
+    monkeypatch.setattr(ops, "read_phase", lambda h, deployment=None: rec)
     serves = {"openai/gpt-oss-20b"}
     monkeypatch.setattr(ops, "serving_url", lambda d: ("vllm", "http://h:8000")
                         if d.profile.model.repo in serves else None)
@@ -398,7 +401,7 @@ def test_the_watchdog_pauses_for_the_cut_over(dep, monkeypatch, phase, to, serve
 
     d, _ = dep()
     rec = ops.Phase(phase=phase, from_model="x/y", to_model=to) if phase else None
-    monkeypatch.setattr(ops, "read_phase", lambda h: rec)
+    monkeypatch.setattr(ops, "read_phase", lambda h, deployment=None: rec)
     monkeypatch.setattr(ops, "serving_url", lambda x: ("sglang", "http://h:30000") if serves else None)
     ctx = StepContext("serve.watch", d.events, d)
     assert watchdog.swap_pause(ctx) == want

@@ -75,6 +75,8 @@ class Phase(BaseModel):
     """How far a swap got, as the head keeps it."""
 
     phase: str
+    deployment: str = ""
+    """The profile's name (the deployment label its containers carry)."""
     from_model: str
     to_model: str
     from_recipe: str | None = None
@@ -88,8 +90,9 @@ class Phase(BaseModel):
     at: str = ""
 
 
-def read_phase(head: Host) -> Phase | None:
-    """The head's swap record (None: no swap ever, or a record that is none)."""
+def read_phase(head: Host, deployment: str | None = None) -> Phase | None:
+    """The head's swap record (None: no swap ever, a record that is none, or one of another
+    deployment than ``deployment``)."""
     try:
         r = head.run(["cat", "--", NODE_RECORD], change=False, sudo=True)
     except NodeUnreachable:
@@ -97,9 +100,10 @@ def read_phase(head: Host) -> Phase | None:
     if not r.ok:
         return None
     try:
-        return Phase.model_validate_json(r.stdout)
+        rec = Phase.model_validate_json(r.stdout)
     except ValidationError:
         return None
+    return None if deployment and rec.deployment and rec.deployment != deployment else rec
 
 
 def write_phase(head: Host, phase: Phase) -> None:
@@ -242,7 +246,7 @@ def old_deployment(new: Deployment, dirs: tuple[str, ...] = ()) -> tuple[Deploym
     """(the deployment the nodes serve now, its recipe): the one the head's swap record says
     (the last swap's new model when it ended, else its old one), else the profile's own; the
     first of these the nodes serve as its profile says, else the first."""
-    rec = read_phase(new.host(new.profile.head.name))
+    rec = read_phase(new.host(new.profile.head.name), new.profile.name)
     picks: list[str | None] = []
     if rec is not None:
         picks.append(rec.to_recipe if rec.phase == DONE else rec.from_recipe)

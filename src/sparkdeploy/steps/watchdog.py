@@ -115,7 +115,7 @@ def swap_pause(ctx: StepContext) -> str | None:
     from sparkdeploy.ops import swap as swap_ops
 
     dep = ctx.dep
-    rec = swap_ops.read_phase(dep.host(dep.profile.head.name))
+    rec = swap_ops.read_phase(dep.host(dep.profile.head.name), dep.profile.name)
     if rec is None:
         return None
     if rec.phase == swap_ops.CUT_OVER:
