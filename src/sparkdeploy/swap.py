@@ -174,7 +174,7 @@ def cut_over(ctx: StepContext, old: Deployment, engine: str | None,
              decision: ImageDecision | None, record: ops.Phase) -> Outcome:
     new = ctx.dep
     head = new.host(new.profile.head.name)
-    was_persisted = persisted(old)
+    was_persisted = record.persisted = persisted(old) or record.persisted
     record.phase = ops.CUT_OVER
     if not new.dry:
         ops.write_phase(head, record)
@@ -213,15 +213,19 @@ def cut_over(ctx: StepContext, old: Deployment, engine: str | None,
                    url, served)
 
 
-def settled(ctx: StepContext, was: ops.Phase | None) -> bool:
+def settled(ctx: StepContext, old: Deployment, was: ops.Phase | None) -> bool:
     """The new model serves already: ok, nothing stopped (True). A swap to it that a killed
-    controller left in its cut-over is completed on the head's record."""
+    controller left in its cut-over is completed: a persisted old deployment's units replaced
+    by the new one's, the head's record saying it is done."""
     new = ctx.dep
     now = ops.serving_url(new)
     if now is None:
         return False
     if (was is not None and was.phase in (ops.PREPARE, ops.CUT_OVER)
             and was.to_model == new.profile.model.repo and not new.dry):
+        if was.persisted and not persisted(new):
+            call_on(ctx, old, "serve.unpersist")
+            call_on(ctx, new, "serve.persist", engine=now[0])
         was.phase, was.why = ops.DONE, f"{new.profile.model.repo} serves (completed by a re-run)"
         ops.write_phase(new.host(new.profile.head.name), was)
     ctx.ok(f"{now[0]} already serves {new.profile.model.repo}: nothing stopped",
@@ -236,7 +240,7 @@ def body(ctx: StepContext, old: Deployment, engine: str | None = None,
     new = ctx.dep
     head = new.host(new.profile.head.name)
     was = ops.read_phase(head, new.profile.name)
-    if settled(ctx, was):
+    if settled(ctx, old, was):
         return
     clash = ops.shared_dir(old.profile.model, new.profile.model)
     if clash:
@@ -252,6 +256,7 @@ def body(ctx: StepContext, old: Deployment, engine: str | None = None,
                        to_model=new.profile.model.repo, from_recipe=from_recipe,
                        to_recipe=to_recipe, engine=engine,
                        from_engine=old_now[0] if old_now else (was.from_engine if was else None),
+                       persisted=bool(old_now is None and was and was.persisted),
                        at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     decision = old.records.read(ImageDecision)
     if not new.dry and old_now is not None:

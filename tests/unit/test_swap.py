@@ -523,3 +523,14 @@ def test_the_task_prints_bringup_endpoint_record_and_exits_with_the_swaps_reason
                                                     "record: /s/swap.md"]
     assert seen == {"name": "serve.swap",
                     "verdict": "swap rolled-back: vllm hang: ...; the old model a/b serves again"}
+
+
+def test_a_rerun_completes_a_persisted_swap_killed_before_its_units_were_replaced(dep, monkeypatch):
+    new, _ = dep(recipe="gpt-oss-120b")
+    old, _ = dep()
+    killed = ops.Phase(phase=ops.CUT_OVER, from_model=old.profile.model.repo,
+                       to_model="openai/gpt-oss-120b", from_engine="sglang", persisted=True)
+    s = Swap(monkeypatch, new, old, serving_new=("vllm", "http://h:8000"), was=killed)
+    s.run()
+    assert [(w, n) for w, n, _ in s.calls] == [("old", "serve.unpersist"), ("new", "serve.persist")]
+    assert s.calls[-1][2] == {"engine": "vllm"} and s.phases == [ops.DONE]

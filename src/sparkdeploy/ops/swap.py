@@ -86,6 +86,8 @@ class Phase(BaseModel):
     """The engine the new one was asked for (``--engine``)."""
     from_engine: str | None = None
     """The engine the old one served with (brought back with it)."""
+    persisted: bool = False
+    """The old one ran under systemd units: the new one is persisted once it passed."""
     why: str = ""
     at: str = ""
 
