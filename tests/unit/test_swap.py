@@ -534,3 +534,19 @@ def test_a_rerun_completes_a_persisted_swap_killed_before_its_units_were_replace
     s.run()
     assert [(w, n) for w, n, _ in s.calls] == [("old", "serve.unpersist"), ("new", "serve.persist")]
     assert s.calls[-1][2] == {"engine": "vllm"} and s.phases == [ops.DONE]
+
+
+def test_flags_are_checked_before_anything_stops(dep, monkeypatch):
+    from sparkdeploy.ops import serve_preflight
+
+    new, _ = dep()
+    monkeypatch.setattr(serve_preflight, "engine_version", lambda d, e: {
+        "sglang": "0.5.4", "vllm-ray": "0.17.1", "vllm": "0.17.1"}[e.name])
+    out = run_one(new, checks.FLAGS)
+    assert [r.status for r in out] == [Status.OK] * len(new.profile.engines)
+    assert out[0].why == "sglang: flags checked against sglang 0.5.4"
+    eng = new.profile.engines[0]
+    bad = eng.model_copy(update={"args": [*eng.args, "--tp-sise", "2"]})
+    new.profile = new.profile.model_copy(update={"engines": [bad]})
+    [r] = run_one(new, checks.FLAGS)
+    assert r.status is Status.FAILED and r.why.startswith("sglang: ") and "--tp-sise" in r.why
