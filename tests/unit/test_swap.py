@@ -13,6 +13,7 @@ from sparkdeploy.memory import NodeMemory
 from sparkdeploy.ops import swap as ops
 from sparkdeploy.results import Result, Status
 from sparkdeploy.steps import model_fit
+from sparkdeploy.steps import model_prune as checks_prune
 from sparkdeploy.steps import swap as checks
 from sparkdeploy.steps.registry import run_one
 from tests.unit.fakes import FakeContext, deployment, split_command
@@ -431,6 +432,7 @@ def test_two_models_never_share_a_directory(old, new, clash):
 
 def test_prune_removes_beyond_keep_never_the_serving_one(dep, monkeypatch):
     d, ctx = dep({"rm": (0, "")})
+    monkeypatch.setattr(ops, "read_phase", lambda h, deployment=None: None)
     dirs = _dirs(("/srv/models/serving", 9 * 10**9, 1), ("/srv/models/a", 2 * 10**9, 10),
                  ("/srv/models/b", 3 * 10**9, 20))
     monkeypatch.setattr(ops, "model_dirs", lambda h, parent: dict(dirs))
@@ -442,8 +444,24 @@ def test_prune_removes_beyond_keep_never_the_serving_one(dep, monkeypatch):
     assert [a[a.index("rm"):] for a in rms] == [["rm", "-rf", "--", "/srv/models/a"]] * 2
 
 
+def test_prune_leaves_both_models_of_a_swap_under_way(dep, monkeypatch):
+    d, ctx = dep({"rm": (0, "")})
+    rec = ops.Phase(phase=ops.PREPARE, from_model="a/s", to_model="a/b",
+                    from_path="/srv/models/serving", to_path="/srv/models/b")
+    monkeypatch.setattr(ops, "read_phase", lambda h, deployment=None: rec)
+    dirs = _dirs(("/srv/models/serving", 1, 1), ("/srv/models/a", 1, 10), ("/srv/models/b", 1, 5),
+                 ("/srv/models/c", 1, 20))
+    monkeypatch.setattr(ops, "model_dirs", lambda h, parent: dict(dirs))
+    out = run_one(d, "model.prune", serving="/srv/models/serving")
+    assert out[0].why == "removed /srv/models/a (0.00 GB): 0.00 GB freed"  # c: model.keep 1
+    rec.phase = ops.DONE  # ended: b is just another model
+    assert [x.path for x in checks_prune.targets(d, d.host("spark1"), "/srv/models/serving")] == [
+        "/srv/models/a", "/srv/models/b"]
+
+
 def test_prune_with_nothing_beyond_keep_removes_nothing(dep, monkeypatch):
     d, ctx = dep()
+    monkeypatch.setattr(ops, "read_phase", lambda h, deployment=None: None)
     monkeypatch.setattr(ops, "model_dirs", lambda h, parent: _dirs(("/srv/models/s", 1, 1),
                                                                    ("/srv/models/a", 1, 2)))
     out = run_one(d, "model.prune", serving="/srv/models/s")

@@ -82,6 +82,9 @@ class Phase(BaseModel):
     from_recipe: str | None = None
     """The recipe the old deployment was (None: the profile's own model part)."""
     to_recipe: str | None = None
+    from_path: str | None = None
+    to_path: str | None = None
+    """Both models' directories: ``model.prune`` leaves them while a swap is under way."""
     engine: str | None = None
     """The engine the new one was asked for (``--engine``)."""
     from_engine: str | None = None
@@ -255,3 +258,11 @@ def old_deployment(new: Deployment, dirs: tuple[str, ...] = ()) -> tuple[Deploym
     picks.append(None)
     cands = [(beside(new, r, dirs), r) for r in dict.fromkeys(picks)]
     return next(((d, r) for d, r in cands if serving_url(d) is not None), cands[0])
+
+
+def under_way(head: Host, deployment: str) -> list[str]:
+    """Both models' directories of a swap the head's record says is under way ([] when none)."""
+    rec = read_phase(head, deployment)
+    if rec is None or rec.phase not in (PREPARE, CUT_OVER):
+        return []
+    return [p for p in (rec.from_path, rec.to_path) if p]

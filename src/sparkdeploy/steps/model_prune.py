@@ -18,10 +18,12 @@ PRUNE = "model.prune"
 
 
 def targets(dep: Deployment, host: Host, serving: str) -> list[ops.ModelDir]:
-    """What the step would remove on ``host`` with ``serving`` (the serving model's path)."""
+    """What the step would remove on ``host`` with ``serving`` (the serving model's path) and
+    both models of a swap under way (the head's record) left."""
     m = dep.profile.model
     dirs = ops.model_dirs(host, str(PurePosixPath(m.path).parent))
-    return ops.to_prune(dirs, [serving], m.keep)
+    swapping = ops.under_way(dep.host(dep.profile.head.name), dep.profile.name)
+    return ops.to_prune(dirs, [serving, *swapping], m.keep)
 
 
 def listing(dirs: list[ops.ModelDir]) -> str:
