@@ -160,6 +160,14 @@ def bring_back(ctx: StepContext, old: Deployment, engine: str | None, was_persis
             if bad else f"the old model {old.profile.model.repo} serves again")
 
 
+def bringup_s(up: list[Result], wall: float) -> float:
+    """The new engine's bring-up: the last startup milestone ``serve.up`` timed from its start
+    (its ``startup`` detail: containers running ... first token), else ``serve.up``'s wall time."""
+    marks = next((r.details["startup"] for r in up if isinstance(r.details.get("startup"), dict)
+                  and r.details["startup"]), None)
+    return round(max(marks.values()) if marks else wall, 1)
+
+
 def roll_back(ctx: StepContext, old: Deployment, why: str, was_persisted: bool,
               decision: ImageDecision | None, record: ops.Phase,
               bringup: float | None = None) -> Outcome:
@@ -185,7 +193,7 @@ def cut_over(ctx: StepContext, old: Deployment, engine: str | None,
                          was_persisted, decision, record)
     t0 = new.clock()
     up = call_on(ctx, new, "serve.up", engine=engine)
-    bringup = round(new.clock() - t0, 1)
+    bringup = bringup_s(up, new.clock() - t0)
     url = next((r.details["endpoint"] for r in up if r.details.get("endpoint")), None)
     served = next((r.details.get("engine") for r in up if r.details.get("endpoint")), None)
     if new.dry:

@@ -568,3 +568,11 @@ def test_flags_are_checked_before_anything_stops(dep, monkeypatch):
     new.profile = new.profile.model_copy(update={"engines": [bad]})
     [r] = run_one(new, checks.FLAGS)
     assert r.status is Status.FAILED and r.why.startswith("sglang: ") and "--tp-sise" in r.why
+
+
+def test_the_bringup_is_serve_ups_own_timing_when_it_gives_one():
+    timed = [Result("serve.up", Status.CHANGED, "vllm serves x", None,
+                    {"startup": {"containers_running": 3.1, "port_open": 40.2, "first_token": 41.04}}),
+             Result("serve.up", Status.OK, "endpoint: u", None, {"endpoint": "u"})]
+    assert sw.bringup_s(timed, 55.0) == 41.0
+    assert sw.bringup_s(timed[1:], 55.04) == 55.0  # serve.up without its timings: its wall time
