@@ -1764,6 +1764,7 @@ def vllm_main(argv: list[str] | None = None) -> int:
     ns.model = ns.served_model_name[0] if ns.served_model_name else model_path
     cfg = config_from_args(ns, engine="vllm", api_key=ns.api_key)
     world = ns.tensor_parallel_size * ns.pipeline_parallel_size
+    hang_at_init(ns.model, "vllm", f"{ns.master_addr}:{ns.master_port}", world)
     log(
         ("vLLM headless" if ns.headless else f"vLLM API server version {VLLM_VERSION};")
         + f" model={model_path!r} "
@@ -1773,7 +1774,6 @@ def vllm_main(argv: list[str] | None = None) -> int:
         + (f" (ignored flags: {' '.join(unknown)})" if unknown else ""),
         engine="vllm",
     )
-    hang_at_init(ns.model, "vllm", f"{ns.master_addr}:{ns.master_port}", world)
     actors: list = []
     try:
         if ns.nnodes > 1 and ns.distributed_executor_backend != "ray":
