@@ -160,6 +160,9 @@ class Model(_Strict):
     """Files downloaded at once (hf_xet parallelises inside a file where the hub offers it)."""
     disk_margin_mb: int = Field(default=2048, ge=0, le=10**8)
     """Free space kept beyond the missing bytes (the disk pre-check)."""
+    keep: int = Field(default=1, ge=0, le=1000)
+    """Other models' weights ``model.prune`` leaves on the nodes besides the serving model's
+    (the most recently written first): a swap back to one of them fetches nothing."""
     sync: ModelSync = Field(default_factory=ModelSync)
 
 

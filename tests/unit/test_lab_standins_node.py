@@ -225,3 +225,47 @@ def test_runc_standin_lowers_the_rlimits_of_an_exec_process_too(tmp_path, monkey
     rc.lower(cfg, inner=True)
     assert json.loads(cfg.read_text())["process"]["rlimits"][0] == {
         "type": "RLIMIT_MEMLOCK", "hard": 8388608, "soft": 0}
+
+
+def test_engine_hang_names_one_model_on_every_node(lab_dirs):
+    rec = lab_dirs / "faults.json"
+    [r] = faults.set_fault("engine-hang", rec, model="openai/gpt-oss-20b")
+    assert r.status == "changed" and faults.current(rec) == ["engine-hang"]
+    assert r.why.startswith("faults now: engine-hang (openai/gpt-oss-20b)")
+    [r] = faults.set_fault("sglang-hang", rec)
+    assert faults.models(rec) == ["openai/gpt-oss-20b"]  # another fault keeps the model
+    for n in ("spark1", "spark2"):
+        assert es.hang_models(str(faults.view_dir(n))) == {"openai/gpt-oss-20b"}
+    [cleared] = faults.set_fault("none", rec)
+    assert faults.models(rec) == [] and es.hang_models(str(faults.view_dir("spark1"))) == set()
+
+
+@pytest.mark.parametrize("name,model", [("engine-hang", None), ("sglang-hang", "a/b")])
+def test_engine_hang_and_only_it_takes_a_model(lab_dirs, name, model):
+    [r] = faults.set_fault(name, lab_dirs / "faults.json", model=model)
+    assert r.failed and r.why.startswith("--model: engine-hang needs the model")
+    assert not (lab_dirs / "faults.json").exists()
+
+
+def test_a_standin_for_the_hung_model_prints_its_init_line_and_goes_silent(lab_dirs, monkeypatch):
+    faults.set_fault("engine-hang", lab_dirs / "faults.json", model="org/hung")
+    monkeypatch.setattr(es, "LAB_VIEW", str(faults.view_dir("spark1")))
+    said = []
+    monkeypatch.setattr(es, "log", lambda msg, engine="standin": said.append((engine, msg)))
+
+    class Silent(Exception):
+        pass
+
+    def silence():
+        raise Silent
+
+    monkeypatch.setattr(es, "_silence", silence)
+    es.hang_at_init("org/other", "vllm", "10.0.0.1:29501", 2)  # another model: returns
+    assert said == []
+    with pytest.raises(Silent):
+        es.hang_at_init("org/hung", "vllm", "10.0.0.1:29501", 2)
+    assert said == [("vllm", "world_size=2 rank=0 local_rank=0 distributed_init_method="
+                             "tcp://10.0.0.1:29501 backend=nccl")]
+    from sparkdeploy.diagnose import classify
+
+    assert classify({"spark1": [said[0][1]]}).cls == "nccl-init-hang"

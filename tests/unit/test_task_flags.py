@@ -88,6 +88,13 @@ ROWS = [
     (["serve.logs", "--node", "x"], "--node: no node named 'x' (nodes: spark1, spark2, or all)"),
     (["serve.logs", "--tail", "-3"], "--tail: must be >= 1, not -3"),
     (["serve.up", "--engine", "x"], "--engine: no engine named 'x' (engines: sglang, vllm-ray, vllm)"),
+    (["serve.swap"], "--recipe: name the recipe to swap to (recipe.list shows them)"),
+    (["lab.fault", "engine-hang"], "--model: engine-hang needs it (the model's hub repo, as the "
+     "profile's model.repo), and only engine-hang takes it"),
+    (["lab.fault", "sglang-hang", "--model", "a/b"], "--model: engine-hang needs it (the model's "
+     "hub repo, as the profile's model.repo), and only engine-hang takes it"),
+    (["serve.swap", "--recipe", "gpt-oss-20b", "--engine", "x"],
+     "--engine: no engine named 'x' in recipe gpt-oss-20b (engines: vllm)"),
     # --nodes, the one flag that selects nodes; the old spellings stay for one release
     (["services.stop", "--nodes", "spark1,x"], "--nodes: no node named 'x' (nodes: spark1, spark2, or all)"),
     (["hosts.check", "--nodes", "x"], "--nodes: no node named 'x' (nodes: spark1, spark2, or all)"),

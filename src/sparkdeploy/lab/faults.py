@@ -38,6 +38,9 @@ FAULTS: dict[str, str] = {
                    "rank advertises its fast-link address",
     "oom-at-load": "every engine stand-in runs out of GPU memory while it loads the weights "
                    "(torch.OutOfMemoryError: CUDA out of memory, exit 1)",
+    "engine-hang": "every engine stand-in serving the model --model names hangs at init (its "
+                   "distributed-init line, then silence: the port never opens); other models "
+                   "start as ever",
     "vllm-wrong-address": "vLLM's headless workers advertise 127.0.1.1 (VLLM_HOST_IP as `hostname "
                           "-i` gives it on a stock node): the head never reaches their message "
                           "queues and waits after loading the weights",
@@ -67,20 +70,34 @@ def current(record: Path | None = None) -> list[str]:
     return sorted(str(f) for f in data.get("faults", []) if f in FAULTS) if isinstance(data, dict) else []
 
 
+def models(record: Path | None = None) -> list[str]:
+    """The models ``engine-hang`` names (``--model``), while it is set."""
+    try:
+        data = json.loads((record or RECORD).read_text())
+    except (OSError, ValueError):
+        return []
+    got = data.get("hang_models") if isinstance(data, dict) else None
+    return sorted(str(m) for m in got) if isinstance(got, list) and "engine-hang" in current(record) \
+        else []
+
+
 def view_dir(node: str) -> Path:
     return layout.node_dir(node) / layout.PRIVATE_MOUNTS[layout.STANDIN_DIR] / VIEW
 
 
-def _write(path: Path, names: list[str], stopped: dict[str, list[int]] | None = None) -> bool:
+def _write(path: Path, names: list[str], stopped: dict[str, list[int]] | None = None,
+           hang: list[str] | None = None) -> bool:
     data: dict = {"faults": names}
     if stopped:
         data["stopped"] = stopped
+    if hang and "engine-hang" in names:
+        data["hang_models"] = hang
     return write_if_changed(path, json.dumps(data, indent=1) + "\n", 0o644)
 
 
 def sync_node(node: str, record: Path | None = None) -> bool:
     """The node's copy equals the record; True if it changed."""
-    return _write(view_dir(node) / "faults.json", current(record))
+    return _write(view_dir(node) / "faults.json", current(record), hang=models(record))
 
 
 def nodes() -> list[str]:
@@ -133,7 +150,7 @@ def act(name: str, node: str, record: Path | None = None) -> list[Result]:
     if name == "rank-wedged":
         stopped = _stopped(record)
         stopped[node] = sorted(set(stopped.get(node, [])) | set(hit))
-        _write(record, current(record), stopped)
+        _write(record, current(record), stopped, models(record))
     return [Result("lab.fault", Status.CHANGED, f"{name} on {node}: {ACTIONS[name]} ({', '.join(pids)}: "
                     f"{len(hit)} process(es))", node, {"pids": hit})]
 
@@ -150,10 +167,15 @@ def _continue(record: Path) -> list[int]:
     return done
 
 
-def set_fault(name: str, record: Path | None = None, node: str | None = None) -> list[Result]:
-    """``name`` one of FAULTS (added to the record), one of ACTIONS (on ``node``: default the
-    last node), or ``none`` (clears every fault, continues what the lab stopped)."""
+def set_fault(name: str, record: Path | None = None, node: str | None = None,
+              model: str | None = None) -> list[Result]:
+    """``name`` one of FAULTS (added to the record; ``engine-hang`` for ``model``, added to
+    those it names), one of ACTIONS (on ``node``: default the last node), or ``none`` (clears
+    every fault, continues what the lab stopped)."""
     record = record or RECORD
+    if (name == "engine-hang") != (model is not None):
+        return [Result("lab.fault", Status.FAILED, "--model: engine-hang needs the model (a hub "
+                       "repo, as the profile's model.repo) and no other fault takes it")]
     if name == memory_fault.NAME:
         return memory_fault.apply(node or (nodes() or ["spark2"])[-1])
     if name in link_faults.LINK_FAULTS:
@@ -168,9 +190,10 @@ def set_fault(name: str, record: Path | None = None, node: str | None = None) ->
     resumed = _continue(record) if name == "none" else []
     unbound = memory_fault.clear(nodes()) if name == "none" else []
     healed = {x: h for x in nodes() if (h := link_faults.heal(x))} if name == "none" else {}
-    did = _write(record, want, {} if name == "none" else _stopped(record)) or bool(resumed)
+    hang = [] if name == "none" else sorted(set(models(record)) | ({model} if model else set()))
+    did = _write(record, want, {} if name == "none" else _stopped(record), hang) or bool(resumed)
     synced = [x for x in nodes() if sync_node(x, record)]
-    what = ", ".join(want) or "none"
+    what = ", ".join(f"{w} ({', '.join(hang)})" if w == "engine-hang" else w for w in want) or "none"
     why = (f"faults now: {what}" + (f" (nodes updated: {', '.join(synced)})" if synced else "")
            + ("" if nodes() else "; no lab nodes yet: lab.up applies it")
            + (f"; continued {len(resumed)} stopped process(es)" if resumed else "")

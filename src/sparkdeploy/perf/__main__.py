@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, str] = {
     "diagnose": "sparkdeploy.perf.diagnose:run",
     "watchdog": "sparkdeploy.perf.watchdog:run",
     "fanout": "sparkdeploy.perf.fanout:run",
+    "swap": "sparkdeploy.perf.swap:run",
 }
 
 

@@ -106,9 +106,20 @@ def report(ctx: StepContext, weights: int, by_engine: dict[str, list[Sized]],
         (ctx.ok if c.fits else ctx.failed)(why, c.node, **details)
 
 
-def sized_up(ctx: StepContext, upper: bool) -> None:
+def freed(ctx: StepContext, mem: dict[str, NodeMemory], held: dict[str, int]) -> dict[str, NodeMemory]:
+    """Each node's memory as it will be once an engine holding ``held`` bytes there is gone
+    (``serve.swap``: the old engine still serves while the new model's fit is checked), never
+    more than the node's total."""
+    p = ctx.dep.profile
+    return {n: m.model_copy(update={"gpu_usable": min(
+        (m.gpu_usable or 0) + held.get(n, 0) // max(p.node(n).gpus, 1),
+        m.gpu_total or 0)}) for n, m in mem.items()}
+
+
+def sized_up(ctx: StepContext, upper: bool, held: dict[str, int] | None = None) -> None:
     """``model.fit``'s check (``upper``: ``model.precheck``'s, on ``at_most`` of each node's
-    memory): one failed line when the weights, the config or a node's figures are missing."""
+    memory): one failed line when the weights, the config or a node's figures are missing.
+    ``held``: {node: bytes} an engine that will be gone by then holds now (counted as usable)."""
     dep = ctx.dep
     try:
         meta, note = selected(dep)
@@ -125,12 +136,16 @@ def sized_up(ctx: StepContext, upper: bool) -> None:
     mem = node_memory(ctx)
     if len(mem) < len(gpu_nodes(ctx)):
         return  # a node without figures was one failed line already
+    said = f"; {note}" if note else ""
     if upper:
         mem = {n: at_most(m) for n, m in mem.items()}
+    if held is not None:
+        mem = freed(ctx, mem, held)
+        said += "; usable counts what the engine to be replaced holds: " + \
+            ", ".join(f"{n} {fit.gib(b)}" for n, b in held.items())
     by_engine = checks(ctx, cfg, weights, mem)
     if by_engine:
-        report(ctx, weights, by_engine, mem, f"{f'; {note}' if note else ''}; config {cfg_source}",
-               upper)
+        report(ctx, weights, by_engine, mem, f"{said}; config {cfg_source}", upper)
     if upper and ctx.results and any(r.failed for r in ctx.results):
         fewest(ctx, cfg, weights, mem)
 
@@ -181,8 +196,9 @@ def model_precheck(ctx: StepContext) -> None:
 
 
 @step(FIT, needs=("services.stop",))
-def model_fit(ctx: StepContext) -> None:
+def model_fit(ctx: StepContext, held: dict[str, int] | None = None) -> None:
     """Check that each node's share (weights, KV cache, reserve: the fit calculator on the
     model's config.json) and the engines' memory fraction fit the memory the node reports,
-    before anything is downloaded."""
-    sized_up(ctx, upper=False)
+    before anything is downloaded. ``held``: {node: bytes} an engine that will be gone by
+    then holds now (``serve.swap``)."""
+    sized_up(ctx, upper=False, held=held)

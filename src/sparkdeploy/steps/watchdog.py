@@ -108,6 +108,27 @@ def restart(ctx: StepContext, lau: Launch, w: wd.Wedge, pol: wd.Policy) -> str:
     return "serving"
 
 
+def swap_pause(ctx: StepContext) -> str | None:
+    """What a ``serve.swap`` on the head says of this watch: ``paused`` during its cut-over
+    (the old engine stops on purpose: nothing to restart), ``swapped`` once a swap put another
+    model than the profile's in its place (said so: the watch ends), else None."""
+    from sparkdeploy.ops import swap as swap_ops
+
+    dep = ctx.dep
+    rec = swap_ops.read_phase(dep.host(dep.profile.head.name), dep.profile.name)
+    if rec is None:
+        return None
+    if rec.phase == swap_ops.CUT_OVER:
+        ctx.progress(None, 0, None, "checks", f"paused: serve.swap's cut-over to {rec.to_model}")
+        return "paused"
+    if (rec.phase == swap_ops.DONE and rec.to_model != dep.profile.model.repo
+            and swap_ops.serving_url(dep) is None):  # not deployed again since
+        ctx.ok(f"serve.swap replaced {dep.profile.model.repo} with {rec.to_model}: this watch "
+               "ends (serve.watch with the new deployment's profile watches it)")
+        return "swapped"
+    return None
+
+
 @step(STEP_WATCH)
 def watch(ctx: StepContext, checks: int | None = None) -> None:
     """Watch a deployment serve.up started (not persisted): every ``serve.watch_s`` every rank's
@@ -136,7 +157,10 @@ def watch(ctx: StepContext, checks: int | None = None) -> None:
     done, now = 0, "serving"
     while checks is None or done < checks:
         done += 1
-        w = look(ctx, lau, url, pol)
+        swapping = swap_pause(ctx)
+        if swapping == "swapped":
+            return
+        w = None if swapping else look(ctx, lau, url, pol)
         now = "serving" if w is None else restart(ctx, lau, w, pol)
         if now == "gave-up":
             return

@@ -47,18 +47,23 @@ def down(c):
 
 
 @task(help={"name": "sglang-hang (SGLang's ranks hang in init even when all is right), "
+                    "engine-hang (every engine serving --model hangs in init), "
                     "oom-at-load (engines run out of GPU memory loading weights), rank-wedged "
                     "(SIGSTOP a node's engine containers now), rank-exit (SIGKILL their engine "
                     "process now), memory-small (the node reports 1 GiB usable memory), the "
                     "link faults mtu-mismatch, address-missing, twin-down, link-throttled, "
                     "second-interface, interface-down (docs/link.md), or none to clear every fault",
             "nodes": "the node rank-wedged, rank-exit, memory-small and the link faults act on "
-                     "(default: the last node)", "node": "deprecated: --nodes"})
-def fault(c, name, nodes=None, node=None):
+                     "(default: the last node)", "node": "deprecated: --nodes",
+            "model": "the model engine-hang hangs (its hub repo, as the profile's model.repo)"})
+def fault(c, name, nodes=None, node=None, model=None):
     """Force a failure the lab's stand-ins show until `inv lab.fault none` (lasts across lab.up)."""
     names = [*faults.FAULTS, *faults.ACTIONS]
     if name != "none" and name not in names:
         raise flags.usage("NAME", f"unknown fault {name!r} (one of none, {', '.join(names)})")
+    if (name == "engine-hang") != bool(model):
+        raise flags.usage("--model", "engine-hang needs it (the model's hub repo, as the "
+                          "profile's model.repo), and only engine-hang takes it")
     flag, node = flags.nodes(nodes, node=node)
     if node is not None and (name not in faults.ACTIONS or node not in faults.nodes()):
         raise flags.usage(flag, f"{node!r}: only with {' or '.join(faults.ACTIONS)}, and one "
@@ -66,7 +71,7 @@ def fault(c, name, nodes=None, node=None):
     if node is not None and flag != flags.NODES:
         flags.deprecated(flag, node)
     def body(ctx: StepContext) -> None:
-        for r in faults.set_fault(name, node=node):
+        for r in faults.set_fault(name, node=node, model=model or None):
             ctx.report(r)
 
     drive(c, "lab.fault", lambda dep, events: run_one(None, "lab.fault", events=events, body=body),

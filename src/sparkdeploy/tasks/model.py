@@ -53,6 +53,15 @@ def fit(c, profile=None):
     run_step(c, "model.fit", profile=profile, lock=False)
 
 
+@task(help={"yes": "do not ask before removing", "profile": "profile file"})
+def prune(c, yes=False, profile=None):
+    """Remove other models' weights from every node (never the serving model's; model.keep of
+    the others, the most recent, stay): lists them per node with sizes and asks unless --yes."""
+    from sparkdeploy.tasks._swap import prune as run
+
+    run(c, yes=yes, profile=profile)
+
+
 @task(name="estimate", help={
     "config": "the model's config.json",
     "weights_gb": "the weights' size in GB (10^9 bytes) of the files the engine loads",
@@ -85,4 +94,4 @@ def estimate_(c, config, nodes, weights_gb, memory_gib=None, context=None, seqs=
         raise Exit(code=1)
 
 
-ns = Collection("model", download, verify, sync, fit, estimate_)
+ns = Collection("model", download, verify, sync, fit, prune, estimate_)

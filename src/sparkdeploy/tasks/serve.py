@@ -73,4 +73,16 @@ def diagnose(c, log=None):
         raise Exit(code=code)
 
 
-ns = Collection("serve", up, down, status, logs, watch, persist, unpersist, diagnose)
+@task(help={"recipe": "the recipe to serve instead of the one serving now",
+            "engine": "only this engine of the new recipe (no fallback)",
+            "recipes": "an owner's recipe directory (DIR[,DIR...]), looked up first", **_P})
+def swap(c, recipe=None, engine=None, profile=None, recipes=None):
+    """Change the model with only a bring-up's downtime: prepare the new one while the old one
+    serves, then stop the old one and bring up the new one; back to the old one on a failure."""
+    from sparkdeploy.tasks._swap import swap as run
+
+    run(c, recipe=recipe, engine=engine, profile=profile,
+        recipes=tuple(flags.name_list("--recipes", recipes)))
+
+
+ns = Collection("serve", up, down, status, logs, watch, persist, unpersist, diagnose, swap)

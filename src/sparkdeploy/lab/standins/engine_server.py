@@ -1252,6 +1252,38 @@ def lab_faults(view: str | None = None) -> set[str]:
     return {str(f) for f in data.get("faults", [])} if isinstance(data, dict) else set()
 
 
+ENGINE_HANG = "engine-hang"
+"""The lab fault (``inv lab.fault engine-hang --model REPO``): every engine stand-in serving
+that model hangs at init; the others start as ever."""
+
+
+def hang_models(view: str | None = None) -> set[str]:
+    """The models ``engine-hang`` names in the node's lab view (none unless it is set)."""
+    try:
+        data = json.loads(Path(view or LAB_VIEW, "faults.json").read_text())
+    except (OSError, ValueError):
+        return set()
+    if not isinstance(data, dict) or ENGINE_HANG not in data.get("faults", []):
+        return set()
+    got = data.get("hang_models")
+    return {str(m) for m in got} if isinstance(got, list) else set()
+
+
+def hang_at_init(model: str, engine: str, init: str, world: int) -> None:
+    """When ``engine-hang`` names ``model``: the engine's distributed-init line (SGLang's
+    ``Init torch distributed begin.``, model_runner.py; vLLM's ``world_size=.. rank=..
+    distributed_init_method=.. backend=nccl``, parallel_state.py), then silence: the port never
+    opens, as a rank parked in init. Returns at once for any other model."""
+    if model not in hang_models():
+        return
+    if engine == "sglang":
+        SglangLog(0)("Init torch distributed begin.")
+    else:
+        log(f"world_size={world} rank=0 local_rank=0 distributed_init_method=tcp://{init} "
+            "backend=nccl", engine=engine)
+    _silence()
+
+
 def hold_gpu(name: str, view: str | None = None) -> bool:
     """Say this container's engine now holds the GPU (a CUDA context, weights): the node's
     nvidia-smi lists the container's main process under ``name`` from then on. Only inside a
@@ -1838,6 +1870,7 @@ def sglang_main(argv: list[str] | None = None) -> int:
         + (f" (ignored flags: {' '.join(unknown)})" if unknown else ""),
         engine="sglang",
     )
+    hang_at_init(model, "sglang", ns.dist_init_addr or f"127.0.0.1:{ns.port}", ns.tp * ns.pp)
     layout = sglang_ranks(ns.tp, ns.pp, ns.nnodes, ns.node_rank)
     gpus = int(os.environ.get(ENV + "GPUS", "1"))
     if len(layout) > gpus:
@@ -2328,6 +2361,7 @@ def vllm_main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(ns, engine="vllm", api_key=ns.api_key, tokenizer=model_path,
                            metrics="vllm")
     world = ns.tensor_parallel_size * ns.pipeline_parallel_size
+    hang_at_init(ns.model, "vllm", f"{ns.master_addr}:{ns.master_port}", world)
     log(
         ("vLLM headless" if ns.headless else f"vLLM API server version {VLLM_VERSION};")
         + f" model={model_path!r} "
