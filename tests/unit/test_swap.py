@@ -135,7 +135,16 @@ def test_incoherent_when_the_completion_fails(standin, monkeypatch):
     monkeypatch.delenv("SPARKDEPLOY_API_KEY", raising=False)
     url, srv = standin
     srv.state.control({"faults": "http500"})
-    assert ops.coherent(url, "org/new") == "the completion came back 500"
+    assert ops.coherent(url, "org/new").startswith(
+        "coherence gate: 'What is 17 + 25? Answer with the number only.': HTTP 500")
+
+
+def test_incoherent_when_the_model_answers_nonsense(standin, monkeypatch):
+    monkeypatch.delenv("SPARKDEPLOY_API_KEY", raising=False)
+    url, srv = standin
+    srv.state.control({"faults": "garbage"})
+    assert ops.coherent(url, "org/new").startswith(
+        "coherence gate: 'What is 17 + 25? Answer with the number only.' came back ")
 
 
 def test_incoherent_when_nothing_answers():

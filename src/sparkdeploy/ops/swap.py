@@ -16,7 +16,6 @@ what, and how far it got, and any controller holding the profile completes or ro
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -31,7 +30,6 @@ from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import NodeUnreachable, docker
 from sparkdeploy.ops.serve import drop_previous, put_file
 from sparkdeploy.ops.serve_containers import serving
-from sparkdeploy.outside import OutsideError, request
 
 NODE_RECORD = "/var/lib/sparkdeploy-node/swap.json"
 PREPARE, CUT_OVER, DONE, ROLLED_BACK = "prepare", "cut-over", "done", "rolled-back"
@@ -159,55 +157,23 @@ def to_prune(dirs: dict[str, ModelDir], protect: list[str], keep: int) -> list[M
 
 # --- coherence -------------------------------------------------------------------------------
 
-PROMPT = "Reply with the word: ready"
-
 
 def coherent(url: str, want: str, deadline: float = 60.0) -> str | None:
     """Why the endpoint does not serve ``want`` coherently (None: it does): ``/v1/models`` lists
-    it, and one chat completion addressed to that name comes back 200 as that model, with text
-    and a finish reason."""
-    listed = ep.models(url)
+    it, and the bench's coherence gate (``bench.gate``: fixed prompts with checkable answers)
+    comes back right from that model."""
+    from sparkdeploy.bench.client import BenchError, Settings, Target
+    from sparkdeploy.bench.gate import check
+
+    listed = ep.models(url, deadline=min(deadline, 30.0))
     if want not in listed:
         return f"/v1/models lists {', '.join(listed) or 'nothing'}, not {want}"
-    body = {"model": want, "messages": [{"role": "user", "content": PROMPT}],
-            "max_tokens": 16, "stream": False}
     try:
-        r = request("POST", f"{url}/v1/chat/completions", body=json.dumps(body).encode(),
-                    headers={"Content-Type": "application/json", **ep.headers()},
-                    deadline=deadline)
-    except OutsideError as e:
-        return f"the completion did not come back: {e}"
-    if r.status != 200:
-        return f"the completion came back {r.status}"
-    try:
-        got = r.json(_Completion, f"{url}/v1/chat/completions")
-    except OutsideError:
-        return "the completion came back as no chat completion"
-    if got.model != want:
-        return f"the completion came back from {got.model!r}, not {want}"
-    c = got.choices[0] if got.choices else _CompletionChoice()
-    text = (c.message.content or c.message.reasoning_content or "") if c.message else ""
-    if not (text or c.text or "").strip():
-        return "the completion came back empty"
-    if not c.finish_reason:
-        return "the completion came back without a finish reason"
+        check(Target.parse(url), Settings(model=want, input_tokens=1, output_tokens=1,
+                                          timeout=deadline, deadline=deadline))
+    except BenchError as e:
+        return str(e)
     return None
-
-
-class _Message(BaseModel):
-    content: str | None = None
-    reasoning_content: str | None = None
-
-
-class _CompletionChoice(BaseModel):
-    message: _Message | None = None
-    text: str | None = None
-    finish_reason: str | None = None
-
-
-class _Completion(BaseModel):
-    model: str | None = None
-    choices: list[_CompletionChoice] = []
 
 
 def shared_dir(old: Any, new: Any) -> str | None:
