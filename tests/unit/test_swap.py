@@ -131,20 +131,16 @@ def test_incoherent_when_another_model_is_listed(standin, monkeypatch):
     assert ops.coherent(url, "org/old") == "/v1/models lists org/new, not org/old"
 
 
-def test_incoherent_when_the_completion_fails(standin, monkeypatch):
+@pytest.mark.parametrize(("fault", "said"), [
+    ("http500", "': HTTP 500"),       # the completion fails
+    ("garbage", "' came back "),      # the model answers nonsense
+])
+def test_incoherent_when_the_gate_fails(standin, monkeypatch, fault, said):
     monkeypatch.delenv("SPARKDEPLOY_API_KEY", raising=False)
     url, srv = standin
-    srv.state.control({"faults": "http500"})
+    srv.state.control({"faults": fault})
     assert ops.coherent(url, "org/new").startswith(
-        "coherence gate: 'What is 17 + 25? Answer with the number only.': HTTP 500")
-
-
-def test_incoherent_when_the_model_answers_nonsense(standin, monkeypatch):
-    monkeypatch.delenv("SPARKDEPLOY_API_KEY", raising=False)
-    url, srv = standin
-    srv.state.control({"faults": "garbage"})
-    assert ops.coherent(url, "org/new").startswith(
-        "coherence gate: 'What is 17 + 25? Answer with the number only.' came back ")
+        "coherence gate: 'What is 17 + 25? Answer with the number only." + said)
 
 
 def test_incoherent_when_nothing_answers():
