@@ -129,8 +129,9 @@ def test_the_seed_profile_loads():
     assert load_profile(SEED).engines
 
 
-def _standin(args: list[str], manifest) -> subprocess.CompletedProcess:
-    code = "import sys; from sparkdeploy.lab.standins.engine_server import sglang_main; sglang_main(sys.argv[1:])"
+def _standin(args: list[str], manifest, main: str = "sglang_main") -> subprocess.CompletedProcess:
+    code = (f"import sys; from sparkdeploy.lab.standins.engine_server import {main}; "
+            f"sys.exit({main}(sys.argv[1:]))")
     env = {**os.environ, "SPARKDEPLOY_STANDIN_FLAGS": str(manifest), "PYTHONPATH": str(SRC)}
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
                           timeout=60)
@@ -143,6 +144,20 @@ def test_the_sglang_standin_refuses_an_unknown_flag_as_the_real_parser_does(vers
     lines = cp.stderr.splitlines()
     assert cp.returncode == 2 and lines[0].startswith(f"usage: {prog} ")
     assert lines[-1] == f"{prog}: error: unrecognized arguments: --mem-fraction-statik 0.8"
+
+
+@pytest.mark.parametrize(("args", "last"), [
+    (["--max-model-len", "32768", "--gpu-memory-utilisation", "0.8"],
+     "vllm serve: error: unrecognized arguments: --gpu-memory-utilisation 0.8"),
+    (["--distributed-executor-backend", "slurm"],
+     "vllm serve: error: argument --distributed-executor-backend: invalid choice: 'slurm' "
+     "(choose from 'ray', 'mp', 'uni', 'external_launcher')"),
+])
+def test_the_vllm_standin_refuses_what_vllms_parser_refuses(args, last):
+    cp = _standin(["serve", "/m", *args], ef.DIR / "vllm-0.17.1.json", main="vllm_main")
+    lines = cp.stderr.splitlines()
+    assert cp.returncode == 2 and lines[0].startswith("usage: vllm serve "), cp.stderr[-500:]
+    assert lines[-1] == last
 
 
 def test_the_lab_images_carry_their_engine_versions_manifest_for_the_standin():

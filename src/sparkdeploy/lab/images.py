@@ -271,7 +271,7 @@ def dockerfile(recipe: ImageSpec, base_image: str, engine_wheel: str, labels: di
 def flag_manifest(recipe: ImageSpec, root: Path = FLAGS_DIR) -> bytes | None:
     """The flag manifest of the recipe's engine version (``data/engine-flags/``), which the
     stand-in parses with in the image (``/opt/standin/engine-flags.json``); None when there is
-    none (vLLM 0.17.1 today): the stand-in then refuses nothing."""
+    none: the stand-in then refuses nothing."""
     path = root / f"{recipe.engine_name}-{release(recipe.engine_version)}.json"
     return path.read_bytes() if path.is_file() else None
 

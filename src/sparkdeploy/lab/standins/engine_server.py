@@ -47,10 +47,12 @@ Entry points (what the image shims call)
 ``vllm_main(argv=None)``
     The ``vllm`` console script: ``vllm serve MODEL --tensor-parallel-size N
     --pipeline-parallel-size P --distributed-executor-backend ray --host H --port P ...``
-    (unknown flags tolerated). With ``--distributed-executor-backend ray`` it joins the real Ray
-    cluster (``ray.init(address="auto")``, ``ray`` imported lazily: it exists only in the lab's
-    vLLM image) and asks Ray for vLLM's placement group: N*P bundles of one GPU, the first on
-    the Ray node whose address is the driver's (``VLLM_HOST_IP``, else the default route's
+    (parsed first as vLLM's own parser does, from the image's flag manifest: an unknown flag or
+    a value outside a flag's choices is argparse's error, exit 2). With
+    ``--distributed-executor-backend ray`` it joins the real Ray cluster
+    (``ray.init(address="auto")``, ``ray`` imported lazily: it exists only in the lab's vLLM
+    image) and asks Ray for vLLM's placement group: N*P bundles of one GPU, the first on the
+    Ray node whose address is the driver's (``VLLM_HOST_IP``, else the default route's
     source address). Until Ray can place it (a worker that never joined, a GPU missing, a
     ``VLLM_HOST_IP`` that is no Ray node's address) it prints vLLM's ``Waiting for creating a
     placement group of specs for N seconds ...`` lines (10, 30, 70, 150, 310 s ...) and gives up
@@ -1711,7 +1713,10 @@ def refuse_unknown_flags(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog=data["prog"], allow_abbrev=data["allow_abbrev"], add_help=False,
                                 conflict_handler="resolve")  # a stand-in flag the engine has too
     for o in data["options"]:
-        if o["takes_value"]:
+        choices = o.get("choices")
+        if o["takes_value"] and choices and all(isinstance(c, str) for c in choices):
+            p.add_argument(*o["flags"], dest=o["dest"], nargs=o["nargs"], choices=choices)
+        elif o["takes_value"]:
             p.add_argument(*o["flags"], dest=o["dest"], nargs=o["nargs"])
         else:
             p.add_argument(*o["flags"], dest=o["dest"], action="store_true")
@@ -2335,6 +2340,7 @@ def vllm_main(argv: list[str] | None = None) -> int:
     if argv[0] != "serve":
         print(f"vllm: stand-in supports only 'serve', not {argv[0]!r}", file=sys.stderr)
         return 2
+    refuse_unknown_flags(argv[1:])  # vLLM's own parser (FlexibleArgumentParser: argparse)
     p = argparse.ArgumentParser(prog="vllm serve", allow_abbrev=False)
     p.add_argument("model_tag", nargs="?")
     p.add_argument("--model")
