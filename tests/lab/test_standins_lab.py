@@ -20,6 +20,7 @@ pytestmark = pytest.mark.lab
 
 REPO = Path(__file__).resolve().parents[2]
 SGLANG = "scitrera/dgx-spark-sglang:0.5.10rc0"
+VLLM = "hellohal2064/vllm-qwen3.5-gb10"
 BASE = "sparkdeploy-lab/base:bookworm"
 MODEL = "/srv/models/sd-test-standins"
 PORT, DIST = 30123, 20123
@@ -139,6 +140,18 @@ def test_sglang_refuses_a_flag_its_version_lacks_as_its_parser_does(sglang):
     lines = cp.stderr.strip().splitlines()
     assert lines[0].startswith("usage: sglang serve ")
     assert lines[-1] == "sglang serve: error: unrecognized arguments: --mem-fraction-statik 0.8"
+
+
+def test_vllm_refuses_a_flag_its_version_lacks_as_its_parser_does(sglang):
+    """The lab's vLLM image (vLLM 0.17.1's parser, from its manifest): exit 2, argparse's line."""
+    lab = sglang
+    cp = lab.ssh(lab.nodes[0], ["docker", "run", "--rm", "--network=host", f"--volume={MODEL}:/model:ro",
+                                VLLM, "vllm", "serve", "/model", "--gpu-memory-utilisation", "0.8"],
+                 check=False)
+    assert cp.returncode == 2, cp.stdout + cp.stderr
+    lines = cp.stderr.strip().splitlines()
+    assert lines[0].startswith("usage: vllm serve ")
+    assert lines[-1] == "vllm serve: error: unrecognized arguments: --gpu-memory-utilisation 0.8"
 
 
 def test_sglang_with_sglang_host_ip_serves_and_streams(sglang):
