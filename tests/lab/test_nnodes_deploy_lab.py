@@ -110,9 +110,9 @@ def check_serving(lab, n: int, state: Path, out: str) -> None:
         cp = lab.ssh(x, ["docker", "logs", c.name])
         line = next(ln for ln in (cp.stdout + cp.stderr).splitlines() if "] world_size=" in ln)
         assert f"world_size={n} rank={ranks[x]} " in line, line
-        m = re.match(r"\[[-0-9: ]+ PP(\d+) TP(\d+)\]", line)
+        m = re.match(r"\[[-0-9: ]+ (?:PP(\d+) )?TP(\d+)\]", line)  # SGLang: no PP tag at PP=1
         assert m, line
-        seen.append((int(m[1]), int(m[2])))
+        seen.append((int(m[1] or 0), int(m[2])))
     assert sorted(seen) == STAGES[n]
     assert stream(url)
     models = requests.get(url.rstrip("/") + "/v1/models", timeout=10).json()

@@ -421,7 +421,7 @@ def test_precheck_counts_what_the_units_hold_as_usable_and_model_fit_does_not(tm
         "spark2: sglang fits: 66.6 GiB needed (58.2 GiB of weights + 0.4 GiB KV cache for 32768 "
         "tokens x 1 sequence(s) + 8.0 GiB reserve), --mem-fraction-static 0.85 x 121.7 GiB = "
         "103.4 GiB; 117.7 GiB usable of 121.7 GiB (unified memory, usable at most, every unit "
-        "stopped: MemTotal less 4 GiB for the OS; weights 116.4 GiB;")
+        "stopped: MemTotal less 4.0 GiB for the OS; weights 116.4 GiB;")
     assert [r.status for r in model_fit.model_fit(dep)] == [Status.OK, Status.FAILED]
 
 
@@ -434,7 +434,7 @@ def test_precheck_refuses_the_235b_recipe_on_two_sparks_with_the_numbers(tmp_pat
     assert res[0].why.startswith(
         "spark1: sglang does not fit: 120.8 GiB needed (109.9 GiB of weights + 2.9 GiB KV cache "
         "for 32768 tokens x 1 sequence(s) + 8.0 GiB reserve) > 117.7 GiB usable (unified memory, "
-        "usable at most, every unit stopped: MemTotal less 4 GiB for the OS; weights 219.8 GiB; "
+        "usable at most, every unit stopped: MemTotal less 4.0 GiB for the OS; weights 219.8 GiB; "
         "config recipe qwen3-235b-a22b-instruct-2507-fp8's "
         "qwen3-235b-a22b-instruct-2507-fp8.config.json; TP=2 x PP=1")
     assert res[2].why == ("recipe qwen3-235b-a22b-instruct-2507-fp8 needs 3 node(s) of 117.7 GiB "
@@ -455,3 +455,13 @@ def test_the_precheck_comes_before_anything_stops_or_pulls():
     assert registry.needs_in("services.stop", plan) == {"hosts.check", "model.precheck"}
     assert "model.precheck" in registry.needs_in("image.probe", plan)
     assert registry.needs_in("model.precheck", plan) == {"hosts.check"}
+
+
+@pytest.mark.parametrize(("total_gib", "share_gib"), [(121.7, 4.0), (23.5, 23.5 * 0.05)])
+def test_the_precheck_leaves_the_os_4_gib_or_5_percent_of_a_small_node(total_gib, share_gib):
+    total = int(total_gib * fit.GIB)
+    m = NodeMemory(gpus=1, names=["NVIDIA GB10"], unified=True, gpu_total=total,
+                   gpu_usable=int(1 * fit.GIB))
+    got = model_fit.at_most(m)
+    assert got.gpu_usable == total - int(share_gib * fit.GIB)
+    assert got.source == f"at most, every unit stopped: MemTotal less {fit.gib(share_gib * fit.GIB)} for the OS"

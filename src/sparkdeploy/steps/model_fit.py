@@ -151,10 +151,12 @@ def sized_up(ctx: StepContext, upper: bool, held: dict[str, int] | None = None) 
 
 
 OS_SHARE_GIB = 4.0
+OS_SHARE_FRACTION = 0.05
 """What ``model.precheck`` leaves the operating system of a unified-memory node with every unit
-stopped: less than the 8.6 GiB an idle DGX OS held on the recorded GB10 (MemTotal 121.7 GiB,
-MemAvailable 113.1 GiB: tests/unit/data/memory/gb10-meminfo.txt), so the bound stays above what
-the node can really give."""
+stopped: the smaller of 4 GiB and 5 % of MemTotal, less than the 8.6 GiB (7 %) an idle DGX OS
+held on the recorded GB10 (MemTotal 121.7 GiB, MemAvailable 113.1 GiB:
+tests/unit/data/memory/gb10-meminfo.txt), so the bound stays above what the node can really
+give on a small node too (a smaller share only loosens an upper bound; ``model.fit`` decides)."""
 
 
 def at_most(m: NodeMemory) -> NodeMemory:
@@ -163,8 +165,9 @@ def at_most(m: NodeMemory) -> NodeMemory:
     less the OS's share; on a discrete GPU its whole memory.total. Never less than usable now."""
     total, now = m.gpu_total or 0, m.gpu_usable or 0
     if m.unified:
-        share = int(OS_SHARE_GIB * fit.GIB) // max(m.gpus, 1)
-        bound, how = total - share, f"MemTotal less {OS_SHARE_GIB:g} GiB for the OS"
+        share = int(min(OS_SHARE_GIB * fit.GIB, OS_SHARE_FRACTION * total * max(m.gpus, 1)))
+        share //= max(m.gpus, 1)
+        bound, how = total - share, f"MemTotal less {fit.gib(share)} for the OS"
     else:
         bound, how = total, "memory.total"
     return m.model_copy(update={"gpu_usable": max(now, bound),
