@@ -9,6 +9,11 @@ model's last good answer and the new model's first.
 - ``swap.downtime_s``, ``swap.bringup_s`` (the ``bring-up N s`` serve.swap prints: the new
   engine's serve.up);
 - ``swap.downtime_over_bringup``: their ratio (goal <= 1.2: the swap costs one bring-up);
+- ``swap.loaded.*``: the same after swapping back, to a copy of the recipe whose engines take
+  ``LOAD_S`` to load their weights (the stand-in's ``SPARKDEPLOY_STANDIN_STARTUP_S``): the lab's
+  bring-up is otherwise a second or two, where a Spark's is minutes, so the cut-over's fixed
+  cost (stopping the old engine, the new one's preflight, the coherence gate, the client's
+  0.5 s between questions) is most of it;
 - ``swap.cold_deploy_s``: ``deploy.all --recipe NEW`` from nothing (its weights and images
   removed first: ``deploy.rollback --purge``), the outage a model change costs without a swap;
 - ``swap.downtime_over_cold_deploy``.
@@ -38,6 +43,9 @@ STATE = ROOT / DEFAULTS["state_dir"] / "perf-swap"
 NEW = "gpt-oss-120b"
 """The recipe swapped to: the lab's hub holds its repository (``lab.hub_layouts``)."""
 EVERY_S = 0.5
+LOAD_S = 30
+"""Seconds the ``swap.loaded`` recipe's engines take to load (a Spark's load of 65-125 GB takes
+minutes: the seed's session)."""
 BRINGUP = re.compile(r"^bring-up ([0-9.]+) s$", re.M)
 
 
@@ -118,6 +126,40 @@ class Client:
         return bool(self.seen) and all(m == model for _, m in self.seen)
 
 
+def loaded_recipe(into: Path, name: str = NEW) -> str:
+    """An owner's recipe in ``into``: recipe ``name`` whose engines load for ``LOAD_S``."""
+    import shutil
+
+    import yaml
+
+    from sparkdeploy import recipes
+
+    src = next(d for d in recipes.directories() if (d / f"{name}.yaml").is_file())
+    data = yaml.safe_load((src / f"{name}.yaml").read_text())
+    for e in data["sparkdeploy"]["engines"]:
+        e.setdefault("env", {})["SPARKDEPLOY_STANDIN_STARTUP_S"] = str(LOAD_S)
+    cfg = data["sparkdeploy"]["about"]["config"]
+    into.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src / cfg, into / cfg)
+    out = f"{name}-loads-{LOAD_S}s"
+    (into / f"{out}.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    return out
+
+
+def swapped(state: Path, recipe: str, old: str, new: str, *extra: str) -> tuple[float, float]:
+    """(downtime, bring-up) of ``serve.swap --recipe recipe`` from model ``old`` to ``new``."""
+    endpoints = urls(load(PROFILE, state)) + urls(load(PROFILE, state, recipe=NEW))
+    with Client(endpoints) as client:
+        _say(f"serve.swap --recipe {recipe}")
+        r = inv(state, "serve.swap", "--recipe", recipe, *extra)
+    _must(r, "serve.swap")
+    down, took = client.downtime(old, new), bringup_s(r.stdout)
+    if down is None or not took:
+        raise RuntimeError(f"no downtime ({down}) or no bring-up ({took}) measured")
+    _say(f"downtime {down:.1f} s, bring-up {took:.1f} s")
+    return down, took
+
+
 def _must(r: subprocess.CompletedProcess, what: str) -> None:
     if r.returncode != 0:
         raise RuntimeError(f"{what} exited {r.returncode}: {r.stdout[-2000:]} {r.stderr[-1000:]}")
@@ -131,15 +173,12 @@ def run() -> dict[str, float]:
     try:
         _say("deploy.all of the lab profile (the old model)")
         _must(inv(STATE, "deploy.all"), "deploy.all")
-        with Client(urls(old) + urls(new)) as client:
-            _say(f"serve.swap --recipe {NEW}")
-            r = inv(STATE, "serve.swap", "--recipe", NEW)
-        _must(r, "serve.swap")
-        down = client.downtime(old.profile.model.repo, new.profile.model.repo)
-        took = bringup_s(r.stdout)
-        if down is None or not took:
-            raise RuntimeError(f"no downtime ({down}) or no bring-up ({took}) measured")
-        _say(f"downtime {down:.1f} s, bring-up {took:.1f} s; a cold deploy.all of {NEW} next")
+        a, b = old.profile.model.repo, new.profile.model.repo
+        down, took = swapped(STATE, NEW, a, b)
+        _must(inv(STATE, "serve.swap", "--recipe", str(old.profile.recipe)), "serve.swap back")
+        slow = loaded_recipe(STATE / "recipes")
+        down_l, took_l = swapped(STATE, slow, a, b, "--recipes", str(STATE / "recipes"))
+        _say(f"a cold deploy.all of {NEW} next")
         _must(inv(STATE, "deploy.rollback", "--recipe", NEW, "--purge", "--yes"), "rollback")
         _must(inv(STATE, "deploy.rollback", "--purge", "--yes"), "rollback")
         lifecycle.up(nodes=2, flavor=layout.DEFAULT_DOCKERD)  # the lab's images, purged, back
@@ -151,5 +190,7 @@ def run() -> dict[str, float]:
         inv(STATE, "deploy.rollback", "--purge", "--yes")
         lifecycle.up(nodes=2, flavor=layout.DEFAULT_DOCKERD)
     return {"downtime_s": round(down, 2), "bringup_s": took,
-            "downtime_over_bringup": round(down / took, 3), "cold_deploy_s": round(cold, 1),
-            "downtime_over_cold_deploy": round(down / cold, 3)}
+            "downtime_over_bringup": round(down / took, 3),
+            "loaded.downtime_s": round(down_l, 2), "loaded.bringup_s": took_l,
+            "loaded.downtime_over_bringup": round(down_l / took_l, 3),
+            "cold_deploy_s": round(cold, 1), "downtime_over_cold_deploy": round(down / cold, 3)}
