@@ -587,9 +587,9 @@ def with_recipe(merged: Merged, recipe: str | None = None,
                 recipe_dirs: tuple[str, ...] = ()) -> Merged:
     """``merged`` over the recipe it names (or ``recipe``, replacing its model part)."""
     own = [str(Path(d).resolve()) for d in rcp.profile_dirs(merged)]
-    if own:
-        merged.body["recipes"] = own
-    dirs = [*recipe_dirs, *own]
+    dirs = [*(str(Path(d).resolve()) for d in recipe_dirs), *own]
+    if dirs:  # what reads the recipe again later (model.fit: its config.json) finds it too
+        merged.body["recipes"] = list(dict.fromkeys(dirs))
     name = recipe if recipe is not None else merged.body.get("recipe")
     if name is None:
         return merged

@@ -104,6 +104,15 @@ def test_an_owners_directory_adds_a_recipe_from_the_profile(tmp_path):
     assert p.recipes == [d]
 
 
+def test_a_recipe_from_recipes_on_the_command_line_is_found_again_from_the_profile(tmp_path):
+    """``--recipes DIR`` (deploy.all, serve.swap): the loaded profile lists DIR, so what reads
+    the recipe again later (model.fit, for its config.json) finds it there too."""
+    d = _own(tmp_path, {})
+    p = load_profile(SEED, recipe="mine", recipe_dirs=(str(d),))
+    assert p.recipe == "mine" and p.recipes == [d]
+    assert read_recipe(p.recipe, recipes.directories(p.recipes)).name == "mine"
+
+
 @pytest.mark.parametrize("body, where, why", [
     ({"modle": {}}, "sparkdeploy.modle", "unknown key"),
     ({"model": {"repo": "a/b", "endpoint": "http://x"}}, "sparkdeploy.model.endpoint",
