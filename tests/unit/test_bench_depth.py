@@ -10,7 +10,6 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from invoke import Config, Context
 from invoke.exceptions import Exit
 
 from sparkdeploy.bench.depth import Tokens, message, parse_depths
@@ -19,6 +18,7 @@ from sparkdeploy.lab.hub_repo import tokenizer_files
 from sparkdeploy.lab.standins import engine_server as es
 from sparkdeploy.tasks import bench as bench_tasks
 from tests.unit.hostile import Hostile
+from tests.unit.test_bench_run import ctx
 
 GATE = "coherence gate: 'What is 17 + 25? Answer with the number only.'"
 TTFT_MS, GAP_MS, PREFILL, HALF = 60.0, 5.0, 20_000.0, 4096
@@ -40,11 +40,6 @@ def standin(tokdir):
     yield srv
     srv.shutdown()
     srv.server_close()
-
-
-def ctx(tmp_path) -> Context:
-    return Context(Config(overrides={"sparkdeploy": {"profile": str(tmp_path / "none.yaml"),
-                                                     "state_dir": str(tmp_path / "state")}}))
 
 
 def failed_lines(text: str, step: str = "bench.depth") -> list[str]:

@@ -83,10 +83,8 @@ BAD_ANSWERS = [
 ]
 
 
-@pytest.mark.parametrize(("body", "says"), BAD_ANSWERS)
-def test_an_answer_with_a_field_that_does_not_fit_fails_in_one_line(tmp_path, capsys, body, says):
-    srv = Hostile(body=body, ctype="text/event-stream", routes={"/v1/models": MODELS},
-                  coherent=True)
+def fails_writing_nothing(tmp_path, srv: Hostile) -> None:
+    """bench.run against ``srv`` (closed after) exits 1 and writes neither --json nor --save."""
     out = tmp_path / "r.json"
     try:
         with pytest.raises(Exit) as e:
@@ -95,6 +93,13 @@ def test_an_answer_with_a_field_that_does_not_fit_fails_in_one_line(tmp_path, ca
     finally:
         srv.close()
     assert e.value.code == 1 and not out.exists() and not (tmp_path / "state" / "bench").exists()
+
+
+@pytest.mark.parametrize(("body", "says"), BAD_ANSWERS)
+def test_an_answer_with_a_field_that_does_not_fit_fails_in_one_line(tmp_path, capsys, body, says):
+    srv = Hostile(body=body, ctype="text/event-stream", routes={"/v1/models": MODELS},
+                  coherent=True)
+    fails_writing_nothing(tmp_path, srv)
     assert failed_lines(capsys.readouterr().out) == [
         "concurrency 1: 0/2 ok, 2 failed, 0.0 output tok/s, decode median - tok/s, TTFT median "
         f"- ms: no request succeeded (most often: {says})",
@@ -108,14 +113,7 @@ GATE_LINE = "coherence gate: 'What is 17 + 25? Answer with the number only.'"
 def test_a_gate_answer_that_does_not_fit_is_one_line_and_no_measured_request(tmp_path, capsys,
                                                                               body, says):
     srv = Hostile(body=body, ctype="text/event-stream", routes={"/v1/models": MODELS})
-    out = tmp_path / "r.json"
-    try:
-        with pytest.raises(Exit) as e:
-            bench_tasks.run(ctx(tmp_path), url=srv.url, concurrency="1", requests="2",
-                            output_tokens="3", warmup="0", timeout="2", json=str(out), save=True)
-    finally:
-        srv.close()
-    assert e.value.code == 1 and not out.exists() and not (tmp_path / "state" / "bench").exists()
+    fails_writing_nothing(tmp_path, srv)
     assert failed_lines(capsys.readouterr().out) == [f"{GATE_LINE}: {says}; no figures"]
     assert srv.paths == ["/v1/models", "/v1/chat/completions"]  # the gate's first prompt only
 
