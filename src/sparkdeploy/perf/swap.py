@@ -133,6 +133,7 @@ def loaded_recipe(into: Path, name: str = NEW) -> str:
     import yaml
 
     from sparkdeploy import recipes
+    from sparkdeploy.files import write_text_atomic
 
     src = next(d for d in recipes.directories() if (d / f"{name}.yaml").is_file())
     data = yaml.safe_load((src / f"{name}.yaml").read_text())
@@ -142,7 +143,7 @@ def loaded_recipe(into: Path, name: str = NEW) -> str:
     into.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(src / cfg, into / cfg)
     out = f"{name}-loads-{LOAD_S}s"
-    (into / f"{out}.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    write_text_atomic(into / f"{out}.yaml", yaml.safe_dump(data, sort_keys=False))
     return out
 
 
