@@ -59,12 +59,17 @@ TEXT = st.lists(st.sampled_from(list("abcdehinrt THE.,!?'s_-0123456789\n\t") +
                 max_size=80).map("".join)
 
 
-@settings(max_examples=300, deadline=None)
-@given(text=TEXT)
-def test_the_standin_counts_tokens_as_the_tokenizers_library(tokdir, text):
+def counts_alike(tokdir, text: str) -> None:
+    """The stand-in's standard-library count of ``text`` is the tokenizers library's."""
     counter = es.PromptCounter.load(str(tokdir))
     assert counter is not None
     assert counter.count(text) == Tokens(tokdir).count(text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=TEXT)
+def test_the_standin_counts_tokens_as_the_tokenizers_library(tokdir, text):
+    counts_alike(tokdir, text)
 
 
 QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -88,9 +93,7 @@ def qwen_style(tmp_path_factory, tokdir):
 @settings(max_examples=200, deadline=None)
 @given(text=TEXT)
 def test_a_split_pre_tokenizer_as_qwens_is_counted_as_tokenizers_does(qwen_style, text):
-    counter = es.PromptCounter.load(str(qwen_style))
-    assert counter is not None
-    assert counter.count(text) == Tokens(qwen_style).count(text)
+    counts_alike(qwen_style, text)
 
 
 def test_the_standins_usage_counts_the_rendered_chat(tokdir):

@@ -387,6 +387,14 @@ def libnccl2(root: Path, version="2.27.7", dpkg=True):
         (root / "var/lib/dpkg/status").write_text(DPKG.replace("2.27.7", version))
 
 
+def both_nccls(tmp_path: Path) -> tuple[Path, Path]:
+    """An image with the wheel's NCCL (2.28.9) in ``site`` and libnccl2 (2.27.7) under ``root``."""
+    site, root = tmp_path / "site", tmp_path / "root"
+    nccl_wheel(site)
+    libnccl2(root)
+    return site, root
+
+
 def nccl_of(tmp_path: Path, site: Path, **env: str) -> dict:
     root = tmp_path / "root"
     root.mkdir(exist_ok=True)
@@ -398,9 +406,7 @@ def nccl_of(tmp_path: Path, site: Path, **env: str) -> dict:
 
 
 def test_the_wheel_wins_over_libnccl2_and_both_versions_are_reported(tmp_path):
-    site = tmp_path / "site"
-    nccl_wheel(site)
-    libnccl2(tmp_path / "root")
+    site, _ = both_nccls(tmp_path)
     got = nccl_of(tmp_path, site)
     assert (got["loads"], got["version"], got["path"]) == ("wheel", "2.28.9", str(site / WHEEL_LIB))
     assert got["wheel"]["package"] == "nvidia-nccl-cu13" and got["wheel"]["version"] == "2.28.9"
@@ -411,18 +417,13 @@ def test_the_wheel_wins_over_libnccl2_and_both_versions_are_reported(tmp_path):
 
 
 def test_ld_library_path_does_not_beat_the_wheel(tmp_path):
-    site = tmp_path / "site"
-    nccl_wheel(site)
-    libnccl2(tmp_path / "root")
+    site, _ = both_nccls(tmp_path)
     got = nccl_of(tmp_path, site, LD_LIBRARY_PATH="/usr/lib/aarch64-linux-gnu")
     assert got["loads"] == "wheel"
 
 
 def test_the_wheels_lib_linked_to_libnccl2_loads_the_system_nccl(tmp_path):
-    site = tmp_path / "site"
-    nccl_wheel(site)
-    root = tmp_path / "root"
-    libnccl2(root)
+    site, root = both_nccls(tmp_path)
     wheel_lib = site / WHEEL_LIB
     wheel_lib.rename(wheel_lib.with_name("libnccl.so.2.sparkdeploy-wheel"))
     wheel_lib.symlink_to(root / TRIPLET / "libnccl.so.2")
@@ -434,9 +435,7 @@ def test_the_wheels_lib_linked_to_libnccl2_loads_the_system_nccl(tmp_path):
 
 
 def test_ld_preload_of_libnccl2_wins(tmp_path):
-    site = tmp_path / "site"
-    nccl_wheel(site)
-    libnccl2(tmp_path / "root")
+    site, _ = both_nccls(tmp_path)
     got = nccl_of(tmp_path, site, LD_PRELOAD="/usr/lib/aarch64-linux-gnu/libnccl.so.2")
     assert (got["loads"], got["version"]) == ("system", "2.27.7")
     assert got["why"] == "LD_PRELOAD names /usr/lib/aarch64-linux-gnu/libnccl.so.2"
