@@ -74,9 +74,13 @@ def test_the_real_dockerfile_installs_the_resolved_set_and_names_the_engine_vllm
     assert "wheels" not in final and "standin" not in final and "nccl" not in final
     assert "COPY --from=build /opt/venv /opt/venv" in final
     assert 'org.sparkdeploy.lab.recipe="abc"' in final
-    info = images.real_dist_info(images.REAL_VLLM)
-    assert info["vllm-0.32.0+cpu.dist-info/METADATA"] == (
-        b"Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")
+
+def test_the_engine_is_vllm_to_importlib_and_declares_what_its_wheel_declares(tmp_path):
+    info = images.real_dist_info(images.REAL_VLLM, wheel(tmp_path))
+    meta = info["vllm-0.32.0+cpu.dist-info/METADATA"].decode()
+    assert meta.startswith("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")
+    assert "Requires-Dist: transformers<5.20.0,>=5.16.1\n" in meta
+    assert 'Requires-Dist: pandas; extra == "bench"\n' in meta
     assert b"vllm-0.32.0+cpu.dist-info/METADATA,," in info["vllm-0.32.0+cpu.dist-info/RECORD"]
 
 

