@@ -273,6 +273,7 @@ RULES: tuple[Rule, ...] = (
              r"|Not enough memory\. Please try to increase --mem-fraction-static"
              r"|larger than the available KV cache memory|is less than desired GPU memory utilization"
              r"|is larger than the maximum number of tokens that can be stored in KV cache"
+             r"|on kv cache allocation is less than requested memory for kv"
              r"|NV_ERR_NO_MEMORY|Out of memory: Killed process|oom-kill(?:er)?\b|OOM killer"
              r"|node running low on memory",
              "memory", "oom", "stored in kv cache"),
