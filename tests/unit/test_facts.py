@@ -198,3 +198,19 @@ def test_the_probe_is_not_reused_once_its_decision_is_gone(lab):
     assert before["decided"] is not None
     dep.records.remove(ImageDecision)
     assert diff_keys(before, fingerprint("image.probe")(dep)) == ["decided"]
+
+
+def test_a_fingerprint_asks_the_nodes_only_where_its_declaration_says_so(lab):
+    dep, ctx, _ = lab
+    declared = {n: s.fingerprint for n, s in registry.load_all().items() if s.fingerprint is not None}
+    asked = set()
+    for name, fp in declared.items():
+        dep.facts.forget(None)
+        ctx.calls.clear()
+        fp.local(dep)
+        assert ctx.calls == [], name  # the sections and ``also``: the controller alone
+        fp(dep)
+        if ctx.calls:
+            asked.add(name)
+    assert asked == {n for n, fp in declared.items() if fp.asks_nodes} == {
+        "services.stop", "image.probe", "image.ship", "serve.up"}
