@@ -1,5 +1,6 @@
 """The shape of the code: no import circle in src/ (function-level imports count), the product
-never imports the lab or its benchmarks (``sparkdeploy.perf``), one atomic write, one thread pool, no long function.
+never imports the lab or its benchmarks (``sparkdeploy.perf``), one atomic write, one thread pool, no long function,
+a plan that names steps and options only (each step declares the rest), a fingerprint that says when it asks a node.
 
 A function's length is its lines minus its docstring and minus multi-line data literals
 (dicts, lists, tuples, sets, strings: tables and templates read as data, not logic). The lab's
@@ -11,6 +12,7 @@ they are counted on their own."""
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
@@ -390,3 +392,127 @@ def test_the_answer_check_sees_bare_and_qualified_parses_and_spares_the_allowed(
                  "def daemon_facts(r):\n    return json.loads(r.stdout)\n"
                  "def other(line):\n    return loads(Report, line, 'x'), last_line(Report, line, 'x')\n")
     assert helper_answer_parses([f], tmp_path) == ["m.py:3 read_it", "m.py:7 other"]
+
+
+# A step declares its whole contract where it is written (convention 15): its needs, and how a
+# plan runs it (fingerprint, reuse, redo, when) in its ``@step``, next to its body. A plan
+# (``plan.py``) names steps and their options; it holds no per-step settings.
+PLAN = PKG / "plan.py"
+FINGERPRINTS = PKG / "fingerprint.py"
+PLAN_STEP_FIELDS = ["name", "options", "forced"]
+DECLARED = {"fingerprint", "reuse", "redo", "when"}
+REACHES_A_NODE = {"image_id", "unit_states", "facts", "host", "hosts", "select", "run", "run_helper",
+                  "inspect_image", "probe_units", "moved"}
+"""Names through which the controller's code reaches a node: a fact, a host, a command."""
+
+
+def _names(node: ast.AST) -> set[str]:
+    """Every name, attribute and imported name in ``node``."""
+    out: set[str] = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name):
+            out.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            out.add(n.attr)
+        elif isinstance(n, ast.ImportFrom):
+            out |= {a.asname or a.name for a in n.names}
+    return out
+
+
+def _calls_named(tree: ast.AST, name: str) -> list[ast.Call]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and (
+        isinstance(n.func, ast.Name) and n.func.id == name
+        or isinstance(n.func, ast.Attribute) and n.func.attr == name)]
+
+
+def plan_settings(plan: Path, files: list[Path], base: Path = ROOT) -> list[str]:
+    """What a plan module holds that a step declares: a ``PlanStep`` field beyond its name,
+    options and ``forced``, a contract keyword given in a call, a table keyed by step names, a
+    fingerprint or a node's fact; and any ``PlanStep(...)`` in ``files`` given a contract."""
+    tree = ast.parse(plan.read_text())
+    where = plan.relative_to(base)
+    out = []
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "PlanStep"):
+        fields = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+        if fields != PLAN_STEP_FIELDS:
+            out.append(f"{where}:{cls.lineno} PlanStep fields {fields}")
+    for n in ast.walk(tree):
+        said = DECLARED & {k.arg for k in n.keywords} if isinstance(n, ast.Call) else set()
+        if said:
+            out.append(f"{where}:{n.lineno} {ast.unparse(n.func)}({', '.join(sorted(said))}=...)")
+        if isinstance(n, ast.Dict) and any(isinstance(k, ast.Constant) and isinstance(k.value, str)
+                                           and re.fullmatch(r"[a-z]+\.[a-z-]+", k.value) for k in n.keys):
+            out.append(f"{where}:{n.lineno} a table keyed by step names")
+    used = _names(tree) & ({"Fingerprint", "flat"} | REACHES_A_NODE - {"moved"})
+    out += [f"{where}: {u}" for u in sorted(used)]
+    for f in files:
+        for c in _calls_named(ast.parse(f.read_text()), "PlanStep"):
+            extra = {k.arg for k in c.keywords} - {"forced"}
+            if extra or len(c.args) > 2:
+                out.append(f"{f.relative_to(base)}:{c.lineno} PlanStep given {sorted(extra) or 'more'}")
+    return out
+
+
+def test_a_plan_names_steps_and_options_and_each_step_declares_the_rest():
+    assert plan_settings(PLAN, product_code()) == []
+
+
+def _function(name: ast.expr, modules: list[ast.Module]) -> ast.AST | None:
+    """The function ``name`` stands for: a lambda, or a module-level def in one of ``modules``."""
+    if isinstance(name, ast.Lambda):
+        return name
+    if isinstance(name, ast.Name):
+        for m in modules:
+            for n in m.body:
+                if isinstance(n, ast.FunctionDef) and n.name == name.id:
+                    return n
+    return None
+
+
+def unsaid_node_facts(files: list[Path], fingerprints: Path = FINGERPRINTS, base: Path = ROOT) -> list[str]:
+    """Each ``Fingerprint(...)`` whose ``also`` (the controller's part) reaches a node, or whose
+    ``asks`` (the part said to ask the nodes) does not, or whose part cannot be read here (one
+    level deep: a helper that reaches a node on its own is the unit test's to catch,
+    ``tests/unit/test_facts.py``)."""
+    shared = ast.parse(fingerprints.read_text())
+    out = []
+    for f in files:
+        tree = ast.parse(f.read_text())
+        for c in _calls_named(tree, "Fingerprint"):
+            for k in c.keywords:
+                fn = _function(k.value, [tree, shared])
+                reaches = fn is not None and bool(_names(fn) & REACHES_A_NODE)
+                if fn is None or (k.arg == "also" and reaches) or (k.arg == "asks" and not reaches):
+                    out.append(f"{f.relative_to(base)}:{c.lineno} {k.arg}={ast.unparse(k.value)}")
+    return sorted(out)
+
+
+def test_a_fingerprint_that_asks_a_node_says_so():
+    steps = sorted((PKG / "steps").glob("*.py"))
+    assert unsaid_node_facts(steps) == []
+    made = [f"{f.relative_to(ROOT)}:{c.lineno}" for f in product_code() if f not in steps + [FINGERPRINTS]
+            for c in _calls_named(ast.parse(f.read_text()), "Fingerprint")]
+    assert made == []  # declared with the steps only
+
+
+def test_the_plan_and_fingerprint_checks_see_what_they_look_for(tmp_path):
+    plan = tmp_path / "plan.py"
+    plan.write_text("class PlanStep:\n    name: str\n    options: dict\n    reuse: bool = False\n"
+                    "FP = {'serve.up': 1}\n"
+                    "from sparkdeploy.ops.image import image_id\n"
+                    "p = PlanStep('serve.up', {}, redo='serve.down')\n")
+    assert plan_settings(plan, [plan], tmp_path) == [
+        "plan.py:1 PlanStep fields ['name', 'options', 'reuse']", "plan.py:5 a table keyed by step names",
+        "plan.py:7 PlanStep(redo=...)", "plan.py: image_id", "plan.py:7 PlanStep given ['redo']"]
+    step = tmp_path / "step.py"
+    step.write_text("def quiet(dep):\n    return {'x': image_id(dep, 'x')}\n"
+                    "def loud(dep):\n    return {'x': dep.profile.x}\n"
+                    "@step('a.b', fingerprint=Fingerprint('x', also=quiet, asks=loud))\n"
+                    "def b(ctx): ...\n"
+                    "@step('a.c', fingerprint=Fingerprint(also=head, asks=lambda d: d.facts.get(1)))\n"
+                    "def c(ctx): ...\n"
+                    "F = Fingerprint(also=elsewhere)\n")
+    shared = tmp_path / "fingerprint.py"
+    shared.write_text("def head(dep):\n    return {'head': dep.profile.head.name}\n")
+    assert unsaid_node_facts([step], shared, tmp_path) == [
+        "step.py:5 also=quiet", "step.py:5 asks=loud", "step.py:9 also=elsewhere"]

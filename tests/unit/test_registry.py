@@ -1,12 +1,14 @@
 """The step registry and its protocol: every step registered under its name, needs that form a
-graph, a duplicate name refused, every result on the stream exactly once through the step's
-context, and an unreachable node one failed result for that node."""
+graph, what a plan needs of a step declared with it, a duplicate name refused, every result on
+the stream exactly once through the step's context, and an unreachable node one failed result
+for that node."""
 
 import graphlib
 
 import pytest
 
 from sparkdeploy.events import EventSink, Progress
+from sparkdeploy.fingerprint import Fingerprint
 from sparkdeploy.hosts import NodeUnreachable
 from sparkdeploy.results import Result, Status
 from sparkdeploy.steps.registry import REGISTRY, StepContext, get, load_all, run_one, step
@@ -52,6 +54,23 @@ def test_a_second_step_under_a_taken_name_is_refused(scratch):
         @step("test.one")
         def other(ctx):
             pass
+
+
+def test_a_step_declares_how_a_plan_runs_it_and_reuse_needs_a_fingerprint(scratch):
+    def why(dep, runs, forced):
+        return None if forced else "not asked for"
+
+    @step("test.decide", fingerprint=Fingerprint("model", asks=lambda d: {}), reuse=True, when=why)
+    def decide(ctx):
+        """Decide."""
+
+    spec = get("test.decide")
+    assert (spec.reuse, spec.redo, spec.when) == (True, None, why)
+    assert spec.fingerprint is not None and spec.fingerprint.sections == ("model",)
+    assert spec.fingerprint.asks_nodes and not Fingerprint("model").asks_nodes
+    for declared in ({"reuse": True}, {"redo": "test.undo"}):
+        with pytest.raises(TypeError, match="'test.bare': reuse and redo follow a fingerprint"):
+            step("test.bare", **declared)
 
 
 def test_unknown_step_names_the_known_ones():

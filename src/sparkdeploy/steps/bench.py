@@ -8,7 +8,7 @@ profile (the endpoint serve.up recorded or the profile's, and its ``bench`` sect
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,8 @@ from sparkdeploy.config import Bench
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.endpoint import url as endpoint_url
 from sparkdeploy.files import write_atomic, write_text_atomic
-from sparkdeploy.steps.registry import StepContext, step
+from sparkdeploy.fingerprint import Fingerprint
+from sparkdeploy.steps.registry import Ran, StepContext, step
 
 
 def level_line(run: dict[str, Any]) -> str:
@@ -258,7 +259,30 @@ def depth_benchmark(ctx: StepContext, url: str, settings: Settings, *, tokenizer
         ctx.changed(f"wrote {json_path}", path=str(json_path))
 
 
-@step(STEP, needs=("serve.up",))
+SMOKE: dict[str, Any] = {"concurrency": [1], "requests": 3, "warmup": 0}
+"""``deploy.all``'s bench: a smoke, not a measurement."""
+SMOKE_OUTPUT_TOKENS = 64  # a few short answers at concurrency 1
+
+
+def smoke_settings(dep: Deployment, runs: Mapping[str, Ran]) -> Settings:
+    b = dep.profile.bench
+    return request_settings(b, output_tokens=min(SMOKE_OUTPUT_TOKENS, b.output_tokens))
+
+
+def why_skip_smoke(dep: Deployment, runs: Mapping[str, Ran], forced: bool) -> str | None:
+    """Why a plan's bench does not run (None: run it): a dry run, or nothing changed in this
+    run and the plan does not force it (``deploy.all --bench``)."""
+    if dep.dry:
+        return (f"would run {SMOKE['requests']} requests at concurrency {SMOKE['concurrency'][0]} "
+                f"against {endpoint_url(dep) or 'the endpoint serve.up records'}")
+    if forced:
+        return None
+    if any(r.changed for r in runs.values()):
+        return None
+    return "nothing changed in this run (--bench runs it anyway)"
+
+
+@step(STEP, needs=("serve.up",), fingerprint=Fingerprint("bench"), when=why_skip_smoke)
 def run(ctx: StepContext, url: str | None = None, settings: Settings | None = None,
         concurrency: Sequence[int] | None = None, rates: Sequence[float] = (),
         requests: int | None = None, warmup: int | None = None,

@@ -7,12 +7,14 @@ how: ``sparkdeploy.ops.model``).
 
 from __future__ import annotations
 
+from sparkdeploy.fingerprint import Fingerprint, head
 from sparkdeploy.ops.model import DOWNLOAD, ModelError, download_on, own_lock
 from sparkdeploy.ops.model_select import describe, selected
 from sparkdeploy.steps.registry import StepContext, step
 
 
-@step(DOWNLOAD, needs=("model.fit", "link.check"), long=True)
+@step(DOWNLOAD, needs=("model.fit", "link.check"), long=True,
+      fingerprint=Fingerprint("model", also=head))
 def download(ctx: StepContext, node: str | None = None) -> None:
     """Download the weights on the head, verified (resumes; only what is missing): the files
     the engine loads, decided from the hub's listing and index and recorded on the head."""

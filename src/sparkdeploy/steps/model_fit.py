@@ -25,6 +25,7 @@ from typing import Any
 from sparkdeploy import estimate as est
 from sparkdeploy import fit, memory
 from sparkdeploy.estimate import EstimateError
+from sparkdeploy.fingerprint import Fingerprint
 from sparkdeploy.fit import FitError
 from sparkdeploy.hosts import Host
 from sparkdeploy.memory import NodeMemory
@@ -191,14 +192,20 @@ def fewest(ctx: StepContext, cfg: Any, weights: int, mem: dict[str, NodeMemory])
     ctx.failed(f"recipe {p.recipe} {need}; the profile has {have} GPU(s)")
 
 
-@step(PRECHECK, needs=("hosts.check",))
+SIZED = Fingerprint("model", "engines", "nodes", "fit")
+"""The model, the engines, the nodes and the reserve: unchanged since a fit that passed, the fit
+is not measured again (this deployment's own engine, serving by then, holds the memory a second
+measurement would miss)."""
+
+
+@step(PRECHECK, needs=("hosts.check",), fingerprint=SIZED, reuse=True)
 def model_precheck(ctx: StepContext) -> None:
     """Before anything stops or downloads: could the model fit even with every unit stopped
     (each node's memory at most, ``at_most``)? Refuses what cannot, with the numbers."""
     sized_up(ctx, upper=True)
 
 
-@step(FIT, needs=("services.stop",))
+@step(FIT, needs=("services.stop",), fingerprint=SIZED, reuse=True)
 def model_fit(ctx: StepContext, held: dict[str, int] | None = None) -> None:
     """Check that each node's share (weights, KV cache, reserve: the fit calculator on the
     model's config.json) and the engines' memory fraction fit the memory the node reports,

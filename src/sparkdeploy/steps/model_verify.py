@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sparkdeploy.fingerprint import Fingerprint, workers
 from sparkdeploy.hosts import Host
 from sparkdeploy.ops.model import (
     DOWNLOAD,
@@ -27,7 +28,7 @@ from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext, step
 
 
-@step(VERIFY, needs=(DOWNLOAD, SYNC))
+@step(VERIFY, needs=(DOWNLOAD, SYNC), fingerprint=Fingerprint("model", also=workers))
 def verify(ctx: StepContext, node: str | None = None, repair: bool = False) -> None:
     """Verify the weights on every node against the selection the head records (the hub's
     sizes and hashes of the files the engine loads)."""

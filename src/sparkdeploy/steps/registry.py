@@ -10,20 +10,26 @@ step. A node that cannot be reached is one failed result for that node, whether 
 node's part of a fan-out or the whole step. Each result is
 on the event stream once, as it happens. ``@step`` gives back ``fn(dep, **options) ->
 list[Result]``: the step run on a deployment, its results in order. Records a step makes go
-through ``ctx.dep.records``. This registry is the one place the edges of every plan are declared
-(``needs``, ``after_start``); ``deploy.all`` runs the registry as a graph.
+through ``ctx.dep.records``.
+
+A step declares its whole contract where it is written, in ``@step``: the edges of every plan
+(``needs``, ``after_start``), and how a plan runs it (``fingerprint``: a
+``fingerprint.Fingerprint`` of what its outcome depends on, saying which part asks the nodes;
+``reuse``, ``redo``, ``when``). ``deploy.all`` runs the registry as a graph; a plan
+(``sparkdeploy.plan``) names steps and their options only.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from sparkdeploy import threads
 from sparkdeploy.events import Event, EventSink, Log, Progress
+from sparkdeploy.fingerprint import Fingerprint
 from sparkdeploy.hosts import NodeUnreachable
 from sparkdeploy.results import Result, Status
 
@@ -154,6 +160,21 @@ class StepContext:
         return self.results
 
 
+class Ran(Protocol):
+    """A plan step as a ``when`` sees it so far in the run (``plan.StepRun``)."""
+
+    state: str
+
+    @property
+    def changed(self) -> bool: ...
+
+
+When = Callable[["Deployment", Mapping[str, Ran], bool], "str | None"]
+"""``when(dep, runs, forced)``: why a plan skips the step this time (None: run it); ``runs``:
+the plan's steps so far; ``forced``: the plan asks for the step whatever changed
+(``deploy.all --bench``)."""
+
+
 @dataclass(frozen=True)
 class StepSpec:
     name: str
@@ -165,16 +186,30 @@ class StepSpec:
     """Steps that must have *started* first, when a plan holds them (they may still run)."""
     long: bool = False
     """Long work (a download): a graph runner starts it as early as its needs allow."""
+    fingerprint: Fingerprint | None = None
+    """What the step's outcome depends on (the profile slice, what the records and the nodes
+    say), as flat ``{key: value}``: a plan names the keys that changed since the step last
+    finished."""
+    reuse: bool = False
+    """A decision with no effect on the nodes: an unchanged fingerprint reuses the last outcome."""
+    redo: str | None = None
+    """A step to run first when the fingerprint changed since the step last finished."""
+    when: When | None = None
+    """Why a plan skips the step this time (None: run it)."""
 
 
 REGISTRY: dict[str, StepSpec] = {}
 
 
 def step(name: str, *, needs: tuple[str, ...] = (), after_start: tuple[str, ...] = (),
-         long: bool = False) -> Callable[[Body], StepFn]:
+         long: bool = False, fingerprint: Fingerprint | None = None, reuse: bool = False,
+         redo: str | None = None, when: When | None = None) -> Callable[[Body], StepFn]:
     """Register the body ``fn(ctx, **options)`` as step ``name`` (``image.ship``), needing the
     steps in ``needs`` (and starting once those in ``after_start`` started) wherever a plan
-    holds them; returns the step as ``fn(dep, **options) -> list[Result]``."""
+    holds them, with how a plan runs it (``StepSpec``); returns the step as ``fn(dep,
+    **options) -> list[Result]``."""
+    if (reuse or redo) and fingerprint is None:
+        raise TypeError(f"step {name!r}: reuse and redo follow a fingerprint, and it declares none")
 
     def deco(body: Body) -> StepFn:
         body = getattr(body, "body", body)  # a module imported again registers the same body
@@ -182,7 +217,8 @@ def step(name: str, *, needs: tuple[str, ...] = (), after_start: tuple[str, ...]
             raise TypeError(f"step {name!r}: a body reports through its context, it yields nothing")
         if name in REGISTRY and REGISTRY[name].body is not body:
             raise ValueError(f"step {name!r} registered twice")
-        REGISTRY[name] = StepSpec(name, body, tuple(needs), tuple(after_start), long)
+        REGISTRY[name] = StepSpec(name, body, tuple(needs), tuple(after_start), long,
+                                  fingerprint, reuse, redo, when)
 
         @functools.wraps(body)
         def run(dep: Deployment, *args: Any, **options: Any) -> list[Result]:

@@ -28,9 +28,11 @@ from sparkdeploy.config import Engine, ProfileError
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import EngineError, launch
 from sparkdeploy.engines.base import API_KEY_ENV
+from sparkdeploy.fingerprint import Fingerprint
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import NodeUnreachable, docker
 from sparkdeploy.ops import serve_preflight
+from sparkdeploy.ops.image import chosen, image_id
 from sparkdeploy.ops.serve import (
     STEP_UP,
     Run,
@@ -234,7 +236,21 @@ def _attempt(ctx: StepContext, eng: Engine, run: Run) -> str | None:
         raise
 
 
-@step(STEP_UP, needs=("link.check", "services.stop", "image.ship", "model.verify"))
+def model_and_image(dep: Deployment) -> dict[str, Any]:
+    """The model path and repo, and the image chosen by tag: with the engines and the nodes, a
+    change to any of these redeploys the engine."""
+    return {"model.path": dep.profile.model.path, "model.repo": dep.profile.model.repo,
+            "image": chosen(dep).get("serve_image")}
+
+
+def served_image_id(dep: Deployment) -> dict[str, Any]:
+    """The chosen image by ID on the head (asks the head): a tag rebuilt redeploys the engine."""
+    return {"image_id": image_id(dep, chosen(dep).get("serve_image"))}
+
+
+@step(STEP_UP, needs=("link.check", "services.stop", "image.ship", "model.verify"),
+      fingerprint=Fingerprint("engines", "nodes", also=model_and_image, asks=served_image_id),
+      redo=STEP_DOWN)
 def up(ctx: StepContext, engine: str | None = None) -> None:
     """Bring the model up across the nodes, falling back to the next engine on a failure."""
     dep = ctx.dep

@@ -38,6 +38,7 @@ from sparkdeploy.config import Engine
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import EngineError, Launch
 from sparkdeploy.engines.base import API_KEY_ENV, profile_secrets, run_args
+from sparkdeploy.fingerprint import Fingerprint
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import NODE_STATE, NodeUnreachable, docker
 from sparkdeploy.ops.serve import (
@@ -289,7 +290,7 @@ def roll_back(ctx: StepContext, eng: Engine, lau: Launch, nodes: list[Handover],
     return f"rollback failed: {'; '.join(problems)}" if problems else f"rolled back: {back}"
 
 
-@step(STEP_PERSIST, needs=("serve.up", "bench.run"))
+@step(STEP_PERSIST, needs=("serve.up", "bench.run"), fingerprint=Fingerprint("engines", "nodes"))
 def persist(ctx: StepContext, engine: str | None = None) -> None:
     """Install the deployment as systemd units on every node and hand it over to them: all
     units start and the endpoint serves, or the previous deployment is back."""

@@ -19,9 +19,10 @@ from pydantic import BaseModel
 
 from sparkdeploy import labels
 from sparkdeploy.deployment import Deployment
+from sparkdeploy.fingerprint import Fingerprint, flat, head
 from sparkdeploy.hosts import Host, HostError, NodeUnreachable
 from sparkdeploy.nodeops import NODE_STATE, docker, read_node_file, write_node_file
-from sparkdeploy.ops.units import GpuProcess, gpu_processes, probe_units
+from sparkdeploy.ops.units import GpuProcess, gpu_processes, probe_units, unit_states
 from sparkdeploy.outside import OutsideError, last_line
 from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext, step
@@ -212,7 +213,15 @@ def _stop_node(ctx: StepContext, host: Host, units: list[str]) -> bool:
     return True
 
 
-@step(STEP_STOP, needs=("hosts.check", "model.precheck"))
+def units_now(dep: Deployment) -> dict[str, object]:
+    """The head's units to stop and their state now (asks the head): unchanged since a finished
+    stop means they are still stopped (the GPU is then busy with this deployment's own engine,
+    not theirs)."""
+    return flat({"units_now": unit_states(dep, dep.profile.head.name)})
+
+
+@step(STEP_STOP, needs=("hosts.check", "model.precheck"), reuse=True,
+      fingerprint=Fingerprint("services", also=head, asks=units_now))
 def stop(ctx: StepContext, node: str | None = None) -> None:
     """Stop each node's configured units in order, then wait until its GPU is free."""
     dep = ctx.dep

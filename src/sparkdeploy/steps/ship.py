@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sparkdeploy import fanout, threads
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.fanout import Outcome
+from sparkdeploy.fingerprint import Fingerprint
 from sparkdeploy.hosts import CmdResult, Feed, Host, HostError, NodeUnreachable, peer_ssh_argv
 from sparkdeploy.nodeops import (
     HelperFailed,
@@ -61,7 +62,7 @@ from sparkdeploy.nodeops import (
     verified,
     watched,
 )
-from sparkdeploy.ops.image import STEP_BUILD, chosen_image, pinned
+from sparkdeploy.ops.image import STEP_BUILD, chosen, chosen_image, image_id, pinned
 from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext, step
 
@@ -639,7 +640,22 @@ def default_image(dep: Deployment) -> str:
     return chosen_image(dep) or dep.profile.engines[0].image
 
 
-@step(STEP, needs=(STEP_BUILD,), long=True)
+def chosen_tag(dep: Deployment) -> dict[str, Any]:
+    return {"image": chosen(dep).get("serve_image")}
+
+
+def held_by_every_node(dep: Deployment) -> dict[str, Any]:
+    """The chosen image by ID on the head and on every worker (asks every node): unchanged
+    since a finished ship means every worker still holds what the head serves."""
+    ref = chosen(dep).get("serve_image")
+    fp: dict[str, Any] = {"image_id": image_id(dep, ref)}
+    for n in dep.profile.workers:
+        fp[f"on[{n.name}]"] = image_id(dep, ref, n.name)
+    return fp
+
+
+@step(STEP, needs=(STEP_BUILD,), long=True, reuse=True,
+      fingerprint=Fingerprint(also=chosen_tag, asks=held_by_every_node))
 def ship(ctx: StepContext, to: str = "all", image: str | None = None) -> None:
     """Copy an image (default: the chosen one) from the head to peers over the fast link,
     sending only the layers a peer lacks; as a tree: peers that have it serve the next ones
