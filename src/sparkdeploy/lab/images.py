@@ -78,6 +78,7 @@ from sparkdeploy.engine_flags import DIR as FLAGS_DIR
 from sparkdeploy.engine_flags import release
 from sparkdeploy.files import move_in
 from sparkdeploy.lab import layout
+from sparkdeploy.lab.dockerd import apt_download
 from sparkdeploy.results import Result, Status
 
 STEP = "lab.images"
@@ -291,8 +292,14 @@ def dockerfile(recipe: ImageSpec, base_image: str, engine_wheel: str, labels: di
     ])
 
 
+REAL_DEBS = ("libnuma1",)
+"""Debian packages a real engine loads besides its wheels: vLLM's CPU kernels link libnuma
+(``Failed to import from vllm._C_AVX2: ImportError('libnuma.so.1: ...')``, then no
+``init_cpu_memory_env``: the worker dies), which vLLM's own CPU images install with apt. The base's
+suite (bookworm), fetched on the controller (``dockerd.apt_download``)."""
 REAL_SCRIPT = (
-    f"python3 -m venv {VENV}"
+    "dpkg -i /ctx/debs/*.deb"
+    f" && python3 -m venv {VENV}"
     f" && {VENV}/bin/pip install --no-cache-dir --no-index --no-deps --disable-pip-version-check"
     " /ctx/wheels/deps/*.whl /ctx/wheels/engine/*.whl"
     f' && cp -r /ctx/dist-info/. "$({VENV}/bin/python3 -c'
@@ -370,6 +377,7 @@ def recipe_hash(recipe: ImageSpec, base_ident: str, standin_source: bytes) -> st
     if recipe.real:
         ident = {"format": FORMAT, "recipe": {k: v for k, v in asdict(recipe).items() if k != "also"},
                  "base": base_ident, "script": REAL_SCRIPT, "changes": real_changes({}),
+                 "debs": REAL_DEBS,
                  "dist-info": {k: v.decode() for k, v in real_dist_info(recipe).items()}}
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
     ident = {
@@ -513,9 +521,13 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def write_context(ctx: Path, recipe: ImageSpec, base_image: str, labels: dict[str, str],
-                  engine_wheel: Path, dep_wheels: Iterable[Path], standin_source: bytes) -> None:
+                  engine_wheel: Path, dep_wheels: Iterable[Path], standin_source: bytes,
+                  debs: Iterable[Path] = ()) -> None:
     (ctx / "wheels" / "engine").mkdir(parents=True)
     (ctx / "wheels" / "deps").mkdir()
+    (ctx / "debs").mkdir()
+    for d in debs:
+        _link_or_copy(d, ctx / "debs" / d.name)
     _link_or_copy(engine_wheel, ctx / "wheels" / "engine" / engine_wheel.name)
     for w in dep_wheels:
         _link_or_copy(w, ctx / "wheels" / "deps" / w.name)
@@ -668,8 +680,9 @@ def build_community_images(
                 deps = dependency_wheels(recipe, cache_dir, engine_wheel)
                 with tempfile.TemporaryDirectory(dir=cache_dir.parent,
                                                  prefix=".image-ctx-") as tmp:
+                    debs = apt_download("bookworm", REAL_DEBS) if recipe.real else []
                     write_context(Path(tmp), recipe, base_image, labels, engine_wheel, deps,
-                                  standin)
+                                  standin, debs)
                     if recipe.real:
                         _commit_real(api, Path(tmp), base_image, recipe.tag, labels, log)
                     else:
