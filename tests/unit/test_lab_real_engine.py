@@ -209,3 +209,41 @@ def test_the_lab_tiny_recipe_describes_the_files_the_hub_serves():
 
 def test_an_owners_recipe_list_does_not_show_lab_tiny():
     assert tiny.RECIPE not in recipes.known(recipes.directories())
+
+
+def test_apt_download_uses_its_own_lists_and_keeps_the_newest_deb_of_each(tmp_path, monkeypatch):
+    from sparkdeploy.lab import dockerd, layout
+
+    monkeypatch.setattr(layout, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(dockerd, "debian_mirror", lambda: "http://mirror.example/debian")
+    ran = []
+
+    def run(argv, **kw):
+        ran.append(argv)
+        if "download" in argv:
+            (tmp_path / "apt-bookworm" / "libnuma1_2.0.16-1_amd64.deb").write_bytes(b"deb")
+
+    (tmp_path / "apt-bookworm").mkdir()
+    (tmp_path / "apt-bookworm" / "libnuma1_2.0.14-1_amd64.deb").write_bytes(b"old")
+    monkeypatch.setattr(dockerd, "run", run)
+    got = dockerd.apt_download("bookworm", ["libnuma1"])
+    assert [p.name for p in got] == ["libnuma1_2.0.16-1_amd64.deb"]
+    assert not (tmp_path / "apt-bookworm" / "libnuma1_2.0.14-1_amd64.deb").exists()
+    src = tmp_path / "apt-bookworm" / "sources.list"
+    assert src.read_text() == ("deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] "
+                               "http://mirror.example/debian bookworm main\n")
+    opts = ["-o", f"Dir::Etc::SourceList={src}", "-o", "Dir::Etc::SourceParts=/nonexistent",
+            "-o", f"Dir::State::Lists={tmp_path / 'apt-bookworm' / 'lists'}",
+            "-o", f"Dir::Cache::Archives={tmp_path / 'apt-bookworm' / 'archives'}",
+            "-o", "APT::Get::List-Cleanup=0"]
+    assert ran == [["apt-get", *opts, "update"], ["apt-get", *opts, "download", "libnuma1"]]
+
+
+def test_apt_download_that_leaves_no_deb_is_one_line(tmp_path, monkeypatch):
+    from sparkdeploy.lab import dockerd, layout
+    from sparkdeploy.lab.proc import LabError
+
+    monkeypatch.setattr(layout, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(dockerd, "run", lambda argv, **kw: None)
+    with pytest.raises(LabError, match=r"^apt-get download libnuma1 \(bookworm\) left no \.deb$"):
+        dockerd.apt_download("bookworm", ["libnuma1"])
