@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkdeploy import fit
+from sparkdeploy.errors import UsageError
 from sparkdeploy.fit import GIB
 
 VLLM_MODEL = "https://github.com/vllm-project/vllm/blob/main/vllm/config/model.py"
@@ -51,7 +52,7 @@ NESTED = ("text_config", "llm_config", "language_config")
 """Where a multimodal config keeps its language model's keys."""
 
 
-class EstimateError(ValueError):
+class EstimateError(UsageError, ValueError):
     """Input the calculator cannot use; its message is one line for the user."""
 
 

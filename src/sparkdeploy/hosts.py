@@ -30,6 +30,7 @@ from invoke import Context
 from invoke.exceptions import CommandTimedOut
 
 from sparkdeploy.config import Node, SshSettings
+from sparkdeploy.errors import RunError
 from sparkdeploy.events import Echo, EventSink
 from sparkdeploy.state import StateDir, redact
 
@@ -45,7 +46,7 @@ ALIVE_COUNT = 4
 under a running command is a failed command within a minute, not a hang."""
 
 
-class HostError(Exception):
+class HostError(RunError):
     """A command could not be run as asked (sudo wants a password, the node is unreachable)."""
 
 

@@ -26,11 +26,13 @@ from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, Field, ValidationError
 
+from sparkdeploy.errors import RunError
+
 MAX_BODY = 16 * 1024 * 1024
 """The most a JSON answer may hold (a hub's file list of a large repo is well under 1 MB)."""
 
 
-class OutsideError(Exception):
+class OutsideError(RunError):
     """Outside data that cannot be used: ``str()`` is the one line, naming where it came from."""
 
 

@@ -15,10 +15,12 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from sparkdeploy.errors import RunError
+
 T = TypeVar("T")
 
 
-class WaitTimeout(Exception):
+class WaitTimeout(RunError):
     def __init__(self, what: str, waited: float, last: object = None):
         self.what = what
         self.waited = waited
@@ -39,7 +41,7 @@ class Deadline:
         return max(self.end - self.clock(), 0.0)
 
 
-class Stop(Exception):
+class Stop(RunError):
     """Raised by a probe to end the wait at once (e.g. the container it waits on exited)."""
 
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any, Literal
 
+from sparkdeploy.errors import StepFailed
+
 Rule = Literal["index", "single"]
 
 INDEX = "model.safetensors.index.json"
@@ -47,7 +49,7 @@ SUPPORT_SUFFIXES = (".tiktoken", ".py")
 """Root files read beside them too: tiktoken vocabularies, remote code."""
 
 
-class SelectionError(ValueError):
+class SelectionError(StepFailed, ValueError):
     """A repository the engine cannot load as listed: ``str()`` is the one line to show."""
 
 

@@ -390,3 +390,67 @@ def test_the_answer_check_sees_bare_and_qualified_parses_and_spares_the_allowed(
                  "def daemon_facts(r):\n    return json.loads(r.stdout)\n"
                  "def other(line):\n    return loads(Report, line, 'x'), last_line(Report, line, 'x')\n")
     assert helper_answer_parses([f], tmp_path) == ["m.py:3 read_it", "m.py:7 other"]
+
+
+# --- one error tree (sparkdeploy.errors) -----------------------------------------------------------
+ERRORS = PKG / "errors.py"
+
+
+def product_modules() -> list[str]:
+    """The product's importable modules: the package without the lab, its benchmarks and the
+    node helpers (standard library only: their errors never cross the wire as classes)."""
+    skip = (PKG / "lab", PKG / "perf", HELPERS)
+    return [module_name(f) for f in sorted(PKG.rglob("*.py"))
+            if not any(s == f.parent or s in f.parents for s in skip)]
+
+
+def test_every_error_of_the_product_is_below_one_base():
+    import importlib
+    import inspect
+
+    from sparkdeploy.errors import Error, RunError, StepFailed, UsageError
+
+    assert (UsageError.code, RunError.code, StepFailed.code) == (2, 1, 1)
+    outside = []
+    for name in product_modules():
+        mod = importlib.import_module(name)
+        for cls_name, cls in inspect.getmembers(mod, inspect.isclass):
+            if cls.__module__ == name and issubclass(cls, BaseException) and not issubclass(cls, Error):
+                outside.append(f"{name}.{cls_name}")
+    assert outside == []
+    # the base alone derives from a builtin exception; each kind below it says its exit code
+    assert [c.__name__ for c in Error.__subclasses__()] == ["UsageError", "RunError", "StepFailed"]
+
+
+def failing_handlers(files: list[Path], base: Path = ROOT) -> list[str]:
+    """``path:line`` of each ``except`` whose body calls ``<x>.failed(...)``: an error turned
+    into a failed result by hand, not by the step's context."""
+    out = []
+    for f in files:
+        for h in ast.walk(ast.parse(f.read_text())):
+            if isinstance(h, ast.ExceptHandler) and any(
+                    isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "failed"
+                    for s in h.body for n in ast.walk(s)):
+                out.append(f"{f.relative_to(base)}:{h.lineno}")
+    return out
+
+
+def test_no_step_turns_an_error_into_a_failed_result_by_hand():
+    # a step raises StepFailed (PartFailed for one node of a fan-out) or lets an error of that
+    # kind through, or says ``with ctx.failing(...)``: its context is the one place that makes
+    # the failed result (steps/registry.py)
+    steps = [f for f in sorted((PKG / "steps").glob("*.py")) if f.name != "registry.py"]
+    assert failing_handlers(steps) == []
+
+
+def scratch(tmp_path: Path, *lines: str) -> list[Path]:
+    """A module ``m.py`` of ``lines`` in ``tmp_path``, for a check to read."""
+    (tmp_path / "m.py").write_text("".join(f"{ln}\n" for ln in lines))
+    return [tmp_path / "m.py"]
+
+
+def test_the_handler_check_sees_a_failed_result_made_in_an_except(tmp_path):
+    src = scratch(tmp_path, "try:", "    x()", "except E as e:", "    ctx.failed(str(e))", "    return",
+                  "try:", "    y()", "except E as e:", "    raise StepFailed(str(e)) from None",
+                  "try:", "    z()", "except E:", "    if a:", "        return ctx.failed('no')")
+    assert failing_handlers(src, tmp_path) == ["m.py:3", "m.py:12"]

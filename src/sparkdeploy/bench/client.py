@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 from sparkdeploy import checks
 from sparkdeploy.bench.metrics import Timeline, analyse, met_slo, stats, summarize
 from sparkdeploy.endpoint import headers as auth_headers
+from sparkdeploy.errors import UsageError
 from sparkdeploy.events import EventSink, Progress
 from sparkdeploy.outside import ModelList, OutsideError, Watch, request, watchdog
 
@@ -37,7 +38,7 @@ DAY_S = 86400.0
 """The longest a timeout or a deadline of the client may be."""
 
 
-class BenchError(Exception):
+class BenchError(UsageError):
     """A benchmark that cannot run (unreachable endpoint, bad arguments): one line."""
 
 

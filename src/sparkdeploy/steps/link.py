@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sparkdeploy import link_doctor as doc
 from sparkdeploy import threads
 from sparkdeploy.config import Node
+from sparkdeploy.errors import PartFailed
 from sparkdeploy.hosts import Host
 from sparkdeploy.link import LinkFacts, read_facts
 from sparkdeploy.nodeops import HelperFailed, run_helper, stage_script
@@ -51,8 +52,7 @@ def _facts(ctx: StepContext, host: Host) -> LinkFacts | None:
     try:
         return read_facts(host)
     except HelperFailed as e:
-        ctx.failed(str(e).removeprefix(f"{host.name}: "), host.name)
-        return None
+        raise PartFailed(str(e).removeprefix(f"{host.name}: "), host.name) from None
 
 
 def _summary(node: Node, facts: LinkFacts) -> str:

@@ -36,8 +36,9 @@ from sparkdeploy import checks, labels
 from sparkdeploy import endpoint as ep
 from sparkdeploy.config import Engine
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.engines import EngineError, Launch
+from sparkdeploy.engines import Launch
 from sparkdeploy.engines.base import API_KEY_ENV, profile_secrets, run_args
+from sparkdeploy.errors import StepFailed
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import NODE_STATE, NodeUnreachable, docker
 from sparkdeploy.ops.serve import (
@@ -73,7 +74,7 @@ WATCHDOG = "serve_watchdog.py"
 PYTHON = "/usr/bin/python3"
 
 
-class UnitValueError(ValueError):
+class UnitValueError(StepFailed, ValueError):
     """A value that cannot go into a unit file (it would end its line or continue it)."""
 
 
@@ -213,7 +214,7 @@ def _install(dep: Deployment, eng: Engine, lau: Launch, h: Host, text: str,
     return ho
 
 
-class HandoverFailed(Exception):
+class HandoverFailed(StepFailed):
     def __init__(self, why: str, nodes: list[Handover]):
         super().__init__(why)
         self.why, self.nodes = why, nodes
@@ -302,11 +303,7 @@ def persist(ctx: StepContext, engine: str | None = None) -> None:
     if eng is None:
         ctx.failed("no engine to persist: serve.up first, or --engine NAME")
         return
-    try:
-        lau = running_launch(dep, eng)
-    except EngineError as e:
-        ctx.failed(str(e))
-        return
+    lau = running_launch(dep, eng)  # EngineError: the step's failure
     kept = sorted({k for c in lau.containers for k in profile_secrets(c)})
     if kept:
         ctx.failed(f"engines[{eng.name}].env: {', '.join(kept)} would have to be stored on the "
@@ -320,11 +317,8 @@ def persist(ctx: StepContext, engine: str | None = None) -> None:
             ctx.would(f"write {UNIT_DIR}/{unit} ({', '.join(c.role for c in lau.on(h.name))}) "
                       "and enable it", h.name)
         return
-    try:  # every unit file first: a value that cannot go into one writes none
-        texts = {h.name: unit_text(dep, eng, h, [c.role for c in lau.on(h.name)]) for h in hosts}
-    except UnitValueError as e:
-        ctx.failed(str(e))
-        return
+    # every unit file first: a value that cannot go into one (UnitValueError) writes none
+    texts = {h.name: unit_text(dep, eng, h, [c.role for c in lau.on(h.name)]) for h in hosts}
     containers_before = any(c.running for h in hosts
                             for c in ours(h, dep.profile.name, eng.name))
     nodes: list[Handover] = []
@@ -339,8 +333,7 @@ def persist(ctx: StepContext, engine: str | None = None) -> None:
     except (HandoverFailed, NodeUnreachable) as e:  # a node lost mid-way: the rest rolls back
         nodes += [n for n in getattr(e, "nodes", []) if n not in nodes]
         why = e.why if isinstance(e, HandoverFailed) else str(e)
-        ctx.failed(f"{why}; {roll_back(ctx, eng, lau, nodes, containers_before)}")
-        return
+        raise StepFailed(f"{why}; {roll_back(ctx, eng, lau, nodes, containers_before)}") from None
     for ho in nodes:
         if ho.written:
             drop_previous(ho.host, ho.written)

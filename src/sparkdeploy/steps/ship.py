@@ -380,12 +380,10 @@ def ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
              src_is_head: bool = True, master: LinkMaster | None = None) -> Result:
     """Ship ``ref`` from ``src`` to ``peer``; one result, reported as soon as it is known (a
     node that cannot be reached is left to the fan-out: one failed result for it)."""
-    try:
+    with ctx.failing(HostError, node=peer.name) as caught:  # never a node that cannot be reached
         return _ship_one(ctx, src, peer, ref, src_info, src_is_head, master)
-    except NodeUnreachable:
-        raise
-    except HostError as e:
-        return ctx.failed(str(e), peer.name)
+    assert caught.result is not None
+    return caught.result
 
 
 def store_read(src: Host, export_path: str, layers_file: str, facts: DockerDaemon, image_id: str,
