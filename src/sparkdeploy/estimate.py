@@ -27,7 +27,6 @@ source).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from typing import Any
 from sparkdeploy import fit
 from sparkdeploy.errors import UsageError
 from sparkdeploy.fit import GIB
+from sparkdeploy.outside import OutsideError, parsed
 
 VLLM_MODEL = "https://github.com/vllm-project/vllm/blob/main/vllm/config/model.py"
 VLLM_LINEAR = "https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/layers/linear.py"
@@ -143,9 +143,9 @@ def load_config(path: Path) -> Any:
 def parse_config(body: bytes, where: str) -> Any:
     """The parsed JSON of a config.json read from ``where`` (``EstimateError``: not JSON)."""
     try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as e:
-        raise EstimateError(f"{where}: not JSON ({str(e).splitlines()[0][:80]})") from None
+        return parsed(body, where)
+    except OutsideError as e:
+        raise EstimateError(str(e)) from None
 
 
 def read_config(cfg: Any) -> Model:

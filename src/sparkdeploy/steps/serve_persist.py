@@ -39,8 +39,8 @@ from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import Launch
 from sparkdeploy.engines.base import API_KEY_ENV, profile_secrets, run_args
 from sparkdeploy.errors import StepFailed
-from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import NODE_STATE, NodeUnreachable, docker
+from sparkdeploy.hosts import Host, HostError
+from sparkdeploy.nodeops import NODE_STATE, PROTOCOL, docker
 from sparkdeploy.ops.serve import (
     Run,
     bring_up,
@@ -199,6 +199,7 @@ def _install(dep: Deployment, eng: Engine, lau: Launch, h: Host, text: str,
     ho = Handover(h, _enabled(h, unit), bool(active(h, [unit])))
     files = {f"{NODE_DIR}/{SUPERVISOR}": (helper(SUPERVISOR).read_text(), "0755"),
              f"{NODE_DIR}/{WATCHDOG}": (helper(WATCHDOG).read_text(), "0644"),
+             f"{NODE_DIR}/{PROTOCOL}": (helper(PROTOCOL).read_text(), "0644"),  # the watchdog's toolkit
              f"{NODE_DIR}/{eng.name}.json":
                  (json.dumps(group_spec(dep, lau, h), indent=2, sort_keys=True) + "\n", "0600"),
              f"{UNIT_DIR}/{unit}": (text, "0644")}
@@ -330,7 +331,7 @@ def persist(ctx: StepContext, engine: str | None = None) -> None:
             ctx.ok(f"{unit} installed and active on every node")
             return
         started, url = hand_over(ctx, eng, lau, nodes)
-    except (HandoverFailed, NodeUnreachable) as e:  # a node lost mid-way: the rest rolls back
+    except (HandoverFailed, HostError) as e:  # a node lost or a write refused mid-way: the rest rolls back
         nodes += [n for n in getattr(e, "nodes", []) if n not in nodes]
         why = e.why if isinstance(e, HandoverFailed) else str(e)
         raise StepFailed(f"{why}; {roll_back(ctx, eng, lau, nodes, containers_before)}") from None

@@ -62,6 +62,7 @@ from sparkdeploy.nodeops import (
     watched,
 )
 from sparkdeploy.ops.image import STEP_BUILD, chosen_image, pinned
+from sparkdeploy.outside import parsed
 from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext, step
 
@@ -124,7 +125,7 @@ def daemon_facts(host: Host, layers: bool = True) -> DockerDaemon:
     r, chains = info_run.result(), layers_run.result()
     if not r.ok:
         raise HostError(f"{host.name}: docker info failed: {r.one_line_error()}")
-    info = json.loads(r.stdout)
+    info = parsed(r.stdout, f"{host.name}: docker info")
     status = info.get("DriverStatus") or []
     containerd = any(CONTAINERD in str(v) for pair in status for v in pair)
     got = info.get("Containerd")
@@ -190,7 +191,7 @@ def layers_on(host: Host) -> list[list[str]]:
     for line in r.stdout.splitlines():
         line = line.strip()
         if line and line != "null":
-            chains.append(json.loads(line))
+            chains.append(parsed(line, f"{host.name}: docker image inspect"))
     return chains
 
 
