@@ -74,7 +74,8 @@ def index_files(text: str | bytes, where: str = INDEX) -> list[str]:
     try:
         doc = parsed(text, where)
     except OutsideError as e:
-        raise SelectionError(f"{where} is not JSON: {str(e).removeprefix(f'{where}: not JSON ')}") from None
+        why = str(e).removeprefix(f"{where}: not JSON (").removesuffix(")")  # the parser's words
+        raise SelectionError(f"{where} is not JSON: {why}") from None
     wmap = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wmap, dict) or not wmap:
         raise SelectionError(f"{where} has no weight_map")
