@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import TextIO
 
+from sparkdeploy.errors import UsageError
 from sparkdeploy.files import MB, InputError, read_input
 
 CLASSES = (
@@ -642,7 +643,7 @@ def _one_line(text: str) -> str:
 # --- files ------------------------------------------------------------------------------
 
 
-class LogError(Exception):
+class LogError(UsageError):
     """A log file that cannot be read as text; ``str()`` is the one line to print."""
 
 

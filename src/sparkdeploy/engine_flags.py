@@ -16,10 +16,12 @@ import re
 from functools import cache
 from pathlib import Path
 
+from sparkdeploy.errors import UsageError
+
 DIR = Path(__file__).resolve().parent / "data" / "engine-flags"
 
 
-class FlagError(Exception):
+class FlagError(UsageError):
     """A flag, a manifest or an engine version that cannot be checked: one line."""
 
 

@@ -29,28 +29,20 @@ from graphlib import CycleError, TopologicalSorter
 from typing import TYPE_CHECKING, Any
 
 from sparkdeploy import threads
-from sparkdeploy.config import ProfileError
+from sparkdeploy.errors import Error, UsageError
 from sparkdeploy.events import StepState
 from sparkdeploy.files import write_text_atomic
 from sparkdeploy.fingerprint import diff_keys
-from sparkdeploy.hosts import HostError
-from sparkdeploy.nodeops import NodeUnreachable
 from sparkdeploy.plan import DONE, FAILED, PENDING, RUNNING, SKIPPED, PlanRun, PlanStep, StepRun, graph
-from sparkdeploy.records import PlanMemory, RecordError, StepMemory
+from sparkdeploy.records import PlanMemory, StepMemory
 from sparkdeploy.results import Result, Status
-from sparkdeploy.state import LockHeld
 from sparkdeploy.steps import registry
 from sparkdeploy.steps.registry import StepContext
-from sparkdeploy.wait import WaitTimeout
 
 if TYPE_CHECKING:
     from sparkdeploy.deployment import Deployment
 
-EXPECTED = (NodeUnreachable, HostError, ProfileError, WaitTimeout, LockHeld, RecordError)
-"""What a step may raise that is not a bug: the step fails with the one line it carries."""
-
-
-class PlanError(ValueError):
+class PlanError(UsageError, ValueError):
     """A plan or a selection that cannot run (bad step name, cycle): one line, exit 2."""
 
 
@@ -150,8 +142,8 @@ class Runner:
             return [ctx.skipped("no such step in this version of sparkdeploy")]
         try:
             return ctx.call(name, **options)
-        except EXPECTED as e:  # one line, as a task would say it
-            return [ctx.failed(str(e), getattr(e, "node", None))]
+        except Error as e:  # one line, as a task would say it
+            return [ctx.failed(str(e), e.node)]
         except Exception as e:  # a step must not take the other threads down with it
             where = self._save_traceback(name)
             return [ctx.failed(f"{type(e).__name__}: {e}{where}")]
@@ -168,7 +160,7 @@ class Runner:
         ctx = StepContext(spec.name, self.dep.events, self.dep)
         try:
             self._execute_step(spec, ctx)
-        except EXPECTED as e:
+        except Error as e:
             ctx.failed(str(e))
         except Exception as e:  # a fingerprint or a redo that raised: the step failed, the run goes on
             where = self._save_traceback(spec.name)

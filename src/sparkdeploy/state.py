@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from sparkdeploy.errors import RunError
+
 REDACTED = "***"
 _WORD = r"(?:api[_-]?key|token|secret|password|passwd)"
 """What names a secret: a key or flag whose name ends in one of these (``HF_TOKEN``,
@@ -74,7 +76,7 @@ def redact_argv(argv: Iterable[str]) -> list[str]:
     return out
 
 
-class LockHeld(Exception):
+class LockHeld(RunError):
     pass
 
 

@@ -15,7 +15,7 @@ from sparkdeploy.bench.engine import MetricsError, Watch, metrics_url, versus
 from sparkdeploy.bench.metrics import RequestMetrics, intervals, summarize
 from sparkdeploy.events import EventSink
 from sparkdeploy.files import MB, InputError, read_input
-from sparkdeploy.outside import OutsideError, loads
+from sparkdeploy.outside import OutsideError, loads, parsed
 
 STEP = "bench.run"
 MAX_RUNS = 100
@@ -179,7 +179,7 @@ def load_json(path: str | Path) -> dict:
         loads(_Doc, text, f"{path}: not a benchmark JSON file")
     except OutsideError as e:
         raise BenchError(str(e)) from None
-    return json.loads(text)
+    return parsed(text, str(path))
 
 
 def check_baseline(doc: dict, baseline_tok_s: float, tolerance_pct: float) -> tuple[bool, str]:

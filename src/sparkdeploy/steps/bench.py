@@ -19,6 +19,7 @@ from sparkdeploy.bench.sweep import STEP, check_baseline, run_sweep, sweep_json
 from sparkdeploy.config import Bench
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.endpoint import url as endpoint_url
+from sparkdeploy.errors import PartFailed, StepFailed
 from sparkdeploy.files import write_atomic, write_text_atomic
 from sparkdeploy.fingerprint import Fingerprint
 from sparkdeploy.steps.registry import Ran, StepContext, step
@@ -125,9 +126,8 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
         doc = run_sweep(url, settings, concurrency=list(concurrency), rates=list(rates),
                         requests=requests, warmup=warmup, max_concurrency=max_concurrency,
                         events=ctx.events, slo=slo, runs=runs)
-    except BenchError as e:
-        ctx.failed(str(e))
-        return
+    except BenchError as e:  # the endpoint cannot be benchmarked: this step's failure
+        raise StepFailed(str(e)) from None
     if context:
         doc["context"] = context  # the profile, image, startup timings: the HTML report shows them
     skipped = doc["engine_metrics"]["skipped"]
@@ -156,13 +156,14 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
         try:
             stem.parent.mkdir(parents=True, exist_ok=True)  # our own state dir: made, not refused
         except OSError as e:
-            ctx.failed(f"--save: cannot make {stem.parent}: {e.strerror or e}")
-            return
+            raise StepFailed(f"--save: cannot make {stem.parent}: {e.strerror or e}") from None
         targets += [("json", stem.with_suffix(".json")), ("html", stem.with_suffix(".html")),
                     ("plot", stem.with_suffix(".png"))]
     title = f"{doc['config']['model']} @ {doc['config']['url']}"
-    for kind, path in targets:
-        # whole or not at all: a failure leaves no half-written file
+
+    def write(target: tuple[str, Path]) -> None:
+        # whole or not at all: a failure leaves no half-written file; the other files still go
+        kind, path = target
         try:
             if kind == "json":
                 write_text_atomic(path, sweep_json(doc))
@@ -175,9 +176,10 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
 
                 write_atomic(path, lambda tmp: draw(doc["runs"], tmp, title=title))
         except OSError as e:
-            ctx.failed(f"cannot write {path}: {e.strerror or e}")
-            continue
+            raise PartFailed(f"cannot write {path}: {e.strerror or e}") from None
         ctx.changed(f"wrote {path}", path=str(path))
+
+    ctx.each(targets, write)
     if baseline is not None:
         good, line = check_baseline(doc, *baseline)
         (ctx.ok if good else ctx.failed)(line)
@@ -201,8 +203,7 @@ def head_tokenizer(ctx: StepContext, dep: Deployment, save_dir: Path) -> Path | 
     try:
         text = read_node_file(head, path)
     except HostError as e:
-        ctx.failed(f"no tokenizer: cannot read {head.name}:{path}: {e}; pass --tokenizer DIR")
-        return None
+        raise StepFailed(f"no tokenizer: cannot read {head.name}:{path}: {e}; pass --tokenizer DIR") from None
     if text is None:
         ctx.failed(f"no tokenizer: {head.name}:{path} does not exist (is the model downloaded?); "
                    "pass --tokenizer DIR")
@@ -212,8 +213,7 @@ def head_tokenizer(ctx: StepContext, dep: Deployment, save_dir: Path) -> Path | 
         local.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(local, text)
     except OSError as e:
-        ctx.failed(f"cannot keep the tokenizer at {local}: {e.strerror or e}")
-        return None
+        raise StepFailed(f"cannot keep the tokenizer at {local}: {e.strerror or e}") from None
     return local
 
 
@@ -240,8 +240,7 @@ def depth_benchmark(ctx: StepContext, url: str, settings: Settings, *, tokenizer
         doc = run_depths(url, settings, tokenizer, list(depths), runs=runs, events=ctx.events,
                          step=ctx.name)
     except BenchError as e:
-        ctx.failed(str(e))
-        return
+        raise StepFailed(str(e)) from None
     for row in doc["depths"]:
         if row.get("error"):
             ctx.failed(row["error"])
@@ -254,8 +253,7 @@ def depth_benchmark(ctx: StepContext, url: str, settings: Settings, *, tokenizer
         try:
             write_text_atomic(Path(json_path), sweep_json(doc))
         except OSError as e:
-            ctx.failed(f"cannot write {json_path}: {e.strerror or e}")
-            return
+            raise StepFailed(f"cannot write {json_path}: {e.strerror or e}") from None
         ctx.changed(f"wrote {json_path}", path=str(json_path))
 
 

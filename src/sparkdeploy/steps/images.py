@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from sparkdeploy import labels as lbl
 from sparkdeploy import packaged
 from sparkdeploy.deployment import Deployment
+from sparkdeploy.errors import PartFailed, StepFailed
 from sparkdeploy.files import MB, Escape, InputError, read_input, under
 from sparkdeploy.fingerprint import Fingerprint, flat
 from sparkdeploy.hosts import Host, HostError, NodeUnreachable
@@ -58,7 +59,7 @@ DOCKER_DIR = "docker"
 # -- the model's config ------------------------------------------------------------------------
 
 
-class ConfigUnavailable(Exception):
+class ConfigUnavailable(StepFailed):
     pass
 
 
@@ -226,8 +227,7 @@ def probe(ctx: StepContext, only: str | None = None) -> None:
     except NodeUnreachable:
         raise  # not a HostError of the step's own: one failed result for the node (the context)
     except (HostError, ConfigUnavailable) as e:
-        ctx.failed(str(e), head.name)
-        return
+        raise PartFailed(str(e), head.name) from None
     rows: list[dict[str, Any]] = []
     for i, cand in enumerate(candidates):
         ctx.progress(head.name, i, len(candidates), "images", cand.ref)
@@ -336,7 +336,7 @@ def write_record(dep: Deployment, record: dict[str, Any]) -> Written:
 # -- build -------------------------------------------------------------------------------------
 
 
-class ResolveError(Exception):
+class ResolveError(StepFailed):
     pass
 
 
@@ -474,9 +474,9 @@ def _build(ctx: StepContext, no_cache: bool = False) -> Result:
         path = under(packaged.data(DOCKER_DIR), derivative.dockerfile.removeprefix(DOCKER_DIR + "/"))
         dockerfile = read_input(path, limit=MB, what="Dockerfile").decode("utf-8")
     except (Escape, InputError) as e:
-        return ctx.failed(f"images.layer.dockerfile: {e}", head.name)
+        raise PartFailed(f"images.layer.dockerfile: {e}", head.name) from None
     except UnicodeDecodeError:
-        return ctx.failed(f"{derivative.dockerfile}: not UTF-8 text", head.name)
+        raise PartFailed(f"{derivative.dockerfile}: not UTF-8 text", head.name) from None
     base = inspect_image(head, derivative.base)
     if base is None:
         return ctx.failed(f"base image {derivative.base} is not on {head.name} "
@@ -503,7 +503,7 @@ def _build(ctx: StepContext, no_cache: bool = False) -> Result:
                                "builds anyway)"
                                ) from None
     except ResolveError as e:
-        return ctx.failed(str(e), head.name)
+        raise PartFailed(str(e), head.name) from None
     df_sha = hashlib.sha256(dockerfile.encode()).hexdigest()
     labels = {LABEL_BASE_ID: base["Id"], LABEL_DOCKERFILE: df_sha, LABEL_TF: version,
               lbl.NCCL: derivative.nccl}
@@ -524,7 +524,7 @@ def _build(ctx: StepContext, no_cache: bool = False) -> Result:
     try:
         config_text, _ = model_config_text(dep, head)
     except ConfigUnavailable as e:
-        return ctx.failed(str(e), head.name)
+        raise PartFailed(str(e), head.name) from None
     build_args = {"BASE_IMAGE": derivative.base, "BASE_IMAGE_ID": base["Id"],
                   "BASE_IMAGE_DIGEST": digest_of(base, derivative.base), "NCCL": derivative.nccl,
                   "TRANSFORMERS_VERSION": version, "DOCKERFILE_SHA256": df_sha,

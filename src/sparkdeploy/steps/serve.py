@@ -75,10 +75,9 @@ def try_engine(ctx: StepContext, engine: Engine, run: Run) -> str | None:
     """Preflight, ship (the ``image.ship`` step), bring up one engine: the url, or None when it
     did not come up (said why). Raises EngineFailed."""
     dep = ctx.dep
-    try:
+    with ctx.failing(EngineError) as caught:
         draft = launch(dep.profile, engine, {}, bool(run.secrets))
-    except EngineError as e:
-        ctx.failed(str(e))
+    if caught.error is not None:
         return None
     pf = serve_preflight.check(ctx, engine, draft)
     if pf.problems:
@@ -262,15 +261,18 @@ def up(ctx: StepContext, engine: str | None = None) -> None:
     run = Run(dep)
     replaced: list[Result] = []  # engines that failed: the outcome only when none serves
     for i, eng in enumerate(engines):
+        failure: EngineFailed | None = None
         try:
             url = _attempt(ctx, eng, run)
-        except EngineFailed as e:
-            attempt = give_up(dep, eng, e, run)
+        except EngineFailed as e:  # this engine's failure: said below, then the next engine
+            failure = e
+        if failure is not None:
+            attempt = give_up(dep, eng, failure, run)
             run.attempts.append(attempt)
             nxt = engines[i + 1].name if i + 1 < len(engines) else None
             ev = "; ".join(f"{a}:{b}: {c}" for a, b, c in attempt.evidence[:2])
             replaced.append(ctx.failed(
-                f"{eng.name} {e.kind}: {e.why}; class: {attempt.diagnosis}"
+                f"{eng.name} {failure.kind}: {failure.why}; class: {attempt.diagnosis}"
                 + (f" ({ev})" if ev else "") + (f"; falling back to {nxt}" if nxt else ""),
                 diagnosis=attempt.diagnosis, evidence=attempt.evidence, engine=eng.name,
                 logs=attempt.logs))

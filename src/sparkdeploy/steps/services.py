@@ -15,6 +15,8 @@ reverse order and then forgets them.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel
 
 from sparkdeploy import labels
@@ -155,19 +157,22 @@ def _wait_gpu_free(ctx: StepContext, host: Host) -> None:
     except Held as e:
         _say_held(ctx, host, e)
     except Stop as e:
-        if dep.dry:
-            ctx.would(f"{would} ({e})", host.name)
-        else:
-            ctx.failed(str(e), host.name)
+        _not_free(ctx, host, f"{would} ({e})", str(e))
     except WaitTimeout:
         busy = ", ".join(map(str, on_gpu))
-        details = {"processes": [p.__dict__ for p in on_gpu]}
-        if dep.dry:
-            ctx.would(f"{would}; now on it: {busy}", host.name, **details)
-        else:
-            ctx.failed(f"GPU still busy after {timeout:g}s: {busy}", host.name, **details)
+        _not_free(ctx, host, f"{would}; now on it: {busy}", f"GPU still busy after {timeout:g}s: {busy}",
+                  processes=[p.__dict__ for p in on_gpu])
     else:
         ctx.ok("no process on the GPU", host.name)
+
+
+def _not_free(ctx: StepContext, host: Host, would: str, why: str, **details: Any) -> None:
+    """A wait that ended with the GPU not free: what it would do under ``--dry``, else the
+    node's failure."""
+    if ctx.dry:
+        ctx.would(would, host.name, **details)
+    else:
+        ctx.failed(why, host.name, **details)
 
 
 def _stop_node(ctx: StepContext, host: Host, units: list[str]) -> bool:

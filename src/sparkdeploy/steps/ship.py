@@ -63,6 +63,7 @@ from sparkdeploy.nodeops import (
     watched,
 )
 from sparkdeploy.ops.image import STEP_BUILD, chosen, chosen_image, image_id, pinned
+from sparkdeploy.outside import parsed
 from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext, step
 
@@ -125,7 +126,7 @@ def daemon_facts(host: Host, layers: bool = True) -> DockerDaemon:
     r, chains = info_run.result(), layers_run.result()
     if not r.ok:
         raise HostError(f"{host.name}: docker info failed: {r.one_line_error()}")
-    info = json.loads(r.stdout)
+    info = parsed(r.stdout, f"{host.name}: docker info")
     status = info.get("DriverStatus") or []
     containerd = any(CONTAINERD in str(v) for pair in status for v in pair)
     got = info.get("Containerd")
@@ -191,7 +192,7 @@ def layers_on(host: Host) -> list[list[str]]:
     for line in r.stdout.splitlines():
         line = line.strip()
         if line and line != "null":
-            chains.append(json.loads(line))
+            chains.append(parsed(line, f"{host.name}: docker image inspect"))
     return chains
 
 
@@ -381,12 +382,10 @@ def ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
              src_is_head: bool = True, master: LinkMaster | None = None) -> Result:
     """Ship ``ref`` from ``src`` to ``peer``; one result, reported as soon as it is known (a
     node that cannot be reached is left to the fan-out: one failed result for it)."""
-    try:
+    with ctx.failing(HostError, node=peer.name) as caught:  # never a node that cannot be reached
         return _ship_one(ctx, src, peer, ref, src_info, src_is_head, master)
-    except NodeUnreachable:
-        raise
-    except HostError as e:
-        return ctx.failed(str(e), peer.name)
+    assert caught.result is not None
+    return caught.result
 
 
 def store_read(src: Host, export_path: str, layers_file: str, facts: DockerDaemon, image_id: str,
