@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import TextIO
 
+from sparkdeploy.engines import KINDS
+from sparkdeploy.engines.rules import READY, Pat, Rule, pat
 from sparkdeploy.files import MB, InputError, read_input
 
 CLASSES = (
@@ -75,42 +77,6 @@ class Diagnosis:
 
 
 # --- the pattern table ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Pat:
-    """A regular expression guarded by cheap keys: it is tried only on a line whose lowercase text
-    contains one of ``keys`` (logs run to hundreds of thousands of lines; most match nothing)."""
-
-    regex: re.Pattern
-    keys: tuple[str, ...]
-
-    def search(self, line: str, low: str | None = None) -> bool:
-        low = line.lower() if low is None else low
-        return any(k in low for k in self.keys) and self.regex.search(line) is not None
-
-
-def pat(regex: str, *keys: str, icase: bool = True) -> Pat:
-    return Pat(re.compile(regex, re.IGNORECASE if icase else 0), keys)
-
-
-@dataclass(frozen=True)
-class Rule:
-    """A line matching ``pattern`` is evidence of ``cls`` at ``priority`` (higher wins).
-
-    ``context``: the rule holds only when this also matches one of the ``window`` lines before
-    (a bare ``KeyError`` is a model type only inside transformers' config lookup).
-    ``void_after``: the rule does not hold when this matches a later line of the same log
-    (NCCL finding no RDMA device is harmless once NCCL init completed).
-    """
-
-    cls: str
-    priority: int
-    pattern: Pat
-    why: str
-    context: Pat | None = None
-    window: int = 12
-    void_after: Pat | None = None
 
 
 # Distributed init, as the engines print it: stages that begin and must end. A stage ends with its
@@ -167,8 +133,6 @@ ENGINE_INIT = pat(r"Available KV cache memory|GPU KV cache size|# GPU blocks|ini
 STORE_TIMEOUT = pat(r"waiting for clients\. \d+/\d+ clients joined", "clients joined", icase=False)
 # A line vLLM's own multiproc executor logged (a worker's traceback comes through it).
 MP_EXECUTOR = pat(r"\[multiproc_executor\.py:\d+\]", "multiproc_executor", icase=False)
-READY = pat(r"Application startup complete|The server is fired up and ready to roll|Uvicorn running on",
-            "startup complete", "ready to roll", "uvicorn running")
 CRASH = pat(
     r"Traceback \(most recent call last\)|terminate called after throwing|^\s*\w+(?:\.\w+)*(?:Error|Exception)\b:"
     r"|\bERROR\b.*(?:failed|exception|died)|core dumped|Segmentation fault|exited with code [1-9]",
@@ -184,7 +148,7 @@ NCCL_WORKS = pat(r"Init COMPLETE|Connected all rings|Init torch distributed ends
 CONFIG_LOOKUP = pat(r"configuration_auto|CONFIG_MAPPING|AutoConfig|model_type|config_dict\[",
                     "configuration_auto", "config_mapping", "autoconfig", "model_type", "config_dict", icase=False)
 
-RULES: tuple[Rule, ...] = (
+_RULES: tuple[Rule, ...] = (
     # -- the engine's parser refused its command line (argparse: usage, then this line, exit 2) --
     Rule("engine-flag-unknown", 110,
          pat(r"^\S+: error: (?:unrecognized arguments|argument --[\w-]+: invalid choice|"
@@ -198,13 +162,6 @@ RULES: tuple[Rule, ...] = (
          pat(r"\[Errno 98\]|\berrno:? 98\b|EADDRINUSE|address already in use",
              "errno", "eaddrinuse", "address already in use"),
          "a port it needs is already in use (another engine, a stale container or a host service holds it)"),
-    # -- the image has no Ray, but the engine was asked to run on Ray --
-    Rule("image-without-ray", 96,
-         pat(r"(?:ModuleNotFoundError|ImportError): No module named '?ray'?(?![.\w])|Ray is not installed"
-             r"|Failed to import Ray\b|\bray: (?:command )?not found|\"ray\": executable file not found",
-             "no module named", "ray is not installed", "failed to import ray", "ray: ", "\"ray\": executable"),
-         "the image has no Ray (vLLM's images dropped it as a dependency): use an image with Ray for kind "
-         "vllm-ray, or vLLM's own multi-node mode", void_after=READY),
     # -- transformers/the engine does not know the model --
     Rule("model-config-unrecognized", 95,
          pat(r"does not recognize this architecture|Unrecognized model in |Unrecognized configuration class"
@@ -278,28 +235,6 @@ RULES: tuple[Rule, ...] = (
              "memory", "oom", "stored in kv cache"),
          "it ran out of memory (GB10's memory is unified: lower --gpu-memory-utilization / "
          "--mem-fraction-static, or free what else holds it)"),
-    # -- the nodes run different Ray or Python (different images on head and worker) --
-    Rule("ray-version-mismatch", 75,
-         pat(r"Version mismatch: The cluster was started with", "version mismatch"),
-         "the nodes run different Ray or Python versions (different images): run the same image ID on every "
-         "node (`inv image.ship`)"),
-    # -- Ray cluster lacks a node or its GPU --
-    Rule("ray-worker-missing", 70,
-         pat(r"Waiting for creating a placement group of specs"
-             r"|required GPUs exceeds the total number of available GPUs"
-             r"|Cannot provide a placement group"
-             r"|Tensor parallel size \(\d+\) exceeds available GPUs"
-             r"|Current node has no GPU available|Ray does not allocate any GPUs on the driver node"
-             r"|No available node types can fulfill resource request"
-             r"|Could not find any running Ray instance|Failed to connect to GCS at address"
-             r"|Unable to connect to GCS at \S+:\d+|Timed out while waiting for GCS to become available"
-             r"|Couldn't reconnect to GCS server"
-             r"|marked dead because the detector has missed too many heartbeats"
-             r"|Every node should have a unique IP address",
-             "placement group", "gpus", "gpu available", "node types", "ray instance", "gcs", "heartbeats",
-             "unique ip"),
-         "the Ray cluster lacks a worker node or its GPU (see `ray status`; VLLM_HOST_IP must be each node's "
-         "Ray address)"),
     # -- NCCL or Gloo cannot use the fast link --
     Rule("link-misconfigured", 60,
          pat(r"no socket interface found|no NCCL_SOCKET_IFNAME interface found|No usable listening interface"
@@ -343,6 +278,10 @@ RULES: tuple[Rule, ...] = (
     Rule("model-config-unrecognized", 12, pat(r"^\s*KeyError: '[a-z][a-z0-9_]*'\s*$", "keyerror", icase=False),
          "a KeyError naming what looks like a model type"),
 )
+RULES: tuple[Rule, ...] = tuple(sorted(
+    (*_RULES, *(r for kind in KINDS.values() for r in kind.diagnosis)), key=lambda r: -r.priority))
+"""The engine's own rules (``_RULES``) and every engine kind's (``Kind.diagnosis``), highest
+priority first."""
 
 # --- findings ---------------------------------------------------------------------------
 

@@ -33,14 +33,32 @@ def module_name(path: Path, src: Path = SRC) -> str:
     return ".".join(parts)
 
 
+def _type_checking(n: ast.AST) -> bool:
+    """``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``): imports for annotations only."""
+    t = n.test if isinstance(n, ast.If) else None
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING"
+            or isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (never run)."""
+    todo = [tree]
+    while todo:
+        n = todo.pop()
+        yield n
+        todo += [c for c in ast.iter_child_nodes(n) if not _type_checking(c)]
+
+
 def imports(path: Path, modules: set[str], lazy: bool = True, src: Path = SRC) -> set[str]:
     """The package's modules that ``path`` imports: at module level, and with ``lazy`` in
-    function bodies too (a circle hidden in a function is still a circle)."""
+    function bodies too (a circle hidden in a function is still a circle). An import under
+    ``if TYPE_CHECKING:`` is for annotations only and never runs: not counted (an engine
+    module names the profile's types so; the profile reads the kinds from their registry)."""
     me = module_name(path, src)
     pkg = me if path.name == "__init__.py" else me.rpartition(".")[0]
     out = set()
     tree = ast.parse(path.read_text())
-    for n in ast.walk(tree) if lazy else tree.body:
+    for n in _runtime_nodes(tree) if lazy else tree.body:
         if isinstance(n, ast.Import):
             out |= {a.name for a in n.names}
         elif isinstance(n, ast.ImportFrom):

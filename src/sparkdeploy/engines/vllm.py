@@ -17,9 +17,12 @@ pieces (``serve_argv``, ``node_spec``) build vLLM on Ray (``vllm_ray``).
 
 from __future__ import annotations
 
-from sparkdeploy.config import Engine, Node, Profile
+from typing import TYPE_CHECKING
+
 from sparkdeploy.engines.base import (
     ContainerSpec,
+    ImageRule,
+    Kind,
     Launch,
     NodeFacts,
     Stage,
@@ -31,6 +34,9 @@ from sparkdeploy.engines.base import (
     ordered_nodes,
     role_of,
 )
+
+if TYPE_CHECKING:
+    from sparkdeploy.config import Engine, Node, Profile
 
 RANK_JOINED = r"rank \d+ in world size \d+ is assigned as DP rank"
 """What every vLLM rank prints once it is in the model-parallel groups (``parallel_state.py``):
@@ -102,3 +108,47 @@ def build(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
               Stage(tuple(specs[1:]), wait="ranks-joined", joined=RANK_JOINED))
     return Launch(engine, stages, head.name, engine.port, profile.model.repo, wait_port=port,
                   dist_ready=RANK_JOINED)
+
+
+def ray_backend(args: list[str]) -> bool:
+    """Whether ``args`` select vLLM's Ray executor (``--distributed-executor-backend ray``)."""
+    flag = "--distributed-executor-backend"
+    for i, a in enumerate(args):
+        if a == f"{flag}=ray" or (a == flag and args[i + 1:i + 2] == ["ray"]):
+            return True
+    return False
+
+
+class VLLM(Kind):
+    """vLLM's own multi-node mode: ``vllm serve`` on every node, the workers headless."""
+
+    name = "vllm"
+    software = "vllm"
+    image_rule = ImageRule(
+        min_version="0.17.0",
+        model_files=("vllm/model_executor/models/qwen3_5.py",
+                     "vllm/model_executor/models/qwen3_5_mtp.py"),
+        require_config=False)  # vLLM 0.17+ ships its own Qwen3.5 config classes, needs transformers<5
+    # what vLLM's import of its CLI needs for real (its pydantic config classes, transformers'
+    # config side); the GPU stack and everything else stays faked
+    flag_packages = ("packaging", "pydantic", "transformers<5", "fastapi", "openai", "msgspec",
+                     "pyyaml", "cloudpickle", "numpy", "regex", "cachetools", "psutil", "pillow",
+                     "prometheus_client", "aiohttp", "pyzmq", "requests", "tqdm",
+                     "typing_extensions", "filelock", "blake3", "py-cpuinfo", "protobuf",
+                     "sentencepiece", "tiktoken", "gguf", "partial-json-parser",
+                     "python-json-logger", "cbor2", "ijson", "setproctitle", "einops", "lark",
+                     "diskcache", "watchfiles", "pybase64", "openai-harmony", "email-validator")
+    dist_ready = RANK_JOINED
+
+    def build(self, profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
+              api_key: bool = False) -> Launch:
+        return build(profile, engine, facts, api_key)
+
+    def args_problem(self, args: list[str]) -> str | None:
+        if ray_backend(args):
+            return ("kind vllm is vLLM's own multi-node mode (no Ray); for "
+                    "--distributed-executor-backend ray write kind: vllm-ray")
+        return None
+
+
+KIND = VLLM()
