@@ -92,6 +92,7 @@ class Kind:
     - its startup lines: ``dist_ready`` (the ``dist_init`` milestone of ``STARTUP``) and the
       ``Launch``'s stage waits;
     - its diagnosis rules: ``diagnosis`` (``sparkdeploy.diagnose`` runs them with its own);
+    - where its API key goes: ``api_key_env``;
     - what its ``args`` may not say: ``args_problem``.
     """
 
@@ -109,6 +110,9 @@ class Kind:
     is done; None: it prints none we know."""
     diagnosis: ClassVar[tuple[Rule, ...]] = ()
     """Failure classes only this kind's logs show (with real log lines in the tests)."""
+    api_key_env: ClassVar[str] = API_KEY_ENV
+    """The container variable the endpoint's API key reaches the engine in (a secret handed
+    over through ``--env-file``, never argv)."""
 
     def build(self, profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
               api_key: bool = False) -> Launch:

@@ -139,6 +139,7 @@ class VLLM(Kind):
                      "python-json-logger", "cbor2", "ijson", "setproctitle", "einops", "lark",
                      "diskcache", "watchfiles", "pybase64", "openai-harmony", "email-validator")
     dist_ready = RANK_JOINED
+    api_key_env = API_KEY_VAR
 
     def build(self, profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
               api_key: bool = False) -> Launch:

@@ -17,8 +17,8 @@ from sparkdeploy import endpoint as ep
 from sparkdeploy import labels
 from sparkdeploy.config import Engine
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.engines import Launch, NodeFacts, Stage, launch
-from sparkdeploy.engines.base import API_KEY_ENV, STARTUP, run_args, secret_lines
+from sparkdeploy.engines import KINDS, Launch, NodeFacts, Stage, launch
+from sparkdeploy.engines.base import STARTUP, run_args, secret_lines
 from sparkdeploy.files import write_text_atomic
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import HelperFailed, NodeUnreachable, docker, inspect_image, run_helper
@@ -42,7 +42,7 @@ class Run:
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         self.dir = dep.state.path / "runs" / f"{stamp}-serve.up"
         key = ep.api_key()
-        self.secrets = {"VLLM_API_KEY": key, API_KEY_ENV: key} if key else {}
+        self.secrets = {k.api_key_env: key for k in KINDS.values()} if key else {}
         self.attempts: list[Attempt] = []
         self.startup: dict[str, float] | None = None
         """The serving engine's startup milestones (``STARTUP``), once one came up."""
