@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from sparkdeploy import labels as lbl
-from sparkdeploy.engines.rules import Rule
+from sparkdeploy.engines.rules import Pat, Rule, SequenceRule
 from sparkdeploy.state import is_secret_name
 
 if TYPE_CHECKING:  # the profile's types only: config.py reads the kinds from the registry
@@ -91,7 +91,8 @@ class Kind:
       a new version's manifest is a file there, nothing else;
     - its startup lines: ``dist_ready`` (the ``dist_init`` milestone of ``STARTUP``) and the
       ``Launch``'s stage waits;
-    - its diagnosis rules: ``diagnosis`` (``sparkdeploy.diagnose`` runs them with its own);
+    - its diagnosis rules: ``diagnosis``, ``sequence_rules`` and their ``markers``
+      (``sparkdeploy.diagnose`` runs them with its own);
     - where its API key goes: ``api_key_env``;
     - what its ``args`` may not say: ``args_problem``.
     """
@@ -110,6 +111,10 @@ class Kind:
     is done; None: it prints none we know."""
     diagnosis: ClassVar[tuple[Rule, ...]] = ()
     """Failure classes only this kind's logs show (with real log lines in the tests)."""
+    sequence_rules: ClassVar[tuple[SequenceRule, ...]] = ()
+    """Rules over the order of one log's lines that only this kind's logs need."""
+    markers: ClassVar[tuple[Pat, ...]] = ()
+    """The patterns its sequence rules look for (their keys pick a log's candidate lines)."""
     api_key_env: ClassVar[str] = API_KEY_ENV
     """The container variable the endpoint's API key reaches the engine in (a secret handed
     over through ``--env-file``, never argv)."""

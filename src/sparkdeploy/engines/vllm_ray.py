@@ -106,6 +106,8 @@ class VLLMRay(VLLM):
 
     name = "vllm-ray"
     diagnosis = DIAGNOSIS
+    sequence_rules = ()  # vLLM's own multi-node mode's (worker-never-joined): not on Ray
+    markers = ()
 
     def build(self, profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
               api_key: bool = False) -> Launch:
