@@ -532,3 +532,50 @@ def test_the_node_helpers_report_every_kinds_software():
     from sparkdeploy.helpers import probe_image
 
     assert set(engines.software()) <= set(probe_image.PACKAGES)
+
+
+# --- imports at the top, unless a circle forces one into a function (say which) ---------------
+
+LAZY_IMPORTS: dict[str, str] = {
+    "sparkdeploy.steps.registry": "load_all imports the steps package, whose modules import the registry",
+    "sparkdeploy.plan": "to move: issue 37's step declarations take plan.py apart",
+    "sparkdeploy.bench.html": "to move with issue 39's bench work",
+    "sparkdeploy.bench.sweep": "to move with issue 39's bench work",
+    "sparkdeploy.steps.bench": "to move with issue 39's bench work",
+    "sparkdeploy.tasks.bench": "to move with issue 39's bench work",
+    "sparkdeploy.tasks.model": "the task namespaces import tasks._swap (every swap step) when run",
+    "sparkdeploy.tasks.serve": "the task namespaces import tasks._swap and diagnose when run",
+}
+"""Product modules that import the package inside a function, each with why (the lab and perf
+aside: they drive a lab that may not be built)."""
+
+
+def lazy_imports(files: list[Path], base: Path = SRC) -> dict[str, list[str]]:
+    """``module -> [line: import]`` of the package's imports inside functions (those under
+    ``if TYPE_CHECKING:`` aside: they never run)."""
+    out: dict[str, list[str]] = {}
+    for f in files:
+        tree = ast.parse(f.read_text())
+        top = {id(n) for n in tree.body}
+        for n in _runtime_nodes(tree):
+            if id(n) in top or not isinstance(n, ast.Import | ast.ImportFrom):
+                continue
+            names = [n.module or ""] if isinstance(n, ast.ImportFrom) else [a.name for a in n.names]
+            if getattr(n, "level", 0) or any(m == "sparkdeploy" or m.startswith("sparkdeploy.") for m in names):
+                out.setdefault(module_name(f, base), []).append(f"{n.lineno}: {ast.unparse(n)}")
+    return out
+
+
+def test_imports_are_at_the_top_unless_a_circle_forces_them_down():
+    lab, perf = PKG / "lab", PKG / "perf"
+    files = [f for f in product_code() if PKG in f.parents and not {lab, perf} & set(f.parents)]
+    found = lazy_imports(files)
+    assert {m: lines for m, lines in found.items() if m not in LAZY_IMPORTS} == {}
+
+
+def test_the_lazy_import_finder_spares_the_top_and_type_checking(tmp_path):
+    pkg = tmp_path / "sparkdeploy"
+    pkg.mkdir()
+    (pkg / "m.py").write_text("from sparkdeploy import a\nif TYPE_CHECKING:\n    from sparkdeploy import b\n"
+                              "def f():\n    import json\n    from sparkdeploy.c import d\n")
+    assert lazy_imports([pkg / "m.py"], tmp_path) == {"sparkdeploy.m": ["6: from sparkdeploy.c import d"]}
