@@ -543,8 +543,6 @@ LAZY_IMPORTS: dict[str, str] = {
     "sparkdeploy.bench.sweep": "to move with issue 39's bench work",
     "sparkdeploy.steps.bench": "to move with issue 39's bench work",
     "sparkdeploy.tasks.bench": "to move with issue 39's bench work",
-    "sparkdeploy.tasks.model": "the task namespaces import tasks._swap (every swap step) when run",
-    "sparkdeploy.tasks.serve": "the task namespaces import tasks._swap and diagnose when run",
 }
 """Product modules that import the package inside a function, each with why (the lab and perf
 aside: they drive a lab that may not be built)."""
