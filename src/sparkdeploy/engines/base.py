@@ -1,5 +1,6 @@
-"""What every serving engine shares: per-node container specs, the link environment, and the
-``docker run`` argv built from a spec.
+"""What every serving engine shares: the interface each engine kind implements (``Kind``:
+everything about a kind, in its own module), per-node container specs, the link environment,
+and the ``docker run`` argv built from a spec.
 
 An engine module turns the profile into a ``Launch``: stages of containers, each stage started
 on its nodes and then waited on (SGLang's head opens its init port, Ray reports every node with
