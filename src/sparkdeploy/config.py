@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -24,7 +24,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from sparkdeploy import checks, fit
+from sparkdeploy import checks, engines, fit
 from sparkdeploy import recipes as rcp
 from sparkdeploy.overlays import Merged, ProfileError, load_merged, parse_dotted
 
@@ -166,17 +166,20 @@ class Model(_Strict):
     sync: ModelSync = Field(default_factory=ModelSync)
 
 
-Software = Literal["sglang", "vllm"]
-"""The serving software in an image (candidates' ``engine:``, ``images.rules``): both vLLM
-kinds run the same vLLM, so both are judged by the ``vllm`` rule."""
-EngineKind = Literal["sglang", "vllm", "vllm-ray"]
-"""How an engine runs across the nodes: ``vllm`` is vLLM's own multi-node mode (no Ray),
-``vllm-ray`` vLLM on a Ray cluster."""
+if TYPE_CHECKING:
+    Software = str
+    EngineKind = str
+else:  # the kinds' own modules say which there are (engines.KINDS); the profile takes those
+    Software = Literal[tuple(engines.software())]
+    """The serving software in an image (candidates' ``engine:``, ``images.rules``): both vLLM
+    kinds run the same vLLM, so both are judged by the ``vllm`` rule (``Kind.software``)."""
+    EngineKind = Literal[tuple(engines.KINDS)]
+    """How an engine runs across the nodes (``engines.KINDS``: one module each)."""
 
 
 def software_of(kind: EngineKind) -> Software:
     """The software an engine kind runs (what its image is probed and judged for)."""
-    return "vllm" if kind == "vllm-ray" else kind
+    return engines.kind(kind).software
 
 
 class Candidate(_Strict):
@@ -219,19 +222,11 @@ class EngineRule(_Strict):
 
 
 def _default_rules() -> dict[Software, EngineRule]:
-    return {
-        "sglang": EngineRule(
-            min_version="0.5.9",
-            model_files=["sglang/srt/models/qwen3_5.py", "sglang/srt/models/qwen3_5_mtp.py"],
-            require_config=True,
-        ),
-        "vllm": EngineRule(
-            min_version="0.17.0",
-            model_files=["vllm/model_executor/models/qwen3_5.py",
-                         "vllm/model_executor/models/qwen3_5_mtp.py"],
-            require_config=False,
-        ),
-    }
+    """Each software's image rule as its engine kind declares it (``Kind.image_rule``)."""
+    return {name: EngineRule(min_version=k.image_rule.min_version,
+                             model_files=list(k.image_rule.model_files),
+                             require_config=k.image_rule.require_config)
+            for name, k in engines.software().items()}
 
 
 class Images(_Strict):
@@ -272,24 +267,15 @@ class Engine(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _no_ray_in_native(self) -> Engine:
-        if self.kind == "vllm" and _ray_backend(self.args):
-            raise ValueError("kind vllm is vLLM's own multi-node mode (no Ray); for "
-                             "--distributed-executor-backend ray write kind: vllm-ray")
+    def _args_of_its_kind(self) -> Engine:
+        problem = engines.kind(self.kind).args_problem(list(self.args))
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property
     def software(self) -> Software:
         return software_of(self.kind)
-
-
-def _ray_backend(args: list[str]) -> bool:
-    """Whether ``args`` select vLLM's Ray executor (``--distributed-executor-backend ray``)."""
-    flag = "--distributed-executor-backend"
-    for i, a in enumerate(args):
-        if a == f"{flag}=ray" or (a == flag and args[i + 1:i + 2] == ["ray"]):
-            return True
-    return False
 
 
 class Serve(_Strict):

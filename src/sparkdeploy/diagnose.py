@@ -18,19 +18,35 @@ How it decides (docs/diagnose.md has the table with the real log lines behind ea
    started and never completed.
 4. ``unknown`` when nothing matched, with the last lines of each log as its evidence.
 
-To add a rule, add a line to ``RULES`` (and a real log excerpt under tests/unit/data/engine_logs/).
+To add a rule, add a line to ``_RULES`` (and a real log excerpt under tests/unit/data/engine_logs/);
+a failure only one engine kind shows goes to that kind's module (``Kind.diagnosis``,
+``Kind.sequence_rules``: vLLM's own multi-node mode's worker that never joined is
+``engines/vllm.py``'s). The words they are written in: ``engines/rules.py``.
 """
 
 from __future__ import annotations
 
 import re
 import sys
-from bisect import bisect_right
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import TextIO
 
+from sparkdeploy.engines import KINDS
+from sparkdeploy.engines.rules import (
+    CRASH,
+    INIT_STAGES,
+    KILLED,
+    PAST_INIT,
+    READY,
+    Evidence,
+    Finding,
+    Log,
+    Pat,
+    Rule,
+    SequenceRule,
+    pat,
+)
 from sparkdeploy.errors import UsageError
 from sparkdeploy.files import MB, InputError, read_input
 
@@ -55,17 +71,6 @@ CLASSES = (
 
 MAX_EVIDENCE_PER_LOG = 3
 WEAK = 20  # rules below this priority are hints: they decide only when nothing else matched
-MAX_TEXT = 400
-
-
-@dataclass(frozen=True)
-class Evidence:
-    label: str
-    line_no: int  # 1-based
-    text: str
-
-    def __str__(self) -> str:
-        return f"{self.label}:{self.line_no}: {self.text}"
 
 
 @dataclass(frozen=True)
@@ -78,114 +83,12 @@ class Diagnosis:
 # --- the pattern table ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Pat:
-    """A regular expression guarded by cheap keys: it is tried only on a line whose lowercase text
-    contains one of ``keys`` (logs run to hundreds of thousands of lines; most match nothing)."""
-
-    regex: re.Pattern
-    keys: tuple[str, ...]
-
-    def search(self, line: str, low: str | None = None) -> bool:
-        low = line.lower() if low is None else low
-        return any(k in low for k in self.keys) and self.regex.search(line) is not None
-
-
-def pat(regex: str, *keys: str, icase: bool = True) -> Pat:
-    return Pat(re.compile(regex, re.IGNORECASE if icase else 0), keys)
-
-
-@dataclass(frozen=True)
-class Rule:
-    """A line matching ``pattern`` is evidence of ``cls`` at ``priority`` (higher wins).
-
-    ``context``: the rule holds only when this also matches one of the ``window`` lines before
-    (a bare ``KeyError`` is a model type only inside transformers' config lookup).
-    ``void_after``: the rule does not hold when this matches a later line of the same log
-    (NCCL finding no RDMA device is harmless once NCCL init completed).
-    """
-
-    cls: str
-    priority: int
-    pattern: Pat
-    why: str
-    context: Pat | None = None
-    window: int = 12
-    void_after: Pat | None = None
-
-
-# Distributed init, as the engines print it: stages that begin and must end. A stage ends with its
-# own end marker or with any sign that start-up went on past init (weights, KV cache, graphs, API).
-PAST_INIT = pat(
-    r"Load weight begin|Loading weights|Starting to load model|Loading model weights"
-    r"|Model loading took|Loading safetensors checkpoint"
-    r"|Memory profiling takes|# GPU blocks|KV cache|Capturing (?:CUDA )?graph|Capture cuda graph"
-    r"|Uvicorn running on|Application startup complete|The server is fired up and ready to roll"
-    r"|Starting vLLM API server",
-    "load weight", "loading weights", "load model", "loading model", "model loading", "safetensors",
-    "memory profiling", "gpu blocks", "kv cache", "graph", "uvicorn running", "startup complete", "ready to roll",
-    "api server",
-)
-# SGLang's last line before its cross-node message queue waits (vLLM prints a similar one and goes on).
-SPANS_NODES = pat(r"custom ?allreduce is disabled because this process group spans across nodes",
-                  "spans across nodes")
-TORCH_DIST_ENDS = pat(r"Init torch distributed ends", "init torch distributed ends", icase=False)
-# SGLang's end, or vLLM's line at the end of initialize_model_parallel
-DIST_ENDS = pat(r"Init torch distributed ends|is assigned as DP rank", "init torch distributed ends",
-                "assigned as dp rank", icase=False)
-
-
-@dataclass(frozen=True)
-class Stage:
-    name: str
-    begin: Pat
-    end: Pat
-
-
-INIT_STAGES: tuple[Stage, ...] = (
-    Stage("torch distributed init (SGLang)",
-          pat(r"Init torch distributed begin|Init nccl begin", "init torch distributed begin", "init nccl begin",
-              icase=False), TORCH_DIST_ENDS),
-    Stage("NCCL communicator init",
-          pat(r"NCCL INFO .*Init START", "init start", icase=False),
-          pat(r"Init COMPLETE", "init complete", icase=False)),
-    Stage("distributed init (vLLM)",
-          pat(r"distributed_init_method=\S+|(?:sglang|vLLM) is using nccl==", "distributed_init_method",
-              "is using nccl", icase=False), DIST_ENDS),
-    Stage("the cross-node message queue (after CustomAllreduce)", SPANS_NODES, DIST_ENDS),
-)
-# vLLM's own multi-node mode (multiproc_executor.py): the head's leader line (world_size above
-# local_world_size: other nodes' ranks must join it), the weights loaded on it, what the engine
-# prints once it has every worker (KV cache sizing and after), and the store's timeout.
-MP_LEADER = pat(r"DP group leader: .*\bworld_size=(\d+), local_world_size=(\d+)", "dp group leader",
-                icase=False)
-WEIGHTS_LOADED = pat(r"Model loading took", "model loading took", icase=False)
-ENGINE_INIT = pat(r"Available KV cache memory|GPU KV cache size|# GPU blocks|init engine \(profile"
-                  r"|Memory profiling takes|Starting vLLM API server|Uvicorn running on"
-                  r"|Application startup complete",
-                  "kv cache", "gpu blocks", "init engine", "memory profiling", "api server",
-                  "uvicorn running", "startup complete", icase=False)
-STORE_TIMEOUT = pat(r"waiting for clients\. \d+/\d+ clients joined", "clients joined", icase=False)
-# A line vLLM's own multiproc executor logged (a worker's traceback comes through it).
-MP_EXECUTOR = pat(r"\[multiproc_executor\.py:\d+\]", "multiproc_executor", icase=False)
-READY = pat(r"Application startup complete|The server is fired up and ready to roll|Uvicorn running on",
-            "startup complete", "ready to roll", "uvicorn running")
-CRASH = pat(
-    r"Traceback \(most recent call last\)|terminate called after throwing|^\s*\w+(?:\.\w+)*(?:Error|Exception)\b:"
-    r"|\bERROR\b.*(?:failed|exception|died)|core dumped|Segmentation fault|exited with code [1-9]",
-    "traceback", "terminate called", "error", "exception", "core dumped", "segmentation fault", "exited with code",
-    icase=False,
-)
-# A crash that is the hang's end, not its cause: a watchdog killing the wedged process (SGLang's
-# scheduler watchdog kills it after ~300 s: "Rank 0 scheduler died (exit code: -9)").
-KILLED = pat(r"exit code:? -9\b|signal 9\b|SIGKILL|watchdog timeout|killed by (?:the )?watchdog",
-             "exit code", "signal 9", "sigkill", "watchdog", icase=False)
 NCCL_WORKS = pat(r"Init COMPLETE|Connected all rings|Init torch distributed ends",
                  "init complete", "connected all rings", "init torch distributed ends", icase=False)
 CONFIG_LOOKUP = pat(r"configuration_auto|CONFIG_MAPPING|AutoConfig|model_type|config_dict\[",
                     "configuration_auto", "config_mapping", "autoconfig", "model_type", "config_dict", icase=False)
 
-RULES: tuple[Rule, ...] = (
+_RULES: tuple[Rule, ...] = (
     # -- the engine's parser refused its command line (argparse: usage, then this line, exit 2) --
     Rule("engine-flag-unknown", 110,
          pat(r"^\S+: error: (?:unrecognized arguments|argument --[\w-]+: invalid choice|"
@@ -199,13 +102,6 @@ RULES: tuple[Rule, ...] = (
          pat(r"\[Errno 98\]|\berrno:? 98\b|EADDRINUSE|address already in use",
              "errno", "eaddrinuse", "address already in use"),
          "a port it needs is already in use (another engine, a stale container or a host service holds it)"),
-    # -- the image has no Ray, but the engine was asked to run on Ray --
-    Rule("image-without-ray", 96,
-         pat(r"(?:ModuleNotFoundError|ImportError): No module named '?ray'?(?![.\w])|Ray is not installed"
-             r"|Failed to import Ray\b|\bray: (?:command )?not found|\"ray\": executable file not found",
-             "no module named", "ray is not installed", "failed to import ray", "ray: ", "\"ray\": executable"),
-         "the image has no Ray (vLLM's images dropped it as a dependency): use an image with Ray for kind "
-         "vllm-ray, or vLLM's own multi-node mode", void_after=READY),
     # -- transformers/the engine does not know the model --
     Rule("model-config-unrecognized", 95,
          pat(r"does not recognize this architecture|Unrecognized model in |Unrecognized configuration class"
@@ -280,28 +176,6 @@ RULES: tuple[Rule, ...] = (
              "memory", "oom", "stored in kv cache"),
          "it ran out of memory (GB10's memory is unified: lower --gpu-memory-utilization / "
          "--mem-fraction-static, or free what else holds it)"),
-    # -- the nodes run different Ray or Python (different images on head and worker) --
-    Rule("ray-version-mismatch", 75,
-         pat(r"Version mismatch: The cluster was started with", "version mismatch"),
-         "the nodes run different Ray or Python versions (different images): run the same image ID on every "
-         "node (`inv image.ship`)"),
-    # -- Ray cluster lacks a node or its GPU --
-    Rule("ray-worker-missing", 70,
-         pat(r"Waiting for creating a placement group of specs"
-             r"|required GPUs exceeds the total number of available GPUs"
-             r"|Cannot provide a placement group"
-             r"|Tensor parallel size \(\d+\) exceeds available GPUs"
-             r"|Current node has no GPU available|Ray does not allocate any GPUs on the driver node"
-             r"|No available node types can fulfill resource request"
-             r"|Could not find any running Ray instance|Failed to connect to GCS at address"
-             r"|Unable to connect to GCS at \S+:\d+|Timed out while waiting for GCS to become available"
-             r"|Couldn't reconnect to GCS server"
-             r"|marked dead because the detector has missed too many heartbeats"
-             r"|Every node should have a unique IP address",
-             "placement group", "gpus", "gpu available", "node types", "ray instance", "gcs", "heartbeats",
-             "unique ip"),
-         "the Ray cluster lacks a worker node or its GPU (see `ray status`; VLLM_HOST_IP must be each node's "
-         "Ray address)"),
     # -- NCCL or Gloo cannot use the fast link --
     Rule("link-misconfigured", 60,
          pat(r"no socket interface found|no NCCL_SOCKET_IFNAME interface found|No usable listening interface"
@@ -345,75 +219,18 @@ RULES: tuple[Rule, ...] = (
     Rule("model-config-unrecognized", 12, pat(r"^\s*KeyError: '[a-z][a-z0-9_]*'\s*$", "keyerror", icase=False),
          "a KeyError naming what looks like a model type"),
 )
+RULES: tuple[Rule, ...] = tuple(sorted(
+    (*_RULES, *(r for kind in KINDS.values() for r in kind.diagnosis)), key=lambda r: -r.priority))
+"""The engine's own rules (``_RULES``) and every engine kind's (``Kind.diagnosis``), highest
+priority first."""
 
 # --- findings ---------------------------------------------------------------------------
 
 
-@dataclass
-class Finding:
-    cls: str
-    priority: int
-    why: str
-    evidence: list[Evidence]
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-
-
-def _clean(line: str) -> str:
-    line = _ANSI.sub("", line)
-    if "\r" in line:  # progress bars redraw with \r: what stayed on screen is the last part
-        parts = [p for p in line.split("\r") if p.strip()]
-        line = parts[-1] if parts else ""
-    return line.rstrip()
-
-
-def _ev(label: str, i: int, text: str) -> Evidence:
-    text = text.strip()
-    if len(text) > MAX_TEXT:
-        text = text[: MAX_TEXT - 3] + "..."
-    return Evidence(label, i + 1, text)
-
-
-@dataclass
-class Log:
-    """One node's log, cleaned, with each line's lowercase text for the patterns' keys."""
-
-    label: str
-    lines: list[str]
-    lows: list[str]  # "" for a line no pattern's key occurs in
-    candidates: list[int]  # the indices of the others, ascending
-
-    @classmethod
-    def of(cls, label: str, raw: str | Iterable[str]) -> Log:
-        lines: list[str] = []
-        for item in [raw] if isinstance(raw, (str, bytes)) else raw:
-            # tolerate a label mapped to one big string (or bytes), or lines with embedded newlines
-            text = item.decode("utf-8", errors="replace") if isinstance(item, bytes) else str(item)
-            lines += [_clean(piece) for piece in text.split("\n")]
-        if isinstance(raw, (str, bytes)) and lines and not lines[-1]:
-            lines.pop()  # the text's final newline ends the last line, it opens none
-        lows = [line.lower() for line in lines]
-        keep = sorted(_candidates(lows, _keys(RULES)))
-        kept = set(keep)
-        return cls(str(label), lines, [low if i in kept else "" for i, low in enumerate(lows)], keep)
-
-    def hit(self, p: Pat, i: int) -> bool:
-        low = self.lows[i]
-        return bool(low) and p.search(self.lines[i], low)
-
-    def last(self, p: Pat, start: int = 0) -> int | None:
-        """Index of the last line at or after ``start`` matching ``p``."""
-        return next((j for j in reversed(self.candidates) if j >= start and self.hit(p, j)), None)
-
-    def ev(self, i: int) -> Evidence:
-        return _ev(self.label, i, self.lines[i])
-
-
 def patterns(rules: Sequence[Rule] | None = None) -> list[Pat]:
     """Every pattern the classifier tries (the rules' and the sequence rules' markers)."""
-    pats = [PAST_INIT, READY, CRASH, KILLED, NCCL_WORKS, CONFIG_LOOKUP, MP_LEADER, WEIGHTS_LOADED,
-            ENGINE_INIT, STORE_TIMEOUT, MP_EXECUTOR]
+    pats = [PAST_INIT, READY, CRASH, KILLED, NCCL_WORKS, CONFIG_LOOKUP,
+            *(p for kind in KINDS.values() for p in kind.markers)]
     pats += [p for st in INIT_STAGES for p in (st.begin, st.end)]
     for r in RULES if rules is None else rules:
         pats += [p for p in (r.pattern, r.context, r.void_after) if p is not None]
@@ -425,21 +242,6 @@ def _keys(rules: Sequence[Rule]) -> set[str]:
     keys = {k for p in pats for k in p.keys}
     # a key containing another is found by the shorter one: scan for the shorter only
     return {k for k in keys if not any(o != k and o in k for o in keys)}
-
-
-def _candidates(lows: list[str], keys: Iterable[str]) -> set[int]:
-    """Indices of the lines containing any key: one fast substring scan of the whole log per key
-    (trying every pattern on every line costs ~25 us a line; logs run to 10^5 lines)."""
-    text = "\n".join(lows)
-    starts = list(accumulate((len(low) + 1 for low in lows), initial=0))
-    found: set[int] = set()
-    for key in keys:
-        pos = text.find(key)
-        while pos != -1:
-            i = bisect_right(starts, pos) - 1
-            found.add(i)
-            pos = text.find(key, starts[i + 1])
-    return found
 
 
 def _rule_findings(log: Log) -> list[Finding]:
@@ -515,70 +317,9 @@ def _init_hang(log: Log) -> Finding | None:
     return Finding("nccl-init-hang", 30, why, evidence)
 
 
-JOIN_FIX = ("check each worker's --master-addr (the head's fast-link address) and that its VLLM_HOST_IP is "
-            "its own fast-link address (not 127.0.1.1 from `hostname -i`)")
-STORE_CONTEXT = 12  # lines before a store timeout in which vLLM's executor must have logged
-
-
-def _worker_never_joined(log: Log) -> Finding | None:
-    """vLLM's own multi-node mode: the head (its leader line says ranks of other nodes belong to
-    it) never got to the engine's init (KV cache sizing) and did not crash: it waits for a worker
-    rank, at its store on --master-addr:--master-port (before NCCL init, or the store's timeout),
-    or, weights loaded, for a worker's message queue it cannot reach at the address the worker
-    advertises (VLLM_HOST_IP)."""
-    lead = log.last(MP_LEADER)
-    if lead is None:
-        return _executor_store_timeout(log)
-    m = MP_LEADER.regex.search(log.lines[lead])
-    if m is None or int(m.group(1)) <= int(m.group(2)) or log.last(ENGINE_INIT, lead) is not None:
-        return None  # one node's ranks only, or the head got past waiting for its workers
-    fix = JOIN_FIX
-    timeout = log.last(STORE_TIMEOUT, lead)
-    if timeout is not None:
-        return Finding("worker-never-joined", 45, "a worker rank never joined vLLM's head: the store on "
-                       f"--master-addr:--master-port timed out waiting for it; {fix}",
-                       [log.ev(lead), log.ev(timeout)])
-    if log.last(CRASH, lead + 1) is not None and log.last(KILLED, lead + 1) is None:
-        return None  # it died: the crash rules name why
-    loaded = log.last(WEIGHTS_LOADED, lead)
-    if loaded is not None:
-        where, mark = ("the head loaded the weights and waits for a worker's message queue, which it "
-                       "cannot reach at the address the worker advertises"), loaded
-    elif log.last(INIT_STAGES[1].begin, lead) is None and log.last(DIST_ENDS, lead) is None:
-        where = "the head waits for a worker at its store on --master-addr:--master-port"
-        mark = log.last(INIT_STAGES[2].begin, lead) or lead
-    else:
-        return None  # inside NCCL init or later: the init-hang rule says where
-    evidence = [log.ev(lead)] + ([log.ev(mark)] if mark != lead else [])
-    last = next((j for j in range(len(log.lines) - 1, mark, -1) if log.lines[j].strip()), None)
-    if last is not None:
-        evidence.append(log.ev(last))
-    return Finding("worker-never-joined", 45, f"a worker rank never joined vLLM's head: {where}; {fix}",
-                   evidence)
-
-
-def _executor_store_timeout(log: Log) -> Finding | None:
-    """No leader line (an excerpt of the head's log, or a vLLM that prints none): the rendezvous
-    store timed out waiting for clients inside a worker of vLLM's own multiproc executor (its
-    traceback, logged by ``multiproc_executor.py``, just before the timeout). In that executor the
-    clients that never came are ranks of another node: a local worker that dies takes the executor
-    down at once, long before the store's timeout. Not so for a bare c10d, SGLang or Ray store
-    timeout, which stays a generic init hang."""
-    timeout = log.last(STORE_TIMEOUT)
-    if timeout is None:
-        return None
-    window = range(timeout, max(-1, timeout - 1 - STORE_CONTEXT), -1)
-    executor = next((j for j in window if log.hit(MP_EXECUTOR, j)), None)
-    if executor is None:
-        return None
-    evidence = [log.ev(j) for j in sorted({executor, timeout})]
-    return Finding("worker-never-joined", 45, "a worker rank never joined vLLM's head: the store on "
-                   "--master-addr:--master-port timed out waiting for it (in vLLM's multiproc executor); "
-                   f"{JOIN_FIX}", evidence)
-
-
-SequenceRule = Callable[[Log], "Finding | None"]
-SEQUENCE_RULES: tuple[SequenceRule, ...] = (_init_hang, _worker_never_joined)
+SEQUENCE_RULES: tuple[SequenceRule, ...] = tuple(dict.fromkeys(
+    (_init_hang, *(r for kind in KINDS.values() for r in kind.sequence_rules))))
+"""The init hang every engine can show, then each engine kind's own (``Kind.sequence_rules``)."""
 
 
 # --- classification ---------------------------------------------------------------------
@@ -591,7 +332,7 @@ def classify(logs: Mapping[str, Sequence[str]]) -> Diagnosis:
     tails: list[Evidence] = []
     total = 0
     for label, raw in logs.items():
-        log = Log.of(label, raw)
+        log = Log.of(label, raw, _keys(RULES))
         total += len(log.lines)
         tails += _tail(log)
         findings += _rule_findings(log)

@@ -21,6 +21,7 @@ import sys
 import venv
 from pathlib import Path
 
+from sparkdeploy import engines
 from sparkdeploy.engine_flags import release
 from sparkdeploy.errors import UsageError
 from sparkdeploy.files import write_text_atomic
@@ -29,18 +30,9 @@ HELPER = Path(__file__).resolve().parent / "helpers" / "engine_flags.py"
 OUT = Path(__file__).resolve().parent / "data" / "engine-flags"
 CACHE = Path.home() / ".cache" / "sparkdeploy" / "engine-flags"
 FORMAT = 1
-LIGHT = {
-    "sglang": ("packaging",),
-    # what vLLM's import of its CLI needs for real (its pydantic config classes, transformers'
-    # config side); the GPU stack and everything else stays faked
-    "vllm": ("packaging", "pydantic", "transformers<5", "fastapi", "openai", "msgspec", "pyyaml",
-             "cloudpickle", "numpy", "regex", "cachetools", "psutil", "pillow", "prometheus_client",
-             "aiohttp", "pyzmq", "requests", "tqdm", "typing_extensions", "filelock", "blake3",
-             "py-cpuinfo", "protobuf", "sentencepiece", "tiktoken", "gguf", "partial-json-parser",
-             "python-json-logger", "cbor2", "ijson", "setproctitle", "einops", "lark", "diskcache",
-             "watchfiles", "pybase64", "openai-harmony", "email-validator"),
-}
-_SPEC = re.compile(r"^(sglang|vllm)==([0-9]+(?:\.[0-9]+)*)((?:rc|a|b)[0-9]+)?$")
+LIGHT = {name: k.flag_packages for name, k in engines.software().items()}
+"""What each engine's parser needs installed for real (``Kind.flag_packages``)."""
+_SPEC = re.compile(rf"^({'|'.join(map(re.escape, LIGHT))})==([0-9]+(?:\.[0-9]+)*)((?:rc|a|b)[0-9]+)?$")
 
 
 class FlagMakerError(UsageError):
@@ -50,7 +42,7 @@ class FlagMakerError(UsageError):
 def parse_spec(spec: str) -> tuple[str, str]:
     m = _SPEC.match(spec)
     if not m:
-        raise FlagMakerError(f"{spec}: not ENGINE==VERSION with ENGINE sglang or vllm")
+        raise FlagMakerError(f"{spec}: not ENGINE==VERSION with ENGINE {' or '.join(LIGHT)}")
     return m.group(1), m.group(2) + (m.group(3) or "")
 
 

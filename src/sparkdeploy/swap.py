@@ -26,12 +26,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparkdeploy import endpoint as ep
+from sparkdeploy import plan as plans
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.events import Progress, StepState
 from sparkdeploy.ops import swap as ops
 from sparkdeploy.ops.serve_containers import active, installed
 from sparkdeploy.records import ImageDecision, Record
 from sparkdeploy.results import Result
+from sparkdeploy.runner import Runner
 from sparkdeploy.steps.registry import StepContext, run_one
 from sparkdeploy.steps.swap import DISK, FIT, FLAGS
 
@@ -125,9 +127,6 @@ def phase(ctx: StepContext, name: str, state: str, why: str = "", t0: float | No
 def prepare(ctx: StepContext, old: Deployment, keep: list[str],
             old_engine: str | None = None) -> str | None:
     """The prepare phase on the new deployment (``ctx.dep``); why it failed, or None."""
-    from sparkdeploy import plan as plans
-    from sparkdeploy.runner import Runner
-
     new = ctx.dep
     for name, opts in ((FIT, {"old": old, "engine": old_engine}), (DISK, {"keep": keep})):
         bad = failed(ctx.call(name, **opts))

@@ -1,6 +1,9 @@
-"""The shape of the code: no import circle in src/ (function-level imports count), the product
-never imports the lab or its benchmarks (``sparkdeploy.perf``), one atomic write, one thread pool, no long function,
-a plan that names steps and options only (each step declares the rest), a fingerprint that says when it asks a node.
+"""The shape of the code: no import circle in src/ (function-level imports count; imports under
+``if TYPE_CHECKING:`` never run and do not), none between packages, the product never imports
+the lab or its benchmarks (``sparkdeploy.perf``), one atomic write, one thread pool, no long
+function, every engine kind in its one module (named nowhere else, found through
+``engines.KINDS``), a plan that names steps and options only (each step declares the rest), a
+fingerprint that says when it asks a node.
 
 A function's length is its lines minus its docstring and minus multi-line data literals
 (dicts, lists, tuples, sets, strings: tables and templates read as data, not logic). The lab's
@@ -47,14 +50,32 @@ def module_name(path: Path, src: Path = SRC) -> str:
     return ".".join(parts)
 
 
+def _type_checking(n: ast.AST) -> bool:
+    """``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``): imports for annotations only."""
+    t = n.test if isinstance(n, ast.If) else None
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING"
+            or isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (never run)."""
+    todo = [tree]
+    while todo:
+        n = todo.pop()
+        yield n
+        todo += [c for c in ast.iter_child_nodes(n) if not _type_checking(c)]
+
+
 def imports(path: Path, modules: set[str], lazy: bool = True, src: Path = SRC) -> set[str]:
     """The package's modules that ``path`` imports: at module level, and with ``lazy`` in
-    function bodies too (a circle hidden in a function is still a circle)."""
+    function bodies too (a circle hidden in a function is still a circle). An import under
+    ``if TYPE_CHECKING:`` is for annotations only and never runs: not counted (an engine
+    module names the profile's types so; the profile reads the kinds from their registry)."""
     me = module_name(path, src)
     pkg = me if path.name == "__init__.py" else me.rpartition(".")[0]
     out = set()
     tree = ast.parse(path.read_text())
-    for n in ast.walk(tree) if lazy else tree.body:
+    for n in _runtime_nodes(tree) if lazy else tree.body:
         if isinstance(n, ast.Import):
             out |= {a.name for a in n.names}
         elif isinstance(n, ast.ImportFrom):
@@ -698,3 +719,169 @@ def test_outside_data_is_read_by_outside_only():
     files = [f for f in product_code() if PKG in f.parents and f != OUTSIDE
              and (PKG / "lab") not in f.parents and (PKG / "perf") not in f.parents]
     assert [p for p in json_parses(files) if p not in NOT_OUTSIDE_DATA] == []
+
+
+# --- packages: no loop between them ----------------------------------------------------------
+
+
+def package_of(module: str) -> str:
+    """``sparkdeploy.ops.serve`` -> ``sparkdeploy.ops``; a top-level module is its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        out.setdefault(package_of(m), set()).update(
+            package_of(d) for d in deps if package_of(d) != package_of(m))
+    return out
+
+
+def test_no_import_circle_between_packages_counting_function_level_imports():
+    # engines/ reached up into ops/ (a digest test), bench/ into ops/ (the startup milestones)
+    # while ops/ imports both: a loop no module-level circle shows
+    assert circle(package_graph(import_graph())) is None
+
+
+def test_the_package_check_sees_a_loop_no_module_closes():
+    graph = {"sparkdeploy.engines": {"sparkdeploy.ops.image"}, "sparkdeploy.ops.image": set(),
+             "sparkdeploy.ops.serve": {"sparkdeploy.engines"}}
+    assert circle(graph) is None
+    assert circle(package_graph(graph)) is not None
+
+
+# --- the engine kinds (convention 14): one module each, found through engines.KINDS -----------
+
+ENGINES = PKG / "engines"
+ENGINES_SHARED = ("__init__.py", "base.py", "rules.py")
+"""The registry, the interface (``Kind``) and what every kind shares, and the words of its
+diagnosis rules: the rest of ``engines/`` is one module per kind."""
+
+
+def kind_modules() -> list[Path]:
+    return [f for f in sorted(ENGINES.glob("*.py")) if f.name not in ENGINES_SHARED]
+
+
+def test_every_engine_kind_is_one_module_found_through_the_registry():
+    import importlib
+
+    from sparkdeploy.engines import KINDS, Kind
+
+    modules = [module_name(f) for f in kind_modules()]
+    assert sorted(type(k).__module__ for k in KINDS.values()) == sorted(modules)
+    for m in modules:
+        kind = importlib.import_module(m).KIND
+        assert isinstance(kind, Kind) and KINDS[kind.name] is kind, m
+        assert type(kind).build is not Kind.build, f"{m}: no build()"
+
+
+def test_the_profile_takes_the_kinds_and_software_the_registry_has():
+    from typing import get_args
+
+    from sparkdeploy import config, engines
+
+    assert get_args(config.EngineKind) == tuple(engines.KINDS)
+    assert get_args(config.Software) == tuple(engines.software())
+    assert set(config._default_rules()) == set(engines.software())
+
+
+def docstring_constants(tree: ast.AST) -> set[int]:
+    """The ``id`` of every docstring's constant (and of any other bare string statement)."""
+    return {id(n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+
+
+def kind_literals(files: list[Path], names: set[str], base: Path = ROOT) -> list[str]:
+    """``path:line 'name'`` of each string in ``files`` that is one of ``names`` (an engine
+    kind's or its software's name), docstrings aside: a decision about a kind made outside its
+    module."""
+    out = []
+    for f in files:
+        tree = ast.parse(f.read_text())
+        docs = docstring_constants(tree)
+        out += sorted((n.lineno, f"{f.relative_to(base)}:{n.lineno} {n.value!r}") for n in ast.walk(tree)
+                      if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in names
+                      and id(n) not in docs)
+    return [where for _, where in out]
+
+
+def kind_names() -> set[str]:
+    from sparkdeploy.engines import KINDS
+
+    return {name for k in KINDS.values() for name in (k.name, k.software)}
+
+
+def test_no_module_outside_engines_names_an_engine_kind():
+    # the lab plays the engines (its stand-ins, its images) and perf drives the lab: theirs to name
+    lab, perf = PKG / "lab", PKG / "perf"
+    files = [f for f in product_code() if not {ENGINES, lab, perf} & set(f.parents)]
+    assert kind_literals(files, kind_names()) == []
+
+
+def test_only_the_registry_and_the_kinds_import_a_kinds_module():
+    kinds = {module_name(f) for f in kind_modules()}
+    bad = {m: sorted(deps & kinds) for m, deps in import_graph().items()
+           if not _in(m, "sparkdeploy.engines")}
+    assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_the_kind_finder_sees_a_decision_and_spares_docstrings(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text('"""sglang"""\ndef g(e):\n    """vllm"""\n    return e.kind == "vllm-ray" or "sglang:x"\n'
+                 'RULES = {"sglang": 1}\n')
+    assert kind_literals([f], {"sglang", "vllm", "vllm-ray"}, tmp_path) == [
+        "m.py:4 'vllm-ray'", "m.py:5 'sglang'"]
+
+
+def test_the_node_helpers_report_every_kinds_software():
+    # probe_image.py (standard library, no import of the package) reads each software's
+    # version from its installed metadata: the packages it reports hold every kind's
+    from sparkdeploy import engines
+    from sparkdeploy.helpers import probe_image
+
+    assert set(engines.software()) <= set(probe_image.PACKAGES)
+
+
+# --- imports at the top, unless a circle forces one into a function (say which) ---------------
+
+LAZY_IMPORTS: dict[str, str] = {
+    "sparkdeploy.steps.registry": "load_all imports the steps package, whose modules import the registry",
+    "sparkdeploy.plan": "to move: issue 37's step declarations take plan.py apart",
+    "sparkdeploy.bench.html": "to move with issue 39's bench work",
+    "sparkdeploy.bench.sweep": "to move with issue 39's bench work",
+    "sparkdeploy.steps.bench": "to move with issue 39's bench work",
+    "sparkdeploy.tasks.bench": "to move with issue 39's bench work",
+}
+"""Product modules that import the package inside a function, each with why (the lab and perf
+aside: they drive a lab that may not be built)."""
+
+
+def lazy_imports(files: list[Path], base: Path = SRC) -> dict[str, list[str]]:
+    """``module -> [line: import]`` of the package's imports inside functions (those under
+    ``if TYPE_CHECKING:`` aside: they never run)."""
+    out: dict[str, list[str]] = {}
+    for f in files:
+        tree = ast.parse(f.read_text())
+        top = {id(n) for n in tree.body}
+        for n in _runtime_nodes(tree):
+            if id(n) in top or not isinstance(n, ast.Import | ast.ImportFrom):
+                continue
+            names = [n.module or ""] if isinstance(n, ast.ImportFrom) else [a.name for a in n.names]
+            if getattr(n, "level", 0) or any(m == "sparkdeploy" or m.startswith("sparkdeploy.") for m in names):
+                out.setdefault(module_name(f, base), []).append(f"{n.lineno}: {ast.unparse(n)}")
+    return out
+
+
+def test_imports_are_at_the_top_unless_a_circle_forces_them_down():
+    lab, perf = PKG / "lab", PKG / "perf"
+    files = [f for f in product_code() if PKG in f.parents and not {lab, perf} & set(f.parents)]
+    found = lazy_imports(files)
+    assert {m: lines for m, lines in found.items() if m not in LAZY_IMPORTS} == {}
+
+
+def test_the_lazy_import_finder_spares_the_top_and_type_checking(tmp_path):
+    pkg = tmp_path / "sparkdeploy"
+    pkg.mkdir()
+    (pkg / "m.py").write_text("from sparkdeploy import a\nif TYPE_CHECKING:\n    from sparkdeploy import b\n"
+                              "def f():\n    import json\n    from sparkdeploy.c import d\n")
+    assert lazy_imports([pkg / "m.py"], tmp_path) == {"sparkdeploy.m": ["6: from sparkdeploy.c import d"]}

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from sparkdeploy import engine_flags as ef
+from sparkdeploy import engines
 from sparkdeploy.config import load_profile
 from sparkdeploy.engines import launch
 from tests.unit.conftest import SEED, seed_data
@@ -65,15 +66,26 @@ def test_every_sglang_command_sparkdeploy_generates_is_accepted_by_the_real_pars
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_every_vllm_command_sparkdeploy_generates_is_accepted_by_the_real_parser(tmp_path, n):
+@pytest.mark.parametrize("version", ef.versions("vllm"))  # every manifest: a new one is a file
+def test_every_vllm_command_sparkdeploy_generates_is_accepted_by_the_real_parser(tmp_path, n, version):
     prof = _nodes(tmp_path, n)
     checked = 0
-    for engine in (e for e in prof.engines if e.kind in ("vllm", "vllm-ray")):
+    for engine in (e for e in prof.engines if e.software == "vllm"):
         for c in launch(prof, engine, {}, True).containers:
             if c.argv[:2] == ("vllm", "serve"):  # Ray's own containers run `ray start`
-                ef.check_args("vllm", "0.17.1", list(c.argv[2:]))
+                ef.check_args("vllm", version, list(c.argv[2:]))
                 checked += 1
     assert checked >= 2
+
+
+@pytest.mark.parametrize("path", sorted(ef.DIR.glob("*.json")), ids=lambda p: p.name)
+def test_every_manifest_file_is_a_manifest_of_a_known_software_under_its_release(path):
+    # a new engine version is this file and nothing else (docs/engine-flags.md)
+    software, _, version = path.stem.partition("-")
+    assert software in engines.software(), path.name
+    data = ef.manifest(software, version)
+    assert (data["engine"], data["version"]) == (software, version) == (software, ef.release(version))
+    assert data["by_flag"] and version in ef.versions(software)
 
 
 def test_vllm_refuses_a_flag_of_sglang_and_names_its_own():
@@ -236,7 +248,7 @@ def test_without_a_probe_a_flag_no_version_has_is_refused_naming_every_version()
         ef.check_args_any("sglang", ["--mem-fraction-statik", "0.8"], "no probe yet")
     assert str(e.value) == ("--mem-fraction-statik: not a flag of sglang 0.5.10; did you mean "
                             "--mem-fraction-static? (nor of sglang 0.5.4; no probe yet)")
-    assert ef.check_args_any("vllm", ["--max-model-len", "8"], "x") == "0.32.0"  # the newest
+    assert ef.check_args_any("vllm", ["--max-model-len", "8"], "x") == ef.versions("vllm")[-1]
 
 
 def test_without_a_probe_an_engine_with_no_manifest_says_how_to_make_one(tmp_path):
@@ -270,10 +282,11 @@ def test_deploy_checks_every_engines_flags_before_anything_and_says_against_what
     from sparkdeploy.ops.engine_check import check_flags
 
     _, dep = _seed_with(tmp_path)
+    newest = {software: ef.versions(software)[-1] for software in ("sglang", "vllm")}  # data-only
     assert check_flags(dep) == [
-        "engine sglang: flags checked against a sglang version with a manifest (0.5.10)",
-        "engine vllm-ray: flags checked against a vllm version with a manifest (0.32.0)",
-        "engine vllm: flags checked against a vllm version with a manifest (0.32.0)"]
+        f"engine sglang: flags checked against a sglang version with a manifest ({newest['sglang']})",
+        f"engine vllm-ray: flags checked against a vllm version with a manifest ({newest['vllm']})",
+        f"engine vllm: flags checked against a vllm version with a manifest ({newest['vllm']})"]
 
 
 def test_the_probed_version_is_the_one_checked_against(tmp_path):

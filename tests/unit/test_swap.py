@@ -342,7 +342,6 @@ class _Ctx:
 
 
 def test_prepare_runs_the_new_deployments_steps_and_stops_nothing(dep, monkeypatch):
-    import sparkdeploy.runner as runner
     from sparkdeploy.plan import PlanRun, StepRun
 
     new, _ = dep(recipe="gpt-oss-120b")
@@ -356,7 +355,7 @@ def test_prepare_runs_the_new_deployments_steps_and_stops_nothing(dep, monkeypat
         def run(self):
             return PlanRun("swap", {n: StepRun(n, state="done") for n in ran["steps"]}, 1.0, False)
 
-    monkeypatch.setattr(runner, "Runner", FakeRunner)
+    monkeypatch.setattr(sw, "Runner", FakeRunner)
     ctx = _Ctx(new)
     assert sw.prepare(ctx, old, ["/srv/models/old"]) is None
     assert ran["dep"] is new and ran["name"] == "swap"
@@ -367,11 +366,9 @@ def test_prepare_runs_the_new_deployments_steps_and_stops_nothing(dep, monkeypat
 
 
 def test_prepare_stops_at_a_check_before_the_plan(dep, monkeypatch):
-    import sparkdeploy.runner as runner
-
     new, _ = dep(recipe="gpt-oss-120b")
     old, _ = dep()
-    monkeypatch.setattr(runner, "Runner", lambda *a, **k: pytest.fail("the plan ran"))
+    monkeypatch.setattr(sw, "Runner", lambda *a, **k: pytest.fail("the plan ran"))
     ctx = _Ctx(new, fail="swap.disk")
     assert sw.prepare(ctx, old, []) == "swap.disk: no room"
 

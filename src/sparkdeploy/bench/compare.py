@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparkdeploy.engines.base import STARTUP
+
 HEADLINES = [
     ("aggregate output tok/s", ("output_tok_s",), True),
     ("median decode tok/s", ("per_request_output_tok_s", "median"), True),
@@ -98,9 +100,7 @@ def compare(base: dict, new: dict, max_regression_pct: float = 5.0) -> Compariso
 
 
 def startup_rows(base: dict, new: dict) -> list[Row]:
-    """One row per startup milestone either file has (``ops.serve.STARTUP`` order)."""
-    from sparkdeploy.ops.serve import STARTUP
-
+    """One row per startup milestone either file has (``engines.base.STARTUP`` order)."""
     def of(doc: dict) -> dict:
         got = _get(doc, ("context", "startup"))
         return got if isinstance(got, dict) else {}

@@ -1,16 +1,47 @@
-"""Serving engines: each turns the profile into per-node container specs (``Launch``)."""
+"""Serving engines: one module per engine kind (``sglang``, ``vllm``, ``vllm_ray``), each a
+``Kind`` (``engines/base.py``) holding everything about it, found here through ``KINDS``; and
+``launch``, which turns the profile into an engine's per-node container specs (``Launch``).
+
+Adding a kind is one module with its ``KIND``, one line in ``KINDS`` (docs/architecture.md)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from sparkdeploy import labels
-from sparkdeploy.config import Engine, Profile
 from sparkdeploy.engines import sglang, vllm, vllm_ray
-from sparkdeploy.engines.base import ContainerSpec, EngineError, Launch, NodeFacts, Stage
-from sparkdeploy.ops.image import pinned
+from sparkdeploy.engines.base import (
+    ContainerSpec,
+    EngineError,
+    ImageRule,
+    Kind,
+    Launch,
+    NodeFacts,
+    Stage,
+    pinned,
+)
 
-BUILDERS = {"sglang": sglang.build, "vllm": vllm.build, "vllm-ray": vllm_ray.build}
+if TYPE_CHECKING:
+    from sparkdeploy.config import Engine, Profile
+
+KINDS: dict[str, Kind] = {k.name: k for k in (sglang.KIND, vllm.KIND, vllm_ray.KIND)}
+"""Every engine kind by its name (``engines[].kind``), in the order the profile's error names
+them."""
+
+
+def kind(name: str) -> Kind:
+    """The kind called ``name`` (the profile validated it: one of ``KINDS``)."""
+    return KINDS[name]
+
+
+def software() -> dict[str, Kind]:
+    """Every serving software (``Kind.software``) with the first kind that runs it: whose image
+    rule, flag manifests and probe are that software's."""
+    out: dict[str, Kind] = {}
+    for k in KINDS.values():
+        out.setdefault(k.software, k)
+    return out
 
 
 def launch(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
@@ -21,7 +52,7 @@ def launch(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
     ``image_digest``: the digest image.probe decided on for it). An image pinned by digest
     runs by ``image_id`` (what the pin resolved to on the head): the workers got it by
     ``docker load``, which keeps no repo digest, so the pin resolves on the head only."""
-    lau = BUILDERS[engine.kind](profile, engine, facts, api_key)
+    lau = kind(engine.kind).build(profile, engine, facts, api_key)
     fp = labels.engine_fingerprint(profile, engine)
 
     by_id = image_id if image_id and pinned(engine.image) else None
@@ -36,4 +67,5 @@ def launch(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
                                      for s in lau.stages))
 
 
-__all__ = ["ContainerSpec", "EngineError", "Launch", "NodeFacts", "Stage", "launch"]
+__all__ = ["KINDS", "ContainerSpec", "EngineError", "ImageRule", "Kind", "Launch", "NodeFacts", "Stage",
+           "kind", "launch", "software"]

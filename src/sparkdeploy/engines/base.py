@@ -1,5 +1,6 @@
-"""What every serving engine shares: per-node container specs, the link environment, and the
-``docker run`` argv built from a spec.
+"""What every serving engine shares: the interface each engine kind implements (``Kind``:
+everything about a kind, in its own module), per-node container specs, the link environment,
+and the ``docker run`` argv built from a spec.
 
 An engine module turns the profile into a ``Launch``: stages of containers, each stage started
 on its nodes and then waited on (SGLang's head opens its init port, Ray reports every node with
@@ -36,11 +37,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 from sparkdeploy import labels as lbl
-from sparkdeploy.config import Engine, Node, Profile
+from sparkdeploy.engines.rules import Pat, Rule, SequenceRule
 from sparkdeploy.errors import StepFailed
 from sparkdeploy.state import is_secret_name
+
+if TYPE_CHECKING:  # the profile's types only: config.py reads the kinds from the registry
+    from sparkdeploy.config import Engine, Node, Profile
 
 PREFIX = "sparkdeploy"
 API_KEY_ENV = "SPARKDEPLOY_API_KEY"
@@ -51,6 +56,86 @@ _IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$")
 
 class EngineError(StepFailed):
     """The profile cannot be turned into containers; ``str()`` is one line."""
+
+
+STARTUP = ("containers_running", "dist_init", "port_open", "health", "model_listed",
+           "first_token")
+"""The startup milestones ``serve.up`` times for every kind, in order, each in seconds from the
+engine's start: every container running, the engine's distributed init done (its own log line,
+``Kind.dist_ready``), the API port open, ``/health`` 200, the model listed in ``/v1/models``,
+the first token of the test completion (the first chunk carrying content; the milestone
+sparkrun calls time to first token)."""
+
+
+@dataclass(frozen=True)
+class ImageRule:
+    """What an image needs to serve the model with a kind's software, by default (the
+    profile's ``images.rules`` overrides it: ``config.EngineRule``)."""
+
+    min_version: str
+    model_files: tuple[str, ...] = ()
+    """Files of the installed software package the image must hold (the model's classes)."""
+    require_config: bool = False
+    """Whether the image's transformers must parse the model's config."""
+
+
+class Kind:
+    """One engine kind (``engines[].kind``): everything sparkdeploy knows of it, in its own
+    module under ``engines/``, found through the registry (``engines.KINDS``).
+
+    - the container specs: ``build``;
+    - how its version is read from an image: ``software`` is the Python distribution whose
+      installed metadata ``helpers/probe_image.py`` reads (with ``image_rule.model_files``
+      checked in that distribution's directory);
+    - its image rule: ``image_rule`` (the default of ``images.rules[software]``);
+    - its flag manifests: ``data/engine-flags/<software>-<release>.json`` (``engine_flags``),
+      made from its real parser with ``flag_packages`` installed for real (``flagmaker``);
+      a new version's manifest is a file there, nothing else;
+    - its startup lines: ``dist_ready`` (the ``dist_init`` milestone of ``STARTUP``) and the
+      ``Launch``'s stage waits;
+    - its diagnosis rules: ``diagnosis``, ``sequence_rules`` and their ``markers``
+      (``sparkdeploy.diagnose`` runs them with its own);
+    - where its API key goes: ``api_key_env``;
+    - what its ``args`` may not say: ``args_problem``.
+    """
+
+    name: ClassVar[str]
+    """The profile's ``engines[].kind``."""
+    software: ClassVar[str]
+    """The serving software in the image: its distribution's name (the version probe_image
+    reads), the candidates' ``engine:``, the key of ``images.rules`` and the flag manifests'
+    prefix. Two kinds may run the same software (vLLM with and without Ray)."""
+    image_rule: ClassVar[ImageRule]
+    flag_packages: ClassVar[tuple[str, ...]] = ()
+    """What ``flagmaker`` installs for real beside the wheel to build the engine's parser."""
+    dist_ready: ClassVar[str | None] = None
+    """The regular expression a line of the engine's own log matches once its distributed init
+    is done; None: it prints none we know."""
+    diagnosis: ClassVar[tuple[Rule, ...]] = ()
+    """Failure classes only this kind's logs show (with real log lines in the tests)."""
+    sequence_rules: ClassVar[tuple[SequenceRule, ...]] = ()
+    """Rules over the order of one log's lines that only this kind's logs need."""
+    markers: ClassVar[tuple[Pat, ...]] = ()
+    """The patterns its sequence rules look for (their keys pick a log's candidate lines)."""
+    api_key_env: ClassVar[str] = API_KEY_ENV
+    """The container variable the endpoint's API key reaches the engine in (a secret handed
+    over through ``--env-file``, never argv)."""
+
+    def build(self, profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
+              api_key: bool = False) -> Launch:
+        """The containers of ``engine`` on the profile's nodes, in stages (``Launch``)."""
+        raise NotImplementedError
+
+    def args_problem(self, args: list[str]) -> str | None:
+        """Why the profile's ``args`` cannot run as this kind (one line), None when they can."""
+        return None
+
+
+def pinned(ref: str) -> bool:
+    """Whether ``ref`` names its image by digest (``repo[:tag]@sha256:...``). Such a reference
+    resolves only where the image came from a registry: ``docker save``/``load`` keep no repo
+    digest, so a node that got the image from another node holds it by ID only."""
+    return "@sha256:" in ref
 
 
 @dataclass(frozen=True)

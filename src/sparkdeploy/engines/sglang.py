@@ -9,10 +9,13 @@ hung NCCL init (FACTS).
 
 from __future__ import annotations
 
-from sparkdeploy.config import Engine, Profile
+from typing import TYPE_CHECKING
+
 from sparkdeploy.engines.base import (
     API_KEY_ENV,
     ContainerSpec,
+    ImageRule,
+    Kind,
     Launch,
     NodeFacts,
     Stage,
@@ -24,6 +27,9 @@ from sparkdeploy.engines.base import (
     ordered_nodes,
     role_of,
 )
+
+if TYPE_CHECKING:
+    from sparkdeploy.config import Engine, Profile
 
 DEFAULT_DIST_PORT = 20000
 _VALUED = {"--model-path", "--served-model-name", "--tp-size", "--pp-size", "--nnodes", "--node-rank",
@@ -82,3 +88,23 @@ def build(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
         stages = (Stage((specs[0],), wait="dist-port"), Stage(tuple(specs[1:])))
     return Launch(engine, stages, head.name, engine.port, profile.model.repo,
                   wait_port=dist_port if len(specs) > 1 else None, dist_ready=DIST_READY)
+
+
+class SGLang(Kind):
+    """SGLang: ``python3 -m sglang.launch_server`` on every node."""
+
+    name = "sglang"
+    software = "sglang"
+    image_rule = ImageRule(
+        min_version="0.5.9",
+        model_files=("sglang/srt/models/qwen3_5.py", "sglang/srt/models/qwen3_5_mtp.py"),
+        require_config=True)
+    flag_packages = ("packaging",)
+    dist_ready = DIST_READY
+
+    def build(self, profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
+              api_key: bool = False) -> Launch:
+        return build(profile, engine, facts, api_key)
+
+
+KIND = SGLang()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from sparkdeploy.deployment import Deployment
+from sparkdeploy.engines.base import pinned as pinned  # where the serve steps and the ship read it
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image, tagged
 from sparkdeploy.records import ImageDecision
@@ -37,13 +38,6 @@ def engine_digest(dep: Deployment, engine: str) -> str | None:
     rec = decision(dep)
     chosen = rec.engines.get(engine) if rec else None
     return chosen.digest if chosen else None
-
-
-def pinned(ref: str) -> bool:
-    """Whether ``ref`` names its image by digest (``repo[:tag]@sha256:...``). Such a reference
-    resolves only where the image came from a registry: ``docker save``/``load`` keep no repo
-    digest, so a node that got the image from another node holds it by ID only."""
-    return "@sha256:" in ref
 
 
 def repo_of(ref: str) -> str:

@@ -17,14 +17,15 @@ from sparkdeploy import endpoint as ep
 from sparkdeploy import labels
 from sparkdeploy.config import Engine
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.engines import Launch, NodeFacts, Stage, launch
-from sparkdeploy.engines.base import API_KEY_ENV, run_args, secret_lines
+from sparkdeploy.engines import KINDS, Launch, NodeFacts, Stage, launch
+from sparkdeploy.engines.base import STARTUP, run_args, secret_lines
 from sparkdeploy.files import write_text_atomic
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import HelperFailed, docker, inspect_image, run_helper
 from sparkdeploy.ops import image as image_ops
 from sparkdeploy.ops import serve_preflight
 from sparkdeploy.ops.serve_containers import RAY_PROBE
+from sparkdeploy.ops.serve_preflight import node_facts
 from sparkdeploy.ops.serve_watch import StartFailed, Watch
 from sparkdeploy.outside import OutsideError, last_line
 from sparkdeploy.records import Attempt
@@ -41,7 +42,7 @@ class Run:
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         self.dir = dep.state.path / "runs" / f"{stamp}-serve.up"
         key = ep.api_key()
-        self.secrets = {"VLLM_API_KEY": key, API_KEY_ENV: key} if key else {}
+        self.secrets = {k.api_key_env: key for k in KINDS.values()} if key else {}
         self.attempts: list[Attempt] = []
         self.startup: dict[str, float] | None = None
         """The serving engine's startup milestones (``STARTUP``), once one came up."""
@@ -122,15 +123,6 @@ def _ranks_joined(stage: Stage, watch: Watch) -> bool:
         watch.progress(f"{name} joined")
     seen |= joined
     return joined == names
-
-
-STARTUP = ("containers_running", "dist_init", "port_open", "health", "model_listed",
-           "first_token")
-"""The startup milestones ``serve.up`` times, in order, each in seconds from the engine's start:
-every container running, the engine's distributed init done (its own log line), the API port
-open, ``/health`` 200, the model listed in ``/v1/models``, the first token of the test
-completion (the first chunk carrying content; the milestone sparkrun calls time to first
-token)."""
 
 
 def bring_up(dep: Deployment, lau: Launch, run: Run, watch: Watch) -> str:
@@ -229,8 +221,6 @@ def engine_of(dep: Deployment, name: str | None) -> Engine | None:
 def running_launch(dep: Deployment, eng: Engine) -> Launch:
     """The engine's containers as ``serve.up`` starts them on these nodes (their GID index and
     RDMA devices read afresh); EngineError when the profile cannot launch it."""
-    from sparkdeploy.ops.serve_preflight import node_facts
-
     facts = {}
     for n in dep.profile.nodes:
         got = node_facts(dep, dep.host(n.name), [], [])

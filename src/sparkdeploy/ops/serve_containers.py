@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sparkdeploy import endpoint as ep
 from sparkdeploy import labels
 from sparkdeploy.config import Engine
 from sparkdeploy.deployment import Deployment
+from sparkdeploy.engines import launch
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import docker, inspect_image
 
@@ -51,9 +53,6 @@ def serving(dep: Deployment, engine: Engine) -> Serving:
     running on its node, with the profile's fingerprint and the image ID the head holds under
     the engine's tag now, and the endpoint (the head, the labelled port) answering with the
     model. Raises NodeUnreachable."""
-    from sparkdeploy import endpoint as ep
-    from sparkdeploy.engines import launch
-
     prof = dep.profile
     want = launch(prof, engine, {}).containers
     have: dict[tuple[str, str], labels.Container] = {}

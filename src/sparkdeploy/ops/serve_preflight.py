@@ -21,7 +21,7 @@ from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import Launch, NodeFacts
 from sparkdeploy.hosts import Host, HostError
 from sparkdeploy.nodeops import NodeUnreachable, inspect_image, run_helper
-from sparkdeploy.ops import Ctx
+from sparkdeploy.ops import Ctx, model, model_select
 from sparkdeploy.ops import image as image_ops
 from sparkdeploy.ops.units import gpu_processes
 from sparkdeploy.results import Result
@@ -118,8 +118,6 @@ def node_facts(dep: Deployment, host: Host, ports: list[int], peers: list[str]) 
 def _check_verified(dep: Deployment, host: Host, meta: dict[str, Any], pf: Preflight) -> None:
     """Every file of the model verified on the node, by ``model.verify``'s records (quick: no
     hashing here; a file changed since it was verified counts as not verified)."""
-    from sparkdeploy.ops import model
-
     try:
         state = model.node_state(pf.ctx, host, model.stage_for(host, meta), quick=True)
     except model.ModelError as e:
@@ -138,8 +136,6 @@ def model_metadata(dep: Deployment) -> tuple[dict[str, Any] | None, str]:
     """The files the engine loads, as the head records them (decided from the hub or the cache
     when it records none); (None, why) when none answers: then the weights are checked for
     presence only."""
-    from sparkdeploy.ops import model, model_select
-
     try:
         meta, _ = model_select.selected(dep)
         return meta, ""

@@ -24,6 +24,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from sparkdeploy import endpoint as ep
+from sparkdeploy.bench.client import BenchError, Settings, Target
+from sparkdeploy.bench.gate import check
 from sparkdeploy.config import load_profile
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Host
@@ -163,9 +165,6 @@ def coherent(url: str, want: str, deadline: float = 60.0) -> str | None:
     """Why the endpoint does not serve ``want`` coherently (None: it does): ``/v1/models`` lists
     it, and the bench's coherence gate (``bench.gate``: fixed prompts with checkable answers)
     comes back right from that model."""
-    from sparkdeploy.bench.client import BenchError, Settings, Target
-    from sparkdeploy.bench.gate import check
-
     listed = ep.models(url, deadline=min(deadline, 30.0))
     if want not in listed:
         return f"/v1/models lists {', '.join(listed) or 'nothing'}, not {want}"

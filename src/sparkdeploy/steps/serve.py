@@ -26,6 +26,7 @@ from sparkdeploy import endpoint as ep
 from sparkdeploy import labels
 from sparkdeploy.config import Engine, ProfileError
 from sparkdeploy.deployment import Deployment
+from sparkdeploy.diagnose import classify
 from sparkdeploy.engines import EngineError, launch
 from sparkdeploy.engines.base import API_KEY_ENV
 from sparkdeploy.fingerprint import Fingerprint
@@ -104,18 +105,12 @@ def try_engine(ctx: StepContext, engine: Engine, run: Run) -> str | None:
         raise
 
 
-def _diagnose(logs: dict[str, list[str]]) -> Any:
-    from sparkdeploy.diagnose import classify
-
-    return classify(logs)
-
-
 def give_up(dep: Deployment, engine: Engine, err: EngineFailed, run: Run) -> Attempt:
     """Diagnose from every container's log, save the logs, remove the containers everywhere."""
     watch: Watch | None = getattr(err, "watch", None)
     logs = watch.logs() if watch else {}
     logdir = run.save_logs(engine.name, logs)
-    diag = _diagnose(logs)
+    diag = classify(logs)
     hosts = [dep.host(n.name) for n in dep.profile.nodes]
     removed = remove(dep, hosts, engine.name)
     left = {h.name: [c.name for c in ours(h, dep.profile.name, engine.name)] for h in hosts}

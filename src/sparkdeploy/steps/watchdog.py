@@ -17,6 +17,7 @@ from sparkdeploy.engines import Launch
 from sparkdeploy.helpers import serve_watchdog as wd
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import docker, run_helper
+from sparkdeploy.ops import swap as swap_ops
 from sparkdeploy.ops.serve import Run, bring_up, drop_previous, engine_of, put_file, running_launch
 from sparkdeploy.ops.serve_containers import active, installed, remove, unit_name
 from sparkdeploy.ops.serve_watch import EngineFailed, Watch, full_log, policy, read_restarts
@@ -111,8 +112,6 @@ def swap_pause(ctx: StepContext) -> str | None:
     """What a ``serve.swap`` on the head says of this watch: ``paused`` during its cut-over
     (the old engine stops on purpose: nothing to restart), ``swapped`` once a swap put another
     model than the profile's in its place (said so: the watch ends), else None."""
-    from sparkdeploy.ops import swap as swap_ops
-
     dep = ctx.dep
     rec = swap_ops.read_phase(dep.host(dep.profile.head.name), dep.profile.name)
     if rec is None:

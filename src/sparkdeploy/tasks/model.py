@@ -10,6 +10,7 @@ from invoke.exceptions import Exit
 
 from sparkdeploy import estimate as est
 from sparkdeploy.tasks import _flags as flags
+from sparkdeploy.tasks import _swap
 from sparkdeploy.tasks._common import exits, run_step
 from sparkdeploy.tasks._flags import task
 
@@ -57,9 +58,7 @@ def fit(c, profile=None):
 def prune(c, yes=False, profile=None):
     """Remove other models' weights from every node (never the serving model's; model.keep of
     the others, the most recent, stay): lists them per node with sizes and asks unless --yes."""
-    from sparkdeploy.tasks._swap import prune as run
-
-    run(c, yes=yes, profile=profile)
+    _swap.prune(c, yes=yes, profile=profile)
 
 
 @task(name="estimate", help={

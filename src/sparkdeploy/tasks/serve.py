@@ -4,7 +4,9 @@ wedges), persist it, take it down, and say why when it does not come up."""
 from invoke import Collection
 from invoke.exceptions import Exit
 
+from sparkdeploy import diagnose as dx
 from sparkdeploy.tasks import _flags as flags
+from sparkdeploy.tasks import _swap
 from sparkdeploy.tasks._common import run_step
 from sparkdeploy.tasks._flags import integer, task
 
@@ -64,8 +66,6 @@ def watch(c, checks=None, profile=None):
 @task(iterable=["log"], help={"log": "an engine log file, one per node (repeat --log for each)"})
 def diagnose(c, log=None):
     """Classify engine logs: prints `class: NAME`, then the evidence lines as FILE:LINE: text."""
-    from sparkdeploy import diagnose as dx
-
     if not log:
         raise Exit("--log: give at least one engine log file", code=2)
     code = dx.main(list(log))
@@ -79,10 +79,8 @@ def diagnose(c, log=None):
 def swap(c, recipe=None, engine=None, profile=None, recipes=None):
     """Change the model with only a bring-up's downtime: prepare the new one while the old one
     serves, then stop the old one and bring up the new one; back to the old one on a failure."""
-    from sparkdeploy.tasks._swap import swap as run
-
-    run(c, recipe=recipe, engine=engine, profile=profile,
-        recipes=tuple(flags.name_list("--recipes", recipes)))
+    _swap.swap(c, recipe=recipe, engine=engine, profile=profile,
+               recipes=tuple(flags.name_list("--recipes", recipes)))
 
 
 ns = Collection("serve", up, down, status, logs, watch, persist, unpersist, diagnose, swap)
