@@ -247,3 +247,31 @@ def test_apt_download_that_leaves_no_deb_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(dockerd, "run", lambda argv, **kw: None)
     with pytest.raises(LabError, match=r"^apt-get download libnuma1 \(bookworm\) left no \.deb$"):
         dockerd.apt_download("bookworm", ["libnuma1"])
+
+
+MOUNTINFO = """\
+22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw
+30 22 0:26 / /dev/shm rw,nosuid,nodev shared:4 - tmpfs tmpfs rw
+"""
+
+
+def test_each_node_gets_a_dev_shm_of_its_own_once(monkeypatch):
+    from sparkdeploy.lab import layout, node
+
+    ran = []
+    info = {"text": MOUNTINFO}
+
+    def run(argv, **kw):
+        ran.append(argv)
+        if argv[-1] == "/proc/self/mountinfo":
+            return type("CP", (), {"stdout": info["text"]})()
+        info["text"] += "41 30 0:51 / /dev/shm rw,nosuid,nodev - tmpfs lab-shm-spark2 rw,mode=1777\n"
+        return None
+
+    monkeypatch.setattr(node, "run", run)
+    assert node.ensure_private_shm("spark2") is True
+    ns = f"--mount={layout.mntns_path('spark2')}"
+    assert ran[1] == ["nsenter", ns, "mount", "-t", "tmpfs", "-o", "mode=1777,nosuid,nodev",
+                      "lab-shm-spark2", "/dev/shm"]
+    assert node.ensure_private_shm("spark2") is False  # the machine's tmpfs is not the node's
+    assert len(ran) == 3

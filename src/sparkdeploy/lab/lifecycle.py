@@ -205,6 +205,8 @@ def _ensure_node(x: str, st: dict, plan: AddressPlan) -> Result:
     if node.ensure_mntns(x, st["created_paths"]):
         what.append("made mount ns")
     mounts = node.ensure_private_mounts(x, st["created_paths"])
+    if node.ensure_private_shm(x):
+        mounts.append(node.SHM)
     if mounts:
         what.append("mounted " + " ".join(mounts))
     if node.ensure_mgmt_link(x, plan):

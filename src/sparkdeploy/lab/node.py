@@ -76,6 +76,38 @@ def ensure_private_mounts(node: str, created: list[str]) -> list[str]:
     return made
 
 
+SHM = "/dev/shm"
+
+
+def shm_source(node: str) -> str:
+    return f"lab-shm-{node}"
+
+
+def _mount_source(mountinfo: str, target: str) -> str | None:
+    """The source of the last mount on ``target`` (the field after the ``-`` separator)."""
+    source = None
+    for line in mountinfo.splitlines():
+        f = line.split()
+        if len(f) > 4 and _unescape(f[4]) == target and "-" in f:
+            rest = f[f.index("-") + 1:]
+            source = rest[1] if len(rest) > 1 else None
+    return source
+
+
+def ensure_private_shm(node: str) -> bool:
+    """A tmpfs of the node's own on /dev/shm (True if mounted now). The nodes share the
+    machine's kernel: without it, every node's engines (``--ipc=host``) see one /dev/shm, and
+    vLLM's check whether two ranks share a machine (a shared-memory segment one writes and the
+    others open) says the lab's two nodes are one, where two Sparks are two."""
+    f = layout.mntns_path(node)
+    have = run(["nsenter", f"--mount={f}", "cat", "/proc/self/mountinfo"]).stdout
+    if _mount_source(have, SHM) == shm_source(node):
+        return False
+    run(["nsenter", f"--mount={f}", "mount", "-t", "tmpfs", "-o", "mode=1777,nosuid,nodev",
+         shm_source(node), SHM])
+    return True
+
+
 # --- network -----------------------------------------------------------------------------
 
 
