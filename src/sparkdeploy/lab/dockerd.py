@@ -4,6 +4,7 @@ containerd daemon. ``docker(node, ...)`` is the lab's one docker CLI helper."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -47,10 +48,9 @@ def debian_mirror(sources: Path = Path("/etc/apt/sources.list.d/debian.sources")
     return "http://deb.debian.org/debian"
 
 
-def apt_download(suite: str, packages: Sequence[str]) -> list[Path]:
-    """Debian ``suite``'s current .deb of each package, in ``CACHE_DIR/apt-<suite>/`` (older
-    downloads of those packages removed). A sources list and lists dir of its own: the
-    system's apt setup is untouched. The newest file of each package, in ``packages``' order."""
+def _apt(suite: str) -> tuple[Path, list[str]]:
+    """The suite's own apt setup under ``CACHE_DIR/apt-<suite>/`` (a sources list and lists dir
+    of its own: the system's apt setup is untouched), its lists updated; (dir, apt options)."""
     cache = layout.CACHE_DIR / f"apt-{suite}"
     (cache / "lists" / "partial").mkdir(parents=True, exist_ok=True)
     (cache / "archives" / "partial").mkdir(parents=True, exist_ok=True)
@@ -62,6 +62,13 @@ def apt_download(suite: str, packages: Sequence[str]) -> list[Path]:
             "-o", f"Dir::Cache::Archives={cache / 'archives'}",
             "-o", "APT::Get::List-Cleanup=0"]
     run(["apt-get", *opts, "update"], timeout=600)
+    return cache, opts
+
+
+def apt_download(suite: str, packages: Sequence[str]) -> list[Path]:
+    """Debian ``suite``'s current .deb of each package, in ``CACHE_DIR/apt-<suite>/`` (older
+    downloads of those packages removed): the newest file of each, in ``packages``' order."""
+    cache, opts = _apt(suite)
     for pkg in packages:
         for old in cache.glob(f"{pkg}_*.deb"):
             old.unlink()
@@ -73,6 +80,30 @@ def apt_download(suite: str, packages: Sequence[str]) -> list[Path]:
             raise LabError(f"apt-get download {pkg} ({suite}) left no .deb")
         out.append(debs[-1])
     return out
+
+
+def apt_closure(suite: str, packages: Sequence[str], status: bytes) -> list[Path]:
+    """The .debs that installing ``packages`` (no recommends) onto a system whose dpkg status
+    is ``status`` needs: apt resolves against that status, downloads only, into a folder of
+    its own per (suite, packages, status), kept: a second call asks no network."""
+    key = hashlib.sha256(json.dumps([suite, list(packages)]).encode() + status).hexdigest()[:16]
+    cache = layout.CACHE_DIR / f"apt-{suite}"
+    out = cache / "closures" / key
+    if (out / ".done").exists():
+        return sorted(out.glob("*.deb"))
+    cache, opts = _apt(suite)
+    (out / "partial").mkdir(parents=True, exist_ok=True)
+    (out / "status").write_bytes(status)
+    opts = [o if not o.startswith("Dir::Cache::Archives=") else f"Dir::Cache::Archives={out}"
+            for o in opts]
+    run(["apt-get", *opts, "-o", f"Dir::State::status={out / 'status'}", "-o",
+         "Debug::NoLocking=1", "install", "--download-only", "--no-install-recommends", "-y",
+         *packages], timeout=900)
+    debs = sorted(out.glob("*.deb"))
+    if not debs:
+        raise LabError(f"apt-get install --download-only {' '.join(packages)} ({suite}) left no .deb")
+    (out / ".done").touch()
+    return debs
 
 
 def ensure_docker26() -> tuple[bool, str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tarfile
 
 from sparkdeploy.files import move_in
 from sparkdeploy.lab import layout
@@ -116,3 +117,12 @@ def images(node: str) -> list[str]:
     cp = run(docker(node, "images", "--format", "{{.Repository}}:{{.Tag}} {{.ID}} {{.Size}}"),
              check=False, timeout=30)
     return [ln for ln in cp.stdout.splitlines() if ln.strip()] if cp.returncode == 0 else []
+
+
+def base_status() -> bytes:
+    """The base image's dpkg status (what its packages are), read from the cached tarball."""
+    with tarfile.open(BASE_TAR) as tar:
+        f = tar.extractfile("./var/lib/dpkg/status")
+        if f is None:
+            raise LabError(f"{BASE_TAR}: no var/lib/dpkg/status")
+        return f.read()

@@ -78,7 +78,8 @@ from sparkdeploy.engine_flags import DIR as FLAGS_DIR
 from sparkdeploy.engine_flags import release
 from sparkdeploy.files import move_in
 from sparkdeploy.lab import layout
-from sparkdeploy.lab.dockerd import apt_download
+from sparkdeploy.lab.dockerd import apt_closure
+from sparkdeploy.lab.image import base_status
 from sparkdeploy.results import Result, Status
 
 STEP = "lab.images"
@@ -292,11 +293,14 @@ def dockerfile(recipe: ImageSpec, base_image: str, engine_wheel: str, labels: di
     ])
 
 
-REAL_DEBS = ("libnuma1",)
-"""Debian packages a real engine loads besides its wheels: vLLM's CPU kernels link libnuma
-(``Failed to import from vllm._C_AVX2: ImportError('libnuma.so.1: ...')``, then no
-``init_cpu_memory_env``: the worker dies), which vLLM's own CPU images install with apt. The base's
-suite (bookworm), fetched on the controller (``dockerd.apt_download``)."""
+REAL_DEBS = ("libnuma1", "g++", "python3-dev")
+"""Debian packages a real engine needs besides its wheels, as vLLM's own CPU images install
+them with apt: libnuma (its CPU kernels link it: ``Failed to import from vllm._C_AVX2:
+ImportError('libnuma.so.1: ...')``, then the worker dies), a C++ compiler and Python's headers
+(torch's inductor compiles CPU kernels at the first request even with ``--enforce-eager``:
+``InvalidCxxCompiler: No working C++ compiler found``). What installing them onto the base needs,
+resolved against the base's own dpkg status and fetched on the controller
+(``dockerd.apt_closure``)."""
 REAL_SCRIPT = (
     "dpkg -i /ctx/debs/*.deb"
     f" && python3 -m venv {VENV}"
@@ -680,7 +684,8 @@ def build_community_images(
                 deps = dependency_wheels(recipe, cache_dir, engine_wheel)
                 with tempfile.TemporaryDirectory(dir=cache_dir.parent,
                                                  prefix=".image-ctx-") as tmp:
-                    debs = apt_download("bookworm", REAL_DEBS) if recipe.real else []
+                    debs = (apt_closure("bookworm", REAL_DEBS, base_status()) if recipe.real
+                            else [])
                     write_context(Path(tmp), recipe, base_image, labels, engine_wheel, deps,
                                   standin, debs)
                     if recipe.real:
