@@ -92,7 +92,7 @@ class Ranks(FakeContext):
             if key not in self.running:
                 return self.result(command, 1, "", f"Error: No such object: {a[-1]}")
             how = self.behaviour[node]
-            state = {"ok": "exited 0", "fail": "exited 1", "hang": "running 0"}[how]
+            state = {"ok": "exited 0", "fail": "exited 1", "hang": "running 0", "notorch": "exited 3"}[how]
             return self.result(command, 0, state + "\n")
         if a[0] == "logs":
             how = self.behaviour[node]
@@ -100,7 +100,10 @@ class Ranks(FakeContext):
                 return self.result(command, 0, "progress joined=1 seconds=0.1\n",
                                    "[W socket.cpp:755] [c10d] The client socket has timed out\n")
             if how == "fail":
-                return self.result(command, 1, "", "error: RuntimeError: NCCL error: unhandled system error\n")
+                return self.result(command, 0, "", "error: RuntimeError: NCCL error: unhandled system error\n")
+            if how == "notorch":
+                return self.result(command, 0, "", "error: this image's python3 cannot import "
+                                                    "torch.distributed: No module named 'torch'\n")
             return self.result(command, 0, "progress size=1048576 iters=5\n" + self.answers[node] + "\n")
         raise AssertionError(f"unexpected docker {shlex.join(a)}")
 
@@ -262,6 +265,15 @@ def test_a_rank_that_fails_ends_the_test_at_once_with_its_error(tmp_path):
     _, ctx, clock, results = run(tmp_path, {"spark1": "ok", "spark2": "fail"})
     assert clock() < 5
     assert results[-1].why == "failed: spark2: the rank failed: RuntimeError: NCCL error: unhandled system error"
+    assert ctx.running == {}
+
+
+def test_an_image_without_torch_is_skipped_not_failed(tmp_path):
+    # the lab's engine stand-ins hold no torch: deploy.all goes on to serve.up
+    dep, ctx, _, results = run(tmp_path, {"spark1": "notorch", "spark2": "notorch"})
+    assert results[-1].status.value == "skipped"
+    assert results[-1].why == ("skipped: spark1: not run in hellohal2064/vllm-qwen3.5-gb10: this image's "
+                               "python3 cannot import torch.distributed: No module named 'torch'")
     assert ctx.running == {}
 
 

@@ -34,6 +34,10 @@ PORT = 29511
 """The rendezvous port on the head's fast-link address (beside vLLM's 29501)."""
 ROLE = "fabric"
 OK, DEGRADED, HANG, WRONG_INTERFACE, FAILED = "ok", "degraded", "hang", "wrong-interface", "failed"
+SKIPPED = "skipped"
+"""The image's python3 has no torch (the lab's engine stand-ins): nothing to test with."""
+NO_TORCH = 3
+"""The rank's exit status when its python3 cannot import torch.distributed."""
 ON_LINK = 0.5
 """The least share of what the all-reduce must have sent that the link's interface (or its
 RDMA ports) must show: under it, with another interface showing it, the verdict is
@@ -210,3 +214,7 @@ def hang(profile: Profile, waited: float, pending: list[str], tails: dict[str, s
 
 def failed(profile: Profile, why: str) -> Fabric:
     return Fabric(verdict=FAILED, expected_gbs=expected_gbs(profile), sizes=[], why=why)
+
+
+def skipped(profile: Profile, why: str) -> Fabric:
+    return Fabric(verdict=SKIPPED, expected_gbs=expected_gbs(profile), sizes=[], why=why)

@@ -85,7 +85,7 @@ def fabric(ctx: StepContext, engine: str | None = None) -> None:
     backend = next((r.backend for r in reports.values()), None)
     dep.records.write(FabricRecord(**result.model_dump(), engine=eng.name, image=eng.image,
                                    backend=backend, nodes=[s.node for s in specs]))
-    say = ctx.ok if result.verdict == fab.OK else ctx.failed
+    say = {fab.OK: ctx.ok, fab.SKIPPED: ctx.skipped}.get(result.verdict, ctx.failed)
     say(f"{result.verdict}: {result.why}", head, fabric=result.model_dump())
 
 
@@ -149,7 +149,7 @@ def _wait_and_read(ctx: StepContext, specs: list[ContainerSpec]) -> tuple[fab.Fa
         for s in specs:
             state, code = _state(dep.host(s.node), s.name)
             if state in ("exited", "dead", "gone") and code != 0:
-                raise Stop(s.node)
+                raise Stop(s.node, code)
             if state not in ("exited", "dead"):
                 pending.append(s.node)
         return not pending
@@ -162,10 +162,12 @@ def _wait_and_read(ctx: StepContext, specs: list[ContainerSpec]) -> tuple[fab.Fa
         tails = {n: _last_line(dep.host(n), _name(specs, n)) for n in pending}
         return fab.hang(prof, e.waited, list(pending), tails), {}
     except Stop as e:
-        node = str(e)
+        node, code = e.args
         _, err = _logs(dep.host(node), _name(specs, node))
-        return fab.failed(prof, f"{node}: the rank failed: "
-                                f"{helper_error(err, 'it exited without a word')}"), {}
+        why = helper_error(err, "it exited without a word")
+        if code == fab.NO_TORCH:
+            return fab.skipped(prof, f"{node}: not run in {specs[0].image}: {why}"), {}
+        return fab.failed(prof, f"{node}: the rank failed: {why}"), {}
     reports = {}
     for s in specs:
         out, err = _logs(dep.host(s.node), s.name)
