@@ -54,6 +54,17 @@ def leftovers(lab) -> dict[str, str]:
     return out
 
 
+def fabric_with(state: Path, fault: str) -> tuple[subprocess.CompletedProcess, dict, float]:
+    """link.fabric with ``fault`` on spark2, undone whatever the run found."""
+    try:
+        [f] = faults.set_fault(fault, node="spark2")
+        assert not f.failed, f.why
+        return fabric(state)
+    finally:
+        [undo] = faults.set_fault("none")
+        assert not undo.failed, undo.why
+
+
 @pytest.fixture(scope="module")
 def pair(lab, tmp_path_factory):
     """The lab pair with the real engine's image on both nodes (probed, shipped: only those
@@ -86,13 +97,7 @@ def test_the_healthy_link_is_ok_with_nccl_tests_figures(pair):
 
 def test_a_throttled_link_is_named_degraded(pair):
     lab, state = pair
-    try:
-        [f] = faults.set_fault("link-throttled", node="spark2")
-        assert not f.failed, f.why
-        r, doc, _ = fabric(state)
-    finally:
-        [undo] = faults.set_fault("none")
-    assert not undo.failed, undo.why
+    r, doc, _ = fabric_with(state, "link-throttled")
     assert r.returncode == 1, r.stderr[-4000:]
     assert doc["verdict"] == "degraded", doc
     assert "under the 0.125 GB/s expected" in doc["why"]
@@ -103,13 +108,7 @@ def test_a_throttled_link_is_named_degraded(pair):
 def test_a_dropped_link_is_a_hang_ended_by_its_deadline_and_named(pair):
     lab, state = pair
     deadline = load_profile(LAB).link.fabric_timeout_s
-    try:
-        [f] = faults.set_fault("link-drop", node="spark2")
-        assert not f.failed, f.why
-        r, doc, took = fabric(state)
-    finally:
-        [undo] = faults.set_fault("none")
-    assert not undo.failed, undo.why
+    r, doc, took = fabric_with(state, "link-drop")
     assert link_faults.heal("spark2") == []  # the bridge port forwards again
     assert r.returncode == 1, r.stderr[-4000:]
     assert doc["verdict"] == "hang", doc

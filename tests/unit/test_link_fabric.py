@@ -6,6 +6,7 @@ the perftest's figure."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 
@@ -305,3 +306,48 @@ IB_WRITE_BW = """
 def test_the_perftest_figure_is_its_average_column():
     assert link_fabric.perftest_gbps(IB_WRITE_BW) == 111.70
     assert link_fabric.perftest_gbps("Couldn't connect to 192.168.100.11:18515") is None
+
+
+# --- the task ------------------------------------------------------------------------------
+
+
+def test_json_prints_only_the_document_on_stdout_and_the_stream_on_stderr(tmp_path, capsys):
+    from invoke import Config, Context
+
+    from sparkdeploy.tasks import link as link_tasks
+
+    c = Context(Config(overrides={"sparkdeploy": {"profile": str(profile(tmp_path)),
+                                                  "state_dir": str(tmp_path / "state")},
+                                  "run": {"dry": True}}))
+    link_tasks.fabric(c, json=True, engine="vllm")
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {
+        "verdict": "skipped", "expected_gbs": 3.125, "sizes": [],
+        "why": "would run an all-reduce of 1 to 1024 MiB in hellohal2064/vllm-qwen3.5-gb10 on spark1, spark2"}
+    assert len(out.splitlines()) == 1
+    assert "skipped  link.fabric" in err and "recap:" in err
+
+
+# --- where the figures show: serve.status and the run record --------------------------------
+
+
+def test_serve_status_and_the_run_record_show_the_last_fabric_test(tmp_path):
+    from sparkdeploy import run_record
+    from sparkdeploy.plan import StepRun
+    from sparkdeploy.steps import serve as serve_steps
+    from sparkdeploy.steps.registry import StepContext
+
+    dep, _, _, _ = run(tmp_path, {"spark1": "ok", "spark2": "ok"})
+    ctx = StepContext("serve.status", dep.events, dep)
+    serve_steps._fabric(ctx)
+    [line] = ctx.results
+    assert re.fullmatch(r"link\.fabric \(\d{4}-\d\d-\d\dT[\d:]+Z\): ok: best busbw 12\.000 GB/s at 1 MiB over 2 "
+                        r"ranks \(nccl\), at least the 3\.125 GB/s expected", line.why), line.why
+    assert line.details["fabric"]["sizes"][0] == {"bytes": 1 << 20, "algbw_gbs": 12.0, "busbw_gbs": 12.0}
+    got = run_record._fabric({"link.fabric": StepRun("link.fabric", state="done", reused=True)}, dep)
+    assert got is not None
+    assert (got["verdict"], got["reused"], got["sizes"][-1]["bytes"]) == ("ok", True, 1 << 30)
+    md = "\n".join(run_record._fabric_markdown(got))
+    assert md.startswith("- **ok**: best busbw") and f"(reused, from {got['time']})" in md
+    assert "| 1073741824 | 12.0 | 12.0 |" in md
+    assert run_record._fabric({}, dep) is None  # a plan without it

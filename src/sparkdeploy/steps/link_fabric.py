@@ -65,20 +65,23 @@ def fabric(ctx: StepContext, engine: str | None = None) -> None:
     head = dep.profile.head.name
     sizes = fab.sizes_for(dep.profile.link.fabric_max_bytes)
     if ctx.dry:
-        ctx.would(f"run an all-reduce of {sizes[0] // fab.MIB} to {sizes[-1] // fab.MIB} MiB in "
-                  f"{eng.image} on {', '.join(n.name for n in dep.profile.nodes)}", head)
+        what = (f"run an all-reduce of {sizes[0] // fab.MIB} to {sizes[-1] // fab.MIB} MiB in "
+                f"{eng.image} on {', '.join(n.name for n in dep.profile.nodes)}")
+        ctx.would(what, head, fabric=fab.skipped(dep.profile, f"would {what}").model_dump())
         return
     try:
         lau = running_launch(dep, eng)
     except EngineError as e:
-        ctx.failed(f"{eng.name}: {e}", head)
+        why = f"{eng.name}: {e}"
+        ctx.failed(why, head, fabric=fab.failed(dep.profile, why).model_dump())
         return
     content = packaged.data(fab.PROGRAM).read_text()
     staged = {n.name: stage(dep.host(n.name), fab.PROGRAM, content) for n in dep.profile.nodes}
     link = dep.profile.link
     specs = fab.rank_specs(dep.profile, lau, staged, sizes, link.fabric_budget_s, link.fabric_port)
     if len(specs) < 2:
-        ctx.skipped(f"one node: no link to test ({eng.name} runs on {head} alone)", head)
+        why = f"one node: no link to test ({eng.name} runs on {head} alone)"
+        ctx.skipped(why, head, fabric=fab.skipped(dep.profile, why).model_dump())
         return
     result, reports = run_ranks(ctx, specs, staged)
     _perftests(ctx, specs)

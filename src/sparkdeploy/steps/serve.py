@@ -380,11 +380,8 @@ def _fabric(ctx: StepContext) -> None:
     rec = ctx.dep.records.read(FabricRecord)
     if rec is None:
         return
-    best = max(rec.sizes, key=lambda s: s.busbw_gbs, default=None)
-    figures = (f", best busbw {best.busbw_gbs:g} GB/s (algbw {best.algbw_gbs:g}) at "
-               f"{best.bytes >> 20} MiB" if best else "")
     when = f" ({rec.made.time_iso})" if rec.made else ""
-    ctx.ok(f"link.fabric{when}: {rec.verdict}{figures}; {rec.why}", fabric=rec.model_dump(mode="json"))
+    ctx.ok(f"link.fabric{when}: {rec.verdict}: {rec.why}", fabric=rec.model_dump(mode="json"))
 
 
 @step(STEP_STATUS)

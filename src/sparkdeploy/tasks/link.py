@@ -36,9 +36,10 @@ def fabric(c, json=False, engine=None, recipe=None, recipes=None, profile=None):
 
     def show(dep, results):
         if json:
+            # a node that could not be reached stops the step before any verdict: failed, its line
             found = next((r.details["fabric"] for r in results if "fabric" in r.details), None)
             print(_json.dumps(found or {"verdict": "failed", "expected_gbs": None, "sizes": [],
-                                        "why": next((r.why for r in results if r.failed), "not run")}),
+                                        "why": next((r.why for r in results if r.failed), "no answer")}),
                   flush=True)
 
     drive(c, "link.fabric", work, profile=profile, prepare=prepare, show=show, recipe=recipe,
