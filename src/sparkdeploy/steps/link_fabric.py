@@ -160,7 +160,9 @@ def _wait_and_read(ctx: StepContext, specs: list[ContainerSpec]) -> tuple[fab.Fa
     timeout = prof.link.fabric_timeout_s
     try:
         wait_for(ended, deadline=timeout, interval=POLL_S, what="the all-reduce's ranks",
-                 clock=dep.clock, sleep=dep.sleep)
+                 clock=dep.clock, sleep=dep.sleep,
+                 tick=lambda t: ctx.progress(prof.head.name, t, timeout, unit="s",
+                                             note=f"ranks running on {', '.join(pending)}"))
     except WaitTimeout as e:
         tails = {n: _last_line(dep.host(n), _name(specs, n)) for n in pending}
         return fab.hang(prof, e.waited, list(pending), tails), {}
