@@ -171,6 +171,8 @@ def main(argv=None):
         return 3
     if args.backend == "auto":  # NCCL where torch sees a GPU (a Spark), else gloo (the lab's CPU build)
         args.backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if args.backend == "nccl":
+        torch.cuda.set_device(0)  # one GPU per Spark: the rank's, before NCCL binds one
     began = time.monotonic()
     dist.init_process_group(args.backend, init_method=f"tcp://{args.master_addr}:{args.master_port}",
                             rank=args.rank, world_size=args.world,
