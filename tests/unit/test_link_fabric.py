@@ -98,8 +98,11 @@ class Ranks(FakeContext):
         if a[0] == "logs":
             how = self.behaviour[node]
             if how == "hang":
-                return self.result(command, 0, "progress joined=1 seconds=0.1\n",
-                                   "[W socket.cpp:755] [c10d] The client socket has timed out\n")
+                return self.result(command, 0, "", "" if node == "spark1" else (
+                    "[W1207 01:04:59.143600558 TCPStore.cpp:340] [c10d] TCP client failed to connect/validate "
+                    "to host 192.168.100.10:29511 - retrying (try=20, timeout=600000ms, delay=364ms)\n"
+                    "Exception raised from run at /__w/pytorch/pytorch/torch/csrc/distributed/c10d/socket.cpp:820\n"
+                    "frame #36: _start + 0x21 (0x56027c43b081 in /usr/bin/python3)\n"))
             if how == "fail":
                 return self.result(command, 0, "", "error: RuntimeError: NCCL error: unhandled system error\n")
             if how == "notorch":
@@ -255,8 +258,10 @@ def test_a_rank_that_never_ends_is_a_hang_ended_by_the_deadline_and_removed(tmp_
     assert ctx.running == {}  # both removed
     got = results[-1]
     assert got.failed
-    assert got.why.startswith("hang: the all-reduce did not end within 90 s: rank(s) on spark1, "
-                              "spark2 still running, ended and removed (last: spark1: [W socket.cpp:755]")
+    assert got.why == ("hang: the all-reduce did not end within 90 s: rank(s) on spark1, spark2 still running, "
+                       "ended and removed (last: spark2: [W1207 01:04:59.143600558 TCPStore.cpp:340] [c10d] TCP "
+                       "client failed to connect/validate to host 192.168.100.10:29511 - retrying (try=20, "
+                       "timeout=600000ms, delay=364ms))")
     fabric = got.details["fabric"]
     assert fabric == {"verdict": "hang", "expected_gbs": 3.125, "sizes": [], "why": fabric["why"]}
     assert dep.records.read(FabricRecord).verdict == "hang"

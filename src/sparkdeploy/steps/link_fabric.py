@@ -135,10 +135,19 @@ def _logs(host: Host, name: str, tail: int | None = None) -> tuple[str, str]:
     return r.stdout, r.stderr
 
 
+NOISE = ("frame #", "<omitting", "Exception raised from", "warnings.warn", "cpu = ")
+"""The lines of torch's C++ tracebacks and Python's warnings: never the line that says why."""
+
+
 def _last_line(host: Host, name: str) -> str:
-    out, err = _logs(host, name, tail=3)
-    lines = [ln.strip() for ln in (out + "\n" + err).splitlines() if ln.strip()]
-    return lines[-1][:200] if lines else ""
+    """The rank's last words: its stderr's last line that says something (torch's c10d retrying
+    its rendezvous, an NCCL warning), else its last progress line."""
+    out, err = _logs(host, name, tail=40)
+    for text in (err, out):
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith(NOISE)]
+        if lines:
+            return lines[-1][:200]
+    return ""
 
 
 def _wait_and_read(ctx: StepContext, specs: list[ContainerSpec]) -> tuple[fab.Fabric,
@@ -169,7 +178,8 @@ def _wait_and_read(ctx: StepContext, specs: list[ContainerSpec]) -> tuple[fab.Fa
     except Stop as e:
         node, code = e.args
         _, err = _logs(dep.host(node), _name(specs, node))
-        why = helper_error(err, "it exited without a word")
+        said = "\n".join(ln for ln in err.splitlines() if not ln.strip().startswith(NOISE))
+        why = helper_error(said, f"it exited {code} without a word")
         if code == fab.NO_TORCH:
             return fab.skipped(prof, f"{node}: not run in {specs[0].image}: {why}"), {}
         return fab.failed(prof, f"{node}: the rank failed: {why}"), {}
