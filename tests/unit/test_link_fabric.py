@@ -356,3 +356,18 @@ def test_serve_status_and_the_run_record_show_the_last_fabric_test(tmp_path):
     assert md.startswith("- **ok**: best busbw") and f"(reused, from {got['time']})" in md
     assert "| 1073741824 | 12.0 | 12.0 |" in md
     assert run_record._fabric({}, dep) is None  # a plan without it
+
+
+def test_deploy_all_tests_again_when_the_link_the_nodes_or_the_image_changed(tmp_path):
+    from sparkdeploy.fingerprint import diff_keys
+    from sparkdeploy.steps import registry
+
+    fp = registry.get("link.fabric").fingerprint
+    assert fp is not None and registry.get("link.fabric").reuse
+    assert "link.fabric" in registry.get("serve.up").needs and "link.fabric" in registry.get("model.sync").needs
+    ctx = Ranks(FakeClock(), {}, {})
+    one = fp.local(deployment(profile(tmp_path), tmp_path / "s1", ctx))
+    (tmp_path / "b").mkdir()
+    two = fp.local(deployment(profile(tmp_path / "b", expect_gbps=50), tmp_path / "s2", ctx))
+    assert diff_keys(one, two) == ["link.expect_gbps"]
+    assert {"image", "serve_image", "nodes[1].link.address"} <= set(one)
