@@ -29,7 +29,15 @@ from sparkdeploy.engines import ContainerSpec, EngineError
 from sparkdeploy.engines.base import run_args
 from sparkdeploy.fingerprint import Fingerprint
 from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import HelperFailed, docker, helper_error, parse_report, stage, verified
+from sparkdeploy.nodeops import (
+    HelperFailed,
+    docker,
+    helper_error,
+    parse_progress,
+    parse_report,
+    stage,
+    verified,
+)
 from sparkdeploy.ops import fabric as fab
 from sparkdeploy.ops.image import chosen, image_id
 from sparkdeploy.ops.serve import engine_of, running_launch
@@ -171,7 +179,7 @@ def _wait_and_read(ctx: StepContext, specs: list[ContainerSpec]) -> tuple[fab.Fa
         wait_for(ended, deadline=timeout, interval=POLL_S, what="the all-reduce's ranks",
                  clock=dep.clock, sleep=dep.sleep,
                  tick=lambda t: ctx.progress(prof.head.name, t, timeout, unit="s",
-                                             note=f"ranks running on {', '.join(pending)}"))
+                                             note=_done(dep.host(specs[0].node), specs[0].name)))
     except WaitTimeout as e:
         tails = {n: _last_line(dep.host(n), _name(specs, n)) for n in pending}
         return fab.hang(prof, e.waited, list(pending), tails), {}
@@ -191,6 +199,16 @@ def _wait_and_read(ctx: StepContext, specs: list[ContainerSpec]) -> tuple[fab.Fa
         except HelperFailed as e:
             return fab.failed(prof, str(e)), {}
     return fab.judge(prof, reports), reports
+
+
+def _done(host: Host, name: str) -> str:
+    """What rank 0 says it has done so far (its last progress line): the ranks joined, a size."""
+    out, _ = _logs(host, name, tail=5)
+    said = [p for p in map(parse_progress, out.splitlines()) if p]
+    last = said[-1] if said else {}
+    if "size" in last and last["size"].isdigit():
+        return f"{int(last['size']) // fab.MIB} MiB reduced"
+    return "every rank joined" if "joined" in last else "waiting for the ranks to join"
 
 
 def _name(specs: list[ContainerSpec], node: str) -> str:
