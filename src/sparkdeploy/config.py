@@ -84,6 +84,15 @@ class LinkSettings(_Strict):
     """The port the measurement listens on, on the worker's fast-link address."""
     test_seconds: float = Field(default=2.0, gt=0, le=60)
     """How long the measurement streams."""
+    fabric_port: Port = 29511
+    """``link.fabric``: the all-reduce's rendezvous port, on the head's fast-link address."""
+    fabric_budget_s: float = Field(default=60.0, gt=0, le=3600)
+    """``link.fabric``: the seconds the sizes may take; a size that would overrun them is not run."""
+    fabric_timeout_s: float = Field(default=300.0, gt=0, le=7200)
+    """``link.fabric``: the deadline of the whole test (the ranks joining included); ranks still
+    running then are a hang, ended and removed."""
+    fabric_max_bytes: int | None = Field(default=None, ge=1 << 20, le=1 << 30)
+    """``link.fabric``: the largest size (1 MiB to 1 GiB, x4); None: 1 GiB."""
 
 
 class Node(_Strict):

@@ -10,6 +10,7 @@ The plan (data, run by ``sparkdeploy.runner``)::
     image.ship (workers)
     model.fit -> model.download (head, long: starts first) ~> model.sync (workers; starts once the download
     has started and follows it file by file) -> model.verify (every node, from the records)
+    link.check, image.ship -> link.fabric (an all-reduce in the serving image) -> model.sync, serve.up
     all of the above -> serve.up (with fallback) -> bench.run (a smoke: a few requests at
     concurrency 1, when something changed or with --bench) -> serve.persist (with --persist)
 
@@ -128,6 +129,9 @@ def plan(dep: Deployment, *, bench: bool = False, persist: bool = False) -> list
         PlanStep("image.probe"),
         PlanStep("image.build"),
         PlanStep("image.ship", {"to": workers}),
+        # an all-reduce in the image that will serve, on a quiet link before the weights cross it
+        # (reused while the link, the nodes and the image are unchanged)
+        PlanStep("link.fabric"),
         PlanStep("model.sync", {"to": workers}),
         PlanStep("model.verify"),
         PlanStep("serve.up"),

@@ -6,6 +6,7 @@ Each kind of record is one pydantic model below, stored in one envelope by one w
     decisions/<profile>/image-probe.{json,md}    ImageDecision    the image and why
     decisions/<profile>/serve.{json,md}          ServeDecision    the engine and why
     decisions/<profile>/endpoint.json            Endpoint         where it serves
+    decisions/<profile>/fabric.json              FabricRecord     the last fabric test (link.fabric)
     decisions/<profile>/deploy-<time>.{json,md}  DeployRun        one deploy.all run
     runs/<plan>-<profile>.json                   PlanMemory       each plan step's last outcome
     model/<repo>@<revision>.json                 HubMetadata      the hub's file list and index, cached
@@ -183,6 +184,29 @@ class Endpoint(Record):
     api_key_env: str | None = None
 
 
+class FabricSize(BaseModel):
+    bytes: int
+    algbw_gbs: float
+    busbw_gbs: float
+
+
+class FabricRecord(Record):
+    """``link.fabric``'s last outcome: the verdict, the figures per size (nccl-tests' algbw and
+    busbw, GB/s), what was expected, and what ran it (the engine, its image, the backend)."""
+
+    NAME = "fabric"
+    WHAT = "fabric test"
+    STEP = "link.fabric"
+    verdict: str
+    expected_gbs: float | None
+    sizes: list[FabricSize]
+    why: str
+    engine: str | None = None
+    image: str | None = None
+    backend: str | None = None
+    nodes: list[str] = Field(default_factory=list)
+
+
 class StepTiming(BaseModel):
     state: str
     elapsed: float | None
@@ -239,6 +263,8 @@ class DeployRun(Record):
     endpoint: str | None
     steps: dict[str, StepTiming]
     bench: dict[str, Any] | None
+    fabric: dict[str, Any] | None = None
+    """The last fabric test (``FabricRecord``): run in this deployment or reused from before."""
 
 
 # --- what steps remember ----------------------------------------------------------------------

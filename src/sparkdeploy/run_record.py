@@ -15,6 +15,7 @@ from sparkdeploy.ops.serve import startup_line
 from sparkdeploy.plan import PlanRun, PlanStep, StepRun, describe_plan
 from sparkdeploy.records import (
     DeployRun,
+    FabricRecord,
     RunEngine,
     RunImage,
     ServeDecision,
@@ -50,6 +51,28 @@ def _level(run: dict[str, Any]) -> dict[str, Any]:
             "output_tok_s": round(tok_s, 1) if isinstance(tok_s, (int, float)) else None,
             "decode_tok_s_median": med("per_request_output_tok_s"),
             "ttft_ms_median": med("ttft_ms"), "tpot_ms_median": med("tpot_ms")}
+
+
+def _fabric(runs: dict[str, StepRun], dep: Deployment) -> dict[str, Any] | None:
+    """The fabric test this run ran or reused (its record), None when the plan left it out."""
+    if "link.fabric" not in runs:
+        return None
+    rec = dep.records.read(FabricRecord)
+    if rec is None:
+        return {"state": runs["link.fabric"].state, "why": runs["link.fabric"].why}
+    made = rec.made.time_iso if rec.made else None
+    return {**rec.model_dump(mode="json"), "time": made, "reused": runs["link.fabric"].reused}
+
+
+def _fabric_markdown(fabric: dict[str, Any] | None) -> list[str]:
+    if not fabric or "verdict" not in fabric:
+        return [f"- {fabric['why'] if fabric else 'not run'}"]
+    md = [f"- **{fabric['verdict']}**: {fabric['why']}"
+          + (f" (reused, from {fabric['time']})" if fabric.get("reused") else ""), ""]
+    if fabric["sizes"]:
+        md.append(markdown_table(["bytes", "algbw GB/s", "busbw GB/s"],
+                                 [[s["bytes"], s["algbw_gbs"], s["busbw_gbs"]] for s in fabric["sizes"]]))
+    return md
 
 
 def _engine(runs: dict[str, StepRun], dep: Deployment) -> RunEngine:
@@ -122,6 +145,7 @@ def _run_markdown(run: DeployRun) -> str:
         ["step", "state", "seconds", "why"],
         [[n, t.state, f"{t.elapsed:.1f}" if t.elapsed is not None else "-", t.why]
          for n, t in run.steps.items()])]
+    md += ["", "## Fabric (link.fabric)", "", *_fabric_markdown(run.fabric)]
     md += ["", "## Bench (smoke)", ""]
     bench = run.bench
     if bench and bench.get("levels"):
@@ -140,7 +164,7 @@ def write_record(dep: Deployment, out: PlanRun, steps: list[PlanStep]) -> Writte
                     engine=_engine(out.runs, dep), endpoint=endpoint_url(dep),
                     steps={n: StepTiming(state=r.state, elapsed=r.elapsed, why=r.why)
                            for n, r in out.runs.items()},
-                    bench=_bench_summary(out.runs))
+                    bench=_bench_summary(out.runs), fabric=_fabric(out.runs, dep))
     name = time.strftime("deploy-%Y%m%d-%H%M%S")
     return dep.records.write(run, name, markdown=_run_markdown(run),
                              title=f"Deployment of {dep.profile.name}")

@@ -110,7 +110,7 @@ def test_a_run_asks_each_node_each_fact_once(lab, fake_steps):
     ctx.calls.clear()
     out = Runner(again, plans.plan(again)).run()
     assert not out.failed and {n for n, r in out.runs.items() if r.reused} == {
-        "model.precheck", "services.stop", "model.fit", "image.probe", "image.ship"}
+        "model.precheck", "services.stop", "model.fit", "image.probe", "image.ship", "link.fabric"}
     written = write_record(again, out, plans.plan(again))
     assert f"serving `{LAYER}` = `{IDS[LAYER]}`" in written.markdown.read_text()
     assert facts_asked(ctx) == {
@@ -213,4 +213,4 @@ def test_a_fingerprint_asks_the_nodes_only_where_its_declaration_says_so(lab):
         if ctx.calls:
             asked.add(name)
     assert asked == {n for n, fp in declared.items() if fp.asks_nodes} == {
-        "services.stop", "image.probe", "image.ship", "serve.up"}
+        "services.stop", "image.probe", "image.ship", "serve.up", "link.fabric"}

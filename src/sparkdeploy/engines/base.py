@@ -185,6 +185,9 @@ class ContainerSpec:
     labels: tuple[tuple[str, str], ...] = ()
     """What the container says about itself on the node (``sparkdeploy.labels``): set for
     every engine kind by ``engines.launch``."""
+    entrypoint: str | None = None
+    """The image's entrypoint replaced (``link.fabric``'s rank runs ``python3`` in the engine's
+    image); None: the image's own."""
 
     @property
     def name(self) -> str:
@@ -355,6 +358,8 @@ def run_args(spec: ContainerSpec, *, detach: bool = True, remove: bool = False,
     if env_file and (spec.secret_env or profile_secrets(spec)):
         argv.append(f"--env-file={env_file}")
     argv += [f"--env={k}={v}" for k, v in spec.env if not is_secret_name(k)]
+    if spec.entrypoint:
+        argv.append(f"--entrypoint={spec.entrypoint}")
     return [*argv, spec.image, *spec.argv]
 
 

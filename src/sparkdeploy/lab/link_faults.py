@@ -27,9 +27,14 @@ LINK_FAULTS: dict[str, str] = {
     "second-interface": "a second interface labextra0 (a veth pair inside the node) with an "
                         f"address in the link's subnet {layout.FAST_NET}",
     "interface-down": f"the node's {layout.FAST_IF} set down",
+    "link-drop": ("the bridge port towards the node disabled (ip ... type bridge_slave state 0): "
+                  "the link's traffic between the nodes dropped, both ends still up with their "
+                  "addresses"),
 }
 EXTRA = "labextra0"
 """A veth pair inside the node (``labextra0``, ``labextra1``): this kernel may lack ``dummy``."""
+PORT_DISABLED, PORT_FORWARDING = 0, 3
+"""A bridge port's states as ``ip link set ... type bridge_slave state N`` takes them."""
 SLOW = ["tbf", "rate", "200mbit", "burst", "256kb", "latency", "50ms"]
 ACTIVE, DOWN = "4: ACTIVE", "1: DOWN"
 
@@ -53,6 +58,20 @@ def _link(ns: str, name: str) -> dict | None:
     except ValueError:
         return None
     return got[0] if isinstance(got, list) and got and isinstance(got[0], dict) else None
+
+
+def port_state(node: str) -> str | None:
+    """The state of the bridge port towards ``node`` (``forwarding``, ``disabled``; None: no
+    such port), as ``ip -d -j link`` says it."""
+    out = run(["ip", "-n", layout.FAST_NETNS, "-d", "-j", "link", "show", "dev",
+               layout.fast_peer_veth(node)], check=False)
+    try:
+        got = json.loads(out.stdout or "[]") if out.returncode == 0 else []
+    except ValueError:
+        return None
+    info = got[0].get("linkinfo", {}) if isinstance(got, list) and got and isinstance(got[0], dict) else {}
+    state = info.get("info_slave_data", {}).get("state") if isinstance(info, dict) else None
+    return str(state) if state is not None else None
 
 
 def twin_state_file(node: str, hca: str | None = None) -> Path:
@@ -100,6 +119,9 @@ def _inject(name: str, node: str) -> None:
         run(["ip", "-n", ns, "addr", "add", f"{other}/{prefix()}", "dev", EXTRA])
         run(["ip", "-n", ns, "link", "set", "labextra1", "up"])
         run(["ip", "-n", ns, "link", "set", EXTRA, "up"])
+    elif name == "link-drop":
+        run(["ip", "-n", layout.FAST_NETNS, "link", "set", "dev", layout.fast_peer_veth(node),
+             "type", "bridge_slave", "state", str(PORT_DISABLED)])
     elif name == "interface-down":
         # keep its IPv6 addresses (the stand-in's GID table has them) for when it comes back
         _in(ns, "sysctl", "-qw", f"net.ipv6.conf.{iface}.keep_addr_on_down=1")
@@ -127,6 +149,10 @@ def heal(node: str) -> list[str]:
         if "tbf" in _in(where, "tc", "qdisc", "show", "dev", dev, check=False):
             _in(where, "tc", "qdisc", "del", "dev", dev, "root", check=False)
             did.append(f"no tbf on {dev}")
+    if port_state(node) not in (None, "forwarding"):
+        run(["ip", "-n", layout.FAST_NETNS, "link", "set", "dev", layout.fast_peer_veth(node),
+             "type", "bridge_slave", "state", str(PORT_FORWARDING)])
+        did.append(f"{layout.fast_peer_veth(node)} forwarding")
     if _link(ns, EXTRA) is not None:
         run(["ip", "-n", ns, "link", "del", EXTRA])  # and its peer
         did.append(f"{EXTRA} removed")

@@ -61,7 +61,7 @@ from sparkdeploy.ops.serve_watch import (
     full_log,
     read_restarts,
 )
-from sparkdeploy.records import Attempt, Endpoint, ServeDecision, markdown_table
+from sparkdeploy.records import Attempt, Endpoint, FabricRecord, ServeDecision, markdown_table
 from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext, step
 
@@ -242,7 +242,7 @@ def served_image_id(dep: Deployment) -> dict[str, Any]:
     return {"image_id": image_id(dep, chosen(dep).get("serve_image"))}
 
 
-@step(STEP_UP, needs=("link.check", "services.stop", "image.ship", "model.verify"),
+@step(STEP_UP, needs=("link.check", "link.fabric", "services.stop", "image.ship", "model.verify"),
       fingerprint=Fingerprint("engines", "nodes", also=model_and_image, asks=served_image_id),
       redo=STEP_DOWN)
 def up(ctx: StepContext, engine: str | None = None) -> None:
@@ -372,6 +372,15 @@ def describe_container(c: labels.Container) -> str:
     return f"{c.name} {c.state}{since}{by}"
 
 
+def _fabric(ctx: StepContext) -> None:
+    """The last fabric test's verdict and figures (``link.fabric``'s record), when there is one."""
+    rec = ctx.dep.records.read(FabricRecord)
+    if rec is None:
+        return
+    when = f" ({rec.made.time_iso})" if rec.made else ""
+    ctx.ok(f"link.fabric{when}: {rec.verdict}: {rec.why}", fabric=rec.model_dump(mode="json"))
+
+
 @step(STEP_STATUS)
 def status(ctx: StepContext) -> None:
     """What the nodes run of this deployment (by their containers' labels: engine, role, since
@@ -391,6 +400,7 @@ def status(ctx: StepContext) -> None:
     if ray:
         ctx.ok(ray, head)
     _restarts(ctx, dep.host(head))
+    _fabric(ctx)
     engines = {c.engine for cs in found.values() for c in cs or []}
     for eng in (e for e in dep.profile.engines if e.name in engines):
         got = serving(dep, eng)

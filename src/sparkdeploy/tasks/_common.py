@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 from invoke import Context
 from invoke.exceptions import Exit
@@ -53,7 +53,8 @@ def drive(c: Context, name: str, work: Work, *, profile: str | None = None,
           live: bool = True, prepare: Callable[[Deployment], None] | None = None,
           show: Callable[[Deployment | None, list[Result]], None] | None = None,
           verdict: Callable[[list[Result]], str | None] = failed_count,
-          recipe: str | None = None, recipe_dirs: tuple[str, ...] = ()) -> list[Result]:
+          recipe: str | None = None, recipe_dirs: tuple[str, ...] = (),
+          out: TextIO | None = None) -> list[Result]:
     """Run a task: load the deployment (``deployment``: "needed"; "optional": None when the
     profile cannot be loaded; "none": never read), ``prepare(dep)`` (checks of the task's flags
     against the profile, a plan shown before it runs), then ``work(dep, events)`` with its event
@@ -63,7 +64,9 @@ def drive(c: Context, name: str, work: Work, *, profile: str | None = None,
     results), then ``show(dep, results)`` (tables, a record, a profile printed last so that it
     can be redirected to a file and cut from the end), and exit 1 with
     ``verdict(results)`` when it names a failure. Errors exit as ``exits`` says. ``recipe``:
-    deploy that recipe's model part instead of the profile's (``recipe_dirs``: owners' recipes)."""
+    deploy that recipe's model part instead of the profile's (``recipe_dirs``: owners' recipes).
+    ``out``: where the stream and the recap go (``sys.stderr`` for a task whose stdout is one
+    JSON document)."""
     with exits():
         dep: Deployment | None = None
         if deployment != "none":
@@ -79,13 +82,13 @@ def drive(c: Context, name: str, work: Work, *, profile: str | None = None,
         if dep is not None and prepare is not None:
             prepare(dep)
         events = dep.events if dep is not None else EventSink()
-        with rendering(events, live=live):
+        with rendering(events, out, live=live):
             if lock and dep is not None and not dep.dry:
                 with dep.state.lock(name):
                     results = work(dep, events)
             else:
                 results = work(dep, events)
-        recap(results)
+        recap(results, out)
         if show is not None:
             show(dep, results)
     why = verdict(results)
@@ -164,10 +167,10 @@ def recap_lines(results: Iterable[Result]) -> list[str]:
     return lines
 
 
-def recap(results: Iterable[Result]) -> None:
+def recap(results: Iterable[Result], out: TextIO | None = None) -> None:
     """Print the recap after the results (plain lines, on a terminal and off it)."""
     for line in recap_lines(results):
-        print(line, flush=True)
+        print(line, flush=True, file=out or sys.stdout)
 
 
 def table(title: str, header: list[str], rows: list[list[str]]) -> None:

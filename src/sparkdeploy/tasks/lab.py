@@ -55,7 +55,7 @@ def down(c):
                     "oom-at-load (engines run out of GPU memory loading weights), rank-wedged "
                     "(SIGSTOP a node's engine containers now), rank-exit (SIGKILL their engine "
                     "process now), memory-small (the node reports 1 GiB usable memory), the "
-                    "link faults mtu-mismatch, address-missing, twin-down, link-throttled, "
+                    "link faults mtu-mismatch, address-missing, twin-down, link-throttled, link-drop, "
                     "second-interface, interface-down (docs/link.md), or none to clear every fault",
             "nodes": "the node rank-wedged, rank-exit, memory-small and the link faults act on "
                      "(default: the last node)", "node": "deprecated: --nodes",
