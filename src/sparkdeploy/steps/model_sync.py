@@ -10,9 +10,7 @@ from sparkdeploy.ops.model_sync import SYNC, sync_files
 from sparkdeploy.steps.registry import StepContext, step
 
 
-# after link.fabric: the fabric test measures a quiet link, and a link that hangs a collective
-# is named before the weights cross it
-@step(SYNC, needs=("model.fit", "link.fabric"), after_start=(DOWNLOAD,), long=True,
+@step(SYNC, needs=("model.fit",), after_start=(DOWNLOAD,), long=True,
       fingerprint=Fingerprint("model", also=workers))
 def sync(ctx: StepContext, to: str = "all", only: list[str] | None = None) -> None:
     """Copy the weights (or the files ``only``) to the workers over the fast link, file by file
