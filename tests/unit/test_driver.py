@@ -42,7 +42,7 @@ def test_only_the_driver_turns_an_error_into_an_exit():
                 if any("Exit" in ast.unparse(r) for r in raises):
                     found.append(f"{path.name}:{node.lineno}")
     # lab.up's --dockerd check is a flag's usage error, the lab's own parse
-    assert found == ["lab.py:26"]
+    assert [f.split(":")[0] for f in found] == ["lab.py"]
 
 
 @pytest.mark.parametrize("error,code", [

@@ -212,7 +212,7 @@ def hang(profile: Profile, waited: float, pending: list[str], tails: dict[str, s
                       + (f" (last: {last})" if last else ""))
 
 
-def failed(profile: Profile, why: str) -> Fabric:
+def broken(profile: Profile, why: str) -> Fabric:
     return Fabric(verdict=FAILED, expected_gbs=expected_gbs(profile), sizes=[], why=why)
 
 

@@ -43,7 +43,7 @@ from sparkdeploy.ops.image import chosen, image_id
 from sparkdeploy.ops.serve import engine_of, running_launch
 from sparkdeploy.records import FabricRecord
 from sparkdeploy.steps.registry import StepContext, step
-from sparkdeploy.wait import Stop, WaitTimeout, wait_for
+from sparkdeploy.wait import Stop, WaitTimeout, retry, wait_for
 
 POLL_S = 2.0
 PERFTEST = "ib_write_bw"
@@ -77,11 +77,9 @@ def fabric(ctx: StepContext, engine: str | None = None) -> None:
                 f"{eng.image} on {', '.join(n.name for n in dep.profile.nodes)}")
         ctx.would(what, head, fabric=fab.skipped(dep.profile, f"would {what}").model_dump())
         return
-    try:
+    with ctx.failing(EngineError, node=head, lead=f"{eng.name}: ") as caught:
         lau = running_launch(dep, eng)
-    except EngineError as e:
-        why = f"{eng.name}: {e}"
-        ctx.failed(why, head, fabric=fab.failed(dep.profile, why).model_dump())
+    if caught.result is not None:
         return
     content = packaged.data(fab.PROGRAM).read_text()
     staged = {n.name: stage(dep.host(n.name), fab.PROGRAM, content) for n in dep.profile.nodes}
@@ -115,7 +113,7 @@ def run_ranks(ctx: StepContext, specs: list[ContainerSpec],
             _remove(h, s.name)  # one left by a run that could not remove it
             r = h.run(verified([staged[s.node]], docker(h, *run_args(s, started=started))), timeout=300)
             if not r.ok:
-                return fab.failed(dep.profile, f"{s.node}: docker run {s.name}: "
+                return fab.broken(dep.profile, f"{s.node}: docker run {s.name}: "
                                                f"{r.one_line_error()}"), {}
         return _wait_and_read(ctx, specs)
     finally:
@@ -190,14 +188,14 @@ def _wait_and_read(ctx: StepContext, specs: list[ContainerSpec]) -> tuple[fab.Fa
         why = helper_error(said, f"it exited {code} without a word")
         if code == fab.NO_TORCH:
             return fab.skipped(prof, f"{node}: not run in {specs[0].image}: {why}"), {}
-        return fab.failed(prof, f"{node}: the rank failed: {why}"), {}
+        return fab.broken(prof, f"{node}: the rank failed: {why}"), {}
     reports = {}
     for s in specs:
         out, err = _logs(dep.host(s.node), s.name)
         try:
             reports[s.node] = parse_report(fab.RankReport, out, f"{s.node}: {fab.PROGRAM}")
         except HelperFailed as e:
-            return fab.failed(prof, str(e)), {}
+            return fab.broken(prof, str(e)), {}
     return fab.judge(prof, reports), reports
 
 
@@ -256,12 +254,10 @@ def _perftest(ctx: StepContext, head: ContainerSpec, worker: ContainerSpec, hca_
     client = [*argv(hca_h, head.node), dep.profile.node(worker.node).link.address]
 
     def measure() -> Any:
-        for _ in range(10):
-            r = hh.run(client, change=False, timeout=60)
-            if r.ok or "Couldn't connect" not in r.stdout + r.stderr:
-                return r
-            dep.sleep(0.5)  # the server is not listening yet
-        return r
+        # the server may not be listening yet: a few tries half a second apart
+        return retry(lambda: hh.run(client, change=False, timeout=60), tries=10, interval=0.5,
+                     again=lambda r: not r.ok and "Couldn't connect" in r.stdout + r.stderr,
+                     sleep=dep.sleep)
 
     with threads.pool(2) as p:
         served, measured = p.submit(lambda: wh.run(server, change=False, timeout=40)), p.submit(measure)

@@ -5,6 +5,7 @@ import sys
 
 from invoke import Collection
 
+from sparkdeploy.steps.registry import run_one
 from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks._common import drive, run_step
 from sparkdeploy.tasks._flags import task
@@ -24,8 +25,6 @@ def check(c, profile=None):
             "profile": "profile file (default: sparkdeploy.profile)"})
 def fabric(c, json=False, engine=None, recipe=None, recipes=None, profile=None):
     """An all-reduce across every node in the engine's image (1 MiB to 1 GiB): algbw, busbw, a verdict."""
-    from sparkdeploy.steps.registry import run_one
-
     def prepare(dep):
         names = [e.name for e in dep.profile.engines]
         if engine is not None and engine not in names:
