@@ -13,6 +13,7 @@ from sparkdeploy import estimate as est
 from sparkdeploy import recipes as rcp
 from sparkdeploy.config import RecipeFile, read_recipe
 from sparkdeploy.overlays import dotted
+from sparkdeploy.redaction import redact
 
 
 @dataclass(frozen=True)
@@ -79,4 +80,4 @@ def show(name: str, dirs: list[Path], nodes: list[int]) -> str:
             lines.append(f"# {n} node(s): TP={tp} x PP={pp} ({why}); {e.why()}")
         except (est.EstimateError, rcp.RecipeError) as x:
             lines.append(f"# {n} node(s): {x}")
-    return "\n".join(lines) + "\n" + yaml.safe_dump({"sparkdeploy": full}, sort_keys=False)
+    return "\n".join(lines) + "\n" + yaml.safe_dump({"sparkdeploy": redact(full)}, sort_keys=False)

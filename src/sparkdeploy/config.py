@@ -27,6 +27,7 @@ from pydantic_core import ErrorDetails
 from sparkdeploy import checks, fit
 from sparkdeploy import recipes as rcp
 from sparkdeploy.overlays import Merged, ProfileError, load_merged, parse_dotted
+from sparkdeploy.redaction import secret_flag
 
 
 def _port(v: int) -> int:
@@ -263,6 +264,16 @@ class Engine(_Strict):
     env: dict[str, Text | None] = Field(default_factory=dict)
     """Overrides of the environment the engine sets; a null value removes a variable."""
 
+    @field_validator("args")
+    @classmethod
+    def _no_secret_in_args(cls, v: list[str]) -> list[str]:
+        # a flag's value there would be on the nodes' command lines, in labels and records
+        for a in v:
+            flag = secret_flag(a)
+            if flag is not None:
+                raise ValueError(f"{flag} carries a secret and is refused in args: {_secret_way(flag)}")
+        return v
+
     @field_validator("env")
     @classmethod
     def _env_names(cls, v: dict[str, str | None]) -> dict[str, str | None]:
@@ -281,6 +292,17 @@ class Engine(_Strict):
     @property
     def software(self) -> Software:
         return software_of(self.kind)
+
+
+def _secret_way(flag: str) -> str:
+    """How a secret an engine flag would carry reaches the engine instead."""
+    if flag.endswith(("api-key", "api_key")):
+        return ("set SPARKDEPLOY_API_KEY in the controller's environment (the engines get the "
+                "API key from there, never on a command line)")
+    if "token" in flag.lower():
+        return ("set HF_TOKEN in the controller's environment (model.download uses it; the engines "
+                "load the weights from the nodes' disks)")
+    return "give it in the engine's env (a secret-named variable goes to the node in an env file)"
 
 
 def _ray_backend(args: list[str]) -> bool:

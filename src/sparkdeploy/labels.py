@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparkdeploy.fingerprint import differing, digest, flat, key_digests
-from sparkdeploy.state import is_secret_name
+from sparkdeploy.redaction import is_secret_name
 
 NS = "org.sparkdeploy"
 

@@ -20,6 +20,7 @@ from sparkdeploy.config import Bench
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.endpoint import url as endpoint_url
 from sparkdeploy.files import write_atomic, write_text_atomic
+from sparkdeploy.redaction import redact
 from sparkdeploy.steps.registry import StepContext, step
 
 
@@ -52,9 +53,7 @@ def report_context(dep: Any) -> dict[str, Any]:
     ID), that run's step timings, and the startup timings when a record has them. A record that
     cannot be read is left out."""
     from sparkdeploy.records import DeployRun, ImageDecision, RecordError, ServeDecision
-    from sparkdeploy.state import redact_values
-
-    out: dict[str, Any] = {"profile": redact_values(dep.profile.model_dump(mode="json"))}
+    out: dict[str, Any] = {"profile": dep.profile.model_dump(mode="json")}  # redacted when written
     try:
         image = dep.records.read(ImageDecision)
         if image is not None:
@@ -129,6 +128,7 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
         return
     if context:
         doc["context"] = context  # the profile, image, startup timings: the HTML report shows them
+    doc = redact(doc)  # every file written from it: the JSON, the HTML report, the --save copies
     skipped = doc["engine_metrics"]["skipped"]
     if skipped:
         ctx.skipped(f"{skipped}: the client's figures only")
@@ -251,7 +251,7 @@ def depth_benchmark(ctx: StepContext, url: str, settings: Settings, *, tokenizer
         return
     if json_path:
         try:
-            write_text_atomic(Path(json_path), sweep_json(doc))
+            write_text_atomic(Path(json_path), sweep_json(redact(doc)))
         except OSError as e:
             ctx.failed(f"cannot write {json_path}: {e.strerror or e}")
             return
