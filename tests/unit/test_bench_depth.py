@@ -267,6 +267,15 @@ def test_a_server_counting_with_another_tokenizer_is_refused(tokdir, tmp_path, c
      "bad SSE event: choices.0.delta.content: Input should be a valid string"),
     (b'data: {"choices": "x"}\n\ndata: [DONE]\n\n', "bad SSE event: choices: Input should be a valid list"),
     (b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n', "stream closed midway (after 1 events)"),
+    # a broken peer: the whole answer in one SSE chunk (a buffering proxy), a count of 0
+    (b'data: {"choices": [{"delta": {"content": "a b c d e f g h"}}]}\n\ndata: {"choices": [], '
+     b'"usage": {"completion_tokens": 8}}\n\ndata: [DONE]\n\n',
+     "the whole answer (8 tokens) came in one piece: the server or a proxy buffers the stream, so "
+     "no time per token can be measured"),
+    (b"".join(b'data: {"choices": [{"delta": {"content": "w"}}]}\n\n' for _ in range(8))
+     + b'data: {"choices": [], "usage": {"completion_tokens": 0}}\n\ndata: [DONE]\n\n',
+     "the server streamed 8 text chunk(s) and reports completion_tokens 0: no token count to "
+     "measure by"),
 ])
 def test_a_measured_answer_that_does_not_fit_is_one_line(tokdir, tmp_path, capsys, body, says):
     tokens = Tokens(tokdir)

@@ -80,6 +80,13 @@ BAD_ANSWERS = [
      "bad SSE event: usage.completion_tokens: Input should be a valid integer"),
     (b"data: {\n\ndata: [DONE]\n\n", "bad SSE payload: b'{'"),
     (sse(text("x"), done=False), "stream closed midway (after 1 events)"),
+    # a broken peer: the whole answer in one SSE chunk (a buffering proxy), text counted as 0
+    (sse(text("a b c d e f g h"), {"choices": [], "usage": {"completion_tokens": 8}}),
+     "the whole answer (8 tokens) came in one piece: the server or a proxy buffers the stream, "
+     "so no time per token can be measured"),
+    (sse(*[text("w")] * 8, {"choices": [], "usage": {"completion_tokens": 0}}),
+     "the server streamed 8 text chunk(s) and reports completion_tokens 0: no token count to "
+     "measure by"),
 ]
 
 
@@ -107,6 +114,17 @@ def test_an_answer_with_a_field_that_does_not_fit_fails_in_one_line(tmp_path, ca
 
 
 GATE_LINE = "coherence gate: 'What is 17 + 25? Answer with the number only.'"
+
+
+def test_a_whole_answer_to_a_streamed_request_is_named_not_a_stream(tmp_path, capsys):
+    answer = json.dumps({"choices": [{"message": {"content": "hi"}}],
+                         "usage": {"completion_tokens": 3}}).encode()
+    srv = Hostile(body=answer, ctype="application/json", routes={"/v1/models": MODELS},
+                  coherent=True)
+    fails_writing_nothing(tmp_path, srv)
+    assert failed_lines(capsys.readouterr().out)[0].endswith(
+        "(most often: not a stream: HTTP 200 with one application/json answer, not server-sent "
+        'events (the server ignores "stream": true))')
 
 
 @pytest.mark.parametrize(("body", "says"), BAD_ANSWERS)
