@@ -24,7 +24,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from sparkdeploy import checks, fit
+from sparkdeploy import checks, engine_flags, fit
 from sparkdeploy import recipes as rcp
 from sparkdeploy.overlays import Merged, ProfileError, load_merged, parse_dotted
 from sparkdeploy.redaction import secret_flag
@@ -415,13 +415,16 @@ def _loc(parts: tuple[Any, ...] | list[Any]) -> str:
     return out
 
 
+MISSING = "required key is missing"
+
+
 def _message(err: ErrorDetails) -> str:
     kind = err["type"]
     ctx = err.get("ctx") or {}
     if kind == "extra_forbidden":
         return "unknown key"
     if kind == "missing":
-        return "required key is missing"
+        return MISSING
     if kind == "literal_error":
         return "must be " + ctx.get("expected", "one of the allowed values")
     if kind in ("int_parsing", "int_type", "int_from_float"):
@@ -453,10 +456,14 @@ def _message(err: ErrorDetails) -> str:
 def _first_error(exc: ValidationError) -> tuple[str, str]:
     errors = exc.errors()
     # pydantic reports both branches of an Optional; keep the most specific one
-    err = errors[0]
-    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "literal["))))
-    extra = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return _loc(loc), _message(err) + extra
+    def where(err: ErrorDetails) -> str:
+        return _loc(tuple(p for p in err["loc"]
+                          if not (isinstance(p, str) and p.startswith(("function-", "literal[")))))
+
+    others = list(dict.fromkeys(where(x) for x in errors[1:]))
+    shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+    extra = f" (and {len(errors) - 1} more: {shown})" if len(errors) > 1 else ""
+    return where(errors[0]), _message(errors[0]) + extra
 
 
 def _cross_checks(p: Profile) -> tuple[str, str] | None:
@@ -596,9 +603,17 @@ def read_recipe(name: str, dirs: list[Path] | None = None,
     ``ProfileError`` naming the file and the key."""
     recipe = rcp.read(name, dirs if dirs is not None else rcp.directories(), where)
     try:
-        RecipeFile.model_validate(recipe.merged.body)
+        valid = RecipeFile.model_validate(recipe.merged.body)
     except ValidationError as e:
-        raise _blame(recipe.merged, *_first_error(e)) from None
+        key, msg = _first_error(e)
+        if msg.startswith(MISSING):  # a key the recipe lacks: its own file is where it goes
+            raise rcp.RecipeError(f"{recipe.path}: {key}: {msg}") from None
+        raise _blame(recipe.merged, key, msg) from None
+    for i, eng in enumerate(valid.engines):  # as profile.check and deploy.all check them
+        try:
+            engine_flags.check_args_any(eng.software, list(eng.args), f"recipe {name}")
+        except engine_flags.FlagError as e:
+            raise _blame(recipe.merged, f"sparkdeploy.engines[{i}].args", str(e)) from None
     if not recipe.config_path().is_file():
         raise rcp.RecipeError(f"{recipe.path}: sparkdeploy.about.config: "
                               f"{recipe.about['config']}: no such file beside the recipe")
@@ -608,13 +623,16 @@ def read_recipe(name: str, dirs: list[Path] | None = None,
 def with_recipe(merged: Merged, recipe: str | None = None,
                 recipe_dirs: tuple[str, ...] = ()) -> Merged:
     """``merged`` over the recipe it names (or ``recipe``, replacing its model part)."""
-    own = [str(Path(d).resolve()) for d in rcp.profile_dirs(merged)]
+    rcp.check_dirs(list(recipe_dirs), "--recipes")
+    given = rcp.profile_dirs(merged)
+    own = [str(Path(d).resolve()) for d in given]
     dirs = [*(str(Path(d).resolve()) for d in recipe_dirs), *own]
     if dirs:  # what reads the recipe again later (model.fit: its config.json) finds it too
         merged.body["recipes"] = list(dict.fromkeys(dirs))
     name = recipe if recipe is not None else merged.body.get("recipe")
     if name is None:
         return merged
+    rcp.check_dirs(given, f"{merged.file_of(('recipes',))}: sparkdeploy.recipes")
     where = "--recipe" if recipe is not None else \
         f"{merged.file_of(('recipe',))}: sparkdeploy.recipe"
     found = read_recipe(name, rcp.directories(dirs), where)
