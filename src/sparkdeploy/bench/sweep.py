@@ -169,6 +169,20 @@ class _Doc(BaseModel):
     runs: list[_Run]
 
 
+class _Depth(BaseModel):
+    """What compare reads of one depth of a depth sweep (a failed depth: its ``error`` only)."""
+
+    depth: int = Field(ge=0)
+    pp_tok_s: Finite | None = None
+    tg_tok_s: Finite | None = None
+    ttft_ms: Finite | None = None
+    error: str | None = None
+
+
+class _DepthDoc(BaseModel):
+    depths: list[_Depth]
+
+
 def load_json(path: str | Path) -> dict:
     """A benchmark JSON file, checked to be one (``BenchError`` naming the file and the first
     field that does not fit)."""
@@ -178,7 +192,13 @@ def load_json(path: str | Path) -> dict:
     except InputError as e:
         raise BenchError(str(e)) from None
     try:
-        loads(_Doc, text, f"{path}: not a benchmark JSON file")
+        doc = json.loads(text)
+    except (ValueError, RecursionError):
+        doc = None  # not JSON: loads says so below, in one line
+    # a depth sweep's (bench.depth: "depths") or a sweep's (bench.run: "runs")
+    kind: type[BaseModel] = _DepthDoc if isinstance(doc, dict) and "depths" in doc else _Doc
+    try:
+        loads(kind, text, f"{path}: not a benchmark JSON file")
     except OutsideError as e:
         raise BenchError(str(e)) from None
     return json.loads(text)

@@ -230,7 +230,7 @@ def compare(c, base, new, max_regression="5%", html=None):
     with exits():
         base_doc = load_json(flags.input_file("BASE", base))
         new_doc = load_json(flags.input_file("NEW", new))
-        result = cmp(base_doc, new_doc, threshold)
+        result = cmp(base_doc, new_doc, threshold)  # a sweep against a depth sweep: exit 2
         if html_path:
             from sparkdeploy.bench.html import compare_report
             from sparkdeploy.files import write_output
