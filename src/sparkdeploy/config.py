@@ -625,6 +625,7 @@ def with_recipe(merged: Merged, recipe: str | None = None,
     """``merged`` over the recipe it names (or ``recipe``, replacing its model part)."""
     rcp.check_dirs(list(recipe_dirs), "--recipes")
     given = rcp.profile_dirs(merged)
+    rcp.check_dirs(given, f"{merged.file_of(('recipes',))}: sparkdeploy.recipes")
     own = [str(Path(d).resolve()) for d in given]
     dirs = [*(str(Path(d).resolve()) for d in recipe_dirs), *own]
     if dirs:  # what reads the recipe again later (model.fit: its config.json) finds it too
@@ -632,7 +633,6 @@ def with_recipe(merged: Merged, recipe: str | None = None,
     name = recipe if recipe is not None else merged.body.get("recipe")
     if name is None:
         return merged
-    rcp.check_dirs(given, f"{merged.file_of(('recipes',))}: sparkdeploy.recipes")
     where = "--recipe" if recipe is not None else \
         f"{merged.file_of(('recipe',))}: sparkdeploy.recipe"
     found = read_recipe(name, rcp.directories(dirs), where)

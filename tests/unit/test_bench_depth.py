@@ -195,6 +195,20 @@ def test_a_standin_answering_garbage_gets_no_figures(standin, tokdir, tmp_path, 
     assert standin.state.snapshot()["requests"] == 1  # the gate's first prompt; nothing measured
 
 
+def test_with_the_gate_off_a_model_answering_garbage_is_measured_and_said_so(standin, tokdir,
+                                                                              tmp_path, capsys):
+    from sparkdeploy.bench.gate import OFF
+
+    standin.state.control({"faults": "garbage"})
+    out = tmp_path / "r.json"
+    bench_tasks.depth(ctx(tmp_path), url=f"http://127.0.0.1:{standin.port}", tokenizer=str(tokdir),
+                      depths="0", runs="1", output_tokens="4", json=str(out), gate=False)
+    text = capsys.readouterr().out
+    assert OFF in text and [ln for ln in text.splitlines() if ln.endswith("(gate off)")]
+    doc = json.loads(out.read_text())
+    assert doc["config"]["gate"] == "off" and doc["depths"][0]["tg_tok_s"] > 0
+
+
 def test_the_lab_fault_garbage_reaches_an_engine_already_serving(standin, tokdir, tmp_path,
                                                                  monkeypatch, capsys):
     monkeypatch.setattr(layout, "NODES_DIR", tmp_path / "nodes")

@@ -222,3 +222,14 @@ def test_recipe_list_and_show_check_the_engines_flags(tmp_path):
         assert str(e.value).startswith(f"{d}/mine.yaml: sparkdeploy.engines[0].args: "
                                        "--gpu-memory-utilisation: not a flag of vllm")
         assert "did you mean --gpu-memory-utilization?" in str(e.value)
+
+
+def test_a_profiles_recipes_directory_that_is_a_file_is_blamed_on_the_profile(tmp_path):
+    (tmp_path / "notadir").write_text("x")
+    data = seed_data()
+    data["sparkdeploy"]["recipes"] = "notadir"
+    path = write_profile(tmp_path, data)
+    with pytest.raises(ProfileError) as e:
+        load_profile(path)
+    assert str(e.value) == (f"{path}: sparkdeploy.recipes: {tmp_path / 'notadir'} is a file, not "
+                            "a directory of recipes")
