@@ -19,6 +19,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -266,11 +267,12 @@ class Engine(_Strict):
 
     @field_validator("args")
     @classmethod
-    def _no_secret_in_args(cls, v: list[str]) -> list[str]:
+    def _no_secret_in_args(cls, v: list[str], info: ValidationInfo) -> list[str]:
         # a flag's value there would be on the nodes' command lines, in labels and records
+        kind = info.data.get("kind")
         for a in v:
             flag = secret_flag(a)
-            if flag is not None:
+            if flag is not None and (kind is None or engine_flags.carries_secret(software_of(kind), flag)):
                 raise ValueError(f"{flag} carries a secret and is refused in args: {_secret_way(flag)}")
         return v
 

@@ -5,7 +5,8 @@ A value is hidden by what it is, not by how the text around it looks:
 
 - the value of a secret-named key (``HF_TOKEN``, ``api_key``, ``rsync_password``: a name that
   ends in one of the words of a secret, ``is_secret_name``) in a mapping;
-- in a list of arguments, the value of a secret flag (``--api-key X``, ``--hf-token=X``);
+- in a list of arguments, the value of a secret flag (``--api-key X``, ``--hf-token=X``; what
+  follows a switch such as ``--allow-credentials`` is the next flag, not a value);
 - in a string, the values that are secrets whatever surrounds them: an HF token (``hf_...``), a
   URL's credentials (``scheme://user:***@``), an ``Authorization`` value (``Bearer ***``), and,
   word by word on one line (a command line, a log line), ``KEY=value`` and ``--flag value`` for a
@@ -84,8 +85,8 @@ def _redact_args(items: list[Any]) -> list[Any]:
     out: list[Any] = []
     after_flag = False
     for a in items:
-        if after_flag and isinstance(a, str):
-            out.append(REDACTED)
+        if after_flag and isinstance(a, str) and not a.startswith("-"):
+            out.append(REDACTED)  # a switch (``--allow-credentials``) is followed by a flag
             after_flag = False
             continue
         flag = secret_flag(a) if isinstance(a, str) else None

@@ -98,6 +98,20 @@ def test_a_secret_name_ends_in_a_word_of_a_secret(name, secret):
     assert is_secret_name(name) is secret
 
 
+def test_a_switch_named_as_a_secret_is_no_secret_flag(tmp_path):
+    """vLLM's ``--allow-credentials`` (CORS) takes no value: accepted in args, and the flag after
+    it is not taken for its value."""
+    from sparkdeploy.config import load_profile
+    from tests.unit.profiles import seed_data, write_profile
+
+    assert redact(["--allow-credentials", "--port", "1"]) == ["--allow-credentials", "--port", "1"]
+    data = seed_data()
+    vllm = next(e for e in data["sparkdeploy"]["engines"] if e["kind"] == "vllm")
+    vllm["args"] = [*vllm.get("args", []), "--allow-credentials"]
+    assert "--allow-credentials" in next(
+        e for e in load_profile(write_profile(tmp_path, data)).engines if e.kind == "vllm").args
+
+
 def test_a_yaml_list_keeps_its_dash_and_parses():
     # the old text redactor took the list's '- ' for the flag's value
     import yaml
