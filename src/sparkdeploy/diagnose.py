@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import TextIO
 
+from sparkdeploy.errors import UsageError
 from sparkdeploy.files import MB, InputError, read_input
 
 CLASSES = (
@@ -273,6 +274,7 @@ RULES: tuple[Rule, ...] = (
              r"|Not enough memory\. Please try to increase --mem-fraction-static"
              r"|larger than the available KV cache memory|is less than desired GPU memory utilization"
              r"|is larger than the maximum number of tokens that can be stored in KV cache"
+             r"|on kv cache allocation is less than requested memory for kv"
              r"|NV_ERR_NO_MEMORY|Out of memory: Killed process|oom-kill(?:er)?\b|OOM killer"
              r"|node running low on memory",
              "memory", "oom", "stored in kv cache"),
@@ -641,7 +643,7 @@ def _one_line(text: str) -> str:
 # --- files ------------------------------------------------------------------------------
 
 
-class LogError(Exception):
+class LogError(UsageError):
     """A log file that cannot be read as text; ``str()`` is the one line to print."""
 
 

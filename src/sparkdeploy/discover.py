@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field
 
 from sparkdeploy import checks
+from sparkdeploy.errors import StepFailed
 from sparkdeploy.hosts import Host
 from sparkdeploy.link import HELPER as LINK_HELPER
 from sparkdeploy.link import LinkFacts, Netdev
@@ -138,7 +139,7 @@ class Link:
         return f"{self.subnet} ({', '.join(e.show() for e in self.ends)})"
 
 
-class LinkRefused(Exception):
+class LinkRefused(StepFailed):
     """No link, or more than one: ``str()`` is the one line naming the candidates."""
 
 

@@ -18,11 +18,11 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from sparkdeploy.engines.base import API_KEY_ENV
 from sparkdeploy.hosts import Host
-from sparkdeploy.outside import ModelList, OutsideError, request
+from sparkdeploy.outside import ModelList, OutsideError, loads, request
 from sparkdeploy.records import Endpoint, Records
 
 
@@ -101,8 +101,8 @@ def stream_chat(url: str, model: str, max_tokens: int = 8, deadline: float = 120
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         try:
-            chunk = _Chunk.model_validate_json(line[6:])
-        except ValidationError:
+            chunk = loads(_Chunk, line[6:], "a stream chunk")
+        except OutsideError:
             return ""
         text += [c.delta.content or c.delta.reasoning_content or "" for c in chunk.choices]
     return "".join(text)

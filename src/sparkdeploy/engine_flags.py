@@ -16,12 +16,13 @@ import re
 from functools import cache
 from pathlib import Path
 
+from sparkdeploy.errors import UsageError
 from sparkdeploy.redaction import is_secret_name
 
 DIR = Path(__file__).resolve().parent / "data" / "engine-flags"
 
 
-class FlagError(Exception):
+class FlagError(UsageError):
     """A flag, a manifest or an engine version that cannot be checked: one line."""
 
 

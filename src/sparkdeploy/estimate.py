@@ -27,13 +27,14 @@ source).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sparkdeploy import fit
+from sparkdeploy.errors import UsageError
 from sparkdeploy.fit import GIB
+from sparkdeploy.outside import OutsideError, parsed
 
 VLLM_MODEL = "https://github.com/vllm-project/vllm/blob/main/vllm/config/model.py"
 VLLM_LINEAR = "https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/layers/linear.py"
@@ -51,7 +52,7 @@ NESTED = ("text_config", "llm_config", "language_config")
 """Where a multimodal config keeps its language model's keys."""
 
 
-class EstimateError(ValueError):
+class EstimateError(UsageError, ValueError):
     """Input the calculator cannot use; its message is one line for the user."""
 
 
@@ -142,9 +143,9 @@ def load_config(path: Path) -> Any:
 def parse_config(body: bytes, where: str) -> Any:
     """The parsed JSON of a config.json read from ``where`` (``EstimateError``: not JSON)."""
     try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as e:
-        raise EstimateError(f"{where}: not JSON ({str(e).splitlines()[0][:80]})") from None
+        return parsed(body, where)
+    except OutsideError as e:
+        raise EstimateError(str(e)) from None
 
 
 def _scaled_context(scaling: Any, ctx: int | None) -> int:

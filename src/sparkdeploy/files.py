@@ -13,6 +13,7 @@ from pathlib import Path, PurePosixPath
 from typing import TypeVar
 
 from sparkdeploy.checks import control_char
+from sparkdeploy.errors import RunError, UsageError
 
 T = TypeVar("T")
 
@@ -81,11 +82,11 @@ def move_in(src: Path | str, dst: Path) -> None:
     os.replace(src, dst)
 
 
-class InputError(ValueError):
+class InputError(UsageError, ValueError):
     """A file that cannot be read as an input; ``str()`` is one line naming it."""
 
 
-class OutputError(Exception):
+class OutputError(RunError):
     """An output file that could not be written; ``str()`` is one line naming it."""
 
 
@@ -97,7 +98,7 @@ def write_output(path: Path, text: str) -> None:
         raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-class Escape(ValueError):
+class Escape(UsageError, ValueError):
     """A name that would leave its root (absolute, ``..``, a symlink out, a control character)."""
 
 

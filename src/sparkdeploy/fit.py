@@ -21,6 +21,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sparkdeploy.errors import UsageError
+
 GIB = 1024 ** 3
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 """The files that are weights; when a repo has none of them, every file counts."""
@@ -29,7 +31,7 @@ RESERVE_GIB = 8.0
 """The default ``fit.reserve_gib`` (``config.Fit``): GiB per GPU beside the weights."""
 
 
-class FitError(ValueError):
+class FitError(UsageError, ValueError):
     """An engine's args that cannot be read (a fraction that is no number in (0, 1])."""
 
 

@@ -22,6 +22,7 @@ import venv
 from pathlib import Path
 
 from sparkdeploy.engine_flags import release
+from sparkdeploy.errors import UsageError
 from sparkdeploy.files import write_text_atomic
 
 HELPER = Path(__file__).resolve().parent / "helpers" / "engine_flags.py"
@@ -42,7 +43,7 @@ LIGHT = {
 _SPEC = re.compile(r"^(sglang|vllm)==([0-9]+(?:\.[0-9]+)*)((?:rc|a|b)[0-9]+)?$")
 
 
-class FlagMakerError(Exception):
+class FlagMakerError(UsageError):
     """One line for the user."""
 
 

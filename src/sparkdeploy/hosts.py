@@ -30,6 +30,7 @@ from invoke import Context
 from invoke.exceptions import CommandTimedOut
 
 from sparkdeploy.config import Node, SshSettings
+from sparkdeploy.errors import RunError
 from sparkdeploy.events import Echo, EventSink
 from sparkdeploy.redaction import redact
 from sparkdeploy.state import StateDir
@@ -46,7 +47,7 @@ ALIVE_COUNT = 4
 under a running command is a failed command within a minute, not a hang."""
 
 
-class HostError(Exception):
+class HostError(RunError):
     """A command could not be run as asked (sudo wants a password, the node is unreachable)."""
 
 
@@ -317,6 +318,31 @@ class Host:
                 f"(NOPASSWD) for the deploying user, or set privilege: none"
             )
         return res
+
+    def put_file(self, path: str, data: str, *, mode: str | None = None, private: bool = True,
+                 keep_previous: bool = False, sudo: bool = True) -> None:
+        """Write ``data`` at ``path`` on the node, whole or not at all: through stdin (never in
+        argv), into ``<path>.part`` renamed over ``path`` (a reader sees the old file or the new
+        one), its directory made when missing. ``private``: under umask 077 (a directory it
+        makes is 0700, the file 0600 until ``mode``), else 022 (what anyone on the node may
+        read: the node's records); ``mode``: the file's mode (octal, ``"0644"``);
+        ``keep_previous``: the file it replaces kept as ``<path>.previous``. The one way a file
+        is written on a node (the staging of helpers aside: ``nodeops.stage``).
+
+        Raises ``HostError`` (``<node>: cannot write <path>: why``) when the write fails,
+        ``NodeUnreachable`` when the node cannot be reached; under ``--dry`` it is echoed as
+        ``would run`` and nothing is written."""
+        steps = [f"umask {'077' if private else '022'}", 'mkdir -p -- "$(dirname -- "$1")"']
+        if keep_previous:
+            steps += ['rm -f -- "$1.previous"', '{ [ ! -e "$1" ] || cp -p -- "$1" "$1.previous"; }']
+        steps.append('cat > "$1.part"')
+        if mode is not None:
+            steps.append('chmod "$2" "$1.part"')
+        steps.append('mv -f -- "$1.part" "$1"')
+        argv = ["sh", "-c", " && ".join(steps), "sh", path, *([mode] if mode is not None else [])]
+        r = self.run(argv, sudo=sudo, input=data)
+        if not r.ok:
+            raise HostError(f"{self.name}: cannot write {path}: {r.one_line_error()}")
 
     def ssh_view(self) -> dict[str, str]:
         """How ssh sees this node's alias (``ssh -G``: the profile's ssh_config applied), e.g.

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparkdeploy.fingerprint import differing, digest, flat, key_digests
+from sparkdeploy.outside import OutsideError, parsed
 from sparkdeploy.redaction import is_secret_name
 
 NS = "org.sparkdeploy"
@@ -160,8 +161,8 @@ class Container:
         if self.fingerprint == digest(fp):
             return []
         try:
-            recorded = json.loads(self.fingerprint_keys)
-        except ValueError:
+            recorded = parsed(self.fingerprint_keys, "the container's fingerprint keys")
+        except OutsideError:
             return ["fingerprint"]
         if not isinstance(recorded, dict) or not all(isinstance(v, str) for v in recorded.values()):
             return ["fingerprint"]
@@ -178,8 +179,8 @@ def parse_ps(stdout: str) -> list[Container]:
     out = []
     for line in stdout.splitlines():
         try:
-            row = json.loads(line)
-        except ValueError:
+            row = parsed(line, "docker ps")
+        except OutsideError:
             continue
         if not (isinstance(row, list) and len(row) == 4 + len(READ)
                 and all(isinstance(x, str) for x in row)):

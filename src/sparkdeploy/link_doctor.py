@@ -8,12 +8,12 @@ values: what the node has and what the link needs.
 from __future__ import annotations
 
 import ipaddress
-import json
 from dataclasses import dataclass
 
 from sparkdeploy.config import Node, Profile
 from sparkdeploy.engines import EngineError, launch
 from sparkdeploy.link import LinkFacts, Netdev
+from sparkdeploy.outside import OutsideError, parsed
 
 OWN_ADDRESS = ("SGLANG_HOST_IP", "VLLM_HOST_IP")
 """Variables in which an engine advertises the node's own address to its peers."""
@@ -278,8 +278,8 @@ def ping_why(stdout: str, stderr: str) -> str:
 def iperf_gbps(stdout: str) -> tuple[float | None, str]:
     """(Gb/s received, '') from ``iperf3 -J``'s answer, or (None, why)."""
     try:
-        data = json.loads(stdout)
-    except ValueError:
+        data = parsed(stdout, "iperf3")
+    except OutsideError:
         return None, "iperf3 gave no JSON"
     if not isinstance(data, dict):
         return None, "iperf3 gave no JSON object"

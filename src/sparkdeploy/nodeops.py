@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
@@ -18,7 +17,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from sparkdeploy.hosts import Feed, Host, HostError, NodeUnreachable
-from sparkdeploy.outside import OutsideError, last_line
+from sparkdeploy.outside import OutsideError, last_line, parsed
 from sparkdeploy.packaged import helper
 
 T = TypeVar("T", bound=BaseModel)
@@ -42,7 +41,7 @@ def inspect_image(host: Host, ref: str) -> dict[str, Any] | None:
     r = host.run(docker(host, "image", "inspect", "--format", "{{json .}}", ref), change=False)
     if r.exit_code != 0:
         return None
-    return json.loads(r.stdout)
+    return parsed(r.stdout, f"{host.name}: docker image inspect {ref}")
 
 
 def tagged(ref: str) -> str:
@@ -188,9 +187,6 @@ def verified(paths: list[str], argv: list[str]) -> list[str]:
 
 NODE_STATE = "/var/lib/sparkdeploy-node"
 
-_WRITE_SH = ('umask 022 && mkdir -p -- "$(dirname -- "$1")" && cat > "$1.part" '
-             '&& mv -f -- "$1.part" "$1"')
-
 
 def read_node_file(host: Host, path: str) -> str | None:
     """A file of the node's records (None when there is none)."""
@@ -205,10 +201,10 @@ def read_node_file(host: Host, path: str) -> str | None:
 def write_node_file(host: Host, path: str, content: str | None) -> None:
     """Write ``content`` at ``path`` on the node (through stdin, never argv; a reader sees the
     old file or the new one), or remove the file when ``content`` is None."""
-    if content is None:
-        r = host.run(["rm", "-f", "--", path], sudo=True)
-    else:
-        r = host.run(["sh", "-c", _WRITE_SH, "sh", path], sudo=True, input=content)
+    if content is not None:
+        host.put_file(path, content, private=False)
+        return
+    r = host.run(["rm", "-f", "--", path], sudo=True)
     if not r.ok:
         raise HostError(f"{host.name}: cannot write {path}: {r.one_line_error()}")
 

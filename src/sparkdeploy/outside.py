@@ -6,7 +6,8 @@ before anything acts on it; when it does not fit, one line naming where it came 
   body: a server that accepts and never answers, or trickles bytes, ends it on time) and a
   bound on the body's size. A watchdog shuts the socket at the deadline, so no read can
   outlive it.
-- ``validated`` / ``loads``: a pydantic type from outside data, ``OutsideError`` otherwise.
+- ``validated`` / ``loads``: a pydantic type from outside data, ``OutsideError`` otherwise;
+  ``parsed``: JSON whose shape its reader checks itself (a tool's own: docker's, iperf3's).
 - ``HubName``: a file name a hub listed, safe to join under the model dir and to put on a
   command line after ``--``.
 """
@@ -26,11 +27,13 @@ from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, Field, ValidationError
 
+from sparkdeploy.errors import RunError
+
 MAX_BODY = 16 * 1024 * 1024
 """The most a JSON answer may hold (a hub's file list of a large repo is well under 1 MB)."""
 
 
-class OutsideError(Exception):
+class OutsideError(RunError):
     """Outside data that cannot be used: ``str()`` is the one line, naming where it came from."""
 
 
@@ -85,13 +88,19 @@ def validated(cls: type[T], data: Any, where: str) -> T:
         raise OutsideError(f"{where}: {loc + ': ' if loc else ''}{msg}") from None
 
 
-def loads(cls: type[T], text: str | bytes, where: str) -> T:
-    """JSON text as a ``cls`` (one line naming ``where`` when it is not JSON or does not fit)."""
+def parsed(text: str | bytes, where: str) -> Any:
+    """JSON text as it is, for a reader that checks its shape itself (a tool's own JSON: docker's,
+    iperf3's); ``OutsideError("where: not JSON (...)")`` when it is not JSON. The one place
+    outside data is parsed (``loads`` types it too)."""
     try:
-        data = json.loads(text)
+        return json.loads(text)
     except (ValueError, RecursionError) as e:
         raise OutsideError(f"{where}: not JSON ({str(e).splitlines()[0][:80]})") from None
-    return validated(cls, data, where)
+
+
+def loads(cls: type[T], text: str | bytes, where: str) -> T:
+    """JSON text as a ``cls`` (one line naming ``where`` when it is not JSON or does not fit)."""
+    return validated(cls, parsed(text, where), where)
 
 
 def last_line(cls: type[T], text: str, where: str) -> T:
@@ -215,5 +224,5 @@ def request(method: str, url: str, *, headers: dict[str, str] | None = None,
 
 
 __all__ = ["HubName", "MAX_BODY", "ListedModel", "ModelList", "OutsideError", "Response",
-           "last_line", "loads", "name_problem",
+           "last_line", "loads", "name_problem", "parsed",
            "request", "validated", "Watch", "watchdog"]

@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from sparkdeploy.errors import UsageError
 from sparkdeploy.files import MB, InputError, read_input
 
 KeyPath = tuple[str | int, ...]
@@ -46,7 +47,7 @@ UNSET = _Marker("unset")
 TOP_KEYS = ("sparkdeploy", "extends")
 
 
-class ProfileError(Exception):
+class ProfileError(UsageError):
     """A profile that cannot be used; ``str()`` is the one line to show the user."""
 
 

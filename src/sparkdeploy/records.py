@@ -32,6 +32,7 @@ from typing import Any, ClassVar, TypeVar
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_serializer
 
+from sparkdeploy.errors import RunError
 from sparkdeploy.files import Escape, under, write_text_atomic
 from sparkdeploy.outside import HubName
 from sparkdeploy.redaction import redact
@@ -40,7 +41,7 @@ from sparkdeploy.state import StateDir
 DECISIONS = "decisions"
 
 
-class RecordError(Exception):
+class RecordError(RunError):
     """A record that cannot be read or named: ``str()`` is the one line to show."""
 
 

@@ -1,17 +1,18 @@
 """Run a plan of registered steps as a graph: independent steps at once, long ones first.
 
-A plan is data: ``PlanStep(name, options, ...)`` over the step registry, which is the one place
-the edges are declared. The runner orders a plan with ``graphlib.TopologicalSorter`` (a step's
-registered needs as far as they are in the plan, followed through steps the plan leaves out),
-starts every ready step in a thread pool (long steps first, then plan order; ``serial`` runs
-one at a time), and emits a ``StepState`` for every change (pending, running, done, failed,
-skipped, with elapsed seconds) through ``dep.events``.
+A plan is data: ``PlanStep(name, options)`` over the step registry, where each step declares
+its edges and how a plan runs it (fingerprint, reuse, redo, when: ``registry.StepSpec``). The
+runner orders a plan with ``graphlib.TopologicalSorter`` (a step's registered needs as far as
+they are in the plan, followed through steps the plan leaves out), starts every ready step in
+a thread pool (long steps first, then plan order; ``serial`` runs one at a time), and emits a
+``StepState`` for every change (pending, running, done, failed, skipped, with elapsed seconds)
+through ``dep.events``.
 
 A step may also be registered to start only once another step has *started* (``after_start``):
 the weights' sync follows the download file by file, so it needs the download running, not done.
 
-Resuming: the runner keeps, per plan step, what happened last time and a fingerprint of the
-profile slice the step depends on (``<state_dir>/runs/<plan>-<profile>.json``). A step runs
+Resuming: the runner keeps, per plan step, what happened last time and the step's declared
+fingerprint (the profile slice and facts the step depends on) (``<state_dir>/runs/<plan>-<profile>.json``). A step runs
 again on every run (steps probe before they act and report ``ok``), except a ``reuse`` step (a
 pure decision, e.g. the image probe) whose fingerprint is unchanged since it last finished. A
 changed fingerprint is named (which keys) and, for a step with ``redo``, that step runs first
@@ -28,28 +29,20 @@ from graphlib import CycleError, TopologicalSorter
 from typing import TYPE_CHECKING, Any
 
 from sparkdeploy import threads
-from sparkdeploy.config import ProfileError
+from sparkdeploy.errors import Error, UsageError
 from sparkdeploy.events import StepState
 from sparkdeploy.files import write_text_atomic
 from sparkdeploy.fingerprint import diff_keys
-from sparkdeploy.hosts import HostError
-from sparkdeploy.nodeops import NodeUnreachable
 from sparkdeploy.plan import DONE, FAILED, PENDING, RUNNING, SKIPPED, PlanRun, PlanStep, StepRun, graph
-from sparkdeploy.records import PlanMemory, RecordError, StepMemory
+from sparkdeploy.records import PlanMemory, StepMemory
 from sparkdeploy.results import Result, Status
-from sparkdeploy.state import LockHeld
 from sparkdeploy.steps import registry
 from sparkdeploy.steps.registry import StepContext
-from sparkdeploy.wait import WaitTimeout
 
 if TYPE_CHECKING:
     from sparkdeploy.deployment import Deployment
 
-EXPECTED = (NodeUnreachable, HostError, ProfileError, WaitTimeout, LockHeld, RecordError)
-"""What a step may raise that is not a bug: the step fails with the one line it carries."""
-
-
-class PlanError(ValueError):
+class PlanError(UsageError, ValueError):
     """A plan or a selection that cannot run (bad step name, cycle): one line, exit 2."""
 
 
@@ -90,6 +83,10 @@ def check(plan: list[PlanStep]) -> None:
         TopologicalSorter(graph(plan)).prepare()
     except CycleError as e:
         raise PlanError(f"plan has a cycle: {' -> '.join(e.args[1])}") from None
+
+
+def _absent(ctx: StepContext, **options: Any) -> None:
+    """The body of a planned step this version does not have (never run: ``Runner._call``)."""
 
 
 class Runner:
@@ -145,8 +142,8 @@ class Runner:
             return [ctx.skipped("no such step in this version of sparkdeploy")]
         try:
             return ctx.call(name, **options)
-        except EXPECTED as e:  # one line, as a task would say it
-            return [ctx.failed(str(e), getattr(e, "node", None))]
+        except Error as e:  # one line, as a task would say it
+            return [ctx.failed(str(e), e.node)]
         except Exception as e:  # a step must not take the other threads down with it
             where = self._save_traceback(name)
             return [ctx.failed(f"{type(e).__name__}: {e}{where}")]
@@ -163,7 +160,7 @@ class Runner:
         ctx = StepContext(spec.name, self.dep.events, self.dep)
         try:
             self._execute_step(spec, ctx)
-        except EXPECTED as e:
+        except Error as e:
             ctx.failed(str(e))
         except Exception as e:  # a fingerprint or a redo that raised: the step failed, the run goes on
             where = self._save_traceback(spec.name)
@@ -171,8 +168,11 @@ class Runner:
         finally:
             self.runs[spec.name].results = ctx.results
 
-    def _execute_step(self, spec: PlanStep, ctx: StepContext) -> None:
-        r = self.runs[spec.name]
+    def _execute_step(self, planned: PlanStep, ctx: StepContext) -> None:
+        r = self.runs[planned.name]
+        # how the plan runs it is the step's own declaration (none for a step this version
+        # lacks: ``_call`` says so)
+        spec = registry.REGISTRY.get(planned.name) or registry.StepSpec(planned.name, _absent)
         fp = spec.fingerprint(self.dep) if spec.fingerprint else {}
         r.fingerprint = fp
         before = self.last(spec.name)
@@ -189,7 +189,7 @@ class Runner:
             ctx.results.remove(ctx.ok(f"changed since the last run ({shown}): {why}"))
             if spec.redo and any(x.failed for x in self._call(ctx, spec.redo, {})):
                 return
-        options = {k: (v(self.dep, self.runs) if callable(v) else v) for k, v in spec.options.items()}
+        options = {k: (v(self.dep, self.runs) if callable(v) else v) for k, v in planned.options.items()}
         self._call(ctx, spec.name, options)
         if spec.reuse and spec.fingerprint and not self.dep.dry and not any(x.failed for x in ctx.results):
             # what a reuse step's fingerprint probes is what the step made so: keep it as it is now
@@ -276,9 +276,9 @@ class Runner:
             self.runs[name].blocked = True
             return f"needs {', '.join(sorted(bad))}, which " + (
                 "failed" if len(bad) == 1 and self.runs[bad[0]].state == FAILED else "did not run")
-        spec = self.by_name[name]
-        if spec.when is not None:
-            return spec.when(self.dep, self.runs)
+        spec = registry.REGISTRY.get(name)
+        if spec is not None and spec.when is not None:
+            return spec.when(self.dep, self.runs, self.by_name[name].forced)
         return None
 
     def _started_enough(self, name: str, running: dict[Future, str]) -> bool:

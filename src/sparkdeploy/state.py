@@ -11,10 +11,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from sparkdeploy.errors import RunError
 from sparkdeploy.redaction import redact
 
 
-class LockHeld(Exception):
+class LockHeld(RunError):
     pass
 
 

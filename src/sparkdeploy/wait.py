@@ -7,6 +7,8 @@ thing the probe said, so the caller can fail with one line of why. The clock and
 injectable, so tests run instantly and deterministically; ``tick(elapsed)`` is called after
 every unsuccessful probe (progress on long waits). ``Deadline`` is one deadline shared by waits
 made one after another (serve.up's phases): each ``wait_for`` gets what is ``left()`` of it.
+``retry(attempt, tries=..., again=...)`` is the one retry: a few tries of one action that may
+fail for a moment (a server not listening yet), the same clock-free sleep injectable.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from sparkdeploy.errors import RunError
+
 T = TypeVar("T")
 
 
-class WaitTimeout(Exception):
+class WaitTimeout(RunError):
     def __init__(self, what: str, waited: float, last: object = None):
         self.what = what
         self.waited = waited
@@ -39,7 +43,7 @@ class Deadline:
         return max(self.end - self.clock(), 0.0)
 
 
-class Stop(Exception):
+class Stop(RunError):
     """Raised by a probe to end the wait at once (e.g. the container it waits on exited)."""
 
 
@@ -72,3 +76,31 @@ def wait_for(
         if tick is not None:
             tick(elapsed)
         sleep(min(interval, max(deadline - elapsed, 0.0)) or interval)
+
+
+def retry(
+    attempt: Callable[[], T],
+    *,
+    tries: int,
+    again: Callable[[T], bool] = lambda value: False,
+    errors: tuple[type[Exception], ...] = (),
+    interval: float = 0.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """``attempt()`` at most ``tries`` times, ``interval`` seconds apart, while what it returned
+    is worth another try (``again(value)``) or it raised one of ``errors``: what the last try
+    returned (or its error). The one retry beside ``wait_for`` (which waits for a condition
+    until a deadline): a few tries of one action that may fail for a moment."""
+    if tries < 1:
+        raise ValueError("tries must be >= 1")
+    for n in range(1, tries + 1):
+        try:
+            value = attempt()
+        except errors:
+            if n == tries:
+                raise
+        else:
+            if n == tries or not again(value):
+                return value
+        sleep(interval)
+    raise AssertionError("unreachable")  # pragma: no cover

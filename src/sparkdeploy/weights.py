@@ -24,11 +24,13 @@ the repository lacks, is refused (``SelectionError``, one line): nothing is down
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any, Literal
+
+from sparkdeploy.errors import StepFailed
+from sparkdeploy.outside import OutsideError, parsed
 
 Rule = Literal["index", "single"]
 
@@ -47,7 +49,7 @@ SUPPORT_SUFFIXES = (".tiktoken", ".py")
 """Root files read beside them too: tiktoken vocabularies, remote code."""
 
 
-class SelectionError(ValueError):
+class SelectionError(StepFailed, ValueError):
     """A repository the engine cannot load as listed: ``str()`` is the one line to show."""
 
 
@@ -70,9 +72,10 @@ def index_files(text: str | bytes, where: str = INDEX) -> list[str]:
     """The file names an index's ``weight_map`` names, sorted, each once; ``SelectionError``
     for a file that is not such an index."""
     try:
-        doc = json.loads(text)
-    except ValueError as e:
-        raise SelectionError(f"{where} is not JSON: {e}") from None
+        doc = parsed(text, where)
+    except OutsideError as e:
+        why = str(e).removeprefix(f"{where}: not JSON (").removesuffix(")")  # the parser's words
+        raise SelectionError(f"{where} is not JSON: {why}") from None
     wmap = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wmap, dict) or not wmap:
         raise SelectionError(f"{where} has no weight_map")

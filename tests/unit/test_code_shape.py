@@ -1,5 +1,6 @@
 """The shape of the code: no import circle in src/ (function-level imports count), the product
-never imports the lab or its benchmarks (``sparkdeploy.perf``), one atomic write, one thread pool, no long function.
+never imports the lab or its benchmarks (``sparkdeploy.perf``), one atomic write, one thread pool, no long function,
+a plan that names steps and options only (each step declares the rest), a fingerprint that says when it asks a node.
 
 A function's length is its lines minus its docstring and minus multi-line data literals
 (dicts, lists, tuples, sets, strings: tables and templates read as data, not logic). The lab's
@@ -11,6 +12,7 @@ they are counted on their own."""
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
@@ -23,6 +25,18 @@ HELPERS = PKG / "helpers"
 STANDINS = PKG / "lab" / "standins"
 MAX_LINES = 80
 ATOMIC_WRITE_HELPER = PKG / "files.py"
+NODE_TOOLKIT = HELPERS / "protocol.py"
+"""The node helpers' one atomic write, deadline and retry."""
+CONTROLLER_WAIT = PKG / "wait.py"
+"""The controller's one deadline loop (``wait_for``) and one retry (``retry``)."""
+SHELL_RENAMES_ALLOWED = {
+    "src/sparkdeploy/hosts.py put_file": "the one way a file is written on a node",
+    "src/sparkdeploy/nodeops.py <module>": "the stage script's put(): a helper staged under its sha256, "
+    "checked before it is renamed into place, in the one round trip that stages its protocol too",
+    "src/sparkdeploy/ops/serve.py restore_files": "the version Host.put_file(keep_previous=True) kept, "
+    "put back",
+}
+"""``path function`` of each shell command that renames a file into place on a node, with why."""
 POOL_HELPER = PKG / "threads.py"
 
 
@@ -192,10 +206,12 @@ def test_no_product_module_imports_the_lab_benchmarks():
 def test_one_place_renames_a_file_into_place():
     outside = [c for c in calls(product_code(), "os.replace")
                if not c.startswith(str(ATOMIC_WRITE_HELPER.relative_to(ROOT)))]
-    assert len(outside) <= 1, outside
-    # each node helper is a standalone script (it cannot import another): one place in each
-    for h in sorted(HELPERS.glob("*.py")):
-        assert len(calls([h], "os.replace")) <= 1, h.name
+    assert outside == []
+    # the node helpers: protocol.write_atomic (staged beside each of them) is their one
+    helpers = [h for h in sorted(HELPERS.glob("*.py")) if h != NODE_TOOLKIT]
+    assert calls(helpers, "os.replace") + calls(helpers, "os.rename") == []
+    # and what the controller writes on a node: Host.put_file (the shell's rename into place)
+    assert shell_renames(product_code()) == sorted(SHELL_RENAMES_ALLOWED)
 
 
 def test_one_place_makes_a_thread_pool():
@@ -349,9 +365,10 @@ NOT_A_HELPERS_ANSWER = {
     "layers_on": "``docker image inspect --format {{json .RootFS.Layers}}``: the Docker CLI's",
     "ray_nodes": "a one-line ``python3 -c`` probe run in the engine's container (Ray's nodes)",
     "recorded": "the node's own record file (``cat`` of it), not a helper's output",
+    "read_phase": "the head's swap record (``cat`` of it), not a helper's output",
     "rx_bytes": "``ip -j -s link``: iproute2's JSON (the perf harness's link counter)",
 }
-PARSES = ("json.loads", "loads", "last_line")
+PARSES = ("json.loads", "loads", "last_line", "parsed")
 
 
 def helper_answer_parses(files: list[Path], base: Path = ROOT) -> list[str]:
@@ -390,3 +407,294 @@ def test_the_answer_check_sees_bare_and_qualified_parses_and_spares_the_allowed(
                  "def daemon_facts(r):\n    return json.loads(r.stdout)\n"
                  "def other(line):\n    return loads(Report, line, 'x'), last_line(Report, line, 'x')\n")
     assert helper_answer_parses([f], tmp_path) == ["m.py:3 read_it", "m.py:7 other"]
+
+
+# A step declares its whole contract where it is written (convention 15): its needs, and how a
+# plan runs it (fingerprint, reuse, redo, when) in its ``@step``, next to its body. A plan
+# (``plan.py``) names steps and their options; it holds no per-step settings.
+PLAN = PKG / "plan.py"
+FINGERPRINTS = PKG / "fingerprint.py"
+PLAN_STEP_FIELDS = ["name", "options", "forced"]
+DECLARED = {"fingerprint", "reuse", "redo", "when"}
+REACHES_A_NODE = {"image_id", "unit_states", "facts", "host", "hosts", "select", "run", "run_helper",
+                  "inspect_image", "probe_units", "moved"}
+"""Names through which the controller's code reaches a node: a fact, a host, a command."""
+
+
+def _names(node: ast.AST) -> set[str]:
+    """Every name, attribute and imported name in ``node``."""
+    out: set[str] = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name):
+            out.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            out.add(n.attr)
+        elif isinstance(n, ast.ImportFrom):
+            out |= {a.asname or a.name for a in n.names}
+    return out
+
+
+def _calls_named(tree: ast.AST, name: str) -> list[ast.Call]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and (
+        isinstance(n.func, ast.Name) and n.func.id == name
+        or isinstance(n.func, ast.Attribute) and n.func.attr == name)]
+
+
+def plan_settings(plan: Path, files: list[Path], base: Path = ROOT) -> list[str]:
+    """What a plan module holds that a step declares: a ``PlanStep`` field beyond its name,
+    options and ``forced``, a contract keyword given in a call, a table keyed by step names, a
+    fingerprint or a node's fact; and any ``PlanStep(...)`` in ``files`` given a contract."""
+    tree = ast.parse(plan.read_text())
+    where = plan.relative_to(base)
+    out = []
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "PlanStep"):
+        fields = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+        if fields != PLAN_STEP_FIELDS:
+            out.append(f"{where}:{cls.lineno} PlanStep fields {fields}")
+    for n in ast.walk(tree):
+        said = DECLARED & {k.arg for k in n.keywords} if isinstance(n, ast.Call) else set()
+        if said:
+            out.append(f"{where}:{n.lineno} {ast.unparse(n.func)}({', '.join(sorted(said))}=...)")
+        if isinstance(n, ast.Dict) and any(isinstance(k, ast.Constant) and isinstance(k.value, str)
+                                           and re.fullmatch(r"[a-z]+\.[a-z-]+", k.value) for k in n.keys):
+            out.append(f"{where}:{n.lineno} a table keyed by step names")
+    used = _names(tree) & ({"Fingerprint", "flat"} | REACHES_A_NODE - {"moved"})
+    out += [f"{where}: {u}" for u in sorted(used)]
+    for f in files:
+        for c in _calls_named(ast.parse(f.read_text()), "PlanStep"):
+            extra = {k.arg for k in c.keywords} - {"forced"}
+            if extra or len(c.args) > 2:
+                out.append(f"{f.relative_to(base)}:{c.lineno} PlanStep given {sorted(extra) or 'more'}")
+    return out
+
+
+def test_a_plan_names_steps_and_options_and_each_step_declares_the_rest():
+    assert plan_settings(PLAN, product_code()) == []
+
+
+def _function(name: ast.expr, modules: list[ast.Module]) -> ast.AST | None:
+    """The function ``name`` stands for: a lambda, or a module-level def in one of ``modules``."""
+    if isinstance(name, ast.Lambda):
+        return name
+    if isinstance(name, ast.Name):
+        for m in modules:
+            for n in m.body:
+                if isinstance(n, ast.FunctionDef) and n.name == name.id:
+                    return n
+    return None
+
+
+def unsaid_node_facts(files: list[Path], fingerprints: Path = FINGERPRINTS, base: Path = ROOT) -> list[str]:
+    """Each ``Fingerprint(...)`` whose ``also`` (the controller's part) reaches a node, or whose
+    ``asks`` (the part said to ask the nodes) does not, or whose part cannot be read here (one
+    level deep: a helper that reaches a node on its own is the unit test's to catch,
+    ``tests/unit/test_facts.py``)."""
+    shared = ast.parse(fingerprints.read_text())
+    out = []
+    for f in files:
+        tree = ast.parse(f.read_text())
+        for c in _calls_named(tree, "Fingerprint"):
+            for k in c.keywords:
+                fn = _function(k.value, [tree, shared])
+                reaches = fn is not None and bool(_names(fn) & REACHES_A_NODE)
+                if fn is None or (k.arg == "also" and reaches) or (k.arg == "asks" and not reaches):
+                    out.append(f"{f.relative_to(base)}:{c.lineno} {k.arg}={ast.unparse(k.value)}")
+    return sorted(out)
+
+
+def test_a_fingerprint_that_asks_a_node_says_so():
+    steps = sorted((PKG / "steps").glob("*.py"))
+    assert unsaid_node_facts(steps) == []
+    made = [f"{f.relative_to(ROOT)}:{c.lineno}" for f in product_code() if f not in steps + [FINGERPRINTS]
+            for c in _calls_named(ast.parse(f.read_text()), "Fingerprint")]
+    assert made == []  # declared with the steps only
+
+
+def test_the_plan_and_fingerprint_checks_see_what_they_look_for(tmp_path):
+    plan = tmp_path / "plan.py"
+    plan.write_text("class PlanStep:\n    name: str\n    options: dict\n    reuse: bool = False\n"
+                    "FP = {'serve.up': 1}\n"
+                    "from sparkdeploy.ops.image import image_id\n"
+                    "p = PlanStep('serve.up', {}, redo='serve.down')\n")
+    assert plan_settings(plan, [plan], tmp_path) == [
+        "plan.py:1 PlanStep fields ['name', 'options', 'reuse']", "plan.py:5 a table keyed by step names",
+        "plan.py:7 PlanStep(redo=...)", "plan.py: image_id", "plan.py:7 PlanStep given ['redo']"]
+    step = tmp_path / "step.py"
+    step.write_text("def quiet(dep):\n    return {'x': image_id(dep, 'x')}\n"
+                    "def loud(dep):\n    return {'x': dep.profile.x}\n"
+                    "@step('a.b', fingerprint=Fingerprint('x', also=quiet, asks=loud))\n"
+                    "def b(ctx): ...\n"
+                    "@step('a.c', fingerprint=Fingerprint(also=head, asks=lambda d: d.facts.get(1)))\n"
+                    "def c(ctx): ...\n"
+                    "F = Fingerprint(also=elsewhere)\n")
+    shared = tmp_path / "fingerprint.py"
+    shared.write_text("def head(dep):\n    return {'head': dep.profile.head.name}\n")
+    assert unsaid_node_facts([step], shared, tmp_path) == [
+        "step.py:5 also=quiet", "step.py:5 asks=loud", "step.py:9 also=elsewhere"]
+
+
+# --- one error tree (sparkdeploy.errors) -----------------------------------------------------------
+ERRORS = PKG / "errors.py"
+
+
+def product_modules() -> list[str]:
+    """The product's importable modules: the package without the lab, its benchmarks and the
+    node helpers (standard library only: their errors never cross the wire as classes)."""
+    skip = (PKG / "lab", PKG / "perf", HELPERS)
+    return [module_name(f) for f in sorted(PKG.rglob("*.py"))
+            if not any(s == f.parent or s in f.parents for s in skip)]
+
+
+def test_every_error_of_the_product_is_below_one_base():
+    import importlib
+    import inspect
+
+    from sparkdeploy.errors import Error, RunError, StepFailed, UsageError
+
+    assert (UsageError.code, RunError.code, StepFailed.code) == (2, 1, 1)
+    outside = []
+    for name in product_modules():
+        mod = importlib.import_module(name)
+        for cls_name, cls in inspect.getmembers(mod, inspect.isclass):
+            if cls.__module__ == name and issubclass(cls, BaseException) and not issubclass(cls, Error):
+                outside.append(f"{name}.{cls_name}")
+    assert outside == []
+    # the base alone derives from a builtin exception; each kind below it says its exit code
+    assert [c.__name__ for c in Error.__subclasses__()] == ["UsageError", "RunError", "StepFailed"]
+
+
+def failing_handlers(files: list[Path], base: Path = ROOT) -> list[str]:
+    """``path:line`` of each ``except`` whose body calls ``<x>.failed(...)``: an error turned
+    into a failed result by hand, not by the step's context."""
+    out = []
+    for f in files:
+        for h in ast.walk(ast.parse(f.read_text())):
+            if isinstance(h, ast.ExceptHandler) and any(
+                    isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "failed"
+                    for s in h.body for n in ast.walk(s)):
+                out.append(f"{f.relative_to(base)}:{h.lineno}")
+    return out
+
+
+def test_no_step_turns_an_error_into_a_failed_result_by_hand():
+    # a step raises StepFailed (PartFailed for one node of a fan-out) or lets an error of that
+    # kind through, or says ``with ctx.failing(...)``: its context is the one place that makes
+    # the failed result (steps/registry.py)
+    steps = [f for f in sorted((PKG / "steps").glob("*.py")) if f.name != "registry.py"]
+    assert failing_handlers(steps) == []
+
+
+def scratch(tmp_path: Path, *lines: str) -> list[Path]:
+    """A module ``m.py`` of ``lines`` in ``tmp_path``, for a check to read."""
+    (tmp_path / "m.py").write_text("".join(f"{ln}\n" for ln in lines))
+    return [tmp_path / "m.py"]
+
+
+def test_the_handler_check_sees_a_failed_result_made_in_an_except(tmp_path):
+    src = scratch(tmp_path, "try:", "    x()", "except E as e:", "    ctx.failed(str(e))", "    return",
+                  "try:", "    y()", "except E as e:", "    raise StepFailed(str(e)) from None",
+                  "try:", "    z()", "except E:", "    if a:", "        return ctx.failed('no')")
+    assert failing_handlers(src, tmp_path) == ["m.py:3", "m.py:12"]
+
+
+
+# --- one toolkit on each side of the wire ------------------------------------------------------
+
+
+def _name(call: ast.Call) -> str:
+    fn = call.func
+    return fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else ""
+
+
+def _functions(tree: ast.AST) -> Iterator[tuple[str, ast.AST]]:
+    """(the enclosing function's name or ``<module>``, node) for every node of ``tree``."""
+    def walk(n: ast.AST, where: str) -> Iterator[tuple[str, ast.AST]]:
+        for c in ast.iter_child_nodes(n):
+            inner = c.name if isinstance(c, ast.FunctionDef | ast.AsyncFunctionDef) else where
+            yield inner, c
+            yield from walk(c, inner)
+    yield from walk(tree, "<module>")
+
+
+def shell_renames(files: list[Path], base: Path = ROOT) -> list[str]:
+    """``path function`` of each string that holds a shell ``mv -f`` (a rename into place)."""
+    out = set()
+    for f in files:
+        for where, n in _functions(ast.parse(f.read_text())):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and "mv -f" in n.value:
+                out.add(f"{f.relative_to(base)} {where}")
+    return sorted(out)
+
+
+def hand_made_loops(files: list[Path], clocks: tuple[str, ...] = ("monotonic",),
+                    base: Path = ROOT) -> list[str]:
+    """``path:line kind`` of each loop that keeps its own deadline (compares a ``clocks`` reading)
+    or retries by hand: it sleeps, and either counts its tries over ``range()`` or has an
+    ``except`` that goes round again (not one that breaks, returns or raises)."""
+    out = []
+    for f in files:
+        for loop in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(loop, ast.For | ast.While):
+                continue
+            inside = list(ast.walk(loop))
+            if any(isinstance(n, ast.Compare) and any(isinstance(c, ast.Call) and _name(c) in clocks
+                                                      for c in ast.walk(n)) for n in inside):
+                out.append(f"{f.relative_to(base)}:{loop.lineno} deadline")
+            if not any(isinstance(n, ast.Call) and _name(n) == "sleep" for n in inside):
+                continue
+            counted = isinstance(loop, ast.For) and isinstance(loop.iter, ast.Call) and _name(loop.iter) == "range"
+            again = any(isinstance(n, ast.ExceptHandler)
+                        and not isinstance(n.body[-1], ast.Break | ast.Return | ast.Raise) for n in inside)
+            if counted or again:
+                out.append(f"{f.relative_to(base)}:{loop.lineno} retry")
+    return out
+
+
+def test_no_deadline_or_retry_loop_outside_the_toolkits():
+    # node side: protocol.Deadline and protocol.retry; controller side: wait.wait_for and
+    # wait.retry (an injectable clock: dep.clock counts as a clock there)
+    helpers = [h for h in sorted(HELPERS.glob("*.py")) if h != NODE_TOOLKIT]
+    assert hand_made_loops(helpers) == []
+    controller = [f for f in product_code() if f != CONTROLLER_WAIT
+                  and not {PKG / "lab", PKG / "perf"} & set(f.parents)]
+    assert hand_made_loops(controller, ("monotonic", "clock")) == []
+
+
+def test_the_loop_check_sees_deadlines_and_retries_and_spares_a_loop_that_waits_for_work(tmp_path):
+    src = scratch(tmp_path,
+                  "while time.monotonic() < end:", "    send()",
+                  "for _ in range(3):", "    if ok(): break", "    time.sleep(1)",
+                  "while True:", "    try:", "        return connect()", "    except OSError:",
+                  "        time.sleep(0.1)",
+                  "while busy():", "    try:", "        q.get_nowait()", "    except Empty:", "        break",
+                  "    time.sleep(0.02)")
+    assert hand_made_loops(src, base=tmp_path) == ["m.py:1 deadline", "m.py:3 retry", "m.py:6 retry"]
+
+
+OUTSIDE = PKG / "outside.py"
+NOT_OUTSIDE_DATA = {
+    "records.py read": "the state dir's own records (RecordError when one does not fit)",
+    "engine_flags.py manifest": "the package's own flag manifests (data/engine-flags)",
+    "flagmaker.py make": "the manifest maker's own probe, run on this machine (a tool of the repository)",
+    "flagmaker.py main": "the manifest the maker just wrote",
+}
+"""``path function`` of a JSON parse that reads no outside data, each with why."""
+
+
+def json_parses(files: list[Path], base: Path = PKG) -> list[str]:
+    """``path function`` of each ``json.loads``/``json.load``/``*.model_validate_json`` call."""
+    out = set()
+    for f in files:
+        for where, n in _functions(ast.parse(f.read_text())):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and (
+                    n.func.attr in ("loads", "load") and isinstance(n.func.value, ast.Name)
+                    and n.func.value.id == "json" or n.func.attr == "model_validate_json"):
+                out.add(f"{f.relative_to(base)} {where}")
+    return sorted(out)
+
+
+def test_outside_data_is_read_by_outside_only():
+    # what a node, an engine, a hub or a user's file answered: outside.parsed/loads/last_line
+    files = [f for f in product_code() if PKG in f.parents and f != OUTSIDE
+             and (PKG / "lab") not in f.parents and (PKG / "perf") not in f.parents]
+    assert [p for p in json_parses(files) if p not in NOT_OUTSIDE_DATA] == []

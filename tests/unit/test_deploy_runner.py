@@ -9,13 +9,14 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 from invoke import Config, Context
 
 from sparkdeploy import deployment
 from sparkdeploy.events import PlainRenderer, StepState
-from sparkdeploy.fingerprint import diff_keys, flat
+from sparkdeploy.fingerprint import Fingerprint, diff_keys, flat
 from sparkdeploy.plan import PlanStep
 from sparkdeploy.records import Endpoint, ImageDecision, PlanMemory, ServeDecision
 from sparkdeploy.results import Result, Status
@@ -60,7 +61,7 @@ def calls(monkeypatch):
     c = Calls()
 
     def fake(name, *, needs=(), after_start=(), long=False, work=0.05, waits_for=None, sets=None,
-             status="changed"):
+             status="changed", **declared):
         def fn(ctx, **options):
             c.enter(name, options)
             try:
@@ -76,7 +77,7 @@ def calls(monkeypatch):
             finally:
                 c.leave(name)
 
-        step(name, needs=needs, after_start=after_start, long=long)(fn)
+        step(name, needs=needs, after_start=after_start, long=long, **declared)(fn)
 
     c.fake = fake
     yield c
@@ -207,9 +208,8 @@ def test_a_step_that_raises_fails_alone(tmp_path, calls):
 def test_resume_after_a_failure_reruns_from_the_failed_step(tmp_path, calls):
     for n, needs in (("t.a", ()), ("t.b", ("t.a",)), ("t.c", ("t.b",))):
         calls.fake(n, needs=needs)
-    calls.fake("t.decide")
-    plan = [PlanStep("t.decide", reuse=True, fingerprint=lambda d: {"x": 1}), PlanStep("t.a"),
-            PlanStep("t.b"), PlanStep("t.c")]
+    calls.fake("t.decide", reuse=True, fingerprint=Fingerprint(also=lambda d: {"x": 1}))
+    plan = [PlanStep("t.decide"), PlanStep("t.a"), PlanStep("t.b"), PlanStep("t.c")]
     calls.fail.add("t.b")
     first = Runner(dep_for(tmp_path), plan).run()
     assert first.runs["t.b"].state == "failed" and first.runs["t.c"].state == "skipped"
@@ -225,12 +225,11 @@ def test_resume_after_a_failure_reruns_from_the_failed_step(tmp_path, calls):
 
 
 def test_profile_change_redoes_the_step_and_names_the_keys(tmp_path, calls):
-    calls.fake("t.up")
-    calls.fake("t.down")
-    calls.fake("t.decide")
     fp = {"engines[0].args[0]": "--x", "model.path": "/m"}
-    plan = [PlanStep("t.decide", reuse=True, fingerprint=lambda d: {"images": fp["model.path"]}),
-            PlanStep("t.up", fingerprint=lambda d: dict(fp), redo="t.down")]
+    calls.fake("t.up", fingerprint=Fingerprint(also=lambda d: dict(fp)), redo="t.down")
+    calls.fake("t.down")
+    calls.fake("t.decide", reuse=True, fingerprint=Fingerprint(also=lambda d: {"images": fp["model.path"]}))
+    plan = [PlanStep("t.decide"), PlanStep("t.up")]
     Runner(dep_for(tmp_path), plan).run()
     assert calls.count("t.down") == 0
     Runner(dep_for(tmp_path), plan).run()  # unchanged: no redo
@@ -277,12 +276,15 @@ def test_only_and_skip_and_bad_names():
 def test_option_values_resolved_when_the_step_starts_and_when_skips(tmp_path, calls):
     calls.fake("t.up")
     calls.fake("t.bench", needs=("t.up",))
+    calls.fake("t.never", when=lambda d, runs, forced: None if forced else "not needed")
+    calls.fake("t.asked", when=lambda d, runs, forced: None if forced else "not needed")
     plan = [PlanStep("t.up"),
             PlanStep("t.bench", {"url": lambda d, runs: f"from {runs['t.up'].state}", "n": 4}),
-            PlanStep("t.never", when=lambda d, runs: "not needed")]
+            PlanStep("t.never"), PlanStep("t.asked", forced=True)]
     out = Runner(dep_for(tmp_path), plan).run()
     assert calls.options["t.bench"] == {"url": "from done", "n": 4}
     assert out.runs["t.never"].state == "skipped" and out.runs["t.never"].why == "not needed"
+    assert calls.count("t.never") == 0 and calls.count("t.asked") == 1  # the plan forced it
 
 
 def test_plan_errors(calls):
@@ -331,8 +333,12 @@ def test_task_bad_step_name_is_one_line_exit_2(tmp_path):
 
 def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
     from sparkdeploy import plan as plans
+    from sparkdeploy.ops import image
+    from sparkdeploy.run_record import write_record
 
-    monkeypatch.setattr(plans, "image_id", lambda dep, ref, node=None: f"sha256:{ref}" if ref else None)
+    # every image is on every node, under its name's ID: no node's image list is read
+    monkeypatch.setattr(image, "_image_list", lambda host: {})
+    monkeypatch.setattr(image, "_inspected_id", lambda host, ref: f"sha256:{ref}")
     dep = dep_for(tmp_path)
     chosen = {"image": "base:1", "kind": "sglang", "serve_image": "layer:1", "needs_layer": False}
     dep.records.write(ImageDecision(
@@ -342,8 +348,10 @@ def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
     steps = plans.plan(dep)
     real = {s.name: registry.REGISTRY[s.name] for s in steps}
     registry.REGISTRY.clear()
-    for s in steps:  # the fakes keep the real steps' edges
-        calls.fake(s.name, needs=real[s.name].needs, after_start=real[s.name].after_start,
+    for s in steps:  # the fakes keep the real steps' edges and what they declare for a plan
+        r = real[s.name]
+        calls.fake(s.name, needs=r.needs, after_start=r.after_start, fingerprint=r.fingerprint,
+                   reuse=r.reuse, redo=r.redo, when=r.when,
                    long=s.name in ("model.download", "image.ship", "model.sync"),
                    work=1.5 if s.name == "model.download" else 0.05,
                    status="ok" if s.name != "serve.up" else "changed")
@@ -369,7 +377,7 @@ def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
          "evidence": [["spark1.log", 41, "CustomAllreduce is disabled because this process group "
                        "spans across nodes."]]}]))
     dep.records.write(Endpoint(url="http://h:8000", engine="vllm-ray", model="m"))
-    written = plans.write_record(dep, out, steps)
+    written = write_record(dep, out, steps)
     md = written.markdown.read_text()
     assert "serving `layer:1` = `sha256:layer:1`" in md and "| model.download | done |" in md
     assert "serving with **vllm-ray**" in md
@@ -381,8 +389,8 @@ def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
     assert written.json.exists() and '"chosen": "vllm-ray"' in written.json.read_text()
     # nothing changed the second time (every fake says ok): no bench smoke
     calls.log.clear()
-    registry.REGISTRY["serve.up"] = registry.REGISTRY["hosts.check"].__class__(
-        "serve.up", lambda ctx, **o: ctx.ok("already serving"))
+    registry.REGISTRY["serve.up"] = replace(registry.REGISTRY["serve.up"],
+                                            body=lambda ctx, **o: ctx.ok("already serving"))
     again = Runner(dep_for(tmp_path), plans.plan(dep)).run()
     assert again.runs["bench.run"].state == "skipped"
     assert again.runs["bench.run"].why.startswith("nothing changed")
@@ -454,8 +462,8 @@ def test_a_reuse_step_keeps_the_fingerprint_it_left_behind(tmp_path, calls):
         node["units"] = "inactive"
         calls.leave("t.stop")
         ctx.changed("stopped")
-    step("t.stop")(stop)
-    plan = [PlanStep("t.stop", fingerprint=lambda d: dict(node), reuse=True)]
+    step("t.stop", fingerprint=Fingerprint(asks=lambda d: dict(node)), reuse=True)(stop)
+    plan = [PlanStep("t.stop")]
     Runner(dep_for(tmp_path), plan).run()
     again = Runner(dep_for(tmp_path), plan).run()
     assert calls.count("t.stop") == 1 and again.runs["t.stop"].reused
@@ -466,8 +474,9 @@ def test_a_reuse_step_keeps_the_fingerprint_it_left_behind(tmp_path, calls):
 
 def test_the_records_bench_summary_has_counts_rates_and_medians_not_raw_requests():
     from sparkdeploy.bench.metrics import RequestMetrics, summarize
-    from sparkdeploy.plan import StepRun, _bench_summary
+    from sparkdeploy.plan import StepRun
     from sparkdeploy.records import markdown_table
+    from sparkdeploy.run_record import _bench_summary
 
     def req(ttft, tok_s, start, end, error=None):
         return RequestMetrics(ttft, (end - start) * 1000, 64, 512, [], 37.0, tok_s, "usage",

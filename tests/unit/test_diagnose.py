@@ -1,5 +1,6 @@
 """Engine-log diagnosis: real log excerpts from public reports (tests/unit/data/engine_logs/<class>/),
-each with its source URL on its first line, classified and pointed at the decisive lines."""
+each with its source URL on its first line, and whole logs of the lab's real engine (vLLM 0.32.0's
+CPU build: ``# source: real, vLLM ...``), classified and pointed at the decisive lines."""
 
 from __future__ import annotations
 
@@ -89,6 +90,13 @@ EXPECTED: dict[str, dict[str, list[int]]] = {
     # worker-never-joined (vLLM's own multi-node mode) from real logs, written against the lab's stand-in
     # first: held out when the rule for a store timeout without the leader line was written
     "worker-never-joined/vllm-no-ray-head-store-1of2.log": {"": [7, 9]},
+    # real: vLLM 0.32.0 (the lab's real engine, its CPU build) failing as it fails, logs kept whole
+    "engine-flag-unknown/vllm-0.32.0-cpu-unknown-flag.log": {"": [6]},
+    "weights-unreadable/vllm-0.32.0-cpu-missing-shard.log": {"": [99]},
+    "weights-unreadable/vllm-0.32.0-cpu-corrupt-shard.log": {"": [107]},
+    "port-in-use/vllm-0.32.0-cpu-port-in-use.log": {"": [39]},
+    "out-of-memory/vllm-0.32.0-cpu-kv-cache-too-large.log": {"": [58, 65, 105]},
+    "nccl-init-hang/vllm-0.32.0-cpu-master-unreachable.log": {"": [28]},
     # nothing matched: the evidence is each log's last lines
     "unknown/vllm-illegal-memory-access.log": {"": [5, 6, 7]},
     "unknown/vllm-pp-worker-illegal-address.log": {"": [8, 9, 10]},
@@ -106,7 +114,8 @@ def test_every_fixture_has_its_source_and_an_expectation():
     assert on_disk == set(EXPECTED)
     for rel in EXPECTED:
         for lines in load(rel).values():
-            assert lines[0].startswith("# source: https://"), rel
+            # a public report's address, or a log of the lab's real engine naming its version
+            assert lines[0].startswith(("# source: https://", "# source: real, vLLM ")), rel
 
 
 @pytest.mark.parametrize("rel", sorted(EXPECTED))

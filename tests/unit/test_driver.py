@@ -12,6 +12,7 @@ from invoke import Config, Context
 from invoke.exceptions import Exit
 
 from sparkdeploy.config import ProfileError
+from sparkdeploy.errors import StepFailed, UsageError
 from sparkdeploy.hosts import HostError
 from sparkdeploy.records import RecordError
 from sparkdeploy.results import Result, Status
@@ -48,6 +49,8 @@ def test_only_the_driver_turns_an_error_into_an_exit():
     (ProfileError("p.yaml: nodes: empty"), 2), (PlanError("--only: no step 'x'"), 2),
     (HostError("spark1: no route"), 1), (LockHeld("held by pid 7"), 1),
     (RecordError("runs/x.json: not JSON"), 1),
+    # any kind of the one tree: its own line and code (a step's failure outside a step too)
+    (UsageError("--config: not JSON"), 2), (StepFailed("no engine recorded"), 1),
 ])
 def test_an_error_in_the_work_is_one_line_and_its_exit_status(tmp_path, error, code):
     def work(dep, events):

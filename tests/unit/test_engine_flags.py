@@ -236,7 +236,7 @@ def test_without_a_probe_a_flag_no_version_has_is_refused_naming_every_version()
         ef.check_args_any("sglang", ["--mem-fraction-statik", "0.8"], "no probe yet")
     assert str(e.value) == ("--mem-fraction-statik: not a flag of sglang 0.5.10; did you mean "
                             "--mem-fraction-static? (nor of sglang 0.5.4; no probe yet)")
-    assert ef.check_args_any("vllm", ["--max-model-len", "8"], "x") == "0.17.1"
+    assert ef.check_args_any("vllm", ["--max-model-len", "8"], "x") == "0.32.0"  # the newest
 
 
 def test_without_a_probe_an_engine_with_no_manifest_says_how_to_make_one(tmp_path):
@@ -272,8 +272,8 @@ def test_deploy_checks_every_engines_flags_before_anything_and_says_against_what
     _, dep = _seed_with(tmp_path)
     assert check_flags(dep) == [
         "engine sglang: flags checked against a sglang version with a manifest (0.5.10)",
-        "engine vllm-ray: flags checked against a vllm version with a manifest (0.17.1)",
-        "engine vllm: flags checked against a vllm version with a manifest (0.17.1)"]
+        "engine vllm-ray: flags checked against a vllm version with a manifest (0.32.0)",
+        "engine vllm: flags checked against a vllm version with a manifest (0.32.0)"]
 
 
 def test_the_probed_version_is_the_one_checked_against(tmp_path):

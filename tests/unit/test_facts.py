@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,9 @@ from sparkdeploy import plan as plans
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.facts import Facts
 from sparkdeploy.hosts import Host
+from sparkdeploy.ops.image import image_id
 from sparkdeploy.records import ImageDecision
+from sparkdeploy.run_record import write_record
 from sparkdeploy.runner import Runner
 from sparkdeploy.state import StateDir
 from sparkdeploy.steps import registry
@@ -80,11 +83,17 @@ def fake_steps():
         for name, spec in saved.items():
             def fn(ctx, _name=name, **options):
                 getattr(ctx, status)("did it", ctx.dep.profile.head.name)
-            registry.REGISTRY[name] = registry.StepSpec(name, fn, needs=spec.needs,
-                                                       after_start=spec.after_start, long=spec.long)
+            registry.REGISTRY[name] = replace(spec, body=fn)  # as declared: the fingerprint, reuse, ...
     yield install
     registry.REGISTRY.clear()
     registry.REGISTRY.update(saved)
+
+
+def fingerprint(step: str):
+    """The fingerprint ``step`` declares."""
+    fp = registry.get(step).fingerprint
+    assert fp is not None
+    return fp
 
 
 def facts_asked(ctx) -> Counter:
@@ -102,7 +111,7 @@ def test_a_run_asks_each_node_each_fact_once(lab, fake_steps):
     out = Runner(again, plans.plan(again)).run()
     assert not out.failed and {n for n, r in out.runs.items() if r.reused} == {
         "model.precheck", "services.stop", "model.fit", "image.probe", "image.ship"}
-    written = plans.write_record(again, out, plans.plan(again))
+    written = write_record(again, out, plans.plan(again))
     assert f"serving `{LAYER}` = `{IDS[LAYER]}`" in written.markdown.read_text()
     assert facts_asked(ctx) == {
         ("spark1", tuple(IMAGE_LS)): 1,
@@ -116,31 +125,31 @@ def test_a_run_asks_each_node_each_fact_once(lab, fake_steps):
 
 def test_a_change_on_a_node_asks_that_node_again(lab):
     dep, ctx, nodes = lab
-    assert plans.image_id(dep, LAYER) == IDS[LAYER]
-    assert plans.image_id(dep, LAYER, "spark2") == IDS[LAYER]
+    assert image_id(dep, LAYER) == IDS[LAYER]
+    assert image_id(dep, LAYER, "spark2") == IDS[LAYER]
     nodes["spark1"].images[LAYER] = "sha256:" + "d" * 64
-    assert plans.image_id(dep, LAYER) == IDS[LAYER]  # the snapshot, not the node, until ...
+    assert image_id(dep, LAYER) == IDS[LAYER]  # the snapshot, not the node, until ...
     StepContext("image.build", dep.events, dep).changed("built", "spark1")  # ... a step changed the node
-    assert plans.image_id(dep, LAYER) == "sha256:" + "d" * 64
-    assert plans.image_id(dep, LAYER, "spark2") == IDS[LAYER]
+    assert image_id(dep, LAYER) == "sha256:" + "d" * 64
+    assert image_id(dep, LAYER, "spark2") == IDS[LAYER]
     StepContext("image.ship", dep.events, dep).ok("already there", "spark2")  # no change: nothing forgotten
     assert facts_asked(ctx) == {("spark1", tuple(IMAGE_LS)): 2, ("spark2", tuple(IMAGE_LS)): 1}
 
 
 def test_services_fingerprint_sees_the_units_stopped_after_the_stop(lab):
     dep, ctx, nodes = lab
-    assert plans.fp_services(dep)["units_now.vllm-cluster.service"] == "active"
+    assert fingerprint("services.stop")(dep)["units_now.vllm-cluster.service"] == "active"
     nodes["spark1"].units = {u: "inactive" for u in GLM}
     StepContext("services.stop", dep.events, dep).changed("stopped", "spark1")
-    assert plans.fp_services(dep)["units_now.vllm-cluster.service"] == "inactive"
+    assert fingerprint("services.stop")(dep)["units_now.vllm-cluster.service"] == "inactive"
     assert facts_asked(ctx)[("spark1", tuple(LIST_UNITS))] == 2
 
 
 def test_an_unreachable_node_is_asked_once_and_has_no_images(lab):
     dep, ctx, nodes = lab
     nodes["spark2"].unreachable = True
-    assert plans.image_id(dep, LAYER, "spark2") is None
-    assert plans.image_id(dep, BASE, "spark2") is None
+    assert image_id(dep, LAYER, "spark2") is None
+    assert image_id(dep, BASE, "spark2") is None
     assert facts_asked(ctx) == {("spark2", tuple(IMAGE_LS)): 1}  # nothing inspected there
 
 
@@ -185,7 +194,23 @@ def test_the_probe_is_not_reused_once_its_decision_is_gone(lab):
     from sparkdeploy.fingerprint import diff_keys
 
     dep, _, _ = lab
-    before = plans.fp_probe(dep)
+    before = fingerprint("image.probe")(dep)
     assert before["decided"] is not None
     dep.records.remove(ImageDecision)
-    assert diff_keys(before, plans.fp_probe(dep)) == ["decided"]
+    assert diff_keys(before, fingerprint("image.probe")(dep)) == ["decided"]
+
+
+def test_a_fingerprint_asks_the_nodes_only_where_its_declaration_says_so(lab):
+    dep, ctx, _ = lab
+    declared = {n: s.fingerprint for n, s in registry.load_all().items() if s.fingerprint is not None}
+    asked = set()
+    for name, fp in declared.items():
+        dep.facts.forget(None)
+        ctx.calls.clear()
+        fp.local(dep)
+        assert ctx.calls == [], name  # the sections and ``also``: the controller alone
+        fp(dep)
+        if ctx.calls:
+            asked.add(name)
+    assert asked == {n for n, fp in declared.items() if fp.asks_nodes} == {
+        "services.stop", "image.probe", "image.ship", "serve.up"}

@@ -123,3 +123,49 @@ def test_a_report_missing_or_malformed_is_one_line(host, printed, why):
     with pytest.raises(nodeops.HelperFailed) as e:
         run(host, code, input="")
     assert str(e.value).startswith("spark1: echo: ") and why in str(e.value) and "\n" not in str(e.value)
+
+
+# --- the helpers' toolkit: one atomic write, one deadline, one retry ---------------------------
+
+
+def test_a_helpers_atomic_write_leaves_the_old_file_or_the_new_one_and_no_part(tmp_path):
+    from sparkdeploy.helpers import protocol
+
+    rec = tmp_path / "r.json"
+    rec.write_text("old")
+    protocol.write_atomic(str(rec), "new", 0o640)
+    assert (rec.read_text(), rec.stat().st_mode & 0o777) == ("new", 0o640)
+    (tmp_path / "d").mkdir()
+    with pytest.raises(OSError):  # the rename fails: the part file goes with it
+        protocol.write_atomic(str(tmp_path / "d"), "x")
+    assert sorted(os.listdir(tmp_path)) == ["d", "r.json"]
+
+
+def test_a_helpers_deadline_and_retry_on_an_injected_clock():
+    from sparkdeploy.helpers import protocol
+    from tests.unit.fakes import FakeClock
+
+    clock = FakeClock()
+    d = protocol.Deadline(1.0, clock)
+    assert (d.left(), d.passed()) == (1.0, False)
+    clock.sleep(1.5)
+    assert (d.left(), d.passed()) == (0.0, True)
+    tries, said = [], []
+
+    def attempt():
+        tries.append(1)
+        if len(tries) < 3:
+            raise ConnectionRefusedError("not listening")
+        return "connected"
+
+    assert protocol.retry(attempt, errors=(ConnectionRefusedError,), tries=3, pause=lambda n: 2 * n,
+                          on_error=lambda n, e: said.append((n, str(e))), sleep=clock.sleep) == "connected"
+    assert said == [(1, "not listening"), (2, "not listening")] and clock.sleeps[-2:] == [2, 4]
+    tries.clear()
+    late = protocol.Deadline(0.1, clock)
+    with pytest.raises(ConnectionRefusedError):  # the deadline passed: the last error
+        protocol.retry(attempt, errors=(ConnectionRefusedError,), deadline=late, pause=lambda n: 1,
+                       sleep=clock.sleep)
+    assert len(tries) == 1 + 1  # one try, a pause past the deadline, one more, then no more
+    with pytest.raises(KeyError):  # not an error it retries: at once
+        protocol.retry(lambda: {}["x"], errors=(OSError,), tries=5)

@@ -10,6 +10,7 @@ from sparkdeploy.hosts import (
     PROBE_TIMEOUT_S,
     Feed,
     Host,
+    HostError,
     NodeUnreachable,
     elide,
     ssh_base_argv,
@@ -249,3 +250,39 @@ def test_trust_asks_ssh_and_adds_the_confirmed_key_every_command_through_the_hos
     assert [argv[0] for _, argv in ctx.calls] == ["ssh", "ssh-keygen", "ssh-keyscan", "ssh-keygen"]
     assert ctx.calls[2][1] == ["ssh-keyscan", "-T", "5", "-p", "22", "-t", "ed25519", "--",
                                "10.1.2.3"]
+
+
+class Writes(Ctx):
+    """A node whose writes fail with ``fail`` (exit 1), each command's stdin kept."""
+
+    def __init__(self, fail: str = ""):
+        super().__init__({})
+        self._set("fail", fail)
+        self._set("stdins", [])
+
+    def answer(self, alias, argv, stdin, command, kw):
+        self.stdins.append(stdin)
+        return self.result(command, 1 if self.fail else 0, stderr=self.fail)
+
+
+def test_put_file_is_one_atomic_write_through_stdin_private_unless_said():
+    ctx = Writes()
+    h = Host(NODE, SshSettings(), ctx)
+    h.put_file("/etc/sd/unit.json", "a secret", mode="0600", keep_previous=True)
+    h.put_file("/var/lib/sd/record.json", "{}\n", private=False)
+    (_, kept), (_, record) = ctx.calls
+    assert kept == ["sudo", "-n", "--", "sh", "-c",
+                    'umask 077 && mkdir -p -- "$(dirname -- "$1")" && rm -f -- "$1.previous" '
+                    '&& { [ ! -e "$1" ] || cp -p -- "$1" "$1.previous"; } && cat > "$1.part" '
+                    '&& chmod "$2" "$1.part" && mv -f -- "$1.part" "$1"', "sh", "/etc/sd/unit.json", "0600"]
+    assert record[3:] == ["sh", "-c", 'umask 022 && mkdir -p -- "$(dirname -- "$1")" && cat > "$1.part" '
+                          '&& mv -f -- "$1.part" "$1"', "sh", "/var/lib/sd/record.json"]
+    assert ctx.stdins == ["a secret", "{}\n"]  # the content never in argv
+
+
+def test_a_write_that_fails_is_a_host_error_naming_the_file_not_an_unreachable_node():
+    h = Host(NODE, SshSettings(), Writes("cat: write error: No space left on device"))
+    with pytest.raises(HostError) as e:
+        h.put_file("/etc/sd/unit.json", "x")
+    assert not isinstance(e.value, NodeUnreachable)
+    assert str(e.value) == "spark1: cannot write /etc/sd/unit.json: cat: write error: No space left on device"

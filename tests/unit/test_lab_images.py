@@ -230,7 +230,7 @@ def fake_engine(tmp_path, monkeypatch):
     dep = tmp_path / "cache" / "dep-2-py3-none-any.whl"
     dep.write_bytes(b"dep")
     monkeypatch.setattr(images, "ensure_engine_wheel", lambda r, c, s: engine)
-    monkeypatch.setattr(images, "dependency_wheels", lambda r, c: [dep])
+    monkeypatch.setattr(images, "dependency_wheels", lambda r, c, w: [dep])
     cache, archives = tmp_path / "cache", tmp_path / "archives"
 
     def build(base=layout.BASE_IMAGE, **kw):
@@ -340,7 +340,7 @@ def test_prefetch_fetches_every_recipes_wheels_and_says_what_is_new(tmp_path, mo
 
     monkeypatch.setattr(images, "ensure_engine_wheel", engine)
     monkeypatch.setattr(images, "dependency_wheels",
-                        lambda r, c: seen.append(("deps", ";".join(r.requires))))
+                        lambda r, c, w: seen.append(("deps", ";".join(r.requires))))
     did, why = images.prefetch_wheels(cache=cache, stripped_cache=tmp_path / "s")
     assert did and why == "3 wheels downloaded (3 MB)"
     assert [k for k, _ in seen] == ["engine", "deps"] * 3

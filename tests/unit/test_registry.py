@@ -1,12 +1,14 @@
 """The step registry and its protocol: every step registered under its name, needs that form a
-graph, a duplicate name refused, every result on the stream exactly once through the step's
-context, and an unreachable node one failed result for that node."""
+graph, what a plan needs of a step declared with it, a duplicate name refused, every result on
+the stream exactly once through the step's context, and an unreachable node one failed result
+for that node."""
 
 import graphlib
 
 import pytest
 
 from sparkdeploy.events import EventSink, Progress
+from sparkdeploy.fingerprint import Fingerprint
 from sparkdeploy.hosts import NodeUnreachable
 from sparkdeploy.results import Result, Status
 from sparkdeploy.steps.registry import REGISTRY, StepContext, get, load_all, run_one, step
@@ -52,6 +54,23 @@ def test_a_second_step_under_a_taken_name_is_refused(scratch):
         @step("test.one")
         def other(ctx):
             pass
+
+
+def test_a_step_declares_how_a_plan_runs_it_and_reuse_needs_a_fingerprint(scratch):
+    def why(dep, runs, forced):
+        return None if forced else "not asked for"
+
+    @step("test.decide", fingerprint=Fingerprint("model", asks=lambda d: {}), reuse=True, when=why)
+    def decide(ctx):
+        """Decide."""
+
+    spec = get("test.decide")
+    assert (spec.reuse, spec.redo, spec.when) == (True, None, why)
+    assert spec.fingerprint is not None and spec.fingerprint.sections == ("model",)
+    assert spec.fingerprint.asks_nodes and not Fingerprint("model").asks_nodes
+    for declared in ({"reuse": True}, {"redo": "test.undo"}):
+        with pytest.raises(TypeError, match="'test.bare': reuse and redo follow a fingerprint"):
+            step("test.bare", **declared)
 
 
 def test_unknown_step_names_the_known_ones():
@@ -174,3 +193,45 @@ def test_work_aside_shows_its_progress_but_its_results_only_to_the_step_that_jud
     assert [type(e).__name__ for e in got] == ["Progress", "Result"]
     assert [(r.step, r.why) for r in ctx.results] == [("model.verify", "repaired (fetched 2 files)")]
     assert sub.results == [fetched] and fetched.step == "model.verify"
+
+
+def test_a_step_fails_by_raising_and_its_context_makes_the_one_failed_result(tmp_path, scratch):
+    from sparkdeploy.errors import PartFailed, RunError, StepFailed
+
+    dep, _, _ = scripted(tmp_path, {"spark1": FakeNode()})
+
+    @step("test.refuses")
+    def refuses(ctx):
+        """Cannot go on: one failed result, for the node the error names."""
+        ctx.ok("probed")
+        raise StepFailed("no weights in /srv/m", node="spark1")
+
+    @step("test.parts")
+    def parts(ctx):
+        """One node's part fails, the others go on; an engine refused, the next one tried."""
+        def one(n):
+            if n == "b":
+                raise PartFailed("b: python3 is not installed", "b")
+            return n
+
+        assert ctx.each(["a", "b", "c"], one) == ["a", None, "c"]
+        for eng in ("sglang", "vllm"):
+            with ctx.failing(KeyError, lead=f"{eng}: ", engine=eng) as caught:
+                {"vllm": 1}[eng]
+            if caught.error is None:
+                ctx.ok(f"{eng} fits")
+        assert caught.result is None
+
+    @step("test.crashes")
+    def crashes(ctx):
+        """A run error is no step failure: it goes up to the runner or the task driver."""
+        raise RunError("the lock is held")
+
+    assert [(r.status, r.node, r.why) for r in refuses(dep)] == [
+        (Status.OK, None, "probed"), (Status.FAILED, "spark1", "no weights in /srv/m")]
+    assert [(r.status, r.node, r.why, r.details) for r in parts(dep)] == [
+        (Status.FAILED, "b", "b: python3 is not installed", {}),
+        (Status.FAILED, None, "sglang: 'sglang'", {"engine": "sglang"}),
+        (Status.OK, None, "vllm fits", {})]
+    with pytest.raises(RunError, match="the lock is held"):
+        crashes(dep)

@@ -206,7 +206,8 @@ def test_a_persist_that_starts_every_unit_keeps_no_previous_copy(units):
     key = sds["spark1"].files[KEY]
     for sd in sds.values():
         assert set(sd.files) == {UNIT_FILE, SPEC, KEY, f"{serve_persist.NODE_DIR}/serve_unit.py",
-                                 f"{serve_persist.NODE_DIR}/serve_watchdog.py"}
+                                 f"{serve_persist.NODE_DIR}/serve_watchdog.py",
+                                 f"{serve_persist.NODE_DIR}/protocol.py"}
         assert sd.enabled == {UNIT} and sd.running == {UNIT}
         # one group key on every node, 0600, sent over stdin: in no command line
         assert sd.files[KEY] == key and len(key.strip()) == 64 and sd.modes[KEY] == "0600"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from sparkdeploy.wait import Deadline, Stop, WaitTimeout, wait_for
+from sparkdeploy.wait import Deadline, Stop, WaitTimeout, retry, wait_for
 from tests.unit.fakes import FakeClock
 
 
@@ -88,3 +88,35 @@ def test_one_deadline_shared_by_waits_in_turn_gives_each_what_is_left():
                  sleep=clock.sleep)
     assert (len(calls), clock.now, e.value.waited) == (3, 10, 4)
     assert budget.left() == 0  # passed: the next wait probes once and times out
+
+
+def test_retry_tries_again_while_the_answer_says_so_and_gives_the_last():
+    clock = FakeClock()
+    probe, calls = answers((None, "connect refused"), (None, "connect refused"), (9.5, ""))
+    assert retry(probe, tries=5, again=lambda got: got[0] is None, interval=0.3,
+                 sleep=clock.sleep) == (9.5, "")
+    assert (len(calls), clock.sleeps) == (3, [0.3, 0.3])
+    probe, calls = answers(*[(None, "connect refused")] * 3)
+    assert retry(probe, tries=3, again=lambda got: got[0] is None, sleep=clock.sleep) == (
+        None, "connect refused")  # no try left: the last answer, no sleep after it
+    assert len(calls) == 3 and clock.sleeps == [0.3, 0.3, 0.0, 0.0]
+
+
+def test_retry_tries_again_on_the_errors_it_is_given_only():
+    clock = FakeClock()
+    seen = []
+
+    def flaky():
+        seen.append(1)
+        if len(seen) < 3:
+            raise ConnectionRefusedError("not yet")
+        return "up"
+
+    assert retry(flaky, tries=3, errors=(ConnectionRefusedError,), sleep=clock.sleep) == "up"
+    seen.clear()
+    with pytest.raises(ConnectionRefusedError):
+        retry(flaky, tries=2, errors=(ConnectionRefusedError,), sleep=clock.sleep)
+    with pytest.raises(ValueError):
+        retry(lambda: int("x"), tries=3, errors=(ConnectionRefusedError,), sleep=clock.sleep)
+    with pytest.raises(ValueError, match="tries"):
+        retry(lambda: 1, tries=0)

@@ -30,14 +30,15 @@ from urllib.parse import urlsplit
 from sparkdeploy import checks
 from sparkdeploy.bench.metrics import Timeline, analyse, met_slo, stats, summarize
 from sparkdeploy.endpoint import headers as auth_headers
+from sparkdeploy.errors import UsageError
 from sparkdeploy.events import EventSink, Progress
-from sparkdeploy.outside import ModelList, OutsideError, Watch, request, watchdog
+from sparkdeploy.outside import ModelList, OutsideError, Watch, parsed, request, watchdog
 
 DAY_S = 86400.0
 """The longest a timeout or a deadline of the client may be."""
 
 
-class BenchError(Exception):
+class BenchError(UsageError):
     """A benchmark that cannot run (unreachable endpoint, bad arguments): one line."""
 
 
@@ -175,9 +176,9 @@ def _stream(conn, target: Target, path: str, body: bytes, tl: Timeline, ov: Over
         raw = resp.read(64 * 1024)  # an error body's first 64 kB say what went wrong
         tl.end = perf()
         try:
-            d = json.loads(raw)
+            d = parsed(raw, "an error body")
             msg = d.get("message") or (d.get("error") or {}).get("message") or ""
-        except (ValueError, AttributeError):
+        except (OutsideError, AttributeError):
             msg = raw[:120].decode(errors="replace")
         tl.error = f"HTTP {resp.status}: {msg}".rstrip(": ")
         return

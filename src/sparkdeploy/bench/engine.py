@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparkdeploy.endpoint import headers as auth_headers
+from sparkdeploy.errors import RunError
 from sparkdeploy.outside import OutsideError, request
 
 MAX_TEXT = 16 * 1024 * 1024
@@ -59,7 +60,7 @@ SAMPLE_S = 0.5
 """How often the engine's metrics are sampled during a run (for the peaks)."""
 
 
-class MetricsError(Exception):
+class MetricsError(RunError):
     """No engine metrics to read: ``str()`` is the one line to show."""
 
 

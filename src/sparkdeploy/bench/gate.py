@@ -16,13 +16,12 @@ depth sweep learns the chat template's tokens from them (``bench.depth``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from dataclasses import dataclass
 
 from sparkdeploy.bench.client import BenchError, Overhead, Settings, Target, guarded_request, prompt_body
 from sparkdeploy.bench.metrics import Chunk, Timeline, analyse
-from sparkdeploy.outside import OutsideError, validated
+from sparkdeploy.outside import OutsideError, parsed, validated
 
 PROMPTS: tuple[tuple[str, str], ...] = (
     ("What is 17 + 25? Answer with the number only.", "42"),
@@ -49,7 +48,7 @@ def _content(tl: Timeline) -> str:
     for _t, payload in tl.events:
         if payload.strip() == b"[DONE]":
             continue
-        d = json.loads(payload)
+        d = parsed(payload, "bad SSE event")
         if isinstance(d, dict):
             out.append(validated(Chunk, d, "bad SSE event").answer())
     return "".join(out)

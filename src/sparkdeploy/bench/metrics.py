@@ -24,7 +24,6 @@ kept with their error, and left out of the latency stats.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field
 
-from sparkdeploy.outside import OutsideError, validated
+from sparkdeploy.outside import OutsideError, parsed, validated
 
 DONE = b"[DONE]"
 
@@ -152,8 +151,8 @@ def analyse(tl: Timeline) -> RequestMetrics:
             done = True
             continue
         try:
-            d = json.loads(payload)
-        except (ValueError, RecursionError):
+            d = parsed(payload, "bad SSE payload")
+        except OutsideError:
             error = error or f"bad SSE payload: {payload[:80]!r}"
             break
         if not isinstance(d, dict):

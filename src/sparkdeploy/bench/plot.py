@@ -16,6 +16,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from sparkdeploy.outside import parsed
+
 PNG_KEY = "sparkdeploy.bench"
 
 PANELS: list[tuple[str, str, list[tuple[str, tuple[str, ...]]]]] = [
@@ -114,5 +116,5 @@ def read_png_panels(path: str | Path) -> dict | None:
         else:
             continue
         if key.decode("latin-1") == PNG_KEY:
-            return json.loads(text)
+            return parsed(text, f"{path}: {PNG_KEY}")
     return None

@@ -15,7 +15,7 @@ from sparkdeploy.bench.engine import MetricsError, Watch, metrics_url, versus
 from sparkdeploy.bench.metrics import RequestMetrics, intervals, summarize
 from sparkdeploy.events import EventSink
 from sparkdeploy.files import MB, InputError, read_input
-from sparkdeploy.outside import OutsideError, loads
+from sparkdeploy.outside import OutsideError, parsed, validated
 
 STEP = "bench.run"
 MAX_RUNS = 100
@@ -191,17 +191,14 @@ def load_json(path: str | Path) -> dict:
         text = read_input(path, limit=64 * MB, what="benchmark JSON file")
     except InputError as e:
         raise BenchError(str(e)) from None
+    where = f"{path}: not a benchmark JSON file"
     try:
-        doc = json.loads(text)
-    except (ValueError, RecursionError):
-        doc = None  # not JSON: loads says so below, in one line
-    # a depth sweep's (bench.depth: "depths") or a sweep's (bench.run: "runs")
-    kind: type[BaseModel] = _DepthDoc if isinstance(doc, dict) and "depths" in doc else _Doc
-    try:
-        loads(kind, text, f"{path}: not a benchmark JSON file")
+        doc = parsed(text, where)
+        # a depth sweep's (bench.depth: "depths") or a sweep's (bench.run: "runs")
+        validated(_DepthDoc if isinstance(doc, dict) and "depths" in doc else _Doc, doc, where)
     except OutsideError as e:
         raise BenchError(str(e)) from None
-    return json.loads(text)
+    return doc
 
 
 def check_baseline(doc: dict, baseline_tok_s: float, tolerance_pct: float) -> tuple[bool, str]:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from sparkdeploy import labels as lbl
 from sparkdeploy.config import Engine, Node, Profile
+from sparkdeploy.errors import StepFailed
 from sparkdeploy.redaction import is_secret_name
 
 PREFIX = "sparkdeploy"
@@ -48,7 +49,7 @@ API_KEY_ENV = "SPARKDEPLOY_API_KEY"
 _IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$")
 
 
-class EngineError(Exception):
+class EngineError(StepFailed):
     """The profile cannot be turned into containers; ``str()`` is one line."""
 
 

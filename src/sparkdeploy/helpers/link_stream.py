@@ -64,23 +64,21 @@ def serve(bind: str, port: int, wait: float) -> dict:
 
 
 def _connect(to: str, port: int, bind: str | None) -> socket.socket:
-    end = time.monotonic() + CONNECT_S
-    while True:
+    def attempt() -> socket.socket:
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             if bind:
                 s.bind((bind, 0))
             s.settimeout(5)
             s.connect((to, port))
-            return s
-        except ConnectionRefusedError:
-            s.close()
-            if time.monotonic() > end:
-                raise
-            time.sleep(0.05)
         except OSError:
             s.close()
             raise
+        return s
+
+    # refused: the receiver is not listening yet
+    return protocol.retry(attempt, errors=(ConnectionRefusedError,),
+                          deadline=protocol.Deadline(CONNECT_S), pause=lambda n: 0.05)
 
 
 def send(to: str, port: int, seconds: float, bind: str | None) -> dict:
@@ -89,8 +87,8 @@ def send(to: str, port: int, seconds: float, bind: str | None) -> dict:
     with _connect(to, port, bind) as s:
         s.settimeout(30)
         start = time.monotonic()
-        end = start + seconds
-        while time.monotonic() < end:
+        end = protocol.Deadline(seconds)
+        while not end.passed():
             s.sendall(data)
             sent += len(data)
         s.shutdown(socket.SHUT_WR)

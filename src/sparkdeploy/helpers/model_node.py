@@ -71,6 +71,11 @@ except ImportError:  # a script: protocol.py beside it (a checkout) or a directo
     import protocol  # type: ignore[import-not-found, no-redef]
 
 META = ".sparkdeploy"
+
+
+def one_line(e: BaseException) -> str:
+    """An error as one line: its type and its first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 RECORD = "verified.jsonl"
 SELECTION = "selection.json"
 LOCK = "download.lock"
@@ -112,7 +117,7 @@ def cmd_mkroot(a: argparse.Namespace) -> int:
     if text is not None:
         path = os.path.join(meta_dir(a.dir), SELECTION)
         try:
-            write_atomic(path, text)
+            protocol.write_atomic(path, text)
         except OSError as e:
             return protocol.fail(f"cannot record the selection in {path}: {e.strerror or e}", 3)
     protocol.answer({"dir": a.dir})
@@ -192,21 +197,7 @@ def compact_records(root: str) -> None:
             except (ValueError, KeyError, TypeError):
                 continue
         with contextlib.suppress(OSError):  # a full disk: keep the appended record as it is
-            write_atomic(path, "".join(v + "\n" for v in last.values()))
-
-
-def write_atomic(path: str, text: str) -> None:
-    """``text`` into ``path`` through a temporary file renamed into place (a reader sees the
-    old file or the new one); OSError when it cannot, the temporary file gone."""
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as out:
-            out.write(text)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+            protocol.write_atomic(path, "".join(v + "\n" for v in last.values()))
 
 
 # --- hashing and checking ------------------------------------------------------------------
@@ -473,21 +464,23 @@ class _Fetch:
             self._count(want, "present")
             return
         forget(self.root, rel)
-        last = ""
-        for attempt in range(1, self.a.attempts + 1):
-            try:
-                download(repo_id=self.spec["repo"], filename=rel, revision=self.spec["commit"],
-                         local_dir=self.root, token=self.token, endpoint=self.a.endpoint or None)
-            except Exception as e:  # noqa: BLE001 - any failure of one file is reported by name
-                last = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                protocol.say(f"retry {rel} (attempt {attempt} of {self.a.attempts}): {last}")
-                time.sleep(min(2 * attempt, 10))
-                continue
-            # hashed beside the next download, so the hub's bandwidth stays in use
-            self.hashing.append(self.hasher.submit(self.finish, want))
+
+        def fetch() -> None:
+            download(repo_id=self.spec["repo"], filename=rel, revision=self.spec["commit"],
+                     local_dir=self.root, token=self.token, endpoint=self.a.endpoint or None)
+
+        def failed(n: int, e: Exception) -> None:
+            protocol.say(f"retry {rel} (attempt {n} of {self.a.attempts}): {one_line(e)}")
+
+        try:
+            protocol.retry(fetch, tries=self.a.attempts, pause=lambda n: min(2 * n, 10),
+                           on_error=failed)
+        except Exception as e:  # noqa: BLE001 - any failure of one file is reported by name
+            with self.lock:
+                self.failures[rel] = one_line(e)
             return
-        with self.lock:
-            self.failures[rel] = last
+        # hashed beside the next download, so the hub's bandwidth stays in use
+        self.hashing.append(self.hasher.submit(self.finish, want))
 
     def finish(self, want: dict) -> None:
         rel = want["path"]
@@ -639,21 +632,21 @@ def start_rsyncd(a: argparse.Namespace, secret: str) -> tuple[subprocess.Popen, 
                               priv, "--", *argv], stdin=subprocess.PIPE,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
-    deadline = time.monotonic() + 10
-    while True:
+    def listening() -> tuple[subprocess.Popen, int, str]:
         if guard.poll() is not None:
             assert guard.stderr is not None
             why = guard.stderr.read().strip().splitlines()
             shutil.rmtree(priv, ignore_errors=True)
             raise DaemonError(f"rsync daemon exited at start: {why[-1] if why else guard.returncode}")
-        try:
-            with socket.create_connection((a.address, port), timeout=1):
-                return guard, port, priv
-        except OSError:
-            if time.monotonic() > deadline:
-                stop_rsyncd(guard, priv)
-                raise DaemonError(f"rsync daemon did not listen on {a.address}:{port}") from None
-            time.sleep(0.02)
+        with socket.create_connection((a.address, port), timeout=1):
+            return guard, port, priv
+
+    try:
+        return protocol.retry(listening, errors=(OSError,), deadline=protocol.Deadline(10),
+                              pause=lambda n: 0.02)
+    except OSError:
+        stop_rsyncd(guard, priv)
+        raise DaemonError(f"rsync daemon did not listen on {a.address}:{port}") from None
 
 
 def stop_rsyncd(guard: subprocess.Popen, priv: str) -> None:
@@ -721,15 +714,15 @@ def _end_daemon(proc: subprocess.Popen) -> None:
         for child in _children(proc.pid):  # the listener: on TERM rsync sleeps 400 ms before
             with contextlib.suppress(ProcessLookupError):  # it exits, its socket still open;
                 os.kill(child, signal.SIGKILL)  # it holds no file, so it need not wait
-    deadline = time.monotonic() + 5
-    while _group_alive(proc.pid) and time.monotonic() < deadline:
+    deadline = protocol.Deadline(5)
+    while _group_alive(proc.pid) and not deadline.passed():
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(0.05)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    deadline = time.monotonic() + 5  # killed: gone once reaped (a zombie still counts)
-    while _group_alive(proc.pid) and time.monotonic() < deadline:
+    deadline = protocol.Deadline(5)  # killed: gone once reaped (a zombie still counts)
+    while _group_alive(proc.pid) and not deadline.passed():
         time.sleep(0.01)
 
 
@@ -908,7 +901,7 @@ def cmd_receive(a: argparse.Namespace) -> int:
             return 7
         daemon = (proc, priv)
     arrivals = Arrivals(root, files, a.jobs)
-    deadline = time.monotonic() + a.max_seconds
+    deadline = protocol.Deadline(a.max_seconds)
     try:
         protocol.event("ready", {"port": port, "private": priv})
         while not arrivals.done():
@@ -929,7 +922,7 @@ def cmd_receive(a: argparse.Namespace) -> int:
                 elif cmd.startswith("expect "):  # reported missing: sent again, from another
                     arrivals.again(json.loads(cmd[7:]))
             busy = arrivals.step() or busy
-            if time.monotonic() > deadline:
+            if deadline.passed():
                 protocol.say(f"error: still receiving after {a.max_seconds}s")
                 return 8
             if not busy:

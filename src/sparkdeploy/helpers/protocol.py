@@ -13,18 +13,25 @@ The one exception: a helper whose stdout IS a data stream (the ship's ``layer_ex
 ``save_filter.py``, piped into ``docker load`` on the peer) says its progress lines and, last,
 its report on stderr (``stream=sys.stderr``); the controller reads them with the same parser.
 
+It is also the helpers' one toolkit: ``write_atomic`` (the one way a helper replaces a file),
+``Deadline`` (the one deadline a helper's loop keeps) and ``retry`` (the one retry).
+
 On a node this file is staged one directory above each helper (``nodeops.stage_script``: the
 helper lives in ``<stage>/<sha256 of this file>/<sha256 of the helper>/<helper>``) and is
-checked against its sha256 before any helper runs; in a checkout it sits beside them."""
+checked against its sha256 before any helper runs; in a checkout it sits beside them. The
+persisted supervisor (``serve_unit.py``, ``serve_watchdog.py``) has its copy beside it."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
 import threading
+import time
 
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 """A content digest as Docker writes it (a diff ID, a config or blob digest)."""
@@ -100,3 +107,58 @@ def read(path: str) -> str | None:
             return f.read().strip()
     except OSError:
         return None
+
+
+# --- the toolkit: one atomic write, one deadline, one retry ----------------------------------
+
+
+def write_atomic(path: str, text: str, mode: int | None = None) -> None:
+    """``text`` into ``path``, whole or not at all: a part file of this process beside it,
+    renamed over it (a reader sees the old file or the new one), with ``mode`` set first when
+    given. OSError when it cannot, the part file gone."""
+    part = f"{path}.part.{os.getpid()}"
+    try:
+        with open(part, "w", encoding="utf-8") as out:
+            out.write(text)
+        if mode is not None:
+            os.chmod(part, mode)
+        os.replace(part, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(part)
+        raise
+
+
+class Deadline:
+    """``seconds`` from now on ``clock`` (the monotonic clock): what is ``left()`` of it, and
+    whether it has ``passed()``."""
+
+    def __init__(self, seconds: float, clock=time.monotonic):
+        self.clock = clock
+        self.end = clock() + seconds
+
+    def left(self) -> float:
+        return max(self.end - self.clock(), 0.0)
+
+    def passed(self) -> bool:
+        return self.clock() > self.end
+
+
+def retry(attempt, *, errors=(Exception,), tries: int | None = None,
+          deadline: Deadline | None = None, pause=lambda n: 0.0, on_error=None,
+          sleep=time.sleep):
+    """``attempt()`` again while it raises one of ``errors``: at most ``tries`` times, or
+    until ``deadline`` has passed; ``on_error(n, error)`` is told of the n-th failure, then
+    ``pause(n)`` seconds pass before the next try. What ``attempt()`` returns, or its last
+    error once no try is left (any other error at once)."""
+    n = 0
+    while True:
+        n += 1
+        try:
+            return attempt()
+        except errors as e:
+            if on_error is not None:
+                on_error(n, e)
+            if (tries is not None and n >= tries) or (deadline is not None and deadline.passed()):
+                raise
+        sleep(pause(n))

@@ -53,6 +53,13 @@ import sys
 import time
 from dataclasses import dataclass
 
+try:  # in the package (the controller, the tests)
+    from . import protocol
+except ImportError:  # a script: protocol.py beside it (installed with the unit, a checkout) or a directory up
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [_here, os.path.dirname(_here)]
+    import protocol  # type: ignore[import-not-found, no-redef]
+
 NODE_DIR = "/var/lib/sparkdeploy-node/serve"
 KEEP = 20
 KEEP_LOGS = 5
@@ -253,13 +260,9 @@ def records_text(records: list[dict]) -> str:
 
 
 def write_records(path: str, records: list[dict]) -> None:
-    """Atomically (a part file renamed over the record)."""
+    """Atomically (``protocol.write_atomic``: a part file renamed over the record)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    part = f"{path}.part.{os.getpid()}"
-    with open(part, "w") as f:
-        f.write(records_text(records))
-    os.chmod(part, 0o644)
-    os.replace(part, path)
+    protocol.write_atomic(path, records_text(records), 0o644)
 
 
 def served_again(records: list[dict], t: float) -> bool:

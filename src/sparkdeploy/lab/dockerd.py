@@ -8,6 +8,7 @@ import json
 import os
 import re
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 
 from sparkdeploy.files import move_in
@@ -17,7 +18,6 @@ from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 DOCKER26_DIR = layout.CACHE_DIR / "docker26"
 DOCKER26_DOCKERD = DOCKER26_DIR / "usr" / "sbin" / "dockerd"
-TRIXIE_APT = layout.CACHE_DIR / "apt-trixie"
 CLASSIC_DOCKERD = "/usr/sbin/dockerd"
 SNAPSHOTTER_DRIVER = "io.containerd.snapshotter.v1"
 NVIDIA_RUNTIME = f"{layout.STANDIN_DIR}/bin/nvidia-container-runtime"
@@ -47,39 +47,48 @@ def debian_mirror(sources: Path = Path("/etc/apt/sources.list.d/debian.sources")
     return "http://deb.debian.org/debian"
 
 
-def ensure_docker26() -> tuple[bool, str]:
-    """Docker 26's dockerd from trixie's ``docker.io``, unpacked under the cache.
-
-    Uses a separate sources list and lists dir, so the system's apt setup is untouched.
-    Returns (changed, why).
-    """
-    if DOCKER26_DOCKERD.exists():
-        return False, f"{DOCKER26_DOCKERD} cached"
-    TRIXIE_APT.mkdir(parents=True, exist_ok=True)
-    (TRIXIE_APT / "lists" / "partial").mkdir(parents=True, exist_ok=True)
-    (TRIXIE_APT / "archives" / "partial").mkdir(parents=True, exist_ok=True)
-    src = TRIXIE_APT / "sources.list"
+def apt_download(suite: str, packages: Sequence[str]) -> list[Path]:
+    """Debian ``suite``'s current .deb of each package, in ``CACHE_DIR/apt-<suite>/`` (older
+    downloads of those packages removed). A sources list and lists dir of its own: the
+    system's apt setup is untouched. The newest file of each package, in ``packages``' order."""
+    cache = layout.CACHE_DIR / f"apt-{suite}"
+    (cache / "lists" / "partial").mkdir(parents=True, exist_ok=True)
+    (cache / "archives" / "partial").mkdir(parents=True, exist_ok=True)
+    src = cache / "sources.list"
     src.write_text(f"deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] "
-                   f"{debian_mirror()} trixie main\n")
+                   f"{debian_mirror()} {suite} main\n")
     opts = ["-o", f"Dir::Etc::SourceList={src}", "-o", "Dir::Etc::SourceParts=/nonexistent",
-            "-o", f"Dir::State::Lists={TRIXIE_APT / 'lists'}",
-            "-o", f"Dir::Cache::Archives={TRIXIE_APT / 'archives'}",
+            "-o", f"Dir::State::Lists={cache / 'lists'}",
+            "-o", f"Dir::Cache::Archives={cache / 'archives'}",
             "-o", "APT::Get::List-Cleanup=0"]
     run(["apt-get", *opts, "update"], timeout=600)
-    for old in TRIXIE_APT.glob("docker.io_*.deb"):
-        old.unlink()
-    run(["apt-get", *opts, "download", "docker.io"], cwd=TRIXIE_APT, timeout=600)
-    debs = sorted(TRIXIE_APT.glob("docker.io_*.deb"))
-    if not debs:
-        raise LabError("apt-get download docker.io (trixie) left no .deb")
+    for pkg in packages:
+        for old in cache.glob(f"{pkg}_*.deb"):
+            old.unlink()
+    run(["apt-get", *opts, "download", *packages], cwd=cache, timeout=600)
+    out = []
+    for pkg in packages:
+        debs = sorted(cache.glob(f"{pkg}_*.deb"))
+        if not debs:
+            raise LabError(f"apt-get download {pkg} ({suite}) left no .deb")
+        out.append(debs[-1])
+    return out
+
+
+def ensure_docker26() -> tuple[bool, str]:
+    """Docker 26's dockerd from trixie's ``docker.io``, unpacked under the cache.
+    Returns (changed, why)."""
+    if DOCKER26_DOCKERD.exists():
+        return False, f"{DOCKER26_DOCKERD} cached"
+    [deb] = apt_download("trixie", ["docker.io"])
     clean_stale_tmp(layout.CACHE_DIR, "docker26")
     tmp = layout.CACHE_DIR / f"docker26.{os.getpid()}.tmp"
     remove_tree(tmp)
-    run(["dpkg", "-x", str(debs[-1]), str(tmp)])
+    run(["dpkg", "-x", str(deb), str(tmp)])
     remove_tree(DOCKER26_DIR)
     move_in(tmp, DOCKER26_DIR)
     ver = run([str(DOCKER26_DOCKERD), "--version"], check=False).stdout.strip()
-    return True, f"unpacked {debs[-1].name} ({ver})"
+    return True, f"unpacked {deb.name} ({ver})"
 
 
 def storage_driver(flavor: str) -> str:

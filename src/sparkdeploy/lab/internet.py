@@ -9,6 +9,7 @@ endpoints (``model.endpoint``, ``images.layer.index_url``) for the /24 lab.up ch
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import yaml
 
@@ -17,6 +18,8 @@ from sparkdeploy.lab.dockerd import docker, url
 from sparkdeploy.lab.proc import LabError
 from sparkdeploy.results import Result, Status
 
+RECIPES = Path(__file__).resolve().parent / "recipes"
+"""The lab's own recipes (``lab-tiny``): named by the lab's profile overlay only."""
 HUB_PORT = hub.DEFAULT_PORT
 INDEX_PORT = pkgindex.DEFAULT_PORT
 
@@ -32,18 +35,25 @@ def index_url(controller: str) -> str:
 def profile_overlay(controller: str) -> str:
     """The profile overlay for a lab whose controller is ``controller``: the only place the lab
     profile gets its hub and index addresses from."""
-    body = {"sparkdeploy": {"model": {"endpoint": hub_url(controller),
+    body = {"sparkdeploy": {"recipes": [str(RECIPES)],
+                            "model": {"endpoint": hub_url(controller),
                                       "index_url": index_url(controller)},
                             "images": {"layer": {"index_url": index_url(controller)}}}}
     return ("# Written by lab.up for the management network it chose; do not edit.\n"
             + yaml.safe_dump(body, sort_keys=False))
 
 
-def prefetch() -> tuple[bool, str]:
-    """Every wheel the lab needs, cached (index requirements and community images)."""
+def lab_images(real_engine: bool = False) -> tuple[images.ImageSpec, ...]:
+    """The images lab.up builds on the head: the community images' stand-ins, and with
+    ``real_engine`` the real vLLM (``images.REAL_VLLM``)."""
+    return (*images.COMMUNITY_IMAGES, *((images.REAL_VLLM,) if real_engine else ()))
+
+
+def prefetch(real_engine: bool = False) -> tuple[bool, str]:
+    """Every wheel the lab needs, cached (index requirements and the images' wheels)."""
     try:
         report = pkgindex.ensure_wheels()
-        did, why = images.prefetch_wheels()
+        did, why = images.prefetch_wheels(lab_images(real_engine))
     except pkgindex.WheelDownloadError as e:
         raise LabError(str(e).splitlines()[0]) from None
     did = did or report.changed
@@ -66,9 +76,9 @@ def ensure_servers(st: dict, controller: str) -> list[Result]:
     return out
 
 
-def ensure_community_images(head: str) -> list[Result]:
+def ensure_community_images(head: str, real_engine: bool = False) -> list[Result]:
     return images.build_community_images(url(head), layout.BASE_IMAGE,
-                                         node=head)
+                                         recipes=lab_images(real_engine), node=head)
 
 
 def seed_worker(head: str, worker: str, ref: str = "scitrera/dgx-spark-sglang:0.5.10rc0") -> Result:

@@ -62,17 +62,19 @@ class _Run:
 
 
 def up(nodes: int = 2, flavor: str = layout.DEFAULT_DOCKERD, seed_worker: bool = False,
-       mgmt_net: str | None = None, events: EventSink | None = None) -> list[Result]:
+       mgmt_net: str | None = None, events: EventSink | None = None,
+       real_engine: bool = False) -> list[Result]:
     """Bring the lab up (idempotent). ``mgmt_net``: None keeps the recorded management /24
     (or picks the first that does not clash), ``"fallback"`` forces the first fallback, a
-    candidate CIDR picks that one; a lab on another /24 is moved in place. Each result is on
+    candidate CIDR picks that one; a lab on another /24 is moved in place. ``real_engine``:
+    the real vLLM's image on the head too (``images.REAL_VLLM``). Each result is on
     ``events`` (a stream of its own when None) as it happens."""
     return run_one(None, "lab.up", events=events, body=_up_lab, nodes=nodes, flavor=flavor,
-                   seed_worker=seed_worker, mgmt_net=mgmt_net)
+                   seed_worker=seed_worker, mgmt_net=mgmt_net, real_engine=real_engine)
 
 
 def _up_lab(ctx: StepContext, nodes: int, flavor: str, seed_worker: bool,
-            mgmt_net: str | None) -> None:
+            mgmt_net: str | None, real_engine: bool = False) -> None:
     events = ctx.events
     why = preflight()
     if why:
@@ -100,8 +102,8 @@ def _up_lab(ctx: StepContext, nodes: int, flavor: str, seed_worker: bool,
                 run.jobs["debootstrap"] = pool.submit(image.ensure_base_tarball)
                 if set(flavors) != {"classic20"}:
                     run.jobs["docker26"] = pool.submit(dockerd.ensure_docker26)
-                run.jobs["wheels"] = pool.submit(internet.prefetch)
-                _up(run, mgmt_net, seed_worker)
+                run.jobs["wheels"] = pool.submit(internet.prefetch, real_engine)
+                _up(run, mgmt_net, seed_worker, real_engine)
         except LabError as e:
             run.add(Result("lab.up", Status.FAILED, str(e)))
         else:
@@ -119,7 +121,7 @@ def _packages(run: _Run) -> None:
             else Result("packages", Status.OK, "all present"))
 
 
-def _up(run: _Run, mgmt_net: str | None, seed_worker: bool) -> None:
+def _up(run: _Run, mgmt_net: str | None, seed_worker: bool, real_engine: bool) -> None:
     _addresses(run, mgmt_net)
     _drop_extra_nodes(run)
     made = keys.ensure_keys(run.names)
@@ -129,7 +131,7 @@ def _up(run: _Run, mgmt_net: str | None, seed_worker: bool) -> None:
     _ssh_and_daemons(run)
     _images(run)
     run.add(_ensure_glm(run.names[0]))
-    _internet(run, seed_worker)
+    _internet(run, seed_worker, real_engine)
     # the proof: controller -> every node over ssh with host key checking on
     for x in run.names:
         run.add(_check_ssh(x))
@@ -247,7 +249,7 @@ def _images(run: _Run) -> None:
                        layout.BASE_IMAGE + ("" if msg == "ok" else f" {msg}"), x))
 
 
-def _internet(run: _Run, seed_worker: bool) -> None:
+def _internet(run: _Run, seed_worker: bool, real_engine: bool) -> None:
     """The closed internet (hub, package index) and the community images on the head."""
     plan, head = run.plan, run.names[0]
     assert plan is not None
@@ -256,7 +258,7 @@ def _internet(run: _Run, seed_worker: bool) -> None:
         for r in internet.ensure_servers(run.st, plan.controller):
             run.add(r)
     with run.beat.phase("community.images", head, note="docker build"):
-        for r in internet.ensure_community_images(head):
+        for r in internet.ensure_community_images(head, real_engine):
             run.add(r)
     if seed_worker:
         for x in run.names[1:]:

@@ -1,5 +1,6 @@
-"""The image ``image.probe`` chose, as its decision record says: shared by ``image.ship``, the
-deploy plan's fingerprints and ``deploy.purge``."""
+"""The image ``image.probe`` chose, as its decision record says, and the ID an image has on a
+node (one ``docker image ls`` per node per run): shared by ``image.ship``, the steps'
+fingerprints, the deploy record and ``deploy.purge``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import inspect_image
+from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image, tagged
 from sparkdeploy.records import ImageDecision
 
 STEP_BUILD = "image.build"
@@ -92,3 +93,41 @@ def moved(dep: Deployment, head: Host | None = None, refs: list[str] | None = No
         out.append(f"{cand.image} was {cand.digest or cand.image_id} when decided, is "
                    f"{digest_of(info, cand.image)} now; run image.probe to accept it")
     return out
+
+
+# --- the node facts the fingerprints read (``dep.facts``: once per node per run) ----------------
+
+IMAGE_LIST = ("image", "ls", "--no-trunc", "--format", "{{.Repository}}:{{.Tag}} {{.ID}}")
+
+
+def _image_list(host: Host) -> dict[str, str] | None:
+    """{repo:tag: image ID} of every tagged image on the node, in one command (None when the
+    node cannot be reached)."""
+    try:
+        r = host.run(docker(host, *IMAGE_LIST), change=False)
+    except NodeUnreachable:
+        return None
+    if not r.ok:
+        return {}
+    return dict(line.split(" ", 1) for line in r.stdout.splitlines() if " " in line)
+
+
+def _inspected_id(host: Host, ref: str) -> str | None:
+    try:
+        info = inspect_image(host, ref)
+    except NodeUnreachable:
+        return None
+    return info.get("Id") if info else None
+
+
+def image_id(dep: Deployment, ref: str | None, node: str | None = None) -> str | None:
+    """The ID of image ``ref`` on the head (or ``node``): by its tag in the node's image list,
+    else (a digest, an ID, a name the list spells otherwise) by inspecting it; None if absent."""
+    if not ref:
+        return None
+    node = node or dep.profile.head.name
+    listed = dep.facts.get(node, "images", _image_list)
+    if listed is None:
+        return None
+    return listed.get(tagged(ref)) or dep.facts.get(node, f"image {ref}",
+                                                     lambda h: _inspected_id(h, ref))

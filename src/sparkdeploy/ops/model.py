@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sparkdeploy import labels, threads, weights
 from sparkdeploy.deployment import Deployment
+from sparkdeploy.errors import StepFailed
 from sparkdeploy.hosts import Feed, Host
 from sparkdeploy.nodeops import (
     HelperFailed,
@@ -53,7 +54,7 @@ HUB_DEADLINE_S = 20.0
 """The whole of the hub's metadata call (a large repo's file list comes in well under it)."""
 
 
-class ModelError(Exception):
+class ModelError(StepFailed):
     """A model step cannot go on; ``str()`` is the one line to show."""
 
 

@@ -21,7 +21,7 @@ from sparkdeploy.engines import Launch, NodeFacts, Stage, launch
 from sparkdeploy.engines.base import API_KEY_ENV, run_args, secret_lines
 from sparkdeploy.files import write_text_atomic
 from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import HelperFailed, NodeUnreachable, docker, inspect_image, run_helper
+from sparkdeploy.nodeops import HelperFailed, docker, inspect_image, run_helper
 from sparkdeploy.ops import image as image_ops
 from sparkdeploy.ops import serve_preflight
 from sparkdeploy.ops.serve_containers import RAY_PROBE
@@ -191,18 +191,13 @@ def startup_line(marks: dict[str, float]) -> str:
 
 
 def put_file(host: Host, path: str, content: str, mode: str = "0644") -> bool:
-    """Write ``content`` at ``path`` on the node (atomically, through stdin: never in argv)
-    unless it is already there; True when written. The version it replaces is kept as
+    """Write ``content`` at ``path`` on the node (``Host.put_file``: private, atomically,
+    through stdin) unless it is already there; True when written. The version it replaces is kept as
     ``<path>.previous`` until the hand-over ends (``restore_files`` puts it back,
     ``drop_previous`` removes it)."""
     if file_sum(host, path) == hashlib.sha256(content.encode()).hexdigest():
         return False
-    script = ('umask 077 && mkdir -p -- "$(dirname -- "$1")" && rm -f -- "$1.previous" '
-              '&& { [ ! -e "$1" ] || cp -p -- "$1" "$1.previous"; } '
-              '&& cat > "$1.part" && chmod "$2" "$1.part" && mv -f -- "$1.part" "$1"')
-    w = host.run(["sh", "-c", script, "sh", path, mode], sudo=True, input=content)
-    if not w.ok:
-        raise NodeUnreachable(host.name, f"cannot write {path}: {w.one_line_error()}")
+    host.put_file(path, content, mode=mode, keep_previous=True)
     return True
 
 

@@ -18,6 +18,7 @@ from typing import TypeVar
 
 from sparkdeploy.config import Serve
 from sparkdeploy.engines.base import ContainerSpec
+from sparkdeploy.errors import StepFailed
 from sparkdeploy.helpers import serve_watchdog as wd
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import docker
@@ -29,7 +30,7 @@ _TS = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:\d\d)
 TAIL = 15
 
 
-class EngineFailed(Exception):
+class EngineFailed(StepFailed):
     """The engine did not come up; ``kind`` is ``exited``, ``hang``, ``timeout`` or ``start``."""
 
     kind = "failed"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from sparkdeploy import endpoint as ep
 from sparkdeploy.config import load_profile
@@ -30,6 +30,7 @@ from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import NodeUnreachable, docker
 from sparkdeploy.ops.serve import drop_previous, put_file
 from sparkdeploy.ops.serve_containers import serving
+from sparkdeploy.outside import OutsideError, loads
 
 NODE_RECORD = "/var/lib/sparkdeploy-node/swap.json"
 PREPARE, CUT_OVER, DONE, ROLLED_BACK = "prepare", "cut-over", "done", "rolled-back"
@@ -103,8 +104,8 @@ def read_phase(head: Host, deployment: str | None = None) -> Phase | None:
     if not r.ok:
         return None
     try:
-        rec = Phase.model_validate_json(r.stdout)
-    except ValidationError:
+        rec = loads(Phase, r.stdout, f"{head.name}: {NODE_RECORD}")
+    except OutsideError:
         return None
     return None if deployment and rec.deployment and rec.deployment != deployment else rec
 

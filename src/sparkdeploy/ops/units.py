@@ -1,11 +1,15 @@
 """A node's systemd units and the processes on its GPU, as probes read them: shared by the
-``services.*`` steps, ``serve.up``'s preflight and the deploy plan's fingerprints."""
+``services.*`` steps, ``serve.up``'s preflight and ``services.stop``'s fingerprint."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from sparkdeploy.hosts import Host
+from sparkdeploy.hosts import Host, NodeUnreachable
+
+if TYPE_CHECKING:
+    from sparkdeploy.deployment import Deployment
 
 COMPUTE_APPS = [
     "nvidia-smi",
@@ -71,6 +75,19 @@ def probe_units(host: Host, units: list[str]) -> tuple[dict[str, str] | None, st
     if r.exit_code != 0:
         return None, f"systemctl list-units failed: {r.one_line_error()}"
     return parse_list_units(r.stdout), ""
+
+
+def unit_states(dep: Deployment, node: str) -> dict[str, str] | None:
+    """{unit: active state} of the units the profile stops on ``node`` (None: unreachable or
+    systemctl failed), one look per node per run (``dep.facts``)."""
+    units = dep.profile.services.stop.get(node) or []
+
+    def gather(host: Host) -> dict[str, str] | None:
+        try:
+            return probe_units(host, units)[0] if units else {}
+        except NodeUnreachable:
+            return None
+    return dep.facts.get(node, "units", gather)
 
 
 def gpu_processes(host: Host) -> tuple[list[GpuProcess] | None, str]:

@@ -8,7 +8,7 @@ profile (the endpoint serve.up recorded or the profile's, and its ``bench`` sect
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +20,11 @@ from sparkdeploy.bench.sweep import STEP, check_baseline, run_sweep, sweep_json
 from sparkdeploy.config import Bench
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.endpoint import url as endpoint_url
+from sparkdeploy.errors import PartFailed, StepFailed
 from sparkdeploy.files import write_atomic, write_text_atomic
+from sparkdeploy.fingerprint import Fingerprint
 from sparkdeploy.redaction import redact
-from sparkdeploy.steps.registry import StepContext, step
+from sparkdeploy.steps.registry import Ran, StepContext, step
 
 
 def level_line(run: dict[str, Any]) -> str:
@@ -127,9 +129,8 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
         doc = run_sweep(url, settings, concurrency=list(concurrency), rates=list(rates),
                         requests=requests, warmup=warmup, max_concurrency=max_concurrency,
                         events=ctx.events, slo=slo, runs=runs, gate=gate)
-    except BenchError as e:
-        ctx.failed(str(e))
-        return
+    except BenchError as e:  # the endpoint cannot be benchmarked: this step's failure
+        raise StepFailed(str(e)) from None
     off = "" if gate else " (gate off)"
     if context:
         doc["context"] = context  # the profile, image, startup timings: the HTML report shows them
@@ -160,13 +161,14 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
         try:
             stem.parent.mkdir(parents=True, exist_ok=True)  # our own state dir: made, not refused
         except OSError as e:
-            ctx.failed(f"--save: cannot make {stem.parent}: {e.strerror or e}")
-            return
+            raise StepFailed(f"--save: cannot make {stem.parent}: {e.strerror or e}") from None
         targets += [("json", stem.with_suffix(".json")), ("html", stem.with_suffix(".html")),
                     ("plot", stem.with_suffix(".png"))]
     title = f"{doc['config']['model']} @ {doc['config']['url']}"
-    for kind, path in targets:
-        # whole or not at all: a failure leaves no half-written file
+
+    def write(target: tuple[str, Path]) -> None:
+        # whole or not at all: a failure leaves no half-written file; the other files still go
+        kind, path = target
         try:
             if kind == "json":
                 write_text_atomic(path, sweep_json(doc))
@@ -179,9 +181,10 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
 
                 write_atomic(path, lambda tmp: draw(doc["runs"], tmp, title=title))
         except OSError as e:
-            ctx.failed(f"cannot write {path}: {e.strerror or e}")
-            continue
+            raise PartFailed(f"cannot write {path}: {e.strerror or e}") from None
         ctx.changed(f"wrote {path}", path=str(path))
+
+    ctx.each(targets, write)
     if baseline is not None:
         good, line = check_baseline(doc, *baseline)
         (ctx.ok if good else ctx.failed)(line)
@@ -205,8 +208,7 @@ def head_tokenizer(ctx: StepContext, dep: Deployment, save_dir: Path) -> Path | 
     try:
         text = read_node_file(head, path)
     except HostError as e:
-        ctx.failed(f"no tokenizer: cannot read {head.name}:{path}: {e}; pass --tokenizer DIR")
-        return None
+        raise StepFailed(f"no tokenizer: cannot read {head.name}:{path}: {e}; pass --tokenizer DIR") from None
     if text is None:
         ctx.failed(f"no tokenizer: {head.name}:{path} does not exist (is the model downloaded?); "
                    "pass --tokenizer DIR")
@@ -216,8 +218,7 @@ def head_tokenizer(ctx: StepContext, dep: Deployment, save_dir: Path) -> Path | 
         local.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(local, text)
     except OSError as e:
-        ctx.failed(f"cannot keep the tokenizer at {local}: {e.strerror or e}")
-        return None
+        raise StepFailed(f"cannot keep the tokenizer at {local}: {e.strerror or e}") from None
     return local
 
 
@@ -246,8 +247,7 @@ def depth_benchmark(ctx: StepContext, url: str, settings: Settings, *, tokenizer
         doc = run_depths(url, settings, tokenizer, list(depths), runs=runs, events=ctx.events,
                          step=ctx.name, judge=gate)
     except BenchError as e:
-        ctx.failed(str(e))
-        return
+        raise StepFailed(str(e)) from None
     for row in doc["depths"]:
         if row.get("error"):
             ctx.failed(row["error"])
@@ -261,12 +261,34 @@ def depth_benchmark(ctx: StepContext, url: str, settings: Settings, *, tokenizer
         try:
             write_text_atomic(Path(json_path), sweep_json(redact(doc)))
         except OSError as e:
-            ctx.failed(f"cannot write {json_path}: {e.strerror or e}")
-            return
+            raise StepFailed(f"cannot write {json_path}: {e.strerror or e}") from None
         ctx.changed(f"wrote {json_path}", path=str(json_path))
 
 
-@step(STEP, needs=("serve.up",))
+SMOKE: dict[str, Any] = {"concurrency": [1], "requests": 3, "warmup": 0}
+"""``deploy.all``'s bench: a smoke, not a measurement."""
+SMOKE_OUTPUT_TOKENS = 64  # a few short answers at concurrency 1
+
+
+def smoke_settings(dep: Deployment, runs: Mapping[str, Ran]) -> Settings:
+    b = dep.profile.bench
+    return request_settings(b, output_tokens=min(SMOKE_OUTPUT_TOKENS, b.output_tokens))
+
+
+def why_skip_smoke(dep: Deployment, runs: Mapping[str, Ran], forced: bool) -> str | None:
+    """Why a plan's bench does not run (None: run it): a dry run, or nothing changed in this
+    run and the plan does not force it (``deploy.all --bench``)."""
+    if dep.dry:
+        return (f"would run {SMOKE['requests']} requests at concurrency {SMOKE['concurrency'][0]} "
+                f"against {endpoint_url(dep) or 'the endpoint serve.up records'}")
+    if forced:
+        return None
+    if any(r.changed for r in runs.values()):
+        return None
+    return "nothing changed in this run (--bench runs it anyway)"
+
+
+@step(STEP, needs=("serve.up",), fingerprint=Fingerprint("bench"), when=why_skip_smoke)
 def run(ctx: StepContext, url: str | None = None, settings: Settings | None = None,
         concurrency: Sequence[int] | None = None, rates: Sequence[float] = (),
         requests: int | None = None, warmup: int | None = None,

@@ -19,7 +19,6 @@ from sparkdeploy import packaged
 from sparkdeploy.config import ProfileError, SshSettings, load_profile
 from sparkdeploy.discover import (
     Link,
-    LinkRefused,
     NodeFacts,
     link_warnings,
     pick_link,
@@ -27,6 +26,7 @@ from sparkdeploy.discover import (
     read_node,
 )
 from sparkdeploy.discovered import Found, render
+from sparkdeploy.errors import PartFailed, StepFailed
 from sparkdeploy.files import write_text_atomic
 from sparkdeploy.hosts import Host, HostError, NodeUnreachable
 from sparkdeploy.ops.hosts import probe_hosts
@@ -53,13 +53,12 @@ def _read_all(ctx: StepContext, hosts: list[Host], model_path: str,
         try:
             return read_node(host, model_path)
         except NodeUnreachable as e:
-            ctx.failed(unreachable_why(e, hint), host.name)
+            raise PartFailed(unreachable_why(e, hint), host.name) from None
         except HostError as e:
             why = str(e).removeprefix(f"{host.name}: ")
             if "python3" in why and "not found" in why:
                 why = "python3 is not installed (sparkdeploy's node helpers need it)"
-            ctx.failed(why, host.name)
-        return None
+            raise PartFailed(why, host.name) from None
 
     got = ctx.each(hosts, one, parallel=True)
     if any(f is None for f in got):
@@ -132,11 +131,7 @@ def _peers_answer(head: Host, link: Link) -> list[str]:
 
 def choose_link(ctx: StepContext, hosts: list[Host], found: dict[str, NodeFacts],
                 interface: str | None) -> Link | None:
-    try:
-        links = pick_link({n: f.link for n, f in found.items()}, interface)
-    except LinkRefused as e:
-        ctx.failed(str(e))
-        return None
+    links = pick_link({n: f.link for n, f in found.items()}, interface)  # LinkRefused: the step fails
     silent = {lk.subnet: _peers_answer(hosts[0], lk) for lk in links}
     answering = [lk for lk in links if not silent[lk.subnet]]
     if len(answering) == 1:
@@ -194,8 +189,7 @@ def deliver(ctx: StepContext, text: str, target: Path | None, dry: bool) -> None
         validate(text, target.parent if target is not None else Path(tempfile.gettempdir()),
                  str(target or "the profile"))
     except ProfileError as e:
-        ctx.failed(f"the discovered profile does not validate: {e}")
-        return
+        raise StepFailed(f"the discovered profile does not validate: {e}") from None
     if target is None:
         ctx.ok("the profile (validated) follows", profile=text)
         return

@@ -11,6 +11,7 @@ from invoke import Context
 
 from sparkdeploy.config import SshSettings
 from sparkdeploy.deployment import Deployment
+from sparkdeploy.fingerprint import Fingerprint
 from sparkdeploy.hosts import Host
 from sparkdeploy.ops.hosts import probe_hosts
 from sparkdeploy.steps.registry import StepContext, step
@@ -19,7 +20,7 @@ STEP_CHECK = "hosts.check"
 STEP_TRUST = "hosts.trust"
 
 
-@step(STEP_CHECK)
+@step(STEP_CHECK, fingerprint=Fingerprint("nodes", "ssh"))
 def check(ctx: StepContext, node: str | None = None) -> None:
     """Which nodes answer over ssh (or are this machine)."""
     dep = ctx.dep

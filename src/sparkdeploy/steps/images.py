@@ -15,7 +15,7 @@ import hashlib
 import io
 import re
 import tarfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -25,7 +25,9 @@ from pydantic import BaseModel, ConfigDict
 from sparkdeploy import labels as lbl
 from sparkdeploy import packaged
 from sparkdeploy.deployment import Deployment
+from sparkdeploy.errors import PartFailed, StepFailed
 from sparkdeploy.files import MB, Escape, InputError, read_input, under
+from sparkdeploy.fingerprint import Fingerprint, flat
 from sparkdeploy.hosts import Host, HostError, NodeUnreachable
 from sparkdeploy.nodeops import (
     ARCH,
@@ -37,10 +39,10 @@ from sparkdeploy.nodeops import (
     stage,
     stage_script,
 )
-from sparkdeploy.ops.image import STEP_BUILD, digest_of
+from sparkdeploy.ops.image import STEP_BUILD, chosen, decision, digest_of, image_id
 from sparkdeploy.records import ImageDecision, Written, markdown_table
 from sparkdeploy.results import Result, Status
-from sparkdeploy.steps.registry import StepContext, step
+from sparkdeploy.steps.registry import Ran, StepContext, step
 
 STEP_PROBE = "image.probe"
 PROBE = "probe_image.py"
@@ -57,7 +59,7 @@ DOCKER_DIR = "docker"
 # -- the model's config ------------------------------------------------------------------------
 
 
-class ConfigUnavailable(Exception):
+class ConfigUnavailable(StepFailed):
     pass
 
 
@@ -188,7 +190,21 @@ def image_arch(info: dict) -> str:
     return ARCH.get(a, a)
 
 
-@step(STEP_PROBE, needs=("hosts.check", "model.precheck"))
+def probed_for(dep: Deployment) -> dict[str, Any]:
+    """The model the candidates are judged for, and the decision the probe left (one gone or
+    replaced since is no reason to reuse it)."""
+    rec = decision(dep)
+    return {"model.repo": dep.profile.model.repo, "model.revision": dep.profile.model.revision,
+            "decided": rec.made.time if rec and rec.made else None}
+
+
+def candidate_ids(dep: Deployment) -> dict[str, Any]:
+    """The candidates by ID on the head (asks the head): a tag that moved is a new candidate."""
+    return {f"id[{c.ref}]": image_id(dep, c.ref) for c in dep.profile.images.candidates}
+
+
+@step(STEP_PROBE, needs=("hosts.check", "model.precheck"), reuse=True,
+      fingerprint=Fingerprint("images", also=probed_for, asks=candidate_ids))
 def probe(ctx: StepContext, only: str | None = None) -> None:
     """Probe every candidate (or only the image ``only``) on the head, decide, and write the
     decision record ``image-probe`` (not in a dry run): the decision is the last result."""
@@ -211,8 +227,7 @@ def probe(ctx: StepContext, only: str | None = None) -> None:
     except NodeUnreachable:
         raise  # not a HostError of the step's own: one failed result for the node (the context)
     except (HostError, ConfigUnavailable) as e:
-        ctx.failed(str(e), head.name)
-        return
+        raise PartFailed(str(e), head.name) from None
     rows: list[dict[str, Any]] = []
     for i, cand in enumerate(candidates):
         ctx.progress(head.name, i, len(candidates), "images", cand.ref)
@@ -321,7 +336,7 @@ def write_record(dep: Deployment, record: dict[str, Any]) -> Written:
 # -- build -------------------------------------------------------------------------------------
 
 
-class ResolveError(Exception):
+class ResolveError(StepFailed):
     pass
 
 
@@ -421,7 +436,25 @@ def _find_built(head: Host, labels: dict[str, str]) -> str | None:
     return ids[0] if ids else None
 
 
-@step(STEP_BUILD, needs=(STEP_PROBE,), long=True)
+def layer_and_base(dep: Deployment) -> dict[str, Any]:
+    """The profile's derivative image and the image the probe chose to build it on."""
+    return {**flat({"layer": dep.profile.model_dump(mode="json")["images"].get("layer")}),
+            **flat({"chosen": chosen(dep)})}
+
+
+def why_skip_build(dep: Deployment, runs: Mapping[str, Ran], forced: bool) -> str | None:
+    """Why a plan's ``image.build`` has nothing to build (None: build): no derivative image in
+    the profile, or the chosen image serves as it is."""
+    c = chosen(dep)
+    if dep.profile.images.layer is None:
+        return "the profile has no images.layer"
+    if c and not c.get("needs_layer"):
+        return f"the chosen image {c.get('image')} needs no layer"
+    return None
+
+
+@step(STEP_BUILD, needs=(STEP_PROBE,), long=True, fingerprint=Fingerprint(also=layer_and_base),
+      when=why_skip_build)
 def build(ctx: StepContext, no_cache: bool = False) -> None:
     """Build the derivative image on the head (ok without building when already built;
     ``no_cache``: build again from the base, docker's layer cache unused)."""
@@ -441,9 +474,9 @@ def _build(ctx: StepContext, no_cache: bool = False) -> Result:
         path = under(packaged.data(DOCKER_DIR), derivative.dockerfile.removeprefix(DOCKER_DIR + "/"))
         dockerfile = read_input(path, limit=MB, what="Dockerfile").decode("utf-8")
     except (Escape, InputError) as e:
-        return ctx.failed(f"images.layer.dockerfile: {e}", head.name)
+        raise PartFailed(f"images.layer.dockerfile: {e}", head.name) from None
     except UnicodeDecodeError:
-        return ctx.failed(f"{derivative.dockerfile}: not UTF-8 text", head.name)
+        raise PartFailed(f"{derivative.dockerfile}: not UTF-8 text", head.name) from None
     base = inspect_image(head, derivative.base)
     if base is None:
         return ctx.failed(f"base image {derivative.base} is not on {head.name} "
@@ -470,7 +503,7 @@ def _build(ctx: StepContext, no_cache: bool = False) -> Result:
                                "builds anyway)"
                                ) from None
     except ResolveError as e:
-        return ctx.failed(str(e), head.name)
+        raise PartFailed(str(e), head.name) from None
     df_sha = hashlib.sha256(dockerfile.encode()).hexdigest()
     labels = {LABEL_BASE_ID: base["Id"], LABEL_DOCKERFILE: df_sha, LABEL_TF: version,
               lbl.NCCL: derivative.nccl}
@@ -491,7 +524,7 @@ def _build(ctx: StepContext, no_cache: bool = False) -> Result:
     try:
         config_text, _ = model_config_text(dep, head)
     except ConfigUnavailable as e:
-        return ctx.failed(str(e), head.name)
+        raise PartFailed(str(e), head.name) from None
     build_args = {"BASE_IMAGE": derivative.base, "BASE_IMAGE_ID": base["Id"],
                   "BASE_IMAGE_DIGEST": digest_of(base, derivative.base), "NCCL": derivative.nccl,
                   "TRANSFORMERS_VERSION": version, "DOCKERFILE_SHA256": df_sha,

@@ -24,10 +24,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from sparkdeploy import link_doctor as doc
 from sparkdeploy import threads
 from sparkdeploy.config import Node
+from sparkdeploy.errors import PartFailed
 from sparkdeploy.hosts import Host
 from sparkdeploy.link import LinkFacts, read_facts
 from sparkdeploy.nodeops import HelperFailed, run_helper, stage_script
 from sparkdeploy.steps.registry import StepContext, step
+from sparkdeploy.wait import retry
 
 STEP = "link.check"
 HELPER = "link_stream.py"
@@ -51,8 +53,7 @@ def _facts(ctx: StepContext, host: Host) -> LinkFacts | None:
     try:
         return read_facts(host)
     except HelperFailed as e:
-        ctx.failed(str(e).removeprefix(f"{host.name}: "), host.name)
-        return None
+        raise PartFailed(str(e).removeprefix(f"{host.name}: "), host.name) from None
 
 
 def _summary(node: Node, facts: LinkFacts) -> str:
@@ -195,15 +196,13 @@ def _iperf(ctx: StepContext, hh: Host, wh: Host, head: Node,
     def serve() -> Any:
         return wh.run(server, change=False, timeout=wait + 5)
 
+    def once() -> tuple[float | None, str]:
+        return doc.iperf_gbps(hh.run(client, change=False, timeout=link.test_seconds + 30).stdout)
+
     def measure() -> tuple[float | None, str]:
-        why = "not run"
-        for _ in range(IPERF_TRIES):
-            r = hh.run(client, change=False, timeout=link.test_seconds + 30)
-            gbps, why = doc.iperf_gbps(r.stdout)
-            if gbps is not None or "connect" not in why:
-                return gbps, why
-            dep.sleep(0.3)  # the server is not listening yet
-        return None, why
+        # refused: the server is not listening yet
+        return retry(once, tries=IPERF_TRIES, again=lambda got: got[0] is None and "connect" in got[1],
+                     interval=0.3, sleep=dep.sleep)
 
     with threads.pool(2) as p:
         served, measured = p.submit(serve), p.submit(measure)

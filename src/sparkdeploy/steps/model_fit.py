@@ -24,12 +24,14 @@ from typing import Any
 
 from sparkdeploy import estimate as est
 from sparkdeploy import fit, memory
+from sparkdeploy.config import Engine
+from sparkdeploy.errors import PartFailed, StepFailed
 from sparkdeploy.estimate import EstimateError
+from sparkdeploy.fingerprint import Fingerprint
 from sparkdeploy.fit import FitError
 from sparkdeploy.hosts import Host
 from sparkdeploy.memory import NodeMemory
 from sparkdeploy.nodeops import HelperFailed
-from sparkdeploy.ops.model import ModelError
 from sparkdeploy.ops.model_fit import Sized, model_config, size
 from sparkdeploy.ops.model_select import selected
 from sparkdeploy.steps.registry import StepContext, step
@@ -47,8 +49,7 @@ def node_memory(ctx: StepContext) -> dict[str, NodeMemory]:
         try:
             m = memory.read(host)
         except HelperFailed as e:
-            ctx.failed(str(e), host.name)
-            return
+            raise PartFailed(str(e), host.name) from None
         want = dep.profile.node(host.name).gpus
         if m.gpu_usable is None or m.gpu_total is None:
             ctx.failed(f"{host.name}: no memory figures: {m.why or 'none given'}", host.name)
@@ -73,7 +74,8 @@ def checks(ctx: StepContext, cfg: Any, weights: int,
     not divide, args it cannot read) is one failed line."""
     p = ctx.dep.profile
     out: dict[str, list[Sized]] = {}
-    for e in p.engines:
+
+    def one(e: Engine) -> None:
         try:
             out[e.name] = [size(cfg, e, node=n.name, gpus=n.gpus, weights=weights,
                                 reserve_gib=p.fit.reserve(e.name),
@@ -82,7 +84,9 @@ def checks(ctx: StepContext, cfg: Any, weights: int,
                                 memory_source=mem[n.name].source)
                            for n in gpu_nodes(ctx)]
         except (FitError, EstimateError) as e_:
-            ctx.failed(f"engine {e.name}: {e_}")
+            raise PartFailed(f"engine {e.name}: {e_}") from None
+
+    ctx.each(p.engines, one)
     return out
 
 
@@ -121,18 +125,13 @@ def sized_up(ctx: StepContext, upper: bool, held: dict[str, int] | None = None) 
     memory): one failed line when the weights, the config or a node's figures are missing.
     ``held``: {node: bytes} an engine that will be gone by then holds now (counted as usable)."""
     dep = ctx.dep
-    try:
-        meta, note = selected(dep)
-    except ModelError as e:
-        ctx.failed(str(e))
-        return
+    meta, note = selected(dep)
     weights = fit.weight_bytes(meta["files"])
+    cfg, cfg_source = model_config(dep, meta.get("commit"))
     try:
-        cfg, cfg_source = model_config(dep, meta.get("commit"))
         est.read_config(cfg)
-    except (ModelError, EstimateError) as e:
-        ctx.failed(f"{e}")
-        return
+    except EstimateError as e:  # the model's config, not the user's input: this step's failure
+        raise StepFailed(str(e)) from None
     mem = node_memory(ctx)
     if len(mem) < len(gpu_nodes(ctx)):
         return  # a node without figures was one failed line already
@@ -191,14 +190,20 @@ def fewest(ctx: StepContext, cfg: Any, weights: int, mem: dict[str, NodeMemory])
     ctx.failed(f"recipe {p.recipe} {need}; the profile has {have} GPU(s)")
 
 
-@step(PRECHECK, needs=("hosts.check",))
+SIZED = Fingerprint("model", "engines", "nodes", "fit")
+"""The model, the engines, the nodes and the reserve: unchanged since a fit that passed, the fit
+is not measured again (this deployment's own engine, serving by then, holds the memory a second
+measurement would miss)."""
+
+
+@step(PRECHECK, needs=("hosts.check",), fingerprint=SIZED, reuse=True)
 def model_precheck(ctx: StepContext) -> None:
     """Before anything stops or downloads: could the model fit even with every unit stopped
     (each node's memory at most, ``at_most``)? Refuses what cannot, with the numbers."""
     sized_up(ctx, upper=True)
 
 
-@step(FIT, needs=("services.stop",))
+@step(FIT, needs=("services.stop",), fingerprint=SIZED, reuse=True)
 def model_fit(ctx: StepContext, held: dict[str, int] | None = None) -> None:
     """Check that each node's share (weights, KV cache, reserve: the fit calculator on the
     model's config.json) and the engines' memory fraction fit the memory the node reports,

@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
-from sparkdeploy.ops.model import DOWNLOAD, ModelError, own_lock
+from sparkdeploy.fingerprint import Fingerprint, workers
+from sparkdeploy.ops.model import DOWNLOAD, own_lock
 from sparkdeploy.ops.model_select import selected
 from sparkdeploy.ops.model_sync import SYNC, sync_files
 from sparkdeploy.steps.registry import StepContext, step
 
 
-@step(SYNC, needs=("model.fit",), after_start=(DOWNLOAD,), long=True)
+@step(SYNC, needs=("model.fit",), after_start=(DOWNLOAD,), long=True,
+      fingerprint=Fingerprint("model", also=workers))
 def sync(ctx: StepContext, to: str = "all", only: list[str] | None = None) -> None:
     """Copy the weights (or the files ``only``) to the workers over the fast link, file by file
     as the head completes them (starts while model.download runs: no need on it)."""
@@ -20,10 +22,6 @@ def sync(ctx: StepContext, to: str = "all", only: list[str] | None = None) -> No
     if not targets:
         ctx.ok("no worker to sync to")
         return
-    try:
-        meta, note = selected(dep)  # the head's record of the files (decided when none)
-    except ModelError as e:
-        ctx.failed(str(e))
-        return
+    meta, note = selected(dep)  # the head's record of the files (decided when none)
     with own_lock(dep, SYNC):
         sync_files(ctx, targets, meta, only=only, note=note)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sparkdeploy.errors import PartFailed
+from sparkdeploy.fingerprint import Fingerprint, workers
 from sparkdeploy.hosts import Host
 from sparkdeploy.ops.model import (
     DOWNLOAD,
@@ -27,16 +29,12 @@ from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext, step
 
 
-@step(VERIFY, needs=(DOWNLOAD, SYNC))
+@step(VERIFY, needs=(DOWNLOAD, SYNC), fingerprint=Fingerprint("model", also=workers))
 def verify(ctx: StepContext, node: str | None = None, repair: bool = False) -> None:
     """Verify the weights on every node against the selection the head records (the hub's
     sizes and hashes of the files the engine loads)."""
     dep = ctx.dep
-    try:
-        meta, note = selected(dep)
-    except ModelError as e:
-        ctx.failed(str(e))
-        return
+    meta, note = selected(dep)
     ctx.each(dep.select(node), lambda host: verify_on(ctx, host, meta, note, repair))
 
 
@@ -49,7 +47,7 @@ def verify_on(ctx: StepContext, host: Host, meta: dict[str, Any], note: str = ""
         st = stage_for(host, meta)
         state = node_state(ctx, host, st)
     except ModelError as e:
-        return ctx.failed(str(e), host.name)
+        raise PartFailed(str(e), host.name) from None
     if not state.get("present"):
         return ctx.failed(f"{host.name}: no weights in {m.path} (model.download on the head, "
                       f"model.sync to workers)", host.name)

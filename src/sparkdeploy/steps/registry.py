@@ -6,24 +6,34 @@ needs=...)``. The body reports only through ``ctx``: a result per node (``ctx.ok
 ``ctx.changed``, ``ctx.skipped``, ``ctx.failed``, ``ctx.would`` under a dry run, or
 ``ctx.report`` of a result another context reported), ``ctx.progress`` and ``ctx.log`` during long work,
 ``ctx.each(hosts, fn)`` to fan out over nodes, ``ctx.call(name, ...)`` to run another registered
-step. A node that cannot be reached is one failed result for that node, whether it stops one
-node's part of a fan-out or the whole step. Each result is
+step. A step that cannot go on raises ``StepFailed`` (``sparkdeploy.errors``): its one failed
+result, for the node it names; ``PartFailed`` in a fan-out fails that node's (that item's)
+part, the other parts go on. A node that cannot be reached is one failed result for that node, whether it stops
+one node's part of a fan-out or the whole step. Each result is
 on the event stream once, as it happens. ``@step`` gives back ``fn(dep, **options) ->
 list[Result]``: the step run on a deployment, its results in order. Records a step makes go
-through ``ctx.dep.records``. This registry is the one place the edges of every plan are declared
-(``needs``, ``after_start``); ``deploy.all`` runs the registry as a graph.
+through ``ctx.dep.records``.
+
+A step declares its whole contract where it is written, in ``@step``: the edges of every plan
+(``needs``, ``after_start``), and how a plan runs it (``fingerprint``: a
+``fingerprint.Fingerprint`` of what its outcome depends on, saying which part asks the nodes;
+``reuse``, ``redo``, ``when``). ``deploy.all`` runs the registry as a graph; a plan
+(``sparkdeploy.plan``) names steps and their options only.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from sparkdeploy import threads
+from sparkdeploy.errors import PartFailed, StepFailed
 from sparkdeploy.events import Event, EventSink, Log, Progress
+from sparkdeploy.fingerprint import Fingerprint
 from sparkdeploy.hosts import NodeUnreachable
 from sparkdeploy.results import Result, Status
 
@@ -34,6 +44,14 @@ Body = Callable[..., None]
 StepFn = Callable[..., list[Result]]
 T = TypeVar("T")
 Item = TypeVar("Item")
+
+
+@dataclass
+class Caught:
+    """What a ``StepContext.failing`` block caught: the error and the failed result it made."""
+
+    error: Exception | None = None
+    result: Result | None = None
 
 
 class StepContext:
@@ -98,6 +116,24 @@ class StepContext:
         """The one failed result for a node that cannot be reached."""
         return self.failed(f"unreachable: {e.why}", e.node, **details)
 
+    @contextmanager
+    def failing(self, *kinds: type[Exception], node: str | None = None, lead: str = "",
+                **details: Any) -> Iterator[Caught]:
+        """A block whose error of ``kinds`` (``StepFailed`` when none given) is one failed
+        result of this step (``lead`` before the error's line; for ``node``, else the node the
+        error names) and ends the block, not the step: what follows goes on (the next engine, a
+        clean-up) and reads ``caught.result``. A node that cannot be reached is never caught
+        here: it stays the context's one failed result for that node."""
+        caught = Caught()
+        wanted: tuple[type[Exception], ...] = kinds or (StepFailed,)
+        try:
+            yield caught
+        except NodeUnreachable:
+            raise
+        except wanted as e:
+            caught.error = e
+            caught.result = self.failed(f"{lead}{e}", node or getattr(e, "node", None), **details)
+
     # -- long work --------------------------------------------------------------------------
     def progress(self, node: str | None, done: float, total: float | None = None,
                  unit: str = "B", note: str = "") -> None:
@@ -110,14 +146,16 @@ class StepContext:
     def each(self, items: Iterable[Item], fn: Callable[[Item], T], *,
              parallel: bool = False) -> list[T | None]:
         """``fn(item)`` for each node (or each pair of nodes, for a tree fan-out), in order
-        (``parallel``: all at once, results in order); a node that cannot be reached is one
-        failed result for that node and None in the list."""
+        (``parallel``: all at once, results in order); a node that cannot be reached, or whose
+        part raised ``PartFailed``, is one failed result for that node and None in the list."""
         def one(item: Item) -> T | None:
             try:
                 return fn(item)
             except NodeUnreachable as e:
                 self.unreachable(e)
-                return None
+            except PartFailed as e:
+                self.failed(str(e), e.node)
+            return None
 
         items = list(items)
         if not parallel or len(items) <= 1:
@@ -146,12 +184,30 @@ class StepContext:
 
     def run(self, *args: Any, body: Body | None = None, **options: Any) -> list[Result]:
         """Run this context's registered step (or ``body`` reporting under its name); a node
-        that cannot be reached, and so stops the step, is one failed result for that node."""
+        that cannot be reached, and so stops the step, is one failed result for that node; a
+        ``StepFailed`` the step raised is its one failed result (for the node it names)."""
         try:
             (body or get(self.name).body)(self, *args, **options)
         except NodeUnreachable as e:
             self.unreachable(e)
+        except StepFailed as e:
+            self.failed(str(e), e.node)
         return self.results
+
+
+class Ran(Protocol):
+    """A plan step as a ``when`` sees it so far in the run (``plan.StepRun``)."""
+
+    state: str
+
+    @property
+    def changed(self) -> bool: ...
+
+
+When = Callable[["Deployment", Mapping[str, Ran], bool], "str | None"]
+"""``when(dep, runs, forced)``: why a plan skips the step this time (None: run it); ``runs``:
+the plan's steps so far; ``forced``: the plan asks for the step whatever changed
+(``deploy.all --bench``)."""
 
 
 @dataclass(frozen=True)
@@ -165,16 +221,30 @@ class StepSpec:
     """Steps that must have *started* first, when a plan holds them (they may still run)."""
     long: bool = False
     """Long work (a download): a graph runner starts it as early as its needs allow."""
+    fingerprint: Fingerprint | None = None
+    """What the step's outcome depends on (the profile slice, what the records and the nodes
+    say), as flat ``{key: value}``: a plan names the keys that changed since the step last
+    finished."""
+    reuse: bool = False
+    """A decision with no effect on the nodes: an unchanged fingerprint reuses the last outcome."""
+    redo: str | None = None
+    """A step to run first when the fingerprint changed since the step last finished."""
+    when: When | None = None
+    """Why a plan skips the step this time (None: run it)."""
 
 
 REGISTRY: dict[str, StepSpec] = {}
 
 
 def step(name: str, *, needs: tuple[str, ...] = (), after_start: tuple[str, ...] = (),
-         long: bool = False) -> Callable[[Body], StepFn]:
+         long: bool = False, fingerprint: Fingerprint | None = None, reuse: bool = False,
+         redo: str | None = None, when: When | None = None) -> Callable[[Body], StepFn]:
     """Register the body ``fn(ctx, **options)`` as step ``name`` (``image.ship``), needing the
     steps in ``needs`` (and starting once those in ``after_start`` started) wherever a plan
-    holds them; returns the step as ``fn(dep, **options) -> list[Result]``."""
+    holds them, with how a plan runs it (``StepSpec``); returns the step as ``fn(dep,
+    **options) -> list[Result]``."""
+    if (reuse or redo) and fingerprint is None:
+        raise TypeError(f"step {name!r}: reuse and redo follow a fingerprint, and it declares none")
 
     def deco(body: Body) -> StepFn:
         body = getattr(body, "body", body)  # a module imported again registers the same body
@@ -182,7 +252,8 @@ def step(name: str, *, needs: tuple[str, ...] = (), after_start: tuple[str, ...]
             raise TypeError(f"step {name!r}: a body reports through its context, it yields nothing")
         if name in REGISTRY and REGISTRY[name].body is not body:
             raise ValueError(f"step {name!r} registered twice")
-        REGISTRY[name] = StepSpec(name, body, tuple(needs), tuple(after_start), long)
+        REGISTRY[name] = StepSpec(name, body, tuple(needs), tuple(after_start), long,
+                                  fingerprint, reuse, redo, when)
 
         @functools.wraps(body)
         def run(dep: Deployment, *args: Any, **options: Any) -> list[Result]:

@@ -28,9 +28,11 @@ from sparkdeploy.config import Engine, ProfileError
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import EngineError, launch
 from sparkdeploy.engines.base import API_KEY_ENV
+from sparkdeploy.fingerprint import Fingerprint
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import NodeUnreachable, docker
 from sparkdeploy.ops import serve_preflight
+from sparkdeploy.ops.image import chosen, image_id
 from sparkdeploy.ops.serve import (
     STEP_UP,
     Run,
@@ -73,10 +75,9 @@ def try_engine(ctx: StepContext, engine: Engine, run: Run) -> str | None:
     """Preflight, ship (the ``image.ship`` step), bring up one engine: the url, or None when it
     did not come up (said why). Raises EngineFailed."""
     dep = ctx.dep
-    try:
+    with ctx.failing(EngineError) as caught:
         draft = launch(dep.profile, engine, {}, bool(run.secrets))
-    except EngineError as e:
-        ctx.failed(str(e))
+    if caught.error is not None:
         return None
     pf = serve_preflight.check(ctx, engine, draft)
     if pf.problems:
@@ -237,7 +238,21 @@ def _attempt(ctx: StepContext, eng: Engine, run: Run) -> str | None:
         raise
 
 
-@step(STEP_UP, needs=("link.check", "services.stop", "image.ship", "model.verify"))
+def model_and_image(dep: Deployment) -> dict[str, Any]:
+    """The model path and repo, and the image chosen by tag: with the engines and the nodes, a
+    change to any of these redeploys the engine."""
+    return {"model.path": dep.profile.model.path, "model.repo": dep.profile.model.repo,
+            "image": chosen(dep).get("serve_image")}
+
+
+def served_image_id(dep: Deployment) -> dict[str, Any]:
+    """The chosen image by ID on the head (asks the head): a tag rebuilt redeploys the engine."""
+    return {"image_id": image_id(dep, chosen(dep).get("serve_image"))}
+
+
+@step(STEP_UP, needs=("link.check", "services.stop", "image.ship", "model.verify"),
+      fingerprint=Fingerprint("engines", "nodes", also=model_and_image, asks=served_image_id),
+      redo=STEP_DOWN)
 def up(ctx: StepContext, engine: str | None = None) -> None:
     """Bring the model up across the nodes, falling back to the next engine on a failure."""
     dep = ctx.dep
@@ -249,15 +264,18 @@ def up(ctx: StepContext, engine: str | None = None) -> None:
     run = Run(dep)
     replaced: list[Result] = []  # engines that failed: the outcome only when none serves
     for i, eng in enumerate(engines):
+        failure: EngineFailed | None = None
         try:
             url = _attempt(ctx, eng, run)
-        except EngineFailed as e:
-            attempt = give_up(dep, eng, e, run)
+        except EngineFailed as e:  # this engine's failure: said below, then the next engine
+            failure = e
+        if failure is not None:
+            attempt = give_up(dep, eng, failure, run)
             run.attempts.append(attempt)
             nxt = engines[i + 1].name if i + 1 < len(engines) else None
             ev = "; ".join(f"{a}:{b}: {c}" for a, b, c in attempt.evidence[:2])
             replaced.append(ctx.failed(
-                f"{eng.name} {e.kind}: {e.why}; class: {attempt.diagnosis}"
+                f"{eng.name} {failure.kind}: {failure.why}; class: {attempt.diagnosis}"
                 + (f" ({ev})" if ev else "") + (f"; falling back to {nxt}" if nxt else ""),
                 diagnosis=attempt.diagnosis, evidence=attempt.evidence, engine=eng.name,
                 logs=attempt.logs))

@@ -36,10 +36,12 @@ from sparkdeploy import checks, labels
 from sparkdeploy import endpoint as ep
 from sparkdeploy.config import Engine
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.engines import EngineError, Launch
+from sparkdeploy.engines import Launch
 from sparkdeploy.engines.base import API_KEY_ENV, profile_secrets, run_args
-from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import NODE_STATE, NodeUnreachable, docker
+from sparkdeploy.errors import StepFailed
+from sparkdeploy.fingerprint import Fingerprint
+from sparkdeploy.hosts import Host, HostError
+from sparkdeploy.nodeops import NODE_STATE, PROTOCOL, docker
 from sparkdeploy.ops.serve import (
     Run,
     bring_up,
@@ -73,7 +75,7 @@ WATCHDOG = "serve_watchdog.py"
 PYTHON = "/usr/bin/python3"
 
 
-class UnitValueError(ValueError):
+class UnitValueError(StepFailed, ValueError):
     """A value that cannot go into a unit file (it would end its line or continue it)."""
 
 
@@ -198,6 +200,7 @@ def _install(dep: Deployment, eng: Engine, lau: Launch, h: Host, text: str,
     ho = Handover(h, _enabled(h, unit), bool(active(h, [unit])))
     files = {f"{NODE_DIR}/{SUPERVISOR}": (helper(SUPERVISOR).read_text(), "0755"),
              f"{NODE_DIR}/{WATCHDOG}": (helper(WATCHDOG).read_text(), "0644"),
+             f"{NODE_DIR}/{PROTOCOL}": (helper(PROTOCOL).read_text(), "0644"),  # the watchdog's toolkit
              f"{NODE_DIR}/{eng.name}.json":
                  (json.dumps(group_spec(dep, lau, h), indent=2, sort_keys=True) + "\n", "0600"),
              f"{UNIT_DIR}/{unit}": (text, "0644")}
@@ -213,7 +216,7 @@ def _install(dep: Deployment, eng: Engine, lau: Launch, h: Host, text: str,
     return ho
 
 
-class HandoverFailed(Exception):
+class HandoverFailed(StepFailed):
     def __init__(self, why: str, nodes: list[Handover]):
         super().__init__(why)
         self.why, self.nodes = why, nodes
@@ -289,7 +292,7 @@ def roll_back(ctx: StepContext, eng: Engine, lau: Launch, nodes: list[Handover],
     return f"rollback failed: {'; '.join(problems)}" if problems else f"rolled back: {back}"
 
 
-@step(STEP_PERSIST, needs=("serve.up", "bench.run"))
+@step(STEP_PERSIST, needs=("serve.up", "bench.run"), fingerprint=Fingerprint("engines", "nodes"))
 def persist(ctx: StepContext, engine: str | None = None) -> None:
     """Install the deployment as systemd units on every node and hand it over to them: all
     units start and the endpoint serves, or the previous deployment is back."""
@@ -302,11 +305,7 @@ def persist(ctx: StepContext, engine: str | None = None) -> None:
     if eng is None:
         ctx.failed("no engine to persist: serve.up first, or --engine NAME")
         return
-    try:
-        lau = running_launch(dep, eng)
-    except EngineError as e:
-        ctx.failed(str(e))
-        return
+    lau = running_launch(dep, eng)  # EngineError: the step's failure
     kept = sorted({k for c in lau.containers for k in profile_secrets(c)})
     if kept:
         ctx.failed(f"engines[{eng.name}].env: {', '.join(kept)} would have to be stored on the "
@@ -320,11 +319,8 @@ def persist(ctx: StepContext, engine: str | None = None) -> None:
             ctx.would(f"write {UNIT_DIR}/{unit} ({', '.join(c.role for c in lau.on(h.name))}) "
                       "and enable it", h.name)
         return
-    try:  # every unit file first: a value that cannot go into one writes none
-        texts = {h.name: unit_text(dep, eng, h, [c.role for c in lau.on(h.name)]) for h in hosts}
-    except UnitValueError as e:
-        ctx.failed(str(e))
-        return
+    # every unit file first: a value that cannot go into one (UnitValueError) writes none
+    texts = {h.name: unit_text(dep, eng, h, [c.role for c in lau.on(h.name)]) for h in hosts}
     containers_before = any(c.running for h in hosts
                             for c in ours(h, dep.profile.name, eng.name))
     nodes: list[Handover] = []
@@ -336,11 +332,10 @@ def persist(ctx: StepContext, engine: str | None = None) -> None:
             ctx.ok(f"{unit} installed and active on every node")
             return
         started, url = hand_over(ctx, eng, lau, nodes)
-    except (HandoverFailed, NodeUnreachable) as e:  # a node lost mid-way: the rest rolls back
+    except (HandoverFailed, HostError) as e:  # a node lost or a write refused mid-way: the rest rolls back
         nodes += [n for n in getattr(e, "nodes", []) if n not in nodes]
         why = e.why if isinstance(e, HandoverFailed) else str(e)
-        ctx.failed(f"{why}; {roll_back(ctx, eng, lau, nodes, containers_before)}")
-        return
+        raise StepFailed(f"{why}; {roll_back(ctx, eng, lau, nodes, containers_before)}") from None
     for ho in nodes:
         if ho.written:
             drop_previous(ho.host, ho.written)

@@ -15,13 +15,16 @@ reverse order and then forgets them.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel
 
 from sparkdeploy import labels
 from sparkdeploy.deployment import Deployment
+from sparkdeploy.fingerprint import Fingerprint, flat, head
 from sparkdeploy.hosts import Host, HostError, NodeUnreachable
 from sparkdeploy.nodeops import NODE_STATE, docker, read_node_file, write_node_file
-from sparkdeploy.ops.units import GpuProcess, gpu_processes, probe_units
+from sparkdeploy.ops.units import GpuProcess, gpu_processes, probe_units, unit_states
 from sparkdeploy.outside import OutsideError, last_line
 from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext, step
@@ -154,19 +157,22 @@ def _wait_gpu_free(ctx: StepContext, host: Host) -> None:
     except Held as e:
         _say_held(ctx, host, e)
     except Stop as e:
-        if dep.dry:
-            ctx.would(f"{would} ({e})", host.name)
-        else:
-            ctx.failed(str(e), host.name)
+        _not_free(ctx, host, f"{would} ({e})", str(e))
     except WaitTimeout:
         busy = ", ".join(map(str, on_gpu))
-        details = {"processes": [p.__dict__ for p in on_gpu]}
-        if dep.dry:
-            ctx.would(f"{would}; now on it: {busy}", host.name, **details)
-        else:
-            ctx.failed(f"GPU still busy after {timeout:g}s: {busy}", host.name, **details)
+        _not_free(ctx, host, f"{would}; now on it: {busy}", f"GPU still busy after {timeout:g}s: {busy}",
+                  processes=[p.__dict__ for p in on_gpu])
     else:
         ctx.ok("no process on the GPU", host.name)
+
+
+def _not_free(ctx: StepContext, host: Host, would: str, why: str, **details: Any) -> None:
+    """A wait that ended with the GPU not free: what it would do under ``--dry``, else the
+    node's failure."""
+    if ctx.dry:
+        ctx.would(would, host.name, **details)
+    else:
+        ctx.failed(why, host.name, **details)
 
 
 def _stop_node(ctx: StepContext, host: Host, units: list[str]) -> bool:
@@ -212,7 +218,15 @@ def _stop_node(ctx: StepContext, host: Host, units: list[str]) -> bool:
     return True
 
 
-@step(STEP_STOP, needs=("hosts.check", "model.precheck"))
+def units_now(dep: Deployment) -> dict[str, object]:
+    """The head's units to stop and their state now (asks the head): unchanged since a finished
+    stop means they are still stopped (the GPU is then busy with this deployment's own engine,
+    not theirs)."""
+    return flat({"units_now": unit_states(dep, dep.profile.head.name)})
+
+
+@step(STEP_STOP, needs=("hosts.check", "model.precheck"), reuse=True,
+      fingerprint=Fingerprint("services", also=head, asks=units_now))
 def stop(ctx: StepContext, node: str | None = None) -> None:
     """Stop each node's configured units in order, then wait until its GPU is free."""
     dep = ctx.dep

@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sparkdeploy import fanout, threads
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.fanout import Outcome
+from sparkdeploy.fingerprint import Fingerprint
 from sparkdeploy.hosts import CmdResult, Feed, Host, HostError, NodeUnreachable, peer_ssh_argv
 from sparkdeploy.nodeops import (
     HelperFailed,
@@ -61,7 +62,8 @@ from sparkdeploy.nodeops import (
     verified,
     watched,
 )
-from sparkdeploy.ops.image import STEP_BUILD, chosen_image, pinned
+from sparkdeploy.ops.image import STEP_BUILD, chosen, chosen_image, image_id, pinned
+from sparkdeploy.outside import parsed
 from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext, step
 
@@ -124,7 +126,7 @@ def daemon_facts(host: Host, layers: bool = True) -> DockerDaemon:
     r, chains = info_run.result(), layers_run.result()
     if not r.ok:
         raise HostError(f"{host.name}: docker info failed: {r.one_line_error()}")
-    info = json.loads(r.stdout)
+    info = parsed(r.stdout, f"{host.name}: docker info")
     status = info.get("DriverStatus") or []
     containerd = any(CONTAINERD in str(v) for pair in status for v in pair)
     got = info.get("Containerd")
@@ -190,7 +192,7 @@ def layers_on(host: Host) -> list[list[str]]:
     for line in r.stdout.splitlines():
         line = line.strip()
         if line and line != "null":
-            chains.append(json.loads(line))
+            chains.append(parsed(line, f"{host.name}: docker image inspect"))
     return chains
 
 
@@ -380,12 +382,10 @@ def ship_one(ctx: StepContext, src: Host, peer: Host, ref: str, src_info: dict,
              src_is_head: bool = True, master: LinkMaster | None = None) -> Result:
     """Ship ``ref`` from ``src`` to ``peer``; one result, reported as soon as it is known (a
     node that cannot be reached is left to the fan-out: one failed result for it)."""
-    try:
+    with ctx.failing(HostError, node=peer.name) as caught:  # never a node that cannot be reached
         return _ship_one(ctx, src, peer, ref, src_info, src_is_head, master)
-    except NodeUnreachable:
-        raise
-    except HostError as e:
-        return ctx.failed(str(e), peer.name)
+    assert caught.result is not None
+    return caught.result
 
 
 def store_read(src: Host, export_path: str, layers_file: str, facts: DockerDaemon, image_id: str,
@@ -639,7 +639,22 @@ def default_image(dep: Deployment) -> str:
     return chosen_image(dep) or dep.profile.engines[0].image
 
 
-@step(STEP, needs=(STEP_BUILD,), long=True)
+def chosen_tag(dep: Deployment) -> dict[str, Any]:
+    return {"image": chosen(dep).get("serve_image")}
+
+
+def held_by_every_node(dep: Deployment) -> dict[str, Any]:
+    """The chosen image by ID on the head and on every worker (asks every node): unchanged
+    since a finished ship means every worker still holds what the head serves."""
+    ref = chosen(dep).get("serve_image")
+    fp: dict[str, Any] = {"image_id": image_id(dep, ref)}
+    for n in dep.profile.workers:
+        fp[f"on[{n.name}]"] = image_id(dep, ref, n.name)
+    return fp
+
+
+@step(STEP, needs=(STEP_BUILD,), long=True, reuse=True,
+      fingerprint=Fingerprint(also=chosen_tag, asks=held_by_every_node))
 def ship(ctx: StepContext, to: str = "all", image: str | None = None) -> None:
     """Copy an image (default: the chosen one) from the head to peers over the fast link,
     sending only the layers a peer lacks; as a tree: peers that have it serve the next ones

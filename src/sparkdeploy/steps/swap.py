@@ -93,11 +93,7 @@ def swap_disk(ctx: StepContext, keep: list[str] | None = None) -> None:
     directories that stay); one failed line per node short of room, with both numbers and
     what ``model.prune`` would free there."""
     dep = ctx.dep
-    try:
-        meta, _ = selected(dep)
-    except ModelError as e:
-        ctx.failed(str(e))
-        return
+    meta, _ = selected(dep)
     need = sum(int(f["size"]) for f in meta["files"])
     path = dep.profile.model.path
 
@@ -131,10 +127,9 @@ def swap_flags(ctx: StepContext) -> None:
     version ``image.probe`` found (``serve_preflight``'s check, before anything stops)."""
     dep = ctx.dep
     for eng in dep.profile.engines:
-        try:
+        with ctx.failing(EngineError, lead=f"{eng.name}: ") as caught:
             lau = launch(dep.profile, eng, {})
-        except EngineError as e:
-            ctx.failed(f"{eng.name}: {e}")
+        if caught.error is not None:
             continue
         pf = serve_preflight.Preflight(ctx)
         said = serve_preflight._check_flags(dep, eng, lau, pf)

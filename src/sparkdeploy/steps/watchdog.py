@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from sparkdeploy import endpoint as ep
 from sparkdeploy.diagnose import classify
-from sparkdeploy.engines import EngineError, Launch
+from sparkdeploy.engines import Launch
 from sparkdeploy.helpers import serve_watchdog as wd
 from sparkdeploy.hosts import Host
 from sparkdeploy.nodeops import docker, run_helper
@@ -95,11 +95,10 @@ def restart(ctx: StepContext, lau: Launch, w: wd.Wedge, pol: wd.Policy) -> str:
     dep.sleep(wait)
     hosts = [dep.host(x) for x in nodes]
     remove(dep, hosts, lau.engine.name)
-    try:
+    with ctx.failing(EngineFailed, lead=f"restart {n} after {w.why}: ", restart=recs[-1]) as caught:
         bring_up(dep, lau, Run(dep), Watch(ctx, dep.profile.serve.stall_s, dep.profile.serve.poll_s))
-    except EngineFailed as e:
+    if caught.error is not None:
         remove(dep, hosts, lau.engine.name)
-        ctx.failed(f"restart {n} after {w.why}: {e}", restart=recs[-1])
         return "failed"
     wd.served_again(recs, WALL())
     write_restarts(head, lau.engine.name, recs)
@@ -144,11 +143,7 @@ def watch(ctx: StepContext, checks: int | None = None) -> None:
     if any(units.values()):
         ctx.ok(f"the persisted supervisors watch it ({unit_name(eng.name)}): nothing to do")
         return
-    try:
-        lau = running_launch(dep, eng)
-    except EngineError as e:
-        ctx.failed(str(e))
-        return
+    lau = running_launch(dep, eng)  # EngineError: the step's failure
     pol = policy(dep.profile.serve)
     url = f"http://{ep.controller_address(dep.host(lau.head))}:{lau.port}"
     if dep.dry:

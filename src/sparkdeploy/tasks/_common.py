@@ -1,9 +1,10 @@
 """The one task driver: every task loads its deployment, takes the lock, renders the event
 stream, runs its work and turns errors into exit codes through ``drive``.
 
-``drive`` is the only place an error becomes an exit status (``exits``): a bad profile, plan or
-input file exits 2, a node that cannot be reached, a held lock, a wait that ran out or a broken
-record exits 1; each with one line. Every run ends with the recap (``recap``): per node, the
+``drive`` is the only place an error becomes an exit status (``exits``): any
+``sparkdeploy.errors.Error`` is its one line and its ``code`` (a bad profile, plan or input file
+exits 2, a node that cannot be reached, a held lock, a wait that ran out or a broken record
+exits 1). Every run ends with the recap (``recap``): per node, the
 counts of ok/changed/skipped/failed results."""
 
 from __future__ import annotations
@@ -17,36 +18,24 @@ from typing import Any, Literal
 from invoke import Context
 from invoke.exceptions import Exit
 
-from sparkdeploy.bench.client import BenchError
 from sparkdeploy.config import ProfileError
 from sparkdeploy.deployment import Deployment, from_context, state_dir
-from sparkdeploy.engine_flags import FlagError
-from sparkdeploy.estimate import EstimateError
+from sparkdeploy.errors import Error
 from sparkdeploy.events import EventSink, printable, rendering
-from sparkdeploy.files import OutputError
-from sparkdeploy.hosts import HostError
-from sparkdeploy.records import RecordError
 from sparkdeploy.results import Result
-from sparkdeploy.runner import PlanError
-from sparkdeploy.state import LockHeld, StateDir
+from sparkdeploy.state import StateDir
 from sparkdeploy.steps.registry import run_one
 from sparkdeploy.tasks._flags import NODES, deprecated, node_names, usage
-from sparkdeploy.wait import WaitTimeout
 
 Work = Callable[[Deployment | None, EventSink], list[Result]]
 """A task's work: ``work(dep, events) -> results`` (dep None for work without a profile), each
 result already on ``events``; it runs steps only through ``run_one`` (``steps/registry.py``)."""
 
-USAGE_ERRORS = (ProfileError, PlanError, BenchError, EstimateError, FlagError)
-"""Bad input (a profile, a plan selection, an input file, a model config, an engine flag): exit 2."""
-RUN_ERRORS = (HostError, LockHeld, WaitTimeout, RecordError, OutputError)
-"""What went wrong while running (a node, the lock, a wait, a record, an output file): exit 1."""
-
-
 @contextmanager
 def exits(name: str = "") -> Iterator[None]:
-    """The one place an error becomes an exit: one line (after ``name: `` when given), status 2
-    or 1 (``USAGE_ERRORS``, ``RUN_ERRORS``); anything else is a bug and keeps its traceback."""
+    """The one place an error becomes an exit: an ``Error``'s one line (after ``name: `` when
+    given) and its ``code`` (a usage error 2, any other 1); anything else is a bug and keeps its
+    traceback."""
     lead = f"{name}: " if name else ""
     try:
         yield
@@ -56,10 +45,8 @@ def exits(name: str = "") -> Iterator[None]:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         raise Exit(code=1) from None
-    except USAGE_ERRORS as e:
-        raise Exit(f"{lead}{e}", code=2) from None
-    except RUN_ERRORS as e:
-        raise Exit(f"{lead}{e}", code=1) from None
+    except Error as e:
+        raise Exit(f"{lead}{e}", code=e.code) from None
 
 
 def failed_count(results: Iterable[Result]) -> str | None:

@@ -16,6 +16,7 @@ from sparkdeploy.events import EventSink
 from sparkdeploy.ops.engine_check import check_flags
 from sparkdeploy.plan import PlanRun, PlanStep
 from sparkdeploy.results import Result
+from sparkdeploy.run_record import write_record
 from sparkdeploy.runner import Runner, select
 from sparkdeploy.steps.deploy import purge_targets
 from sparkdeploy.tasks import _flags as flags
@@ -89,7 +90,7 @@ def all_(c, serial=False, only=None, skip=None, bench=False, persist=False, prof
 
     def show(dep: Deployment | None, results: list[Result]) -> None:
         assert dep is not None and run.out is not None
-        written = plans.write_record(dep, run.out, run.steps)
+        written = write_record(dep, run.out, run.steps)
         endpoint = endpoint_url(dep)
         print(f"took: {run.out.wall:.1f}s{' (serial)' if run.out.serial else ''}", flush=True)
         print(f"endpoint: {endpoint or '-'}", flush=True)

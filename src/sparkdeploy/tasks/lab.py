@@ -17,8 +17,11 @@ from sparkdeploy.tasks._flags import task
                        "per node, comma-separated",
             "mgmt_net": "the management /24: 'fallback' forces the first fallback, or one of "
                         + ", ".join(layout.MGMT_CANDIDATES)
-                        + " (default: the recorded one; a lab on another is moved in place)"})
-def up(c, nodes=None, dockerd=layout.DEFAULT_DOCKERD, seed_worker=False, mgmt_net=None):
+                        + " (default: the recorded one; a lab on another is moved in place)",
+            "real_engine": "also build the real vLLM (0.32.0, built for the CPU) on the head, for "
+                           "the lab-tiny recipe (about 1.5 GB of wheels and 3 min the first time)"})
+def up(c, nodes=None, dockerd=layout.DEFAULT_DOCKERD, seed_worker=False, mgmt_net=None,
+       real_engine=False):
     """Bring the lab up, or check it is up (idempotent; says what changed as it goes)."""
     n = flags.integer("--nodes", nodes, default=2, min=1, max=9)
     try:
@@ -29,7 +32,8 @@ def up(c, nodes=None, dockerd=layout.DEFAULT_DOCKERD, seed_worker=False, mgmt_ne
         raise Exit(f"--mgmt-net: must be 'fallback' or one of {', '.join(layout.MGMT_CANDIDATES)}, "
                    f"not {mgmt_net!r}", code=2)
     drive(c, "lab.up", lambda dep, events: lifecycle.up(
-        nodes=n, flavor=dockerd, seed_worker=seed_worker, mgmt_net=mgmt_net, events=events),
+        nodes=n, flavor=dockerd, seed_worker=seed_worker, mgmt_net=mgmt_net, events=events,
+        real_engine=real_engine),
         deployment="none")
 
 

@@ -1,0 +1,134 @@
+"""The real engine on the lab pair: vLLM 0.32.0 built for the CPU (``lab.up --real-engine``)
+serving the real ``lab-tiny`` model (``sparkdeploy.lab.tiny``) across both nodes, native
+multi-node TP=2 over gloo on the fast link, brought up by the real ``inv deploy.all --recipe
+lab-tiny``.
+
+What only a real engine can show: the two-node greedy text equals what a single vLLM process
+gives on the same files; the startup milestones come from vLLM's own log lines; the bench reads
+the model's real tokenizer and the engine's real ``/metrics``; ``serve.down`` leaves no headless
+rank behind (the headless rank does not end when its head does: FACTS 2026-12). The module
+leaves the pair as the other lab tests expect it (nothing of ours serving, the head's units
+back)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+from sparkdeploy.lab import images, lifecycle, tiny
+from tests.lab.test_serve_lab import ours
+
+pytestmark = pytest.mark.lab
+
+ROOT = Path(__file__).resolve().parents[2]
+LAB = ROOT / "configs" / "lab.yaml"
+IMAGE = images.REAL_VLLM.tag
+MODEL_DIR = "/srv/models/tiny-qwen3"
+PROMPT = "The lab's two nodes"
+TOKENS = 24
+
+
+def inv(state: Path, *args: str, timeout: float = 1500) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "INVOKE_SPARKDEPLOY_PROFILE": str(LAB),
+           "INVOKE_SPARKDEPLOY_STATE_DIR": str(state)}
+    env.pop("SPARKDEPLOY_API_KEY", None)
+    return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def http() -> requests.Session:
+    s = requests.Session()
+    s.trust_env = False  # lab addresses only
+    return s
+
+
+def greedy(url: str) -> str:
+    r = http().post(url.rstrip("/") + "/v1/completions", timeout=120, json={
+        "model": tiny.REPO_ID, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0,
+        "ignore_eos": True})
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"]
+
+
+SINGLE = f"""
+import json
+from vllm import LLM, SamplingParams
+llm = LLM({MODEL_DIR!r}, dtype="bfloat16", max_model_len=2048, enforce_eager=True)
+out = llm.generate([{PROMPT!r}], SamplingParams(temperature=0, max_tokens={TOKENS}, ignore_eos=True))
+print("TEXT " + json.dumps(out[0].outputs[0].text))
+"""
+
+
+@pytest.fixture(scope="module")
+def served(lab, tmp_path_factory):
+    """lab-tiny served by the real vLLM across the pair, through `inv deploy.all --recipe`."""
+    bad = [r for r in lifecycle.up(nodes=2, real_engine=True) if r.failed]
+    assert not bad, [f"{r.step}: {r.why}" for r in bad]
+    state = tmp_path_factory.mktemp("real") / "state"
+    r = inv(state, "deploy.all", "--recipe", tiny.RECIPE)
+    try:
+        assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-2000:]
+        last = r.stdout.strip().splitlines()[-2:]
+        url = last[0].split(" ", 1)[1]
+        record = json.loads(Path(last[1].split(" ", 1)[1]).with_suffix(".json").read_text())
+        yield lab, state, url, record, r.stdout
+    finally:
+        down = inv(state, "deploy.rollback", "--recipe", tiny.RECIPE, "--purge", "--yes")
+        assert down.returncode == 0, down.stdout[-3000:] + down.stderr[-2000:]
+
+
+def test_two_nodes_give_exactly_the_text_of_one_vllm_process_on_the_same_files(served):
+    lab, state, url, record, out = served
+    models = http().get(url.rstrip("/") + "/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == [tiny.REPO_ID]
+    two = greedy(url)
+    assert two and two == greedy(url)  # greedy: the same text every time
+    # one process, no tensor parallelism, on the head's copy of the same files
+    cp = lab.ssh("spark1", ["docker", "run", "--rm", "--network", "none", "-e",
+                            "VLLM_CPU_KVCACHE_SPACE=1", "-v", f"{MODEL_DIR}:{MODEL_DIR}:ro", IMAGE,
+                            "python3", "-c", SINGLE], timeout=600)
+    [line] = [ln for ln in cp.stdout.splitlines() if ln.startswith("TEXT ")]
+    assert json.loads(line[5:]) == two
+
+
+def test_the_ranks_are_one_per_node_and_the_worker_is_headless_over_the_fast_link(served):
+    lab, state, url, record, out = served
+    head = lab.ssh("spark1", ["docker", "logs", "sparkdeploy-vllm-head"]).stderr
+    worker = lab.ssh("spark2", ["docker", "logs", "sparkdeploy-vllm-worker"])
+    worker_log = worker.stdout + worker.stderr
+    assert "rank 1 in world size 2 is assigned as DP rank 0, PP rank 0, TP rank 1" in worker_log
+    assert "10.77.1.1:29501" in worker_log
+    assert "backend=gloo" in head + worker_log
+    assert record["data"]["engine"]["chosen"] == "vllm"
+
+
+def test_startup_milestones_come_from_the_engines_own_log(served):
+    lab, state, url, record, out = served
+    marks = record["data"]["engine"]["startup"]
+    assert set(marks) >= {"containers_running", "dist_init", "port_open", "health", "first_token"}
+    assert 0 < marks["dist_init"] <= marks["health"] <= marks["first_token"]
+
+
+def test_bench_reads_the_models_tokenizer_and_the_real_metrics(served):
+    lab, state, url, record, out = served
+    r = inv(state, "bench.run", "--recipe", tiny.RECIPE, "--json", "--runs", "2", timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    data = json.loads(r.stdout)
+    assert data["metrics"]["source"].endswith("/metrics")
+    assert data["metrics"]["generation_tokens"] > 0
+
+
+def test_serve_down_leaves_no_headless_rank(served):
+    lab, state, url, record, out = served
+    r = inv(state, "serve.down", "--recipe", tiny.RECIPE)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    for node in ("spark1", "spark2"):
+        assert ours(lab, node) == []
+        procs = lab.ssh(node, ["ps", "-eo", "args"]).stdout
+        assert "vllm serve" not in procs and "--headless" not in procs, procs
