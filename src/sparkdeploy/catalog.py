@@ -3,7 +3,7 @@ fewest Sparks it needs (``estimate.min_nodes``) and whether it fits a cluster, w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,7 @@ from sparkdeploy import estimate as est
 from sparkdeploy import recipes as rcp
 from sparkdeploy.config import RecipeFile, read_recipe
 from sparkdeploy.overlays import dotted
+from sparkdeploy.redaction import redact
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,14 @@ def row(recipe: rcp.Recipe, nodes: int | None, memory_gib: float, memory_source:
 
 
 def rows(dirs: list[Path], nodes: int | None, memory_gib: float, memory_source: str) -> list[Row]:
-    return [row(read_recipe(name, dirs), nodes, memory_gib, memory_source)
-            for name in rcp.known(dirs)]
+    out = []
+    for name in rcp.known(dirs):
+        r = row(read_recipe(name, dirs), nodes, memory_gib, memory_source)
+        hidden = rcp.shadowed(name, dirs)
+        if hidden:  # an owner's recipe of a name another directory has too: said, not silent
+            r = replace(r, why=f"{r.why}; shadows {', '.join(map(str, hidden))}".lstrip("; "))
+        out.append(r)
+    return out
 
 
 def show(name: str, dirs: list[Path], nodes: list[int]) -> str:
@@ -67,7 +74,10 @@ def show(name: str, dirs: list[Path], nodes: list[int]) -> str:
     r = read_recipe(name, dirs)
     full = RecipeFile.model_validate(r.merged.body).model_dump(mode="json")
     lines = [f"# recipe {name}: {r.about['title']}",
-             "# files, base first: " + ", ".join(r.merged.files), "# where each part came from:"]
+             "# files, base first: " + ", ".join(r.merged.files)]
+    lines += [f"# shadows {p} (the first directory's recipe of a name wins)"
+              for p in rcp.shadowed(name, dirs)]
+    lines.append("# where each part came from:")
     for path in sorted(p for p in r.merged.origin if len(p) == 2 and p[0] != "about"):
         lines.append(f"#   {dotted(path)}: {r.merged.origin[path]}")
     for part, source in r.about["sources"].items():
@@ -79,4 +89,4 @@ def show(name: str, dirs: list[Path], nodes: list[int]) -> str:
             lines.append(f"# {n} node(s): TP={tp} x PP={pp} ({why}); {e.why()}")
         except (est.EstimateError, rcp.RecipeError) as x:
             lines.append(f"# {n} node(s): {x}")
-    return "\n".join(lines) + "\n" + yaml.safe_dump({"sparkdeploy": full}, sort_keys=False)
+    return "\n".join(lines) + "\n" + yaml.safe_dump({"sparkdeploy": redact(full)}, sort_keys=False)

@@ -19,14 +19,16 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 from pydantic_core import ErrorDetails
 
-from sparkdeploy import checks, engines, fit
+from sparkdeploy import checks, engine_flags, engines, fit
 from sparkdeploy import recipes as rcp
 from sparkdeploy.overlays import Merged, ProfileError, load_merged, parse_dotted
+from sparkdeploy.redaction import secret_flag
 
 
 def _port(v: int) -> int:
@@ -267,6 +269,17 @@ class Engine(_Strict):
     env: dict[str, Text | None] = Field(default_factory=dict)
     """Overrides of the environment the engine sets; a null value removes a variable."""
 
+    @field_validator("args")
+    @classmethod
+    def _no_secret_in_args(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        # a flag's value there would be on the nodes' command lines, in labels and records
+        kind = info.data.get("kind")
+        for a in v:
+            flag = secret_flag(a)
+            if flag is not None and (kind is None or engine_flags.carries_secret(software_of(kind), flag)):
+                raise ValueError(f"{flag} carries a secret and is refused in args: {_secret_way(flag)}")
+        return v
+
     @field_validator("env")
     @classmethod
     def _env_names(cls, v: dict[str, str | None]) -> dict[str, str | None]:
@@ -285,6 +298,17 @@ class Engine(_Strict):
     @property
     def software(self) -> Software:
         return software_of(self.kind)
+
+
+def _secret_way(flag: str) -> str:
+    """How a secret an engine flag would carry reaches the engine instead."""
+    if flag.endswith(("api-key", "api_key")):
+        return ("set SPARKDEPLOY_API_KEY in the controller's environment (the engines get the "
+                "API key from there, never on a command line)")
+    if "token" in flag.lower():
+        return ("set HF_TOKEN in the controller's environment (model.download uses it; the engines "
+                "load the weights from the nodes' disks)")
+    return "give it in the engine's env (a secret-named variable goes to the node in an env file)"
 
 
 class Serve(_Strict):
@@ -388,13 +412,16 @@ def _loc(parts: tuple[Any, ...] | list[Any]) -> str:
     return out
 
 
+MISSING = "required key is missing"
+
+
 def _message(err: ErrorDetails) -> str:
     kind = err["type"]
     ctx = err.get("ctx") or {}
     if kind == "extra_forbidden":
         return "unknown key"
     if kind == "missing":
-        return "required key is missing"
+        return MISSING
     if kind == "literal_error":
         return "must be " + ctx.get("expected", "one of the allowed values")
     if kind in ("int_parsing", "int_type", "int_from_float"):
@@ -426,10 +453,14 @@ def _message(err: ErrorDetails) -> str:
 def _first_error(exc: ValidationError) -> tuple[str, str]:
     errors = exc.errors()
     # pydantic reports both branches of an Optional; keep the most specific one
-    err = errors[0]
-    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "literal["))))
-    extra = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return _loc(loc), _message(err) + extra
+    def where(err: ErrorDetails) -> str:
+        return _loc(tuple(p for p in err["loc"]
+                          if not (isinstance(p, str) and p.startswith(("function-", "literal[")))))
+
+    others = list(dict.fromkeys(where(x) for x in errors[1:]))
+    shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+    extra = f" (and {len(errors) - 1} more: {shown})" if len(errors) > 1 else ""
+    return where(errors[0]), _message(errors[0]) + extra
 
 
 def _cross_checks(p: Profile) -> tuple[str, str] | None:
@@ -569,9 +600,17 @@ def read_recipe(name: str, dirs: list[Path] | None = None,
     ``ProfileError`` naming the file and the key."""
     recipe = rcp.read(name, dirs if dirs is not None else rcp.directories(), where)
     try:
-        RecipeFile.model_validate(recipe.merged.body)
+        valid = RecipeFile.model_validate(recipe.merged.body)
     except ValidationError as e:
-        raise _blame(recipe.merged, *_first_error(e)) from None
+        key, msg = _first_error(e)
+        if msg.startswith(MISSING):  # a key the recipe lacks: its own file is where it goes
+            raise rcp.RecipeError(f"{recipe.path}: {key}: {msg}") from None
+        raise _blame(recipe.merged, key, msg) from None
+    for i, eng in enumerate(valid.engines):  # as profile.check and deploy.all check them
+        try:
+            engine_flags.check_args_any(eng.software, list(eng.args), f"recipe {name}")
+        except engine_flags.FlagError as e:
+            raise _blame(recipe.merged, f"sparkdeploy.engines[{i}].args", str(e)) from None
     if not recipe.config_path().is_file():
         raise rcp.RecipeError(f"{recipe.path}: sparkdeploy.about.config: "
                               f"{recipe.about['config']}: no such file beside the recipe")
@@ -581,7 +620,10 @@ def read_recipe(name: str, dirs: list[Path] | None = None,
 def with_recipe(merged: Merged, recipe: str | None = None,
                 recipe_dirs: tuple[str, ...] = ()) -> Merged:
     """``merged`` over the recipe it names (or ``recipe``, replacing its model part)."""
-    own = [str(Path(d).resolve()) for d in rcp.profile_dirs(merged)]
+    rcp.check_dirs(list(recipe_dirs), "--recipes")
+    given = rcp.profile_dirs(merged)
+    rcp.check_dirs(given, f"{merged.file_of(('recipes',))}: sparkdeploy.recipes")
+    own = [str(Path(d).resolve()) for d in given]
     dirs = [*(str(Path(d).resolve()) for d in recipe_dirs), *own]
     if dirs:  # what reads the recipe again later (model.fit: its config.json) finds it too
         merged.body["recipes"] = list(dict.fromkeys(dirs))

@@ -17,6 +17,7 @@ from functools import cache
 from pathlib import Path
 
 from sparkdeploy.errors import UsageError
+from sparkdeploy.redaction import is_secret_name
 
 DIR = Path(__file__).resolve().parent / "data" / "engine-flags"
 
@@ -86,6 +87,18 @@ def check_args(engine: str, version: str, args: list[str], root: Path = DIR) -> 
         if choices and value not in [str(c) for c in choices]:
             raise FlagError(f"{name} {value}: not one of {', '.join(map(str, choices))} "
                             f"({what})")
+
+
+def carries_secret(engine: str, flag: str, root: Path = DIR) -> bool:
+    """Whether ``flag`` of ``engine`` carries a secret: its name says so (``--api-key``,
+    ``--hf-token``: ``redaction.is_secret_name``) and it takes a value in the engine's manifests
+    (a switch such as vLLM's ``--allow-credentials`` carries none); a flag no manifest knows is
+    judged by its name alone."""
+    if not is_secret_name(flag):
+        return False
+    known = [manifest(engine, v, root)["by_flag"].get(flag) for v in versions(engine, root)]
+    found = [o for o in known if o is not None]
+    return not found or any(o["takes_value"] for o in found)
 
 
 def versions(engine: str, root: Path = DIR) -> list[str]:

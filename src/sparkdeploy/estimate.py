@@ -148,6 +148,21 @@ def parse_config(body: bytes, where: str) -> Any:
         raise EstimateError(str(e)) from None
 
 
+def _scaled_context(scaling: Any, ctx: int | None) -> int:
+    """The longest context vLLM derives with RoPE scaling (``_get_and_verify_max_len``): the
+    positions (YaRN: its ``original_max_position_embeddings``) x ``factor``; ``llama3``,
+    ``longrope`` and ``su`` scaling leave it; 0 when nothing scales."""
+    if not ctx or not isinstance(scaling, dict):
+        return 0
+    kind = scaling.get("rope_type") or scaling.get("type")
+    factor = scaling.get("factor")
+    if kind in ("llama3", "longrope", "su") or isinstance(factor, bool) \
+            or not isinstance(factor, (int, float)) or factor <= 1:
+        return 0
+    base = scaling.get("original_max_position_embeddings") if kind == "yarn" else None
+    return int((base if isinstance(base, int) and base > 0 else ctx) * factor)
+
+
 def read_config(cfg: Any) -> Model:
     """A config.json (parsed) as a ``Model``; ``EstimateError`` when it is no model config."""
     if not isinstance(cfg, dict):
@@ -157,12 +172,18 @@ def read_config(cfg: Any) -> Model:
     where = f"{nest}." if nest else ""
     layers = _int(text, "num_hidden_layers", where)
     heads = _int(text, "num_attention_heads", where)
+    for key, v in (("num_hidden_layers", layers), ("num_attention_heads", heads)):
+        if v == 0:
+            raise EstimateError(f"{where}{key}: 0: a model has at least one")
     if not layers or not heads:
         missing = [k for k, v in (("num_hidden_layers", layers), ("num_attention_heads", heads))
                    if not v]
         raise EstimateError(f"not a model config: no {' or '.join(where + k for k in missing)}")
     src = {"layers": f"config {where}num_hidden_layers", "heads": f"config {where}num_attention_heads"}
     kv = _int(text, "num_key_value_heads", where)
+    if kv == 0:
+        raise EstimateError(f"{where}num_key_value_heads: 0: attention has at least one KV head "
+                            "(a config without the key is multi-head attention)")
     src["kv_heads"] = f"config {where}num_key_value_heads" if kv else \
         f"config {where}num_attention_heads (no num_key_value_heads: multi-head attention)"
     kv = kv or heads
@@ -207,6 +228,10 @@ def read_config(cfg: Any) -> Model:
     if dtype not in DTYPE_BYTES:
         raise EstimateError(f"config dtype {dtype!r} is not one of {', '.join(sorted(DTYPE_BYTES))}")
     ctx = _int(text, "max_position_embeddings", where)
+    scaled = _scaled_context(text.get("rope_scaling") or cfg.get("rope_scaling"), ctx)
+    if ctx and scaled > ctx:
+        ctx = scaled
+        src["max_context"] = f"config {where}max_position_embeddings x rope_scaling.factor"
     return Model(model_type=str(cfg.get("model_type") or text.get("model_type") or "?"),
                  layers=layers, heads=heads, kv_heads=kv, head_dim=head_dim, kinds=kinds,
                  window=window, mla=mla, linear=linear, dtype=dtype,
@@ -375,8 +400,7 @@ class Estimate:
         out = [f"model: {m.model_type}: {m.layers} layers ({kinds}; {m.sources['kinds']}), "
                f"{m.heads} attention heads, {attn}",
                f"layout: TP={self.tp} x PP={self.pp} on {self.nodes} node(s)"]
-        out += [f"  not {r}" if r.endswith("preferred") else f"  refused: {r}"
-                for r in self.refused]
+        out += [f"  not {r}" if ALSO in r else f"  refused: {r}" for r in self.refused]
         kvd = f"{self.kv_dtype.value:g} byte(s) per element ({self.kv_dtype.source})"
         out.append(f"KV cache: {self.kv_bytes_per_token:,.0f} bytes per token in the "
                    f"full-attention layers, {kvd}")
@@ -388,8 +412,10 @@ class Estimate:
                        f"state per sequence ({m.sources['linear']})")
         out.append(f"context: {int(self.context.value)} tokens ({self.context.source}) x "
                    f"{self.seqs} sequence(s)")
+        split = (f" x {w.layers}/{m.layers} layers" if self.pp > 1 else "") + (
+            f" / {self.tp}" if self.tp > 1 or self.pp == 1 else "")
         out.append(f"per node ({w.layers} layers): weights {fit.gib(w.weights)} "
-                   f"({fit.gib(self.weights.value)} from {self.weights.source} / {self.tp * self.pp})"
+                   f"({fit.gib(self.weights.value)} from {self.weights.source}{split})"
                    f", KV cache {fit.gib(w.kv)}, reserve {fit.gib(w.reserve)} "
                    f"({self.reserve.source}), usable {fit.gib(w.usable)} ({self.usable.source})")
         out.append(self.why())
@@ -435,8 +461,44 @@ def stage_share(model: Model, layers: range, tp: int, pp: int, *, weights: float
                 layer_token_bytes(model, tp, kv_bytes)
         else:
             kv += seqs * context * layer_token_bytes(model, tp, kv_bytes)
-    return Stage(layers=len(layers), weights=weights / (tp * pp), kv=kv, reserve=reserve,
-                 usable=usable)
+    # a stage holds its layers' share of the weights: the heaviest stage more than weights / PP
+    share = weights * len(layers) / model.layers if pp > 1 else weights
+    return Stage(layers=len(layers), weights=share / tp, kv=kv, reserve=reserve, usable=usable)
+
+
+LIGHTER_GIB = 0.05
+"""Less than this lighter per node is no lighter (the figures are shown to a tenth of a GiB)."""
+ALSO = "also accepted"
+"""What a note on a layout the engines accept but the estimate did not choose says."""
+
+
+def choose_layout(accepted: dict[tuple[int, int], tuple[Stage, ...]]
+                  ) -> tuple[tuple[int, int], list[str]]:
+    """The layout to use among ``accepted`` (in order of preference, each with its stages) and a
+    note on each other: the first that fits (TP before PP: tensor parallelism works on each
+    token on every node, pipeline stages take turns), else the lightest; a lighter one passed
+    over says so, with why."""
+    def need(a: tuple[int, int]) -> float:
+        return max(s.need for s in accepted[a])
+
+    fitting = [a for a in accepted if all(s.fits for s in accepted[a])]
+    chosen = fitting[0] if fitting else min(accepted, key=need)
+    name = f"TP={chosen[0]} x PP={chosen[1]}"
+    notes = []
+    for t, p in accepted:
+        if (t, p) == chosen:
+            continue
+        if need((t, p)) < need(chosen) - LIGHTER_GIB * GIB:
+            notes.append(f"TP={t} x PP={p}: {ALSO} and lighter ({fit.gib(need((t, p)))} per node, "
+                         f"not {fit.gib(need(chosen))}), {name} preferred: it fits, and tensor "
+                         "parallelism works on each token on every node where pipeline stages "
+                         "take turns")
+        elif not fitting:
+            notes.append(f"TP={t} x PP={p}: {ALSO}, {name} chosen: neither fits, it is the "
+                         f"lightest ({fit.gib(need(chosen))} per node)")
+        else:
+            notes.append(f"TP={t} x PP={p}: {ALSO}, {name} preferred")
+    return chosen, notes
 
 
 def estimate(cfg: Any, *, weights_bytes: float, weights_source: str = "--weights-gb",
@@ -463,6 +525,11 @@ def estimate(cfg: Any, *, weights_bytes: float, weights_source: str = "--weights
         raise EstimateError("--context: the config names no max_position_embeddings; give one")
     if ctx.value < 1:
         raise EstimateError(f"--context: must be >= 1, not {ctx.value}")
+    if model.max_context and ctx.value > model.max_context:
+        longest = model.sources.get("max_context", "config max_position_embeddings")
+        raise EstimateError(f"--context: {int(ctx.value)} tokens is more than the model's "
+                            f"{model.max_context} ({longest}): vLLM and SGLang refuse a longer "
+                            "context length")
     kvd = kv_dtype(model, kv)
     rg = fit.RESERVE_GIB if reserve_gib is None else reserve_gib
     reserve = Figure(rg * GIB, "the profile's fit.reserve_gib (sparkdeploy.config.Fit)"
@@ -470,6 +537,13 @@ def estimate(cfg: Any, *, weights_bytes: float, weights_source: str = "--weights
     usable = Figure(memory_gib * GIB, memory_source)
     refused: list[str] = []
     chosen: tuple[int, int] | None = None
+
+    def shares_of(t: int, p: int) -> tuple[Stage, ...]:
+        return tuple(stage_share(model, layers, t, p, weights=weights_bytes,
+                                 context=int(ctx.value), seqs=seqs, kv_bytes=kvd.value,
+                                 reserve=reserve.value, usable=usable.value)
+                     for layers in stages(model.layers, p))
+
     if tp is not None:
         if tp < 1 or nodes % tp:
             raise EstimateError(f"--tp: {tp} does not divide the {nodes} node(s)")
@@ -482,24 +556,21 @@ def estimate(cfg: Any, *, weights_bytes: float, weights_source: str = "--weights
                                 f"stages than the model's {model.layers} layers")
         chosen = (tp, nodes // tp)
     else:
+        accepted = []
         for t, p in candidates(nodes):
             why = layout_refusal(model, t, p)
             if why:
                 refused.append(why)
-            elif chosen is None:
-                chosen = (t, p)
             else:
-                refused.append(f"TP={t} x PP={p}: also accepted, TP={chosen[0]} x "
-                               f"PP={chosen[1]} preferred")
-    if chosen is None:
-        raise EstimateError(f"no layout for {nodes} node(s): {'; '.join(refused)}; valid TPs: "
-                            f"{', '.join(map(str, valid_tps(model)))}")
+                accepted.append((t, p))
+        if not accepted:
+            raise EstimateError(f"no layout for {nodes} node(s): {'; '.join(refused)}; valid TPs: "
+                                f"{', '.join(map(str, valid_tps(model)))}")
+        chosen, notes = choose_layout({a: shares_of(*a) for a in accepted})
+        refused += notes
+    assert chosen is not None
     t, p = chosen
-    context_tokens = int(ctx.value)
-    shares = tuple(stage_share(model, layers, t, p, weights=weights_bytes, context=context_tokens,
-                               seqs=seqs, kv_bytes=kvd.value, reserve=reserve.value,
-                               usable=usable.value)
-                   for layers in stages(model.layers, p))
+    shares = shares_of(t, p)
     full = model.kinds.count("full") * layer_token_bytes(model, 1, kvd.value)
     sliding = model.kinds.count("sliding") * layer_token_bytes(model, 1, kvd.value)
     linear = sum(linear_state_bytes(model, 1, DTYPE_BYTES[model.dtype])

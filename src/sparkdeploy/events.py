@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from sparkdeploy.redaction import redact
 from sparkdeploy.results import Result, Status
 
 
@@ -128,9 +129,10 @@ _UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u
 def printable(text: str) -> str:
     """``text`` safe for a terminal: control characters (an escape sequence from a node's log,
     a server's error, a file name), newlines and bidi overrides shown escaped (``\\x1b``),
-    never interpreted. Every line the renderers write goes through it."""
+    never interpreted, and its secrets hidden (``redaction.redact``: a node's log line echoing a
+    token). Every line the renderers write goes through it."""
     return _UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 256
-                            else f"\\u{ord(m.group()):04x}", text)
+                            else f"\\u{ord(m.group()):04x}", redact(text))
 
 
 def describe(ev: Event) -> str:

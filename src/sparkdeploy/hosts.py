@@ -32,7 +32,8 @@ from invoke.exceptions import CommandTimedOut
 from sparkdeploy.config import Node, SshSettings
 from sparkdeploy.errors import RunError
 from sparkdeploy.events import Echo, EventSink
-from sparkdeploy.state import StateDir, redact
+from sparkdeploy.redaction import redact
+from sparkdeploy.state import StateDir
 
 SSH_UNREACHABLE = 255
 PROBE_TIMEOUT_S = 120.0
@@ -268,7 +269,7 @@ class Host:
         argv = [str(a) for a in argv]
         if timeout is None:
             timeout = PROBE_TIMEOUT_S if not change else CHANGE_TIMEOUT_S
-        shown = redact(shlex.join(elide(argv if not (sudo and self.node.privilege == "sudo")
+        shown = shlex.join(redact(elide(argv if not (sudo and self.node.privilege == "sudo")
                                         else ["sudo", "-n", *argv])))
         if self.dry and change:
             self._say(shown, would=True)

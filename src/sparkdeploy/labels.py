@@ -24,7 +24,7 @@ from typing import Any
 
 from sparkdeploy.fingerprint import differing, digest, flat, key_digests
 from sparkdeploy.outside import OutsideError, parsed
-from sparkdeploy.state import is_secret_name
+from sparkdeploy.redaction import is_secret_name
 
 NS = "org.sparkdeploy"
 

@@ -122,23 +122,47 @@ def directories(extra: list[str] | tuple[str, ...] = ()) -> list[Path]:
     return [*(Path(d) for d in extra), packaged_dir()]
 
 
+def check_dirs(dirs: list[str] | list[Path], where: str) -> None:
+    """Each of ``dirs`` a directory, else ``RecipeError`` labelled ``where`` (``--recipes``, or
+    the profile's ``recipes:`` key): one that does not exist, or a file."""
+    for d in dirs:
+        p = Path(d)
+        if not p.exists():
+            raise RecipeError(f"{where}: recipe directory {d} does not exist")
+        if not p.is_dir():
+            raise RecipeError(f"{where}: {d} is a file, not a directory of recipes")
+
+
+def recipe_files(d: Path) -> list[Path]:
+    """The recipe files of directory ``d`` (its ``NAME.yaml``, the base aside); a YAML file whose
+    name is no recipe name is a ``RecipeError`` naming it (never left out without a word)."""
+    if not d.is_dir():
+        return []
+    files = [f for f in sorted(d.glob("*.yaml")) if f.name != BASE]
+    for f in files:
+        if not _NAME.fullmatch(f.stem):
+            raise RecipeError(f"{f}: {f.stem!r} is not a recipe name (lowercase letters, digits, "
+                              "'.', '_', '-', starting with a letter or digit): rename the file")
+    return files
+
+
 def known(dirs: list[Path]) -> dict[str, Path]:
-    """Every recipe by name (an earlier directory's wins)."""
+    """Every recipe by name (an earlier directory's wins: ``shadowed`` says over which)."""
     out: dict[str, Path] = {}
     for d in reversed(dirs):
-        if not d.is_dir():
-            continue
-        for f in sorted(d.glob("*.yaml")):
-            if f.name != BASE and _NAME.fullmatch(f.stem):
-                out[f.stem] = f
+        for f in recipe_files(d):
+            out[f.stem] = f
     return dict(sorted(out.items()))
+
+
+def shadowed(name: str, dirs: list[Path]) -> list[Path]:
+    """The files of recipe ``name`` in later directories, which the first one's hides."""
+    return [f for d in dirs for f in recipe_files(d) if f.stem == name][1:]
 
 
 def find(name: str, dirs: list[Path], where: str) -> Path:
     """The file of recipe ``name``; ``RecipeError`` (one line listing the known ones) if none."""
-    for d in dirs:
-        if not d.is_dir():
-            raise RecipeError(f"{where}: recipe directory {d} does not exist")
+    check_dirs(dirs, "recipe directories")
     found = known(dirs)
     if not isinstance(name, str) or name not in found:
         raise RecipeError(f"{where}: no recipe named {name!r} (recipes: {', '.join(found)})")

@@ -36,7 +36,8 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, Va
 from sparkdeploy.errors import RunError
 from sparkdeploy.files import Escape, under, write_text_atomic
 from sparkdeploy.outside import HubName
-from sparkdeploy.state import StateDir, redact
+from sparkdeploy.redaction import redact
+from sparkdeploy.state import StateDir
 
 DECISIONS = "decisions"
 
@@ -386,7 +387,7 @@ class Records:
         env = Envelope(name=path.stem, step=step or kind.STEP, profile=self.profile_name,
                        time=when, time_iso=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)),
                        data=record.model_dump(mode="json", by_alias=True))
-        j = _atomic(path, redact(json.dumps(env.model_dump(mode="json"), indent=2, sort_keys=True)) + "\n")
+        j = _atomic(path, json.dumps(redact(env.model_dump(mode="json")), indent=2, sort_keys=True) + "\n")
         md = None
         if markdown is not None:
             head = (f"# {title or env.name}\n\n"

@@ -195,6 +195,20 @@ def test_a_standin_answering_garbage_gets_no_figures(standin, tokdir, tmp_path, 
     assert standin.state.snapshot()["requests"] == 1  # the gate's first prompt; nothing measured
 
 
+def test_with_the_gate_off_a_model_answering_garbage_is_measured_and_said_so(standin, tokdir,
+                                                                              tmp_path, capsys):
+    from sparkdeploy.bench.gate import OFF
+
+    standin.state.control({"faults": "garbage"})
+    out = tmp_path / "r.json"
+    bench_tasks.depth(ctx(tmp_path), url=f"http://127.0.0.1:{standin.port}", tokenizer=str(tokdir),
+                      depths="0", runs="1", output_tokens="4", json=str(out), gate=False)
+    text = capsys.readouterr().out
+    assert OFF in text and [ln for ln in text.splitlines() if ln.endswith("(gate off)")]
+    doc = json.loads(out.read_text())
+    assert doc["config"]["gate"] == "off" and doc["depths"][0]["tg_tok_s"] > 0
+
+
 def test_the_lab_fault_garbage_reaches_an_engine_already_serving(standin, tokdir, tmp_path,
                                                                  monkeypatch, capsys):
     monkeypatch.setattr(layout, "NODES_DIR", tmp_path / "nodes")
@@ -267,6 +281,15 @@ def test_a_server_counting_with_another_tokenizer_is_refused(tokdir, tmp_path, c
      "bad SSE event: choices.0.delta.content: Input should be a valid string"),
     (b'data: {"choices": "x"}\n\ndata: [DONE]\n\n', "bad SSE event: choices: Input should be a valid list"),
     (b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n', "stream closed midway (after 1 events)"),
+    # a broken peer: the whole answer in one SSE chunk (a buffering proxy), a count of 0
+    (b'data: {"choices": [{"delta": {"content": "a b c d e f g h"}}]}\n\ndata: {"choices": [], '
+     b'"usage": {"completion_tokens": 8}}\n\ndata: [DONE]\n\n',
+     "the whole answer (8 tokens) came in one piece: the server or a proxy buffers the stream, so "
+     "no time per token can be measured"),
+    (b"".join(b'data: {"choices": [{"delta": {"content": "w"}}]}\n\n' for _ in range(8))
+     + b'data: {"choices": [], "usage": {"completion_tokens": 0}}\n\ndata: [DONE]\n\n',
+     "the server streamed 8 text chunk(s) and reports completion_tokens 0: no token count to "
+     "measure by"),
 ])
 def test_a_measured_answer_that_does_not_fit_is_one_line(tokdir, tmp_path, capsys, body, says):
     tokens = Tokens(tokdir)

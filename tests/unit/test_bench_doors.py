@@ -2,6 +2,7 @@
 an answer with a field of the wrong type, ``--save`` where nothing can be saved, a server that
 trickles. Each is one line and a non-zero exit, within ``--timeout``; never a traceback."""
 
+import html
 import json
 import re
 import time
@@ -80,6 +81,13 @@ BAD_ANSWERS = [
      "bad SSE event: usage.completion_tokens: Input should be a valid integer"),
     (b"data: {\n\ndata: [DONE]\n\n", "bad SSE payload: b'{'"),
     (sse(text("x"), done=False), "stream closed midway (after 1 events)"),
+    # a broken peer: the whole answer in one SSE chunk (a buffering proxy), text counted as 0
+    (sse(text("a b c d e f g h"), {"choices": [], "usage": {"completion_tokens": 8}}),
+     "the whole answer (8 tokens) came in one piece: the server or a proxy buffers the stream, "
+     "so no time per token can be measured"),
+    (sse(*[text("w")] * 8, {"choices": [], "usage": {"completion_tokens": 0}}),
+     "the server streamed 8 text chunk(s) and reports completion_tokens 0: no token count to "
+     "measure by"),
 ]
 
 
@@ -107,6 +115,17 @@ def test_an_answer_with_a_field_that_does_not_fit_fails_in_one_line(tmp_path, ca
 
 
 GATE_LINE = "coherence gate: 'What is 17 + 25? Answer with the number only.'"
+
+
+def test_a_whole_answer_to_a_streamed_request_is_named_not_a_stream(tmp_path, capsys):
+    answer = json.dumps({"choices": [{"message": {"content": "hi"}}],
+                         "usage": {"completion_tokens": 3}}).encode()
+    srv = Hostile(body=answer, ctype="application/json", routes={"/v1/models": MODELS},
+                  coherent=True)
+    fails_writing_nothing(tmp_path, srv)
+    assert failed_lines(capsys.readouterr().out)[0].endswith(
+        "(most often: not a stream: HTTP 200 with one application/json answer, not server-sent "
+        'events (the server ignores "stream": true))')
 
 
 @pytest.mark.parametrize(("body", "says"), BAD_ANSWERS)
@@ -205,3 +224,29 @@ def test_a_model_list_that_trickles_ends_within_the_timeout(tmp_path, capsys):
     assert e.value.code == 1 and time.monotonic() - started < 3
     assert failed_lines(capsys.readouterr().out) == [
         f"{srv.url}/v1/models: no whole answer within 1s"]
+
+
+def test_the_gate_turned_off_for_one_run_measures_and_says_so_everywhere(tmp_path, capsys):
+    """A model that cannot add (a base model): refused with the gate, measured without it, and the
+    results, the JSON and the HTML report say the gate was off."""
+    from sparkdeploy.bench.gate import OFF
+
+    answer = sse(text("banana"), {"choices": [], "usage": {"completion_tokens": 1}})
+    srv = Hostile(body=answer, ctype="text/event-stream", routes={"/v1/models": MODELS})
+    out = tmp_path / "r.json"
+    try:
+        with pytest.raises(Exit):
+            bench_tasks.run(ctx(tmp_path), url=srv.url, concurrency="1", requests="2",
+                            warmup="0", timeout="2", json=str(out))
+        assert failed_lines(capsys.readouterr().out)[0].startswith(f"{GATE_LINE} came back 'banana'")
+        bench_tasks.run(ctx(tmp_path), url=srv.url, concurrency="1", requests="2", warmup="0",
+                        timeout="2", json=str(out), gate=False)
+    finally:
+        srv.close()
+    text_out = capsys.readouterr().out
+    assert OFF in text_out
+    assert [ln for ln in text_out.splitlines() if " ok " in ln and "concurrency 1: " in ln
+            and ln.endswith("(gate off)")]
+    doc = json.loads(out.read_text())
+    assert doc["config"]["gate"] == "off" and doc["gate"] == []
+    assert html.escape(OFF) in out.with_suffix(".html").read_text()

@@ -206,10 +206,23 @@ def test_requests_without_an_end_give_no_duration():
     assert s["completed"] == 1 and s["duration_s"] == 0.0 and s["output_tok_s"] == 0.0
 
 
-def test_a_request_whose_usage_counts_no_tokens_adds_none():
+def test_a_request_whose_usage_counts_no_tokens_for_its_text_is_failed_naming_it():
+    # a broken peer: text streamed, completion_tokens 0; never "ok, 0.0 output tok/s"
     zero = analyse(_tl(_chunk("a", usage={"completion_tokens": 0}), b"[DONE]", end=1.0))
-    assert zero.output_tokens == 0 and zero.tpot_ms is None
-    assert summarize([zero])["total_output_tokens"] == 0
+    assert zero.error == ("the server streamed 1 text chunk(s) and reports completion_tokens 0: "
+                          "no token count to measure by")
+    s = summarize([zero])
+    assert s["completed"] == 0 and s["failed"] == 1 and s["total_output_tokens"] == 0
+
+
+def test_an_answer_of_many_tokens_in_one_read_is_failed_and_one_token_is_not():
+    one_read = [(0.5, b'{"choices": [{"delta": {"content": "a b c"}}], "usage": {"completion_tokens": 3}}'),
+                (0.5, b"[DONE]")]
+    m = analyse(Timeline(start=0.0, events=one_read, end=0.5))
+    assert m.error is not None and m.error.startswith("the whole answer (3 tokens) came in one piece")
+    single = [(0.5, b'{"choices": [{"delta": {"content": "42"}}], "usage": {"completion_tokens": 1}}'),
+              (0.5, b"[DONE]")]
+    assert analyse(Timeline(start=0.0, events=single, end=0.5)).error is None
 
 
 def test_request_json_carries_the_metrics_under_their_names():

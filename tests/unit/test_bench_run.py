@@ -328,3 +328,36 @@ def test_compare_sets_the_startup_timings_side_by_side_without_gating_on_them(tm
     out = capsys.readouterr().out
     assert "first_token s" in out and "+51.2%" in out and "(not gated)" in out
     assert compare(_doc(1, 1, 1, 1), _doc(1, 1, 1, 1)).startup == []
+
+
+def _depths(*rows):
+    return {"config": {"model": "m", "depths": [r[0] for r in rows]}, "gate": [],
+            "depths": [{"depth": d, "error": e} if e else
+                       {"depth": d, "prompt_tokens": d + 20, "pp_tok_s": pp, "tg_tok_s": tg,
+                        "ttft_ms": ttft, "runs": []} for d, pp, tg, ttft, e in rows]}
+
+
+def test_compare_reads_depth_sweeps_and_its_html_shows_them(tmp_path, capsys):
+    """bench.compare of two bench.depth JSON files: per depth pp/tg tok/s and TTFT (was
+    "runs: Field required"); a depth that failed in NEW is a regression; the HTML shows both."""
+    base, same, lost = (tmp_path / f"{n}.json" for n in ("b", "s", "l"))
+    base.write_text(json.dumps(_depths((0, 2000.0, 27.0, 50.0, None), (4096, 1800.0, 25.0, 2300.0, None))))
+    same.write_text(json.dumps(_depths((0, 1990.0, 26.9, 50.5, None), (4096, 1790.0, 25.1, 2310.0, None))))
+    lost.write_text(json.dumps(_depths((0, 2000.0, 27.0, 50.0, None), (4096, 0, 0, 0, "HTTP 400: too long"))))
+    c = ctx(tmp_path)
+    page = tmp_path / "cmp.html"
+    bench_tasks.compare(c, str(base), str(same), html=str(page))
+    out = capsys.readouterr().out
+    assert "depth 4096" in out and "pp tok/s" in out and "tg tok/s" in out
+    text = page.read_text()
+    assert "pp tok/s" in text and "<td>d4096</td>" in text and "1,800.00" in text
+    with pytest.raises(Exit) as e:
+        bench_tasks.compare(c, str(base), str(lost), html=str(page))
+    assert (e.value.code, e.value.message) == (1, "3 regression(s) beyond 5%")
+    assert "HTTP 400: too long" in page.read_text()
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps(_doc(200.0, 27.0, 100.0, 37.0)))
+    with pytest.raises(Exit) as e:
+        bench_tasks.compare(c, str(sweep), str(base))
+    assert (e.value.code, e.value.message) == (
+        2, "BASE is a sweep (bench.run) and NEW a depth sweep (bench.depth): compare like with like")

@@ -302,7 +302,7 @@ def test_profile_refuses_bad_env_name_and_engine_name(tmp_path):
     ("SGLANG_MAX_TOKENS", False), ("TOKENIZERS_PARALLELISM", False),
 ])
 def test_which_engine_env_names_are_secrets(name, secret):
-    from sparkdeploy.state import is_secret_name
+    from sparkdeploy.redaction import is_secret_name
 
     assert is_secret_name(name) is secret
 

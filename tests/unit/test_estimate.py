@@ -158,7 +158,9 @@ def test_pp_splits_layers_first_stages_one_more():
     e = run(QWEN3, nodes=3, context=1000)
     assert [s.layers for s in e.stages] == [32, 31, 31]
     assert e.worst.kv == 1000 * 32 * 2 * 4 * 128 * 2
-    assert e.worst.weights == 100e9 / 3
+    # the heaviest stage holds 32 of the 94 layers' weights, not the average 100e9 / 3
+    assert e.worst.weights == 100e9 * 32 / 94
+    assert [s.weights for s in e.stages] == [100e9 * 32 / 94, 100e9 * 31 / 94, 100e9 * 31 / 94]
 
 
 def test_mixed_tp_pp_when_neither_alone_is_accepted():
@@ -368,7 +370,11 @@ def test_read_config_defaults_and_precedence():
     ({"text_config": {"num_hidden_layers": 2, "num_attention_heads": -1}},
      "text_config.num_attention_heads: -1 is not a whole number"),
     ({"num_hidden_layers": 2.0, "num_attention_heads": 2}, "num_hidden_layers: 2.0 is not a whole number"),
-    ({"num_hidden_layers": 0, "num_attention_heads": 2}, "not a model config: no num_hidden_layers"),
+    ({"num_hidden_layers": 0, "num_attention_heads": 2}, "num_hidden_layers: 0: a model has at least one"),
+    ({"num_hidden_layers": 2, "num_attention_heads": 0}, "num_attention_heads: 0: a model has at least one"),
+    ({"text_config": {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 0}},
+     "text_config.num_key_value_heads: 0: attention has at least one KV head (a config without "
+     "the key is multi-head attention)"),
     ({"num_attention_heads": 2, "num_hidden_layers": 2, "head_dim": 0, "hidden_size": 0},
      "not a model config: no head_dim or hidden_size"),
     ({"llm_config": {"num_hidden_layers": 2, "num_attention_heads": 2}},
@@ -557,15 +563,16 @@ def test_minimum_values_are_accepted():
 
 def test_the_heaviest_stage_decides_and_every_stage_must_fit():
     """Qwen3-235B on PP=3 at its 262144 tokens: 32 layers x 0.5 GiB of KV on the first node, 31 on
-    the others; 54.8 GiB usable holds the others, not the first."""
+    the others, and the weights of its layers (32/94, 31/94); 55.4 GiB usable holds the others,
+    not the first."""
     per_layer = 262144 * 2 * 4 * 128 * 2
     assert per_layer == GIB // 2
-    e = run(QWEN3, nodes=3, memory_gib=54.8, reserve_gib=8, weights_source="hub",
+    e = run(QWEN3, nodes=3, memory_gib=55.4, reserve_gib=8, weights_source="hub",
             memory_source="probe")
-    w = 100e9 / 3
+    w, w31 = 100e9 * 32 / 94, 100e9 * 31 / 94
     assert [s.need for s in e.stages] == [w + 32 * per_layer + RESERVE,
-                                          w + 31 * per_layer + RESERVE,
-                                          w + 31 * per_layer + RESERVE]
+                                          w31 + 31 * per_layer + RESERVE,
+                                          w31 + 31 * per_layer + RESERVE]
     assert [s.fits for s in e.stages] == [False, True, True]
     assert e.worst is e.stages[0] and not e.fits
     assert e.as_json() == {
@@ -576,9 +583,9 @@ def test_the_heaviest_stage_decides_and_every_stage_must_fit():
         "linear_state_bytes_per_sequence": 0,
         "per_node_gib": round((w + 16 * GIB + RESERVE) / GIB, 3),
         "per_node": {"weights_gib": round(w / GIB, 3), "kv_gib": 16.0, "reserve_gib": 8.0,
-                     "usable_gib": 54.8, "layers": 32},
-        "why": ("TP=1 x PP=3 on 3 node(s) does not fit: 55.0 GiB per node (31.0 GiB of weights + "
-                "16.0 GiB KV cache for 262144 tokens x 1 sequence(s) + 8.0 GiB reserve) > 54.8 GiB "
+                     "usable_gib": 55.4, "layers": 32},
+        "why": ("TP=1 x PP=3 on 3 node(s) does not fit: 55.7 GiB per node (31.7 GiB of weights + "
+                "16.0 GiB KV cache for 262144 tokens x 1 sequence(s) + 8.0 GiB reserve) > 55.4 GiB "
                 "usable"),
         "refused": [est.layout_refusal(est.read_config(QWEN3), 3, 1)],
         "sources": {"weights": "hub",
@@ -640,7 +647,8 @@ def test_lines_hybrid_mla_and_refused():
     assert lines[4] == ("  linear-attention layers: 78,151,680 bytes of state per sequence (config "
                         f"text_config.linear_* ({est.VLLM_MAMBA}))")
     assert lines[5] == "context: 1000 tokens (--context) x 1 sequence(s)"
-    assert lines[6].startswith("per node (16 layers): weights 31.0 GiB (93.1 GiB from --weights-gb / 3)")
+    assert lines[6].startswith("per node (16 layers): weights 31.0 GiB (93.1 GiB from --weights-gb x "
+                               "16/48 layers)")
     ds = run(DEEPSEEK, nodes=1, context=4096, kv="fp8").lines()
     assert ds[:3] == [
         "model: deepseek_v3: 61 layers (61 full; every layer full attention (no layer_types)), "
@@ -746,3 +754,51 @@ def test_load_config(tmp_path):
     # json's message, first line, cut at 80 characters: "(char 100001)" loses its end
     assert str(e.value) == (f"{good}: not JSON (Expecting property name enclosed in double quotes: "
                             "line 100001 column 2 (char 10)")
+
+
+# --- the edges (issue 39) --------------------------------------------------------------------
+
+def test_under_pp_the_weights_share_is_the_heaviest_stages_layers():
+    """Llama-3.3-70B on 7 nodes: stages of 12 and 11 of its 80 layers; the heaviest holds 12/80
+    of 131.4 GiB (19.7), not the average 131.4 / 7 (18.8)."""
+    e = run(LLAMA, nodes=7, context=4096, weights_bytes=131.4 * GIB)
+    assert (e.tp, e.pp, e.worst.layers) == (1, 7, 12)
+    assert e.worst.weights == pytest.approx(131.4 * GIB * 12 / 80)
+    assert "weights 19.7 GiB (131.4 GiB from --weights-gb x 12/80 layers)" in e.lines()[-2]
+
+
+def test_a_lighter_layout_is_chosen_when_the_preferred_does_not_fit_and_named_when_it_does():
+    """DeepSeek (MLA: the latent whole on every TP rank) on 8 nodes: TP=8 holds all 61 layers'
+    KV cache on every node, PP=8 an eighth of it. Where TP=8 fits it stays preferred and the
+    lighter PP=8 is named with why; where it does not and PP=8 does, PP=8 is chosen."""
+    roomy = run(DEEPSEEK, nodes=8, context=163840, weights_bytes=100 * GIB, memory_gib=101)
+    assert (roomy.tp, roomy.pp) == (8, 1)
+    assert roomy.refused[0] == (
+        "TP=1 x PP=8: also accepted and lighter (22.5 GiB per node, not 31.2 GiB), TP=8 x PP=1 "
+        "preferred: it fits, and tensor parallelism works on each token on every node where "
+        "pipeline stages take turns")
+    assert "  not " + roomy.refused[0] in roomy.lines()
+    tight = run(DEEPSEEK, nodes=8, context=163840, weights_bytes=100 * GIB, memory_gib=25)
+    assert (tight.tp, tight.pp) == (1, 8) and tight.fits
+    assert "TP=8 x PP=1: also accepted, TP=1 x PP=8 preferred" in tight.refused
+    none = run(DEEPSEEK, nodes=8, context=163840, weights_bytes=100 * GIB, memory_gib=20)
+    assert (none.tp, none.pp) == (1, 8) and not none.fits
+    assert none.refused[0] == ("TP=8 x PP=1: also accepted, TP=1 x PP=8 chosen: neither fits, it "
+                               "is the lightest (22.5 GiB per node)")
+
+
+def test_a_context_longer_than_the_model_is_refused_and_rope_scaling_lengthens_it():
+    with pytest.raises(est.EstimateError) as e:
+        run(LLAMA, nodes=1, context=131073)
+    assert str(e.value) == ("--context: 131073 tokens is more than the model's 131072 (config "
+                            "max_position_embeddings): vLLM and SGLang refuse a longer context length")
+    assert run(LLAMA, nodes=1, context=131072).context.value == 131072  # llama3 scaling: no longer
+    yarn = {**QWEN3, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                      "original_max_position_embeddings": 32768}}
+    assert est.read_config(yarn).max_context == 262144  # max(262144, 32768 x 4)
+    yarn = {**QWEN3, "max_position_embeddings": 32768,
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    assert run(yarn, nodes=4, context=131072).context.value == 131072
+    with pytest.raises(est.EstimateError, match=r"more than the model's 131072 \(config "
+                       r"max_position_embeddings x rope_scaling.factor\)"):
+        run(yarn, nodes=4, context=131073)

@@ -359,7 +359,7 @@ def test_profile_fit_names_only_its_engines(tmp_path):
 def test_step_a_tp_the_heads_do_not_divide_is_one_failed_line(tmp_path):
     data = seed_data()
     three_heads = {"num_hidden_layers": 4, "num_attention_heads": 3, "hidden_size": 384,
-                   "max_position_embeddings": 4096}
+                   "max_position_embeddings": 262144}
     dep = fit_deployment(tmp_path, {"spark1": gb10(), "spark2": gb10()}, data, config=three_heads)
     res = model_fit.model_fit(dep)
     assert [(r.status, r.why.split(" (vLLM")[0]) for r in res] == [

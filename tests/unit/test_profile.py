@@ -150,7 +150,7 @@ BAD = [
     ("bool-string", _set(["images", "layer", "override_engine_requirement"], "yes"),
      "sparkdeploy.images.layer.override_engine_requirement: Input should be a valid boolean"),
     ("two-errors", lambda d: (_set(["nodes", 0, "gpus"], "x")(d), _set(["nodes", 1, "gpus"], "y")(d)),
-     "sparkdeploy.nodes[0].gpus: must be an integer, not 'x' (and 1 more)"),
+     "sparkdeploy.nodes[0].gpus: must be an integer, not 'x' (and 1 more: sparkdeploy.nodes[1].gpus)"),
 ]
 
 

@@ -164,4 +164,72 @@ def test_deploy_all_with_an_unknown_recipe_or_directory_is_one_line_exit_2(tmp_p
     assert r.stderr.startswith("--recipe: no recipe named 'nope' (recipes: glm-4.5-air-fp8, ")
     r = run_inv("deploy.all", "--recipe", "gpt-oss-120b", "--recipes", str(tmp_path / "none"))
     assert (r.returncode, r.stderr) == (
-        2, f"--recipe: recipe directory {tmp_path / 'none'} does not exist\n")
+        2, f"--recipes: recipe directory {tmp_path / 'none'} does not exist\n")
+    (tmp_path / "file").write_text("x")
+    r = run_inv("deploy.all", "--recipe", "gpt-oss-120b", "--recipes", str(tmp_path / "file"))
+    assert (r.returncode, r.stderr) == (
+        2, f"--recipes: {tmp_path / 'file'} is a file, not a directory of recipes\n")
+    r = run_inv("recipe.show", "gpt-oss-120b", "--recipes", str(tmp_path / "file"))
+    assert (r.returncode, r.stderr) == (
+        2, f"--recipes: {tmp_path / 'file'} is a file, not a directory of recipes\n")
+
+
+# --- what an owner's recipe directory says (issue 39) ------------------------------------------
+
+def test_a_yaml_file_whose_name_is_no_recipe_name_is_named_not_ignored(tmp_path):
+    d = _own(tmp_path, {})
+    (tmp_path / "own" / "My_Model.yaml").write_text((tmp_path / "own" / "mine.yaml").read_text())
+    with pytest.raises(recipes.RecipeError) as e:
+        recipes.known(recipes.directories([d]))
+    assert str(e.value) == (f"{d}/My_Model.yaml: 'My_Model' is not a recipe name (lowercase "
+                            "letters, digits, '.', '_', '-', starting with a letter or digit): "
+                            "rename the file")
+
+
+def test_a_recipe_shadowing_another_of_its_name_says_so(tmp_path):
+    d = _own(tmp_path, {}, name="gpt-oss-20b")
+    dirs = recipes.directories([d])
+    packaged = recipes.packaged_dir() / "gpt-oss-20b.yaml"
+    assert recipes.shadowed("gpt-oss-20b", dirs) == [packaged]
+    assert f"# shadows {packaged} (the first directory's recipe of a name wins)" in \
+        catalog.show("gpt-oss-20b", dirs, [1]).splitlines()
+    [row] = [r for r in catalog.rows(dirs, None, 101, "x") if r.name == "gpt-oss-20b"]
+    assert row.file == f"{d}/gpt-oss-20b.yaml" and row.why.endswith(f"; shadows {packaged}")
+    assert recipes.shadowed("gpt-oss-120b", dirs) == []
+
+
+def test_a_recipe_without_a_model_is_blamed_on_its_own_file_naming_every_missing_key(tmp_path):
+    d = _own(tmp_path, {})
+    body = yaml.safe_load((tmp_path / "own" / "mine.yaml").read_text())
+    del body["sparkdeploy"]["model"]
+    (tmp_path / "own" / "mine.yaml").write_text(yaml.safe_dump(body))
+    with pytest.raises(ProfileError) as e:
+        read_recipe("mine", recipes.directories([d]))
+    assert str(e.value) == (f"{d}/mine.yaml: sparkdeploy.model.repo: required key is missing "
+                            "(and 1 more: sparkdeploy.model.path)")
+
+
+def test_recipe_list_and_show_check_the_engines_flags(tmp_path):
+    d = _own(tmp_path, {})
+    body = yaml.safe_load((tmp_path / "own" / "mine.yaml").read_text())
+    body["sparkdeploy"]["engines"][0]["args"] = ["--max-model-len", "8192", "--gpu-memory-utilisation",
+                                                 "0.8"]
+    (tmp_path / "own" / "mine.yaml").write_text(yaml.safe_dump(body))
+    for call in (lambda: catalog.show("mine", recipes.directories([d]), [1]),
+                 lambda: catalog.rows(recipes.directories([d]), None, 101, "x")):
+        with pytest.raises(ProfileError) as e:
+            call()
+        assert str(e.value).startswith(f"{d}/mine.yaml: sparkdeploy.engines[0].args: "
+                                       "--gpu-memory-utilisation: not a flag of vllm")
+        assert "did you mean --gpu-memory-utilization?" in str(e.value)
+
+
+def test_a_profiles_recipes_directory_that_is_a_file_is_blamed_on_the_profile(tmp_path):
+    (tmp_path / "notadir").write_text("x")
+    data = seed_data()
+    data["sparkdeploy"]["recipes"] = "notadir"
+    path = write_profile(tmp_path, data)
+    with pytest.raises(ProfileError) as e:
+        load_profile(path)
+    assert str(e.value) == (f"{path}: sparkdeploy.recipes: {tmp_path / 'notadir'} is a file, not "
+                            "a directory of recipes")

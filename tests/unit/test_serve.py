@@ -451,6 +451,28 @@ def test_the_engine_flags_are_checked_against_the_probed_version_before_anything
     assert not runs(ctx, "spark1") and not runs(ctx, "spark2")
 
 
+def test_a_refused_flag_removes_nothing_of_the_serving_deployment(lab, tmp_path):
+    """The issue's typo while the lab serves: the flag is refused before the old containers go
+    (it used to remove them first, then refuse: the typo cost the running model)."""
+    dep, ctx, nodes, cluster, clock = lab
+    healthy_sglang(nodes)
+    serve.up(dep)
+    _probed(dep, "0.5.10rc0")
+    eng = dep.profile.engines[0]
+    bad = eng.model_copy(update={"args": [*eng.args, "--mem-fraction-statik", "0.8"]})
+    other = deployment(Path(dep.profile_path), dep.state.path, ctx, clock=clock,
+                       profile=dep.profile.model_copy(update={"engines": [bad]}))
+    before = len(ctx.calls)
+    results = serve.up(other)
+    assert [(r.node, r.why) for r in results if r.failed] == [
+        ("spark1", "sglang: --mem-fraction-statik: not a flag of sglang 0.5.10; "
+                   "did you mean --mem-fraction-static?")]
+    removals = [argv for _, argv in ctx.calls[before:] if argv[:2] in (["docker", "rm"], ["docker", "stop"])
+                or "rm" in argv[:4]]
+    assert removals == [] and not [r for r in results if "removed" in r.why]
+    assert set(nodes["spark1"].containers) == {"sparkdeploy-sglang-head"}  # still serving
+
+
 def test_flags_that_the_engine_accepts_pass_and_the_preflight_says_against_what(lab):
     dep, ctx, nodes, cluster, clock = lab
     healthy_sglang(nodes)

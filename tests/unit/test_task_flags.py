@@ -196,3 +196,39 @@ def test_compare_and_diagnose_refuse_a_fifo_or_a_device_at_once(tmp_path, make):
     assert (r.returncode, r.stderr.count("\n")) == (2, 1) and "not a regular file" in r.stderr
     r = inv("serve.diagnose", "--log", str(p))
     assert (r.returncode, r.stderr.count("\n")) == (2, 1) and "not a regular file" in r.stderr
+
+
+# --- the command line's own errors, a reader that goes away (issue 39) ------------------------
+
+def sparkdeploy(*args):
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src"),
+           "INVOKE_SPARKDEPLOY_PROFILE": str(SEED)}
+    return subprocess.run([sys.executable, "-c", "from sparkdeploy.cli import main; main()", *args],
+                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=60)
+
+
+@pytest.mark.parametrize("args, line", [
+    (["model.estimate", "--weights-gb", "1", "--nodes", "2"],
+     "'model.estimate' did not receive required positional arguments: 'config'"),
+    (["bench.run", "--runs", "1", "--runs", "2"], "No idea what '2' is!"),
+    (["bench.run", "--no-such-flag"], "No idea what '--no-such-flag' is!"),
+])
+def test_a_parse_error_of_the_installed_command_is_a_usage_exit_2(args, line):
+    r = sparkdeploy(*args)
+    assert (r.returncode, r.stderr) == (2, line + "\n")
+    assert inv(*args).returncode == 1  # invoke's own `inv` exits 1 for these (docs/running.md)
+
+
+def test_a_reader_that_goes_away_is_no_traceback():
+    """``inv profile.check | head -1``: the pipe's reader gone before the profile is printed."""
+    r, w = os.pipe()
+    os.close(r)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src"),
+           "INVOKE_SPARKDEPLOY_PROFILE": str(SEED)}
+    try:
+        p = subprocess.run([sys.executable, "-m", "invoke", "profile.check"], cwd=ROOT, stdout=w,
+                           stderr=subprocess.PIPE, text=True, env=env, timeout=60)
+    finally:
+        os.close(w)
+    assert "Traceback" not in p.stderr and "BrokenPipeError" not in p.stderr, p.stderr
+    assert p.returncode == 1 and p.stderr == ""

@@ -182,6 +182,13 @@ def _stream(conn, target: Target, path: str, body: bytes, tl: Timeline, ov: Over
             msg = raw[:120].decode(errors="replace")
         tl.error = f"HTTP {resp.status}: {msg}".rstrip(": ")
         return
+    kind = resp.getheader("Content-Type") or ""
+    if "json" in kind.lower():  # a whole answer: the server ignored "stream": true
+        resp.read(64 * 1024)
+        tl.end = perf()
+        tl.error = (f"not a stream: HTTP 200 with one {kind.split(';')[0]} answer, not server-sent "
+                    "events (the server ignores \"stream\": true)")
+        return
     events = tl.events
     buf = b""
     handling = ov.handling_s

@@ -1,9 +1,11 @@
 """Compare two benchmark JSON files on the headline metrics, level by level.
 
-Headlines: aggregate output tok/s (higher is better), median per-request decode rate (higher),
-p90 TTFT (lower), p90 ITL (lower). NEW regresses when, at a level present in both files, one of
-them is worse than BASE by more than ``max_regression_pct`` percent, or is missing in NEW
-(every request failed) while BASE has it.
+Headlines of a sweep (``bench.run``): aggregate output tok/s (higher is better), median
+per-request decode rate (higher), p90 TTFT (lower), p90 ITL (lower), per concurrency or rate. Of
+a depth sweep (``bench.depth``): prefill (pp) and decode (tg) tok/s (higher) and TTFT (lower),
+per depth. NEW regresses when, at a level present in both files, one of them is worse than BASE
+by more than ``max_regression_pct`` percent, or is missing in NEW (every request failed, a depth
+that failed) while BASE has it. A sweep and a depth sweep are not compared with each other.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparkdeploy.bench.client import BenchError
 from sparkdeploy.engines.base import STARTUP
 
 HEADLINES = [
@@ -19,6 +22,17 @@ HEADLINES = [
     ("p90 TTFT ms", ("ttft_ms", "p90"), False),
     ("p90 ITL ms", ("itl_ms", "p90"), False),
 ]
+
+
+DEPTH_HEADLINES = [
+    ("pp tok/s", ("pp_tok_s",), True),
+    ("tg tok/s", ("tg_tok_s",), True),
+    ("TTFT ms", ("ttft_ms",), False),
+]
+
+
+class CompareError(BenchError):
+    """Two files that cannot be compared (a sweep and a depth sweep); one line, a usage error."""
 
 
 @dataclass
@@ -79,12 +93,28 @@ def _get(summary: dict, keys):
     return v
 
 
+def is_depth(doc: dict) -> bool:
+    """A depth sweep's document (``bench.depth``: ``depths``), not a sweep's (``runs``)."""
+    return "depths" in doc
+
+
+def _levels(doc: dict) -> dict[str, dict]:
+    """Each level's figures by its name: a sweep's summaries, a depth sweep's rows."""
+    if is_depth(doc):
+        return {f"depth {r['depth']}": r for r in doc["depths"]}
+    return {_level(r): r["summary"] for r in doc["runs"]}
+
+
 def compare(base: dict, new: dict, max_regression_pct: float = 5.0) -> Comparison:
-    b = {_level(r): r["summary"] for r in base["runs"]}
-    n = {_level(r): r["summary"] for r in new["runs"]}
+    if is_depth(base) != is_depth(new):
+        kinds = {True: "a depth sweep (bench.depth)", False: "a sweep (bench.run)"}
+        raise CompareError(f"BASE is {kinds[is_depth(base)]} and NEW {kinds[is_depth(new)]}: "
+                           "compare like with like")
+    headlines = DEPTH_HEADLINES if is_depth(base) else HEADLINES
+    b, n = _levels(base), _levels(new)
     rows = []
     for level in (k for k in b if k in n):
-        for metric, keys, higher in HEADLINES:
+        for metric, keys, higher in headlines:
             bv, nv = _get(b[level], keys), _get(n[level], keys)
             if bv is None:
                 rows.append(Row(level, metric, bv, nv, None, False))

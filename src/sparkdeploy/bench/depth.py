@@ -170,23 +170,26 @@ def depth_row(depth: int, reqs: list[RequestMetrics]) -> dict[str, Any]:
 
 
 def run_depths(url: str, settings: Settings, tokenizer: str | Path, depths: list[int], *,
-               runs: int = 1, events: EventSink | None = None, step: str = STEP) -> dict:
+               runs: int = 1, events: EventSink | None = None, step: str = STEP,
+               judge: bool = True) -> dict:
     """The sweep as its JSON document (``config``, ``gate``, ``depths``); ``BenchError`` (one
     line) when the endpoint, the tokenizer or the gate fails (before any measured request) or the
     server counts a prompt otherwise than the tokenizer. A depth where a request failed (a prompt
     beyond the context window, a stall) is ``{"depth", "error"}`` (the first failure) and the
-    sweep goes on."""
+    sweep goes on. ``judge`` False: the coherence gate is off for this run (its prompts are still
+    asked, unjudged: they teach the chat template's tokens; ``config["gate"]`` says so)."""
     tokens = Tokens(tokenizer)  # no tokenizer: fail before the first request
     if settings.output_tokens < 2:
         raise BenchError("--output-tokens must be at least 2: decode is the tokens after the first")
     target = Target.parse(url)
     listed = default_model(target, deadline=min(10.0, settings.timeout))
     s = dataclasses.replace(settings, model=settings.model or listed, api="chat", ignore_eos=True)
-    answers = gate.check(target, s)
+    answers = gate.check(target, s, judge)
     extra = template_tokens(answers, tokens)
     doc: dict[str, Any] = {
         "config": {"url": target.url, **s.as_json(), "tokenizer": str(tokens.path),
                    "depths": depths, "runs": runs, "template_tokens": extra,
+                   "gate": "on" if judge else "off",
                    "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")},
         "gate": [dataclasses.asdict(a) for a in answers],
         "depths": [],

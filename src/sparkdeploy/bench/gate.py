@@ -54,9 +54,15 @@ def _content(tl: Timeline) -> str:
     return "".join(out)
 
 
-def check(target: Target, s: Settings) -> list[Answer]:
+OFF = ("coherence gate off (--no-gate): its answers were not checked, so these figures may be a "
+       "model's that answers nonsense")
+"""What a run with the gate off says, in its results, its JSON and its HTML report."""
+
+
+def check(target: Target, s: Settings, judge: bool = True) -> list[Answer]:
     """Ask every prompt of ``PROMPTS`` of ``s.model``; the answers, or ``BenchError`` (one line)
-    at the first one that does not come back right."""
+    at the first one that does not come back right (``judge`` False: the gate is off for this
+    run; a request that fails still fails, what comes back is kept unjudged)."""
     gs = dataclasses.replace(s, api="chat", output_tokens=MAX_TOKENS, ignore_eos=False)
     out = []
     for prompt, want in PROMPTS:
@@ -73,7 +79,7 @@ def check(target: Target, s: Settings) -> list[Answer]:
             answer = _content(tl)
         except (ValueError, OutsideError) as e:  # analyse parsed it already: not expected
             raise BenchError(f"{what}: {e}; no figures") from None
-        if answer.strip() != want:
+        if judge and answer.strip() != want:
             shown = answer.strip()
             shown = shown if len(shown) <= SHOWN else shown[:SHOWN] + "..."
             raise BenchError(f"{what} came back {shown!r}, not {want!r}: the model answers "

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkdeploy.bench.compare import Comparison
+from sparkdeploy.bench.gate import OFF
 from sparkdeploy.bench.report import engine_rows, level_name
 
 CSP = ("default-src 'none'; img-src data:; style-src 'unsafe-inline'; "
@@ -150,13 +151,27 @@ def _page(title: str, body: str) -> str:
 def _config_rows(doc: dict) -> list[list[Any]]:
     c = doc.get("config") or {}
     keys = ("url", "model", "api", "input_tokens", "output_tokens", "requests", "warmup",
-            "concurrency", "rates", "slo", "runs", "started")
+            "concurrency", "rates", "slo", "runs", "depths", "tokenizer", "gate", "started")
     return [[k, json.dumps(c[k]) if isinstance(c.get(k), (list, dict)) else c.get(k)]
             for k in keys if c.get(k) is not None]
 
 
+def depth_section(doc: dict) -> str:
+    """A depth sweep's rows (``bench.depth``): per depth its medians, or what failed."""
+    rows = [[f"d{r['depth']}", _f(r.get("prompt_tokens"), 0), _f(r.get("pp_tok_s")),
+             _f(r.get("tg_tok_s")), _f(r.get("ttft_ms")), r.get("error") or ""]
+            for r in doc.get("depths") or []]
+    return table("prefill (pp) and decode (tg) by context depth (medians over the runs)",
+                 ["depth", "prompt tokens", "pp tok/s", "tg tok/s", "TTFT ms", "failed"], rows,
+                 bad={i for i, r in enumerate(doc.get("depths") or []) if r.get("error")})
+
+
 def run_body(doc: dict, title: str) -> str:
     parts = [table("run", ["setting", "value"], _config_rows(doc))]
+    if "depths" in doc:
+        parts.append(depth_section(doc))
+    if (doc.get("config") or {}).get("gate") == "off":
+        parts.append(f"<p><strong>{_e(OFF)}</strong></p>")
     skipped = (doc.get("engine_metrics") or {}).get("skipped")
     if skipped:
         parts.append(f"<p>{_e(skipped)}: the client's figures only</p>")

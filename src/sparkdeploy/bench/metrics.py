@@ -10,6 +10,9 @@ and the SSE ``data:`` payloads, each with its arrival time. From that timeline:
 - E2EL: start -> the last chunk before ``[DONE]`` (usually the usage chunk).
 - output tokens: ``usage.completion_tokens``; when the server sends no usage, the number of
   text-carrying chunks (``tokens_source`` says which).
+- A broken peer is a failed request, named, never a figure: an answer of more than one token whose
+  text all came in one read (the server or a proxy buffers the stream: no time per token), a
+  ``completion_tokens`` of 0 for a streamed text (no count to measure by).
 - TPOT: (E2EL - TTFT) / (output tokens - 1); per-request decode rate = 1000 / TPOT(ms).
 
 Run level: aggregate output tok/s = output tokens of successful requests / duration, where
@@ -120,6 +123,18 @@ def _error_text(err: Any) -> str:
     return str(msg)[:200]
 
 
+def _broken_peer(usage_out: int | None, chunks: int, reads: set[float]) -> str | None:
+    """What a peer did wrong that would make a figure a lie, or None."""
+    if usage_out == 0 and chunks:
+        return (f"the server streamed {chunks} text chunk(s) and reports completion_tokens 0: "
+                "no token count to measure by")
+    out = usage_out if usage_out is not None else chunks
+    if out > 1 and len(reads) == 1:
+        return (f"the whole answer ({out} tokens) came in one piece: the server or a proxy "
+                "buffers the stream, so no time per token can be measured")
+    return None
+
+
 def analyse(tl: Timeline) -> RequestMetrics:
     """One request's metrics from its timeline (errors stay errors; an event that is not JSON or
     does not fit ``Chunk`` becomes one)."""
@@ -129,6 +144,7 @@ def analyse(tl: Timeline) -> RequestMetrics:
     itl: list[float] = []
     usage_out = usage_in = None
     chunks = 0
+    reads: set[float] = set()  # the reads that brought text (one arrival time each)
     done = False
     for t, payload in tl.events:
         if payload.strip() == DONE:
@@ -155,6 +171,7 @@ def analyse(tl: Timeline) -> RequestMetrics:
                 usage_in = c.usage.prompt_tokens
         if c.text():
             chunks += 1
+            reads.add(t)
             if first is None:
                 first = t
             else:
@@ -165,6 +182,7 @@ def analyse(tl: Timeline) -> RequestMetrics:
         error = "stream ended before [DONE]"
     if error is None and first is None:
         error = "no content in the stream"
+    error = error or _broken_peer(usage_out, chunks, reads)
     if error is not None:
         return RequestMetrics(None, None, None, usage_in, [], None, None, None, error,
                               tl.start, tl.end)

@@ -15,7 +15,7 @@ from sparkdeploy.bench.engine import MetricsError, Watch, metrics_url, versus
 from sparkdeploy.bench.metrics import RequestMetrics, intervals, summarize
 from sparkdeploy.events import EventSink
 from sparkdeploy.files import MB, InputError, read_input
-from sparkdeploy.outside import OutsideError, loads, parsed
+from sparkdeploy.outside import OutsideError, parsed, validated
 
 STEP = "bench.run"
 MAX_RUNS = 100
@@ -45,20 +45,22 @@ def parse_levels(text: str | None, kind=int) -> list:
 def run_sweep(url: str, settings: Settings, *, concurrency: list[int] | None = None,
               rates: list[float] | None = None, requests: int, warmup: int,
               max_concurrency: int | None = None, events: EventSink | None = None,
-              slo: dict[str, float] | None = None, runs: int = 1) -> dict:
+              slo: dict[str, float] | None = None, runs: int = 1, gate: bool = True) -> dict:
     """The whole run as the JSON document (``config`` + ``runs``, one per level). With ``events``,
     each level's requests are reported as ``Progress("bench.run", None, done, total, "req",
     level)`` as they finish (warm-up included). With ``slo``, each level's summary has its
     ``goodput``; with ``runs`` > 1 each level is measured that many times (each request a prompt
     of its own): the summary pools every run's requests, ``repeats`` holds each run's summary and
-    ``summary["ci95"]`` the 95 % interval of each headline figure over the runs."""
+    ``summary["ci95"]`` the 95 % interval of each headline figure over the runs. ``gate`` False:
+    the coherence gate is off for this run (``config["gate"]`` says so, ``gate`` is empty)."""
     target = Target.parse(url)
     listed = default_model(target, deadline=min(10.0, settings.timeout))
     if settings.model is None:  # else: the call above fails early, in one line, when unreachable
         settings.model = listed
-    from sparkdeploy.bench import gate
+    from sparkdeploy.bench import gate as coherence
 
-    answers = gate.check(target, settings)  # a model that answers nonsense gets no figures
+    # a model that answers nonsense gets no figures, unless the owner turned the gate off
+    answers = coherence.check(target, settings) if gate else []
     levels: list[tuple[int | None, float | None]]
     if rates:
         levels = [(max_concurrency, r) for r in rates]
@@ -68,7 +70,7 @@ def run_sweep(url: str, settings: Settings, *, concurrency: list[int] | None = N
         "config": {"url": target.url, **settings.as_json(), "requests": requests,
                    "warmup": warmup, "concurrency": concurrency if not rates else None,
                    "rates": rates or None, "max_concurrency": max_concurrency,
-                   "slo": slo or None, "runs": runs,
+                   "slo": slo or None, "runs": runs, "gate": "on" if gate else "off",
                    "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")},
         "gate": [{"prompt": a.prompt, "answer": a.answer} for a in answers],
         "runs": [],
@@ -167,6 +169,20 @@ class _Doc(BaseModel):
     runs: list[_Run]
 
 
+class _Depth(BaseModel):
+    """What compare reads of one depth of a depth sweep (a failed depth: its ``error`` only)."""
+
+    depth: int = Field(ge=0)
+    pp_tok_s: Finite | None = None
+    tg_tok_s: Finite | None = None
+    ttft_ms: Finite | None = None
+    error: str | None = None
+
+
+class _DepthDoc(BaseModel):
+    depths: list[_Depth]
+
+
 def load_json(path: str | Path) -> dict:
     """A benchmark JSON file, checked to be one (``BenchError`` naming the file and the first
     field that does not fit)."""
@@ -175,11 +191,14 @@ def load_json(path: str | Path) -> dict:
         text = read_input(path, limit=64 * MB, what="benchmark JSON file")
     except InputError as e:
         raise BenchError(str(e)) from None
+    where = f"{path}: not a benchmark JSON file"
     try:
-        loads(_Doc, text, f"{path}: not a benchmark JSON file")
+        doc = parsed(text, where)
+        # a depth sweep's (bench.depth: "depths") or a sweep's (bench.run: "runs")
+        validated(_DepthDoc if isinstance(doc, dict) and "depths" in doc else _Doc, doc, where)
     except OutsideError as e:
         raise BenchError(str(e)) from None
-    return parsed(text, str(path))
+    return doc
 
 
 def check_baseline(doc: dict, baseline_tok_s: float, tolerance_pct: float) -> tuple[bool, str]:

@@ -24,7 +24,7 @@ The profile's engine ``env`` overrides any of them; a null value removes a varia
 
 Secrets: the API key (``SPARKDEPLOY_API_KEY`` on the controller) is never part of a spec's
 argv or env, and the profile's engine ``env`` variables whose names say they are secrets
-(``state.is_secret_name``: ``HF_TOKEN``, ``*_KEY``, ``*_SECRET``, ``*_PASSWORD``, ...) are never
+(``redaction.is_secret_name``: ``HF_TOKEN``, ``*_KEY``, ``*_SECRET``, ``*_PASSWORD``, ...) are never
 ``--env`` arguments: they go with the API key. A spec names the variables it wants
 (``secret_env``) and the starter hands the values to ``docker run --env-file /dev/stdin``
 through the ssh process's stdin: no secret is in any command line (ps, the journal, ``docker
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, ClassVar
 from sparkdeploy import labels as lbl
 from sparkdeploy.engines.rules import Pat, Rule, SequenceRule
 from sparkdeploy.errors import StepFailed
-from sparkdeploy.state import is_secret_name
+from sparkdeploy.redaction import is_secret_name
 
 if TYPE_CHECKING:  # the profile's types only: config.py reads the kinds from the registry
     from sparkdeploy.config import Engine, Node, Profile

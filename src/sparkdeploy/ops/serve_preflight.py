@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from sparkdeploy import engine_flags
 from sparkdeploy.config import Engine
 from sparkdeploy.deployment import Deployment
-from sparkdeploy.engines import Launch, NodeFacts
+from sparkdeploy.engines import EngineError, Launch, NodeFacts, launch
 from sparkdeploy.hosts import Host, HostError
 from sparkdeploy.nodeops import NodeUnreachable, inspect_image, run_helper
 from sparkdeploy.ops import Ctx, model, model_select
@@ -245,6 +245,21 @@ def _check_flags(dep: Deployment, engine: Engine, lau: Launch, pf: Preflight) ->
             pf.fail(c.node, f"{engine.name}: {e}")
             return "flags refused"
     return f"flags checked against {engine.software} {engine_flags.release(version)}"
+
+
+def check_flags(ctx: Ctx, engines: list[Engine], api_key: bool) -> bool:
+    """Before anything of a serving deployment is removed (``serve.up`` replacing what the
+    nodes run): every engine's command lines against its probed version's flags, as the
+    preflight checks them (a typo must not cost the running model); each refusal one failed
+    result. True when none was refused."""
+    pf = Preflight(ctx)
+    for engine in engines:
+        try:
+            draft = launch(ctx.dep.profile, engine, {}, api_key)
+        except EngineError:
+            continue  # the engine's own attempt says it, one line
+        _check_flags(ctx.dep, engine, draft, pf)
+    return not pf.problems
 
 
 def check(ctx: Ctx, engine: Engine, lau: Launch) -> Preflight:

@@ -14,6 +14,7 @@ from typing import Any
 
 from sparkdeploy.bench.client import BenchError, Settings
 from sparkdeploy.bench.engine import DISAGREE_PCT, disagreements
+from sparkdeploy.bench.gate import OFF
 from sparkdeploy.bench.report import level_name
 from sparkdeploy.bench.sweep import STEP, check_baseline, run_sweep, sweep_json
 from sparkdeploy.config import Bench
@@ -22,6 +23,7 @@ from sparkdeploy.endpoint import url as endpoint_url
 from sparkdeploy.errors import PartFailed, StepFailed
 from sparkdeploy.files import write_atomic, write_text_atomic
 from sparkdeploy.fingerprint import Fingerprint
+from sparkdeploy.redaction import redact
 from sparkdeploy.steps.registry import Ran, StepContext, step
 
 
@@ -54,9 +56,7 @@ def report_context(dep: Any) -> dict[str, Any]:
     ID), that run's step timings, and the startup timings when a record has them. A record that
     cannot be read is left out."""
     from sparkdeploy.records import DeployRun, ImageDecision, RecordError, ServeDecision
-    from sparkdeploy.state import redact_values
-
-    out: dict[str, Any] = {"profile": redact_values(dep.profile.model_dump(mode="json"))}
+    out: dict[str, Any] = {"profile": dep.profile.model_dump(mode="json")}  # redacted when written
     try:
         image = dep.records.read(ImageDecision)
         if image is not None:
@@ -115,28 +115,33 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
               plot_path: str | Path | None = None, save_dir: str | Path | None = None,
               baseline: tuple[float, float] | None = None,
               slo: dict[str, float] | None = None, runs: int = 1,
-              context: dict[str, Any] | None = None) -> None:
+              context: dict[str, Any] | None = None, gate: bool = True) -> None:
     """Run the sweep (no deployment needed: ``ctx`` may have none); one result per level
     (``details["run"]`` holds it), one per file written, and the baseline gate's when
     ``baseline`` (decode tok/s, tolerance %) is given. Failed requests are counted in a level's
     summary; a level where none succeeded is a failed result, and when no level has a success
     nothing is written. An endpoint that cannot be benchmarked (unreachable, no model) is a
-    failure too."""
+    failure too. ``gate`` False: the coherence gate is off for this run, said first and in every
+    level's line, the JSON and the HTML report."""
+    if not gate:
+        ctx.skipped(OFF)
     try:
         doc = run_sweep(url, settings, concurrency=list(concurrency), rates=list(rates),
                         requests=requests, warmup=warmup, max_concurrency=max_concurrency,
-                        events=ctx.events, slo=slo, runs=runs)
+                        events=ctx.events, slo=slo, runs=runs, gate=gate)
     except BenchError as e:  # the endpoint cannot be benchmarked: this step's failure
         raise StepFailed(str(e)) from None
+    off = "" if gate else " (gate off)"
     if context:
         doc["context"] = context  # the profile, image, startup timings: the HTML report shows them
+    doc = redact(doc)  # every file written from it: the JSON, the HTML report, the --save copies
     skipped = doc["engine_metrics"]["skipped"]
     if skipped:
         ctx.skipped(f"{skipped}: the client's figures only")
     for run in doc["runs"]:
         s = run["summary"]
         if s["completed"]:
-            ctx.ok(level_line(run), run=run)
+            ctx.ok(level_line(run) + off, run=run)
             engine_lines(ctx, run)
             continue
         errors = s.get("errors") or {}
@@ -220,7 +225,7 @@ def head_tokenizer(ctx: StepContext, dep: Deployment, save_dir: Path) -> Path | 
 def depth_benchmark(ctx: StepContext, url: str, settings: Settings, *, tokenizer: str | Path | None,
                     depths: Sequence[int], runs: int = 1, json_path: str | Path | None = None,
                     deployment: Deployment | None = None,
-                    tokenizer_dir: Path | None = None) -> None:
+                    tokenizer_dir: Path | None = None, gate: bool = True) -> None:
     """The depth sweep (``bench.depth``): one result per depth (``details["depth"]``), one per
     file written. The model's tokenizer is ``tokenizer``, else the head's (``deployment``'s model
     directory, fetched into ``tokenizer_dir``); no tokenizer or a gate that fails is one failed
@@ -236,22 +241,25 @@ def depth_benchmark(ctx: StepContext, url: str, settings: Settings, *, tokenizer
         tokenizer = head_tokenizer(ctx, deployment, tokenizer_dir)
         if tokenizer is None:
             return
+    if not gate:
+        ctx.skipped(OFF)
     try:
         doc = run_depths(url, settings, tokenizer, list(depths), runs=runs, events=ctx.events,
-                         step=ctx.name)
+                         step=ctx.name, judge=gate)
     except BenchError as e:
         raise StepFailed(str(e)) from None
     for row in doc["depths"]:
         if row.get("error"):
             ctx.failed(row["error"])
         else:
-            ctx.ok(depth_line(row), depth=row, model=doc["config"]["model"])
+            ctx.ok(depth_line(row) + ("" if gate else " (gate off)"), depth=row,
+                   model=doc["config"]["model"])
     if all(row.get("error") for row in doc["depths"]):
         ctx.failed("no depth was measured: nothing written")
         return
     if json_path:
         try:
-            write_text_atomic(Path(json_path), sweep_json(doc))
+            write_text_atomic(Path(json_path), sweep_json(redact(doc)))
         except OSError as e:
             raise StepFailed(f"cannot write {json_path}: {e.strerror or e}") from None
         ctx.changed(f"wrote {json_path}", path=str(json_path))

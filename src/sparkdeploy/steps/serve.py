@@ -170,8 +170,9 @@ def record_endpoint(dep: Deployment, url: str, engine: str, keyed: bool) -> None
 
 def _before(ctx: StepContext, engines: list[Engine]) -> bool:
     """Already serving what the profile says, by the nodes' labels (ok), or run by persisted
-    units (failed): True, said so; else clear this deployment's old containers, saying what
-    differed. Unreachable nodes are left to the preflight to report."""
+    units (failed), or an engine's flags refused (failed, before anything is removed): True, said
+    so; else clear this deployment's old containers, saying what differed. Unreachable nodes are
+    left to the preflight to report."""
     dep = ctx.dep
     seen: list[Serving] = []
     for eng in engines:
@@ -202,6 +203,8 @@ def _before(ctx: StepContext, engines: list[Engine]) -> bool:
             "serve.unpersist first")
         return True
     why = f" ({'; '.join(s.why for s in seen)})" if seen else ""
+    if not serve_preflight.check_flags(ctx, engines, bool(ep.api_key())):
+        return True  # refused before anything of the running deployment is removed
     if dep.dry:
         if seen:
             ctx.would(f"replace what the nodes run{why}")

@@ -9,6 +9,7 @@ counts of ok/changed/skipped/failed results."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -38,6 +39,12 @@ def exits(name: str = "") -> Iterator[None]:
     lead = f"{name}: " if name else ""
     try:
         yield
+    except BrokenPipeError:
+        # the reader went away (`inv profile.check | head -1`): nothing more to say, no traceback;
+        # what is still buffered goes nowhere rather than failing again at exit
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        raise Exit(code=1) from None
     except Error as e:
         raise Exit(f"{lead}{e}", code=e.code) from None
 
@@ -91,6 +98,7 @@ def drive(c: Context, name: str, work: Work, *, profile: str | None = None,
         recap(results, out)
         if show is not None:
             show(dep, results)
+        sys.stdout.flush()  # a reader that went away is a BrokenPipeError here, not at exit
     why = verdict(results)
     if why:
         raise Exit(why, code=1)

@@ -47,6 +47,8 @@ _HELP = {
     "depths": "a depth sweep instead (as bench.depth): context depths in tokens, e.g. 0,4096,16384",
     "tokenizer": "with --depths: the served model's directory (its tokenizer.json; default: the "
                  "head's model directory)",
+    "gate": "--no-gate: skip the coherence gate for this run (a base model, one that cannot add); "
+            "the results, the JSON and the HTML report say it was off",
 }
 _DEPTH_HELP = {
     "url": _HELP["url"], "model": _HELP["model"], "thinking": _HELP["thinking"],
@@ -58,6 +60,7 @@ _DEPTH_HELP = {
             "(default 3)",
     "output_tokens": "tokens each measured request asks for, exactly (ignore_eos; default 128)",
     "json": "write the results JSON here",
+    "gate": _HELP["gate"],
 }
 
 
@@ -66,7 +69,7 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
         requests=None, input_tokens=None, output_tokens=None, warmup=None, thinking=None,
         api="chat", json=None, plot=None, timeout=None, deadline=None, save=False,
         check_baseline=False, baseline_tolerance=None, profile=None, slo=None, runs=None,
-        depths=None, tokenizer=None):
+        depths=None, tokenizer=None, gate=True):
     """Benchmark an endpoint: a concurrency (or rate) sweep, vLLM bench-serve metrics (or, with
     --depths, the depth sweep of bench.depth)."""
     if depths is not None:
@@ -79,7 +82,7 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
                 raise flags.usage(flag, "does not apply to a depth sweep (--depths)")
         return depth(c, url=url, model=model, tokenizer=tokenizer, depths=depths, runs=runs,
                      output_tokens=output_tokens, thinking=thinking, json=json, timeout=timeout,
-                     deadline=deadline, profile=profile)
+                     deadline=deadline, profile=profile, gate=gate)
     if tokenizer is not None:
         raise flags.usage("--tokenizer", "only applies with --depths")
     from sparkdeploy.bench.compare import parse_pct
@@ -122,15 +125,15 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
                                     output_tokens=n_out,
                                     thinking=None if thinking is None else thinking == "on",
                                     timeout=secs, deadline=whole)
-        gate = (bench.baseline_decode_tok_s,
-                bench.baseline_tolerance_pct if tolerance is None else tolerance)
+        floor = (bench.baseline_decode_tok_s,
+                 bench.baseline_tolerance_pct if tolerance is None else tolerance)
         return run_one(None, STEP, target, settings, events=events, body=benchmark,
                        concurrency=levels or list(bench.concurrency), rates=rates,
                        requests=n or bench.requests, warmup=bench.warmup if k is None else k,
                        max_concurrency=cap, json_path=json_path, plot_path=plot_path,
                        save_dir=state_dir(c) / "bench" if save else None,
-                       baseline=gate if check_baseline else None, slo=slos, runs=k_runs,
-                       context=report_context(dep) if dep is not None else None)
+                       baseline=floor if check_baseline else None, slo=slos, runs=k_runs,
+                       context=report_context(dep) if dep is not None else None, gate=gate)
 
     drive(c, STEP, work, profile=profile, deployment="optional" if url else "needed", lock=False,
           show=lambda dep, results: _tables(results))
@@ -138,7 +141,8 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
 
 @task(help=_DEPTH_HELP)
 def depth(c, url=None, model=None, tokenizer=None, depths=DEFAULT_DEPTHS, runs=None,
-          output_tokens=None, thinking=None, json=None, timeout=None, deadline=None, profile=None):
+          output_tokens=None, thinking=None, json=None, timeout=None, deadline=None, profile=None,
+          gate=True):
     """Prefill (pp) and decode (tg) rates at increasing context depths, llama-bench style, with
     the model's own tokenizer, after the coherence gate."""
     from sparkdeploy.bench.depth import parse_depths
@@ -169,7 +173,7 @@ def depth(c, url=None, model=None, tokenizer=None, depths=DEFAULT_DEPTHS, runs=N
                                     timeout=secs, deadline=whole)
         return run_one(None, DEPTH_STEP, target, settings, events=events, body=depth_benchmark,
                        tokenizer=tok, depths=levels, runs=k_runs, json_path=json_path, deployment=dep,
-                       tokenizer_dir=state_dir(c) / "bench" / "tokenizer")
+                       tokenizer_dir=state_dir(c) / "bench" / "tokenizer", gate=gate)
 
     # the profile is needed for the endpoint (no --url); without --tokenizer, the head's is read
     # when there is one (the step says what to pass when there is none)
@@ -226,7 +230,7 @@ def compare(c, base, new, max_regression="5%", html=None):
     with exits():
         base_doc = load_json(flags.input_file("BASE", base))
         new_doc = load_json(flags.input_file("NEW", new))
-        result = cmp(base_doc, new_doc, threshold)
+        result = cmp(base_doc, new_doc, threshold)  # a sweep against a depth sweep: exit 2
         if html_path:
             from sparkdeploy.bench.html import compare_report
             from sparkdeploy.files import write_output

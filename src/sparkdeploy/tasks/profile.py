@@ -1,6 +1,6 @@
 """`inv profile.check`: validate the profile (its engines' flags against the engines' flag
 manifests, ``ops.engine_check``) and print it resolved, touching no node (its
-secrets, such as an engine env's ``HF_TOKEN``, shown as ``***``: ``state.redact``);
+secrets, such as an engine env's ``HF_TOKEN``, shown as ``***``: ``redaction.redact``);
 `profile.seed`: where the seed profile the package ships is."""
 
 import json
@@ -13,8 +13,8 @@ from sparkdeploy.config import load_layered
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.ops.engine_check import check_flags
 from sparkdeploy.overlays import REMOVED, UNSET, Merged, dotted
+from sparkdeploy.redaction import REDACTED, is_secret_name, redact
 from sparkdeploy.results import Result
-from sparkdeploy.state import REDACTED, is_secret_name, redact, redact_values
 from sparkdeploy.tasks._common import drive
 from sparkdeploy.tasks._flags import task
 
@@ -49,7 +49,7 @@ def _shown(v, secret: bool) -> str:
     a key) as ``***``."""
     if secret and v is not REMOVED and v is not UNSET and v is not None:
         return REDACTED
-    return _short(v if v is REMOVED or v is UNSET else redact_values(v))
+    return _short(v if v is REMOVED or v is UNSET else redact(v))
 
 
 @task(default=True, help={"profile": "profile file (default: sparkdeploy.profile)"})
@@ -65,10 +65,10 @@ def check(c, profile=None):
               f"workers {', '.join(n.name for n in p.workers) or 'none'}, "
               f"{sum(n.gpus for n in p.nodes)} GPU(s), engines {', '.join(e.name for e in p.engines)}")
         for line in override_lines(merged):
-            print(redact(line))
+            print(line)
         # a secret in the profile (an engine env's HF_TOKEN) is used, never shown
-        shown = redact_values({"sparkdeploy": p.model_dump(mode="json")})
-        print(redact(yaml.safe_dump(shown, sort_keys=False)), end="")
+        shown = redact({"sparkdeploy": p.model_dump(mode="json")})
+        print(yaml.safe_dump(shown, sort_keys=False), end="")
 
     drive(c, "profile.check", lambda dep, events: [], profile=profile, lock=False, show=show,
           prepare=check_flags)

@@ -16,6 +16,7 @@ from sparkdeploy.tasks._flags import task
 
 def _dirs(dep: Deployment | None, recipes: str | None) -> list:
     own = flags.name_list("--recipes", recipes) if recipes else []
+    rcp.check_dirs(own, "--recipes")
     return rcp.directories([*own, *(dep.profile.recipes if dep is not None else [])])
 
 
