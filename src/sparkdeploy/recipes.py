@@ -284,3 +284,33 @@ def apply(profile: Merged, recipe: Recipe, *, override: bool = False) -> Merged:
     out = layered([own, mine])
     fill_layouts(out, recipe)
     return out
+
+
+GATE_MAX_TOKENS = 64
+
+
+def gates(dirs: list[Path]) -> tuple[tuple[str, tuple[tuple[str, str], ...], int, str], ...]:
+    """Every recipe's coherence gate (``about.gate``), as (model repo, (prompt, answer) pairs,
+    answer token cap, source): a recipe whose model cannot answer the bench's fixed prompts
+    (random weights, a base model) records the greedy answers its weights give instead. A
+    malformed one is a ``RecipeError`` naming the key."""
+    out = []
+    for name in known(dirs):
+        r = read(name, dirs, "--recipe")
+        g = r.about.get("gate")
+        if g is None:
+            continue
+        where = f"{r.path}: sparkdeploy.about.gate"
+        answers = g.get("answers") if isinstance(g, dict) else None
+        cap = g.get("max_tokens") if isinstance(g, dict) else None
+        if not answers or not isinstance(answers, list) or not all(
+                isinstance(a, dict) and isinstance(a.get("prompt"), str) and isinstance(a.get("answer"), str)
+                for a in answers):
+            raise RecipeError(f"{where}.answers: a list of {{prompt: text, answer: text}}")
+        if not isinstance(cap, int) or isinstance(cap, bool) or not 1 <= cap <= GATE_MAX_TOKENS:
+            raise RecipeError(f"{where}.max_tokens: a whole number 1..{GATE_MAX_TOKENS}")
+        if not isinstance(g.get("source"), str) or not g["source"].strip():
+            raise RecipeError(f"{where}.source: where the answers come from")
+        out.append((r.part["model"]["repo"], tuple((a["prompt"], a["answer"]) for a in answers),
+                    cap, g["source"]))
+    return tuple(out)

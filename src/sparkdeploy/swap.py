@@ -27,6 +27,7 @@ from typing import Any
 
 from sparkdeploy import endpoint as ep
 from sparkdeploy import plan as plans
+from sparkdeploy import recipes
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.events import Progress, StepState
 from sparkdeploy.ops import swap as ops
@@ -201,7 +202,8 @@ def cut_over(ctx: StepContext, old: Deployment, engine: str | None,
     if why is None and url is None:
         why = "serve.up named no endpoint"
     if why is None and url is not None:
-        bad = ops.coherent(url, new.profile.model.repo)
+        bad = ops.coherent(url, new.profile.model.repo,
+                           gates=recipes.gates(recipes.directories(new.profile.recipes)))
         why = f"coherence check: {bad}" if bad else None
     if why is not None:
         return roll_back(ctx, old, why, was_persisted, decision, record, bringup)

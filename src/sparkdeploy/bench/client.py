@@ -93,9 +93,12 @@ class Settings:
     deadline: float
     """Seconds the whole of one request may take (a server that trickles bytes ends on time)."""
     seed: int = 0
+    gates: tuple[tuple[str, tuple[tuple[str, str], ...], int, str], ...] = ()
+    """The recipes' coherence gates, (model repo, (prompt, answer) pairs, answer token cap,
+    source) each (``recipes.gates``): a model named here is checked against its own."""
 
     def as_json(self) -> dict:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "gates"}
 
 
 def default_model(target: Target, deadline: float = 10.0) -> str:

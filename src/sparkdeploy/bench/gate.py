@@ -59,13 +59,29 @@ OFF = ("coherence gate off (--no-gate): its answers were not checked, so these f
 """What a run with the gate off says, in its results, its JSON and its HTML report."""
 
 
+def prompts_for(s: Settings) -> tuple[tuple[tuple[str, str], ...], int]:
+    """The gate's (prompt, answer) pairs and its answers' token cap for ``s.model``: its
+    recipe's ``about.gate`` when one is given in ``s.gates``, else ``PROMPTS``.
+
+    A model that cannot add (a base model, the lab's ``lab-tiny`` with random weights) still has
+    a checkable answer: the greedy text its recipe recorded for those exact weights (from a
+    single vLLM process on the same files). A broken engine (a rank that computes garbage, a
+    wrong or corrupt shard, a stale image) gives another text, and is refused as before."""
+    for model, pairs, max_tokens, _source in s.gates:
+        if model == s.model:
+            return pairs, max_tokens
+    return PROMPTS, MAX_TOKENS
+
+
 def check(target: Target, s: Settings, judge: bool = True) -> list[Answer]:
-    """Ask every prompt of ``PROMPTS`` of ``s.model``; the answers, or ``BenchError`` (one line)
-    at the first one that does not come back right (``judge`` False: the gate is off for this
-    run; a request that fails still fails, what comes back is kept unjudged)."""
-    gs = dataclasses.replace(s, api="chat", output_tokens=MAX_TOKENS, ignore_eos=False)
+    """Ask every prompt of the gate (``prompts_for``) of ``s.model``; the answers, or
+    ``BenchError`` (one line) at the first one that does not come back right (``judge`` False:
+    the gate is off for this run; a request that fails still fails, what comes back is kept
+    unjudged)."""
+    pairs, max_tokens = prompts_for(s)
+    gs = dataclasses.replace(s, api="chat", output_tokens=max_tokens, ignore_eos=False)
     out = []
-    for prompt, want in PROMPTS:
+    for prompt, want in pairs:
         tl = Timeline(start=time.perf_counter())
         conn = guarded_request(None, target, gs, "/v1/chat/completions",
                                prompt_body(gs, prompt, temperature=0), tl, Overhead())
@@ -79,7 +95,7 @@ def check(target: Target, s: Settings, judge: bool = True) -> list[Answer]:
             answer = _content(tl)
         except (ValueError, OutsideError) as e:  # analyse parsed it already: not expected
             raise BenchError(f"{what}: {e}; no figures") from None
-        if judge and answer.strip() != want:
+        if judge and answer.strip() != want.strip():
             shown = answer.strip()
             shown = shown if len(shown) <= SHOWN else shown[:SHOWN] + "..."
             raise BenchError(f"{what} came back {shown!r}, not {want!r}: the model answers "

@@ -204,7 +204,9 @@ def write(root: Path) -> None:
 
 def prepare(data_dir: Path | str) -> Repo:
     """The repository generated into data_dir (idempotent, reused while nothing changed)."""
-    params = {"generator": GENERATOR, "repo_id": REPO_ID, "seed": SEED}
+    # everything the bytes follow from: a changed value regenerates (not only GENERATOR)
+    params = {"generator": GENERATOR, "repo_id": REPO_ID, "seed": SEED, "std": STD,
+              "config": config()}
 
     def generate(tmp: Path) -> dict[str, Any]:
         write(tmp)

@@ -161,16 +161,17 @@ def to_prune(dirs: dict[str, ModelDir], protect: list[str], keep: int) -> list[M
 # --- coherence -------------------------------------------------------------------------------
 
 
-def coherent(url: str, want: str, deadline: float = 60.0) -> str | None:
+def coherent(url: str, want: str, deadline: float = 60.0,
+             gates: tuple[tuple[str, tuple[tuple[str, str], ...], int, str], ...] = ()) -> str | None:
     """Why the endpoint does not serve ``want`` coherently (None: it does): ``/v1/models`` lists
-    it, and the bench's coherence gate (``bench.gate``: fixed prompts with checkable answers)
-    comes back right from that model."""
+    it, and the bench's coherence gate (``bench.gate``: fixed prompts with checkable answers, or
+    the answers ``want``'s recipe recorded, in ``gates``) comes back right from that model."""
     listed = ep.models(url, deadline=min(deadline, 30.0))
     if want not in listed:
         return f"/v1/models lists {', '.join(listed) or 'nothing'}, not {want}"
     try:
         check(Target.parse(url), Settings(model=want, input_tokens=1, output_tokens=1,
-                                          timeout=deadline, deadline=deadline))
+                                          timeout=deadline, deadline=deadline, gates=gates))
     except BenchError as e:
         return str(e)
     return None

@@ -12,12 +12,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from sparkdeploy import recipes
 from sparkdeploy.bench.client import BenchError, Settings
 from sparkdeploy.bench.engine import DISAGREE_PCT, disagreements
 from sparkdeploy.bench.gate import OFF
 from sparkdeploy.bench.report import level_name
 from sparkdeploy.bench.sweep import STEP, check_baseline, run_sweep, sweep_json
-from sparkdeploy.config import Bench
+from sparkdeploy.config import Bench, Profile
 from sparkdeploy.deployment import Deployment
 from sparkdeploy.endpoint import url as endpoint_url
 from sparkdeploy.errors import PartFailed, StepFailed
@@ -102,11 +103,13 @@ def engine_lines(ctx: StepContext, run: dict[str, Any]) -> None:
                f"{DISAGREE_PCT:g}%: {differ}")
 
 
-def request_settings(b: Bench, **given: Any) -> Settings:
-    """A request's settings: what was given (None: not given), else the profile's ``bench``."""
+def request_settings(b: Bench, profile: Profile | None = None, **given: Any) -> Settings:
+    """A request's settings: what was given (None: not given), else the profile's ``bench``;
+    with a profile, its recipes' coherence gates (``recipes.gates``)."""
     chosen = {k: v for k, v in given.items() if v is not None}
+    gates = recipes.gates(recipes.directories(profile.recipes)) if profile is not None else ()
     return Settings(**{"input_tokens": b.input_tokens, "output_tokens": b.output_tokens,
-                       "timeout": b.timeout_s, "deadline": b.deadline_s, **chosen})
+                       "timeout": b.timeout_s, "deadline": b.deadline_s, "gates": gates, **chosen})
 
 
 def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Sequence[int],
@@ -272,7 +275,7 @@ SMOKE_OUTPUT_TOKENS = 64  # a few short answers at concurrency 1
 
 def smoke_settings(dep: Deployment, runs: Mapping[str, Ran]) -> Settings:
     b = dep.profile.bench
-    return request_settings(b, output_tokens=min(SMOKE_OUTPUT_TOKENS, b.output_tokens))
+    return request_settings(b, dep.profile, output_tokens=min(SMOKE_OUTPUT_TOKENS, b.output_tokens))
 
 
 def why_skip_smoke(dep: Deployment, runs: Mapping[str, Ran], forced: bool) -> str | None:
@@ -302,7 +305,7 @@ def run(ctx: StepContext, url: str | None = None, settings: Settings | None = No
     if not url:
         ctx.failed("no endpoint: none recorded by serve.up and the profile has none (endpoint)")
         return
-    settings = settings or request_settings(b)
+    settings = settings or request_settings(b, dep.profile)
     gate = (b.baseline_decode_tok_s, b.baseline_tolerance_pct if tolerance is None else tolerance)
     benchmark(ctx, url, settings, concurrency=concurrency or list(b.concurrency),
               rates=rates, requests=requests or b.requests,

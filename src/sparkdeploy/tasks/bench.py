@@ -121,7 +121,8 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
         target = url or (endpoint_url(dep) if dep is not None else None)
         if not target:
             raise Exit("the profile has no endpoint (sparkdeploy.endpoint): pass --url URL", code=2)
-        settings = request_settings(bench, api=api, model=model, input_tokens=n_in,
+        settings = request_settings(bench, dep.profile if dep is not None else None, api=api,
+                                    model=model, input_tokens=n_in,
                                     output_tokens=n_out,
                                     thinking=None if thinking is None else thinking == "on",
                                     timeout=secs, deadline=whole)
@@ -168,7 +169,8 @@ def depth(c, url=None, model=None, tokenizer=None, depths=DEFAULT_DEPTHS, runs=N
         target = url or (endpoint_url(dep) if dep is not None else None)
         if not target:
             raise Exit("the profile has no endpoint (sparkdeploy.endpoint): pass --url URL", code=2)
-        settings = request_settings(bench, model=model, output_tokens=n_out,
+        settings = request_settings(bench, dep.profile if dep is not None else None, model=model,
+                                    output_tokens=n_out,
                                     thinking=None if thinking is None else thinking == "on",
                                     timeout=secs, deadline=whole)
         return run_one(None, DEPTH_STEP, target, settings, events=events, body=depth_benchmark,
