@@ -575,6 +575,21 @@ class RecipeSources(_Strict):
     """Where the config.json shipped beside the recipe was copied from."""
 
 
+class GateAnswer(_Strict):
+    prompt: Text
+    answer: str
+    """What the model answers, as it answers it (random weights answer control bytes)."""
+
+
+class RecipeGate(_Strict):
+    """The coherence gate of a model that cannot answer the bench's fixed prompts (random
+    weights, a base model): the greedy answers its weights give (``recipes.gates``)."""
+
+    max_tokens: int = Field(ge=1, le=64)
+    source: Text
+    answers: list[GateAnswer] = Field(min_length=1)
+
+
 class About(_Strict):
     """What a recipe knows beyond the profile's model part."""
 
@@ -585,6 +600,7 @@ class About(_Strict):
     context: RecipeContext
     layouts: list[RecipeLayout] = Field(default_factory=list)
     sources: RecipeSources
+    gate: RecipeGate | None = None
 
 
 class RecipeFile(_Strict):

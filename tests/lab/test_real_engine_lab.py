@@ -99,7 +99,8 @@ def test_two_nodes_give_exactly_the_text_of_one_vllm_process_on_the_same_files(s
 
 def test_the_ranks_are_one_per_node_and_the_worker_is_headless_over_the_fast_link(served):
     lab, state, url, record, out = served
-    head = lab.ssh("spark1", ["docker", "logs", "sparkdeploy-vllm-head"]).stderr
+    h = lab.ssh("spark1", ["docker", "logs", "sparkdeploy-vllm-head"])
+    head = h.stdout + h.stderr
     worker = lab.ssh("spark2", ["docker", "logs", "sparkdeploy-vllm-worker"])
     worker_log = worker.stdout + worker.stderr
     assert "rank 1 in world size 2 is assigned as DP rank 0, PP rank 0, TP rank 1" in worker_log
@@ -112,23 +113,49 @@ def test_startup_milestones_come_from_the_engines_own_log(served):
     lab, state, url, record, out = served
     marks = record["data"]["engine"]["startup"]
     assert set(marks) >= {"containers_running", "dist_init", "port_open", "health", "first_token"}
-    assert 0 < marks["dist_init"] <= marks["health"] <= marks["first_token"]
+    assert 0 < marks["dist_init"] <= marks["port_open"] <= marks["health"] <= marks["first_token"]
+    # dist_init is vLLM's own line, each rank's place in the groups (engines/vllm.py RANK_JOINED)
+    head = lab.ssh("spark1", ["docker", "logs", "sparkdeploy-vllm-head"])
+    assert "rank 0 in world size 2 is assigned as DP rank 0" in head.stdout + head.stderr
 
 
-def test_bench_reads_the_models_tokenizer_and_the_real_metrics(served):
+def test_the_fabric_test_ran_in_the_real_image_over_gloo(served):
     lab, state, url, record, out = served
-    r = inv(state, "bench.run", "--recipe", tiny.RECIPE, "--json", "--runs", "2", timeout=600)
+    assert "link.fabric" in out and "over 2 ranks (gloo)" in out, out[-3000:]
+
+
+def test_bench_with_the_recipes_gate_and_the_engines_real_metrics(served, tmp_path):
+    lab, state, url, record, out = served
+    doc_path = tmp_path / "bench.json"
+    r = inv(state, "bench.run", "--json", str(doc_path), "--requests", "4", "--concurrency", "1",
+            "--warmup", "0", "--input-tokens", "256", "--output-tokens", "32", timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    data = json.loads(r.stdout)
-    assert data["metrics"]["source"].endswith("/metrics")
-    assert data["metrics"]["generation_tokens"] > 0
+    doc = json.loads(doc_path.read_text())
+    # the gate: the answers lab-tiny's recipe recorded for its weights (random weights cannot add)
+    recorded = [(a["prompt"], a["answer"]) for a in tiny_gate()]
+    assert [(a["prompt"], a["answer"]) for a in doc["gate"]] == recorded
+    assert doc["engine_metrics"]["skipped"] is None
+    summary = doc["runs"][0]["summary"]
+    assert summary["completed"] == 4 and summary["failed"] == 0
+    engine = summary["engine"]
+    assert engine["families"]["ttft_ms"] == "vllm:time_to_first_token_seconds"
+    assert engine["ttft_count"] == 4 and engine["itl_count"] > 0
+
+
+def tiny_gate() -> list[dict]:
+    import yaml
+
+    from sparkdeploy.lab import internet
+
+    body = yaml.safe_load((internet.RECIPES / "lab-tiny.yaml").read_text())
+    return body["sparkdeploy"]["about"]["gate"]["answers"]
 
 
 def test_serve_down_leaves_no_headless_rank(served):
     lab, state, url, record, out = served
-    r = inv(state, "serve.down", "--recipe", tiny.RECIPE)
+    r = inv(state, "serve.down")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     for node in ("spark1", "spark2"):
         assert ours(lab, node) == []
         procs = lab.ssh(node, ["ps", "-eo", "args"]).stdout
-        assert "vllm serve" not in procs and "--headless" not in procs, procs
+        assert "VLLM::" not in procs and "--headless" not in procs, procs

@@ -274,8 +274,16 @@ SMOKE_OUTPUT_TOKENS = 64  # a few short answers at concurrency 1
 
 
 def smoke_settings(dep: Deployment, runs: Mapping[str, Ran]) -> Settings:
+    """A few short answers, each prompt within the recipe's context (a small model's
+    ``--max-model-len`` refuses the profile's prompt size: HTTP 400)."""
     b = dep.profile.bench
-    return request_settings(b, dep.profile, output_tokens=min(SMOKE_OUTPUT_TOKENS, b.output_tokens))
+    out = min(SMOKE_OUTPUT_TOKENS, b.output_tokens)
+    n_in = b.input_tokens
+    if dep.profile.recipe:
+        context = recipes.read(dep.profile.recipe, recipes.directories(dep.profile.recipes),
+                               "--recipe").context
+        n_in = max(1, min(n_in, context // 2 - out))
+    return request_settings(b, dep.profile, input_tokens=n_in, output_tokens=out)
 
 
 def why_skip_smoke(dep: Deployment, runs: Mapping[str, Ran], forced: bool) -> str | None:
