@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sparkdeploy import fit, weights
-from sparkdeploy.lab import hub, hub_layouts
+from sparkdeploy.lab import hub, hub_layouts, tiny
 from sparkdeploy.ops import model_select
 from sparkdeploy.results import Status
 from sparkdeploy.steps import model, model_verify
@@ -353,6 +353,6 @@ def test_huggingface_hub_reads_the_recipe_repositories_from_the_lab_hub(recipe_h
     assert os.path.getsize(got) == recipe_hub.state.repos[GPT_OSS].files[
         "original/model--00007-of-00007.safetensors"].size
     served = sorted(recipe_hub.state.repos)
-    assert served == sorted(["Qwen/Qwen3.5-122B-A10B-FP8", *(la.repo_id for la in
-                                                           hub_layouts.available())])
-    assert len(served) == 6  # the seed's and the five of tests/unit/data/configs
+    assert served == sorted(["Qwen/Qwen3.5-122B-A10B-FP8", tiny.REPO_ID,
+                             *(la.repo_id for la in hub_layouts.available())])
+    assert len(served) == 7  # the seed's, the real engine's lab-tiny and the five of tests/unit/data/configs
