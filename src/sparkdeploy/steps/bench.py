@@ -274,15 +274,17 @@ SMOKE_OUTPUT_TOKENS = 64  # a few short answers at concurrency 1
 
 
 def smoke_settings(dep: Deployment, runs: Mapping[str, Ran]) -> Settings:
-    """A few short answers, each prompt within the recipe's context (a small model's
-    ``--max-model-len`` refuses the profile's prompt size: HTTP 400)."""
+    """A few short answers, each prompt well within the recipe's context (a small model's
+    ``--max-model-len`` refuses the profile's prompt size: HTTP 400). The prompt is counted in
+    words (``bench.client.synthetic_prompt``), and a word is up to about four tokens of a
+    tokenizer with few merges (lab-tiny's byte-level BPE): an eighth of the context."""
     b = dep.profile.bench
     out = min(SMOKE_OUTPUT_TOKENS, b.output_tokens)
     n_in = b.input_tokens
     if dep.profile.recipe:
         context = recipes.read(dep.profile.recipe, recipes.directories(dep.profile.recipes),
                                "--recipe").context
-        n_in = max(1, min(n_in, context // 2 - out))
+        n_in = max(1, min(n_in, context // 8))
     return request_settings(b, dep.profile, input_tokens=n_in, output_tokens=out)
 
 
