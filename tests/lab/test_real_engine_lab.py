@@ -90,7 +90,7 @@ def test_two_nodes_give_exactly_the_text_of_one_vllm_process_on_the_same_files(s
     two = greedy(url)
     assert two and two == greedy(url)  # greedy: the same text every time
     # one process, no tensor parallelism, on the head's copy of the same files
-    cp = lab.ssh("spark1", ["docker", "run", "--rm", "--network", "none", "-e",
+    cp = lab.ssh("spark1", ["docker", "run", "--rm", "--network", "none", "--shm-size", "1g", "-e",
                             "VLLM_CPU_KVCACHE_SPACE=1", "-v", f"{MODEL_DIR}:{MODEL_DIR}:ro", IMAGE,
                             "python3", "-c", SINGLE], timeout=600)
     [line] = [ln for ln in cp.stdout.splitlines() if ln.startswith("TEXT ")]
@@ -103,7 +103,7 @@ def test_the_ranks_are_one_per_node_and_the_worker_is_headless_over_the_fast_lin
     head = h.stdout + h.stderr
     worker = lab.ssh("spark2", ["docker", "logs", "sparkdeploy-vllm-worker"])
     worker_log = worker.stdout + worker.stderr
-    assert "rank 1 in world size 2 is assigned as DP rank 0, PP rank 0, TP rank 1" in worker_log
+    assert "rank 1 in world size 2 is assigned as DP rank 0, PP rank 0, PCP rank 0, TP rank 1" in worker_log
     assert "10.77.1.1:29501" in worker_log
     assert "backend=gloo" in head + worker_log
     assert record["data"]["engine"]["chosen"] == "vllm"
