@@ -4,10 +4,10 @@ multi-node TP=2 over gloo on the fast link, brought up by the real ``inv deploy.
 lab-tiny``.
 
 What only a real engine can show: the two-node greedy text equals what a single vLLM process
-gives on the same files; the startup milestones come from vLLM's own log lines; the bench reads
-the model's real tokenizer and the engine's real ``/metrics``; ``serve.down`` leaves no headless
-rank behind (the headless rank does not end when its head does: FACTS 2026-12). The module
-leaves the pair as the other lab tests expect it (nothing of ours serving, the head's units
+gives on the same files; the startup milestones come from vLLM's own log lines; the bench passes
+the recipe's gate and reads the engine's real ``/metrics``; the engine's own failure (a KV cache
+beyond memory) is diagnosed from its own lines; ``serve.down`` leaves no headless rank behind
+(the headless rank does not end when its head does: FACTS 2026-12). The module leaves the pair as the other lab tests expect it (nothing of ours serving, the head's units
 back)."""
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ PROMPT = "The lab's two nodes"
 TOKENS = 24
 
 
-def inv(state: Path, *args: str, timeout: float = 1500) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "INVOKE_SPARKDEPLOY_PROFILE": str(LAB),
+def inv(state: Path, *args: str, timeout: float = 1500, profile: Path = LAB) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "INVOKE_SPARKDEPLOY_PROFILE": str(profile),
            "INVOKE_SPARKDEPLOY_STATE_DIR": str(state)}
     env.pop("SPARKDEPLOY_API_KEY", None)
     return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=ROOT, env=env,
@@ -149,6 +149,27 @@ def tiny_gate() -> list[dict]:
 
     body = yaml.safe_load((internet.RECIPES / "lab-tiny.yaml").read_text())
     return body["sparkdeploy"]["about"]["gate"]["answers"]
+
+
+def test_a_kv_cache_beyond_memory_fails_the_real_engine_diagnosed_and_nothing_left(served, tmp_path):
+    """The real engine's own failure (not a stand-in's): VLLM_CPU_KVCACHE_SPACE beyond the
+    node's memory; serve.up ends at once with vLLM's line, classed out-of-memory, and no rank
+    of it left running (the headless one included)."""
+    import yaml
+
+    body = yaml.safe_load((ROOT / "src/sparkdeploy/lab/recipes/lab-tiny.yaml").read_text())
+    [engine] = body["sparkdeploy"]["engines"]
+    engine["env"] = {**engine["env"], "VLLM_CPU_KVCACHE_SPACE": "64"}
+    prof = tmp_path / "kv.yaml"
+    prof.write_text(yaml.safe_dump({"extends": str(LAB), "sparkdeploy": {
+        "recipe": tiny.RECIPE, "engines": [engine]}}))
+    lab, state, url, record, out = served
+    r = inv(state, "serve.up", profile=prof, timeout=900)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "class: out-of-memory" in r.stdout, r.stdout[-4000:]
+    assert "less than requested memory for kv (64.0 GiB)" in r.stdout
+    for node in ("spark1", "spark2"):
+        assert ours(lab, node) == []
 
 
 def test_serve_down_leaves_no_headless_rank(served):
