@@ -7,8 +7,8 @@ What only a real engine can show: the two-node greedy text equals what a single 
 gives on the same files; the startup milestones come from vLLM's own log lines; the bench passes
 the recipe's gate and reads the engine's real ``/metrics``; the engine's own failure (a KV cache
 beyond memory) is diagnosed from its own lines; ``serve.down`` leaves no headless rank behind
-(the headless rank does not end when its head does: FACTS 2026-12). The module leaves the pair as the other lab tests expect it (nothing of ours serving, the head's units
-back)."""
+(the headless rank does not end when its head does: FACTS 2026-12). The module leaves the pair
+as the other lab tests expect it (nothing of ours serving, the head's units back)."""
 
 from __future__ import annotations
 
