@@ -27,17 +27,16 @@ LINK_FAULTS: dict[str, str] = {
     "second-interface": "a second interface labextra0 (a veth pair inside the node) with an "
                         f"address in the link's subnet {layout.FAST_NET}",
     "interface-down": f"the node's {layout.FAST_IF} set down",
-    "link-drop": ("every packet of the node's fast link dropped both ways (tc netem loss 100%): "
-                  "both ends still up with their addresses, nothing crosses"),
+    "link-drop": ("the switch's port towards the node down (ip -n lab-fast link set ... down): the "
+                  "node's interface keeps its address and stays up, nothing crosses (the port's "
+                  "bridge state 0 let the all-reduce through, and this kernel has no netem)"),
 }
 EXTRA = "labextra0"
 """A veth pair inside the node (``labextra0``, ``labextra1``): this kernel may lack ``dummy``."""
 PORT_DISABLED, PORT_FORWARDING = 0, 3
 """A bridge port's states as ``ip link set ... type bridge_slave state N`` takes them."""
 SLOW = ["tbf", "rate", "200mbit", "burst", "256kb", "latency", "50ms"]
-DROP = ["netem", "loss", "100%"]
-"""Every packet of the link dropped, both ways (the bridge port's ``state 0`` did not stop the
-veths' forwarding here: measured, the all-reduce ran at full speed)."""
+
 ACTIVE, DOWN = "4: ACTIVE", "1: DOWN"
 
 
@@ -122,9 +121,7 @@ def _inject(name: str, node: str) -> None:
         run(["ip", "-n", ns, "link", "set", "labextra1", "up"])
         run(["ip", "-n", ns, "link", "set", EXTRA, "up"])
     elif name == "link-drop":
-        _in(ns, "tc", "qdisc", "replace", "dev", iface, "root", *DROP)
-        _in(layout.FAST_NETNS, "tc", "qdisc", "replace", "dev", layout.fast_peer_veth(node), "root",
-            *DROP)
+        run(["ip", "-n", layout.FAST_NETNS, "link", "set", "dev", layout.fast_peer_veth(node), "down"])
     elif name == "interface-down":
         # keep its IPv6 addresses (the stand-in's GID table has them) for when it comes back
         _in(ns, "sysctl", "-qw", f"net.ipv6.conf.{iface}.keep_addr_on_down=1")
@@ -149,11 +146,13 @@ def heal(node: str) -> list[str]:
             run(["ip", "-n", ns, "link", "set", iface, "up"])
             did.append(f"{iface} up")
     for where, dev in ((ns, iface), (layout.FAST_NETNS, layout.fast_peer_veth(node))):
-        shown = _in(where, "tc", "qdisc", "show", "dev", dev, check=False)
-        for kind in ("tbf", "netem"):
-            if kind in shown:
-                _in(where, "tc", "qdisc", "del", "dev", dev, "root", check=False)
-                did.append(f"no {kind} on {dev}")
+        if "tbf" in _in(where, "tc", "qdisc", "show", "dev", dev, check=False):
+            _in(where, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+            did.append(f"no tbf on {dev}")
+    port = _link(layout.FAST_NETNS, layout.fast_peer_veth(node))
+    if port is not None and "UP" not in port.get("flags", []):
+        run(["ip", "-n", layout.FAST_NETNS, "link", "set", "dev", layout.fast_peer_veth(node), "up"])
+        did.append(f"{layout.fast_peer_veth(node)} up")
     if port_state(node) not in (None, "forwarding"):
         run(["ip", "-n", layout.FAST_NETNS, "link", "set", "dev", layout.fast_peer_veth(node),
              "type", "bridge_slave", "state", str(PORT_FORWARDING)])
