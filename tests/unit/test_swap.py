@@ -232,7 +232,7 @@ class Swap:
             ("sglang", "http://h:30000") if old_serves else None))
         monkeypatch.setattr(ops, "read_phase", lambda h, deployment=None: was)
         monkeypatch.setattr(ops, "write_phase", lambda h, rec: self.phases.append(rec.phase))
-        monkeypatch.setattr(ops, "coherent", lambda url, want: coherent)
+        monkeypatch.setattr(ops, "coherent", lambda url, want, **kw: coherent)
         monkeypatch.setattr(sw, "persisted", lambda d: persisted)
         monkeypatch.setattr(sw, "prepare", lambda ctx, o, keep, engine=None: prepare_fails)
         monkeypatch.setattr(sw.Health, "__enter__", lambda s: s)

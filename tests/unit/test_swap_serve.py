@@ -42,7 +42,7 @@ def swapping(lab, monkeypatch):  # noqa: F811
         return [by_port[port]] if cluster.listening(port) else []
 
     monkeypatch.setattr(ep, "models", models)
-    monkeypatch.setattr(ops, "coherent", lambda url, want: None if want in models(url)
+    monkeypatch.setattr(ops, "coherent", lambda url, want, **kw: None if want in models(url)
                         else f"/v1/models lists {models(url)}, not {want}")
     monkeypatch.setattr(sw, "prepare", lambda ctx, old, keep, engine=None: None)
     monkeypatch.setattr(sw.Health, "__enter__", lambda s: s)
