@@ -105,7 +105,7 @@ def test_a_second_clone_sees_names_and_adopts_the_deployment(clones):
     assert f"{engine} serves as the profile says, since 20" in dep.stdout
     assert dep.stdout.strip().splitlines()[-2].startswith("endpoint: http://")
     assert everywhere(lab) == before  # the same containers, started when they were
-    assert took < 20, f"deploy.all took {took:.1f}s"
+    assert took < 30, f"deploy.all took {took:.1f}s"  # its smoke bench and the fabric check: 21 s
 
 
 def test_a_controller_killed_mid_start_leaves_nothing_after_the_next_run(clones):
