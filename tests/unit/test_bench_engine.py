@@ -147,8 +147,11 @@ def test_bench_sets_the_engines_means_beside_the_clients(vllm, monkeypatch):
     s = doc["runs"][0]["summary"]
     eng = s["engine"]
     assert eng["engine"] == "vllm" and eng["ttft_count"] == 8 and eng["itl_count"] == 8 * 29
-    assert eng["ttft_ms"] == pytest.approx(40, rel=0.1)
-    assert eng["itl_ms"] == pytest.approx(10, rel=0.05)
+    # the stand-in sleeps 40 ms before the first token and 10 ms between tokens: a loaded machine
+    # only lengthens them (11.4 ms seen in CI), so the engine's means are bounded below by the
+    # sleeps; that they are this run's is what the client's own figures agree with (below)
+    assert 40 * 0.95 <= eng["ttft_ms"] < 40 * 3
+    assert 10 * 0.95 <= eng["itl_ms"] < 10 * 3
     assert eng["preemptions"] == 0
     # four requests of ~101 prompt + up to 30 tokens held in a 65536-token cache
     assert 0 < eng["kv_cache_peak_pct"] <= 4 * 131 / 65536 * 100
