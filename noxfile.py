@@ -13,8 +13,13 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Unit and lab tests (lab tests need root and Linux; pass pytest args after --)."""
-    _pytest(session)  # pyproject's testpaths: tests/unit, tests/lab
+    """Unit and lab tests (lab tests need root and Linux; pass pytest args after --). Without
+    args, the unit tests run beside the lab tests at the lowest CPU priority (tests/together.py)."""
+    if session.posargs:
+        _pytest(session)  # pyproject's testpaths: tests/unit, tests/lab
+        return
+    session.install("-e", ".[dev]")
+    session.run("python", "tests/together.py")
 
 
 @nox.session(default=False)

@@ -20,8 +20,12 @@ pytestmark = pytest.mark.lab
 
 
 def pytest_collection_modifyitems(items):
-    """Tests marked ``lab_last`` (they take the lab down) run after every other test."""
-    items.sort(key=lambda item: item.get_closest_marker("lab_last") is not None)
+    """Tests marked ``real_engine`` run one module after another, late: the real vLLM image
+    loaded and shipped by the first serves the next (a test between them that swaps a node's
+    dockerd, ``test_lab_dockerds``, would make each load it again: about 90 s). Tests marked
+    ``lab_last`` (they take the lab down) run after every other test."""
+    items.sort(key=lambda item: (item.get_closest_marker("lab_last") is not None,
+                                 item.get_closest_marker("real_engine") is not None))
 
 
 @dataclass

@@ -15,26 +15,27 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from sparkdeploy.config import load_profile
 from sparkdeploy.lab import faults, lifecycle, link_faults, tiny
 
-pytestmark = pytest.mark.lab
+pytestmark = [pytest.mark.lab, pytest.mark.real_engine]
 
 ROOT = Path(__file__).resolve().parents[2]
 LAB = ROOT / "configs" / "lab.yaml"
 
 
-def inv(state: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "INVOKE_SPARKDEPLOY_PROFILE": str(LAB),
+def inv(state: Path, *args: str, timeout: float = 900, profile: Path = LAB) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "INVOKE_SPARKDEPLOY_PROFILE": str(profile),
            "INVOKE_SPARKDEPLOY_STATE_DIR": str(state)}
     return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
-def fabric(state: Path) -> tuple[subprocess.CompletedProcess, dict, float]:
+def fabric(state: Path, profile: Path = LAB) -> tuple[subprocess.CompletedProcess, dict, float]:
     start = time.monotonic()
-    r = inv(state, "link.fabric", "--recipe", tiny.RECIPE, "--json")
+    r = inv(state, "link.fabric", "--recipe", tiny.RECIPE, "--json", profile=profile)
     took = time.monotonic() - start
     try:
         doc = json.loads(r.stdout)
@@ -54,12 +55,12 @@ def leftovers(lab) -> dict[str, str]:
     return out
 
 
-def fabric_with(state: Path, fault: str) -> tuple[subprocess.CompletedProcess, dict, float]:
+def fabric_with(state: Path, fault: str, profile: Path = LAB) -> tuple[subprocess.CompletedProcess, dict, float]:
     """link.fabric with ``fault`` on spark2, undone whatever the run found."""
     try:
         [f] = faults.set_fault(fault, node="spark2")
         assert not f.failed, f.why
-        return fabric(state)
+        return fabric(state, profile)
     finally:
         [undo] = faults.set_fault("none")
         assert not undo.failed, undo.why
@@ -105,10 +106,16 @@ def test_a_throttled_link_is_named_degraded(pair):
     assert leftovers(lab) == {"spark1": "", "spark2": ""}
 
 
-def test_a_dropped_link_is_a_hang_ended_by_its_deadline_and_named(pair):
+def test_a_dropped_link_is_a_hang_ended_by_its_deadline_and_named(pair, tmp_path):
     lab, state = pair
-    deadline = load_profile(LAB).link.fabric_timeout_s
-    r, doc, took = fabric_with(state, "link-drop")
+    # the lab's deadline (150 s) leaves room for a loaded machine's healthy run; a hang needs
+    # less to be one: the profile's own key, shortened for this run
+    short = tmp_path / "short.yaml"
+    short.write_text(yaml.safe_dump({"extends": str(LAB),
+                                     "sparkdeploy": {"link": {"fabric_timeout_s": 40}}}))
+    deadline = load_profile(short).link.fabric_timeout_s
+    assert deadline == 40 and load_profile(short).link.expect_gbps == 1
+    r, doc, took = fabric_with(state, "link-drop", short)
     assert link_faults.heal("spark2") == []  # the bridge port forwards again
     assert r.returncode == 1, r.stderr[-4000:]
     assert doc["verdict"] == "hang", doc

@@ -16,15 +16,17 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import requests
+import yaml
 
 from sparkdeploy.lab import images, lifecycle, tiny
 from tests.lab.test_serve_lab import ours
 
-pytestmark = pytest.mark.lab
+pytestmark = [pytest.mark.lab, pytest.mark.real_engine]
 
 ROOT = Path(__file__).resolve().parents[2]
 LAB = ROOT / "configs" / "lab.yaml"
@@ -48,9 +50,9 @@ def http() -> requests.Session:
     return s
 
 
-def greedy(url: str) -> str:
-    r = http().post(url.rstrip("/") + "/v1/completions", timeout=120, json={
-        "model": tiny.REPO_ID, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0,
+def greedy(url: str, timeout: float = 120, model: str = tiny.REPO_ID) -> str:
+    r = http().post(url.rstrip("/") + "/v1/completions", timeout=timeout, json={
+        "model": model, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0,
         "ignore_eos": True})
     r.raise_for_status()
     return r.json()["choices"][0]["text"]
@@ -65,13 +67,24 @@ print("TEXT " + json.dumps(out[0].outputs[0].text))
 """
 
 
+WATCH = {"watch_s": 5, "canary_s": 5, "restart_backoff_s": 0}
+"""The watchdog's test timings (a node helper's, read when the units are written)."""
+
+
+def watched(where: Path) -> Path:
+    """The lab's profile with the watchdog's test timings on top."""
+    p = where / "watched.yaml"
+    p.write_text(yaml.safe_dump({"extends": str(LAB), "sparkdeploy": {"serve": WATCH}}))
+    return p
+
+
 @pytest.fixture(scope="module")
 def served(lab, tmp_path_factory):
     """lab-tiny served by the real vLLM across the pair, through `inv deploy.all --recipe`."""
     bad = [r for r in lifecycle.up(nodes=2, real_engine=True) if r.failed]
     assert not bad, [f"{r.step}: {r.why}" for r in bad]
     state = tmp_path_factory.mktemp("real") / "state"
-    r = inv(state, "deploy.all", "--recipe", tiny.RECIPE)
+    r = inv(state, "deploy.all", "--recipe", tiny.RECIPE, profile=watched(state.parent))
     try:
         assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-2000:]
         last = r.stdout.strip().splitlines()[-2:]
@@ -79,8 +92,10 @@ def served(lab, tmp_path_factory):
         record = json.loads(Path(last[1].split(" ", 1)[1]).with_suffix(".json").read_text())
         yield lab, state, url, record, r.stdout
     finally:
-        down = inv(state, "deploy.rollback", "--recipe", tiny.RECIPE, "--purge", "--yes")
-        assert down.returncode == 0, down.stdout[-3000:] + down.stderr[-2000:]
+        for m in reversed(tiny.MODELS):
+            down = inv(state, "deploy.rollback", "--recipe", m.recipe, "--purge", "--yes",
+                       profile=watched(state.parent))
+            assert down.returncode == 0, down.stdout[-3000:] + down.stderr[-2000:]
 
 
 def test_two_nodes_give_exactly_the_text_of_one_vllm_process_on_the_same_files(served):
@@ -142,6 +157,106 @@ def test_bench_with_the_recipes_gate_and_the_engines_real_metrics(served, tmp_pa
     assert engine["ttft_count"] == 4 and engine["itl_count"] > 0
 
 
+def test_bench_depth_counts_with_the_models_own_tokenizer_as_the_engine_does(served, tmp_path):
+    """bench.depth with the head's copy of the recipe's model's tokenizer: every measured
+    request's prompt, as the real engine counted it, is the tokenizer's count plus the chat
+    template's (bench.depth refuses the run otherwise)."""
+    lab, state, url, record, out = served
+    doc_path = tmp_path / "depth.json"
+    r = inv(state, "bench.depth", "--recipe", tiny.RECIPE, "--depths", "0,512", "--runs", "2",
+            "--output-tokens", "16", "--json", str(doc_path), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    doc = json.loads(doc_path.read_text())
+    assert doc["config"]["tokenizer"].endswith("tokenizer.json")
+    rows = doc["depths"]
+    assert [d["depth"] for d in rows] == [0, 512], rows
+    assert all("error" not in d and d["pp_tok_s"] > 0 and d["tg_tok_s"] > 0 for d in rows), rows
+    # the context grew by exactly the depth asked for, as the engine counted it
+    assert rows[1]["prompt_tokens"] - rows[0]["prompt_tokens"] == 512, rows
+
+
+def test_serve_swap_to_a_second_real_model_passes_its_own_gate(served):
+    """serve.swap from lab-tiny to lab-tiny-b (the same architecture, other weights) on the real
+    engine: b's recipe gate judges the new engine (its recorded greedy answers), the endpoint
+    then serves b alone and answers with b's own text."""
+    lab, state, url, record, out = served
+    before = greedy(url)
+    r = inv(state, "serve.swap", "--recipe", tiny.SECOND.recipe, profile=watched(state.parent))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "swap.prepare" in r.stdout and "swap.cut-over" in r.stdout
+    last = r.stdout.strip().splitlines()[-3:]
+    assert last[1] == f"endpoint: {url}", last
+    rec = json.loads(Path(last[2].split(" ", 1)[1]).with_suffix(".json").read_text())["data"]
+    assert (rec["from_model"], rec["to_model"], rec["outcome"]) == (
+        tiny.REPO_ID, tiny.SECOND.repo_id, "swapped"), rec
+    models = http().get(url.rstrip("/") + "/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == [tiny.SECOND.repo_id]
+    after = greedy(url, model=tiny.SECOND.repo_id)
+    assert after and after != before
+    SWAPPED["model"] = tiny.SECOND.repo_id
+
+
+SWAPPED = {"model": tiny.REPO_ID}
+"""The model the pair serves after the swap test (the tests after it ask for that one)."""
+
+
+def test_a_frozen_real_worker_is_found_and_the_pair_restarted_as_a_whole(served):
+    """serve.persist's watchdog on the real engine: every process of the headless rank's
+    container stopped (``lab.fault rank-wedged``: vLLM's own workers frozen mid-serve); the
+    watchdog names it, restarts both nodes' containers, and the real model answers again with
+    its greedy text."""
+    lab, state, url, record, out = served
+    prof = watched(state.parent)
+    model = SWAPPED["model"]
+    before = greedy(url, model=model)
+    r = inv(state, "serve.persist", profile=prof)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    head0 = started_at(lab, "spark1", "sparkdeploy-vllm-head")
+    t0 = time.monotonic()
+    r = inv(state, "lab.fault", "rank-wedged", profile=prof, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    end = t0 + 480
+    while True:
+        try:
+            again = greedy(url, timeout=5, model=model)
+            if started_at(lab, "spark1", "sparkdeploy-vllm-head") != head0:
+                break
+        except requests.RequestException:
+            pass
+        assert time.monotonic() < end, "the real engine did not answer again within 480 s"
+        time.sleep(2)
+    print(f"\nreal engine: frozen worker -> answering again: {time.monotonic() - t0:.1f} s")
+    assert again == before
+    [rec] = json.loads(lab.ssh("spark1", ["cat", RESTARTS]).stdout)["restarts"]
+    assert rec["kind"] == "rank" and rec["outcome"] == "restarted", rec
+    assert rec["why"].startswith("spark2: sparkdeploy-vllm-worker stopped (state T: pid "), rec
+
+
+def test_serve_down_leaves_no_headless_rank(served):
+    """After the watchdog's restart too: serve.down ends both ranks (the headless one does not
+    end with its head: FACTS 2026-12), and serve.unpersist leaves no unit."""
+    lab, state, url, record, out = served
+    r = inv(state, "serve.down", profile=watched(state.parent))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    for node in ("spark1", "spark2"):
+        assert ours(lab, node) == []
+        procs = lab.ssh(node, ["ps", "-eo", "args"]).stdout
+        assert "VLLM::" not in procs and "--headless" not in procs, procs
+    r = inv(state, "serve.unpersist", profile=watched(state.parent))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    for node in ("spark1", "spark2"):
+        assert lab.ssh(node, ["test", "-e", f"/etc/systemd/system/{UNIT}"], check=False).returncode == 1
+
+
+RESTARTS = "/var/lib/sparkdeploy-node/serve/vllm.restarts.json"
+UNIT = "sparkdeploy-vllm.service"
+
+
+def started_at(lab, node: str, name: str) -> str:
+    return lab.ssh(node, ["docker", "inspect", "--format", "{{.State.StartedAt}}", name],
+                   check=False).stdout.strip()
+
+
 def tiny_gate() -> list[dict]:
     import yaml
 
@@ -172,11 +287,34 @@ def test_a_kv_cache_beyond_memory_fails_the_real_engine_diagnosed_and_nothing_le
         assert ours(lab, node) == []
 
 
-def test_serve_down_leaves_no_headless_rank(served):
+
+def test_a_worker_that_cannot_reach_its_master_is_ended_by_the_stall_deadline_and_named(served, tmp_path):
+    """The headless rank's master silent (``lab.fault link-drop``: the switch's port towards
+    spark2 down): vLLM waits 30 minutes without a word (FACTS 2026-12); serve.up's stall deadline
+    ends it, names the hang from vLLM's own lines and leaves no rank behind."""
+    from sparkdeploy.lab import faults
+
     lab, state, url, record, out = served
-    r = inv(state, "serve.down")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    prof = tmp_path / "stall.yaml"
+    prof.write_text(yaml.safe_dump({"extends": str(LAB), "sparkdeploy": {
+        "recipe": tiny.RECIPE, "serve": {"stall_s": STALL, "poll_s": 1, "ready_timeout_s": 600}}}))
+    t0 = time.monotonic()
+    try:
+        [f] = faults.set_fault("link-drop", node="spark2")
+        assert not f.failed, f.why
+        r = inv(state, "serve.up", profile=prof, timeout=900)
+    finally:
+        [undo] = faults.set_fault("none")
+        assert not undo.failed, undo.why
+    took = time.monotonic() - t0
+    print(f"\nreal engine: master unreachable -> ended and named in {took:.1f} s")
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "class: nccl-init-hang" in r.stdout, r.stdout[-4000:]
+    assert took < STALL + 300, took
     for node in ("spark1", "spark2"):
         assert ours(lab, node) == []
-        procs = lab.ssh(node, ["ps", "-eo", "args"]).stdout
-        assert "VLLM::" not in procs and "--headless" not in procs, procs
+
+
+STALL = 90.0
+"""No output for this long is a hang (vLLM's import on a loaded 2-core lab prints nothing for up
+to about 40 s)."""

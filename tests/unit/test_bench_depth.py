@@ -396,7 +396,7 @@ def test_without_tokenizer_the_heads_model_directory_gives_it(standin, tokdir, t
     [missing] = sweep()
     assert missing.status is Status.FAILED and missing.why == (
         f"no tokenizer: spark1:{path} does not exist (is the model downloaded?); pass "
-        "--tokenizer DIR")
+        "--recipe R (the recipe serving) or --tokenizer DIR")
     assert standin.state.snapshot()["requests"] == 0 and not keep.exists()
     assert ("spark1", ["cat", "--", path]) in ctx_.calls
     head.node_files[path] = (tokdir / "tokenizer.json").read_text()

@@ -199,16 +199,29 @@ def test_every_id_the_model_can_pick_is_a_token_and_the_chat_template_is_chatml(
     assert cfg["chat_template"].endswith("{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
-def test_the_lab_tiny_recipe_describes_the_files_the_hub_serves():
-    r = recipes.read(tiny.RECIPE, [internet.RECIPES], "--recipe")
-    assert r.part["model"]["repo"] == tiny.REPO_ID
+@pytest.mark.parametrize("model", tiny.MODELS, ids=lambda m: m.recipe)
+def test_each_lab_tiny_recipe_describes_the_files_the_hub_serves(model):
+    r = recipes.read(model.recipe, [internet.RECIPES], "--recipe")
+    assert r.part["model"]["repo"] == model.repo_id
     assert json.loads(r.config_path().read_text()) == tiny.config()
-    assert r.weights_bytes == len(tiny.safetensors())
+    assert r.weights_bytes == len(tiny.safetensors(model.seed))
     assert r.part["engines"][0]["image"] == images.REAL_VLLM.tag.replace("arm64", "x86_64")
 
 
-def test_an_owners_recipe_list_does_not_show_lab_tiny():
-    assert tiny.RECIPE not in recipes.known(recipes.directories())
+def test_the_second_tiny_model_is_the_first_with_other_weights():
+    a, b = tiny.files(tiny.FIRST), tiny.files(tiny.SECOND)
+    assert sorted(a) == sorted(b)
+    assert {n for n in a if a[n] != b[n]} == {"model.safetensors", "README.md"}
+    assert header(a["model.safetensors"]) == header(b["model.safetensors"])
+    assert b"# tiny-qwen3-b (sparkdeploy lab)" in b["README.md"]
+    # the first model's bytes are those its recipe's gate answers were recorded on
+    assert a["README.md"].count(b"# tiny-qwen3 (sparkdeploy lab)") == 1
+    assert a["model.safetensors"] == tiny.safetensors()
+
+
+def test_an_owners_recipe_list_does_not_show_the_lab_tiny_recipes():
+    known = recipes.known(recipes.directories())
+    assert not [m.recipe for m in tiny.MODELS if m.recipe in known]
 
 
 def test_apt_download_uses_its_own_lists_and_keeps_the_newest_deb_of_each(tmp_path, monkeypatch):

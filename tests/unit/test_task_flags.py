@@ -93,6 +93,13 @@ ROWS = [
      "profile's model.repo), and only engine-hang takes it"),
     (["lab.fault", "sglang-hang", "--model", "a/b"], "--model: engine-hang needs it (the model's "
      "hub repo, as the profile's model.repo), and only engine-hang takes it"),
+    # a recipe asked for is needed even where the profile is not (--url)
+    (["bench.run", "--recipe", "nosuch", "--url", URL], "--recipe: no recipe named 'nosuch' (recipes: "
+     "glm-4.5-air-fp8, gpt-oss-120b, gpt-oss-20b, llama-3.3-70b-instruct, "
+     "qwen3-235b-a22b-instruct-2507-fp8, qwen3.5-122b-a10b-fp8)"),
+    (["bench.depth", "--recipe", "nosuch", "--url", URL], "--recipe: no recipe named 'nosuch' (recipes: "
+     "glm-4.5-air-fp8, gpt-oss-120b, gpt-oss-20b, llama-3.3-70b-instruct, "
+     "qwen3-235b-a22b-instruct-2507-fp8, qwen3.5-122b-a10b-fp8)"),
     (["serve.swap", "--recipe", "gpt-oss-20b", "--engine", "x"],
      "--engine: no engine named 'x' in recipe gpt-oss-20b (engines: vllm)"),
     # --nodes, the one flag that selects nodes; the old spellings stay for one release

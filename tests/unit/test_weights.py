@@ -353,6 +353,7 @@ def test_huggingface_hub_reads_the_recipe_repositories_from_the_lab_hub(recipe_h
     assert os.path.getsize(got) == recipe_hub.state.repos[GPT_OSS].files[
         "original/model--00007-of-00007.safetensors"].size
     served = sorted(recipe_hub.state.repos)
-    assert served == sorted(["Qwen/Qwen3.5-122B-A10B-FP8", tiny.REPO_ID,
+    assert served == sorted(["Qwen/Qwen3.5-122B-A10B-FP8", *(m.repo_id for m in tiny.MODELS),
                              *(la.repo_id for la in hub_layouts.available())])
-    assert len(served) == 7  # the seed's, the real engine's lab-tiny and the five of tests/unit/data/configs
+    # the seed's, the real engine's two (lab-tiny, lab-tiny-b) and the five of tests/unit/data/configs
+    assert len(served) == 8

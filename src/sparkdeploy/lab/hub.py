@@ -548,7 +548,7 @@ def start_hub(
     repos = [prepare_repo(data_dir, size_mb=size_mb, shards=shards)]
     if recipes:
         repos += [hub_layouts.prepare(data_dir, la, recipe_size_mb) for la in hub_layouts.available()]
-        repos.append(tiny.prepare(data_dir))
+        repos += [tiny.prepare(data_dir, m) for m in tiny.MODELS]
     state = HubState(
         repos, bandwidth_bps=bandwidth_bps,
         fault=Fault(fault["file"], int(fault["after_bytes"])) if fault else None,

@@ -214,7 +214,7 @@ def head_tokenizer(ctx: StepContext, dep: Deployment, save_dir: Path) -> Path | 
         raise StepFailed(f"no tokenizer: cannot read {head.name}:{path}: {e}; pass --tokenizer DIR") from None
     if text is None:
         ctx.failed(f"no tokenizer: {head.name}:{path} does not exist (is the model downloaded?); "
-                   "pass --tokenizer DIR")
+                   "pass --recipe R (the recipe serving) or --tokenizer DIR")
         return None
     local = save_dir / "tokenizer.json"
     try:

@@ -84,7 +84,7 @@ def drive(c: Context, name: str, work: Work, *, profile: str | None = None,
             try:
                 dep = load(c, profile, recipe, recipe_dirs)
             except ProfileError:
-                if deployment == "needed":
+                if deployment == "needed" or recipe is not None:  # a recipe asked for is needed
                     raise
         if dep is not None and prepare is not None:
             prepare(dep)

@@ -49,6 +49,9 @@ _HELP = {
                  "head's model directory)",
     "gate": "--no-gate: skip the coherence gate for this run (a base model, one that cannot add); "
             "the results, the JSON and the HTML report say it was off",
+    "recipe": "the deployment of this recipe (as deploy.all --recipe): its endpoint, its context "
+              "and, with --depths, its model's tokenizer on the head",
+    "recipes": "an owner's recipe directory (DIR[,DIR...]), looked up first",
 }
 _DEPTH_HELP = {
     "url": _HELP["url"], "model": _HELP["model"], "thinking": _HELP["thinking"],
@@ -60,7 +63,7 @@ _DEPTH_HELP = {
             "(default 3)",
     "output_tokens": "tokens each measured request asks for, exactly (ignore_eos; default 128)",
     "json": "write the results JSON here",
-    "gate": _HELP["gate"],
+    "gate": _HELP["gate"], "recipe": _HELP["recipe"], "recipes": _HELP["recipes"],
 }
 
 
@@ -69,7 +72,7 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
         requests=None, input_tokens=None, output_tokens=None, warmup=None, thinking=None,
         api="chat", json=None, plot=None, timeout=None, deadline=None, save=False,
         check_baseline=False, baseline_tolerance=None, profile=None, slo=None, runs=None,
-        depths=None, tokenizer=None, gate=True):
+        depths=None, tokenizer=None, gate=True, recipe=None, recipes=None):
     """Benchmark an endpoint: a concurrency (or rate) sweep, vLLM bench-serve metrics (or, with
     --depths, the depth sweep of bench.depth)."""
     if depths is not None:
@@ -82,7 +85,7 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
                 raise flags.usage(flag, "does not apply to a depth sweep (--depths)")
         return depth(c, url=url, model=model, tokenizer=tokenizer, depths=depths, runs=runs,
                      output_tokens=output_tokens, thinking=thinking, json=json, timeout=timeout,
-                     deadline=deadline, profile=profile, gate=gate)
+                     deadline=deadline, profile=profile, gate=gate, recipe=recipe, recipes=recipes)
     if tokenizer is not None:
         raise flags.usage("--tokenizer", "only applies with --depths")
     from sparkdeploy.bench.compare import parse_pct
@@ -137,13 +140,14 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
                        context=report_context(dep) if dep is not None else None, gate=gate)
 
     drive(c, STEP, work, profile=profile, deployment="optional" if url else "needed", lock=False,
-          show=lambda dep, results: _tables(results))
+          show=lambda dep, results: _tables(results), recipe=recipe,
+          recipe_dirs=tuple(flags.name_list("--recipes", recipes)))
 
 
 @task(help=_DEPTH_HELP)
 def depth(c, url=None, model=None, tokenizer=None, depths=DEFAULT_DEPTHS, runs=None,
           output_tokens=None, thinking=None, json=None, timeout=None, deadline=None, profile=None,
-          gate=True):
+          gate=True, recipe=None, recipes=None):
     """Prefill (pp) and decode (tg) rates at increasing context depths, llama-bench style, with
     the model's own tokenizer, after the coherence gate."""
     from sparkdeploy.bench.depth import parse_depths
@@ -180,8 +184,8 @@ def depth(c, url=None, model=None, tokenizer=None, depths=DEFAULT_DEPTHS, runs=N
     # the profile is needed for the endpoint (no --url); without --tokenizer, the head's is read
     # when there is one (the step says what to pass when there is none)
     drive(c, DEPTH_STEP, work, profile=profile, deployment="optional" if url else "needed",
-          lock=False,
-          show=lambda dep, results: _depth_table(results, n_out))
+          lock=False, show=lambda dep, results: _depth_table(results, n_out), recipe=recipe,
+          recipe_dirs=tuple(flags.name_list("--recipes", recipes)))
 
 
 def _depth_table(results, output_tokens: int) -> None:
