@@ -80,7 +80,7 @@ def bench(session: nox.Session) -> None:
     arguments (`-- --url URL`, `-- --profile F`), benchmark that endpoint: JSON and PNG under
     <state_dir>/bench/, fail when the single-request decode rate is >10% below the baseline."""
     session.install("-e", ".[bench]")
-    session.run("python", "-m", "sparkdeploy.perf", "bench")
+    session.run("python", "-m", "tools.perf", "bench")
     if session.posargs:
         session.run("inv", "bench.run", "--save", "--check-baseline", *session.posargs)
 
@@ -88,9 +88,9 @@ def bench(session: nox.Session) -> None:
 @nox.session(default=False)
 def perf(session: nox.Session) -> None:
     """Speed/accuracy figures as `name: value` lines; `-- NAME ...` runs only those
-    (registry: src/sparkdeploy/perf/__main__.py)."""
+    (registry: tools/perf/__main__.py)."""
     session.install("-e", ".[bench]")
-    session.run("python", "-m", "sparkdeploy.perf", *session.posargs)
+    session.run("python", "-m", "tools.perf", *session.posargs)
 
 
 @nox.session(default=False)
@@ -129,4 +129,4 @@ def engine_flags(session: nox.Session) -> None:
     """Flag manifests from the engines' real parsers, no GPU: `-- sglang==X vllm==Y` writes
     src/sparkdeploy/data/engine-flags/<engine>-<version>.json (scratch venvs under ~/.cache)."""
     session.install("-e", ".")
-    session.run("python", "-m", "sparkdeploy.flagmaker", *session.posargs)
+    session.run("python", "-m", "tools.flagmaker", *session.posargs)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.config import load_profile
 from sparkdeploy.lab import faults, lifecycle, link_faults, tiny
+from sparkdeploy.profile.config import load_profile
 
 pytestmark = pytest.mark.lab
 

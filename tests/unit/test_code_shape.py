@@ -1,6 +1,6 @@
 """The shape of the code: no import circle in src/ (function-level imports count; imports under
 ``if TYPE_CHECKING:`` never run and do not), none between packages, the product never imports
-the lab or its benchmarks (``sparkdeploy.perf``), one atomic write, one thread pool, no long
+the lab or its benchmarks (``tools.perf``), one atomic write, one thread pool, no long
 function, every engine kind in its one module (named nowhere else, found through
 ``engines.KINDS``), a plan that names steps and options only (each step declares the rest), a
 fingerprint that says when it asks a node.
@@ -33,8 +33,8 @@ NODE_TOOLKIT = HELPERS / "protocol.py"
 CONTROLLER_WAIT = PKG / "wait.py"
 """The controller's one deadline loop (``wait_for``) and one retry (``retry``)."""
 SHELL_RENAMES_ALLOWED = {
-    "src/sparkdeploy/hosts.py put_file": "the one way a file is written on a node",
-    "src/sparkdeploy/nodeops.py <module>": "the stage script's put(): a helper staged under its sha256, "
+    "src/sparkdeploy/node/hosts.py put_file": "the one way a file is written on a node",
+    "src/sparkdeploy/node/nodeops.py <module>": "the stage script's put(): a helper staged under its sha256, "
     "checked before it is renamed into place, in the one round trip that stages its protocol too",
     "src/sparkdeploy/ops/serve.py restore_files": "the version Host.put_file(keep_previous=True) kept, "
     "put back",
@@ -160,7 +160,7 @@ def long_functions_in(files: list[Path], base: Path, limit: int = MAX_LINES) -> 
 def test_the_graph_sees_real_imports():
     g = import_graph()
     assert "sparkdeploy.lab.daemons" in g["sparkdeploy.lab.internet"]
-    assert "sparkdeploy.overlays" in g["sparkdeploy.config"]
+    assert "sparkdeploy.profile.overlays" in g["sparkdeploy.profile.config"]
 
 
 def test_no_long_function_in_the_lab():
@@ -209,8 +209,8 @@ def test_no_import_circle_in_src_counting_function_level_imports():
 
 
 def test_no_product_module_imports_the_lab():
-    # the lab's own modules, its tasks and its benchmarks (sparkdeploy.perf) may
-    lab, perf = "sparkdeploy.lab", "sparkdeploy.perf"
+    # the lab's own modules, its tasks and its benchmarks (tools.perf) may
+    lab, perf = "sparkdeploy.lab", "tools.perf"
     bad = {m: sorted(d for d in deps if d == lab or d.startswith(lab + "."))
            for m, deps in import_graph().items()
            if not (m in (lab, perf, "sparkdeploy.tasks.lab") or m.startswith((lab + ".", perf + ".")))}
@@ -218,7 +218,7 @@ def test_no_product_module_imports_the_lab():
 
 
 def test_no_product_module_imports_the_lab_benchmarks():
-    perf = "sparkdeploy.perf"
+    perf = "tools.perf"
     bad = {m: sorted(d for d in deps if d == perf or d.startswith(perf + "."))
            for m, deps in import_graph().items() if not (m == perf or m.startswith(perf + "."))}
     assert {m: d for m, d in bad.items() if d} == {}
@@ -262,7 +262,7 @@ def test_steps_report_through_their_context_not_through_result_builders():
     assert public_functions(RESULTS) == ["final"]
     imported = [f"{f.relative_to(ROOT)}:{n.lineno}" for f in product_code() + sorted(TESTS.rglob("*.py"))
                 for n in ast.walk(ast.parse(f.read_text()))
-                if isinstance(n, ast.ImportFrom) and n.module == "sparkdeploy.results"
+                if isinstance(n, ast.ImportFrom) and n.module == "sparkdeploy.core.outcomes"
                 and BUILDERS & {a.name for a in n.names}]
     assert imported == []
     assert [c for b in sorted(BUILDERS) for c in calls(product_code(), f"results.{b}")] == []
@@ -346,7 +346,7 @@ def _in(module: str, *packages: str) -> bool:
     return any(module == p or module.startswith(p + ".") for p in packages)
 
 
-STEPS, OPS, RUNNER, TASKS = "sparkdeploy.steps", "sparkdeploy.ops", "sparkdeploy.runner", "sparkdeploy.tasks"
+STEPS, OPS, RUNNER, TASKS = "sparkdeploy.steps", "sparkdeploy.ops", "sparkdeploy.run.runner", "sparkdeploy.tasks"
 REGISTRY = "sparkdeploy.steps.registry"
 
 
@@ -375,7 +375,7 @@ def test_nothing_below_the_runner_imports_it():
     below = {m for m in graph if _in(m, STEPS, OPS)} | graph[RUNNER]
     bad = {m: sorted(d for d in graph[m] if _in(d, RUNNER)) for m in below if m in graph}
     assert {m: d for m, d in bad.items() if d} == {}
-    assert {"sparkdeploy.plan", REGISTRY} <= graph[RUNNER]  # the check sees what runner imports
+    assert {"sparkdeploy.run.plan", REGISTRY} <= graph[RUNNER]  # the check sees what runner imports
 
 
 # A helper's answer is read in one place (``nodeops``: ``run_helper``, ``parse_report``,
@@ -412,7 +412,7 @@ def helper_answer_parses(files: list[Path], base: Path = ROOT) -> list[str]:
 def runs_helpers() -> list[Path]:
     """The steps, the ops below them, and every module that uses ``nodeops`` (itself aside)."""
     graph = import_graph()
-    users = {m for m, deps in graph.items() if "sparkdeploy.nodeops" in deps}
+    users = {m for m, deps in graph.items() if "sparkdeploy.node.nodeops" in deps}
     return [f for f in product_code() if PKG in f.parents and f.name != "nodeops.py" and (
         {PKG / "steps", PKG / "ops"} & set(f.parents) or module_name(f) in users)
         and (PKG / "lab") not in f.parents]
@@ -554,7 +554,7 @@ def test_the_plan_and_fingerprint_checks_see_what_they_look_for(tmp_path):
         "step.py:5 also=quiet", "step.py:5 asks=loud", "step.py:9 also=elsewhere"]
 
 
-# --- one error tree (sparkdeploy.errors) -----------------------------------------------------------
+# --- one error tree (sparkdeploy.core.errors) -----------------------------------------------------------
 ERRORS = PKG / "errors.py"
 
 
@@ -570,7 +570,7 @@ def test_every_error_of_the_product_is_below_one_base():
     import importlib
     import inspect
 
-    from sparkdeploy.errors import Error, RunError, StepFailed, UsageError
+    from sparkdeploy.core.errors import Error, RunError, StepFailed, UsageError
 
     assert (UsageError.code, RunError.code, StepFailed.code) == (2, 1, 1)
     outside = []
@@ -778,7 +778,8 @@ def test_every_engine_kind_is_one_module_found_through_the_registry():
 def test_the_profile_takes_the_kinds_and_software_the_registry_has():
     from typing import get_args
 
-    from sparkdeploy import config, engines
+    from sparkdeploy import engines
+    from sparkdeploy.profile import config
 
     assert get_args(config.EngineKind) == tuple(engines.KINDS)
     assert get_args(config.Software) == tuple(engines.software())
@@ -846,7 +847,7 @@ def test_the_node_helpers_report_every_kinds_software():
 
 LAZY_IMPORTS: dict[str, str] = {
     "sparkdeploy.steps.registry": "load_all imports the steps package, whose modules import the registry",
-    "sparkdeploy.plan": "to move: issue 37's step declarations take plan.py apart",
+    "sparkdeploy.run.plan": "to move: issue 37's step declarations take plan.py apart",
     "sparkdeploy.bench.html": "to move with issue 39's bench work",
     "sparkdeploy.bench.sweep": "to move with issue 39's bench work",
     "sparkdeploy.steps.bench": "to move with issue 39's bench work",

@@ -9,13 +9,13 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, model_validator
 
-from sparkdeploy import checks
 from sparkdeploy.bench.client import BenchError, Settings, Target, default_model, run_level
 from sparkdeploy.bench.engine import MetricsError, Watch, metrics_url, versus
 from sparkdeploy.bench.metrics import RequestMetrics, intervals, summarize
-from sparkdeploy.events import EventSink
-from sparkdeploy.files import MB, InputError, read_input
-from sparkdeploy.outside import OutsideError, parsed, validated
+from sparkdeploy.core import checks
+from sparkdeploy.core.events import EventSink
+from sparkdeploy.core.files import MB, InputError, read_input
+from sparkdeploy.core.outside import OutsideError, parsed, validated
 
 STEP = "bench.run"
 MAX_RUNS = 100

@@ -12,10 +12,10 @@ import socket
 from collections.abc import Sequence
 from pathlib import Path
 
-from sparkdeploy.files import move_in
+from sparkdeploy.core.files import move_in
+from sparkdeploy.core.wait import Stop, WaitTimeout, wait_for
 from sparkdeploy.lab import layout
 from sparkdeploy.lab.proc import LabError, clean_stale_tmp, in_node, remove_tree, run, spawn
-from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 DOCKER26_DIR = layout.CACHE_DIR / "docker26"
 DOCKER26_DOCKERD = DOCKER26_DIR / "usr" / "sbin" / "dockerd"

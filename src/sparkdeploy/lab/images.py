@@ -74,13 +74,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sparkdeploy.engine_flags import DIR as FLAGS_DIR
-from sparkdeploy.engine_flags import release
-from sparkdeploy.files import move_in
+from sparkdeploy.core.files import move_in
+from sparkdeploy.core.outcomes import Result, Status
+from sparkdeploy.engines.flags import DIR as FLAGS_DIR
+from sparkdeploy.engines.flags import release
 from sparkdeploy.lab import layout
 from sparkdeploy.lab.dockerd import apt_closure
 from sparkdeploy.lab.image import base_status
-from sparkdeploy.results import Result, Status
 
 STEP = "lab.images"
 RECIPE_LABEL = "org.sparkdeploy.lab.recipe"

@@ -14,17 +14,17 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from sparkdeploy import threads
-from sparkdeploy.events import EventSink
-from sparkdeploy.files import write_if_changed
+from sparkdeploy.core import threads
+from sparkdeploy.core.events import EventSink
+from sparkdeploy.core.files import write_if_changed
+from sparkdeploy.core.outcomes import Result, Status
+from sparkdeploy.core.wait import Stop, WaitTimeout, wait_for
 from sparkdeploy.lab import dockerd, image, internet, keys, layout, node, packages, proc, standins_install
 from sparkdeploy.lab import state as lab_state
 from sparkdeploy.lab.heartbeat import Heartbeat
 from sparkdeploy.lab.layout import AddressPlan
 from sparkdeploy.lab.proc import LabError
-from sparkdeploy.results import Result, Status
 from sparkdeploy.steps.registry import StepContext, run_one
-from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 
 def preflight() -> str | None:

@@ -12,19 +12,19 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sparkdeploy import recipes
 from sparkdeploy.bench.client import BenchError, Settings
 from sparkdeploy.bench.engine import DISAGREE_PCT, disagreements
 from sparkdeploy.bench.gate import OFF
 from sparkdeploy.bench.report import level_name
 from sparkdeploy.bench.sweep import STEP, check_baseline, run_sweep, sweep_json
-from sparkdeploy.config import Bench, Profile
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.endpoint import url as endpoint_url
-from sparkdeploy.errors import PartFailed, StepFailed
-from sparkdeploy.files import write_atomic, write_text_atomic
-from sparkdeploy.fingerprint import Fingerprint
-from sparkdeploy.redaction import redact
+from sparkdeploy.core.errors import PartFailed, StepFailed
+from sparkdeploy.core.files import write_atomic, write_text_atomic
+from sparkdeploy.core.fingerprint import Fingerprint
+from sparkdeploy.core.redaction import redact
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.endpoint import url as endpoint_url
+from sparkdeploy.profile import recipes
+from sparkdeploy.profile.config import Bench, Profile
 from sparkdeploy.steps.registry import Ran, StepContext, step
 
 
@@ -56,7 +56,7 @@ def report_context(dep: Any) -> dict[str, Any]:
     chosen per engine and the one the last ``deploy.all`` served (tag, image ID, base and its
     ID), that run's step timings, and the startup timings when a record has them. A record that
     cannot be read is left out."""
-    from sparkdeploy.records import DeployRun, ImageDecision, RecordError, ServeDecision
+    from sparkdeploy.core.records import DeployRun, ImageDecision, RecordError, ServeDecision
     out: dict[str, Any] = {"profile": dep.profile.model_dump(mode="json")}  # redacted when written
     try:
         image = dep.records.read(ImageDecision)
@@ -203,8 +203,8 @@ def depth_line(row: dict[str, Any]) -> str:
 def head_tokenizer(ctx: StepContext, dep: Deployment, save_dir: Path) -> Path | None:
     """The model's tokenizer.json from the head's model directory, kept under ``save_dir``
     (None, with a failed result, when the head has none)."""
-    from sparkdeploy.hosts import HostError
-    from sparkdeploy.nodeops import read_node_file
+    from sparkdeploy.node.hosts import HostError
+    from sparkdeploy.node.nodeops import read_node_file
 
     head = dep.host(dep.profile.head.name)
     path = f"{dep.profile.model.path.rstrip('/')}/tokenizer.json"

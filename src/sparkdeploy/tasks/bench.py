@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from invoke.exceptions import Exit
 
-from sparkdeploy import checks
 from sparkdeploy.bench.client import DAY_S, BenchError
-from sparkdeploy.config import Bench
-from sparkdeploy.deployment import Deployment, state_dir
-from sparkdeploy.events import EventSink
-from sparkdeploy.results import Result
+from sparkdeploy.core import checks
+from sparkdeploy.core.events import EventSink
+from sparkdeploy.core.outcomes import Result
+from sparkdeploy.node.deployment import Deployment, state_dir
+from sparkdeploy.profile.config import Bench
 from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks._common import drive, exits
 from sparkdeploy.tasks._flags import task
@@ -88,7 +88,7 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
     from sparkdeploy.bench.compare import parse_pct
     from sparkdeploy.bench.metrics import parse_slo
     from sparkdeploy.bench.sweep import MAX_RUNS, parse_levels
-    from sparkdeploy.endpoint import url as endpoint_url
+    from sparkdeploy.node.endpoint import url as endpoint_url
     from sparkdeploy.steps.bench import STEP, benchmark, report_context, request_settings
     from sparkdeploy.steps.registry import run_one
 
@@ -148,7 +148,7 @@ def depth(c, url=None, model=None, tokenizer=None, depths=DEFAULT_DEPTHS, runs=N
     the model's own tokenizer, after the coherence gate."""
     from sparkdeploy.bench.depth import parse_depths
     from sparkdeploy.bench.sweep import MAX_RUNS
-    from sparkdeploy.endpoint import url as endpoint_url
+    from sparkdeploy.node.endpoint import url as endpoint_url
     from sparkdeploy.steps.bench import depth_benchmark, request_settings
     from sparkdeploy.steps.registry import run_one
 
@@ -235,7 +235,7 @@ def compare(c, base, new, max_regression="5%", html=None):
         result = cmp(base_doc, new_doc, threshold)  # a sweep against a depth sweep: exit 2
         if html_path:
             from sparkdeploy.bench.html import compare_report
-            from sparkdeploy.files import write_output
+            from sparkdeploy.core.files import write_output
 
             write_output(html_path, compare_report(base_doc, new_doc, result, base, new))
     console = Console()
