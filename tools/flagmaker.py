@@ -26,8 +26,10 @@ from sparkdeploy.core.errors import UsageError
 from sparkdeploy.core.files import write_text_atomic
 from sparkdeploy.engines.flags import release
 
-HELPER = Path(__file__).resolve().parent / "helpers" / "engine_flags.py"
-OUT = Path(__file__).resolve().parent / "data" / "engine-flags"
+PKG = Path(engines.__file__).resolve().parents[1]
+"""The package's directory (the checkout's ``src/sparkdeploy`` in an editable install)."""
+HELPER = PKG / "helpers" / "engine_flags.py"
+OUT = PKG / "data" / "engine-flags"
 CACHE = Path.home() / ".cache" / "sparkdeploy" / "engine-flags"
 FORMAT = 1
 LIGHT = {name: k.flag_packages for name, k in engines.software().items()}

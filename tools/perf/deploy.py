@@ -31,7 +31,7 @@ from sparkdeploy.run import plan as plans
 from sparkdeploy.run.plan import PlanRun
 from sparkdeploy.run.runner import Runner, longest_chain
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 PROFILE = ROOT / "configs" / "lab.yaml"
 STATE = ROOT / DEFAULTS["state_dir"] / "perf-deploy"
 DOWNLOAD_S = 45.0

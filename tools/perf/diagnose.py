@@ -31,7 +31,7 @@ def run() -> dict[str, float]:
     spent = time.perf_counter() - t
     figures: dict[str, float] = {"lines": float(2 * n + 2), "seconds": spent, "lines_per_s": (2 * n + 2) / spent,
                                  "synthetic_right": float(d.cls == "nccl-init-hang")}
-    root = Path(__file__).resolve().parents[3] / "tests" / "unit" / "data" / "engine_logs"
+    root = Path(__file__).resolve().parents[2] / "tests" / "unit" / "data" / "engine_logs"
     cases = sorted(p for p in root.glob("*/*"))
     if cases:
         right = 0

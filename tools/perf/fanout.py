@@ -42,7 +42,7 @@ from sparkdeploy.node.deployment import DEFAULTS, Deployment, load
 from sparkdeploy.node.nodeops import docker, inspect_image
 from sparkdeploy.steps import model, model_sync, model_verify, ship
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 PROFILES = {2: ROOT / "configs" / "lab.yaml", 4: ROOT / "configs" / "lab-4nodes.yaml"}
 PATH = "/srv/models/perf-fanout"
 SIZE_MB = 200

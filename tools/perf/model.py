@@ -38,7 +38,7 @@ from sparkdeploy.node.deployment import DEFAULTS, Deployment, load
 from sparkdeploy.ops import model as model_ops
 from sparkdeploy.steps import model, model_sync, model_verify
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 PROFILE = ROOT / "configs" / "lab.yaml"
 PATH = "/srv/models/perf-weights"
 SIZE_MB = 1100

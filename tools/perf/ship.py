@@ -43,7 +43,7 @@ from sparkdeploy.node.deployment import DEFAULTS, Deployment, load
 from sparkdeploy.node.nodeops import docker
 from sparkdeploy.steps import images, ship
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 PROFILE = ROOT / "configs" / "lab.yaml"
 REPS = 5
 DELTA_MB = int(os.environ.get("SHIP_DELTA_MB", "20"))

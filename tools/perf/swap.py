@@ -37,7 +37,7 @@ from sparkdeploy.core.outside import OutsideError, request
 from sparkdeploy.node import endpoint as ep
 from sparkdeploy.node.deployment import DEFAULTS, Deployment, load
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 PROFILE = ROOT / "configs" / "lab.yaml"
 STATE = ROOT / DEFAULTS["state_dir"] / "perf-swap"
 NEW = "gpt-oss-120b"

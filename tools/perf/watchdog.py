@@ -32,7 +32,7 @@ from sparkdeploy.node.deployment import DEFAULTS, Deployment, load
 from sparkdeploy.ops.serve_watch import read_restarts
 from sparkdeploy.steps.registry import run_one
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 PROFILE = ROOT / "configs" / "lab.yaml"
 STATE = ROOT / DEFAULTS["state_dir"] / "perf-watchdog"
 ROUNDS = 3

@@ -19,7 +19,7 @@ from pathlib import Path
 from sparkdeploy.core.errors import UsageError
 from sparkdeploy.core.redaction import is_secret_name
 
-DIR = Path(__file__).resolve().parent / "data" / "engine-flags"
+DIR = Path(__file__).resolve().parents[1] / "data" / "engine-flags"
 
 
 class FlagError(UsageError):
