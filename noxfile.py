@@ -31,7 +31,7 @@ def lab(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy over src/ (settings in pyproject.toml)."""
+    """mypy over src/ and tools/ (settings in pyproject.toml)."""
     session.install("-e", ".[bench,lab,typecheck]")
     session.run("mypy", *session.posargs)
 
