@@ -19,7 +19,7 @@ from sparkdeploy.core.events import EventSink
 from sparkdeploy.core.files import write_if_changed
 from sparkdeploy.core.outcomes import Result, Status
 from sparkdeploy.core.wait import Stop, WaitTimeout, wait_for
-from sparkdeploy.lab import dockerd, image, internet, keys, layout, node, packages, proc, standins_install
+from sparkdeploy.lab import dockerd, glm, image, internet, keys, layout, node, packages, proc, standins_install
 from sparkdeploy.lab import state as lab_state
 from sparkdeploy.lab.heartbeat import Heartbeat
 from sparkdeploy.lab.layout import AddressPlan
@@ -344,7 +344,6 @@ def _ensure_dockerd(x: str, st: dict, flavor: str) -> Result:
 def _ensure_glm(head: str) -> Result:
     """The GLM deployment the seed had to stop: four units enabled and running on the head,
     driven through the node's own systemctl stand-in inside its namespaces."""
-    from sparkdeploy.lab import glm
 
     unit_dir = layout.node_dir(head) / layout.PRIVATE_MOUNTS[layout.UNIT_DIR]
     ctl = proc.in_node(layout.mntns_path(head), layout.netns_path(head),

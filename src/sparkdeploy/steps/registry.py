@@ -314,7 +314,7 @@ def load_all() -> dict[str, StepSpec]:
     import importlib
     import pkgutil
 
-    import sparkdeploy.steps as pkg
+    import sparkdeploy.steps as pkg  # here, not at the top: each step module imports this registry
 
     for mod in pkgutil.iter_modules(pkg.__path__):
         if mod.name != "registry":
