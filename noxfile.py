@@ -36,8 +36,8 @@ def lab(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy over src/ (settings in pyproject.toml)."""
-    session.install("-e", ".[bench,typecheck]")
+    """mypy over src/ and tools/ (settings in pyproject.toml)."""
+    session.install("-e", ".[bench,lab,typecheck]")
     session.run("mypy", *session.posargs)
 
 
@@ -53,7 +53,7 @@ def install_check(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff check on the package, tasks, tests and scripts."""
     session.install("ruff==0.17.6")  # pinned beside pyproject's dev extra
-    session.run("ruff", "check", "src", "tests", "scripts", "tasks.py", "noxfile.py")
+    session.run("ruff", "check", "src", "tests", "tools", "scripts", "tasks.py", "noxfile.py")
 
 
 LAB_ENV = {"INVOKE_SPARKDEPLOY_PROFILE": "configs/lab.yaml"}
@@ -65,7 +65,7 @@ def rehearse(session: nox.Session) -> None:
     deploy.all`: ends with `endpoint:` and `record:` and leaves the lab serving (`inv lab.down`
     to finish). Arguments after -- go to lab.up; with `-- --real-engine`, the real vLLM (CPU
     build) serves the lab's real model (`deploy.all --recipe lab-tiny`)."""
-    session.install("-e", ".")
+    session.install("-e", ".[lab]")
     session.run("inv", "lab.up", *session.posargs)
     real = ["--recipe", "lab-tiny"] if "--real-engine" in session.posargs else []
     session.run("inv", "deploy.all", *real, env=LAB_ENV)
@@ -74,7 +74,7 @@ def rehearse(session: nox.Session) -> None:
 @nox.session(default=False)
 def lab_down(session: nox.Session) -> None:
     """Take the lab down: its processes (by PID), namespaces, links, mounts and data."""
-    session.install("-e", ".")
+    session.install("-e", ".[lab]")
     session.run("inv", "lab.down")
 
 
@@ -84,8 +84,8 @@ def bench(session: nox.Session) -> None:
     `bench.tg_error_pct` at every depth, goodput exactness, ITL/TTFT/decode); then, given
     arguments (`-- --url URL`, `-- --profile F`), benchmark that endpoint: JSON and PNG under
     <state_dir>/bench/, fail when the single-request decode rate is >10% below the baseline."""
-    session.install("-e", ".[bench]")
-    session.run("python", "-m", "sparkdeploy.perf", "bench")
+    session.install("-e", ".[bench,lab]")
+    session.run("python", "-m", "tools.perf", "bench")
     if session.posargs:
         session.run("inv", "bench.run", "--save", "--check-baseline", *session.posargs)
 
@@ -93,9 +93,9 @@ def bench(session: nox.Session) -> None:
 @nox.session(default=False)
 def perf(session: nox.Session) -> None:
     """Speed/accuracy figures as `name: value` lines; `-- NAME ...` runs only those
-    (registry: src/sparkdeploy/perf/__main__.py)."""
-    session.install("-e", ".[bench]")
-    session.run("python", "-m", "sparkdeploy.perf", *session.posargs)
+    (registry: tools/perf/__main__.py)."""
+    session.install("-e", ".[bench,lab]")
+    session.run("python", "-m", "tools.perf", *session.posargs)
 
 
 @nox.session(default=False)
@@ -120,7 +120,7 @@ CONFIG_MATRIX = {"transformers==4.57.1": "fail", "transformers==5.2.0": "parse",
 def probe(session: nox.Session, target: str) -> None:
     """Compatibility probes: the config-parse matrix over transformers versions, then the
     profile's candidate images through docker (`nox -s "probe(target='images')" -- --image X`)."""
-    session.install("-e", ".")
+    session.install("-e", ".[lab]")
     if target == "images":
         session.run("python", "-m", "sparkdeploy.lab.probes", "images", *session.posargs)
     else:
@@ -134,4 +134,4 @@ def engine_flags(session: nox.Session) -> None:
     """Flag manifests from the engines' real parsers, no GPU: `-- sglang==X vllm==Y` writes
     src/sparkdeploy/data/engine-flags/<engine>-<version>.json (scratch venvs under ~/.cache)."""
     session.install("-e", ".")
-    session.run("python", "-m", "sparkdeploy.flagmaker", *session.posargs)
+    session.run("python", "-m", "tools.flagmaker", *session.posargs)

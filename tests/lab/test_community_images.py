@@ -7,10 +7,10 @@ import subprocess
 
 import pytest
 
+from sparkdeploy.core.outcomes import Status
+from sparkdeploy.core.packaged import helper
 from sparkdeploy.lab import images, layout
 from sparkdeploy.lab.dockerd import docker
-from sparkdeploy.packaged import helper
-from sparkdeploy.results import Status
 
 pytestmark = pytest.mark.lab
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from sparkdeploy import deployment
 from sparkdeploy.lab import hub
-from sparkdeploy.nodeops import docker
+from sparkdeploy.node import deployment
+from sparkdeploy.node.nodeops import docker
 
 pytestmark = pytest.mark.lab
 
@@ -104,7 +104,7 @@ def test_bench_reads_the_engines_own_metrics_beside_its_own(lab, state_dir, tmp_
     """bench.run on the deployment the tests above left serving (SGLang across both nodes, with
     the recipe's --enable-metrics) sets the engine's /metrics means beside the client's and
     writes the HTML report beside the JSON."""
-    from sparkdeploy.endpoint import url as endpoint_url
+    from sparkdeploy.node.endpoint import url as endpoint_url
 
     dep = dep_for(state_dir)
     assert "--enable-metrics" in dep.profile.engines[0].args  # the recipe's
@@ -150,7 +150,7 @@ def test_garbage_fails_the_coherence_gate_while_health_is_green(lab, state_dir, 
     """`inv lab.fault garbage`: the serving engine answers nonsense at once while /health is 200;
     bench.run and bench.depth exit 1 on the gate's line, write no JSON; `lab.fault none` and the
     gate passes again."""
-    from sparkdeploy.endpoint import url as endpoint_url
+    from sparkdeploy.node.endpoint import url as endpoint_url
 
     url = endpoint_url(dep_for(state_dir)).rstrip("/")
     out = tmp_path / "garbage.json"
@@ -280,7 +280,7 @@ def test_a_hang_ends_on_vllm_with_the_diagnosis_in_the_record(lab, state_dir, tm
     the lab's shortens the stall so the test does not wait 300 s."""
     import yaml
 
-    from sparkdeploy.records import ServeDecision
+    from sparkdeploy.core.records import ServeDecision
 
     prof = tmp_path / "lab-hang.yaml"
     prof.write_text(yaml.safe_dump({"extends": str(ROOT / PROFILE), "sparkdeploy": {

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.config import load_profile
+from sparkdeploy.profile.config import load_profile
 
 pytestmark = pytest.mark.lab
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sparkdeploy.config import load_profile
 from sparkdeploy.lab import faults, lifecycle, link_faults, tiny
+from sparkdeploy.profile.config import load_profile
 
 pytestmark = [pytest.mark.lab, pytest.mark.real_engine]
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from sparkdeploy import deployment
-from sparkdeploy.fit import WEIGHT_SUFFIXES
 from sparkdeploy.lab import faults, layout
+from sparkdeploy.model.fit import WEIGHT_SUFFIXES
+from sparkdeploy.node import deployment
 
 pytestmark = pytest.mark.lab
 

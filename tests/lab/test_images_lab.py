@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy import plan as plans
-from sparkdeploy.deployment import load
+from sparkdeploy.core.outcomes import Status
 from sparkdeploy.lab import layout
-from sparkdeploy.nodeops import docker, inspect_image
-from sparkdeploy.results import Status
+from sparkdeploy.node.deployment import load
+from sparkdeploy.node.nodeops import docker, inspect_image
+from sparkdeploy.run import plan as plans
 from sparkdeploy.steps import images, ship
 
 pytestmark = pytest.mark.lab

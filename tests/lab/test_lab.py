@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.config import load_profile
+from sparkdeploy.core.outcomes import Status
 from sparkdeploy.lab import layout, lifecycle
-from sparkdeploy.results import Status
+from sparkdeploy.profile.config import load_profile
 
 pytestmark = pytest.mark.lab
 

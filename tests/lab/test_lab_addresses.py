@@ -16,10 +16,10 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
-from sparkdeploy.config import load_layered
 from sparkdeploy.lab import hub, layout, lifecycle
 from sparkdeploy.lab import state as lab_state
 from sparkdeploy.lab.dockerd import docker
+from sparkdeploy.profile.config import load_layered
 
 pytestmark = pytest.mark.lab
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from sparkdeploy.core.wait import WaitTimeout, wait_for
 from sparkdeploy.lab import layout, lifecycle, node, proc
-from sparkdeploy.wait import WaitTimeout, wait_for
 from tests.lab.conftest import lab_with
 
 pytestmark = pytest.mark.lab

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.deployment import load
+from sparkdeploy.core.outcomes import Status
 from sparkdeploy.lab import hub, hub_layouts, layout
+from sparkdeploy.node.deployment import load
 from sparkdeploy.ops import model as model_ops
 from sparkdeploy.ops import model_select
-from sparkdeploy.results import Status
 from sparkdeploy.steps import model, model_sync, model_verify
 
 pytestmark = pytest.mark.lab
@@ -255,7 +255,7 @@ def test_the_ssh_transport_sends_and_checks_with_no_daemon(lab, dep):
 CHILD = """
 import sys
 from pathlib import Path
-from sparkdeploy.deployment import load
+from sparkdeploy.node.deployment import load
 from sparkdeploy.steps import model_sync
 d = load(Path(sys.argv[1]), Path(sys.argv[2]))
 m = d.profile.model

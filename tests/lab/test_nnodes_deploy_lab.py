@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import requests
 
-from sparkdeploy import deployment
-from sparkdeploy.config import read_recipe
+from sparkdeploy.core.labels import parse_ps, ps_args
 from sparkdeploy.lab import layout, lifecycle
-from sparkdeploy.labels import parse_ps, ps_args
+from sparkdeploy.node import deployment
+from sparkdeploy.profile.config import read_recipe
 from tests.lab.conftest import lab_with
 from tests.lab.test_deploy_lab import VERIFIED
 from tests.lab.test_serve_lab import stream

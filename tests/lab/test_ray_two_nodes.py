@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from sparkdeploy.deployment import load
+from sparkdeploy.node.deployment import load
 from sparkdeploy.steps import ship
 
 pytestmark = pytest.mark.lab

@@ -16,9 +16,9 @@ import uuid
 
 import pytest
 
+from sparkdeploy.core.packaged import helper
 from sparkdeploy.lab import layout
 from sparkdeploy.lab.dockerd import docker
-from sparkdeploy.packaged import helper
 
 pytestmark = pytest.mark.lab
 

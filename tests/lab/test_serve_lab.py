@@ -19,8 +19,8 @@ import pytest
 import requests
 import yaml
 
-from sparkdeploy.deployment import load
-from sparkdeploy.records import ServeDecision
+from sparkdeploy.core.records import ServeDecision
+from sparkdeploy.node.deployment import load
 from sparkdeploy.steps.registry import run_one
 from tests.unit.profiles import seed_data
 

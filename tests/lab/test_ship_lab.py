@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.deployment import load
+from sparkdeploy.core.outcomes import Status
 from sparkdeploy.lab import layout, lifecycle
-from sparkdeploy.nodeops import docker, inspect_image, listed_tags
-from sparkdeploy.results import Status
+from sparkdeploy.node.deployment import load
+from sparkdeploy.node.nodeops import docker, inspect_image, listed_tags
 from sparkdeploy.steps import ship
 
 pytestmark = pytest.mark.lab

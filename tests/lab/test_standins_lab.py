@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from sparkdeploy.deployment import load
 from sparkdeploy.lab import faults
+from sparkdeploy.node.deployment import load
 from sparkdeploy.steps import ship
 
 pytestmark = pytest.mark.lab

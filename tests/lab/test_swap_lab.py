@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sparkdeploy.deployment import load
 from sparkdeploy.lab import faults
+from sparkdeploy.node.deployment import load
 from sparkdeploy.ops import swap as ops
-from sparkdeploy.perf.swap import Client, bringup_s, inv, urls
+from tools.perf.swap import Client, bringup_s, inv, urls
 
 pytestmark = pytest.mark.lab
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparkdeploy.records import ServeDecision
+from sparkdeploy.core.records import ServeDecision
 from tests.lab.test_serve_lab import (  # noqa: F401  (the fixtures)
     REPO,
     STALL,

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from sparkdeploy.config import Profile, load_profile
+from sparkdeploy.profile.config import Profile, load_profile
 from tests.unit.fakes import FakeClock
 from tests.unit.profiles import SEED, lab_profile_with_overlay, seed_data
 

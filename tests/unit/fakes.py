@@ -11,10 +11,10 @@ from pathlib import Path
 
 from invoke import Config, Context, Result
 
-from sparkdeploy.config import Profile, load_profile
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.hosts import Host
-from sparkdeploy.state import StateDir
+from sparkdeploy.core.state import StateDir
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.hosts import Host
+from sparkdeploy.profile.config import Profile, load_profile
 from tests.unit.profiles import SEED
 
 

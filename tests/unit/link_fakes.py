@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sparkdeploy.packaged import helper
+from sparkdeploy.core.packaged import helper
 
 DATA = Path(__file__).parent / "data" / "spark"
 _spec = importlib.util.spec_from_file_location("link_node", helper("link_node.py"))

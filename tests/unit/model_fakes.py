@@ -13,9 +13,9 @@ from pathlib import Path
 
 from invoke import Result
 
-from sparkdeploy.config import load_profile
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.hosts import Feed
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.hosts import Feed
+from sparkdeploy.profile.config import load_profile
 from tests.unit.fakes import FakeContext
 from tests.unit.fakes import deployment as fake_deployment
 from tests.unit.profiles import lab_profile_with_overlay

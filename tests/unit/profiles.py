@@ -10,9 +10,9 @@ from typing import Any
 
 import yaml
 
-from sparkdeploy.config import with_recipe
 from sparkdeploy.lab import internet, layout
-from sparkdeploy.overlays import load_merged
+from sparkdeploy.profile.config import with_recipe
+from sparkdeploy.profile.overlays import load_merged
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED = ROOT / "configs" / "qwen3.5-122b-a10b-fp8.yaml"

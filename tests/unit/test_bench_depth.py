@@ -377,7 +377,7 @@ def test_depths_parse():
 
 def test_without_tokenizer_the_heads_model_directory_gives_it(standin, tokdir, tmp_path):
     from sparkdeploy.bench.client import Settings
-    from sparkdeploy.results import Status
+    from sparkdeploy.core.outcomes import Status
     from sparkdeploy.steps.bench import depth_benchmark
     from sparkdeploy.steps.registry import run_one
     from tests.unit.fakes import FakeNode, scripted
@@ -408,7 +408,7 @@ def test_without_tokenizer_the_heads_model_directory_gives_it(standin, tokdir, t
 def test_the_standin_as_a_command_counts_with_the_model_directory_it_serves(tokdir, tmp_path):
     """``engine_server --model DIR`` (and SGLang's --model-path, vLLM's model argument): the
     directory's tokenizer counts, so the depth sweep runs against the command as the lab runs it."""
-    from sparkdeploy.perf.bench import free_port, start_standin
+    from tools.perf.bench import free_port, start_standin
 
     port = free_port()
     proc = start_standin(port, 5, 500, ["--model", str(tokdir), "--prefill-tok-s", "100000"])

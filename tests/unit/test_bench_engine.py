@@ -10,9 +10,9 @@ from invoke import Config, Context
 
 from sparkdeploy.bench import engine as em
 from sparkdeploy.bench.sweep import run_sweep
-from sparkdeploy.config import Bench
+from sparkdeploy.core.outside import request
 from sparkdeploy.lab.standins import engine_server as es
-from sparkdeploy.outside import request
+from sparkdeploy.profile.config import Bench
 from sparkdeploy.steps.bench import request_settings
 from sparkdeploy.tasks import bench as bench_tasks
 
@@ -222,8 +222,8 @@ def test_a_disagreement_is_named_in_a_line_and_the_table(vllm, tmp_path, capsys)
 
 def test_the_reports_context_reads_the_deployments_records(tmp_path):
     from sparkdeploy.bench.html import run_report
-    from sparkdeploy.deployment import load
-    from sparkdeploy.records import DeployRun, RunEngine, RunImage, StepTiming
+    from sparkdeploy.core.records import DeployRun, RunEngine, RunImage, StepTiming
+    from sparkdeploy.node.deployment import load
     from sparkdeploy.steps.bench import report_context
     from tests.unit.profiles import SEED
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from sparkdeploy import recipes
 from sparkdeploy.bench import gate
 from sparkdeploy.bench.client import BenchError, Target
-from sparkdeploy.config import Bench
 from sparkdeploy.lab import internet, tiny
 from sparkdeploy.lab.standins import engine_server as es
+from sparkdeploy.profile import recipes
+from sparkdeploy.profile.config import Bench
 from sparkdeploy.steps.bench import request_settings
 
 MODEL = "Qwen/Qwen3.5-122B-A10B-FP8"  # the stand-in's served name

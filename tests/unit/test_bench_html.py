@@ -13,8 +13,8 @@ import pytest
 from sparkdeploy.bench.compare import compare
 from sparkdeploy.bench.html import compare_report, run_report
 from sparkdeploy.bench.sweep import run_sweep
-from sparkdeploy.config import Bench
 from sparkdeploy.lab.standins import engine_server as es
+from sparkdeploy.profile.config import Bench
 from sparkdeploy.steps.bench import request_settings
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -10,8 +10,8 @@ from invoke.exceptions import Exit
 from sparkdeploy.bench.client import BenchError
 from sparkdeploy.bench.plot import panel_data, read_png_panels
 from sparkdeploy.bench.sweep import check_baseline, run_sweep
-from sparkdeploy.config import Bench
 from sparkdeploy.lab.standins import engine_server as es
+from sparkdeploy.profile.config import Bench
 from sparkdeploy.steps.bench import request_settings
 from sparkdeploy.tasks import bench as bench_tasks
 
@@ -150,9 +150,9 @@ def test_compare_exit_codes(tmp_path):
 
 
 def test_the_registered_step_benchmarks_the_profiles_endpoint_with_progress(server, tmp_path):
-    from sparkdeploy.deployment import load
-    from sparkdeploy.events import Progress
-    from sparkdeploy.results import Result, Status
+    from sparkdeploy.core.events import Progress
+    from sparkdeploy.core.outcomes import Result, Status
+    from sparkdeploy.node.deployment import load
     from sparkdeploy.steps.registry import run_one
     from tests.unit.profiles import SEED
 

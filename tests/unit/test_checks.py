@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from sparkdeploy import checks
+from sparkdeploy.core import checks
 
 LABEL = "a" * 63
 
@@ -191,7 +191,7 @@ HUB_BAD = [
 def test_a_hub_file_name_that_is_unsafe_is_refused_saying_why(name, why):
     from pydantic import TypeAdapter, ValidationError
 
-    from sparkdeploy.outside import HubName
+    from sparkdeploy.core.outside import HubName
 
     with pytest.raises(ValidationError) as e:
         TypeAdapter(HubName).validate_python(name)
@@ -203,7 +203,7 @@ def test_a_hub_file_name_that_is_unsafe_is_refused_saying_why(name, why):
 def test_a_hub_file_name_that_is_safe_is_taken(name):
     from pydantic import TypeAdapter
 
-    from sparkdeploy.outside import HubName, name_problem
+    from sparkdeploy.core.outside import HubName, name_problem
 
     assert name_problem(name) is None
     assert TypeAdapter(HubName).validate_python(name) == name
@@ -247,7 +247,7 @@ def test_a_backslash_inside_a_unit_value_is_kept():
 
 @pytest.mark.parametrize("name", ["a\x1bb", "a\u2028b", "a/", "a/./b", "a/../b"])
 def test_under_refuses_a_name_with_a_control_character_or_an_empty_part(tmp_path, name):
-    from sparkdeploy.files import Escape, under
+    from sparkdeploy.core.files import Escape, under
 
     with pytest.raises(Escape) as e:
         under(tmp_path, name)
@@ -255,7 +255,7 @@ def test_under_refuses_a_name_with_a_control_character_or_an_empty_part(tmp_path
 
 
 def test_under_names_where_a_symlink_leads(tmp_path):
-    from sparkdeploy.files import Escape, under
+    from sparkdeploy.core.files import Escape, under
 
     (tmp_path / "root").mkdir()
     (tmp_path / "root" / "out").symlink_to(tmp_path)
@@ -265,7 +265,7 @@ def test_under_names_where_a_symlink_leads(tmp_path):
 
 
 def test_under_follows_a_symlink_that_stays_inside(tmp_path):
-    from sparkdeploy.files import under
+    from sparkdeploy.core.files import under
 
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from invoke.exceptions import Exit
 
-from sparkdeploy.config import load_profile
+from sparkdeploy.profile.config import load_profile
 from sparkdeploy.tasks.cluster import discover
 from tests.unit.cluster_fakes import ClusterContext, helper_args, spark_pair
 from tests.unit.profiles import ROOT

@@ -10,9 +10,9 @@ import os
 
 import pytest
 
-from sparkdeploy.discover import LinkRefused, link_warnings, node_name, pick_link, port_hcas
 from sparkdeploy.helpers import cluster_node as cn
-from sparkdeploy.link import LinkFacts
+from sparkdeploy.node.discover import LinkRefused, link_warnings, node_name, pick_link, port_hcas
+from sparkdeploy.node.link import LinkFacts
 from tests.unit.cluster_fakes import DOCKER_INFO
 
 SPARK_INFO = json.loads(DOCKER_INFO.read_text())

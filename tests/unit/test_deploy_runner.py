@@ -14,13 +14,13 @@ from dataclasses import replace
 import pytest
 from invoke import Config, Context
 
-from sparkdeploy import deployment
-from sparkdeploy.events import PlainRenderer, StepState
-from sparkdeploy.fingerprint import Fingerprint, diff_keys, flat
-from sparkdeploy.plan import PlanStep
-from sparkdeploy.records import Endpoint, ImageDecision, PlanMemory, ServeDecision
-from sparkdeploy.results import Result, Status
-from sparkdeploy.runner import PlanError, Runner, select
+from sparkdeploy.core.events import PlainRenderer, StepState
+from sparkdeploy.core.fingerprint import Fingerprint, diff_keys, flat
+from sparkdeploy.core.outcomes import Result, Status
+from sparkdeploy.core.records import Endpoint, ImageDecision, PlanMemory, ServeDecision
+from sparkdeploy.node import deployment
+from sparkdeploy.run.plan import PlanStep
+from sparkdeploy.run.runner import PlanError, Runner, select
 from sparkdeploy.steps import registry
 from sparkdeploy.steps.registry import step
 from tests.unit.profiles import ROOT, SEED
@@ -288,7 +288,7 @@ def test_option_values_resolved_when_the_step_starts_and_when_skips(tmp_path, ca
 
 
 def test_plan_errors(calls):
-    from sparkdeploy.runner import check
+    from sparkdeploy.run.runner import check
 
     calls.fake("t.a", needs=("t.zz",))
     with pytest.raises(PlanError, match="^plan: t.a needs 't.zz', which is no step$"):
@@ -299,7 +299,7 @@ def test_plan_errors(calls):
 
 
 def test_an_edge_through_a_step_left_out_still_orders(calls):
-    from sparkdeploy.plan import graph
+    from sparkdeploy.run.plan import graph
 
     calls.fake("t.probe")
     calls.fake("t.build", needs=("t.probe",))
@@ -332,9 +332,9 @@ def test_task_bad_step_name_is_one_line_exit_2(tmp_path):
 
 
 def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
-    from sparkdeploy import plan as plans
     from sparkdeploy.ops import image
-    from sparkdeploy.run_record import write_record
+    from sparkdeploy.run import plan as plans
+    from sparkdeploy.run.run_record import write_record
 
     # every image is on every node, under its name's ID: no node's image list is read
     monkeypatch.setattr(image, "_image_list", lambda host: {})
@@ -397,8 +397,8 @@ def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):
 
 
 def test_longest_chain_counts_after_start_from_the_start(calls):
-    from sparkdeploy.plan import PlanRun, StepRun
-    from sparkdeploy.runner import longest_chain
+    from sparkdeploy.run.plan import PlanRun, StepRun
+    from sparkdeploy.run.runner import longest_chain
 
     calls.fake("dl")
     calls.fake("sync", after_start=("dl",))
@@ -432,7 +432,7 @@ def test_a_later_result_for_the_same_target_supersedes_a_failure(tmp_path, calls
 
 
 def test_the_board_is_the_plan_as_a_checklist():
-    from sparkdeploy.events import Board, Progress
+    from sparkdeploy.core.events import Board, Progress
 
     now = [100.0]
     b = Board(clock=lambda: now[0])
@@ -474,9 +474,9 @@ def test_a_reuse_step_keeps_the_fingerprint_it_left_behind(tmp_path, calls):
 
 def test_the_records_bench_summary_has_counts_rates_and_medians_not_raw_requests():
     from sparkdeploy.bench.metrics import RequestMetrics, summarize
-    from sparkdeploy.plan import StepRun
-    from sparkdeploy.records import markdown_table
-    from sparkdeploy.run_record import _bench_summary
+    from sparkdeploy.core.records import markdown_table
+    from sparkdeploy.run.plan import StepRun
+    from sparkdeploy.run.run_record import _bench_summary
 
     def req(ttft, tok_s, start, end, error=None):
         return RequestMetrics(ttft, (end - start) * 1000, 64, 512, [], 37.0, tok_s, "usage",

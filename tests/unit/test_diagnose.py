@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy import diagnose as dx
+from sparkdeploy.engines import diagnose as dx
 
 DATA = Path(__file__).parent / "data" / "engine_logs"
 
@@ -435,7 +435,7 @@ def test_main_unreadable_file(tmp_path, capsys, monkeypatch):
     def refuse(*a, **kw):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr("sparkdeploy.files.os.open", refuse)
+    monkeypatch.setattr("sparkdeploy.core.files.os.open", refuse)
     assert dx.main([str(bad)]) == 2
     assert "Permission denied" in capsys.readouterr().err
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sparkdeploy.config import ProfileError, load_profile
-from sparkdeploy.files import Escape, InputError, read_input, under
-from sparkdeploy.records import PlanMemory, RecordError, Records
-from sparkdeploy.state import StateDir
+from sparkdeploy.core.files import Escape, InputError, read_input, under
+from sparkdeploy.core.records import PlanMemory, RecordError, Records
+from sparkdeploy.core.state import StateDir
+from sparkdeploy.profile.config import ProfileError, load_profile
 from tests.unit.profiles import ROOT, seed_data
 
 INJECTED = "x\nExecStartPre=/bin/sh -c 'touch /tmp/pwned'"

@@ -11,13 +11,13 @@ import pytest
 from invoke import Config, Context
 from invoke.exceptions import Exit
 
-from sparkdeploy.config import ProfileError
-from sparkdeploy.errors import StepFailed, UsageError
-from sparkdeploy.hosts import HostError
-from sparkdeploy.records import RecordError
-from sparkdeploy.results import Result, Status
-from sparkdeploy.runner import PlanError
-from sparkdeploy.state import LockHeld
+from sparkdeploy.core.errors import StepFailed, UsageError
+from sparkdeploy.core.outcomes import Result, Status
+from sparkdeploy.core.records import RecordError
+from sparkdeploy.core.state import LockHeld
+from sparkdeploy.node.hosts import HostError
+from sparkdeploy.profile.config import ProfileError
+from sparkdeploy.run.runner import PlanError
 from sparkdeploy.tasks._common import drive
 from tests.unit.profiles import SEED
 
@@ -200,7 +200,7 @@ def test_a_secret_in_an_engines_env_is_used_but_never_shown_by_profile_check(tmp
         "engines": [{**data["sparkdeploy"]["engines"][0],
                      "env": {**data["sparkdeploy"]["engines"][0]["env"],
                              "HF_TOKEN": token + "x"}}]}}, "child.yaml")
-    from sparkdeploy.deployment import load
+    from sparkdeploy.node.deployment import load
 
     assert load(base, tmp_path / "s").profile.engines[0].env["HF_TOKEN"] == token  # accepted
     from sparkdeploy.tasks import profile

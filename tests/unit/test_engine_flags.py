@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sparkdeploy import engine_flags as ef
 from sparkdeploy import engines
-from sparkdeploy.config import load_profile
+from sparkdeploy.engines import flags as ef
 from sparkdeploy.engines import launch
+from sparkdeploy.profile.config import load_profile
 from tests.unit.conftest import SEED, seed_data
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -194,7 +194,7 @@ def _lab_versions() -> dict[str, str]:
 def _recipe_commands(tmp_path, name: str, n: int):
     """(engine, its engine args) of every engine container ``deploy.all --recipe name`` would
     start on the seed's cluster grown to ``n`` nodes; the RecipeError when no layout exists."""
-    from sparkdeploy.recipes import RecipeError
+    from sparkdeploy.profile.recipes import RecipeError
 
     p = tmp_path / f"{name}-{n}.yaml"
     p.write_text(yaml.safe_dump(_nodes_data(n)))
@@ -207,7 +207,7 @@ def _recipe_commands(tmp_path, name: str, n: int):
 
 
 def _recipes() -> list[str]:
-    from sparkdeploy import recipes as rcp
+    from sparkdeploy.profile import recipes as rcp
 
     return list(rcp.known(rcp.directories()))
 
@@ -233,7 +233,7 @@ def test_every_command_of_every_recipe_on_1_to_4_nodes_is_accepted_by_the_real_p
 def test_the_recipes_commands_cover_every_engine_kind_on_every_node_count(tmp_path):
     from typing import get_args
 
-    from sparkdeploy.config import EngineKind
+    from sparkdeploy.profile.config import EngineKind
 
     for n in (1, 2, 3, 4):
         kinds = set()
@@ -290,8 +290,8 @@ def test_deploy_checks_every_engines_flags_before_anything_and_says_against_what
 
 
 def test_the_probed_version_is_the_one_checked_against(tmp_path):
+    from sparkdeploy.core.records import Candidate, EngineImage, ImageDecision
     from sparkdeploy.ops.engine_check import check_flags
-    from sparkdeploy.records import Candidate, EngineImage, ImageDecision
 
     _, dep = _seed_with(tmp_path, "--mem-fraction-statik", "0.8")
     base = dep.profile.engines[0].image

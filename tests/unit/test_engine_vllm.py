@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from sparkdeploy.config import ProfileError, load_profile
 from sparkdeploy.engines import NodeFacts, launch
 from sparkdeploy.engines.base import run_args
+from sparkdeploy.profile.config import ProfileError, load_profile
 from tests.unit.profiles import seed_data
 from tests.unit.test_engines import MODEL, REPO_ID, common, envs, link
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sparkdeploy.config import load_profile
+from sparkdeploy.core.fingerprint import digest, key_digests
+from sparkdeploy.core.labels import engine_fingerprint
 from sparkdeploy.engines import NodeFacts, launch
 from sparkdeploy.engines.base import EngineError, apply_overrides, merge_args, run_args
-from sparkdeploy.fingerprint import digest, key_digests
-from sparkdeploy.labels import engine_fingerprint
+from sparkdeploy.profile.config import load_profile
 from tests.unit.profiles import SEED, seed_data
 
 REPO = Path(__file__).resolve().parents[2]
@@ -280,7 +280,7 @@ def test_apply_overrides():
 
 
 def test_profile_refuses_bad_env_name_and_engine_name(tmp_path):
-    from sparkdeploy.config import ProfileError
+    from sparkdeploy.profile.config import ProfileError
 
     def bad_env(d):
         d["engines"][0]["env"] = {"BAD-NAME": "1"}
@@ -302,7 +302,7 @@ def test_profile_refuses_bad_env_name_and_engine_name(tmp_path):
     ("SGLANG_MAX_TOKENS", False), ("TOKENIZERS_PARALLELISM", False),
 ])
 def test_which_engine_env_names_are_secrets(name, secret):
-    from sparkdeploy.redaction import is_secret_name
+    from sparkdeploy.core.redaction import is_secret_name
 
     assert is_secret_name(name) is secret
 
@@ -384,7 +384,7 @@ def test_vllm_ray_n_nodes_exact_argv_and_env_of_every_container(tmp_path, n, tp,
 
 @pytest.mark.parametrize(("n", "tp", "pp"), [(3, 2, 1), (3, 2, 2), (4, 3, 1), (4, 1, 2)])
 def test_n_nodes_product_other_than_the_gpus_is_refused(tmp_path, n, tp, pp):
-    from sparkdeploy.config import ProfileError
+    from sparkdeploy.profile.config import ProfileError
 
     with pytest.raises(ProfileError, match=rf"tensor_parallel x pipeline_parallel = {tp * pp}, "
                                            rf"but the nodes declare {n} GPUs"):

@@ -13,12 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparkdeploy import estimate as est
-from sparkdeploy.fit import GIB
+from sparkdeploy.model import estimate as est
+from sparkdeploy.model.fit import GIB
 from tests.unit.profiles import ROOT
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
-RESERVE = 8 * GIB  # sparkdeploy.config.Fit().reserve_gib
+RESERVE = 8 * GIB  # sparkdeploy.profile.config.Fit().reserve_gib
 
 
 def cfg(name: str) -> dict:
@@ -308,7 +308,7 @@ FULL = "every layer full attention (no layer_types)"
 NO_DTYPE = "no dtype in config: bfloat16 assumed"
 AUTO_BF16 = ("auto: the model's dtype bfloat16 (no dtype in config: bfloat16 assumed; vLLM's "
              "--kv-cache-dtype auto)")
-FIT_RESERVE = "the profile's fit.reserve_gib (sparkdeploy.config.Fit)"
+FIT_RESERVE = "the profile's fit.reserve_gib (sparkdeploy.profile.config.Fit)"
 QWEN35_LINEAR = {"key_heads": 16, "value_heads": 64, "key_dim": 128, "value_dim": 128,
                  "conv_kernel": 4}
 

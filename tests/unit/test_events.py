@@ -5,10 +5,10 @@ import io
 import re
 import threading
 
-from sparkdeploy.config import Link, Node
-from sparkdeploy.events import Echo, EventSink, Log, PlainRenderer, Progress, describe, renderer_for
-from sparkdeploy.hosts import Host
-from sparkdeploy.results import Result, Status
+from sparkdeploy.core.events import Echo, EventSink, Log, PlainRenderer, Progress, describe, renderer_for
+from sparkdeploy.core.outcomes import Result, Status
+from sparkdeploy.node.hosts import Host
+from sparkdeploy.profile.config import Link, Node
 from tests.unit.fakes import FakeClock
 
 
@@ -127,7 +127,7 @@ HOSTILE = "\x1b]0;pwned\x07\x1b[2J\x1b[31mred\r\nnext\u202eevil\x9b"
 
 
 def test_escape_sequences_from_outside_never_reach_the_terminal_plain():
-    from sparkdeploy.events import printable
+    from sparkdeploy.core.events import printable
 
     out = io.StringIO()
     r = PlainRenderer(out, stamp=lambda: "T")
@@ -143,7 +143,7 @@ def test_escape_sequences_from_outside_never_reach_the_terminal_plain():
 def test_escape_sequences_from_outside_never_reach_the_terminal_live():
     from rich.console import Console
 
-    from sparkdeploy.events import LiveRenderer
+    from sparkdeploy.core.events import LiveRenderer
 
     buf = io.StringIO()
     r = LiveRenderer(Console(file=buf, force_terminal=True, width=200))

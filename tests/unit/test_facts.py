@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy import plan as plans
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.facts import Facts
-from sparkdeploy.hosts import Host
+from sparkdeploy.core.records import ImageDecision
+from sparkdeploy.core.state import StateDir
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.facts import Facts
+from sparkdeploy.node.hosts import Host
 from sparkdeploy.ops.image import image_id
-from sparkdeploy.records import ImageDecision
-from sparkdeploy.run_record import write_record
-from sparkdeploy.runner import Runner
-from sparkdeploy.state import StateDir
+from sparkdeploy.run import plan as plans
+from sparkdeploy.run.run_record import write_record
+from sparkdeploy.run.runner import Runner
 from sparkdeploy.steps import registry
 from sparkdeploy.steps.registry import StepContext
 from tests.unit.fakes import FakeNode, ScriptedContext
@@ -58,7 +58,7 @@ class DockerNode(FakeNode):
 
 @pytest.fixture
 def lab(tmp_path):
-    from sparkdeploy.config import load_profile
+    from sparkdeploy.profile.config import load_profile
 
     prof = load_profile(SEED)
     nodes = {"spark1": DockerNode(IDS, units={u: "active" for u in GLM}), "spark2": DockerNode(IDS)}
@@ -191,7 +191,7 @@ def test_a_fact_forgotten_while_gathered_is_not_kept():
 
 
 def test_the_probe_is_not_reused_once_its_decision_is_gone(lab):
-    from sparkdeploy.fingerprint import diff_keys
+    from sparkdeploy.core.fingerprint import diff_keys
 
     dep, _, _ = lab
     before = fingerprint("image.probe")(dep)

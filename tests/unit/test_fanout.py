@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sparkdeploy.fanout import FanOut, Outcome, pick_source, rounds, run
+from sparkdeploy.node.fanout import FanOut, Outcome, pick_source, rounds, run
 
 NODES = [f"n{i}" for i in range(2, 10)]
 

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy import fit
-from sparkdeploy.config import load_profile, read_recipe
-from sparkdeploy.estimate import EstimateError
+from sparkdeploy.core.outcomes import Status
+from sparkdeploy.core.records import HubMetadata
 from sparkdeploy.helpers import memory_node as mn
-from sparkdeploy.memory import NodeMemory
+from sparkdeploy.model import fit
+from sparkdeploy.model.estimate import EstimateError
+from sparkdeploy.node.memory import NodeMemory
 from sparkdeploy.ops.model import cache_name
 from sparkdeploy.ops.model_fit import size
-from sparkdeploy.records import HubMetadata
-from sparkdeploy.results import Status
+from sparkdeploy.profile.config import load_profile, read_recipe
 from sparkdeploy.steps import model_fit, registry
 from tests.unit.fakes import FakeContext, deployment
 from tests.unit.profiles import SEED, seed_data, write_profile
@@ -346,7 +346,7 @@ def test_download_and_sync_need_the_fit():
 
 
 def test_profile_fit_names_only_its_engines(tmp_path):
-    from sparkdeploy.config import ProfileError, load_profile
+    from sparkdeploy.profile.config import ProfileError, load_profile
 
     data = seed_data()
     data["sparkdeploy"]["fit"] = {"engines": {"nope": 1.0}}
@@ -386,8 +386,8 @@ def test_step_reads_the_config_from_the_hub_when_the_head_has_none(tmp_path, mon
 
 
 def test_step_without_any_config_is_one_failed_line(tmp_path, monkeypatch):
+    from sparkdeploy.core.outside import OutsideError
     from sparkdeploy.ops import model_fit as ops_fit
-    from sparkdeploy.outside import OutsideError
 
     def hub(dep, commit, name):
         raise OutsideError(f"https://huggingface.co/x/resolve/{commit}/{name}: HTTP 404")

@@ -11,10 +11,10 @@ import pytest
 from invoke import Config, Context
 from pydantic import BaseModel
 
-from sparkdeploy import nodeops
-from sparkdeploy.config import Link, Node
-from sparkdeploy.hosts import Feed, Host
-from sparkdeploy.packaged import helper
+from sparkdeploy.core.packaged import helper
+from sparkdeploy.node import nodeops
+from sparkdeploy.node.hosts import Feed, Host
+from sparkdeploy.profile.config import Link, Node
 
 LOCAL = Node(name="spark1", role="head", ssh=None, privilege="none",
              link=Link(interface="e0", address="10.0.0.1"))

@@ -4,8 +4,7 @@ import sys
 import pytest
 from invoke import Context
 
-from sparkdeploy.config import Link, Node, SshSettings
-from sparkdeploy.hosts import (
+from sparkdeploy.node.hosts import (
     CHANGE_TIMEOUT_S,
     PROBE_TIMEOUT_S,
     Feed,
@@ -15,6 +14,7 @@ from sparkdeploy.hosts import (
     elide,
     ssh_base_argv,
 )
+from sparkdeploy.profile.config import Link, Node, SshSettings
 from tests.unit.fakes import FakeContext
 
 NODE = Node(name="spark1", role="head", ssh="spark1", link=Link(interface="e0", address="10.0.0.1"),
@@ -79,7 +79,7 @@ def test_elide_long_arguments():
 def test_control_dir_is_created_private(tmp_path):
     import os
 
-    from sparkdeploy.hosts import private_dir
+    from sparkdeploy.node.hosts import private_dir
 
     d = str(tmp_path / "cm")
     assert private_dir(d) == d
@@ -92,7 +92,7 @@ def test_control_dir_is_created_private(tmp_path):
 def test_control_dir_not_private_is_refused(tmp_path, spoil):
     import os
 
-    from sparkdeploy.hosts import HostError, private_dir
+    from sparkdeploy.node.hosts import HostError, private_dir
 
     d = tmp_path / "cm"
     if spoil == "symlink":
@@ -198,7 +198,7 @@ def test_ssh_keeps_the_connection_alive_and_gives_up_on_a_dead_node():
 
 
 def test_ssh_view_asks_ssh_dash_g_once_on_this_machine(tmp_path):
-    from sparkdeploy.state import StateDir
+    from sparkdeploy.core.state import StateDir
 
     class G(FakeContext):
         def answer(self, alias, argv, stdin, command, kw):
@@ -210,7 +210,7 @@ def test_ssh_view_asks_ssh_dash_g_once_on_this_machine(tmp_path):
     assert h.ssh_view()["hostname"] == "10.1.2.3" and h.ssh_view()["port"] == "2222"
     # once, here (not through ssh to the node), even under --dry: it changes nothing
     assert ctx.calls == [(None, [*ssh_base_argv(ssh), "-G", "--", "spark1"])]
-    from sparkdeploy import endpoint
+    from sparkdeploy.node import endpoint
     from sparkdeploy.steps.hosts import resolve
     assert endpoint.controller_address(h) == "10.1.2.3"
     assert (resolve(h).host, resolve(h).port) == ("10.1.2.3", 2222)

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from sparkdeploy import labels as lbl
-from sparkdeploy import plan as plans
-from sparkdeploy.config import load_profile
+from sparkdeploy.core import labels as lbl
+from sparkdeploy.core.records import ImageDecision
 from sparkdeploy.ops import image as image_ops
-from sparkdeploy.overlays import ProfileError
-from sparkdeploy.records import ImageDecision
+from sparkdeploy.profile.config import load_profile
+from sparkdeploy.profile.overlays import ProfileError
+from sparkdeploy.run import plan as plans
 from sparkdeploy.steps import images, serve
 from tests.unit.fakes import WALL, FakeContext, deployment
 from tests.unit.profiles import ROOT, SEED, seed_data, write_profile
@@ -237,7 +237,7 @@ class FakeStep:
         self.dep, self.results = dep, []
 
     def failed(self, why, node=None, **details):
-        from sparkdeploy.results import Result, Status
+        from sparkdeploy.core.outcomes import Result, Status
 
         self.results.append(Result("serve.up", Status.FAILED, why, node, details))
 

@@ -4,9 +4,9 @@ import shlex
 import pytest
 import yaml
 
-from sparkdeploy.config import load_profile
+from sparkdeploy.core.records import ImageDecision
 from sparkdeploy.ops.image import decision
-from sparkdeploy.records import ImageDecision
+from sparkdeploy.profile.config import load_profile
 from sparkdeploy.steps import images, ship
 from tests.unit.fakes import WALL, FakeContext, deployment
 from tests.unit.profiles import SEED, seed_data
@@ -117,7 +117,7 @@ def test_legacy_dockerfile_drops_mounts():
 
 
 def test_index_url_with_credentials_is_refused(tmp_path):
-    from sparkdeploy.config import ProfileError
+    from sparkdeploy.profile.config import ProfileError
 
     p = tmp_path / "p.yaml"
     data = seed_data()
@@ -170,7 +170,7 @@ def test_filter_report_is_read_from_stderr():
 
 
 def test_build_output_goes_to_the_stream_as_log_lines_and_step_progress(dep):
-    from sparkdeploy.events import Log, Progress
+    from sparkdeploy.core.events import Log, Progress
     from sparkdeploy.steps.registry import StepContext
 
     lines = ["Step 1/3 : ARG BASE_IMAGE", "", "Step 2/3 : FROM x", " ---> 1234",
@@ -358,7 +358,7 @@ def test_build_with_the_system_nccl_says_so_and_finds_only_a_build_that_did(buil
 
 
 def test_the_dockerfile_links_the_wheels_nccl_to_libnccl2_and_labels_the_digest():
-    from sparkdeploy import packaged
+    from sparkdeploy.core import packaged
 
     text = (packaged.data("docker") / "transformers.Dockerfile").read_text()
     assert 'ln -s "${sys_nccl}" "${lib}"' in text

@@ -1,8 +1,8 @@
 """The GLM deployment of spark1 as unit files, run by the stand-ins in a tmp dir."""
 
 
+from sparkdeploy.core.outcomes import Status
 from sparkdeploy.lab.glm import GLM_UNITS, GPU_PROCESS_NAME, STANDINS, deploy_glm
-from sparkdeploy.results import Status
 from tests.unit.standin_node import (
     node_fixture,  # noqa: F401
     wait_for,

@@ -13,8 +13,8 @@ from pathlib import Path
 import docker
 import pytest
 
+from sparkdeploy.core.outcomes import Status
 from sparkdeploy.lab import images, layout
-from sparkdeploy.results import Status
 
 # --- wheels ------------------------------------------------------------------------------------
 
@@ -369,7 +369,7 @@ def test_the_probe_finds_the_lab_images_nccl_as_laid_out(tmp_path):
     import subprocess
     import sys
 
-    from sparkdeploy.packaged import helper
+    from sparkdeploy.core.packaged import helper
 
     site, root = tmp_path / "site", tmp_path / "root"
     for rel, data in images.nccl_site_files().items():

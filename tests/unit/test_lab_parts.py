@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from sparkdeploy.core.wait import wait_for
 from sparkdeploy.lab import dockerd, keys, layout, proc
 from sparkdeploy.lab.layout import AddressPlan
-from sparkdeploy.wait import wait_for
 
 N = "/var/lib/sparkdeploy/lab/nodes/spark2"
 ENTER = ["nsenter", "--mount=/var/lib/sparkdeploy/lab/ns/spark2.mnt",
@@ -83,7 +83,7 @@ def test_debian_mirror_is_read_from_the_machines_sources(tmp_path):
 
 
 def test_heartbeat_speaks_only_after_a_quiet_spell_inside_a_phase():
-    from sparkdeploy.events import EventSink, Progress
+    from sparkdeploy.core.events import EventSink, Progress
     from sparkdeploy.lab.heartbeat import Heartbeat
 
     now = [0.0]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy import recipes
 from sparkdeploy.lab import images, internet, tiny
+from sparkdeploy.profile import recipes
 
 IMAGE = "vllm/vllm-openai-cpu:v0.32.0-x86_64"
 

@@ -266,6 +266,6 @@ def test_a_standin_for_the_hung_model_prints_its_init_line_and_goes_silent(lab_d
         es.hang_at_init("org/hung", "vllm", "10.0.0.1:29501", 2)
     assert said == [("vllm", "world_size=2 rank=0 local_rank=0 distributed_init_method="
                              "tcp://10.0.0.1:29501 backend=nccl")]
-    from sparkdeploy.diagnose import classify
+    from sparkdeploy.engines.diagnose import classify
 
     assert classify({"spark1": [said[0][1]]}).cls == "nccl-init-hang"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from sparkdeploy import labels
-from sparkdeploy.fingerprint import digest, key_digests
+from sparkdeploy.core import labels
+from sparkdeploy.core.fingerprint import digest, key_digests
 from sparkdeploy.helpers import serve_unit
 
 FORMAT = ('[{{json .ID}},{{json .Names}},{{json .State}},{{json .Status}},'

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.packaged import helper
+from sparkdeploy.core.packaged import helper
 
 SCRIPT = helper("layer_export.py")
 REF = "registry.local/team/app:v7"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.results import Result, Status
+from sparkdeploy.core.outcomes import Result, Status
 from sparkdeploy.steps import link as link_step
 from tests.unit.fakes import FakeContext, deployment
 from tests.unit.link_fakes import SparkView, facts_on, spark
@@ -353,7 +353,7 @@ def test_dry_run_pings_but_does_not_measure(tmp_path, monkeypatch):
 
 
 def test_the_deploy_plan_and_serve_up_need_it(tmp_path):
-    from sparkdeploy import plan
+    from sparkdeploy.run import plan
     from sparkdeploy.steps import registry
 
     registry.load_all()

@@ -1,4 +1,4 @@
-"""The link doctor's decisions (``sparkdeploy.link_doctor``) one by one, on a Spark's facts as
+"""The link doctor's decisions (``sparkdeploy.node.link_doctor``) one by one, on a Spark's facts as
 ``link_node.py`` reads them from a recorded real Spark's sysfs (``link_fakes``), changed where a
 case needs it; and the readers of the tools' answers."""
 
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from sparkdeploy import link_doctor as doc
-from sparkdeploy.config import load_profile
-from sparkdeploy.link import LinkFacts
+from sparkdeploy.node import link_doctor as doc
+from sparkdeploy.node.link import LinkFacts
+from sparkdeploy.profile.config import load_profile
 from tests.unit.link_fakes import facts_on, spark
 from tests.unit.profiles import SEED, seed_data, write_profile
 

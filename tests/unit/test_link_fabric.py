@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.config import load_profile
+from sparkdeploy.core.records import FabricRecord
 from sparkdeploy.ops import fabric as fab
-from sparkdeploy.records import FabricRecord
+from sparkdeploy.profile.config import load_profile
 from sparkdeploy.steps import link_fabric
 from tests.unit.fakes import FakeClock, FakeContext, deployment
 from tests.unit.profiles import seed_data, write_profile
@@ -337,8 +337,8 @@ def test_json_prints_only_the_document_on_stdout_and_the_stream_on_stderr(tmp_pa
 
 
 def test_serve_status_and_the_run_record_show_the_last_fabric_test(tmp_path):
-    from sparkdeploy import run_record
-    from sparkdeploy.plan import StepRun
+    from sparkdeploy.run import run_record
+    from sparkdeploy.run.plan import StepRun
     from sparkdeploy.steps import serve as serve_steps
     from sparkdeploy.steps.registry import StepContext
 
@@ -359,7 +359,7 @@ def test_serve_status_and_the_run_record_show_the_last_fabric_test(tmp_path):
 
 
 def test_deploy_all_tests_again_when_the_link_the_nodes_or_the_image_changed(tmp_path):
-    from sparkdeploy.fingerprint import diff_keys
+    from sparkdeploy.core.fingerprint import diff_keys
     from sparkdeploy.steps import registry
 
     fp = registry.get("link.fabric").fingerprint

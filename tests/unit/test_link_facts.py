@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from sparkdeploy.link import LinkFacts, read_facts
-from sparkdeploy.nodeops import HelperFailed
+from sparkdeploy.node.link import LinkFacts, read_facts
+from sparkdeploy.node.nodeops import HelperFailed
 from tests.unit.fakes import FakeContext, deployment
 from tests.unit.link_fakes import facts_on, spark
 from tests.unit.profiles import SEED

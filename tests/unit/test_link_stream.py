@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from sparkdeploy.packaged import helper
+from sparkdeploy.core.packaged import helper
 
 HELPER = str(helper("link_stream.py"))
 

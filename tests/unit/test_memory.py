@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy import memory
 from sparkdeploy.helpers import memory_node as mn
+from sparkdeploy.node import memory
 from tests.unit.fakes import FakeContext, deployment
 from tests.unit.profiles import SEED
 

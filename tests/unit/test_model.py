@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
+from sparkdeploy.core.outcomes import Status
+from sparkdeploy.core.packaged import helper
+from sparkdeploy.core.records import HubMetadata
 from sparkdeploy.lab import hub
 from sparkdeploy.ops import model as model_ops
 from sparkdeploy.ops import model_select
 from sparkdeploy.ops import model_sync as sync_ops
-from sparkdeploy.packaged import helper
-from sparkdeploy.records import HubMetadata
-from sparkdeploy.results import Status
 from sparkdeploy.steps import model, model_verify
 from tests.unit.fakes import WALL
 from tests.unit.model_fakes import Node, deployment

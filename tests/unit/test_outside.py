@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy import nodeops
+from sparkdeploy.core.outcomes import Status
+from sparkdeploy.core.outside import OutsideError, request, validated
+from sparkdeploy.core.packaged import helper
+from sparkdeploy.core.records import HubMetadata
 from sparkdeploy.lab import hub
 from sparkdeploy.lab.hub_repo import RepoFile
+from sparkdeploy.node import nodeops
 from sparkdeploy.ops import model as model_ops
-from sparkdeploy.outside import OutsideError, request, validated
-from sparkdeploy.packaged import helper
-from sparkdeploy.records import HubMetadata
-from sparkdeploy.results import Status
 from sparkdeploy.steps import model, model_verify
 from tests.unit.hostile import Hostile
 from tests.unit.model_fakes import Node, deployment
@@ -236,8 +236,8 @@ BAD_MODELS = [b"not json", b"[]", b'{"data": []}', b'{"data": [{"id": 5}]}', b'{
 
 @pytest.mark.parametrize("body", BAD_MODELS)
 def test_a_models_list_that_does_not_fit_is_one_line_naming_the_url(hostile, body):
-    from sparkdeploy import endpoint as ep
     from sparkdeploy.bench.client import BenchError, Target, default_model
+    from sparkdeploy.node import endpoint as ep
 
     srv = hostile(body=body)
     with pytest.raises(BenchError) as e:
@@ -248,8 +248,8 @@ def test_a_models_list_that_does_not_fit_is_one_line_naming_the_url(hostile, bod
 
 
 def test_the_models_list_is_read_when_it_fits(hostile):
-    from sparkdeploy import endpoint as ep
     from sparkdeploy.bench.client import Target, default_model
+    from sparkdeploy.node import endpoint as ep
 
     srv = hostile(body=b'{"object": "list", "data": [{"id": "m1", "x": 1}, {"id": "m2"}]}')
     assert default_model(Target.parse(srv.url)) == "m1" and ep.models(srv.url) == ["m1", "m2"]
@@ -257,7 +257,7 @@ def test_the_models_list_is_read_when_it_fits(hostile):
 
 @pytest.mark.parametrize("mode", ["silent", "trickle"])
 def test_the_endpoint_probes_end_at_their_deadlines(hostile, mode):
-    from sparkdeploy import endpoint as ep
+    from sparkdeploy.node import endpoint as ep
 
     srv = hostile(mode=mode, gap=0.02)
     started = time.monotonic()
@@ -274,7 +274,7 @@ def test_the_endpoint_probes_end_at_their_deadlines(hostile, mode):
     (b"data: {not json\n\n", ""),
 ])
 def test_a_streamed_chunk_that_does_not_fit_is_no_text(hostile, body, text):
-    from sparkdeploy import endpoint as ep
+    from sparkdeploy.node import endpoint as ep
 
     srv = hostile(body=body, ctype="text/event-stream")
     assert ep.stream_chat(srv.url, "m") == text
@@ -289,8 +289,8 @@ def test_a_streamed_chunk_that_does_not_fit_is_no_text(hostile, body, text):
     ('{"ok": []}', "missing: "),
 ])
 def test_a_helper_answer_that_does_not_fit_is_one_line(printed, why):
-    from sparkdeploy.config import Link, Node
-    from sparkdeploy.hosts import Host
+    from sparkdeploy.node.hosts import Host
+    from sparkdeploy.profile.config import Link, Node
 
     local = Host(Node(name="spark1", role="head", ssh=None, privilege="none",
                       link=Link(interface="e0", address="10.0.0.1")))
@@ -327,8 +327,8 @@ def test_a_progress_line_with_no_count_is_not_progress(line):
 
 
 def test_a_failed_helper_says_its_last_error_line_not_its_progress():
-    from sparkdeploy.config import Link, Node
-    from sparkdeploy.hosts import Host
+    from sparkdeploy.node.hosts import Host
+    from sparkdeploy.profile.config import Link, Node
 
     local = Host(Node(name="spark1", role="head", ssh=None, privilege="none",
                       link=Link(interface="e0", address="10.0.0.1")))
@@ -360,8 +360,8 @@ def test_a_ray_probe_answer_that_does_not_fit_lists_no_node(printed):
     ("[]", "not a JSON object (list)"),
 ])
 def test_node_facts_that_do_not_fit_are_one_line(printed, why):
+    from sparkdeploy.core.outside import last_line
     from sparkdeploy.ops.serve_preflight import FactsAnswer
-    from sparkdeploy.outside import last_line
 
     with pytest.raises(OutsideError) as e:
         last_line(FactsAnswer, printed, "spark1: serve_node.py facts")
@@ -374,7 +374,7 @@ def test_the_first_token_is_when_the_first_content_arrives_not_the_role_chunk():
     import http.server
     import threading
 
-    from sparkdeploy import endpoint as ep
+    from sparkdeploy.node import endpoint as ep
 
     pause, tail = 0.4, 0.4
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sparkdeploy.config import ProfileError, load_layered, load_profile
 from sparkdeploy.lab import layout
-from sparkdeploy.overlays import REMOVED, UNSET, load_merged, parse_dotted
+from sparkdeploy.profile.config import ProfileError, load_layered, load_profile
+from sparkdeploy.profile.overlays import REMOVED, UNSET, load_merged, parse_dotted
 from tests.unit.profiles import ROOT, SEED, lab_profile_with_overlay, seed_data
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.packaged import helper
+from sparkdeploy.core.packaged import helper
 
 SCRIPT = helper("probe_image.py")
 

@@ -5,7 +5,7 @@ import sys
 import pytest
 import yaml
 
-from sparkdeploy.config import ProfileError, load_profile
+from sparkdeploy.profile.config import ProfileError, load_profile
 from tests.unit.profiles import ROOT, SEED, seed_data, write_profile
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.packaged import helper
+from sparkdeploy.core.packaged import helper
 from sparkdeploy.steps.deploy import CREATED, remove_model_dir
 from tests.unit.fakes import FakeNode, scripted
 

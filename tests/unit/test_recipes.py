@@ -11,8 +11,8 @@ import sys
 import pytest
 import yaml
 
-from sparkdeploy import catalog, recipes
-from sparkdeploy.config import ProfileError, load_layered, load_profile, read_recipe
+from sparkdeploy.profile import catalog, recipes
+from sparkdeploy.profile.config import ProfileError, load_layered, load_profile, read_recipe
 from tests.unit.profiles import ROOT, SEED, seed_data, write_profile
 
 REQUIRED = {"qwen3.5-122b-a10b-fp8", "gpt-oss-120b", "qwen3-235b-a22b-instruct-2507-fp8"}

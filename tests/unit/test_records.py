@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from sparkdeploy.records import (
+from sparkdeploy.core.records import (
     Attempt,
     DeployRun,
     Endpoint,
@@ -18,7 +18,7 @@ from sparkdeploy.records import (
     ServeDecision,
     markdown_table,
 )
-from sparkdeploy.state import StateDir
+from sparkdeploy.core.state import StateDir
 
 T = 1_767_225_600.0  # 2026-01-01T00:00:00Z
 CHOSEN = {"image": "a:1", "kind": "sglang", "needs_layer": False, "serve_image": "a:1"}

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from sparkdeploy.redaction import REDACTED, is_secret_name, redact
-from sparkdeploy.state import StateDir
+from sparkdeploy.core.redaction import REDACTED, is_secret_name, redact
+from sparkdeploy.core.state import StateDir
 
 SECRETS = st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._~+=-",
                   min_size=8, max_size=40).filter(lambda s: not s.startswith(("-", ".")))
@@ -101,7 +101,7 @@ def test_a_secret_name_ends_in_a_word_of_a_secret(name, secret):
 def test_a_switch_named_as_a_secret_is_no_secret_flag(tmp_path):
     """vLLM's ``--allow-credentials`` (CORS) takes no value: accepted in args, and the flag after
     it is not taken for its value."""
-    from sparkdeploy.config import load_profile
+    from sparkdeploy.profile.config import load_profile
     from tests.unit.profiles import seed_data, write_profile
 
     assert redact(["--allow-credentials", "--port", "1"]) == ["--allow-credentials", "--port", "1"]
@@ -130,7 +130,7 @@ def test_a_yaml_list_keeps_its_dash_and_parses():
     (["--ssl-keyfile-password", "sk-leak-0001"], "env"),
 ])
 def test_a_secret_flag_in_an_engines_args_is_refused_naming_the_way(tmp_path, args, says):
-    from sparkdeploy.config import ProfileError, load_profile
+    from sparkdeploy.profile.config import ProfileError, load_profile
     from tests.unit.profiles import seed_data, write_profile
 
     data = seed_data()
@@ -145,7 +145,7 @@ def test_a_secret_flag_in_an_engines_args_is_refused_naming_the_way(tmp_path, ar
 def _planted_recipe(tmp_path, secret: str, args: list[str] | None = None) -> str:
     import yaml
 
-    from sparkdeploy import recipes
+    from sparkdeploy.profile import recipes
 
     d = tmp_path / "own"
     d.mkdir(exist_ok=True)

@@ -7,10 +7,10 @@ import graphlib
 
 import pytest
 
-from sparkdeploy.events import EventSink, Progress
-from sparkdeploy.fingerprint import Fingerprint
-from sparkdeploy.hosts import NodeUnreachable
-from sparkdeploy.results import Result, Status
+from sparkdeploy.core.events import EventSink, Progress
+from sparkdeploy.core.fingerprint import Fingerprint
+from sparkdeploy.core.outcomes import Result, Status
+from sparkdeploy.node.hosts import NodeUnreachable
 from sparkdeploy.steps.registry import REGISTRY, StepContext, get, load_all, run_one, step
 from tests.unit.fakes import FakeNode, scripted
 
@@ -143,7 +143,7 @@ def test_an_unreachable_node_is_one_failed_result_for_it_and_the_others_go_on(sc
 
 
 def test_a_context_without_a_deployment_reports_but_has_no_dep():
-    from sparkdeploy.events import EventSink
+    from sparkdeploy.core.events import EventSink
 
     ctx = StepContext("bench.run", EventSink())
     with ctx.events.collect() as got:
@@ -170,7 +170,7 @@ def test_steps_report_as_they_happen(tmp_path):
 
 def test_a_superseded_failure_stays_failed_on_the_stream_but_does_not_fail_the_task():
 
-    from sparkdeploy.events import EventSink
+    from sparkdeploy.core.events import EventSink
     from sparkdeploy.tasks._common import failed_count
 
     ctx = StepContext("serve.up", EventSink())
@@ -196,7 +196,7 @@ def test_work_aside_shows_its_progress_but_its_results_only_to_the_step_that_jud
 
 
 def test_a_step_fails_by_raising_and_its_context_makes_the_one_failed_result(tmp_path, scratch):
-    from sparkdeploy.errors import PartFailed, RunError, StepFailed
+    from sparkdeploy.core.errors import PartFailed, RunError, StepFailed
 
     dep, _, _ = scripted(tmp_path, {"spark1": FakeNode()})
 

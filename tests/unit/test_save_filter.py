@@ -19,8 +19,8 @@ import threading
 
 import pytest
 
+from sparkdeploy.core.packaged import helper
 from sparkdeploy.helpers import save_filter as sf
-from sparkdeploy.packaged import helper
 
 SCRIPT = helper("save_filter.py")
 

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sparkdeploy import endpoint as ep
-from sparkdeploy import labels
-from sparkdeploy.config import ProfileError, load_profile
+from sparkdeploy.core import labels
+from sparkdeploy.core.fingerprint import digest, key_digests
+from sparkdeploy.core.outcomes import Result, Status
+from sparkdeploy.core.records import Endpoint, ServeDecision
 from sparkdeploy.engines import NodeFacts, launch
 from sparkdeploy.engines.base import run_args
-from sparkdeploy.fingerprint import digest, key_digests
-from sparkdeploy.records import Endpoint, ServeDecision
-from sparkdeploy.results import Result, Status
+from sparkdeploy.node import endpoint as ep
+from sparkdeploy.profile.config import ProfileError, load_profile
 from sparkdeploy.steps import serve
 from tests.unit.fakes import WALL, FakeClock, deployment
 from tests.unit.serve_fakes import FakeCluster, FakeNode, Script, ServeContext
@@ -426,7 +426,7 @@ def test_an_interrupted_start_removes_what_it_started(lab):
 def _probed(dep, sglang_version: str) -> None:
     """What image.probe records: the sglang engine serves from the layer over scitrera's image,
     whose SGLang version the probe read."""
-    from sparkdeploy.records import Candidate, EngineImage, ImageDecision
+    from sparkdeploy.core.records import Candidate, EngineImage, ImageDecision
     base = "scitrera/dgx-spark-sglang:0.5.10rc0"
     dep.records.write(ImageDecision(
         node="spark1", arch="arm64", config_from=base, chosen=None,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkdeploy.packaged import helper
+from sparkdeploy.core.packaged import helper
 
 SCRIPT = helper("serve_node.py")
 spec = importlib.util.spec_from_file_location("serve_node", SCRIPT)

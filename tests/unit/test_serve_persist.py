@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from sparkdeploy import labels
+from sparkdeploy.core import labels
+from sparkdeploy.core.outcomes import Status
+from sparkdeploy.core.packaged import helper
 from sparkdeploy.engines import NodeFacts, launch
 from sparkdeploy.engines.base import run_args
 from sparkdeploy.helpers import serve_unit
-from sparkdeploy.packaged import helper
-from sparkdeploy.results import Status
 from sparkdeploy.steps import serve, serve_persist
 from tests.unit.fakes import WALL
 from tests.unit.serve_fakes import FakeNode

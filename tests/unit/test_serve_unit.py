@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from sparkdeploy.packaged import helper
+from sparkdeploy.core.packaged import helper
 
 SCRIPT = helper("serve_unit.py")
 KEY = b"k" * 64

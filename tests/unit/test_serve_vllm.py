@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from sparkdeploy import labels
+from sparkdeploy.core import labels
+from sparkdeploy.core.outcomes import Status
+from sparkdeploy.core.records import Endpoint, ServeDecision
 from sparkdeploy.engines import NodeFacts, launch
 from sparkdeploy.engines.base import run_args
-from sparkdeploy.records import Endpoint, ServeDecision
-from sparkdeploy.results import Status
 from sparkdeploy.steps import serve
 from tests.unit.fakes import WALL
 from tests.unit.serve_fakes import Script

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
+from sparkdeploy.core.outcomes import Status
 from sparkdeploy.helpers import serve_watchdog as wd
-from sparkdeploy.results import Status
 from sparkdeploy.steps import serve
 from sparkdeploy.steps import watchdog as serve_watch
 from tests.unit.serve_fakes import Script

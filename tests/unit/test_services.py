@@ -3,9 +3,9 @@ import shlex
 
 import pytest
 
-from sparkdeploy.events import Echo, Progress, describe
-from sparkdeploy.results import Result, Status
-from sparkdeploy.state import StateDir
+from sparkdeploy.core.events import Echo, Progress, describe
+from sparkdeploy.core.outcomes import Result, Status
+from sparkdeploy.core.state import StateDir
 from sparkdeploy.steps import services
 from tests.unit.fakes import FakeNode, ScriptedContext, scripted
 from tests.unit.profiles import SEED
@@ -195,7 +195,7 @@ def test_unreachable_node_fails_without_dry(tmp_path):
 
 
 def test_sudo_password_prompt_is_a_clear_error(tmp_path):
-    from sparkdeploy.hosts import HostError
+    from sparkdeploy.node.hosts import HostError
 
     dep, _, _ = scripted(tmp_path, {"spark1": glm_node(sudo_password=True)})
     with pytest.raises(HostError, match="sudo needs a password"):
@@ -220,7 +220,7 @@ def test_journal_redacts_secrets(tmp_path):
 
 
 def test_lock_excludes_a_second_run(tmp_path):
-    from sparkdeploy.state import LockHeld
+    from sparkdeploy.core.state import LockHeld
 
     state = StateDir(tmp_path)
     with state.lock("first"):

@@ -328,7 +328,7 @@ def test_sglang_refuses_more_ranks_than_the_nodes_gpus(capsys, monkeypatch):
 
 
 def test_the_lab_fault_oom_at_load_fails_every_rank_as_a_cuda_oom(pair):
-    from sparkdeploy.diagnose import classify
+    from sparkdeploy.engines.diagnose import classify
 
     start, tmp = pair
     (tmp / "lab" / "faults.json").write_text(json.dumps({"faults": ["oom-at-load"]}))

@@ -35,11 +35,11 @@ from pathlib import Path
 import pytest
 from invoke import Result as RunResult
 
-from sparkdeploy import nodeops
-from sparkdeploy.events import Echo, Log, Progress
-from sparkdeploy.hosts import Feed
-from sparkdeploy.packaged import helper
-from sparkdeploy.results import Result, Status
+from sparkdeploy.core.events import Echo, Log, Progress
+from sparkdeploy.core.outcomes import Result, Status
+from sparkdeploy.core.packaged import helper
+from sparkdeploy.node import nodeops
+from sparkdeploy.node.hosts import Feed
 from sparkdeploy.steps import ship
 from tests.unit import test_layer_export as tle
 from tests.unit import test_save_filter as tsf

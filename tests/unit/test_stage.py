@@ -6,9 +6,9 @@ import subprocess
 import pytest
 from invoke import Config, Context
 
-from sparkdeploy import nodeops
-from sparkdeploy.config import Link, Node
-from sparkdeploy.hosts import Host, HostError
+from sparkdeploy.node import nodeops
+from sparkdeploy.node.hosts import Host, HostError
+from sparkdeploy.profile.config import Link, Node
 
 LOCAL = Node(name="spark1", role="head", link=Link(interface="e0", address="10.0.0.1"))
 HELPER = "#!/usr/bin/env python3\nprint('hello from the helper')\n"
@@ -109,7 +109,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_watched_passes_the_exit_status_and_output_and_leaves_nothing_running(host, tmp_path):
-    from sparkdeploy.hosts import Feed
+    from sparkdeploy.node.hosts import Feed
 
     feed = Feed()
     pids = tmp_path / "pids"
@@ -124,7 +124,7 @@ def test_watched_ends_the_command_and_its_children_when_stdin_closes(host, tmp_p
     import threading
     import time
 
-    from sparkdeploy.hosts import Feed
+    from sparkdeploy.node.hosts import Feed
 
     feed = Feed()
     pids = tmp_path / "pids"
@@ -147,7 +147,7 @@ def test_watched_is_its_argv_after_a_fixed_script():
 def test_watched_adds_nothing_to_the_commands_stderr(host):
     """A command that ends at once, many times: job control's notices ("[1]+ Exit 3 ...") would
     land on stderr now and then (and a step reads a helper's last stderr line as its error)."""
-    from sparkdeploy.hosts import Feed
+    from sparkdeploy.node.hosts import Feed
 
     for _ in range(30):
         feed = Feed()

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from sparkdeploy import diagnose
+from sparkdeploy.engines import diagnose
 from sparkdeploy.lab.standins import engine_server as es
 
 SGLANG_FILES = {

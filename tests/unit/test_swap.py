@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from sparkdeploy import swap as sw
+from sparkdeploy.core.outcomes import Result, Status
 from sparkdeploy.lab.standins import engine_server as es
-from sparkdeploy.memory import NodeMemory
+from sparkdeploy.node.memory import NodeMemory
 from sparkdeploy.ops import swap as ops
-from sparkdeploy.results import Result, Status
+from sparkdeploy.run import swap as sw
 from sparkdeploy.steps import model_fit
 from sparkdeploy.steps import model_prune as checks_prune
 from sparkdeploy.steps import swap as checks
@@ -40,7 +40,7 @@ class Answering(FakeContext):
 def dep(tmp_path):
     def make(rules=None, recipe=None):
         ctx = Answering(rules or {})
-        from sparkdeploy.config import load_profile
+        from sparkdeploy.profile.config import load_profile
 
         prof = load_profile(SEED, recipe)
         return deployment(SEED, tmp_path / "state", ctx, profile=prof), ctx
@@ -342,7 +342,7 @@ class _Ctx:
 
 
 def test_prepare_runs_the_new_deployments_steps_and_stops_nothing(dep, monkeypatch):
-    from sparkdeploy.plan import PlanRun, StepRun
+    from sparkdeploy.run.plan import PlanRun, StepRun
 
     new, _ = dep(recipe="gpt-oss-120b")
     old, _ = dep()
@@ -499,7 +499,7 @@ def test_nothing_serving_and_no_swap_under_way_is_refused(dep, monkeypatch):
 
 
 def test_a_dry_swap_writes_nothing(dep, monkeypatch, tmp_path):
-    from sparkdeploy.config import load_profile
+    from sparkdeploy.profile.config import load_profile
 
     state = tmp_path / "dry-state"
     new = deployment(SEED, state, FakeContext(dry=True),

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from sparkdeploy import endpoint as ep
-from sparkdeploy import swap as sw
+from sparkdeploy.core.outcomes import Status
+from sparkdeploy.core.records import Endpoint
+from sparkdeploy.node import endpoint as ep
 from sparkdeploy.ops import swap as ops
-from sparkdeploy.records import Endpoint
-from sparkdeploy.results import Status
+from sparkdeploy.run import swap as sw
 from sparkdeploy.steps import serve
 from tests.unit.serve_fakes import Script
 from tests.unit.test_serve import IMG, MODEL, healthy_sglang, lab  # noqa: F401  (the fixture)

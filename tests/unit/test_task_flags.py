@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sparkdeploy.files import write_atomic
+from sparkdeploy.core.files import write_atomic
 from sparkdeploy.tasks import _flags as flags
 from tests.unit.profiles import ROOT, SEED
 

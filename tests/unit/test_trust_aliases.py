@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from invoke.exceptions import Exit
 
-from sparkdeploy.config import SshSettings
-from sparkdeploy.hosts import ssh_base_argv
+from sparkdeploy.node.hosts import ssh_base_argv
+from sparkdeploy.profile.config import SshSettings
 from sparkdeploy.tasks.hosts import trust
 from tests.unit.fakes import FakeContext
 

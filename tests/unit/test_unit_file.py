@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sparkdeploy.config import load_profile
+from sparkdeploy.profile.config import load_profile
 from sparkdeploy.steps.serve_persist import UnitValueError, unit_file, unit_text
 from tests.unit.profiles import SEED
 from tests.unit.test_doors_profile import INJECTED

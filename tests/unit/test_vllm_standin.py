@@ -195,7 +195,7 @@ def _logs(tmp, n=2) -> dict[str, list[str]]:
 
 
 def test_the_unreached_worker_is_diagnosed_as_a_worker_that_never_joined(ranks):
-    from sparkdeploy import diagnose as dx
+    from sparkdeploy.engines import diagnose as dx
 
     start, tmp = ranks
     port = start(LINK, {"VLLM_HOST_IP": "127.0.1.1"})
@@ -210,7 +210,7 @@ def test_the_unreached_worker_is_diagnosed_as_a_worker_that_never_joined(ranks):
 
 
 def test_a_head_alone_at_its_store_is_a_worker_that_never_joined(tmp_path):
-    from sparkdeploy import diagnose as dx
+    from sparkdeploy.engines import diagnose as dx
 
     model = tmp_path / "m"
     model.mkdir()
@@ -227,7 +227,7 @@ def test_a_head_alone_at_its_store_is_a_worker_that_never_joined(tmp_path):
 
 
 def test_a_served_pair_and_a_single_node_leader_are_not_that(ranks):
-    from sparkdeploy import diagnose as dx
+    from sparkdeploy.engines import diagnose as dx
 
     start, tmp = ranks
     port = start(LINK, LINK)

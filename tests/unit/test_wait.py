@@ -2,7 +2,7 @@
 
 import pytest
 
-from sparkdeploy.wait import Deadline, Stop, WaitTimeout, retry, wait_for
+from sparkdeploy.core.wait import Deadline, Stop, WaitTimeout, retry, wait_for
 from tests.unit.fakes import FakeClock
 
 

@@ -1,4 +1,4 @@
-"""Only the weights the engine loads: the selection rule (``sparkdeploy.weights``) on real
+"""Only the weights the engine loads: the selection rule (``sparkdeploy.model.weights``) on real
 repository layouts, and model.download / model.verify against the lab hub's recipe-shaped
 repositories on loopback (a scripted node whose helper runs for real)."""
 
@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sparkdeploy import fit, weights
+from sparkdeploy.core.outcomes import Status
 from sparkdeploy.lab import hub, hub_layouts, tiny
+from sparkdeploy.model import fit, weights
 from sparkdeploy.ops import model_select
-from sparkdeploy.results import Status
 from sparkdeploy.steps import model, model_verify
 from tests.unit.model_fakes import Node, deployment
 
@@ -262,7 +262,7 @@ def test_the_perf_figure_selected_ratio_is_one_and_was_about_three(tmp_path, rec
     """``nox -s perf -- model``'s ``model.selected_ratio``, its code run here on loopback (the
     lab runs it on its nodes): 1.00 with the selection; the whole repository (every file, as
     ``allow_patterns: ["*"]`` fetches, the default before) is about three times that."""
-    from sparkdeploy.perf import model as perf_model
+    from tools.perf import model as perf_model
 
     dep, _ = _dep(tmp_path / "a", recipe_hub)
     assert perf_model.selected_ratio(dep, recipe_hub) == pytest.approx(1.0, abs=0.005)
@@ -276,7 +276,7 @@ def _helper(*args: str):
     import subprocess
     import sys
 
-    from sparkdeploy.packaged import helper
+    from sparkdeploy.core.packaged import helper
     return subprocess.run([sys.executable, str(helper("model_node.py")), *args],
                           capture_output=True, text=True, timeout=30)
 
@@ -317,8 +317,8 @@ def test_the_node_records_a_spec_as_its_selection_and_refuses_one_that_is_not(tm
 def test_an_index_the_engine_cannot_follow_is_one_line_before_any_node(tmp_path, monkeypatch,
                                                                         index, line):
     """The hub's listing and index, as the hub would answer them (``outside.request``)."""
+    from sparkdeploy.core.outside import Response
     from sparkdeploy.ops import model as model_ops
-    from sparkdeploy.outside import Response
 
     listing = {"sha": "c" * 40, "siblings": [
         {"rfilename": n, "size": 5, "blobId": "d" * 40}

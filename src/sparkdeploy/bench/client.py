@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from sparkdeploy import checks
 from sparkdeploy.bench.metrics import Timeline, analyse, met_slo, stats, summarize
-from sparkdeploy.endpoint import headers as auth_headers
-from sparkdeploy.errors import UsageError
-from sparkdeploy.events import EventSink, Progress
-from sparkdeploy.outside import ModelList, OutsideError, Watch, parsed, request, watchdog
+from sparkdeploy.core import checks
+from sparkdeploy.core.errors import UsageError
+from sparkdeploy.core.events import EventSink, Progress
+from sparkdeploy.core.outside import ModelList, OutsideError, Watch, parsed, request, watchdog
+from sparkdeploy.node.endpoint import headers as auth_headers
 
 DAY_S = 86400.0
 """The longest a timeout or a deadline of the client may be."""
@@ -79,7 +79,7 @@ class Target:
 @dataclass(kw_only=True)
 class Settings:
     """One request's shape (the defaults of the sizes and the timeout: the profile's ``bench``
-    section, ``sparkdeploy.config.Bench``)."""
+    section, ``sparkdeploy.profile.config.Bench``)."""
 
     api: str = "chat"  # chat | completions
     model: str | None = None

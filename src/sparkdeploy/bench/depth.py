@@ -33,8 +33,8 @@ from typing import Any
 from sparkdeploy.bench import gate
 from sparkdeploy.bench.client import BenchError, Settings, Target, default_model, prompt_body, run_level
 from sparkdeploy.bench.metrics import RequestMetrics, confidence
-from sparkdeploy.events import EventSink
-from sparkdeploy.files import MB, InputError, read_input
+from sparkdeploy.core.events import EventSink
+from sparkdeploy.core.files import MB, InputError, read_input
 
 STEP = "bench.depth"
 MAX_DEPTH = 1_048_576

@@ -26,9 +26,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparkdeploy.endpoint import headers as auth_headers
-from sparkdeploy.errors import RunError
-from sparkdeploy.outside import OutsideError, request
+from sparkdeploy.core.errors import RunError
+from sparkdeploy.core.outside import OutsideError, request
+from sparkdeploy.node.endpoint import headers as auth_headers
 
 MAX_TEXT = 16 * 1024 * 1024
 """The most a /metrics answer may hold (vLLM's is ~100 kB; a bigger one is not metrics)."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from sparkdeploy.bench.client import BenchError, Overhead, Settings, Target, guarded_request, prompt_body
 from sparkdeploy.bench.metrics import Chunk, Timeline, analyse
-from sparkdeploy.outside import OutsideError, parsed, validated
+from sparkdeploy.core.outside import OutsideError, parsed, validated
 
 PROMPTS: tuple[tuple[str, str], ...] = (
     ("What is 17 + 25? Answer with the number only.", "42"),

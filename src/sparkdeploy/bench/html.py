@@ -19,6 +19,7 @@ from typing import Any
 
 from sparkdeploy.bench.compare import Comparison
 from sparkdeploy.bench.gate import OFF
+from sparkdeploy.bench.plot import plot
 from sparkdeploy.bench.report import engine_rows, level_name
 
 CSP = ("default-src 'none'; img-src data:; style-src 'unsafe-inline'; "
@@ -113,10 +114,6 @@ def level_section(run: dict) -> str:
 def plot_png(runs: list[dict], title: str) -> str | None:
     """The four-panel plot as base64 PNG (None without matplotlib or runs to draw)."""
     if not runs:
-        return None
-    try:
-        from sparkdeploy.bench.plot import plot
-    except ImportError:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "plot.png"

@@ -31,7 +31,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field
 
-from sparkdeploy.outside import OutsideError, parsed, validated
+from sparkdeploy.core.outside import OutsideError, parsed, validated
 
 DONE = b"[DONE]"
 

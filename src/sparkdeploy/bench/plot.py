@@ -16,7 +16,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from sparkdeploy.outside import parsed
+from sparkdeploy.core.outside import parsed
 
 PNG_KEY = "sparkdeploy.bench"
 

@@ -9,13 +9,14 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, model_validator
 
-from sparkdeploy import checks
+from sparkdeploy.bench import gate as coherence
 from sparkdeploy.bench.client import BenchError, Settings, Target, default_model, run_level
 from sparkdeploy.bench.engine import MetricsError, Watch, metrics_url, versus
 from sparkdeploy.bench.metrics import RequestMetrics, intervals, summarize
-from sparkdeploy.events import EventSink
-from sparkdeploy.files import MB, InputError, read_input
-from sparkdeploy.outside import OutsideError, parsed, validated
+from sparkdeploy.core import checks
+from sparkdeploy.core.events import EventSink
+from sparkdeploy.core.files import MB, InputError, read_input
+from sparkdeploy.core.outside import OutsideError, parsed, validated
 
 STEP = "bench.run"
 MAX_RUNS = 100
@@ -57,7 +58,6 @@ def run_sweep(url: str, settings: Settings, *, concurrency: list[int] | None = N
     listed = default_model(target, deadline=min(10.0, settings.timeout))
     if settings.model is None:  # else: the call above fails early, in one line, when unreachable
         settings.model = listed
-    from sparkdeploy.bench import gate as coherence
 
     # a model that answers nonsense gets no figures, unless the owner turned the gate off
     answers = coherence.check(target, settings) if gate else []

@@ -1,1 +1,1 @@
-"""Data the package ships: the seed profile and the transformers Dockerfile (``sparkdeploy.packaged``)."""
+"""Data the package ships: the seed profile and the transformers Dockerfile (``sparkdeploy.core.packaged``)."""

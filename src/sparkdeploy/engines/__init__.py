@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from sparkdeploy import labels
+from sparkdeploy.core import labels
 from sparkdeploy.engines import sglang, vllm, vllm_ray
 from sparkdeploy.engines.base import (
     ContainerSpec,
@@ -23,7 +23,7 @@ from sparkdeploy.engines.base import (
 )
 
 if TYPE_CHECKING:
-    from sparkdeploy.config import Engine, Profile
+    from sparkdeploy.profile.config import Engine, Profile
 
 KINDS: dict[str, Kind] = {k.name: k for k in (sglang.KIND, vllm.KIND, vllm_ray.KIND)}
 """Every engine kind by its name (``engines[].kind``), in the order the profile's error names

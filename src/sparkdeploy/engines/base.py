@@ -39,13 +39,13 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from sparkdeploy import labels as lbl
+from sparkdeploy.core import labels as lbl
+from sparkdeploy.core.errors import StepFailed
+from sparkdeploy.core.redaction import is_secret_name
 from sparkdeploy.engines.rules import Pat, Rule, SequenceRule
-from sparkdeploy.errors import StepFailed
-from sparkdeploy.redaction import is_secret_name
 
 if TYPE_CHECKING:  # the profile's types only: config.py reads the kinds from the registry
-    from sparkdeploy.config import Engine, Node, Profile
+    from sparkdeploy.profile.config import Engine, Node, Profile
 
 PREFIX = "sparkdeploy"
 API_KEY_ENV = "SPARKDEPLOY_API_KEY"
@@ -94,7 +94,7 @@ class Kind:
     - its startup lines: ``dist_ready`` (the ``dist_init`` milestone of ``STARTUP``) and the
       ``Launch``'s stage waits;
     - its diagnosis rules: ``diagnosis``, ``sequence_rules`` and their ``markers``
-      (``sparkdeploy.diagnose`` runs them with its own);
+      (``sparkdeploy.engines.diagnose`` runs them with its own);
     - where its API key goes: ``api_key_env``;
     - what its ``args`` may not say: ``args_problem``.
     """
@@ -183,7 +183,7 @@ class ContainerSpec:
     secret_env: tuple[str, ...] = ()
     """Variables whose values come from the controller's secrets when the container starts."""
     labels: tuple[tuple[str, str], ...] = ()
-    """What the container says about itself on the node (``sparkdeploy.labels``): set for
+    """What the container says about itself on the node (``sparkdeploy.core.labels``): set for
     every engine kind by ``engines.launch``."""
     entrypoint: str | None = None
     """The image's entrypoint replaced (``link.fabric``'s rank runs ``python3`` in the engine's

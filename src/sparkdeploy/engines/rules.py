@@ -1,4 +1,4 @@
-"""The words engine logs are read in, shared by ``sparkdeploy.diagnose`` and the engine kinds'
+"""The words engine logs are read in, shared by ``sparkdeploy.engines.diagnose`` and the engine kinds'
 own diagnosis (``Kind.diagnosis``, ``Kind.sequence_rules``): a pattern guarded by cheap keys, a
 rule giving a failure class with its priority and one line of why, a node's log cleaned, a
 finding with its evidence, and the lines every engine prints through torch, NCCL and its API

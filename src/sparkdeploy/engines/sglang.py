@@ -29,7 +29,7 @@ from sparkdeploy.engines.base import (
 )
 
 if TYPE_CHECKING:
-    from sparkdeploy.config import Engine, Profile
+    from sparkdeploy.profile.config import Engine, Profile
 
 DEFAULT_DIST_PORT = 20000
 _VALUED = {"--model-path", "--served-model-name", "--tp-size", "--pp-size", "--nnodes", "--node-rank",

@@ -47,7 +47,7 @@ from sparkdeploy.engines.rules import (
 )
 
 if TYPE_CHECKING:
-    from sparkdeploy.config import Engine, Node, Profile
+    from sparkdeploy.profile.config import Engine, Node, Profile
 
 RANK_JOINED = r"rank \d+ in world size \d+ is assigned as DP rank"
 """What every vLLM rank prints once it is in the model-parallel groups (``parallel_state.py``):

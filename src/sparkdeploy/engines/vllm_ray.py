@@ -25,7 +25,7 @@ from sparkdeploy.engines.rules import READY, Rule, pat
 from sparkdeploy.engines.vllm import API_KEY_VAR, RANK_JOINED, VLLM, node_spec, serve_argv, single
 
 if TYPE_CHECKING:
-    from sparkdeploy.config import Engine, Profile
+    from sparkdeploy.profile.config import Engine, Profile
 
 DEFAULT_RAY_PORT = 6379
 RAY_TMP = "/tmp/ray"

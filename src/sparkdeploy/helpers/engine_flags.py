@@ -1,6 +1,6 @@
 """The real argument parser of a serving engine, read without a GPU: every option it accepts.
 
-Run by ``nox -s engine_flags`` (``sparkdeploy.flagmaker``) with the python of a scratch
+Run by ``nox -s engine_flags`` (``tools.flagmaker``) with the python of a scratch
 virtualenv that holds the engine's wheel; on no node. Standard library and the engine only::
 
     python engine_flags.py sglang

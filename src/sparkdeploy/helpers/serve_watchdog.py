@@ -305,7 +305,7 @@ def save_logs(docker: list[str], names: list[str], rid: str, node_dir: str = NOD
     return d, files
 
 
-# --- the canary (the supervisors' side; the controller uses sparkdeploy.endpoint) --------------
+# --- the canary (the supervisors' side; the controller uses sparkdeploy.node.endpoint) --------------
 
 
 def canary(host: str, port: int, model: str, deadline_s: float, key: str | None = None,

@@ -7,7 +7,7 @@ over the paths a deployment writes. Each node runs a real OpenSSH ``sshd`` and a
 a fast link (veth pair, or a bridge for three or more nodes) joins the nodes.
 
 Entry points: ``lifecycle.up``, ``lifecycle.down``, ``lifecycle.status``; each returns a list
-of ``sparkdeploy.results.Result`` and never prints. State is machine-wide
+of ``sparkdeploy.core.outcomes.Result`` and never prints. State is machine-wide
 (``/var/lib/sparkdeploy/lab/state.json``), so a lab left by another checkout is found and
 reused or taken down.
 """

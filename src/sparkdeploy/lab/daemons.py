@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from sparkdeploy.files import write_if_changed
+from sparkdeploy.core.files import write_if_changed
+from sparkdeploy.core.outcomes import Result, Status
+from sparkdeploy.core.wait import Stop, WaitTimeout, wait_for
 from sparkdeploy.lab import keys, layout, proc
 from sparkdeploy.lab import state as lab_state
 from sparkdeploy.lab.proc import LabError
-from sparkdeploy.results import Result, Status
-from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 
 def ensure_daemon(st: dict, name: str, argv: list[str], ready: Callable[[], bool],

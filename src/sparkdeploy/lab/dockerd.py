@@ -12,10 +12,10 @@ import socket
 from collections.abc import Sequence
 from pathlib import Path
 
-from sparkdeploy.files import move_in
+from sparkdeploy.core.files import move_in
+from sparkdeploy.core.wait import Stop, WaitTimeout, wait_for
 from sparkdeploy.lab import layout
-from sparkdeploy.lab.proc import LabError, clean_stale_tmp, in_node, remove_tree, run, spawn
-from sparkdeploy.wait import Stop, WaitTimeout, wait_for
+from sparkdeploy.lab.proc import LabError, alive, clean_stale_tmp, in_node, remove_tree, run, spawn
 
 DOCKER26_DIR = layout.CACHE_DIR / "docker26"
 DOCKER26_DOCKERD = DOCKER26_DIR / "usr" / "sbin" / "dockerd"
@@ -238,7 +238,6 @@ def _socket_answers(sock: Path) -> bool:
 
 
 def _wait_for_socket(sock: Path, what: str, node: str, rec: dict, timeout: float = 30) -> None:
-    from sparkdeploy.lab.proc import alive
 
     def probe() -> bool:
         if _socket_answers(sock):

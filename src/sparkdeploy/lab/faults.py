@@ -27,11 +27,11 @@ import signal
 import subprocess
 from pathlib import Path
 
-from sparkdeploy.files import write_if_changed
+from sparkdeploy.core.files import write_if_changed
+from sparkdeploy.core.labels import ENGINE as LABEL_ENGINE
+from sparkdeploy.core.outcomes import Result, Status
 from sparkdeploy.helpers import serve_watchdog as wd
 from sparkdeploy.lab import dockerd, layout, link_faults, memory_fault
-from sparkdeploy.labels import ENGINE as LABEL_ENGINE
-from sparkdeploy.results import Result, Status
 
 FAULTS: dict[str, str] = {
     "sglang-hang": "SGLang's ranks hang after `CustomAllreduce is disabled ...` even when every "

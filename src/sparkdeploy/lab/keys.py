@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sparkdeploy.files import write_if_changed
+from sparkdeploy.core.files import write_if_changed
 from sparkdeploy.lab import layout
 from sparkdeploy.lab.layout import AddressPlan
 from sparkdeploy.lab.proc import run

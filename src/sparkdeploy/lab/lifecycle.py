@@ -14,17 +14,17 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from sparkdeploy import threads
-from sparkdeploy.events import EventSink
-from sparkdeploy.files import write_if_changed
-from sparkdeploy.lab import dockerd, image, internet, keys, layout, node, packages, proc, standins_install
+from sparkdeploy.core import threads
+from sparkdeploy.core.events import EventSink
+from sparkdeploy.core.files import write_if_changed
+from sparkdeploy.core.outcomes import Result, Status
+from sparkdeploy.core.wait import Stop, WaitTimeout, wait_for
+from sparkdeploy.lab import dockerd, glm, image, internet, keys, layout, node, packages, proc, standins_install
 from sparkdeploy.lab import state as lab_state
 from sparkdeploy.lab.heartbeat import Heartbeat
 from sparkdeploy.lab.layout import AddressPlan
 from sparkdeploy.lab.proc import LabError
-from sparkdeploy.results import Result, Status
 from sparkdeploy.steps.registry import StepContext, run_one
-from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 
 def preflight() -> str | None:
@@ -344,7 +344,6 @@ def _ensure_dockerd(x: str, st: dict, flavor: str) -> Result:
 def _ensure_glm(head: str) -> Result:
     """The GLM deployment the seed had to stop: four units enabled and running on the head,
     driven through the node's own systemctl stand-in inside its namespaces."""
-    from sparkdeploy.lab import glm
 
     unit_dir = layout.node_dir(head) / layout.PRIVATE_MOUNTS[layout.UNIT_DIR]
     ctl = proc.in_node(layout.mntns_path(head), layout.netns_path(head),

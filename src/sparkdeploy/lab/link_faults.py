@@ -14,9 +14,9 @@ import ipaddress
 import json
 from pathlib import Path
 
+from sparkdeploy.core.outcomes import Result, Status
 from sparkdeploy.lab import layout
 from sparkdeploy.lab.proc import LabError, run
-from sparkdeploy.results import Result, Status
 
 LINK_FAULTS: dict[str, str] = {
     "mtu-mismatch": f"the node's {layout.FAST_IF} at MTU 1500 (the others keep {layout.FAST_MTU})",

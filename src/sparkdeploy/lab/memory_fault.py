@@ -15,9 +15,9 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from sparkdeploy.files import write_if_changed
+from sparkdeploy.core.files import write_if_changed
+from sparkdeploy.core.outcomes import Result, Status
 from sparkdeploy.lab import layout
-from sparkdeploy.results import Result, Status
 
 NAME = "memory-small"
 WHAT = ("the node's /proc/meminfo shows MemAvailable 1.0 GiB (a crafted copy bound over it in "

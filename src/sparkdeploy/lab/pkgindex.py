@@ -65,7 +65,7 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
-from sparkdeploy.files import move_in
+from sparkdeploy.core.files import move_in
 from sparkdeploy.lab.server import LabServer, serve_until_stopped
 from sparkdeploy.lab.server import wait_ready as wait_health
 

@@ -21,12 +21,12 @@ from pathlib import Path
 
 from invoke import Config, Context
 
-from sparkdeploy.config import ProfileError
-from sparkdeploy.deployment import DEFAULTS, from_context
-from sparkdeploy.events import rendering
+from sparkdeploy.core.events import rendering
+from sparkdeploy.core.packaged import helper
 from sparkdeploy.lab.hub_repo import model_config
-from sparkdeploy.nodeops import NodeUnreachable, docker
-from sparkdeploy.packaged import helper
+from sparkdeploy.node.deployment import DEFAULTS, from_context
+from sparkdeploy.node.nodeops import NodeUnreachable, docker
+from sparkdeploy.profile.config import ProfileError
 from sparkdeploy.steps.registry import run_one
 
 

@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from sparkdeploy.wait import WaitTimeout, wait_for
+from sparkdeploy.core.wait import WaitTimeout, wait_for
 
 
 class LabError(Exception):

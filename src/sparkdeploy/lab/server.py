@@ -10,7 +10,7 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 
-from sparkdeploy.wait import WaitTimeout, wait_for
+from sparkdeploy.core.wait import WaitTimeout, wait_for
 
 ACCEPT_TIMEOUT_S = 0.5
 

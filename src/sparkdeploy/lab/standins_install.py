@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sparkdeploy.files import copy_if_changed
+from sparkdeploy.core.files import copy_if_changed
 from sparkdeploy.lab import layout
 
 

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sparkdeploy.files import write_text_atomic
+from sparkdeploy.core.files import write_text_atomic
 from sparkdeploy.lab import layout
 from sparkdeploy.lab.proc import LabError
 

@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from sparkdeploy.deployment import Deployment
-    from sparkdeploy.hosts import Host, NodeUnreachable
-    from sparkdeploy.results import Result
+    from sparkdeploy.core.outcomes import Result
+    from sparkdeploy.node.deployment import Deployment
+    from sparkdeploy.node.hosts import Host, NodeUnreachable
 
 T = TypeVar("T")
 

@@ -1,7 +1,7 @@
 """Every engine's command lines checked against the real engine's flags before anything stops
 (``deploy.all``, as its plan is prepared): the flags of ``engines[].args`` and every flag
 sparkdeploy generates for the profile's nodes (``engines.launch``), each container's, against
-the flag manifest (``sparkdeploy.engine_flags``) of the engine version the last ``image.probe``
+the flag manifest (``sparkdeploy.engines.flags``) of the engine version the last ``image.probe``
 found in the engine's image. Before any probe has named it, the version is not known (an image
 rule's ``min_version`` is a floor, not the version): the command lines pass when one version
 with a manifest accepts them, and a refusal says so. ``serve.up``'s preflight checks the same
@@ -10,12 +10,12 @@ again against the version probed by then.
 
 from __future__ import annotations
 
-from sparkdeploy import engine_flags
-from sparkdeploy.config import Engine
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.engine_flags import FlagError
+from sparkdeploy.engines import flags as engine_flags
 from sparkdeploy.engines import launch
+from sparkdeploy.engines.flags import FlagError
+from sparkdeploy.node.deployment import Deployment
 from sparkdeploy.ops.serve_preflight import engine_version
+from sparkdeploy.profile.config import Engine
 
 
 def check_engine(dep: Deployment, engine: Engine) -> str:

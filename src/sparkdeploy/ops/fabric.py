@@ -16,10 +16,10 @@ from dataclasses import replace
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sparkdeploy import labels as lbl
-from sparkdeploy.config import Profile
+from sparkdeploy.core import labels as lbl
 from sparkdeploy.engines import ContainerSpec, Launch
 from sparkdeploy.engines.base import Mount
+from sparkdeploy.profile.config import Profile
 
 STEP = "link.fabric"
 PROGRAM = "fabric_allreduce.py"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from invoke import Context
 
-from sparkdeploy.config import Node, SshSettings
-from sparkdeploy.events import EventSink
-from sparkdeploy.hosts import Host
+from sparkdeploy.core.events import EventSink
+from sparkdeploy.node.hosts import Host
+from sparkdeploy.profile.config import Node, SshSettings
 
 
 def probe_hosts(nodes: list[tuple[str, str]], ssh: SshSettings, runner: Context | None,

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from sparkdeploy.deployment import Deployment
+from sparkdeploy.core.records import ImageDecision
 from sparkdeploy.engines.base import pinned as pinned  # where the serve steps and the ship read it
-from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import NodeUnreachable, docker, inspect_image, tagged
-from sparkdeploy.records import ImageDecision
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.hosts import Host
+from sparkdeploy.node.nodeops import NodeUnreachable, docker, inspect_image, tagged
 
 STEP_BUILD = "image.build"
 

@@ -26,11 +26,15 @@ from urllib.parse import quote, urljoin, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sparkdeploy import labels, threads, weights
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.errors import StepFailed
-from sparkdeploy.hosts import Feed, Host
-from sparkdeploy.nodeops import (
+from sparkdeploy.core import labels, threads
+from sparkdeploy.core.errors import StepFailed
+from sparkdeploy.core.outcomes import Result
+from sparkdeploy.core.outside import HubName, OutsideError, name_problem, request
+from sparkdeploy.core.records import SHA1, SHA256, HubMetadata, RecordError
+from sparkdeploy.model import weights
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.hosts import Feed, Host
+from sparkdeploy.node.nodeops import (
     HelperFailed,
     docker,
     free_space,
@@ -41,9 +45,6 @@ from sparkdeploy.nodeops import (
     staged_files,
 )
 from sparkdeploy.ops import Ctx
-from sparkdeploy.outside import HubName, OutsideError, name_problem, request
-from sparkdeploy.records import SHA1, SHA256, HubMetadata, RecordError
-from sparkdeploy.results import Result
 
 DOWNLOAD = "model.download"
 VERIFY = "model.verify"

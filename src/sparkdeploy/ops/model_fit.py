@@ -1,5 +1,5 @@
 """What ``model.fit`` and ``profile.check`` share: the model's config.json, and the fit
-calculator (``sparkdeploy.estimate``) run for one engine of the profile on one node's memory.
+calculator (``sparkdeploy.model.estimate``) run for one engine of the profile on one node's memory.
 
 The config.json comes from, first first: the recipe the profile names (its config file ships
 beside it) when the recipe is for the profile's repo; the head's model dir (what the engine
@@ -15,16 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from sparkdeploy import estimate as est
-from sparkdeploy import fit
-from sparkdeploy.config import Engine, read_recipe
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.fit import GIB, Check
-from sparkdeploy.hosts import HostError
+from sparkdeploy.core.outside import OutsideError
+from sparkdeploy.model import estimate as est
+from sparkdeploy.model import fit
+from sparkdeploy.model.fit import GIB, Check
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.hosts import HostError
 from sparkdeploy.ops.model import ModelError, fetch_file
-from sparkdeploy.outside import OutsideError
-from sparkdeploy.overlays import ProfileError
-from sparkdeploy.recipes import directories
+from sparkdeploy.profile.config import Engine, read_recipe
+from sparkdeploy.profile.overlays import ProfileError
+from sparkdeploy.profile.recipes import directories
 
 CONFIG = "config.json"
 

@@ -1,5 +1,5 @@
 """Which files the weights are: decided once, from the hub's listing and the safetensors index
-(``sparkdeploy.weights``, the rule), recorded on the head, read back by every step.
+(``sparkdeploy.model.weights``, the rule), recorded on the head, read back by every step.
 
 ``model.download`` decides the selection from the hub's listing and index (fresh, else the
 controller's cache) and records it on the head as it starts (``model_node.py mkroot --spec``:
@@ -21,13 +21,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sparkdeploy import weights
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.hosts import HostError
-from sparkdeploy.nodeops import HelperFailed, run_helper
+from sparkdeploy.core.outside import HubName
+from sparkdeploy.core.records import SHA1, HubFile
+from sparkdeploy.model import weights
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.hosts import HostError
+from sparkdeploy.node.nodeops import HelperFailed, run_helper
 from sparkdeploy.ops.model import SCRIPT, ModelError, metadata
-from sparkdeploy.outside import HubName
-from sparkdeploy.records import SHA1, HubFile
 
 
 class SelectionInfo(BaseModel):

@@ -41,11 +41,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from sparkdeploy import threads
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.fanout import Outcome, pick_source
-from sparkdeploy.hosts import Feed, Host, peer_ssh_argv
-from sparkdeploy.nodeops import HelperFailed, NodeUnreachable, helper_error, run_helper
+from sparkdeploy.core import threads
+from sparkdeploy.core.outcomes import Result
+from sparkdeploy.core.wait import Stop, WaitTimeout, wait_for
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.fanout import Outcome, pick_source
+from sparkdeploy.node.hosts import Feed, Host, peer_ssh_argv
+from sparkdeploy.node.nodeops import HelperFailed, NodeUnreachable, helper_error, run_helper
 from sparkdeploy.ops import Ctx
 from sparkdeploy.ops.model import (
     GB,
@@ -61,8 +63,6 @@ from sparkdeploy.ops.model import (
     stage_for,
     total_bytes,
 )
-from sparkdeploy.results import Result
-from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 SYNC = "model.sync"
 PARTIAL = ".sparkdeploy/partial"

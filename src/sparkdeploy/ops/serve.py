@@ -13,23 +13,23 @@ from typing import Any
 
 from pydantic import BaseModel, Field, RootModel
 
-from sparkdeploy import endpoint as ep
-from sparkdeploy import labels
-from sparkdeploy.config import Engine
-from sparkdeploy.deployment import Deployment
+from sparkdeploy.core import labels
+from sparkdeploy.core.files import write_text_atomic
+from sparkdeploy.core.outside import OutsideError, last_line
+from sparkdeploy.core.records import Attempt
+from sparkdeploy.core.wait import Deadline
 from sparkdeploy.engines import KINDS, Launch, NodeFacts, Stage, launch
 from sparkdeploy.engines.base import STARTUP, run_args, secret_lines
-from sparkdeploy.files import write_text_atomic
-from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import HelperFailed, docker, inspect_image, run_helper
+from sparkdeploy.node import endpoint as ep
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.hosts import Host
+from sparkdeploy.node.nodeops import HelperFailed, docker, inspect_image, run_helper
 from sparkdeploy.ops import image as image_ops
 from sparkdeploy.ops import serve_preflight
 from sparkdeploy.ops.serve_containers import RAY_PROBE
 from sparkdeploy.ops.serve_preflight import node_facts
 from sparkdeploy.ops.serve_watch import StartFailed, Watch
-from sparkdeploy.outside import OutsideError, last_line
-from sparkdeploy.records import Attempt
-from sparkdeploy.wait import Deadline
+from sparkdeploy.profile.config import Engine
 
 STEP_UP = "serve.up"
 

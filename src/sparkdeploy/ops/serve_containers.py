@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sparkdeploy import endpoint as ep
-from sparkdeploy import labels
-from sparkdeploy.config import Engine
-from sparkdeploy.deployment import Deployment
+from sparkdeploy.core import labels
 from sparkdeploy.engines import launch
-from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import docker, inspect_image
+from sparkdeploy.node import endpoint as ep
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.hosts import Host
+from sparkdeploy.node.nodeops import docker, inspect_image
+from sparkdeploy.profile.config import Engine
 
 UNIT_DIR = "/etc/systemd/system"
 

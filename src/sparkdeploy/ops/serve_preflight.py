@@ -15,16 +15,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from sparkdeploy import engine_flags
-from sparkdeploy.config import Engine
-from sparkdeploy.deployment import Deployment
+from sparkdeploy.core.outcomes import Result
 from sparkdeploy.engines import EngineError, Launch, NodeFacts, launch
-from sparkdeploy.hosts import Host, HostError
-from sparkdeploy.nodeops import NodeUnreachable, inspect_image, run_helper
+from sparkdeploy.engines import flags as engine_flags
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.hosts import Host, HostError
+from sparkdeploy.node.nodeops import NodeUnreachable, inspect_image, run_helper
 from sparkdeploy.ops import Ctx, model, model_select
 from sparkdeploy.ops import image as image_ops
 from sparkdeploy.ops.units import gpu_processes
-from sparkdeploy.results import Result
+from sparkdeploy.profile.config import Engine
 
 PART = "preflight"
 HELPER = "serve_node.py"
@@ -230,7 +230,7 @@ def engine_version(dep: Deployment, engine: Engine) -> str | None:
 
 def _check_flags(dep: Deployment, engine: Engine, lau: Launch, pf: Preflight) -> str:
     """Every container's engine command line against the engine version's own parser
-    (``sparkdeploy.engine_flags``); a refused flag is a problem on that node. Returns what was
+    (``sparkdeploy.engines.flags``); a refused flag is a problem on that node. Returns what was
     checked, for the ok line."""
     version = engine_version(dep, engine)
     if version is None:

@@ -16,14 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from sparkdeploy.config import Serve
+from sparkdeploy.core.errors import StepFailed
+from sparkdeploy.core.wait import Stop, WaitTimeout, wait_for
 from sparkdeploy.engines.base import ContainerSpec
-from sparkdeploy.errors import StepFailed
 from sparkdeploy.helpers import serve_watchdog as wd
-from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import docker
+from sparkdeploy.node.hosts import Host
+from sparkdeploy.node.nodeops import docker
 from sparkdeploy.ops import Ctx
-from sparkdeploy.wait import Stop, WaitTimeout, wait_for
+from sparkdeploy.profile.config import Serve
 
 T = TypeVar("T")
 _TS = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:\d\d)) ?(.*)$")

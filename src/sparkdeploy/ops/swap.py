@@ -23,16 +23,16 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from sparkdeploy import endpoint as ep
 from sparkdeploy.bench.client import BenchError, Settings, Target
 from sparkdeploy.bench.gate import check
-from sparkdeploy.config import load_profile
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import NodeUnreachable, docker
+from sparkdeploy.core.outside import OutsideError, loads
+from sparkdeploy.node import endpoint as ep
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.hosts import Host
+from sparkdeploy.node.nodeops import NodeUnreachable, docker
 from sparkdeploy.ops.serve import drop_previous, put_file
 from sparkdeploy.ops.serve_containers import serving
-from sparkdeploy.outside import OutsideError, loads
+from sparkdeploy.profile.config import load_profile
 
 NODE_RECORD = "/var/lib/sparkdeploy-node/swap.json"
 PREPARE, CUT_OVER, DONE, ROLLED_BACK = "prepare", "cut-over", "done", "rolled-back"

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sparkdeploy.hosts import Host, NodeUnreachable
+from sparkdeploy.node.hosts import Host, NodeUnreachable
 
 if TYPE_CHECKING:
-    from sparkdeploy.deployment import Deployment
+    from sparkdeploy.node.deployment import Deployment
 
 COMPUTE_APPS = [
     "nvidia-smi",

@@ -12,19 +12,25 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sparkdeploy import recipes
 from sparkdeploy.bench.client import BenchError, Settings
+from sparkdeploy.bench.depth import run_depths
 from sparkdeploy.bench.engine import DISAGREE_PCT, disagreements
 from sparkdeploy.bench.gate import OFF
+from sparkdeploy.bench.html import run_report
+from sparkdeploy.bench.plot import plot as draw
 from sparkdeploy.bench.report import level_name
 from sparkdeploy.bench.sweep import STEP, check_baseline, run_sweep, sweep_json
-from sparkdeploy.config import Bench, Profile
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.endpoint import url as endpoint_url
-from sparkdeploy.errors import PartFailed, StepFailed
-from sparkdeploy.files import write_atomic, write_text_atomic
-from sparkdeploy.fingerprint import Fingerprint
-from sparkdeploy.redaction import redact
+from sparkdeploy.core.errors import PartFailed, StepFailed
+from sparkdeploy.core.files import write_atomic, write_text_atomic
+from sparkdeploy.core.fingerprint import Fingerprint
+from sparkdeploy.core.records import DeployRun, ImageDecision, RecordError, ServeDecision
+from sparkdeploy.core.redaction import redact
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.endpoint import url as endpoint_url
+from sparkdeploy.node.hosts import HostError
+from sparkdeploy.node.nodeops import read_node_file
+from sparkdeploy.profile import recipes
+from sparkdeploy.profile.config import Bench, Profile
 from sparkdeploy.steps.registry import Ran, StepContext, step
 
 
@@ -56,7 +62,6 @@ def report_context(dep: Any) -> dict[str, Any]:
     chosen per engine and the one the last ``deploy.all`` served (tag, image ID, base and its
     ID), that run's step timings, and the startup timings when a record has them. A record that
     cannot be read is left out."""
-    from sparkdeploy.records import DeployRun, ImageDecision, RecordError, ServeDecision
     out: dict[str, Any] = {"profile": dep.profile.model_dump(mode="json")}  # redacted when written
     try:
         image = dep.records.read(ImageDecision)
@@ -176,11 +181,9 @@ def benchmark(ctx: StepContext, url: str, settings: Settings, *, concurrency: Se
             if kind == "json":
                 write_text_atomic(path, sweep_json(doc))
             elif kind == "html":
-                from sparkdeploy.bench.html import run_report
 
                 write_text_atomic(path, run_report(doc))
             else:
-                from sparkdeploy.bench.plot import plot as draw
 
                 write_atomic(path, lambda tmp: draw(doc["runs"], tmp, title=title))
         except OSError as e:
@@ -203,8 +206,6 @@ def depth_line(row: dict[str, Any]) -> str:
 def head_tokenizer(ctx: StepContext, dep: Deployment, save_dir: Path) -> Path | None:
     """The model's tokenizer.json from the head's model directory, kept under ``save_dir``
     (None, with a failed result, when the head has none)."""
-    from sparkdeploy.hosts import HostError
-    from sparkdeploy.nodeops import read_node_file
 
     head = dep.host(dep.profile.head.name)
     path = f"{dep.profile.model.path.rstrip('/')}/tokenizer.json"
@@ -234,7 +235,6 @@ def depth_benchmark(ctx: StepContext, url: str, settings: Settings, *, tokenizer
     directory, fetched into ``tokenizer_dir``); no tokenizer or a gate that fails is one failed
     result and nothing written; a depth whose request failed is a failed result (the others are
     written), and when no depth was measured nothing is written."""
-    from sparkdeploy.bench.depth import run_depths
 
     if tokenizer is None:
         if deployment is None or tokenizer_dir is None:

@@ -15,9 +15,10 @@ from pathlib import Path
 
 from invoke import Context
 
-from sparkdeploy import packaged
-from sparkdeploy.config import ProfileError, SshSettings, load_profile
-from sparkdeploy.discover import (
+from sparkdeploy.core import packaged
+from sparkdeploy.core.errors import PartFailed, StepFailed
+from sparkdeploy.core.files import write_text_atomic
+from sparkdeploy.node.discover import (
     Link,
     NodeFacts,
     link_warnings,
@@ -25,11 +26,10 @@ from sparkdeploy.discover import (
     read_answers,
     read_node,
 )
-from sparkdeploy.discovered import Found, render
-from sparkdeploy.errors import PartFailed, StepFailed
-from sparkdeploy.files import write_text_atomic
-from sparkdeploy.hosts import Host, HostError, NodeUnreachable
+from sparkdeploy.node.discover_profile import Found, render
+from sparkdeploy.node.hosts import Host, HostError, NodeUnreachable
 from sparkdeploy.ops.hosts import probe_hosts
+from sparkdeploy.profile.config import ProfileError, SshSettings, load_profile
 from sparkdeploy.steps.registry import StepContext, step
 
 STEP = "cluster.discover"

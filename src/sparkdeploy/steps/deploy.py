@@ -1,17 +1,17 @@
 """``deploy.purge`` (``deploy.rollback --purge``): the weights and sparkdeploy's images off the
-nodes. The plans ``deploy.all`` and ``deploy.rollback`` run are in ``sparkdeploy.plan``."""
+nodes. The plans ``deploy.all`` and ``deploy.rollback`` run are in ``sparkdeploy.run.plan``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from sparkdeploy import labels as lbl
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.hosts import CmdResult, Host
-from sparkdeploy.nodeops import docker, inspect_image
+from sparkdeploy.core import labels as lbl
+from sparkdeploy.core.outcomes import Result
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.hosts import CmdResult, Host
+from sparkdeploy.node.nodeops import docker, inspect_image
 from sparkdeploy.ops.image import chosen
-from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext, step
 
 PURGE = "deploy.purge"

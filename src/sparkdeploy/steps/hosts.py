@@ -9,11 +9,11 @@ from pathlib import Path
 
 from invoke import Context
 
-from sparkdeploy.config import SshSettings
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.fingerprint import Fingerprint
-from sparkdeploy.hosts import Host
+from sparkdeploy.core.fingerprint import Fingerprint
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.hosts import Host
 from sparkdeploy.ops.hosts import probe_hosts
+from sparkdeploy.profile.config import SshSettings
 from sparkdeploy.steps.registry import StepContext, step
 
 STEP_CHECK = "hosts.check"

@@ -22,14 +22,16 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict
 
-from sparkdeploy import labels as lbl
-from sparkdeploy import packaged
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.errors import PartFailed, StepFailed
-from sparkdeploy.files import MB, Escape, InputError, read_input, under
-from sparkdeploy.fingerprint import Fingerprint, flat
-from sparkdeploy.hosts import Host, HostError, NodeUnreachable
-from sparkdeploy.nodeops import (
+from sparkdeploy.core import labels as lbl
+from sparkdeploy.core import packaged
+from sparkdeploy.core.errors import PartFailed, StepFailed
+from sparkdeploy.core.files import MB, Escape, InputError, read_input, under
+from sparkdeploy.core.fingerprint import Fingerprint, flat
+from sparkdeploy.core.outcomes import Result, Status
+from sparkdeploy.core.records import ImageDecision, Written, markdown_table
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.hosts import Host, HostError, NodeUnreachable
+from sparkdeploy.node.nodeops import (
     ARCH,
     HelperFailed,
     docker,
@@ -40,8 +42,6 @@ from sparkdeploy.nodeops import (
     stage_script,
 )
 from sparkdeploy.ops.image import STEP_BUILD, chosen, decision, digest_of, image_id
-from sparkdeploy.records import ImageDecision, Written, markdown_table
-from sparkdeploy.results import Result, Status
 from sparkdeploy.steps.registry import Ran, StepContext, step
 
 STEP_PROBE = "image.probe"

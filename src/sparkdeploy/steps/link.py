@@ -21,15 +21,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sparkdeploy import link_doctor as doc
-from sparkdeploy import threads
-from sparkdeploy.config import Node
-from sparkdeploy.errors import PartFailed
-from sparkdeploy.hosts import Host
-from sparkdeploy.link import LinkFacts, read_facts
-from sparkdeploy.nodeops import HelperFailed, run_helper, stage_script
+from sparkdeploy.core import threads
+from sparkdeploy.core.errors import PartFailed
+from sparkdeploy.core.wait import retry
+from sparkdeploy.node import link_doctor as doc
+from sparkdeploy.node.hosts import Host
+from sparkdeploy.node.link import LinkFacts, read_facts
+from sparkdeploy.node.nodeops import HelperFailed, run_helper, stage_script
+from sparkdeploy.profile.config import Node
 from sparkdeploy.steps.registry import StepContext, step
-from sparkdeploy.wait import retry
 
 STEP = "link.check"
 HELPER = "link_stream.py"

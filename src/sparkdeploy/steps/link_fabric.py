@@ -21,15 +21,16 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from sparkdeploy import labels as lbl
-from sparkdeploy import packaged, threads
-from sparkdeploy.config import Engine
-from sparkdeploy.deployment import Deployment
+from sparkdeploy.core import labels as lbl
+from sparkdeploy.core import packaged, threads
+from sparkdeploy.core.fingerprint import Fingerprint
+from sparkdeploy.core.records import FabricRecord
+from sparkdeploy.core.wait import Stop, WaitTimeout, retry, wait_for
 from sparkdeploy.engines import ContainerSpec, EngineError
 from sparkdeploy.engines.base import run_args
-from sparkdeploy.fingerprint import Fingerprint
-from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import (
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.hosts import Host
+from sparkdeploy.node.nodeops import (
     HelperFailed,
     docker,
     helper_error,
@@ -41,9 +42,8 @@ from sparkdeploy.nodeops import (
 from sparkdeploy.ops import fabric as fab
 from sparkdeploy.ops.image import chosen, image_id
 from sparkdeploy.ops.serve import engine_of, running_launch
-from sparkdeploy.records import FabricRecord
+from sparkdeploy.profile.config import Engine
 from sparkdeploy.steps.registry import StepContext, step
-from sparkdeploy.wait import Stop, WaitTimeout, retry, wait_for
 
 POLL_S = 2.0
 PERFTEST = "ib_write_bw"

@@ -7,8 +7,8 @@ how: ``sparkdeploy.ops.model``).
 
 from __future__ import annotations
 
-from sparkdeploy.errors import PartFailed
-from sparkdeploy.fingerprint import Fingerprint, head
+from sparkdeploy.core.errors import PartFailed
+from sparkdeploy.core.fingerprint import Fingerprint, head
 from sparkdeploy.ops.model import DOWNLOAD, ModelError, download_on, own_lock
 from sparkdeploy.ops.model_select import describe, selected
 from sparkdeploy.steps.registry import StepContext, step

@@ -1,5 +1,5 @@
 """``model.fit``: each node's share under the engine's TP x PP (the weights' slice, the KV cache
-for the engine's context, the engine's reserve: the fit calculator, ``sparkdeploy.estimate``, on
+for the engine's context, the engine's reserve: the fit calculator, ``sparkdeploy.model.estimate``, on
 the model's config.json) against the memory that node reports its GPUs can use, and the engine's
 memory fraction against what the node can give, before a byte is downloaded (``model.download``
 and ``model.sync`` need it).
@@ -7,7 +7,7 @@ and ``model.sync`` need it).
 The weights' size is that of the files the engine loads (``ops.model_select.selected``: the
 head's record when there is one, else decided from the hub's listing and index, cached); the
 config.json and the engine's inputs are ``ops.model_fit``'s; each node's memory is its own report
-(``sparkdeploy.memory``: nvidia-smi's figures, or ``/proc/meminfo`` on a GB10). Every engine of
+(``sparkdeploy.node.memory``: nvidia-smi's figures, or ``/proc/meminfo`` on a GB10). Every engine of
 the profile is checked (``serve.up`` may fall back to any of them); the first that fits on every
 node is the verdict, one ok line per node; an engine that does not fit is one skipped line.
 When none fits, one line per node for the engine ``serve.up`` tries first: failed where it does
@@ -22,18 +22,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from sparkdeploy import estimate as est
-from sparkdeploy import fit, memory
-from sparkdeploy.config import Engine
-from sparkdeploy.errors import PartFailed, StepFailed
-from sparkdeploy.estimate import EstimateError
-from sparkdeploy.fingerprint import Fingerprint
-from sparkdeploy.fit import FitError
-from sparkdeploy.hosts import Host
-from sparkdeploy.memory import NodeMemory
-from sparkdeploy.nodeops import HelperFailed
+from sparkdeploy.core.errors import PartFailed, StepFailed
+from sparkdeploy.core.fingerprint import Fingerprint
+from sparkdeploy.model import estimate as est
+from sparkdeploy.model import fit
+from sparkdeploy.model.estimate import EstimateError
+from sparkdeploy.model.fit import FitError
+from sparkdeploy.node import memory
+from sparkdeploy.node.hosts import Host
+from sparkdeploy.node.memory import NodeMemory
+from sparkdeploy.node.nodeops import HelperFailed
 from sparkdeploy.ops.model_fit import Sized, model_config, size
 from sparkdeploy.ops.model_select import selected
+from sparkdeploy.profile.config import Engine
 from sparkdeploy.steps.registry import StepContext, step
 
 FIT = "model.fit"

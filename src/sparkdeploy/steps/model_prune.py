@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import PurePosixPath
 
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.hosts import Host
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.hosts import Host
 from sparkdeploy.ops import swap as ops
 from sparkdeploy.ops.model import GB
 from sparkdeploy.steps.registry import StepContext, step

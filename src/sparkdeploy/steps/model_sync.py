@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from sparkdeploy.fingerprint import Fingerprint, workers
+from sparkdeploy.core.fingerprint import Fingerprint, workers
 from sparkdeploy.ops.model import DOWNLOAD, own_lock
 from sparkdeploy.ops.model_select import selected
 from sparkdeploy.ops.model_sync import SYNC, sync_files

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from sparkdeploy.errors import PartFailed
-from sparkdeploy.fingerprint import Fingerprint, workers
-from sparkdeploy.hosts import Host
+from sparkdeploy.core.errors import PartFailed
+from sparkdeploy.core.fingerprint import Fingerprint, workers
+from sparkdeploy.core.outcomes import Result
+from sparkdeploy.node.hosts import Host
 from sparkdeploy.ops.model import (
     DOWNLOAD,
     VERIFY,
@@ -25,7 +26,6 @@ from sparkdeploy.ops.model import (
 )
 from sparkdeploy.ops.model_select import selected
 from sparkdeploy.ops.model_sync import SYNC, sync_files
-from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext, step
 
 

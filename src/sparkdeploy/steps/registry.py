@@ -6,7 +6,7 @@ needs=...)``. The body reports only through ``ctx``: a result per node (``ctx.ok
 ``ctx.changed``, ``ctx.skipped``, ``ctx.failed``, ``ctx.would`` under a dry run, or
 ``ctx.report`` of a result another context reported), ``ctx.progress`` and ``ctx.log`` during long work,
 ``ctx.each(hosts, fn)`` to fan out over nodes, ``ctx.call(name, ...)`` to run another registered
-step. A step that cannot go on raises ``StepFailed`` (``sparkdeploy.errors``): its one failed
+step. A step that cannot go on raises ``StepFailed`` (``sparkdeploy.core.errors``): its one failed
 result, for the node it names; ``PartFailed`` in a fan-out fails that node's (that item's)
 part, the other parts go on. A node that cannot be reached is one failed result for that node, whether it stops
 one node's part of a fan-out or the whole step. Each result is
@@ -18,7 +18,7 @@ A step declares its whole contract where it is written, in ``@step``: the edges 
 (``needs``, ``after_start``), and how a plan runs it (``fingerprint``: a
 ``fingerprint.Fingerprint`` of what its outcome depends on, saying which part asks the nodes;
 ``reuse``, ``redo``, ``when``). ``deploy.all`` runs the registry as a graph; a plan
-(``sparkdeploy.plan``) names steps and their options only.
+(``sparkdeploy.run.plan``) names steps and their options only.
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from sparkdeploy import threads
-from sparkdeploy.errors import PartFailed, StepFailed
-from sparkdeploy.events import Event, EventSink, Log, Progress
-from sparkdeploy.fingerprint import Fingerprint
-from sparkdeploy.hosts import NodeUnreachable
-from sparkdeploy.results import Result, Status
+from sparkdeploy.core import threads
+from sparkdeploy.core.errors import PartFailed, StepFailed
+from sparkdeploy.core.events import Event, EventSink, Log, Progress
+from sparkdeploy.core.fingerprint import Fingerprint
+from sparkdeploy.core.outcomes import Result, Status
+from sparkdeploy.node.hosts import NodeUnreachable
 
 if TYPE_CHECKING:
-    from sparkdeploy.deployment import Deployment
+    from sparkdeploy.node.deployment import Deployment
 
 Body = Callable[..., None]
 StepFn = Callable[..., list[Result]]
@@ -314,7 +314,7 @@ def load_all() -> dict[str, StepSpec]:
     import importlib
     import pkgutil
 
-    import sparkdeploy.steps as pkg
+    import sparkdeploy.steps as pkg  # here, not at the top: each step module imports this registry
 
     for mod in pkgutil.iter_modules(pkg.__path__):
         if mod.name != "registry":

@@ -10,7 +10,7 @@ with its GPU, the HTTP port open, ``/health``, ``/v1/models`` listing the model,
 chat completion returning tokens. A phase with no new log line and no readiness step for ``serve.stall_s`` is a hang.
 
 An engine that fails after starting is diagnosed from every container's log
-(``sparkdeploy.diagnose.classify``), its logs are saved under the run's directory
+(``sparkdeploy.engines.diagnose.classify``), its logs are saved under the run's directory
 (``<state_dir>/runs/<time>-serve.up/``), its containers are removed on every node, and the
 next engine is tried. The decision (engines tried, class, evidence, engine chosen, how long
 from the hang's start to the fallback's start) goes into the ``serve`` record; the endpoint
@@ -22,16 +22,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from sparkdeploy import endpoint as ep
-from sparkdeploy import labels
-from sparkdeploy.config import Engine, ProfileError
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.diagnose import classify
+from sparkdeploy.core import labels
+from sparkdeploy.core.fingerprint import Fingerprint
+from sparkdeploy.core.outcomes import Result
+from sparkdeploy.core.records import Attempt, Endpoint, FabricRecord, ServeDecision, markdown_table
 from sparkdeploy.engines import EngineError, launch
 from sparkdeploy.engines.base import API_KEY_ENV
-from sparkdeploy.fingerprint import Fingerprint
-from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import NodeUnreachable, docker
+from sparkdeploy.engines.diagnose import classify
+from sparkdeploy.node import endpoint as ep
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.hosts import Host
+from sparkdeploy.node.nodeops import NodeUnreachable, docker
 from sparkdeploy.ops import serve_preflight
 from sparkdeploy.ops.image import chosen, image_id
 from sparkdeploy.ops.serve import (
@@ -61,8 +62,7 @@ from sparkdeploy.ops.serve_watch import (
     full_log,
     read_restarts,
 )
-from sparkdeploy.records import Attempt, Endpoint, FabricRecord, ServeDecision, markdown_table
-from sparkdeploy.results import Result
+from sparkdeploy.profile.config import Engine, ProfileError
 from sparkdeploy.steps.registry import StepContext, step
 
 STEP_DOWN = "serve.down"

@@ -32,16 +32,17 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparkdeploy import checks, labels
-from sparkdeploy import endpoint as ep
-from sparkdeploy.config import Engine
-from sparkdeploy.deployment import Deployment
+from sparkdeploy.core import checks, labels
+from sparkdeploy.core.errors import StepFailed
+from sparkdeploy.core.fingerprint import Fingerprint
+from sparkdeploy.core.packaged import helper
+from sparkdeploy.core.wait import WaitTimeout, wait_for
 from sparkdeploy.engines import Launch
 from sparkdeploy.engines.base import API_KEY_ENV, profile_secrets, run_args
-from sparkdeploy.errors import StepFailed
-from sparkdeploy.fingerprint import Fingerprint
-from sparkdeploy.hosts import Host, HostError
-from sparkdeploy.nodeops import NODE_STATE, PROTOCOL, docker
+from sparkdeploy.node import endpoint as ep
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.hosts import Host, HostError
+from sparkdeploy.node.nodeops import NODE_STATE, PROTOCOL, docker
 from sparkdeploy.ops.serve import (
     Run,
     bring_up,
@@ -62,9 +63,8 @@ from sparkdeploy.ops.serve_containers import (
     unit_name,
 )
 from sparkdeploy.ops.serve_watch import EngineFailed, Watch, policy
-from sparkdeploy.packaged import helper
+from sparkdeploy.profile.config import Engine
 from sparkdeploy.steps.registry import StepContext, step
-from sparkdeploy.wait import WaitTimeout, wait_for
 
 STEP_PERSIST = "serve.persist"
 STEP_UNPERSIST = "serve.unpersist"

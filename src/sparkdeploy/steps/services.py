@@ -19,16 +19,16 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from sparkdeploy import labels
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.fingerprint import Fingerprint, flat, head
-from sparkdeploy.hosts import Host, HostError, NodeUnreachable
-from sparkdeploy.nodeops import NODE_STATE, docker, read_node_file, write_node_file
+from sparkdeploy.core import labels
+from sparkdeploy.core.fingerprint import Fingerprint, flat, head
+from sparkdeploy.core.outcomes import Result
+from sparkdeploy.core.outside import OutsideError, last_line
+from sparkdeploy.core.wait import Stop, WaitTimeout, wait_for
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.hosts import Host, HostError, NodeUnreachable
+from sparkdeploy.node.nodeops import NODE_STATE, docker, read_node_file, write_node_file
 from sparkdeploy.ops.units import GpuProcess, gpu_processes, probe_units, unit_states
-from sparkdeploy.outside import OutsideError, last_line
-from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext, step
-from sparkdeploy.wait import Stop, WaitTimeout, wait_for
 
 STEP_STOP = "services.stop"
 STEP_GPU = "services.gpu-free"

@@ -26,7 +26,7 @@ Which one ran, and why not an earlier one, is in the result. A ship succeeds onl
 lists the image under its tag with the source's diff IDs (and, on the classic store, the same
 config digest). ``docker load`` tags only after the whole archive arrived, so a killed transfer
 leaves nothing tagged and a re-run completes; nothing listens and nothing runs after the ship.
-With several peers the ship is a tree (``sparkdeploy.fanout``): peers that have the image serve
+With several peers the ship is a tree (``sparkdeploy.node.fanout``): peers that have the image serve
 the next ones, one each per round, so the holders double each round.
 """
 
@@ -41,12 +41,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sparkdeploy import fanout, threads
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.fanout import Outcome
-from sparkdeploy.fingerprint import Fingerprint
-from sparkdeploy.hosts import CmdResult, Feed, Host, HostError, NodeUnreachable, peer_ssh_argv
-from sparkdeploy.nodeops import (
+from sparkdeploy.core import threads
+from sparkdeploy.core.fingerprint import Fingerprint
+from sparkdeploy.core.outcomes import Result
+from sparkdeploy.core.outside import parsed
+from sparkdeploy.node import fanout
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.fanout import Outcome
+from sparkdeploy.node.hosts import CmdResult, Feed, Host, HostError, NodeUnreachable, peer_ssh_argv
+from sparkdeploy.node.nodeops import (
     HelperFailed,
     check_staged,
     docker,
@@ -63,8 +66,6 @@ from sparkdeploy.nodeops import (
     watched,
 )
 from sparkdeploy.ops.image import STEP_BUILD, chosen, chosen_image, image_id, pinned
-from sparkdeploy.outside import parsed
-from sparkdeploy.results import Result
 from sparkdeploy.steps.registry import StepContext, step
 
 STEP = "image.ship"

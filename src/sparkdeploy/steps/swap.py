@@ -1,5 +1,5 @@
 """The checks ``serve.swap`` runs in its prepare phase, before anything is downloaded or
-stopped (the swap itself: ``sparkdeploy.swap``): ``swap.fit`` (the new model against each
+stopped (the swap itself: ``sparkdeploy.run.swap``): ``swap.fit`` (the new model against each
 node's memory as it will be once the old engine is gone: ``model.fit`` with what the old
 engine's containers hold, ``ops.swap.held``, counted as usable), ``swap.disk`` (the new weights
 against each node's free disk, the old weights kept: refused with free and needed bytes and what
@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from pathlib import PurePosixPath
 
-from sparkdeploy import fit, memory
-from sparkdeploy.deployment import Deployment
 from sparkdeploy.engines import EngineError, launch
-from sparkdeploy.nodeops import HelperFailed, free_space
+from sparkdeploy.model import fit
+from sparkdeploy.node import memory
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.nodeops import HelperFailed, free_space
 from sparkdeploy.ops import serve_preflight
 from sparkdeploy.ops import swap as ops
 from sparkdeploy.ops.model import GB, ModelError, short_of

@@ -11,12 +11,12 @@ from collections.abc import Callable
 
 from pydantic import BaseModel
 
-from sparkdeploy import endpoint as ep
-from sparkdeploy.diagnose import classify
 from sparkdeploy.engines import Launch
+from sparkdeploy.engines.diagnose import classify
 from sparkdeploy.helpers import serve_watchdog as wd
-from sparkdeploy.hosts import Host
-from sparkdeploy.nodeops import docker, run_helper
+from sparkdeploy.node import endpoint as ep
+from sparkdeploy.node.hosts import Host
+from sparkdeploy.node.nodeops import docker, run_helper
 from sparkdeploy.ops import swap as swap_ops
 from sparkdeploy.ops.serve import Run, bring_up, drop_previous, engine_of, put_file, running_launch
 from sparkdeploy.ops.serve_containers import active, installed, remove, unit_name

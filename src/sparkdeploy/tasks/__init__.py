@@ -2,7 +2,7 @@
 
 from invoke import Collection
 
-from sparkdeploy.deployment import DEFAULTS
+from sparkdeploy.node.deployment import DEFAULTS
 from sparkdeploy.tasks import (
     bench,
     cluster,

@@ -2,7 +2,7 @@
 stream, runs its work and turns errors into exit codes through ``drive``.
 
 ``drive`` is the only place an error becomes an exit status (``exits``): any
-``sparkdeploy.errors.Error`` is its one line and its ``code`` (a bad profile, plan or input file
+``sparkdeploy.core.errors.Error`` is its one line and its ``code`` (a bad profile, plan or input file
 exits 2, a node that cannot be reached, a held lock, a wait that ran out or a broken record
 exits 1). Every run ends with the recap (``recap``): per node, the
 counts of ok/changed/skipped/failed results."""
@@ -18,12 +18,12 @@ from typing import Any, Literal, TextIO
 from invoke import Context
 from invoke.exceptions import Exit
 
-from sparkdeploy.config import ProfileError
-from sparkdeploy.deployment import Deployment, from_context, state_dir
-from sparkdeploy.errors import Error
-from sparkdeploy.events import EventSink, printable, rendering
-from sparkdeploy.results import Result
-from sparkdeploy.state import StateDir
+from sparkdeploy.core.errors import Error
+from sparkdeploy.core.events import EventSink, printable, rendering
+from sparkdeploy.core.outcomes import Result
+from sparkdeploy.core.state import StateDir
+from sparkdeploy.node.deployment import Deployment, from_context, state_dir
+from sparkdeploy.profile.config import ProfileError
 from sparkdeploy.steps.registry import run_one
 from sparkdeploy.tasks._flags import NODES, deprecated, node_names, usage
 

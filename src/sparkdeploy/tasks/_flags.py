@@ -5,7 +5,7 @@ own type conversion (which raises a traceback on ``--timeout abc``) never runs, 
 one kind (a count, a duration, a URL, an output file, node names) follows one rule.
 
 Output files are checked up front (the directory must exist: missing directories are refused,
-never created) and written whole or not at all (``sparkdeploy.files.write_atomic``).
+never created) and written whole or not at all (``sparkdeploy.core.files.write_atomic``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from invoke import Task
 from invoke import task as _invoke_task
 from invoke.exceptions import Exit
 
-from sparkdeploy import checks
+from sparkdeploy.core import checks
 
 
 def usage(flag: str, why: str) -> Exit:

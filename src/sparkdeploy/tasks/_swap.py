@@ -9,11 +9,11 @@ import sys
 from invoke import Context
 from invoke.exceptions import Exit
 
-from sparkdeploy import swap as swapping
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.events import EventSink
+from sparkdeploy.core.events import EventSink
+from sparkdeploy.core.outcomes import Result
+from sparkdeploy.node.deployment import Deployment
 from sparkdeploy.ops import swap as ops
-from sparkdeploy.results import Result
+from sparkdeploy.run import swap as swapping
 from sparkdeploy.steps import model_prune
 from sparkdeploy.steps.registry import run_one
 from sparkdeploy.tasks._common import drive, failed_count

@@ -5,12 +5,23 @@ from __future__ import annotations
 
 from invoke.exceptions import Exit
 
-from sparkdeploy import checks
 from sparkdeploy.bench.client import DAY_S, BenchError
-from sparkdeploy.config import Bench
-from sparkdeploy.deployment import Deployment, state_dir
-from sparkdeploy.events import EventSink
-from sparkdeploy.results import Result
+from sparkdeploy.bench.compare import compare as cmp
+from sparkdeploy.bench.compare import parse_pct
+from sparkdeploy.bench.depth import parse_depths
+from sparkdeploy.bench.html import compare_report
+from sparkdeploy.bench.metrics import parse_slo
+from sparkdeploy.bench.report import comparison_table, depth_table, engine_table, run_table
+from sparkdeploy.bench.sweep import MAX_RUNS, load_json, parse_levels
+from sparkdeploy.core import checks
+from sparkdeploy.core.events import EventSink
+from sparkdeploy.core.files import write_output
+from sparkdeploy.core.outcomes import Result
+from sparkdeploy.node.deployment import Deployment, state_dir
+from sparkdeploy.node.endpoint import url as endpoint_url
+from sparkdeploy.profile.config import Bench
+from sparkdeploy.steps.bench import STEP, benchmark, depth_benchmark, report_context, request_settings
+from sparkdeploy.steps.registry import run_one
 from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks._common import drive, exits
 from sparkdeploy.tasks._flags import task
@@ -88,12 +99,6 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
                      deadline=deadline, profile=profile, gate=gate, recipe=recipe, recipes=recipes)
     if tokenizer is not None:
         raise flags.usage("--tokenizer", "only applies with --depths")
-    from sparkdeploy.bench.compare import parse_pct
-    from sparkdeploy.bench.metrics import parse_slo
-    from sparkdeploy.bench.sweep import MAX_RUNS, parse_levels
-    from sparkdeploy.endpoint import url as endpoint_url
-    from sparkdeploy.steps.bench import STEP, benchmark, report_context, request_settings
-    from sparkdeploy.steps.registry import run_one
 
     # every flag first: a bad one exits 2 before the profile is read or a request is sent
     url = flags.url("--url", url)
@@ -150,11 +155,6 @@ def depth(c, url=None, model=None, tokenizer=None, depths=DEFAULT_DEPTHS, runs=N
           gate=True, recipe=None, recipes=None):
     """Prefill (pp) and decode (tg) rates at increasing context depths, llama-bench style, with
     the model's own tokenizer, after the coherence gate."""
-    from sparkdeploy.bench.depth import parse_depths
-    from sparkdeploy.bench.sweep import MAX_RUNS
-    from sparkdeploy.endpoint import url as endpoint_url
-    from sparkdeploy.steps.bench import depth_benchmark, request_settings
-    from sparkdeploy.steps.registry import run_one
 
     url = flags.url("--url", url)
     model = None if model is None else flags.parsed("--model", model, checks.no_control)
@@ -191,7 +191,6 @@ def depth(c, url=None, model=None, tokenizer=None, depths=DEFAULT_DEPTHS, runs=N
 def _depth_table(results, output_tokens: int) -> None:
     from rich.console import Console
 
-    from sparkdeploy.bench.report import depth_table
 
     rows = [r.details["depth"] for r in results if "depth" in r.details]
     if rows:
@@ -205,7 +204,6 @@ def _tables(results) -> None:
     """Each level's table after the stream (rich renders plain text off a terminal)."""
     from rich.console import Console
 
-    from sparkdeploy.bench.report import engine_table, run_table
 
     console = Console()
     runs = [r.details["run"] for r in results if "run" in r.details]
@@ -226,10 +224,6 @@ def compare(c, base, new, max_regression="5%", html=None):
     """Side-by-side headline metrics; exit 1 when NEW is worse than BASE beyond the threshold."""
     from rich.console import Console
 
-    from sparkdeploy.bench.compare import compare as cmp
-    from sparkdeploy.bench.compare import parse_pct
-    from sparkdeploy.bench.report import comparison_table
-    from sparkdeploy.bench.sweep import load_json
 
     threshold = flags.parsed("--max-regression", max_regression, parse_pct)
     html_path = flags.output_file("--html", html)
@@ -238,8 +232,6 @@ def compare(c, base, new, max_regression="5%", html=None):
         new_doc = load_json(flags.input_file("NEW", new))
         result = cmp(base_doc, new_doc, threshold)  # a sweep against a depth sweep: exit 2
         if html_path:
-            from sparkdeploy.bench.html import compare_report
-            from sparkdeploy.files import write_output
 
             write_output(html_path, compare_report(base_doc, new_doc, result, base, new))
     console = Console()

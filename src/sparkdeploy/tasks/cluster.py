@@ -6,12 +6,12 @@ from pathlib import Path
 
 from invoke import Collection
 
-from sparkdeploy import checks
-from sparkdeploy.config import SshSettings, read_recipe
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.discover import node_name
-from sparkdeploy.recipes import directories
-from sparkdeploy.results import Result
+from sparkdeploy.core import checks
+from sparkdeploy.core.outcomes import Result
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.discover import node_name
+from sparkdeploy.profile.config import SshSettings, read_recipe
+from sparkdeploy.profile.recipes import directories
 from sparkdeploy.steps.cluster import STEP
 from sparkdeploy.steps.registry import run_one
 from sparkdeploy.tasks import _flags as flags

@@ -9,15 +9,15 @@ from collections.abc import Callable
 from invoke import Collection
 from invoke.exceptions import Exit
 
-from sparkdeploy import plan as plans
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.endpoint import url as endpoint_url
-from sparkdeploy.events import EventSink
+from sparkdeploy.core.events import EventSink
+from sparkdeploy.core.outcomes import Result
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.node.endpoint import url as endpoint_url
 from sparkdeploy.ops.engine_check import check_flags
-from sparkdeploy.plan import PlanRun, PlanStep
-from sparkdeploy.results import Result
-from sparkdeploy.run_record import write_record
-from sparkdeploy.runner import Runner, select
+from sparkdeploy.run import plan as plans
+from sparkdeploy.run.plan import PlanRun, PlanStep
+from sparkdeploy.run.run_record import write_record
+from sparkdeploy.run.runner import Runner, select
 from sparkdeploy.steps.deploy import purge_targets
 from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks._common import drive

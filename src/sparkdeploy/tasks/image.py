@@ -2,7 +2,7 @@
 
 from invoke import Collection
 
-from sparkdeploy import checks
+from sparkdeploy.core import checks
 from sparkdeploy.ops.image import decision
 from sparkdeploy.steps import images
 from sparkdeploy.tasks import _flags as flags

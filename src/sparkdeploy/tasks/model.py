@@ -8,7 +8,7 @@ import json as _json
 from invoke import Collection
 from invoke.exceptions import Exit
 
-from sparkdeploy import estimate as est
+from sparkdeploy.model import estimate as est
 from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks import _swap
 from sparkdeploy.tasks._common import exits, run_step

@@ -8,13 +8,13 @@ import json
 import yaml
 from invoke import Collection
 
-from sparkdeploy import packaged
-from sparkdeploy.config import load_layered
-from sparkdeploy.deployment import Deployment
+from sparkdeploy.core import packaged
+from sparkdeploy.core.outcomes import Result
+from sparkdeploy.core.redaction import REDACTED, is_secret_name, redact
+from sparkdeploy.node.deployment import Deployment
 from sparkdeploy.ops.engine_check import check_flags
-from sparkdeploy.overlays import REMOVED, UNSET, Merged, dotted
-from sparkdeploy.redaction import REDACTED, is_secret_name, redact
-from sparkdeploy.results import Result
+from sparkdeploy.profile.config import load_layered
+from sparkdeploy.profile.overlays import REMOVED, UNSET, Merged, dotted
 from sparkdeploy.tasks._common import drive
 from sparkdeploy.tasks._flags import task
 

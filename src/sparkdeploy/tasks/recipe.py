@@ -4,11 +4,11 @@ import json as _json
 
 from invoke import Collection
 
-from sparkdeploy import catalog
-from sparkdeploy import estimate as est
-from sparkdeploy import recipes as rcp
-from sparkdeploy.deployment import Deployment
-from sparkdeploy.results import Result
+from sparkdeploy.core.outcomes import Result
+from sparkdeploy.model import estimate as est
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.profile import catalog
+from sparkdeploy.profile import recipes as rcp
 from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks._common import drive, table
 from sparkdeploy.tasks._flags import task

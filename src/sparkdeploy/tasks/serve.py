@@ -4,7 +4,7 @@ wedges), persist it, take it down, and say why when it does not come up."""
 from invoke import Collection
 from invoke.exceptions import Exit
 
-from sparkdeploy import diagnose as dx
+from sparkdeploy.engines import diagnose as dx
 from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks import _swap
 from sparkdeploy.tasks._common import run_step

@@ -22,7 +22,7 @@ import ipaddress
 import json
 from pathlib import Path
 
-from sparkdeploy.files import copy_if_changed
+from sparkdeploy.core.files import copy_if_changed
 from sparkdeploy.lab import faults, layout
 from sparkdeploy.lab.proc import run
 from sparkdeploy.lab.standins import roce

@@ -27,7 +27,7 @@ import ipaddress
 import shutil
 from pathlib import Path
 
-from sparkdeploy.files import write_if_changed
+from sparkdeploy.core.files import write_if_changed
 
 ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
 
