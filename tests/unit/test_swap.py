@@ -5,6 +5,8 @@ the prepare fails, the old one back on a failed bring-up or an incoherent answer
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from sparkdeploy import swap as sw
@@ -385,6 +387,41 @@ def test_the_old_deployment_is_the_one_the_nodes_serve(dep, monkeypatch):
     assert (old.profile.model.repo, recipe) == ("openai/gpt-oss-20b", "gpt-oss-20b")
     assert old.events is new.events and old.hosts is new.hosts
     serves = {"Qwen/Qwen3.5-122B-A10B-FP8"}  # the swap's model was replaced since: the profile's
+    old, recipe = ops.old_deployment(new)
+    assert (old.profile.model.repo, recipe) == ("Qwen/Qwen3.5-122B-A10B-FP8", None)
+
+
+def _head_ps(deployment: str, recipe: str) -> str:
+    from sparkdeploy import labels
+
+    lab = {k: "" for k in labels.READ} | {labels.DEPLOYMENT: deployment, labels.ENGINE: "vllm",
+                                          labels.ROLE: "head", labels.RECIPE: recipe}
+    return json.dumps(["c1", "sparkdeploy-vllm-head", "running", "Up 2 minutes",
+                       *(lab[k] for k in labels.READ)]) + "\n"
+
+
+def test_a_recipe_deployed_without_a_swap_is_found_by_its_containers_label(dep, monkeypatch):
+    """deploy.all --recipe gpt-oss-20b, then serve.swap: no swap record on the head, yet the
+    head's engine containers say which recipe they serve."""
+    probe, _ = dep()
+    new, ctx = dep({"ps": (0, _head_ps(probe.profile.name, "gpt-oss-20b"))}, recipe="gpt-oss-120b")
+    monkeypatch.setattr(ops, "read_phase", lambda h, deployment=None: None)
+    monkeypatch.setattr(ops, "serving_url", lambda d: ("vllm", "http://h:8000")
+                        if d.profile.model.repo == "openai/gpt-oss-20b" else None)
+    old, recipe = ops.old_deployment(new)
+    assert (old.profile.model.repo, recipe) == ("openai/gpt-oss-20b", "gpt-oss-20b")
+    _, argv = split_command(ctx.commands[-1])
+    assert argv[argv.index("ps"):argv.index("--format")] == [
+        "ps", "--all", "--no-trunc", "--filter", f"label=org.sparkdeploy.deployment={probe.profile.name}",
+        "--filter", "label=org.sparkdeploy.engine"]
+
+
+def test_a_label_naming_a_recipe_this_controller_lacks_is_passed_over(dep, monkeypatch):
+    probe, _ = dep()
+    new, _ = dep({"ps": (0, _head_ps(probe.profile.name, "an-owners-own"))}, recipe="gpt-oss-120b")
+    monkeypatch.setattr(ops, "read_phase", lambda h, deployment=None: None)
+    monkeypatch.setattr(ops, "serving_url", lambda d: ("sglang", "http://h:30000")
+                        if d.profile.model.repo == "Qwen/Qwen3.5-122B-A10B-FP8" else None)
     old, recipe = ops.old_deployment(new)
     assert (old.profile.model.repo, recipe) == ("Qwen/Qwen3.5-122B-A10B-FP8", None)
 
