@@ -400,30 +400,25 @@ def _head_ps(deployment: str, recipe: str) -> str:
                        *(lab[k] for k in labels.READ)]) + "\n"
 
 
-def test_a_recipe_deployed_without_a_swap_is_found_by_its_containers_label(dep, monkeypatch):
-    """deploy.all --recipe gpt-oss-20b, then serve.swap: no swap record on the head, yet the
-    head's engine containers say which recipe they serve."""
+@pytest.mark.parametrize("label,serving,want", [
+    # deploy.all --recipe gpt-oss-20b, then serve.swap: no swap record on the head, yet the head's
+    # engine containers say which recipe they serve
+    ("gpt-oss-20b", "openai/gpt-oss-20b", ("openai/gpt-oss-20b", "gpt-oss-20b")),
+    # a recipe another controller deployed from its own directory: passed over
+    ("an-owners-own", "Qwen/Qwen3.5-122B-A10B-FP8", ("Qwen/Qwen3.5-122B-A10B-FP8", None)),
+])
+def test_the_recipe_the_heads_containers_carry_is_a_candidate(dep, monkeypatch, label, serving, want):
     probe, _ = dep()
-    new, ctx = dep({"ps": (0, _head_ps(probe.profile.name, "gpt-oss-20b"))}, recipe="gpt-oss-120b")
+    new, ctx = dep({"ps": (0, _head_ps(probe.profile.name, label))}, recipe="gpt-oss-120b")
     monkeypatch.setattr(ops, "read_phase", lambda h, deployment=None: None)
     monkeypatch.setattr(ops, "serving_url", lambda d: ("vllm", "http://h:8000")
-                        if d.profile.model.repo == "openai/gpt-oss-20b" else None)
+                        if d.profile.model.repo == serving else None)
     old, recipe = ops.old_deployment(new)
-    assert (old.profile.model.repo, recipe) == ("openai/gpt-oss-20b", "gpt-oss-20b")
+    assert (old.profile.model.repo, recipe) == want
     _, argv = split_command(ctx.commands[-1])
     assert argv[argv.index("ps"):argv.index("--format")] == [
         "ps", "--all", "--no-trunc", "--filter", f"label=org.sparkdeploy.deployment={probe.profile.name}",
         "--filter", "label=org.sparkdeploy.engine"]
-
-
-def test_a_label_naming_a_recipe_this_controller_lacks_is_passed_over(dep, monkeypatch):
-    probe, _ = dep()
-    new, _ = dep({"ps": (0, _head_ps(probe.profile.name, "an-owners-own"))}, recipe="gpt-oss-120b")
-    monkeypatch.setattr(ops, "read_phase", lambda h, deployment=None: None)
-    monkeypatch.setattr(ops, "serving_url", lambda d: ("sglang", "http://h:30000")
-                        if d.profile.model.repo == "Qwen/Qwen3.5-122B-A10B-FP8" else None)
-    old, recipe = ops.old_deployment(new)
-    assert (old.profile.model.repo, recipe) == ("Qwen/Qwen3.5-122B-A10B-FP8", None)
 
 
 @pytest.mark.parametrize("phase,to,serves,want", [
