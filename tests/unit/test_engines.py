@@ -65,6 +65,7 @@ def label_args(p, eng, role, rank):
             + json.dumps(key_digests(fp), separators=(",", ":")),
             f"--label=org.sparkdeploy.port={eng.port}",
             f"--label=org.sparkdeploy.rank={rank}",
+            *([f"--label=org.sparkdeploy.recipe={p.recipe}"] if p.recipe else []),
             f"--label=org.sparkdeploy.role={role}"]
 
 

@@ -16,7 +16,8 @@ FORMAT = ('[{{json .ID}},{{json .Names}},{{json .State}},{{json .Status}},'
           '{{json (.Label "org.sparkdeploy.port")}},{{json (.Label "org.sparkdeploy.started")}},'
           '{{json (.Label "org.sparkdeploy.started.by")}},'
           '{{json (.Label "org.sparkdeploy.fingerprint")}},'
-          '{{json (.Label "org.sparkdeploy.fingerprint.keys")}}]')
+          '{{json (.Label "org.sparkdeploy.fingerprint.keys")}},'
+          '{{json (.Label "org.sparkdeploy.recipe")}}]')
 
 
 def test_ps_argv_of_a_deployment_of_an_engine_and_of_any():
@@ -70,6 +71,7 @@ def test_reading_docker_ps_back(seed_profile):
         "WARNING: something docker said", "[1, 2]", "",
         row(**{labels.DEPLOYMENT: "lab", labels.RANK: "x"})])
     first, second = labels.parse_ps(out)
+    assert (first.recipe, second.recipe) == ("", "")
     assert (first.name, first.running, first.role, first.rank, first.port, first.started_by) == (
         "sparkdeploy-sglang-head", True, "head", 0, 30000, "serve.up")
     assert first.image_id == 'sha256:ab|c,"d'
@@ -100,3 +102,14 @@ def test_a_unit_adds_when_and_by_what_it_started_each_container():
     # a spec written before the started labels: the arguments as they are
     assert serve_unit.Group({**spec, "started_labels": None}).run_args({"run": ["run", "i"]}) == [
         "run", "i"]
+
+
+def test_an_engine_container_says_which_recipe_it_serves(seed_profile):
+    fp = labels.engine_fingerprint(seed_profile, seed_profile.engines[0])
+    kw = dict(deployment="lab", engine="vllm", kind="vllm", role="head", rank=0, port=8000,
+              fingerprint=fp)
+    assert labels.RECIPE not in labels.engine_labels(**kw)
+    got = labels.engine_labels(**kw, recipe="lab-tiny")
+    assert got[labels.RECIPE] == "lab-tiny"
+    [c] = labels.parse_ps(row(**{labels.DEPLOYMENT: "lab", labels.RECIPE: "lab-tiny"}))
+    assert c.recipe == "lab-tiny"

@@ -5,6 +5,8 @@ the prepare fails, the old one back on a failed bring-up or an incoherent answer
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from sparkdeploy.core.outcomes import Result, Status
@@ -387,6 +389,36 @@ def test_the_old_deployment_is_the_one_the_nodes_serve(dep, monkeypatch):
     serves = {"Qwen/Qwen3.5-122B-A10B-FP8"}  # the swap's model was replaced since: the profile's
     old, recipe = ops.old_deployment(new)
     assert (old.profile.model.repo, recipe) == ("Qwen/Qwen3.5-122B-A10B-FP8", None)
+
+
+def _head_ps(deployment: str, recipe: str) -> str:
+    from sparkdeploy.core import labels
+
+    lab = {k: "" for k in labels.READ} | {labels.DEPLOYMENT: deployment, labels.ENGINE: "vllm",
+                                          labels.ROLE: "head", labels.RECIPE: recipe}
+    return json.dumps(["c1", "sparkdeploy-vllm-head", "running", "Up 2 minutes",
+                       *(lab[k] for k in labels.READ)]) + "\n"
+
+
+@pytest.mark.parametrize("label,serving,want", [
+    # deploy.all --recipe gpt-oss-20b, then serve.swap: no swap record on the head, yet the head's
+    # engine containers say which recipe they serve
+    ("gpt-oss-20b", "openai/gpt-oss-20b", ("openai/gpt-oss-20b", "gpt-oss-20b")),
+    # a recipe another controller deployed from its own directory: passed over
+    ("an-owners-own", "Qwen/Qwen3.5-122B-A10B-FP8", ("Qwen/Qwen3.5-122B-A10B-FP8", None)),
+])
+def test_the_recipe_the_heads_containers_carry_is_a_candidate(dep, monkeypatch, label, serving, want):
+    probe, _ = dep()
+    new, ctx = dep({"ps": (0, _head_ps(probe.profile.name, label))}, recipe="gpt-oss-120b")
+    monkeypatch.setattr(ops, "read_phase", lambda h, deployment=None: None)
+    monkeypatch.setattr(ops, "serving_url", lambda d: ("vllm", "http://h:8000")
+                        if d.profile.model.repo == serving else None)
+    old, recipe = ops.old_deployment(new)
+    assert (old.profile.model.repo, recipe) == want
+    _, argv = split_command(ctx.commands[-1])
+    assert argv[argv.index("ps"):argv.index("--format")] == [
+        "ps", "--all", "--no-trunc", "--filter", f"label=org.sparkdeploy.deployment={probe.profile.name}",
+        "--filter", "label=org.sparkdeploy.engine"]
 
 
 @pytest.mark.parametrize("phase,to,serves,want", [

@@ -45,6 +45,9 @@ IMAGE_DIGEST = f"{NS}.image.digest"
 """The digest ``image.probe`` decided on for the engine's image (its repo digest, else its ID)."""
 PORT = f"{NS}.port"
 """The engine's API port: the endpoint is this port on the head."""
+RECIPE = f"{NS}.recipe"
+"""The recipe the deployment's model part came from (``deploy.all --recipe``, a swap's new one,
+the profile's ``recipe:``): how a controller knows which model serves (``ops.swap``)."""
 FINGERPRINT = f"{NS}.fingerprint"
 FINGERPRINT_KEYS = f"{NS}.fingerprint.keys"
 
@@ -60,7 +63,7 @@ REQUIREMENT = f"{NS}.transformers.requirement"
 ENGINE_REQUIRES = f"{NS}.engine.requires"
 
 READ = (DEPLOYMENT, ENGINE, ENGINE_KIND, ROLE, RANK, IMAGE_ID, PORT, STARTED, STARTED_BY,
-        FINGERPRINT, FINGERPRINT_KEYS)
+        FINGERPRINT, FINGERPRINT_KEYS, RECIPE)
 """The labels ``ps_args`` reads, in this order after the container's ID, name, state, status."""
 
 
@@ -97,7 +100,7 @@ def engine_fingerprint(profile: Any, engine: Any) -> dict[str, Any]:
 
 def engine_labels(*, deployment: str, engine: str, kind: str, role: str, rank: int, port: int,
                   fingerprint: dict[str, Any], image_id: str | None = None,
-                  image_digest: str | None = None) -> dict[str, str]:
+                  image_digest: str | None = None, recipe: str | None = None) -> dict[str, str]:
     """The labels of one engine container (``started`` adds when and by what)."""
     out = {DEPLOYMENT: deployment, ENGINE: engine, ENGINE_KIND: kind, ROLE: role,
            RANK: str(rank), PORT: str(port), FINGERPRINT: digest(fingerprint),
@@ -106,6 +109,8 @@ def engine_labels(*, deployment: str, engine: str, kind: str, role: str, rank: i
         out[IMAGE_ID] = image_id
     if image_digest:
         out[IMAGE_DIGEST] = image_digest
+    if recipe:
+        out[RECIPE] = recipe
     return out
 
 
@@ -150,6 +155,7 @@ class Container:
     started_by: str = ""
     fingerprint: str = ""
     fingerprint_keys: str = ""
+    recipe: str = ""
 
     @property
     def running(self) -> bool:
@@ -192,5 +198,5 @@ def parse_ps(stdout: str) -> list[Container]:
             deployment=lab[DEPLOYMENT], engine=lab[ENGINE], kind=lab[ENGINE_KIND], role=lab[ROLE],
             rank=_int(lab[RANK]), image_id=lab[IMAGE_ID], port=_int(lab[PORT]),
             started=lab[STARTED], started_by=lab[STARTED_BY], fingerprint=lab[FINGERPRINT],
-            fingerprint_keys=lab[FINGERPRINT_KEYS]))
+            fingerprint_keys=lab[FINGERPRINT_KEYS], recipe=lab[RECIPE]))
     return out

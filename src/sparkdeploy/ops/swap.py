@@ -31,8 +31,8 @@ from sparkdeploy.node.deployment import Deployment
 from sparkdeploy.node.hosts import Host
 from sparkdeploy.node.nodeops import NodeUnreachable, docker
 from sparkdeploy.ops.serve import drop_previous, put_file
-from sparkdeploy.ops.serve_containers import serving
-from sparkdeploy.profile.config import load_profile
+from sparkdeploy.ops.serve_containers import ours, serving
+from sparkdeploy.profile.config import ProfileError, load_profile
 
 NODE_RECORD = "/var/lib/sparkdeploy-node/swap.json"
 PREPARE, CUT_OVER, DONE, ROLLED_BACK = "prepare", "cut-over", "done", "rolled-back"
@@ -216,14 +216,25 @@ def beside(new: Deployment, recipe: str | None, dirs: tuple[str, ...] = ()) -> D
 
 def old_deployment(new: Deployment, dirs: tuple[str, ...] = ()) -> tuple[Deployment, str | None]:
     """(the deployment the nodes serve now, its recipe): the one the head's swap record says
-    (the last swap's new model when it ended, else its old one), else the profile's own; the
-    first of these the nodes serve as its profile says, else the first."""
-    rec = read_phase(new.host(new.profile.head.name), new.profile.name)
+    (the last swap's new model when it ended, else its old one), the recipe the head's running
+    engine containers carry (``labels.RECIPE``: a ``deploy.all --recipe``), else the profile's
+    own; the first of these the nodes serve as its profile says, else the first."""
+    head = new.host(new.profile.head.name)
+    rec = read_phase(head, new.profile.name)
     picks: list[str | None] = []
     if rec is not None:
         picks.append(rec.to_recipe if rec.phase == DONE else rec.from_recipe)
+    labelled = [c.recipe for c in ours(head, new.profile.name) if c.running and c.recipe]
+    picks += labelled
     picks.append(None)
-    cands = [(beside(new, r, dirs), r) for r in dict.fromkeys(picks)]
+    cands = []
+    for r in dict.fromkeys(picks):
+        try:
+            cands.append((beside(new, r, dirs), r))
+        except ProfileError:
+            if r not in labelled:
+                raise
+            # a recipe another controller deployed from its own recipe directories: not ours
     return next(((d, r) for d, r in cands if serving_url(d) is not None), cands[0])
 
 
