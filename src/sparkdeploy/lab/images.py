@@ -75,7 +75,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sparkdeploy.engine_flags import DIR as FLAGS_DIR
-from sparkdeploy.engine_flags import release
+from sparkdeploy.engine_flags import manifest_version
 from sparkdeploy.files import move_in
 from sparkdeploy.lab import layout
 from sparkdeploy.lab.dockerd import apt_closure
@@ -372,7 +372,7 @@ def flag_manifest(recipe: ImageSpec, root: Path = FLAGS_DIR) -> bytes | None:
     """The flag manifest of the recipe's engine version (``data/engine-flags/``), which the
     stand-in parses with in the image (``/opt/standin/engine-flags.json``); None when there is
     none: the stand-in then refuses nothing."""
-    path = root / f"{recipe.engine_name}-{release(recipe.engine_version)}.json"
+    path = root / f"{recipe.engine_name}-{manifest_version(recipe.engine_version)}.json"
     return path.read_bytes() if path.is_file() else None
 
 
