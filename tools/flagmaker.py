@@ -7,9 +7,9 @@ the package index without its dependencies, plus the few light packages it must 
 real (``LIGHT``: ``packaging``; for vLLM its pydantic and transformers side, about 760 MB); then the node-less helper
 ``helpers/engine_flags.py`` runs in it and builds the engine's own parser with the GPU stack and
 every other missing package faked (FACTS: "The engines' own parsers, without a GPU"). The
-manifest goes to ``src/sparkdeploy/data/engine-flags/<engine>-<release>.json``: a release
-candidate (``0.5.10rc0``) is written under its release (``0.5.10``) and the file says so
-(``built_from``, ``note``).
+manifest goes to ``src/sparkdeploy/data/engine-flags/<engine>-<version>.json``, by exact
+version: a release candidate (``0.5.10rc0``) has its own, not its release's (``0.5.10``), whose
+parser differs (``built_from`` and ``source`` say which wheel it was read from).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from sparkdeploy import engines
 from sparkdeploy.core.errors import UsageError
 from sparkdeploy.core.files import write_text_atomic
-from sparkdeploy.engines.flags import release
+from sparkdeploy.engines.flags import manifest_version
 
 PKG = Path(engines.__file__).resolve().parents[1]
 """The package's directory (the checkout's ``src/sparkdeploy`` in an editable install)."""
@@ -65,10 +65,10 @@ def scratch_python(engine: str, version: str, cache: Path = CACHE) -> Path:
 
 
 def manifest(engine: str, version: str, parser: dict) -> dict:
-    rel = release(version)
-    note = (f"built from the release candidate {version}, mapped to its release {rel}"
-            if rel != version else f"built from {engine} {version}")
-    return {"format": FORMAT, "engine": engine, "version": rel, "built_from": f"{engine}=={version}",
+    note = (f"built from the release candidate {version}, its own parser (not its release's)"
+            if re.search(r"(rc|a|b)[0-9]+$", version) else f"built from {engine} {version}")
+    return {"format": FORMAT, "engine": engine, "version": manifest_version(version),
+            "built_from": f"{engine}=={version}",
             "note": note,
             "source": f"the {engine} {version} wheel (PyPI): its own argument parser, read by "
                       f"`nox -s engine_flags -- {engine}=={version}`",
@@ -84,7 +84,7 @@ def make(spec: str, out: Path = OUT, cache: Path = CACHE) -> Path:
         raise FlagMakerError((cp.stderr.strip().splitlines() or [f"{HELPER.name} failed"])[-1])
     parser = json.loads(cp.stdout.strip().splitlines()[-1])
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{engine}-{release(version)}.json"
+    path = out / f"{engine}-{manifest_version(version)}.json"
     write_text_atomic(path, json.dumps(manifest(engine, version, parser), indent=1,
                                        sort_keys=True) + "\n", mode=0o644)
     return path

@@ -84,3 +84,27 @@ def test_a_malformed_recipe_gate_is_one_line_naming_the_key(tmp_path, bad, why):
     with pytest.raises(recipes.RecipeError) as e:
         recipes.gates([tmp_path])
     assert str(e.value) == f"{tmp_path / 'lab-tiny.yaml'}: sparkdeploy.about.gate.{why}"
+
+
+def _gated(tmp_path, name: str, gate_value) -> None:
+    """``name``: lab-tiny's recipe with ``gate_value`` as its gate (None: no gate)."""
+    body = yaml.safe_load((internet.RECIPES / "lab-tiny.yaml").read_text())
+    if gate_value is None:
+        body["sparkdeploy"]["about"].pop("gate", None)
+    else:
+        body["sparkdeploy"]["about"]["gate"] = gate_value
+    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(body))
+    (tmp_path / f"{name}.config.json").write_bytes((internet.RECIPES / "lab-tiny.config.json").read_bytes())
+
+
+@pytest.mark.parametrize("cap", [1, recipes.GATE_MAX_TOKENS])
+def test_a_gate_after_a_recipe_without_one_is_found_and_both_ends_of_the_token_cap_are_taken(tmp_path, cap):
+    _gated(tmp_path, "a-first", None)  # read first (by name): no gate, the next one still counts
+    _gated(tmp_path, "b-gated", {"answers": [{"prompt": "p", "answer": "a"}], "max_tokens": cap, "source": "s"})
+    assert [(pairs, c, src) for _, pairs, c, src in recipes.gates([tmp_path])] == [((("p", "a"),), cap, "s")]
+
+
+def test_a_gate_that_is_not_a_mapping_is_one_line(tmp_path):
+    _gated(tmp_path, "lab-tiny", "yes")
+    with pytest.raises(recipes.RecipeError, match=r"sparkdeploy\.about\.gate\.answers: a list of"):
+        recipes.gates([tmp_path])

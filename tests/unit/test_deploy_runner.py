@@ -244,6 +244,30 @@ def test_profile_change_redoes_the_step_and_names_the_keys(tmp_path, calls):
     assert any("changed since the last run (engines[0].args[0]): t.down first" in w for w in said)
 
 
+def test_a_new_model_revision_redoes_serve_up(tmp_path, calls):
+    """serve.up's own fingerprint (less what it asks the nodes): a new revision is serve.down
+    first, then serve.up again, not the old weights kept serving."""
+    real = registry.get("serve.up").fingerprint
+    calls.fake("t.up", fingerprint=Fingerprint(*real.sections, also=real.also), redo="t.down")
+    calls.fake("t.down")
+
+    def at(revision):
+        dep = dep_for(tmp_path)
+        dep.profile = dep.profile.model_copy(update={"model": dep.profile.model.model_copy(
+            update={"revision": revision})})
+        return dep
+
+    Runner(at("main"), [PlanStep("t.up")]).run()
+    Runner(at("main"), [PlanStep("t.up")]).run()
+    assert calls.count("t.down") == 0
+    dep = at("v2")
+    with dep.events.collect() as got:
+        Runner(dep, [PlanStep("t.up")]).run()
+    assert calls.count("t.down") == 1 and calls.count("t.up") == 3
+    said = [e.why for e in got if getattr(e, "step", None) == "t.up" and hasattr(e, "status")]
+    assert any("changed since the last run (model.revision): t.down first" in w for w in said)
+
+
 def test_dry_run_writes_no_state_and_runs_steps_dry(tmp_path, calls):
     seen = {}
 

@@ -20,7 +20,7 @@ from sparkdeploy.profile.config import load_profile
 from tests.unit.conftest import SEED, seed_data
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-SGLANG_VERSIONS = ("0.5.4", "0.5.10rc0")  # the lab images' (lab/images.py) and the seed's candidates
+SGLANG_VERSIONS = ("0.5.4", "0.5.10rc0", "0.5.10")  # the lab images' (lab/images.py), the seed's, the release
 
 
 def _nodes(tmp_path, n: int):
@@ -84,7 +84,7 @@ def test_every_manifest_file_is_a_manifest_of_a_known_software_under_its_release
     software, _, version = path.stem.partition("-")
     assert software in engines.software(), path.name
     data = ef.manifest(software, version)
-    assert (data["engine"], data["version"]) == (software, version) == (software, ef.release(version))
+    assert (data["engine"], data["version"]) == (software, version) == (software, ef.manifest_version(version))
     assert data["by_flag"] and version in ef.versions(software)
 
 
@@ -96,7 +96,7 @@ def test_vllm_refuses_a_flag_of_sglang_and_names_its_own():
 def test_a_misspelled_flag_is_one_line_with_the_closest_real_flag():
     with pytest.raises(ef.FlagError) as e:
         ef.check_args("sglang", "0.5.10rc0", ["--mem-fraction-statik", "0.85"])
-    assert str(e.value) == ("--mem-fraction-statik: not a flag of sglang 0.5.10; "
+    assert str(e.value) == ("--mem-fraction-statik: not a flag of sglang 0.5.10rc0; "
                             "did you mean --mem-fraction-static?")
 
 
@@ -131,10 +131,63 @@ def test_a_file_that_is_not_a_manifest_is_one_line(tmp_path):
 
 
 def test_the_manifests_hold_the_real_parsers_counts_and_say_where_they_come_from():
-    new, old = ef.manifest("sglang", "0.5.10"), ef.manifest("sglang", "0.5.4")
-    assert (len(old["options"]), new["built_from"]) == (274, "sglang==0.5.10rc0")
-    assert "release candidate 0.5.10rc0" in new["note"] and new["allow_abbrev"] is True
-    assert {"--tp-size", "--tensor-parallel-size"} <= set(new["by_flag"]) and "--tp" not in new["by_flag"]
+    new, rc, old = (ef.manifest("sglang", v) for v in ("0.5.10", "0.5.10rc0", "0.5.4"))
+    assert [(len(m["options"]), len(m["by_flag"]), m["built_from"], m["version"]) for m in (new, rc, old)] == [
+        (355, 367, "sglang==0.5.10", "0.5.10"),  # FACTS: "SGLang 0.5.10: 355 flags (367 spellings)"
+        (354, 365, "sglang==0.5.10rc0", "0.5.10rc0"),
+        (274, 283, "sglang==0.5.4", "0.5.4")]
+    assert "release candidate 0.5.10rc0" in rc["note"] and "candidate" not in new["note"]
+    assert "the sglang 0.5.10 wheel" in new["source"] and "the sglang 0.5.10rc0 wheel" in rc["source"]
+    for m in (new, rc):
+        assert m["allow_abbrev"] is True and m["prog"] == "sglang serve"
+        assert {"--tp-size", "--tensor-parallel-size"} <= set(m["by_flag"]) and "--tp" not in m["by_flag"]
+
+
+# the parsers of sglang 0.5.10 and its rc0 (server_args.py of each wheel): FACTS, "SGLang 0.5.10
+# release vs its rc0"
+ADDED_IN_0_5_10 = ["--enable-mfu-metrics", "--enforce-disable-flashinfer-allreduce-fusion",
+                   "--engine-info-bootstrap-port", "--experts-shared-outer-loras", "--gc-threshold",
+                   "--no-experts-shared-outer-loras", "--stream-response-default-include-usage"]
+DROPPED_IN_0_5_10 = ["--disable-hicache-numa-detect", "--mm-max-concurrent-calls", "--mm-per-request-timeout",
+                     "--speculative-ngram-max-match-window-size", "--speculative-ngram-min-match-window-size"]
+
+
+def test_the_release_and_its_candidate_each_have_their_own_manifest():
+    new, rc = (set(ef.manifest("sglang", v)["by_flag"]) for v in ("0.5.10", "0.5.10rc0"))
+    assert sorted(new - rc) == ADDED_IN_0_5_10  # 7 the rc lacks
+    assert sorted(rc - new) == DROPPED_IN_0_5_10  # 5 the release refuses
+
+
+@pytest.mark.parametrize(("takes", "refuses", "flag"),
+                         [("0.5.10", "0.5.10rc0", f) for f in ADDED_IN_0_5_10]
+                         + [("0.5.10rc0", "0.5.10", f) for f in DROPPED_IN_0_5_10])
+def test_each_flag_of_one_is_taken_by_its_own_manifest_and_refused_by_the_other(takes, refuses, flag):
+    """An rc image is checked against the rc's parser, a release image against the release's."""
+    args = [flag] if not ef.manifest("sglang", takes)["by_flag"][flag]["takes_value"] else [flag, "1"]
+    ef.check_args("sglang", takes, args)
+    with pytest.raises(ef.FlagError, match=rf"^{flag}: not a flag of sglang {refuses}(;|$)"):
+        ef.check_args("sglang", refuses, args)
+
+
+def test_a_choice_the_release_added_is_refused_for_the_rc():
+    ef.check_args("sglang", "0.5.10", ["--fp4-gemm-backend", "cutlass"])
+    with pytest.raises(ef.FlagError, match=r"^--fp4-gemm-backend cutlass: not one of .* \(sglang 0.5.10rc0\)$"):
+        ef.check_args("sglang", "0.5.10rc0", ["--fp4-gemm-backend", "cutlass"])
+
+
+@pytest.mark.parametrize(("version", "file"), [
+    ("0.5.10rc0", "sglang-0.5.10rc0.json"), ("0.5.10", "sglang-0.5.10.json"),
+    ("0.32.0+cpu", "vllm-0.32.0.json"),  # a local build label: the same release's parser
+])
+def test_an_image_version_reads_the_manifest_of_exactly_that_version(version, file):
+    assert f"{file.partition('-')[0]}-{ef.manifest_version(version)}.json" == file
+    assert ef.manifest(file.partition("-")[0], version)["built_from"].endswith(version.split("+")[0])
+
+
+def test_a_release_candidate_without_its_own_manifest_is_not_checked_against_its_release():
+    with pytest.raises(ef.FlagError, match=r"^no flag manifest for sglang 0.5.10rc1: make one with "
+                                           r"`nox -s engine_flags -- sglang==0.5.10rc1`$"):
+        ef.check_args("sglang", "0.5.10rc1", ["--port", "1"])
 
 
 def test_the_seed_profile_loads():
@@ -149,7 +202,8 @@ def _standin(args: list[str], manifest, main: str = "sglang_main") -> subprocess
                           timeout=60)
 
 
-@pytest.mark.parametrize(("version", "prog"), [("0.5.10", "sglang serve"), ("0.5.4", "launch_server.py")])
+@pytest.mark.parametrize(("version", "prog"), [("0.5.10", "sglang serve"), ("0.5.10rc0", "sglang serve"),
+                                               ("0.5.4", "launch_server.py")])
 def test_the_sglang_standin_refuses_an_unknown_flag_as_the_real_parser_does(version, prog):
     cp = _standin(["--model-path", "/m", "--tp-size", "2", "--mem-fraction-statik", "0.8"],
                   ef.DIR / f"sglang-{version}.json")
@@ -176,7 +230,7 @@ def test_the_lab_images_carry_their_engine_versions_manifest_for_the_standin():
     from sparkdeploy.lab import images
 
     by_tag = {r.tag: images.flag_manifest(r) for r in images.COMMUNITY_IMAGES}
-    assert by_tag["scitrera/dgx-spark-sglang:0.5.10rc0"] == (ef.DIR / "sglang-0.5.10.json").read_bytes()
+    assert by_tag["scitrera/dgx-spark-sglang:0.5.10rc0"] == (ef.DIR / "sglang-0.5.10rc0.json").read_bytes()
     assert by_tag["lmsysorg/sglang:spark"] == (ef.DIR / "sglang-0.5.4.json").read_bytes()
     assert by_tag["hellohal2064/vllm-qwen3.5-gb10"] == (ef.DIR / "vllm-0.17.1.json").read_bytes()
 
@@ -247,7 +301,7 @@ def test_without_a_probe_a_flag_no_version_has_is_refused_naming_every_version()
     with pytest.raises(ef.FlagError) as e:
         ef.check_args_any("sglang", ["--mem-fraction-statik", "0.8"], "no probe yet")
     assert str(e.value) == ("--mem-fraction-statik: not a flag of sglang 0.5.10; did you mean "
-                            "--mem-fraction-static? (nor of sglang 0.5.4; no probe yet)")
+                            "--mem-fraction-static? (nor of sglang 0.5.4, 0.5.10rc0; no probe yet)")
     assert ef.check_args_any("vllm", ["--max-model-len", "8"], "x") == ef.versions("vllm")[-1]
 
 
@@ -256,7 +310,7 @@ def test_without_a_probe_an_engine_with_no_manifest_says_how_to_make_one(tmp_pat
         ef.check_args_any("sglang", ["--port", "1"], "no probe yet", tmp_path)
     assert str(e.value) == ("no flag manifest for sglang: make one with "
                             "`nox -s engine_flags -- sglang==VERSION`")
-    assert ef.versions("sglang") == ["0.5.4", "0.5.10"]  # by number, not by spelling
+    assert ef.versions("sglang") == ["0.5.4", "0.5.10rc0", "0.5.10"]  # by PEP 440, not by spelling
 
 
 def test_without_a_probe_a_flag_one_version_has_passes_and_the_probed_version_decides():
@@ -304,7 +358,7 @@ def test_the_probed_version_is_the_one_checked_against(tmp_path):
         summary="sglang: " + base))
     with pytest.raises(ef.FlagError) as e:
         check_flags(dep)
-    assert str(e.value) == ("engine sglang: --mem-fraction-statik: not a flag of sglang 0.5.10; "
+    assert str(e.value) == ("engine sglang: --mem-fraction-statik: not a flag of sglang 0.5.10rc0; "
                             "did you mean --mem-fraction-static?")
 
 
@@ -319,6 +373,6 @@ def test_a_misspelled_flag_is_one_line_exit_2_before_any_step(tmp_path, task):
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [
         "engine sglang: --mem-fraction-statik: not a flag of sglang 0.5.10; did you mean "
-        "--mem-fraction-static? (nor of sglang 0.5.4; no image.probe record names the sglang "
+        "--mem-fraction-static? (nor of sglang 0.5.4, 0.5.10rc0; no image.probe record names the sglang "
         "version of sparkdeploy/sglang-qwen3.5:latest)"]
     assert r.stdout == ""

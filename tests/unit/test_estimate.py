@@ -802,3 +802,15 @@ def test_a_context_longer_than_the_model_is_refused_and_rope_scaling_lengthens_i
     with pytest.raises(est.EstimateError, match=r"more than the model's 131072 \(config "
                        r"max_position_embeddings x rope_scaling.factor\)"):
         run(yarn, nodes=4, context=131073)
+
+
+def test_a_layout_lighter_by_exactly_the_threshold_is_not_called_lighter():
+    """``LIGHTER_GIB`` less per node is the first difference that counts (mutation testing)."""
+    def stages(weights: float) -> tuple[est.Stage, ...]:
+        return (est.Stage(layers=1, weights=weights, kv=0.0, reserve=0.0, usable=100 * GIB),)
+
+    heavy = 10 * GIB
+    chosen, notes = est.choose_layout({(2, 1): stages(heavy), (1, 2): stages(heavy - est.LIGHTER_GIB * GIB)})
+    assert chosen == (2, 1) and notes == [f"TP=1 x PP=2: {est.ALSO}, TP=2 x PP=1 preferred"]
+    _, notes = est.choose_layout({(2, 1): stages(heavy), (1, 2): stages(heavy - 2 * est.LIGHTER_GIB * GIB)})
+    assert "lighter" in notes[0]

@@ -372,3 +372,86 @@ def test_deploy_all_tests_again_when_the_link_the_nodes_or_the_image_changed(tmp
     two = fp.local(deployment(profile(tmp_path / "b", expect_gbps=50), tmp_path / "s2", ctx))
     assert diff_keys(one, two) == ["link.expect_gbps"]
     assert {"image", "serve_image", "nodes[1].link.address"} <= set(one)
+
+
+# --- the verdict's edges (mutation testing: docs/notes/mutants.md) -------------------------
+
+
+def _sent(netdev: dict, rdma: dict | None = None) -> dict:
+    return {"netdev": netdev, "rdma": rdma or {}}
+
+
+def test_must_send_is_every_timed_byte_times_the_bus_factor():
+    sizes = [fab.RankSize(bytes=1000, iters=3, seconds=1.0), fab.RankSize(bytes=10, iters=2, seconds=1.0)]
+    assert fab.must_send(sizes, 2) == 3020.0
+    assert fab.must_send(sizes, 4) == 3020.0 * 1.5
+
+
+def test_where_sent_counts_the_links_interface_and_its_hcas_and_names_the_busiest_other():
+    rep = fab.RankReport.model_validate_json(report(0, FAST, _sent(
+        {"enp1s0f0np0": 500, "lo": 9999, "a0": 300, "zz": 100},
+        {"rocep1s0f0/1": 200, "mlx5_9/1": 50})))
+    assert fab.where_sent(rep, "enp1s0f0np0", ["rocep1s0f0"]) == (700.0, "a0", 300.0)
+    for sent in ({}, _sent({})):  # counters that say nothing
+        rep = fab.RankReport.model_validate_json(report(0, FAST, sent))
+        assert fab.where_sent(rep, "enp1s0f0np0", ["rocep1s0f0"]) == (0.0, "", 0.0)
+
+
+def _wrong(tmp_path, head_sent: dict, sizes=FAST, worker: str | None = None) -> str | None:
+    prof = load_profile(profile(tmp_path))
+    return fab.wrong_interface(prof, reports(worker or report(1, FAST), report(0, sizes, head_sent)))
+
+
+def test_the_wrong_interface_rule_at_its_bounds(tmp_path):
+    need = fab.must_send([fab.RankSize(bytes=b, iters=i, seconds=s) for b, i, s in FAST], 2)
+    half = fab.ON_LINK * need
+    # the link's own interface counts for it, without any RDMA
+    assert _wrong(tmp_path, _sent({"enp1s0f0np0": need, "enP7s7": need})) is None
+    # on the link exactly half: not under it; another sent exactly half: enough to be the wrong one
+    assert _wrong(tmp_path, _sent({"enp1s0f0np0": half, "enP7s7": need})) is None
+    assert _wrong(tmp_path, _sent({"enp1s0f0np0": 0, "enP7s7": half})) is not None
+    assert _wrong(tmp_path, _sent({"enp1s0f0np0": 0, "enP7s7": 1})) is None  # a trickle elsewhere
+    # a one-byte all-reduce is still judged
+    tiny = [(1, 1, 1e-6)]
+    assert _wrong(tmp_path, _sent({"enP7s7": 1}), sizes=tiny,
+                  worker=report(1, tiny, _sent({}))) is not None
+
+
+def test_a_rank_that_timed_nothing_does_not_hide_a_wrong_interface_on_the_next(tmp_path):
+    prof = load_profile(profile(tmp_path))
+    got = fab.wrong_interface(prof, {
+        "spark1": fab.RankReport.model_validate_json(report(0, [], _sent({}))),
+        "spark2": fab.RankReport.model_validate_json(report(1, FAST, _sent({"enP7s7": 10 ** 12})))})
+    need = fab.must_send([fab.RankSize(bytes=b, iters=i, seconds=s) for b, i, s in FAST], 2)
+    assert got == (f"spark2: the all-reduce sent 1000000 MB over enP7s7, 0 MB over the link's "
+                   f"enp1s0f0np0 (it must send {need / 1e6:.0f} MB): check NCCL_SOCKET_IFNAME, "
+                   "GLOO_SOCKET_IFNAME")
+
+
+def test_the_verdict_is_judged_on_the_heads_figures_and_keeps_the_expected_figure(tmp_path):
+    prof = load_profile(profile(tmp_path))
+    head, worker = report(0, SLOW), report(1, FAST)
+    by = {"spark2": fab.RankReport.model_validate_json(worker), "spark1": fab.RankReport.model_validate_json(head)}
+    got = fab.judge(prof, by)  # the head's, though the worker answered first
+    assert (got.verdict, got.expected_gbs) == ("degraded", 3.125)
+    only_worker = fab.judge(prof, {"spark2": fab.RankReport.model_validate_json(worker)})
+    assert only_worker.verdict == "ok"  # no head report: the first rank's figures
+    wrong = _sent({"enp1s0f0np0": 0, "enP7s7": 10 ** 12})
+    assert fab.judge(prof, reports(report(0, FAST, wrong), report(1, FAST))).expected_gbs == 3.125
+
+
+def test_a_busbw_exactly_the_expected_figure_is_ok(tmp_path):
+    prof = load_profile(profile(tmp_path))
+    exact = [(fab.MIB, 5, fab.MIB / 3.125e9)]  # busbw 3.125 GB/s at n=2: what 25 Gb/s expects
+    got = fab.judge(prof, reports(report(0, exact), report(1, exact)))
+    assert [s.busbw_gbs for s in got.sizes] == [3.125] and got.verdict == "ok"
+
+
+def test_ranks_that_measured_no_size_fail_saying_why_they_stopped(tmp_path):
+    prof = load_profile(profile(tmp_path))
+    head = json.loads(report(0, []))
+    head["stopped"] = "SIGTERM after 1 of 6 sizes"
+    got = fab.judge(prof, reports(json.dumps(head), report(1, [])))
+    assert got.model_dump() == fab.Fabric(verdict=fab.FAILED, expected_gbs=3.125, sizes=[],
+                                          why="no size measured; SIGTERM after 1 of 6 sizes").model_dump()
+    assert got.verdict == "failed" and got.sizes == [] and got.expected_gbs == 3.125

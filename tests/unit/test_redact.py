@@ -10,7 +10,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from sparkdeploy.core.redaction import REDACTED, is_secret_name, redact
+from sparkdeploy.core.redaction import REDACTED, is_secret_name, redact, secret_flag
 from sparkdeploy.core.state import StateDir
 
 SECRETS = st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._~+=-",
@@ -217,3 +217,20 @@ def test_a_planted_secret_appears_in_no_output_record_or_report(tmp_path, capsys
         assert secret not in printed.out and secret not in printed.err
         for p in written:
             assert secret not in p.read_text(), (secret, p)
+
+
+# --- the edges mutation testing found unasserted (docs/notes/mutants.md) ---------------------
+
+
+def test_a_secret_name_is_a_secret_word_at_the_end_of_the_name():
+    assert is_secret_name("--api-key") and is_secret_name("KEY") and is_secret_name("-key")
+    assert not is_secret_name("XKEY") and not is_secret_name("--token-")
+
+
+def test_a_secret_flags_value_may_hold_an_equals_sign():
+    assert secret_flag("--api-key=abc==") == "--api-key"
+    assert redact(["--api-key=abc==", "serve"]) == ["--api-key=***", "serve"]  # the next word is no value
+
+
+def test_a_records_lowercase_key_stays_and_an_uppercase_one_is_a_secret():
+    assert redact({"key": "spark1/enp1s0f0np0", "KEY": "s3cret"}) == {"key": "spark1/enp1s0f0np0", "KEY": "***"}

@@ -446,7 +446,7 @@ def test_the_engine_flags_are_checked_against_the_probed_version_before_anything
     dep.profile.engines[0].args.extend(["--mem-fraction-statik", "0.8"])
     results = serve.up(dep, engine="sglang")
     bad = [(r.node, r.why) for r in results if r.failed]
-    assert bad == [("spark1", "sglang: --mem-fraction-statik: not a flag of sglang 0.5.10; "
+    assert bad == [("spark1", "sglang: --mem-fraction-statik: not a flag of sglang 0.5.10rc0; "
                                "did you mean --mem-fraction-static?")]
     assert not runs(ctx, "spark1") and not runs(ctx, "spark2")
 
@@ -465,7 +465,7 @@ def test_a_refused_flag_removes_nothing_of_the_serving_deployment(lab, tmp_path)
     before = len(ctx.calls)
     results = serve.up(other)
     assert [(r.node, r.why) for r in results if r.failed] == [
-        ("spark1", "sglang: --mem-fraction-statik: not a flag of sglang 0.5.10; "
+        ("spark1", "sglang: --mem-fraction-statik: not a flag of sglang 0.5.10rc0; "
                    "did you mean --mem-fraction-static?")]
     removals = [argv for _, argv in ctx.calls[before:] if argv[:2] in (["docker", "rm"], ["docker", "stop"])
                 or "rm" in argv[:4]]

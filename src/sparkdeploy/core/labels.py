@@ -89,13 +89,14 @@ def of_run(deployment: str, role: str, by: str, t: float) -> list[str]:
 
 def engine_fingerprint(profile: Any, engine: Any) -> dict[str, Any]:
     """What an engine's containers run, as a flat fingerprint: the engine's profile entry, the
-    nodes, the model's path and name. Secret variables of its ``env`` are left out (their
-    values, and even their names, stay off the nodes' command lines)."""
+    nodes, the model's path, name and revision. Secret variables of its ``env`` are left out
+    (their values, and even their names, stay off the nodes' command lines)."""
     eng = engine.model_dump(mode="json")
     eng["env"] = {k: v for k, v in (eng.get("env") or {}).items() if not is_secret_name(k)}
     nodes = [n.model_dump(mode="json") for n in profile.nodes]
+    m = profile.model
     return flat({"engine": eng, "nodes": nodes,
-                 "model": {"path": profile.model.path, "repo": profile.model.repo}})
+                 "model": {"path": m.path, "repo": m.repo, "revision": m.revision}})
 
 
 def engine_labels(*, deployment: str, engine: str, kind: str, role: str, rank: int, port: int,

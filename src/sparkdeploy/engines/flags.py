@@ -16,6 +16,8 @@ import re
 from functools import cache
 from pathlib import Path
 
+from packaging.version import Version
+
 from sparkdeploy.core.errors import UsageError
 from sparkdeploy.core.redaction import is_secret_name
 
@@ -26,16 +28,18 @@ class FlagError(UsageError):
     """A flag, a manifest or an engine version that cannot be checked: one line."""
 
 
-def release(version: str) -> str:
-    """``0.5.10rc0`` -> ``0.5.10`` (a release candidate is checked against its release's file)."""
-    m = re.match(r"^[0-9]+(?:\.[0-9]+)*", version)
-    return m.group(0) if m else version
+def manifest_version(version: str) -> str:
+    """The version whose manifest checks ``version``: that version exactly, less a local build
+    label (``0.32.0+cpu`` is vLLM 0.32.0 built for the CPU: the same parser). A release
+    candidate is not its release: ``0.5.10rc0`` reads ``sglang-0.5.10rc0.json`` (the release
+    added 7 option strings and dropped 5 of the rc's: docs/engine-flags.md)."""
+    return version.split("+", 1)[0]
 
 
 @cache
 def manifest(engine: str, version: str, root: Path = DIR) -> dict:
     """The manifest of ``engine`` ``version``; FlagError when there is none or it is not one."""
-    path = root / f"{engine}-{release(version)}.json"
+    path = root / f"{engine}-{manifest_version(version)}.json"
     if not path.is_file():
         raise FlagError(f"no flag manifest for {engine} {version}: make one with "
                         f"`nox -s engine_flags -- {engine}=={version}`")
@@ -54,7 +58,7 @@ def check_args(engine: str, version: str, args: list[str], root: Path = DIR) -> 
     one, none when it is a switch, and a value among its choices."""
     m = manifest(engine, version, root)
     flags = m["by_flag"]
-    what = f"{engine} {release(version)}"
+    what = f"{engine} {manifest_version(version)}"
     words = bool(m.get("positionals"))
     i, switch = 0, None
     while i < len(args):
@@ -104,7 +108,7 @@ def carries_secret(engine: str, flag: str, root: Path = DIR) -> bool:
 def versions(engine: str, root: Path = DIR) -> list[str]:
     """The versions of ``engine`` with a manifest, oldest first."""
     found = [f.stem.removeprefix(f"{engine}-") for f in root.glob(f"{engine}-*.json")]
-    return sorted(found, key=lambda v: tuple(int(x) for x in re.findall(r"[0-9]+", v)))
+    return sorted(found, key=Version)  # by PEP 440: 0.5.4 < 0.5.10rc0 < 0.5.10
 
 
 def check_args_any(engine: str, args: list[str], why: str, root: Path = DIR) -> str:

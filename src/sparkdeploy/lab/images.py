@@ -77,7 +77,7 @@ from pathlib import Path
 from sparkdeploy.core.files import move_in
 from sparkdeploy.core.outcomes import Result, Status
 from sparkdeploy.engines.flags import DIR as FLAGS_DIR
-from sparkdeploy.engines.flags import release
+from sparkdeploy.engines.flags import manifest_version
 from sparkdeploy.lab import layout, pkgindex
 from sparkdeploy.lab.dockerd import apt_closure
 from sparkdeploy.lab.image import base_status
@@ -372,7 +372,7 @@ def flag_manifest(recipe: ImageSpec, root: Path = FLAGS_DIR) -> bytes | None:
     """The flag manifest of the recipe's engine version (``data/engine-flags/``), which the
     stand-in parses with in the image (``/opt/standin/engine-flags.json``); None when there is
     none: the stand-in then refuses nothing."""
-    path = root / f"{recipe.engine_name}-{release(recipe.engine_version)}.json"
+    path = root / f"{recipe.engine_name}-{manifest_version(recipe.engine_version)}.json"
     return path.read_bytes() if path.is_file() else None
 
 

@@ -23,7 +23,7 @@ def check_engine(dep: Deployment, engine: Engine) -> str:
     the engine, the flag, the engine version and the closest real flag)."""
     version = engine_version(dep, engine)
     software = engine.software
-    against = f"{software} {engine_flags.release(version)}" if version else None
+    against = f"{software} {engine_flags.manifest_version(version)}" if version else None
     for c in launch(dep.profile, engine, {}, api_key=True).containers:
         args = c.engine_args
         if args is None:

@@ -244,7 +244,7 @@ def _check_flags(dep: Deployment, engine: Engine, lau: Launch, pf: Preflight) ->
         except engine_flags.FlagError as e:
             pf.fail(c.node, f"{engine.name}: {e}")
             return "flags refused"
-    return f"flags checked against {engine.software} {engine_flags.release(version)}"
+    return f"flags checked against {engine.software} {engine_flags.manifest_version(version)}"
 
 
 def check_flags(ctx: Ctx, engines: list[Engine], api_key: bool) -> bool:

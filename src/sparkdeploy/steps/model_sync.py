@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from sparkdeploy.core.fingerprint import Fingerprint, workers
-from sparkdeploy.ops.model import DOWNLOAD, own_lock
+from sparkdeploy.ops.model import DOWNLOAD, ModelError, own_lock
 from sparkdeploy.ops.model_select import selected
 from sparkdeploy.ops.model_sync import SYNC, sync_files
 from sparkdeploy.steps.registry import StepContext, step
@@ -22,6 +22,10 @@ def sync(ctx: StepContext, to: str = "all", only: list[str] | None = None) -> No
     if not targets:
         ctx.ok("no worker to sync to")
         return
-    meta, note = selected(dep)  # the head's record of the files (decided when none)
+    try:  # the head's record while it is for the commit the revision names now: a moved revision
+        meta, note = selected(dep, refresh=True)  # is a change, its files are not there yet
+    except ModelError as e:  # no hub and no cache: the head's record of the files
+        meta, note = selected(dep)
+        note = "; ".join(n for n in (note, f"the revision's commit not checked: {e}") if n)
     with own_lock(dep, SYNC):
         sync_files(ctx, targets, meta, only=only, note=note)

@@ -234,9 +234,10 @@ def _attempt(ctx: StepContext, eng: Engine, run: Run) -> str | None:
 
 
 def model_and_image(dep: Deployment) -> dict[str, Any]:
-    """The model path and repo, and the image chosen by tag: with the engines and the nodes, a
-    change to any of these redeploys the engine."""
-    return {"model.path": dep.profile.model.path, "model.repo": dep.profile.model.repo,
+    """The model path, repo and revision, and the image chosen by tag: with the engines and the
+    nodes, a change to any of these redeploys the engine (a new revision is new weights)."""
+    m = dep.profile.model
+    return {"model.path": m.path, "model.repo": m.repo, "model.revision": m.revision,
             "image": chosen(dep).get("serve_image")}
 
 
