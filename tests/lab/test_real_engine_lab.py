@@ -195,10 +195,10 @@ def test_serve_swap_to_a_second_real_model_passes_its_own_gate(served):
     assert [m["id"] for m in models["data"]] == [tiny.SECOND.repo_id]
     after = greedy(url, model=tiny.SECOND.repo_id)
     assert after and after != before
-    SWAPPED["model"] = tiny.SECOND.repo_id
+    SWAPPED.update(model=tiny.SECOND.repo_id, recipe=tiny.SECOND.recipe)
 
 
-SWAPPED = {"model": tiny.REPO_ID}
+SWAPPED = {"model": tiny.REPO_ID, "recipe": tiny.RECIPE}
 """The model the pair serves after the swap test (the tests after it ask for that one)."""
 
 
@@ -211,7 +211,13 @@ def test_a_frozen_real_worker_is_found_and_the_pair_restarted_as_a_whole(served)
     prof = watched(state.parent)
     model = SWAPPED["model"]
     before = greedy(url, model=model)
+    # without --recipe, the profile's own model: refused, what serves untouched (the nodes'
+    # containers say which recipe serves)
     r = inv(state, "serve.persist", profile=prof)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert f"(its containers say recipe {SWAPPED['recipe']})" in r.stdout, r.stdout[-3000:]
+    assert greedy(url, model=model) == before
+    r = inv(state, "serve.persist", "--recipe", SWAPPED["recipe"], profile=prof)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     head0 = started_at(lab, "spark1", "sparkdeploy-vllm-head")
     t0 = time.monotonic()

@@ -242,3 +242,20 @@ def test_secrets_in_the_engines_env_are_not_persisted(units):
     assert res.why == ("engines[sglang].env: HF_TOKEN would have to be stored on the nodes for a "
                        "unit that comes back at boot (secrets are not); not persisted")
     assert all(sd.files == {} and sd.calls == [] for sd in sds.values())
+
+
+def test_a_profile_other_than_what_serves_is_refused_before_any_unit(units):
+    """deploy.all --recipe R served R's model; serve.persist without --recipe would hand the
+    nodes over to the profile's own model: refused, nothing written, R still serving."""
+    dep, ctx, nodes, cluster, sds = units
+    assert serve.up(dep)[-1].status is Status.OK
+    model = dep.profile.model.model_copy(update={"path": "/srv/models/other", "repo": "o/other"})
+    dep.profile = dep.profile.model_copy(update={"model": model})
+    [res] = serve_persist.persist(dep)
+    assert res.status is Status.FAILED
+    assert res.why == ("sglang on spark1 serves something else than the profile says (model.path, "
+                       "model.repo): persisting would replace it; pass --recipe R for the recipe "
+                       "serving, or serve.up first")
+    assert all(sd.files == {} and sd.calls == [] for sd in sds.values())
+    assert serving_containers(nodes) == {"spark1": ["sparkdeploy-sglang-head"],
+                                         "spark2": ["sparkdeploy-sglang-worker"]}

@@ -292,6 +292,22 @@ def roll_back(ctx: StepContext, eng: Engine, lau: Launch, nodes: list[Handover],
     return f"rollback failed: {'; '.join(problems)}" if problems else f"rolled back: {back}"
 
 
+def serving_other(dep: Deployment, eng: Engine) -> str | None:
+    """Why the units would not run what serves (None: they would): the engine's running
+    containers run something else than the profile says (another recipe's model, another
+    image), and persisting would hand the nodes over to what the profile says."""
+    fp = labels.engine_fingerprint(dep.profile, eng)
+    for n in dep.profile.nodes:
+        for c in ours(dep.host(n.name), dep.profile.name, eng.name):
+            keys = c.differs(fp) if c.running else []
+            if keys:
+                said = f" (its containers say recipe {c.recipe})" if c.recipe else ""
+                return (f"{eng.name} on {n.name} serves something else than the profile says "
+                        f"({', '.join(keys[:3])}){said}: persisting would replace it; pass "
+                        "--recipe R for the recipe serving, or serve.up first")
+    return None
+
+
 @step(STEP_PERSIST, needs=("serve.up", "bench.run"), fingerprint=Fingerprint("engines", "nodes"))
 def persist(ctx: StepContext, engine: str | None = None) -> None:
     """Install the deployment as systemd units on every node and hand it over to them: all
@@ -304,6 +320,10 @@ def persist(ctx: StepContext, engine: str | None = None) -> None:
     eng = engine_of(dep, engine)
     if eng is None:
         ctx.failed("no engine to persist: serve.up first, or --engine NAME")
+        return
+    other = serving_other(dep, eng)
+    if other:
+        ctx.failed(other)
         return
     lau = running_launch(dep, eng)  # EngineError: the step's failure
     kept = sorted({k for c in lau.containers for k in profile_secrets(c)})

@@ -115,13 +115,15 @@ def load(c: Context, profile: str | None = None, recipe: str | None = None,
 def run_step(c: Context, name: str, *, profile: str | None = None, lock: bool = True,
              show: Callable[[Deployment, list[Result]], None] | None = None,
              live: bool = True, first: tuple[str, ...] = (), flag: str = NODES,
-             then: str = "", **options: Any) -> list[Result]:
+             then: str = "", recipe: str | None = None, recipe_dirs: tuple[str, ...] = (),
+             **options: Any) -> list[Result]:
     """``drive`` the registered step ``name`` with ``options``. ``first``: steps (of those
     ``name`` needs) run before it, without options; a failure there and ``name`` does not run.
     A node name no node of the profile has (``node=``, or ``to=`` naming workers; ``flag`` is
     the flag the user gave them with) or an unknown ``engine=`` is a usage error (exit 2); a
     deprecated spelling of ``--nodes`` says so in one line once the names are good (``then``:
-    what else the new spelling takes)."""
+    what else the new spelling takes). ``recipe``: the deployment of that recipe's model part
+    (as ``deploy.all --recipe``)."""
 
     def prepare(dep: Deployment) -> None:
         # node-name flags: an unknown name is a usage error; to= names the head's peers (workers)
@@ -150,7 +152,7 @@ def run_step(c: Context, name: str, *, profile: str | None = None, lock: bool = 
             show(dep, results)
 
     return drive(c, name, work, profile=profile, lock=lock, live=live, prepare=prepare,
-                 show=shown)
+                 show=shown, recipe=recipe, recipe_dirs=recipe_dirs)
 
 
 def recap_lines(results: Iterable[Result]) -> list[str]:

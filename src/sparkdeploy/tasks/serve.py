@@ -44,10 +44,13 @@ def logs(c, nodes=None, tail=None, profile=None, node=None):
     run_step(c, "serve.logs", profile=profile, lock=False, node=picked, flag=flag, tail=n)
 
 
-@task(help={"engine": "the engine to persist (default: the one serve.up chose)", **_P})
-def persist(c, engine=None, profile=None):
+@task(help={"engine": "the engine to persist (default: the one serve.up chose)",
+            "recipe": "the deployment of this recipe (as deploy.all --recipe): the one serving",
+            "recipes": "an owner's recipe directory (DIR[,DIR...]), looked up first", **_P})
+def persist(c, engine=None, profile=None, recipe=None, recipes=None):
     """Install the deployment as systemd units on every node and hand it over to them."""
-    run_step(c, "serve.persist", profile=profile, engine=engine)
+    run_step(c, "serve.persist", profile=profile, engine=engine, recipe=recipe,
+             recipe_dirs=tuple(flags.name_list("--recipes", recipes)))
 
 
 @task(help=_P)
