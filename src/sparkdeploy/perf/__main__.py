@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, str] = {
     "watchdog": "sparkdeploy.perf.watchdog:run",
     "fanout": "sparkdeploy.perf.fanout:run",
     "swap": "sparkdeploy.perf.swap:run",
+    "gateway": "sparkdeploy.perf.gateway:run",
 }
 
 
