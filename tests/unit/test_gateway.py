@@ -210,3 +210,52 @@ def test_the_program_keeps_the_key_out_of_its_argv_logs_and_metrics(engines, tmp
     assert KEY not in " ".join(argv) and KEY not in metrics and KEY not in err
     assert "POST /v1/chat/completions model=m-a 200" in err  # a line per request, no header
     assert "model=zz 404" in err
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_the_framing_is_followed_however_the_bytes_arrive(step):
+    body = (b"5\r\nhello\r\n1a;ext=1\r\n" + b"x" * 26 + b"\r\n0\r\nX-Trailer: y\r\n\r\n")
+    frame = gw.Framing()
+    for i in range(0, len(body), step):
+        assert not frame.done
+        frame.feed(body[i:i + step])
+    assert frame.done
+    with pytest.raises(ValueError):
+        frame.feed(b"more")
+
+
+@pytest.mark.parametrize("bad", [b"zz\r\n", b"-5\r\n", b"9" * 5000])
+def test_what_is_not_chunked_is_refused(bad):
+    with pytest.raises(ValueError):
+        gw.Framing().feed(bad)
+
+
+def stream(g, model: str, **kw) -> bytes:
+    conn = http.client.HTTPConnection("127.0.0.1", g.port, timeout=10)
+    try:
+        conn.request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"},
+                     body=json.dumps(chat(model, stream=True, ignore_eos=True, **kw)))
+        return conn.getresponse().read()
+    finally:
+        conn.close()
+
+
+def test_a_backend_connection_is_kept_for_the_next_request(engines):
+    backend = gw.Backend(url(engines[0]))
+    g = start([backend])
+    try:
+        for _ in range(3):
+            assert stream(g, "m-a").rstrip().endswith(b"data: [DONE]")
+            assert call(g, "POST", "/v1/chat/completions", chat("m-a"))[0] == 200
+        assert backend._idle.qsize() == 1  # one connection, reused six times
+    finally:
+        g.shutdown()
+        g.server_close()
+
+
+def test_a_stream_the_backend_breaks_is_broken_for_the_client_too(engines, gateway):
+    engines[0].state.control({"faults": "close:every=1:after=2"})
+    with pytest.raises(http.client.IncompleteRead):
+        stream(gateway, "m-a", max_tokens=8)
+    text = call(gateway, "GET", "/metrics")[2].decode()
+    assert 'sparkdeploy_gateway_errors_total{model="m-a"} 1' in text

@@ -401,31 +401,15 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Transfer-Encoding", "chunked")
         else:
             self.send_header("Content-Length", str(resp.length))
-        self.send_header("Date", self.date_time_string())
         self.end_headers()
         usage = Usage(stream=chunked or resp.length is None)
-        failed = False
         try:
-            while True:
-                try:
-                    data = resp.read1(65536)
-                except (OSError, http.client.HTTPException):
-                    failed = True
-                    break
-                if not data:
-                    break
-                usage.feed(data)
-                if chunked or resp.length is None:
-                    self._write(b"%x\r\n%s\r\n" % (len(data), data))
-                else:
-                    self._write(data)
-            if failed:
-                self.close_connection = True  # the stream never ends well: the client sees it
-            elif chunked or resp.length is None:
-                self._write(b"0\r\n\r\n")
+            failed = not (self._pass_chunked(resp, usage) if chunked
+                          else self._relay(resp, usage))
         except _ClientGone:
             failed = True
-            self.close_connection = True
+        if failed:
+            self.close_connection = True  # the answer never ends well: the client sees it
         if failed or resp.will_close or not resp.isclosed():
             conn.close()
         else:
@@ -434,6 +418,43 @@ class Handler(BaseHTTPRequestHandler):
         figs.add(model, requests=1, errors=1 if failed or status >= 400 else 0,
                  prompt_tokens=prompt, completion_tokens=completion)
         return status
+
+    def _pass_chunked(self, resp: http.client.HTTPResponse, usage: Usage) -> bool:
+        """A chunked answer passed on as its raw bytes come (the backend's own chunks: one SSE
+        event each), its framing followed to know its end. False: it did not end well."""
+        frame, fp = Framing(), resp.fp
+        while fp is not None and not frame.done:
+            try:
+                data = fp.read1(65536)
+                if not data:
+                    return False
+                frame.feed(data)
+            except (OSError, ValueError):
+                return False
+            usage.feed(data)
+            self._write(data)
+        resp.close()  # the connection itself stays open, for the next request
+        return frame.done
+
+    def _relay(self, resp: http.client.HTTPResponse, usage: Usage) -> bool:
+        """An answer of a known length passed on as it comes; one of no length (ended by the
+        backend closing) sent chunked, each piece a chunk."""
+        framed = resp.length is None
+        while True:
+            try:
+                data = resp.read1(65536)
+            except (OSError, http.client.HTTPException):
+                return False
+            if not data:
+                break
+            usage.feed(data)
+            self._write(b"%x\r\n%s\r\n" % (len(data), data) if framed else data)
+        if framed:
+            self._write(b"0\r\n\r\n")
+        elif resp.length:
+            return False  # the backend closed before the whole of its answer
+        resp.close()  # read1 leaves it open at the end; the connection stays, for the next one
+        return True
 
     def _send(self, b: Backend, path: str, raw: bytes, headers: dict):
         """The backend's answer (its headers read), on a kept-alive connection when one is idle;
@@ -455,6 +476,42 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
         except OSError as e:
             raise _ClientGone() from e
+
+
+class Framing:
+    """Follows a chunked body's framing (RFC 9112, 7.1) as its raw bytes pass: ``done`` once
+    the last chunk and the trailer section are through; ValueError on what is not chunked."""
+
+    def __init__(self) -> None:
+        self.left = 0  # bytes of the current chunk's data and its CRLF not yet passed
+        self.line = b""  # the start of a size or trailer line
+        self.last = False  # the zero-size chunk passed: trailer lines until an empty one
+        self.done = False
+
+    def feed(self, data: bytes) -> None:
+        i, n = 0, len(data)
+        while i < n:
+            if self.done:
+                raise ValueError("bytes after the end of a chunked body")
+            if self.left:
+                step = min(self.left, n - i)
+                self.left -= step
+                i += step
+                continue
+            j = data.find(b"\n", i)
+            if j < 0:
+                self.line += data[i:]
+                if len(self.line) > 4096:
+                    raise ValueError("a chunk line of more than 4096 bytes")
+                return
+            line, self.line, i = (self.line + data[i:j]).rstrip(b"\r"), b"", j + 1
+            if self.last:
+                self.done = not line
+                continue
+            size = int(line.split(b";", 1)[0].strip(), 16)
+            if size < 0:
+                raise ValueError(f"a negative chunk size {line!r}")
+            self.last, self.left = size == 0, size + 2 if size else 0
 
 
 class Usage:
