@@ -8,6 +8,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 
 from sparkdeploy.helpers import gateway as gw
 from sparkdeploy.lab.standins import engine_server as es
+from sparkdeploy.wait import wait_for
 
 KEY = "sk-gateway-test-7f3a9c"
 
@@ -85,6 +87,16 @@ def test_an_unknown_model_is_a_404_naming_the_models_there(gateway):
     err = json.loads(data)["error"]
     assert err["type"] == "NotFoundError" and err["param"] == "model" and err["code"] == 404
     assert "`nope`" in err["message"] and "m-a, m-b" in err["message"]
+    assert "sparkdeploy_gateway_unknown_model_total 1" in call(gateway, "GET", "/metrics")[2].decode()
+
+
+def test_a_client_cannot_write_lines_into_the_log(gateway, capfd):
+    call(gateway, "POST", "/v1/chat/completions", chat("x\ngateway: forged"))
+    seen: list[str] = []  # the line is written once the answer is sent: a moment after
+    wait_for(lambda: seen.append(capfd.readouterr().err) or "404" in "".join(seen), deadline=5,
+             interval=0.01, what="the line")
+    err = "".join(seen)
+    assert "model=x?gateway: forged 404" in err and "\ngateway: forged" not in err
 
 
 def test_a_body_without_a_model_is_a_400(gateway):
@@ -102,6 +114,8 @@ def test_the_key_is_checked_at_the_gateway(engines):
         assert call(g, "POST", "/v1/chat/completions", chat("m-a"), good)[0] == 200
         assert call(g, "GET", "/v1/models", None, good)[0] == 200
         assert call(g, "GET", "/health")[0] == 200  # open, as the engines' own
+        metrics = call(g, "GET", "/metrics")[2].decode()  # open too
+        assert "sparkdeploy_gateway_unauthorized_total 6" in metrics
     finally:
         g.shutdown()
         g.server_close()
@@ -168,16 +182,22 @@ def test_per_model_figures_on_metrics(engines, gateway):
     conn.getresponse().read()
     conn.close()
     call(gateway, "POST", "/v1/chat/completions", chat("m-b"))
-    status, headers, data = call(gateway, "GET", "/metrics")
-    text = data.decode()
+    status, headers, _ = call(gateway, "GET", "/metrics")
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
-    assert 'sparkdeploy_gateway_requests_total{model="m-a"} 2' in text
-    assert 'sparkdeploy_gateway_errors_total{model="m-a"} 0' in text
-    assert 'sparkdeploy_gateway_completion_tokens_total{model="m-a"} 7' in text
-    assert 'sparkdeploy_gateway_requests_total{model="m-b"} 1' in text
-    assert 'sparkdeploy_gateway_errors_total{model="m-b"} 1' in text  # the engine's 500
-    assert 'sparkdeploy_gateway_time_to_first_byte_seconds_count{model="m-a"} 2' in text
-    assert '_bucket{model="m-a",le="+Inf"} 2' in text
+    want = ['sparkdeploy_gateway_requests_total{model="m-a"} 2',
+            'sparkdeploy_gateway_errors_total{model="m-a"} 0',
+            'sparkdeploy_gateway_completion_tokens_total{model="m-a"} 7',
+            'sparkdeploy_gateway_requests_total{model="m-b"} 1',
+            'sparkdeploy_gateway_errors_total{model="m-b"} 1',  # the engine's 500
+            'sparkdeploy_gateway_time_to_first_byte_seconds_count{model="m-a"} 2',
+            '_bucket{model="m-a",le="+Inf"} 2']
+    # an answer is counted once its last bytes are sent: a moment after the client has them
+    def shown() -> str | None:
+        text = call(gateway, "GET", "/metrics")[2].decode()
+        return text if all(w in text for w in want) else None
+
+    text = wait_for(shown, deadline=5, interval=0.01, what="the figures")
+    assert all(w in text for w in want)
 
 
 def test_the_program_keeps_the_key_out_of_its_argv_logs_and_metrics(engines, tmp_path):
@@ -189,6 +209,10 @@ def test_the_program_keeps_the_key_out_of_its_argv_logs_and_metrics(engines, tmp
                                                {"url": url(engines[1]), "models": ["m-b"]}]}))
     argv = [sys.executable, str(Path(gw.__file__)), "--config", str(config)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    assert proc.stderr is not None
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
+    reader.start()
     try:
         assert proc.stdout is not None
         ready = json.loads(proc.stdout.readline())
@@ -204,9 +228,14 @@ def test_the_program_keeps_the_key_out_of_its_argv_logs_and_metrics(engines, tmp
         assert call(g, "POST", "/v1/chat/completions", chat("m-b"), {"Authorization": "x"})[0] == 401
         assert call(g, "POST", "/v1/chat/completions", chat("zz"), good)[0] == 404
         metrics = call(g, "GET", "/metrics")[2].decode()
+        # a request's line is written once its answer is sent: a moment after the client has it
+        wait_for(lambda: sum("POST" in line for line in lines) == 3, deadline=10, interval=0.02,
+                 what="the gateway's lines")
     finally:
         proc.terminate()
-        _, err = proc.communicate(timeout=10)
+        proc.wait(10)
+        reader.join(10)
+    err = "".join(lines)
     assert KEY not in " ".join(argv) and KEY not in metrics and KEY not in err
     assert "POST /v1/chat/completions model=m-a 200" in err  # a line per request, no header
     assert "model=zz 404" in err
@@ -247,7 +276,11 @@ def test_a_backend_connection_is_kept_for_the_next_request(engines):
         for _ in range(3):
             assert stream(g, "m-a").rstrip().endswith(b"data: [DONE]")
             assert call(g, "POST", "/v1/chat/completions", chat("m-a"))[0] == 200
-        assert backend._idle.qsize() == 1  # one connection, reused six times
+        # one connection reused (a second when the client's next request came before the
+        # gateway put the first back, after the answer's last bytes): not one per request
+        wait_for(lambda: backend._idle.qsize() >= 1, deadline=5, interval=0.01,
+                 what="the connection back in the pool")
+        assert backend._idle.qsize() <= 2
     finally:
         g.shutdown()
         g.server_close()

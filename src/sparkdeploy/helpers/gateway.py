@@ -138,8 +138,12 @@ class Figures:
                 ("prompt_tokens", "Prompt tokens in the answers' usage."),
                 ("completion_tokens", "Completion tokens in the answers' usage."))
 
+    REFUSED = (("unknown_model", "Requests naming a model served by no backend (404)."),
+               ("unauthorized", "Requests without the API key (401)."))
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.refused = {k: 0 for k, _ in self.REFUSED}
         self.counts: dict[str, dict[str, float]] = {}
         self.ttfb: dict[str, Histogram] = {}
 
@@ -149,6 +153,10 @@ class Figures:
             for k, v in counts.items():
                 row[k] += v
 
+    def refuse(self, why: str) -> None:
+        with self.lock:
+            self.refused[why] += 1
+
     def first_byte(self, model: str, seconds: float) -> None:
         with self.lock:
             self.ttfb.setdefault(model, Histogram()).observe(seconds)
@@ -156,6 +164,10 @@ class Figures:
     def text(self) -> str:
         out: list[str] = []
         with self.lock:
+            for key, help_ in self.REFUSED:
+                name = f"sparkdeploy_gateway_{key}_total"
+                out += [f"# HELP {name} {help_}", f"# TYPE {name} counter",
+                        f"{name} {self.refused[key]}"]
             for key, help_ in self.COUNTERS:
                 name = f"sparkdeploy_gateway_{key}_total"
                 out += [f"# HELP {name} {help_}", f"# TYPE {name} counter"]
@@ -174,6 +186,11 @@ class Figures:
                 out.append(f"{name}_sum{{model={m}}} {h.total:.6f}")
                 out.append(f"{name}_count{{model={m}}} {cum}")
         return "\n".join(out) + "\n"
+
+
+def _printable(v: str) -> str:
+    """A client's text fit for one log line (no line breaks or control characters, 200 at most)."""
+    return "".join(c if c.isprintable() else "?" for c in v[:200])
 
 
 def _label(v: str) -> str:
@@ -284,8 +301,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _log(self, model: str | None, status: int, started: float) -> None:
         if self.server.cfg.log:
-            path = self.path.split("?", 1)[0]
-            sys.stderr.write(f"gateway: {self.command} {path} model={model or '-'} {status} "
+            path = _printable(self.path.split("?", 1)[0])
+            sys.stderr.write(f"gateway: {self.command} {path} model={_printable(model or '-')} {status} "
                              f"{time.monotonic() - started:.3f}s\n")
 
     def _json(self, code: int, obj: dict, extra: dict | None = None) -> None:
@@ -309,6 +326,7 @@ class Handler(BaseHTTPRequestHandler):
         given = self.headers.get("Authorization", "")
         if hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             return True
+        self.server.figures.refuse("unauthorized")
         self._error(401, "missing or wrong API key (Authorization: Bearer ...)",
                     "AuthenticationError")
         return False
@@ -352,7 +370,7 @@ class Handler(BaseHTTPRequestHandler):
             n = int(self.headers.get("Content-Length") or 0)
         except ValueError:
             n = -1
-        if not 0 <= n <= MAX_BODY:
+        if not 0 <= n <= MAX_BODY or "Transfer-Encoding" in self.headers:
             self.close_connection = True
             self._error(400, "a request body needs a Content-Length (at most 64 MiB)",
                         "BadRequestError")
@@ -372,6 +390,7 @@ class Handler(BaseHTTPRequestHandler):
         backend = self.server.route(model, auth)
         if backend is None:
             names = sorted(self.server.routes)
+            self.server.figures.refuse("unknown_model")
             self._error(404, f"The model `{model}` does not exist here; models: "
                         f"{', '.join(names) or 'none'}", "NotFoundError", "model")
             self._log(model, 404, started)
