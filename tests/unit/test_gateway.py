@@ -238,6 +238,7 @@ def test_the_program_keeps_the_key_out_of_its_argv_logs_and_metrics(engines, tmp
     err = "".join(lines)
     assert KEY not in " ".join(argv) and KEY not in metrics and KEY not in err
     assert "POST /v1/chat/completions model=m-a 200" in err  # a line per request, no header
+    assert "/metrics" not in err  # scraped often: not logged
     assert "model=zz 404" in err
 
 

@@ -332,29 +332,33 @@ class Handler(BaseHTTPRequestHandler):
         return False
 
     def do_GET(self):  # noqa: N802
+        """``/health`` and ``/metrics`` (open, not logged: scraped often), ``/v1/models``."""
         started = time.monotonic()
         path = self.path.split("?", 1)[0]
         if path == "/health":
             self.send_response(200)
             self.send_header("Content-Length", "0")
             self.end_headers()
-        elif path == "/metrics":
+            return
+        if path == "/metrics":
             data = self.server.figures.text().encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
-        elif path.startswith("/v1/") and not self._authorized():
-            self._log(None, 401, started)
             return
+        if path.startswith("/v1/") and not self._authorized():
+            status = 401
         elif path == "/v1/models":
             merged, down = self.server.ask_backends(self.headers.get("Authorization"))
             extra = {"X-Sparkdeploy-Unreachable": ", ".join(down)} if down else None
             self._json(200, {"object": "list", "data": merged}, extra)
+            status = 200
         else:
             self._error(404, f"no route {path}", "NotFoundError")
-        self._log(None, 200, started)
+            status = 404
+        self._log(None, status, started)
 
     def do_POST(self):  # noqa: N802
         started = time.monotonic()
