@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, str] = {
     "watchdog": "tools.perf.watchdog:run",
     "fanout": "tools.perf.fanout:run",
     "swap": "tools.perf.swap:run",
+    "gateway": "tools.perf.gateway:run",
 }
 
 
