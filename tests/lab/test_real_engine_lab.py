@@ -217,6 +217,7 @@ def test_a_frozen_real_worker_is_found_and_the_pair_restarted_as_a_whole(served)
     assert r.returncode == 1, r.stdout[-3000:]
     assert f"(its containers say recipe {SWAPPED['recipe']})" in r.stdout, r.stdout[-3000:]
     assert greedy(url, model=model) == before
+    lab.ssh("spark1", ["rm", "-f", "--", RESTARTS])  # this test's restarts only
     r = inv(state, "serve.persist", "--recipe", SWAPPED["recipe"], profile=prof)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     head0 = started_at(lab, "spark1", "sparkdeploy-vllm-head")

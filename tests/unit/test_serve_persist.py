@@ -23,6 +23,7 @@ UNIT = "sparkdeploy-sglang.service"
 SPEC = f"{serve_persist.NODE_DIR}/sglang.json"
 UNIT_FILE = f"/etc/systemd/system/{UNIT}"
 KEY = f"{serve_persist.NODE_DIR}/sglang.key"
+RESTARTS = f"{serve_persist.NODE_DIR}/sglang.restarts.json"
 FAILS = "Job for sparkdeploy-sglang.service failed because the control process exited with error code."
 
 
@@ -36,6 +37,8 @@ class Systemd:
     running: set[str] = field(default_factory=set)
     fail_start: int = 0
     """How many of the next ``systemctl start`` fail."""
+    gives_up: str | None = None
+    """The unit starts no container and writes this restart record (its supervisor gave up)."""
 
 
 def with_systemd(node: FakeNode) -> Systemd:
@@ -61,6 +64,9 @@ def with_systemd(node: FakeNode) -> Systemd:
                 sd.fail_start -= 1
                 return 1, "", FAILS
             sd.running.add(u)
+            if sd.gives_up is not None:
+                sd.files[RESTARTS] = sd.gives_up
+                return 0, "", ""
             group = serve_unit.Group(json.loads(sd.files[SPEC]), clock=lambda: WALL + node.clock())
             for c in containers(u):  # its supervisor runs this node's containers
                 node.docker(group.run_args(c), node.clock(), None)
@@ -77,6 +83,8 @@ def with_systemd(node: FakeNode) -> Systemd:
             got = sd.files.get(argv[2])
             return (0, f"{hashlib.sha256(got.encode()).hexdigest()}  {argv[2]}\n", "") \
                 if got is not None else (1, "", "No such file or directory")
+        if argv[:2] == ["cat", "--"] and argv[2] in sd.files:
+            return 0, sd.files[argv[2]], ""
         if argv[:2] == ["rm", "-f"]:
             for p in argv[3:]:
                 sd.files.pop(p, None)
@@ -257,5 +265,25 @@ def test_a_profile_other_than_what_serves_is_refused_before_any_unit(units):
                        "model.repo): persisting would replace it; pass --recipe R for the recipe "
                        "serving, or serve.up first")
     assert all(sd.files == {} and sd.calls == [] for sd in sds.values())
+    assert serving_containers(nodes) == {"spark1": ["sparkdeploy-sglang-head"],
+                                         "spark2": ["sparkdeploy-sglang-worker"]}
+
+
+def test_a_hand_over_ends_when_the_heads_unit_gives_up(units):
+    """The units start, but the head's supervisor spends its restart budget (a worker that never
+    answers): persist does not wait out the readiness deadline; it rolls back at once, naming
+    the record."""
+    dep, ctx, nodes, cluster, sds = units
+    assert serve.up(dep)[-1].status is Status.OK
+    sds["spark1"].gives_up = json.dumps({"restarts": [{
+        "at": "2026-12-07T04:53:07Z", "by": UNIT, "outcome": "gave-up", "restart": 4,
+        "why": "worker spark2 does not answer", "kind": "group"}]})
+    t0 = nodes["spark1"].clock()
+    [res] = serve_persist.persist(dep)
+    assert res.status is Status.FAILED
+    assert res.why.startswith(
+        f"the head's unit gave up at 2026-12-07T04:53:07Z by {UNIT}: worker spark2 does not "
+        "answer; the group stays down; rolled back: serve.up's sglang containers"), res.why
+    assert nodes["spark1"].clock() - t0 < dep.profile.serve.ready_timeout_s / 10
     assert serving_containers(nodes) == {"spark1": ["sparkdeploy-sglang-head"],
                                          "spark2": ["sparkdeploy-sglang-worker"]}

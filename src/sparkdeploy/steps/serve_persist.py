@@ -62,7 +62,7 @@ from sparkdeploy.ops.serve_containers import (
     remove,
     unit_name,
 )
-from sparkdeploy.ops.serve_watch import EngineFailed, Watch, policy
+from sparkdeploy.ops.serve_watch import EngineFailed, Watch, describe, policy, read_restarts
 from sparkdeploy.profile.config import Engine
 from sparkdeploy.steps.registry import StepContext, step
 
@@ -177,14 +177,27 @@ def _enabled(host: Host, unit: str) -> bool:
     return host.run(["systemctl", "is-enabled", "--", unit], change=False).stdout.strip() == "enabled"
 
 
-def _wait_endpoint(ctx: StepContext, lau: Launch) -> str:
+class GaveUp(Exception):
+    """The head's unit recorded that it gave up on the group (its restart budget spent)."""
+
+
+def _wait_endpoint(ctx: StepContext, lau: Launch, engine: str, seen: int) -> str:
+    """The endpoint once it serves under systemd; WaitTimeout past the readiness deadline,
+    GaveUp as soon as the head's unit records that it gave up (a restart record after the
+    ``seen`` ones there before the hand-over): it would not try again."""
     dep = ctx.dep
-    addr = ep.controller_address(dep.host(lau.head))
+    head = dep.host(lau.head)
+    addr = ep.controller_address(head)
     url = f"http://{addr}:{lau.port}"
 
     def serving() -> bool:
-        return (ep.health(url) and lau.served_model in ep.models(url)
-                and bool(ep.stream_chat(url, lau.served_model)))
+        if (ep.health(url) and lau.served_model in ep.models(url)
+                and bool(ep.stream_chat(url, lau.served_model))):
+            return True
+        gave_up = [r for r in read_restarts(head, engine)[seen:] if r.get("outcome") == "gave-up"]
+        if gave_up:
+            raise GaveUp(describe(gave_up[-1]))
+        return False
 
     wait_for(serving, deadline=dep.profile.serve.ready_timeout_s, interval=dep.profile.serve.poll_s,
              what=f"{url} to serve under systemd", clock=dep.clock, sleep=dep.sleep,
@@ -230,6 +243,7 @@ def hand_over(ctx: StepContext, eng: Engine, lau: Launch,
     dep = ctx.dep
     unit = unit_name(eng.name)
     hosts = [n.host for n in nodes]
+    seen = len(read_restarts(dep.host(lau.head), eng.name))
     for n in nodes:
         if n.active:
             n.host.run(["systemctl", "stop", "--", unit], sudo=True, timeout=180)
@@ -244,7 +258,9 @@ def hand_over(ctx: StepContext, eng: Engine, lau: Launch,
         started[n.host.name] = (f"{unit} written, enabled and started "
                                 f"({', '.join(c.name for c in lau.on(n.host.name))})")
     try:
-        url = _wait_endpoint(ctx, lau)
+        url = _wait_endpoint(ctx, lau, eng.name, seen)
+    except GaveUp as e:
+        raise HandoverFailed(f"the head's unit {e}", nodes) from None
     except WaitTimeout as e:
         left = {h.name: [c.name for c in ours(h, dep.profile.name, eng.name)] for h in hosts}
         raise HandoverFailed(f"{e}; containers: {left}", nodes) from None
