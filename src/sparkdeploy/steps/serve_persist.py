@@ -177,7 +177,7 @@ def _enabled(host: Host, unit: str) -> bool:
     return host.run(["systemctl", "is-enabled", "--", unit], change=False).stdout.strip() == "enabled"
 
 
-class GaveUp(Exception):
+class GaveUp(StepFailed):
     """The head's unit recorded that it gave up on the group (its restart budget spent)."""
 
 
