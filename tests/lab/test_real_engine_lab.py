@@ -222,9 +222,15 @@ def test_a_frozen_real_worker_is_found_and_the_pair_restarted_as_a_whole(served)
     assert f"(its containers say recipe {SWAPPED['recipe']})" in r.stdout, r.stdout[-3000:]
     assert greedy(url, model=model) == before
     lab.ssh("spark1", ["rm", "-f", "--", RESTARTS])  # this test's restarts only
+    up = {n: started_at(lab, n, c) for n, c in RANKS.items()}
     r = inv(state, "serve.persist", "--recipe", SWAPPED["recipe"], profile=prof)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    head0 = started_at(lab, "spark1", "sparkdeploy-vllm-head")
+    # the units adopted what serves: no rank restarted, nothing left to adopt
+    assert r.stdout.count("it adopted sparkdeploy-vllm-") == 2, r.stdout[-3000:]
+    assert {n: started_at(lab, n, c) for n, c in RANKS.items()} == up
+    for n in RANKS:
+        assert lab.ssh(n, ["test", "-e", ADOPT], check=False).returncode == 1
+    head0 = up["spark1"]
     t0 = time.monotonic()
     r = inv(state, "lab.fault", "rank-wedged", profile=prof, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -262,6 +268,8 @@ def test_serve_down_leaves_no_headless_rank(served):
 
 
 RESTARTS = "/var/lib/sparkdeploy-node/serve/vllm.restarts.json"
+ADOPT = "/var/lib/sparkdeploy-node/serve/vllm.adopt"
+RANKS = {"spark1": "sparkdeploy-vllm-head", "spark2": "sparkdeploy-vllm-worker"}
 UNIT = "sparkdeploy-vllm.service"
 
 

@@ -238,8 +238,13 @@ def test_persisted_units_start_in_order_restart_together_and_go(clean):
     cp = inv(state, prof, "serve.up")
     assert cp.returncode == 0, cp.stdout[-2000:]
     url = results(cp.stdout)[-1][3].split(" ", 1)[1]
+    up = {n: _started_at(lab, n, c) for n, c in (("spark1", "sparkdeploy-sglang-head"),
+                                                   ("spark2", "sparkdeploy-sglang-worker"))}
     cp = inv(state, prof, "serve.persist")
     assert cp.returncode == 0, cp.stdout[-3000:] + cp.stderr
+    # the units adopted what serve.up started: the same containers, not restarted
+    assert {n: _started_at(lab, n, c) for n, c in (("spark1", "sparkdeploy-sglang-head"),
+                                                   ("spark2", "sparkdeploy-sglang-worker"))} == up
     unit = "sparkdeploy-sglang.service"
     for node in ("spark1", "spark2"):
         text = lab.ssh(node, ["cat", f"/etc/systemd/system/{unit}"]).stdout

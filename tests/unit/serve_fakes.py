@@ -169,12 +169,15 @@ class FakeNode:
             self.containers[name] = Container(name, now, self.scripts.get(name, Script()), labels, a)
             return 0, "0123abcd\n", ""
         if a[0] == "inspect":
-            names = a[3:]
+            fmt, names = a[2], a[3:]
             out = []
             for n in names:
                 if n in self.containers:
                     st, code = self.containers[n].status(now)
-                    out.append(f"/{n}|{st}|{code}")
+                    out.append(fmt.replace("{{.Name}}", f"/{n}").replace("{{.State.Status}}", st)
+                               .replace("{{.State.ExitCode}}", str(code))
+                               .replace("{{.Id}}", self.containers[n].id)
+                               .replace("{{.State.Running}}", str(st == "running").lower()))
             return (0 if len(out) == len(names) else 1), "\n".join(out) + "\n", ""
         if a[0] == "logs":
             name = a[-1]

@@ -4,6 +4,7 @@ and the endpoint serves, or the previous deployment is back (exact commands, end
 from __future__ import annotations
 
 import json
+import subprocess
 from dataclasses import dataclass, field
 
 import pytest
@@ -24,6 +25,7 @@ SPEC = f"{serve_persist.NODE_DIR}/sglang.json"
 UNIT_FILE = f"/etc/systemd/system/{UNIT}"
 KEY = f"{serve_persist.NODE_DIR}/sglang.key"
 RESTARTS = f"{serve_persist.NODE_DIR}/sglang.restarts.json"
+ADOPT = f"{serve_persist.NODE_DIR}/sglang.adopt"
 FAILS = "Job for sparkdeploy-sglang.service failed because the control process exited with error code."
 
 
@@ -39,6 +41,8 @@ class Systemd:
     """How many of the next ``systemctl start`` fail."""
     gives_up: str | None = None
     """The unit starts no container and writes this restart record (its supervisor gave up)."""
+    adopted: list[list[str]] = field(default_factory=list)
+    """What each start of the unit kept running (``serve_unit``'s adoption)."""
 
 
 def with_systemd(node: FakeNode) -> Systemd:
@@ -64,12 +68,22 @@ def with_systemd(node: FakeNode) -> Systemd:
                 sd.fail_start -= 1
                 return 1, "", FAILS
             sd.running.add(u)
-            if sd.gives_up is not None:
+            if sd.gives_up is not None:  # it gave up: its node's containers go, kept or not
+                sd.files.pop(ADOPT, None)
                 sd.files[RESTARTS] = sd.gives_up
+                node.docker(["rm", "--force", "--volumes", *[c["name"] for c in containers(u)]],
+                            node.clock(), None)
                 return 0, "", ""
-            group = serve_unit.Group(json.loads(sd.files[SPEC]), clock=lambda: WALL + node.clock())
-            for c in containers(u):  # its supervisor runs this node's containers
-                node.docker(group.run_args(c), node.clock(), None)
+            group = serve_unit.Group(json.loads(sd.files[SPEC]), clock=lambda: WALL + node.clock(),
+                                     run=lambda argv, **kw: subprocess.CompletedProcess(
+                                         argv, *node.answer(argv, None)))
+            kept = group.adopt(sd.files.pop(ADOPT, None))  # the hand-over's one-shot file
+            sd.adopted.append(sorted(kept))
+            if not kept:  # its supervisor runs this node's containers afresh
+                node.docker(["rm", "--force", "--volumes", *[c["name"] for c in containers(u)]],
+                            node.clock(), None)
+                for c in containers(u):
+                    node.docker(group.run_args(c), node.clock(), None)
         elif verb == "stop" and u in sd.running:
             sd.running.discard(u)
             node.docker(["rm", "--force", "--volumes", *[c["name"] for c in containers(u)]],
@@ -92,11 +106,12 @@ def with_systemd(node: FakeNode) -> Systemd:
         if argv[:2] != ["sh", "-c"]:
             return None
         script, args = argv[2], argv[4:]
-        if 'cat > "$1.part"' in script and ".previous" in script:  # put_file, through stdin
+        if 'cat > "$1.part"' in script:  # put_file, through stdin
             path, sd.modes[args[0]] = args
-            sd.files.pop(path + ".previous", None)
-            if path in sd.files:
-                sd.files[path + ".previous"] = sd.files[path]
+            if ".previous" in script:
+                sd.files.pop(path + ".previous", None)
+                if path in sd.files:
+                    sd.files[path + ".previous"] = sd.files[path]
             sd.files[path] = stdin
             return 0, "", ""
         if script.startswith("for f; do if"):  # restore_files
@@ -205,10 +220,22 @@ def test_a_failed_re_persist_puts_the_previous_units_back(units):
 def test_a_persist_that_starts_every_unit_keeps_no_previous_copy(units):
     dep, ctx, nodes, cluster, sds = units
     assert serve.up(dep)[-1].status is Status.OK
+    before = {n: {c.name: (c.id, c.started) for c in node.containers.values()}
+              for n, node in nodes.items()}
     results = serve_persist.persist(dep)
-    assert [(r.status, r.node) for r in results] == [
-        (Status.CHANGED, "spark2"), (Status.CHANGED, "spark1"), (Status.OK, None)]
-    assert results[-1].why == "endpoint: http://10.0.0.1:30000 (under systemd)"
+    assert [(r.status, r.node, r.why) for r in results] == [
+        (Status.CHANGED, "spark2", f"{UNIT} written, enabled and started; it adopted "
+                                   "sparkdeploy-sglang-worker, kept running"),
+        (Status.CHANGED, "spark1", f"{UNIT} written, enabled and started; it adopted "
+                                   "sparkdeploy-sglang-head, kept running"),
+        (Status.OK, None, "endpoint: http://10.0.0.1:30000 (under systemd)")]
+    # what serve.up started serves on, adopted by the units: not one container restarted
+    assert {n: {c.name: (c.id, c.started) for c in node.containers.values()}
+            for n, node in nodes.items()} == before
+    assert {n: sd.adopted for n, sd in sds.items()} == {
+        "spark1": [["sparkdeploy-sglang-head"]], "spark2": [["sparkdeploy-sglang-worker"]]}
+    assert all(sd.modes[ADOPT] == "0600" for sd in sds.values())  # read once, gone (below)
+    assert not any(n.removed for n in nodes.values())
     want = launch(dep.profile, dep.profile.engines[0],
                   {"spark1": NodeFacts(3, False), "spark2": NodeFacts(3, False)}, image_id=IMG)
     key = sds["spark1"].files[KEY]
@@ -233,11 +260,33 @@ def test_a_persist_that_starts_every_unit_keeps_no_previous_copy(units):
             helper("serve_watchdog.py").read_text()
         assert spec["started_labels"] == {"at": "org.sparkdeploy.started",
                                           "by": "org.sparkdeploy.started.by", "by_value": UNIT}
-    # the supervisors started them, saying so in their labels
+    # serve.up started them, and their labels say so still
     for node in nodes.values():
         for c in node.containers.values():
-            assert f"--label=org.sparkdeploy.started.by={UNIT}" in c.run_argv[:3]
+            assert f"--label={labels.STARTED_BY}=serve.up" in c.run_argv
     assert serve_persist.persist(dep)[-1].why == f"{UNIT} installed and active on every node"
+
+
+def test_what_no_longer_runs_the_heads_image_is_started_afresh_by_the_units(units):
+    """The engine's tag on the head names another image since serve.up (rebuilt): what runs
+    is not what the units would run, so nothing is adopted; serve.up's containers go and the
+    supervisors start their own from the new image, saying so in their labels."""
+    dep, ctx, nodes, cluster, sds = units
+    assert serve.up(dep)[-1].status is Status.OK
+    new = "sha256:" + "b" * 64
+    for node in nodes.values():
+        node.images = {ref: new for ref in node.images}
+    results = serve_persist.persist(dep)
+    assert [(r.status, r.node, r.why) for r in results] == [
+        (Status.CHANGED, "spark2", f"{UNIT} written, enabled and started (sparkdeploy-sglang-worker)"),
+        (Status.CHANGED, "spark1", f"{UNIT} written, enabled and started (sparkdeploy-sglang-head)"),
+        (Status.OK, None, "endpoint: http://10.0.0.1:30000 (under systemd)")]
+    assert {n: sd.adopted for n, sd in sds.items()} == {"spark1": [[]], "spark2": [[]]}
+    assert not any(ADOPT in sd.files for sd in sds.values())
+    for node in nodes.values():
+        [c] = node.containers.values()
+        assert f"--label={labels.STARTED_BY}={UNIT}" in c.run_argv[:3]
+        assert f"--label={labels.IMAGE_ID}={new}" in c.run_argv
 
 
 def test_secrets_in_the_engines_env_are_not_persisted(units):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import urllib.error
 import urllib.request
 
@@ -121,3 +122,73 @@ def test_a_unit_without_its_group_key_does_not_start(su, tmp_path, capsys, conte
         key.write_bytes(content)
     assert su.cmd_run({"key": str(key), "node": "spark2", "role": "worker"}) == 2
     assert "error: no group key" in capsys.readouterr().out
+
+
+# --- adoption: serve.persist's hand-over keeps what serves ------------------------------------
+
+HEAD_ID, AUX_ID = "1" * 64, "2" * 64
+
+
+def adopting(su, containers: dict[str, tuple[str, bool]]):
+    """A head supervisor whose node runs ``containers`` ({name: (id, running)}); the docker
+    commands it runs are kept in ``g.ran``."""
+    spec = {"node": "spark1", "role": "head", "listen": ["127.0.0.1", 0], "engine": "vllm",
+            "docker": ["docker", "-H", "unix:///run/spark1.sock"], "node_dir": "/srv/x",
+            "stages": [{"containers": [{"node": "spark1", "name": "head", "run": ["run"]},
+                                       {"node": "spark2", "name": "worker", "run": ["run"]}]},
+                       {"containers": [{"node": "spark1", "name": "aux", "run": ["run"]}]}]}
+    ran = []
+
+    def run(argv, **kw):
+        ran.append(argv)
+        assert argv[:4] == ["docker", "-H", "unix:///run/spark1.sock", "inspect"]
+        assert argv[4:6] == ["--format", "{{.Name}} {{.Id}} {{.State.Running}}"]
+        lines = [f"/{n} {containers[n][0]} {str(containers[n][1]).lower()}"
+                 for n in argv[6:] if n in containers]
+        return subprocess.CompletedProcess(argv, 0 if len(lines) == len(argv[6:]) else 1,
+                                           "".join(f"{x}\n" for x in lines), "")
+
+    g = su.Group(spec, KEY, Clock(), run=run)
+    g.ran = ran
+    return g
+
+
+def test_every_container_running_under_its_id_is_adopted(su):
+    g = adopting(su, {"head": (HEAD_ID, True), "aux": (AUX_ID, True)})
+    assert g.adopt(f"head {HEAD_ID[:12]}\naux {AUX_ID}\n") == {"head", "aux"}
+    assert [a[6:] for a in g.ran] == [["aux", "head"]]  # this node's only
+
+
+@pytest.mark.parametrize("text,containers", [
+    (None, {"head": (HEAD_ID, True), "aux": (AUX_ID, True)}),  # no file: a restart, or at boot
+    (f"head {HEAD_ID}\naux {AUX_ID}\n", {"head": (HEAD_ID, True), "aux": (AUX_ID, False)}),
+    (f"head {HEAD_ID}\naux {AUX_ID}\n", {"head": ("3" * 64, True), "aux": (AUX_ID, True)}),
+    (f"head {HEAD_ID}\naux {AUX_ID}\n", {"head": (HEAD_ID, True)}),  # one gone
+    (f"head {HEAD_ID}\n", {"head": (HEAD_ID, True), "aux": (AUX_ID, True)}),  # one not named
+    (f"head {HEAD_ID}\naux {AUX_ID}\nworker {AUX_ID}\n",  # another node's named too
+     {"head": (HEAD_ID, True), "aux": (AUX_ID, True)}),
+    (f"head {HEAD_ID} x\naux {AUX_ID}\n", {"head": (HEAD_ID, True), "aux": (AUX_ID, True)}),
+    (f"head {HEAD_ID}\naux --format\n", {"head": (HEAD_ID, True), "aux": (AUX_ID, True)}),
+    (f"head {HEAD_ID}\nhead {HEAD_ID}\n", {"head": (HEAD_ID, True), "aux": (AUX_ID, True)}),
+    ("", {"head": (HEAD_ID, True), "aux": (AUX_ID, True)}),
+])
+def test_anything_short_of_all_running_under_their_ids_adopts_nothing(su, text, containers):
+    assert adopting(su, containers).adopt(text) == frozenset()
+
+
+def test_the_adoption_file_is_read_once(su, tmp_path):
+    f = tmp_path / "vllm.adopt"
+    f.write_text("head 0123456789ab\n")
+    assert su.read_once(str(f)) == "head 0123456789ab\n"
+    assert not f.exists() and su.read_once(str(f)) is None
+
+
+def test_an_adopted_container_is_not_started_again_and_the_rest_is(su):
+    g = adopting(su, {})
+    g.adopted = frozenset({"head"})
+    g.ran.clear()
+    g.run = lambda argv, **kw: (g.ran.append(argv), subprocess.CompletedProcess(argv, 0, "", ""))[1]
+    g.start_stage(0)
+    assert g.ran == []
+    g.start_stage(1)
+    assert [a[3] for a in g.ran] == ["run"] and len(g.ran) == 1

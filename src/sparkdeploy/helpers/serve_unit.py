@@ -31,6 +31,14 @@ fast link, each publishing a small JSON state on ``<own fast-link address>:<grou
   half-cluster left serving nothing after one rank died, and ranks wedged while ``/health``
   answered 200.
 - SIGTERM (``systemctl stop``) and ``stop`` remove this node's containers.
+- Adopted, not restarted: ``serve.persist`` hands a deployment that serves as the profile says
+  over to the units without a second bring-up. Before it starts a node's unit it leaves
+  ``<node_dir>/<engine>.adopt`` (a line ``NAME ID`` per container of that node); the supervisor
+  reads and deletes it as it starts, and when every one of its node's containers runs under
+  the ID written there it keeps them: its stages start nothing and the group forms around what
+  serves. Anything else (a container missing, stopped, replaced, a line it cannot read) and
+  it removes them and starts afresh, as without the file. Only the first run after a
+  hand-over finds the file: a restart always starts afresh.
 - Peers authenticate each other with the group's key (``key``: a file of mode 0600 that
   ``serve.persist`` writes on every node over stdin): a request carries its time, a fresh nonce
   and an HMAC-SHA256 of both (``X-Sparkdeploy-Auth``); a request older or newer than
@@ -55,9 +63,11 @@ when and by what a container was started, ``by_value``: this unit's name; added 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import hmac
 import json
+import os
 import re
 import secrets
 import signal
@@ -129,6 +139,8 @@ class Group:
                       "following": None, "accepting": spec["role"] == "head", "joined": []}
         self.lock = threading.Lock()
         self.stopping = False
+        self.adopted: frozenset[str] = frozenset()
+        """This node's containers kept from a hand-over (their stages start nothing)."""
         self.policy = wd.Policy.of(spec.get("watch") or {})
 
     # -- the published state ---------------------------------------------------------------
@@ -189,9 +201,37 @@ class Group:
         return [c["run"][0], f"--label={lab['at']}={now}", f"--label={lab['by']}={lab['by_value']}",
                 *c["run"][1:]]
 
+    def adopt(self, text: str | None) -> frozenset[str]:
+        """The names of this node's containers to keep, from the text of the hand-over's
+        one-shot file (None: there was none): all of them when each runs under the ID the
+        file gives, else none."""
+        if text is None:
+            return frozenset()
+        want = adoption(text)
+        names = sorted(c["name"] for c in self.mine())
+        if want is None or sorted(want) != names:
+            say(f"{adopt_path(self.spec)} does not name this node's containers; starting afresh")
+            return frozenset()
+        r = self.docker("inspect", "--format", "{{.Name}} {{.Id}} {{.State.Running}}", *names,
+                        timeout=60)
+        seen = {}
+        for line in r.stdout.splitlines() if r.returncode == 0 else []:
+            parts = line.split()
+            if len(parts) == 3:
+                seen[parts[0].lstrip("/")] = (parts[1], parts[2] == "true")
+        kept = [n for n in names if n in seen and seen[n][1] and seen[n][0].startswith(want[n])]
+        if kept != names:
+            say(f"not every container the hand-over named runs under its ID "
+                f"({', '.join(sorted(set(names) - set(kept)))}); starting afresh")
+            return frozenset()
+        say(f"adopting {', '.join(names)}: already serving, kept running")
+        return frozenset(names)
+
     def start_stage(self, k: int) -> None:
         for c in self.spec["stages"][k]["containers"]:
-            if c["node"] == self.spec["node"]:
+            if c["node"] == self.spec["node"] and c["name"] in self.adopted:
+                say(f"kept {c['name']} (stage {k}): adopted")
+            elif c["node"] == self.spec["node"]:
                 r = self.docker(*self.run_args(c), timeout=300)
                 if r.returncode != 0:
                     raise Restart(f"docker run {c['name']}: {(r.stderr or r.stdout).strip()[-300:]}")
@@ -240,6 +280,34 @@ class Restart(Exception):
 
 class GaveUp(Exception):
     """The restart budget is spent: the group stays down, the supervisor stays (said why)."""
+
+
+def adopt_path(spec: dict) -> str:
+    return f"{spec.get('node_dir') or wd.NODE_DIR}/{spec['engine']}.adopt"
+
+
+def read_once(path: str) -> str | None:
+    """A one-shot file's text, the file deleted as it is read (None when there is none)."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def adoption(text: str) -> dict[str, str] | None:
+    """``NAME ID`` lines -> {name: id}; None when a line is not two words or an ID is not hex
+    (the file is then not believed at all)."""
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) != 2 or not re.fullmatch(r"[0-9a-f]{12,64}", parts[1]) or parts[0] in out:
+            return None
+        out[parts[0]] = parts[1]
+    return out or None
 
 
 def peer(g: Group, addr: list) -> dict | None:
@@ -481,7 +549,9 @@ def cmd_run(spec: dict) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
-    g.remove_mine()
+    g.adopted = g.adopt(read_once(adopt_path(spec)))
+    if not g.adopted:
+        g.remove_mine()
     srv = g.serve()
     try:
         (run_head if spec["role"] == "head" else run_worker)(g)

@@ -48,16 +48,27 @@ class Serving:
         return min((c.started for c in self.containers if c.started), default="")
 
 
-def serving(dep: Deployment, engine: Engine) -> Serving:
+def listed(dep: Deployment, engine: Engine) -> dict[str, list[labels.Container]]:
+    """The engine's containers on every node of the profile, {node: containers}: one listing
+    that ``serving`` and ``serve.persist``'s checks share. Raises NodeUnreachable."""
+    prof = dep.profile
+    return {n.name: ours(dep.host(n.name), prof.name, engine.name) for n in prof.nodes}
+
+
+def serving(dep: Deployment, engine: Engine,
+            on_nodes: dict[str, list[labels.Container]] | None = None) -> Serving:
     """Whether the nodes serve ``engine`` as the profile says: every container of its launch
     running on its node, with the profile's fingerprint and the image ID the head holds under
     the engine's tag now, and the endpoint (the head, the labelled port) answering with the
-    model. Raises NodeUnreachable."""
+    model. ``on_nodes``: the containers as ``listed`` read them (else read here). Raises
+    NodeUnreachable."""
     prof = dep.profile
     want = launch(prof, engine, {}).containers
     have: dict[tuple[str, str], labels.Container] = {}
     for node in dict.fromkeys(c.node for c in want):
-        have.update({(node, c.name): c for c in ours(dep.host(node), prof.name, engine.name)})
+        got = on_nodes[node] if on_nodes is not None and node in on_nodes else \
+            ours(dep.host(node), prof.name, engine.name)
+        have.update({(node, c.name): c for c in got})
     found = tuple(have.values())
     if not have:
         return Serving(engine.name)

@@ -9,12 +9,17 @@ head, and when one node's engine container dies every node's is restarted togeth
 restarted the same way, recorded on the head (``serve_watchdog``). Stopping a unit removes its
 node's containers.
 
-``serve.persist`` hands the running deployment over to the units: it removes ``serve.up``'s
-containers, starts the units (workers first) and waits until the endpoint serves again. The
-hand-over is a transaction: the files a node had are kept beside the new ones until the end,
-and when a unit does not start or the endpoint does not serve, the units that started are
-stopped, the files and the enablement are put back, and what ran before runs again (the
-previous units, or ``serve.up``'s containers).
+``serve.persist`` hands the running deployment over to the units. When it serves exactly as
+the profile says (``serving``: every container running with the profile's fingerprint and the
+head's image, the endpoint answering with the model), the units adopt it: each node gets a
+one-shot ``<engine>.adopt`` naming its containers by ID, the units start (workers first) and
+form their group around the running containers, nothing restarts and the endpoint never stops
+serving. Otherwise it removes ``serve.up``'s containers (or stops the previous units), starts
+the units and waits until the endpoint serves again. The hand-over is a transaction: the
+files a node had are kept beside the new ones until the end, and when a unit does not start
+or the endpoint does not serve, the units that started are stopped (their containers go, the
+adopted ones too), the files and the enablement are put back, and what ran before runs again
+(the previous units, or ``serve.up``'s containers).
 ``serve.unpersist`` stops, disables and removes the units and their files; it touches no
 other unit (``services.restore`` still brings back the head's original units).
 
@@ -58,8 +63,10 @@ from sparkdeploy.ops.serve_containers import (
     UNIT_DIR,
     active,
     installed,
+    listed,
     ours,
     remove,
+    serving,
     unit_name,
 )
 from sparkdeploy.ops.serve_watch import EngineFailed, Watch, describe, policy, read_restarts
@@ -171,6 +178,8 @@ class Handover:
     active: bool
     written: list[str] = field(default_factory=list)
     started: bool = False
+    adopting: bool = False
+    """This node's one-shot adoption file was written (a rollback removes what is left of it)."""
 
 
 def _enabled(host: Host, unit: str) -> bool:
@@ -235,11 +244,32 @@ class HandoverFailed(StepFailed):
         self.why, self.nodes = why, nodes
 
 
-def hand_over(ctx: StepContext, eng: Engine, lau: Launch,
-              nodes: list[Handover]) -> tuple[dict[str, str], str]:
-    """serve.up's containers (or the units' previous version) go, the units start (workers
-    first, then the head) and the endpoint serves: what started on each node, in order, and the
-    endpoint (for the step to report); HandoverFailed at the first that does not."""
+def adopt_file(eng: Engine) -> str:
+    return f"{NODE_DIR}/{eng.name}.adopt"
+
+
+def adoptable(dep: Deployment, eng: Engine, lau: Launch,
+              have: dict[str, list[labels.Container]]) -> dict[str, dict[str, str]]:
+    """{node: {container: ID}} of what the units can adopt: every container of ``lau`` running
+    on its node and the engine serving as the profile says (``serving``); {} otherwise."""
+    if serving(dep, eng, have).url is None:
+        return {}
+    out: dict[str, dict[str, str]] = {}
+    for c in lau.containers:
+        got = [x for x in have.get(c.node, []) if x.name == c.name and x.running]
+        if not got:
+            return {}
+        out.setdefault(c.node, {})[c.name] = got[0].id
+    return out
+
+
+def hand_over(ctx: StepContext, eng: Engine, lau: Launch, nodes: list[Handover],
+              adopt: dict[str, dict[str, str]]) -> tuple[dict[str, str], str]:
+    """The units start (workers first, then the head) and the endpoint serves: around the
+    running containers when ``adopt`` names them (each node's adoption file written first),
+    else once serve.up's containers (or the units' previous version) are gone. What started on
+    each node, in order, and the endpoint (for the step to report); HandoverFailed at the first
+    that does not."""
     dep = ctx.dep
     unit = unit_name(eng.name)
     hosts = [n.host for n in nodes]
@@ -247,7 +277,13 @@ def hand_over(ctx: StepContext, eng: Engine, lau: Launch,
     for n in nodes:
         if n.active:
             n.host.run(["systemctl", "stop", "--", unit], sudo=True, timeout=180)
-    remove(dep, hosts, eng.name)
+    if adopt:
+        for n in nodes:
+            n.adopting = True
+            n.host.put_file(adopt_file(eng), "".join(
+                f"{name} {cid}\n" for name, cid in adopt.get(n.host.name, {}).items()), mode="0600")
+    else:
+        remove(dep, hosts, eng.name)
     started: dict[str, str] = {}
     for n in sorted(nodes, key=lambda n: n.host.name == lau.head):
         n.started = True  # a unit whose start failed may still be activating: it is stopped too
@@ -255,8 +291,10 @@ def hand_over(ctx: StepContext, eng: Engine, lau: Launch,
         if not r.ok:
             raise HandoverFailed(f"{n.host.name}: systemctl start {unit}: {r.one_line_error()}",
                                  nodes)
-        started[n.host.name] = (f"{unit} written, enabled and started "
-                                f"({', '.join(c.name for c in lau.on(n.host.name))})")
+        names = ", ".join(c.name for c in lau.on(n.host.name))
+        started[n.host.name] = (f"{unit} written, enabled and started; it adopted {names}, "
+                                "kept running" if adopt else
+                                f"{unit} written, enabled and started ({names})")
     try:
         url = _wait_endpoint(ctx, lau, eng.name, seen)
     except GaveUp as e:
@@ -282,6 +320,8 @@ def roll_back(ctx: StepContext, eng: Engine, lau: Launch, nodes: list[Handover],
         remove(dep, [n.host for n in nodes], eng.name)
     problems = []
     for n in nodes:
+        if n.adopting:  # not read by a unit that never ran
+            n.host.run(["rm", "-f", "--", adopt_file(eng)], sudo=True)
         if n.written and not restore_files(n.host, n.written):
             problems.append(f"{n.host.name}: the previous unit files could not be restored")
         n.host.run(["systemctl", "daemon-reload"], sudo=True)
@@ -308,13 +348,14 @@ def roll_back(ctx: StepContext, eng: Engine, lau: Launch, nodes: list[Handover],
     return f"rollback failed: {'; '.join(problems)}" if problems else f"rolled back: {back}"
 
 
-def serving_other(dep: Deployment, eng: Engine) -> str | None:
+def serving_other(dep: Deployment, eng: Engine,
+                  have: dict[str, list[labels.Container]]) -> str | None:
     """Why the units would not run what serves (None: they would): the engine's running
-    containers run something else than the profile says (another recipe's model, another
-    image), and persisting would hand the nodes over to what the profile says."""
+    containers (``have``, by node) run something else than the profile says (another recipe's
+    model, another image), and persisting would hand the nodes over to what the profile says."""
     fp = labels.engine_fingerprint(dep.profile, eng)
     for n in dep.profile.nodes:
-        for c in ours(dep.host(n.name), dep.profile.name, eng.name):
+        for c in have.get(n.name, []):
             keys = c.differs(fp) if c.running else []
             if keys:
                 said = f" (its containers say recipe {c.recipe})" if c.recipe else ""
@@ -337,7 +378,8 @@ def persist(ctx: StepContext, engine: str | None = None) -> None:
     if eng is None:
         ctx.failed("no engine to persist: serve.up first, or --engine NAME")
         return
-    other = serving_other(dep, eng)
+    have = listed(dep, eng)
+    other = serving_other(dep, eng, have)
     if other:
         ctx.failed(other)
         return
@@ -357,8 +399,7 @@ def persist(ctx: StepContext, engine: str | None = None) -> None:
         return
     # every unit file first: a value that cannot go into one (UnitValueError) writes none
     texts = {h.name: unit_text(dep, eng, h, [c.role for c in lau.on(h.name)]) for h in hosts}
-    containers_before = any(c.running for h in hosts
-                            for c in ours(h, dep.profile.name, eng.name))
+    containers_before = any(c.running for h in hosts for c in have.get(h.name, []))
     nodes: list[Handover] = []
     try:
         key = group_key(eng, hosts)
@@ -367,7 +408,8 @@ def persist(ctx: StepContext, engine: str | None = None) -> None:
         if all(n.active for n in nodes) and not any(n.written for n in nodes):
             ctx.ok(f"{unit} installed and active on every node")
             return
-        started, url = hand_over(ctx, eng, lau, nodes)
+        adopt = {} if any(n.active for n in nodes) else adoptable(dep, eng, lau, have)
+        started, url = hand_over(ctx, eng, lau, nodes, adopt)
     except (HandoverFailed, HostError) as e:  # a node lost or a write refused mid-way: the rest rolls back
         nodes += [n for n in getattr(e, "nodes", []) if n not in nodes]
         why = e.why if isinstance(e, HandoverFailed) else str(e)
