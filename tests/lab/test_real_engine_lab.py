@@ -366,5 +366,7 @@ def test_a_worker_that_cannot_reach_its_master_is_ended_by_the_readiness_deadlin
 STALL = 90.0
 """No output for this long is a hang (vLLM's import on a loaded 2-core lab prints nothing for up
 to about 40 s)."""
-READY = 150.0
-"""The readiness deadline of that test (a healthy TP=2 bring-up of lab-tiny: about 90 s here)."""
+READY = 100.0
+"""The readiness deadline of that test: what ends the bring-up whose worker cannot reach its
+master (a healthy TP=2 bring-up of lab-tiny takes about 90 s here; this one never ends by
+itself, so any deadline past vLLM's first rendezvous attempt, about 40 s in, shows it)."""
