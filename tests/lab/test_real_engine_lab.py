@@ -207,10 +207,11 @@ SWAPPED = {"model": tiny.REPO_ID, "recipe": tiny.RECIPE}
 
 
 def test_a_frozen_real_worker_is_found_and_the_pair_restarted_as_a_whole(served):
-    """serve.persist's watchdog on the real engine: every process of the headless rank's
-    container stopped (``lab.fault rank-wedged``: vLLM's own workers frozen mid-serve); the
-    watchdog names it, restarts both nodes' containers, and the real model answers again with
-    its greedy text."""
+    """serve.persist's watchdog on the real engine: the units adopt what serves (no rank
+    restarted), then every process of the headless rank's container is stopped (``lab.fault
+    rank-wedged``: vLLM's own workers frozen mid-serve); the watchdog names it, restarts both
+    nodes' containers, records it with each node's logs and when it served again (serve.status
+    shows it), and the real model answers again with its greedy text."""
     lab, state, url, record, out = served
     prof = watched(state.parent)
     model = SWAPPED["model"]
@@ -244,11 +245,25 @@ def test_a_frozen_real_worker_is_found_and_the_pair_restarted_as_a_whole(served)
             pass
         assert time.monotonic() < end, "the real engine did not answer again within 480 s"
         time.sleep(2)
-    print(f"\nreal engine: frozen worker -> answering again: {time.monotonic() - t0:.1f} s")
+    took = time.monotonic() - t0
+    print(f"\nreal engine: frozen worker -> answering again: {took:.1f} s")
     assert again == before
-    [rec] = json.loads(lab.ssh("spark1", ["cat", RESTARTS]).stdout)["restarts"]
+    # the record on the head: why, each node's saved logs, when it served again (the head
+    # writes it once its canary passes); serve.status shows it
+    end = time.monotonic() + 30
+    while True:
+        [rec] = json.loads(lab.ssh("spark1", ["cat", RESTARTS]).stdout)["restarts"]
+        if rec["served_again_after_s"] is not None or time.monotonic() > end:
+            break
+        time.sleep(1)
     assert rec["kind"] == "rank" and rec["outcome"] == "restarted", rec
     assert rec["why"].startswith("spark2: sparkdeploy-vllm-worker stopped (state T: pid "), rec
+    assert 0 < rec["served_again_after_s"] < took, rec
+    for node, name in RANKS.items():
+        assert lab.ssh(node, ["ls", rec["logs"][node]]).stdout.split() == [f"{name}.log"], node
+    r = inv(state, "serve.status", profile=prof)
+    assert f"vllm: restart 1 at {rec['at']} by {UNIT}: {rec['why']}" in r.stdout, r.stdout[-3000:]
+    assert f"served again after {rec['served_again_after_s']:g}s" in r.stdout
 
 
 def test_serve_down_leaves_no_headless_rank(served):
