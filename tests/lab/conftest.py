@@ -1,7 +1,8 @@
 """The lab fixture: brings the rehearsal lab up once per test run (root + Linux only).
 
-The lab stays up after the run (a developer's re-run is then fast); set
-``SPARKDEPLOY_LAB_DOWN=1`` to take it down at the end. CI calls ``inv lab.down`` itself.
+The lab stays up after a run of some lab tests (a developer's re-run is then fast); set
+``SPARKDEPLOY_LAB_DOWN=1`` to take it down at the end. A run of them all ends with the test that
+takes it down from four nodes (``lab_last``); CI calls ``inv lab.down`` after it all the same.
 """
 
 from __future__ import annotations

@@ -222,7 +222,11 @@ def test_a_persist_that_starts_every_unit_keeps_no_previous_copy(units):
     assert serve.up(dep)[-1].status is Status.OK
     before = {n: {c.name: (c.id, c.started) for c in node.containers.values()}
               for n, node in nodes.items()}
+    n = len(ctx.calls)
     results = serve_persist.persist(dep)
+    # the engine's containers listed once per node: the refusal, the adoption and what ran
+    # before read the same listing
+    assert [a for a, argv in ctx.calls[n:] if "ps" in argv and "--all" in argv] == ["spark1", "spark2"]
     assert [(r.status, r.node, r.why) for r in results] == [
         (Status.CHANGED, "spark2", f"{UNIT} written, enabled and started; it adopted "
                                    "sparkdeploy-sglang-worker, kept running"),

@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 from sparkdeploy.core.packaged import helper
+from sparkdeploy.helpers import serve_unit
 
 SCRIPT = helper("serve_unit.py")
 KEY = b"k" * 64
@@ -129,9 +130,11 @@ def test_a_unit_without_its_group_key_does_not_start(su, tmp_path, capsys, conte
 HEAD_ID, AUX_ID = "1" * 64, "2" * 64
 
 
-def adopting(su, containers: dict[str, tuple[str, bool]]):
+def adopting(containers: dict[str, tuple[str, bool]]):
     """A head supervisor whose node runs ``containers`` ({name: (id, running)}); the docker
-    commands it runs are kept in ``g.ran``."""
+    commands it runs are kept in ``g.ran``. (The package's module, not the file ``su`` loads:
+    the mutation tester mutates the package's.)"""
+    su = serve_unit
     spec = {"node": "spark1", "role": "head", "listen": ["127.0.0.1", 0], "engine": "vllm",
             "docker": ["docker", "-H", "unix:///run/spark1.sock"], "node_dir": "/srv/x",
             "stages": [{"containers": [{"node": "spark1", "name": "head", "run": ["run"]},
@@ -153,8 +156,8 @@ def adopting(su, containers: dict[str, tuple[str, bool]]):
     return g
 
 
-def test_every_container_running_under_its_id_is_adopted(su):
-    g = adopting(su, {"head": (HEAD_ID, True), "aux": (AUX_ID, True)})
+def test_every_container_running_under_its_id_is_adopted():
+    g = adopting({"head": (HEAD_ID, True), "aux": (AUX_ID, True)})
     assert g.adopt(f"head {HEAD_ID[:12]}\naux {AUX_ID}\n") == {"head", "aux"}
     assert [a[6:] for a in g.ran] == [["aux", "head"]]  # this node's only
 
@@ -170,21 +173,28 @@ def test_every_container_running_under_its_id_is_adopted(su):
     (f"head {HEAD_ID} x\naux {AUX_ID}\n", {"head": (HEAD_ID, True), "aux": (AUX_ID, True)}),
     (f"head {HEAD_ID}\naux --format\n", {"head": (HEAD_ID, True), "aux": (AUX_ID, True)}),
     (f"head {HEAD_ID}\nhead {HEAD_ID}\n", {"head": (HEAD_ID, True), "aux": (AUX_ID, True)}),
+    # a name twice is not believed, whichever ID runs
+    (f"head {'3' * 64}\naux {AUX_ID}\nhead {HEAD_ID}\n", {"head": (HEAD_ID, True), "aux": (AUX_ID, True)}),
     ("", {"head": (HEAD_ID, True), "aux": (AUX_ID, True)}),
 ])
-def test_anything_short_of_all_running_under_their_ids_adopts_nothing(su, text, containers):
-    assert adopting(su, containers).adopt(text) == frozenset()
+def test_anything_short_of_all_running_under_their_ids_adopts_nothing(text, containers, capsys):
+    assert adopting(containers).adopt(text) == frozenset()
+    if text is not None:
+        said = capsys.readouterr().out
+        assert said.endswith("starting afresh\n") and said.count("\n") == 1, said
 
 
-def test_the_adoption_file_is_read_once(su, tmp_path):
+def test_the_adoption_file_is_read_once(tmp_path):
     f = tmp_path / "vllm.adopt"
     f.write_text("head 0123456789ab\n")
-    assert su.read_once(str(f)) == "head 0123456789ab\n"
-    assert not f.exists() and su.read_once(str(f)) is None
+    assert serve_unit.read_once(str(f)) == "head 0123456789ab\n"
+    assert not f.exists() and serve_unit.read_once(str(f)) is None
+    assert serve_unit.adopt_path({"engine": "vllm", "node_dir": str(tmp_path)}) == str(f)
+    assert serve_unit.adopt_path({"engine": "sglang"}) == "/var/lib/sparkdeploy-node/serve/sglang.adopt"
 
 
-def test_an_adopted_container_is_not_started_again_and_the_rest_is(su):
-    g = adopting(su, {})
+def test_an_adopted_container_is_not_started_again_and_the_rest_is():
+    g = adopting({})
     g.adopted = frozenset({"head"})
     g.ran.clear()
     g.run = lambda argv, **kw: (g.ran.append(argv), subprocess.CompletedProcess(argv, 0, "", ""))[1]
