@@ -256,16 +256,14 @@ def test_back_to_two_nodes_leaves_nothing_of_spark3_and_spark4(lab4, lab):
 
 
 @pytest.mark.lab_last
-def test_lab_down_from_four_nodes_leaves_nothing(lab):
-    """Runs after every other lab test and leaves the lab down: lab.down from four nodes leaves
-    no process, namespace, link, mount or file of any of them. (The next lab.up gives the nodes
-    the same names, addresses and MACs: they follow from the layout, as the four-node test
-    above checks.)"""
-    results = lifecycle.up(nodes=4, flavor=layout.DEFAULT_DOCKERD)
-    assert not [r for r in results if r.failed]
+def test_lab_down_leaves_nothing(lab):
+    """Runs after every other lab test and leaves the lab down: lab.down leaves no process,
+    namespace, link, mount or file of any node (the pair here; what a node beyond them leaves
+    when it goes, the shrink from four nodes above checks). The next lab.up gives the nodes the
+    same names, addresses and MACs: they follow from the layout, as the four-node test checks."""
     st = lifecycle.lab_facts()
     nodes = st["nodes"]
-    assert nodes == ["spark1", "spark2", "spark3", "spark4"]
+    assert nodes[:2] == ["spark1", "spark2"]
     recs = [p for x in nodes for p in st["node"][x]["procs"].values()]
     down = lifecycle.down()
     assert not [r for r in down if r.failed], down
