@@ -66,8 +66,7 @@ def serving(dep: Deployment, engine: Engine,
     want = launch(prof, engine, {}).containers
     have: dict[tuple[str, str], labels.Container] = {}
     for node in dict.fromkeys(c.node for c in want):
-        got = on_nodes[node] if on_nodes is not None and node in on_nodes else \
-            ours(dep.host(node), prof.name, engine.name)
+        got = on_nodes[node] if on_nodes is not None else ours(dep.host(node), prof.name, engine.name)
         have.update({(node, c.name): c for c in got})
     found = tuple(have.values())
     if not have:

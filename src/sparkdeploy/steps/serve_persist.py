@@ -292,9 +292,8 @@ def hand_over(ctx: StepContext, eng: Engine, lau: Launch, nodes: list[Handover],
             raise HandoverFailed(f"{n.host.name}: systemctl start {unit}: {r.one_line_error()}",
                                  nodes)
         names = ", ".join(c.name for c in lau.on(n.host.name))
-        started[n.host.name] = (f"{unit} written, enabled and started; it adopted {names}, "
-                                "kept running" if adopt else
-                                f"{unit} written, enabled and started ({names})")
+        how = f"; it adopted {names}, kept running" if adopt else f" ({names})"
+        started[n.host.name] = f"{unit} written, enabled and started{how}"
     try:
         url = _wait_endpoint(ctx, lau, eng.name, seen)
     except GaveUp as e:
