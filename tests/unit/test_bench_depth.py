@@ -148,9 +148,11 @@ def test_the_sweep_measures_the_rates_the_standin_was_set_to(standin, tokdir, tm
         assert p == sorted(want)[1]
         pp_set = p / (TTFT_MS / 1000 + p / PREFILL)
         tg_set = 1000 / GAP_MS / (1 + p / HALF)
-        assert row["pp_tok_s"] == pytest.approx(pp_set, rel=0.03)
-        assert row["tg_tok_s"] == pytest.approx(tg_set, rel=0.03)
-        assert row["ttft_ms"] == pytest.approx(p / pp_set * 1000, rel=0.03)
+        # what the stand-in was set to, or a little slower: a busy machine (the unit tests run
+        # beside the lab's) only adds time, never takes it away
+        assert 0.85 * pp_set <= row["pp_tok_s"] <= 1.02 * pp_set
+        assert 0.85 * tg_set <= row["tg_tok_s"] <= 1.02 * tg_set
+        assert 0.98 <= row["ttft_ms"] / (p / pp_set * 1000) <= 1.18
         assert all(x["output_tokens"] == 16 for x in row["runs"])
     assert doc["depths"][0]["pp_tok_s"] < doc["depths"][2]["pp_tok_s"]  # the shape
     assert doc["depths"][0]["tg_tok_s"] > doc["depths"][2]["tg_tok_s"]
