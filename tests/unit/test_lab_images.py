@@ -7,6 +7,7 @@ import io
 import json
 import re
 import subprocess
+import threading
 import zipfile
 from pathlib import Path
 
@@ -210,6 +211,9 @@ class FakeAPI:
     def images(self, **kw):
         return []
 
+    def close(self):
+        pass
+
     def tag(self, image, repository, tag):
         self.images_[f"{repository}:{tag}"] = self.images_[image]
 
@@ -317,6 +321,42 @@ def test_built_images_are_archived_and_a_fresh_engine_loads_them(fake_engine):
     assert api.builds == [] and api.loads == 3
     assert [r.details["recipe"] for r in again] == [r.details["recipe"] for r in first]
     assert [r.status for r in build()] == [Status.OK] * 3
+
+
+def test_a_fresh_engine_loads_the_archives_side_by_side(fake_engine, monkeypatch):
+    api, build, _ = fake_engine
+    build()
+    api.images_ = {layout.BASE_IMAGE: BASE}
+    together = threading.Barrier(3, timeout=5)  # broken unless the three loads overlap
+    loading = api.load_image
+
+    def load_image(fh, quiet):
+        together.wait()
+        yield from loading(fh, quiet)
+
+    monkeypatch.setattr(api, "load_image", load_image)
+    again = build()
+    assert [r.status for r in again] == [Status.CHANGED] * 3, [r.why for r in again]
+    assert all("loaded from the archive" in r.why for r in again)
+
+
+def test_a_failed_load_is_one_line_and_the_others_still_load(fake_engine, monkeypatch):
+    api, build, _ = fake_engine
+    build()
+    api.images_, api.builds = {layout.BASE_IMAGE: BASE}, []
+    loading = api.load_image
+
+    def load_image(fh, quiet):
+        if "scitrera" in fh.name:
+            yield {"error": "write /var/lib/docker/tmp/x: no space left on device"}
+            return
+        yield from loading(fh, quiet)
+
+    monkeypatch.setattr(api, "load_image", load_image)
+    res = build()
+    assert [r.status for r in res] == [Status.CHANGED, Status.FAILED, Status.CHANGED]
+    assert res[1].why.startswith("scitrera/dgx-spark-sglang:0.5.10rc0: docker load scitrera_")
+    assert res[1].why.endswith(": no space left on device") and api.builds == []
 
 
 def test_a_new_recipe_replaces_its_tags_archive(fake_engine):
