@@ -1,6 +1,14 @@
 """deploy.all on the lab, end to end, through the real `inv` (tests run in file order): a full
 deployment, a re-run that changes nothing, a run interrupted during the sync and resumed, and
-the rollback that gives the head back its original units."""
+the rollback that gives the head back its original units.
+
+The deployment's state lives on the nodes: a second clone (clone B: its own, empty state dir)
+sees the deployment the first serves (serve.status), names it as the GPU's holder at once
+(services.stop) and finds it serving what the profile says (deploy.all: ok, nothing restarted);
+the controller killed (SIGKILL) mid-serve.up leaves containers that clone B's serve.up removes
+before it serves; serve.down from either clone leaves no engine container on any node; the
+rollback from clone B, which never stopped the head's units, gives them back by the head's own
+record."""
 
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ pytestmark = pytest.mark.lab
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = "configs/lab.yaml"
+NODES = ("spark1", "spark2")
 GLM_UNITS = ["vllm-cluster.service", "vllm-proxy.service", "vllm-embeddings.service",
              "vllm-reranker.service"]
 
@@ -32,18 +41,48 @@ def state_dir(lab, tmp_path_factory):
     return tmp_path_factory.mktemp("deploy-state")
 
 
+@pytest.fixture(scope="module")
+def clone_b(lab, tmp_path_factory):
+    """A second controller: a state dir of its own, empty to begin with."""
+    return tmp_path_factory.mktemp("clone-b")
+
+
 def inv_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "invoke", *args]
 
 
 def inv_env(state_dir: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT / "src"),
-            "INVOKE_SPARKDEPLOY_PROFILE": PROFILE, "INVOKE_SPARKDEPLOY_STATE_DIR": str(state_dir)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"),
+           "INVOKE_SPARKDEPLOY_PROFILE": PROFILE, "INVOKE_SPARKDEPLOY_STATE_DIR": str(state_dir)}
+    env.pop("SPARKDEPLOY_API_KEY", None)
+    return env
 
 
 def inv(state_dir: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run(inv_argv(*args), cwd=ROOT, env=inv_env(state_dir), capture_output=True,
                           text=True, timeout=timeout)
+
+
+def timed(state_dir: Path, *args: str) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    cp = inv(state_dir, *args)
+    return cp, time.monotonic() - t0
+
+
+def started(lab, node: str) -> dict[str, tuple[str, str]]:
+    """{name: (container ID, StartedAt)} of every sparkdeploy engine container on the node."""
+    cp = lab.ssh(node, ["sh", "-c", "for c in $(docker ps -aq --no-trunc --filter "
+                        "label=org.sparkdeploy.engine); do docker inspect --format "
+                        "'{{.Name}} {{.Id}} {{.State.StartedAt}}' \"$c\"; done"])
+    out = {}
+    for line in cp.stdout.splitlines():
+        name, cid, since = line.split()
+        out[name.lstrip("/")] = (cid, since)
+    return out
+
+
+def everywhere(lab) -> dict[str, dict[str, tuple[str, str]]]:
+    return {n: started(lab, n) for n in NODES}
 
 
 def dep_for(state_dir: Path):
@@ -98,6 +137,37 @@ def test_second_run_changes_nothing(lab, state_dir):
     assert any("bench.run: nothing changed in this run" in ln for ln in step_lines(r.stdout, "skipped"))
     took = [ln for ln in r.stdout.splitlines() if ln.startswith("took: ")]
     print(took)
+
+
+def test_a_second_clone_sees_names_and_adopts_the_deployment(lab, clone_b):
+    b = clone_b
+    before = everywhere(lab)
+    assert all(before.values()), before
+    # serve.status: engine, endpoint, since when
+    st, took = timed(b, "serve.status")
+    assert st.returncode == 0, st.stdout[-3000:] + st.stderr
+    print(f"clone B serve.status: {took:.1f}s")
+    line = next(ln for ln in st.stdout.splitlines() if "endpoint: http://" in ln)
+    assert " healthy (" in line and " since 20" in line, line
+    engine = line.split(" healthy (", 1)[1].split(" since ", 1)[0]
+    assert engine in ("sglang", "vllm", "vllm-ray"), line
+    head = next(n for n in before["spark1"] if n.endswith("-head"))
+    assert f"{head} running since 20" in st.stdout
+    # services.stop: our own engine named at once, not waited on
+    stop, took = timed(b, "services.stop")
+    print(f"clone B services.stop: {took:.1f}s")
+    assert stop.returncode == 0, stop.stdout[-3000:] + stop.stderr
+    assert "the GPU is held by this deployment's own engine: " in stop.stdout, stop.stdout[-3000:]
+    assert f"{head} (deployment qwen3.5-122b-a10b-fp8-lab, engine {engine}, since 20" in stop.stdout
+    assert took < 15, f"services.stop took {took:.1f}s"
+    # deploy.all: ok, nothing restarted
+    dep, took = timed(b, "deploy.all")
+    print(f"clone B deploy.all: {took:.1f}s")
+    assert dep.returncode == 0, dep.stdout[-4000:] + dep.stderr[-2000:]
+    assert f"{engine} serves as the profile says, since 20" in dep.stdout
+    assert dep.stdout.strip().splitlines()[-2].startswith("endpoint: http://")
+    assert everywhere(lab) == before  # the same containers, started when they were
+    assert took < 30, f"deploy.all took {took:.1f}s"  # its smoke bench and the fabric check: 21 s
 
 
 def test_bench_reads_the_engines_own_metrics_beside_its_own(lab, state_dir, tmp_path):
@@ -232,6 +302,42 @@ def test_killed_during_sync_resumes_without_resending(lab, state_dir):
     assert sent <= len(worker_has) - len(worker_had), why  # nor sent again to the worker
 
 
+def test_a_controller_killed_mid_start_leaves_nothing_after_the_next_run(lab, state_dir, clone_b):
+    a, b = state_dir, clone_b
+    cp = inv(a, "serve.down")
+    assert cp.returncode == 0 and everywhere(lab) == {n: {} for n in NODES}, cp.stdout[-2000:]
+    p = subprocess.Popen(inv_argv("serve.up"), cwd=ROOT, env=inv_env(a),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        end = time.monotonic() + 300
+        while not started(lab, "spark1"):  # the head's container started: kill the controller
+            assert p.poll() is None and time.monotonic() < end, "serve.up never started the head"
+            time.sleep(0.5)
+    finally:
+        os.kill(p.pid, signal.SIGKILL)  # the inv process only, by its PID
+        p.wait(timeout=30)
+    time.sleep(2)
+    left = everywhere(lab)
+    print(f"left by the killed controller: {left}")
+    assert left["spark1"], left
+    gpu = lab.ssh("spark1", ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory",
+                             "--format=csv,noheader"]).stdout
+    print(f"spark1's GPU after the kill: {gpu.strip() or 'free'}")
+    # the other clone's serve.up finds them by their labels, removes them, and serves
+    up, took = timed(b, "serve.up")
+    print(f"clone B serve.up after the kill: {took:.1f}s")
+    assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-2000:]
+    assert "removed this deployment's old containers" in up.stdout, up.stdout[-3000:]
+    now = everywhere(lab)
+    for node, old in left.items():
+        assert not {cid for cid, _ in old.values()} & {cid for cid, _ in now[node].values()}
+    assert all(now.values()), now
+    # serve.down from the clone that did not start them: nothing on any node
+    down = inv(a, "serve.down")
+    assert down.returncode == 0, down.stdout[-2000:]
+    assert everywhere(lab) == {n: {} for n in NODES}
+
+
 def test_a_keyed_endpoint_passes_the_bench_smoke_and_the_key_stays_out_of_argv_and_files(
         lab, state_dir):
     """SPARKDEPLOY_API_KEY set: the engine serves behind the key, deploy.all's readiness and its
@@ -344,9 +450,11 @@ def test_a_hang_ends_on_vllm_with_the_diagnosis_in_the_record(lab, state_dir, tm
         assert any(ln.startswith("data: {") for ln in chat.iter_lines(decode_unicode=True))
 
 
-def test_rollback_gives_the_head_its_units_back(lab, state_dir):
-    r = inv(state_dir, "deploy.rollback")
+def test_rollback_gives_the_head_its_units_back(lab, state_dir, clone_b):
+    # from the clone that never stopped the head's units: the node's record says which
+    r = inv(clone_b, "deploy.rollback")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert everywhere(lab) == {n: {} for n in NODES}
     dep = dep_for(state_dir)
     for unit in GLM_UNITS:
         cp = lab.ssh("spark1", ["systemctl", "is-active", unit], check=False)
