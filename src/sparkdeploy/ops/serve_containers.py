@@ -25,8 +25,9 @@ RAY_PROBE = (
 
 
 
-def ours(host: Host, deployment: str, engine: str | None = None) -> list[labels.Container]:
-    """This deployment's engine containers on a node (of one engine, or all), by their labels."""
+def ours(host: Host, deployment: str | None, engine: str | None = None) -> list[labels.Container]:
+    """This deployment's engine containers on a node (of one engine, or all; of every deployment
+    when ``deployment`` is None), by their labels."""
     r = host.run(docker(host, *labels.ps_args(deployment, engine)), change=False)
     return labels.parse_ps(r.stdout) if r.ok else []
 
@@ -94,6 +95,43 @@ def serving(dep: Deployment, engine: Engine,
         return Serving(engine.name, url=url, containers=found)
     return Serving(engine.name, why=f"{engine.name} runs but {url} does not serve "
                    f"{prof.model.repo}", containers=found)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """One engine of some deployment on the profile's nodes, as its containers' labels say."""
+
+    deployment: str
+    engine: str
+    recipe: str
+    """The recipe its model came from ('' when its containers do not say)."""
+    nodes: tuple[str, ...]
+    """The nodes it has containers on, in the profile's order."""
+    url: str | None
+    """Its own API address: the node of the container that carries the port, and that port."""
+    containers: tuple[labels.Container, ...]
+
+    @property
+    def running(self) -> bool:
+        return all(c.running for c in self.containers)
+
+
+def placed(dep: Deployment, on_nodes: dict[str, list[labels.Container]]) -> list[Placed]:
+    """What ``on_nodes`` ({node: every sparkdeploy engine container on it}) places where: one
+    entry per (deployment, engine), in the order first seen along the profile's nodes."""
+    groups: dict[tuple[str, str], list[tuple[str, labels.Container]]] = {}
+    for n in dep.profile.nodes:
+        for c in on_nodes.get(n.name) or []:
+            groups.setdefault((c.deployment, c.engine), []).append((n.name, c))
+    out = []
+    for (deployment, engine), found in groups.items():
+        head = next(((node, c) for node, c in found if c.port), None)
+        url = (f"http://{ep.controller_address(dep.host(head[0]))}:{head[1].port}" if head
+               else None)
+        out.append(Placed(deployment, engine, next((c.recipe for _, c in found if c.recipe), ""),
+                          tuple(dict.fromkeys(node for node, _ in found)), url,
+                          tuple(c for _, c in found)))
+    return out
 
 
 def remove(dep: Deployment, hosts: list[Host], engine: str | None = None) -> dict[str, list[str]]:

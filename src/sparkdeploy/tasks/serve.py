@@ -1,13 +1,17 @@
 """`inv serve.*`: bring the model up across the nodes, watch it (restarting it whole when it
 wedges), persist it, take it down, and say why when it does not come up."""
 
+import json as _json
+import sys
+
 from invoke import Collection
 from invoke.exceptions import Exit
 
 from sparkdeploy.engines import diagnose as dx
+from sparkdeploy.steps.registry import run_one
 from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks import _swap
-from sparkdeploy.tasks._common import run_step
+from sparkdeploy.tasks._common import drive, run_step
 from sparkdeploy.tasks._flags import integer, task
 
 _P = {"profile": "profile file (default: sparkdeploy.profile)"}
@@ -33,6 +37,22 @@ def down(c, profile=None):
 def status(c, profile=None):
     """Engine containers per node, Ray's nodes, the endpoint's health."""
     run_step(c, "serve.status", profile=profile, lock=False)
+
+
+@task(name="list", help={"json": "print only the list, as one JSON document (the stream goes to "
+                                 "stderr)", **_P})
+def list_(c, json=False, profile=None):
+    """What serves where on the nodes, by their containers' labels: recipe, repo, nodes, URL, loaded."""
+    def work(dep, events):
+        return run_one(dep, "serve.list")
+
+    def show(dep, results):
+        if json:
+            print(_json.dumps([r.details["placed"] for r in results if "placed" in r.details]),
+                  flush=True)
+
+    drive(c, "serve.list", work, profile=profile, lock=False, show=show,
+          out=sys.stderr if json else None, live=not json)
 
 
 @task(help={"nodes": "only these nodes: NAME[,NAME...] (default: every node)",
@@ -86,4 +106,4 @@ def swap(c, recipe=None, engine=None, profile=None, recipes=None):
                recipes=tuple(flags.name_list("--recipes", recipes)))
 
 
-ns = Collection("serve", up, down, status, logs, watch, persist, unpersist, diagnose, swap)
+ns = Collection("serve", up, down, status, list_, logs, watch, persist, unpersist, diagnose, swap)

@@ -1,0 +1,81 @@
+"""``serve.list``: what serves where on the profile's nodes, read from the nodes themselves.
+
+Every engine container sparkdeploy starts carries its deployment, engine, recipe and port in
+its labels (``core.labels``), so one ``docker ps`` per node tells any controller, a fresh clone
+included, which models are placed on which nodes. Each one found is a line and an entry:
+
+- ``recipe``: the recipe its containers carry (None when they carry none);
+- ``repo``: the model its engine lists on ``/v1/models``, else the recipe's, else the profile's
+  when the containers are this profile's deployment;
+- ``nodes``: the nodes it has containers on, in the profile's order;
+- ``url``: the engine's own address (the node of the container holding the API port);
+- ``loaded``: every container running and the engine answering ``/health`` and listing a model.
+
+A node that cannot be reached is a failed line; the others are still listed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sparkdeploy.core import labels
+from sparkdeploy.node import endpoint as ep
+from sparkdeploy.node.hosts import Host
+from sparkdeploy.ops.serve_containers import Placed, ours, placed
+from sparkdeploy.profile import recipes as rcp
+from sparkdeploy.steps.registry import StepContext, step
+
+STEP_LIST = "serve.list"
+
+
+def _recipe_repo(name: str, dirs: list[str]) -> str | None:
+    try:
+        model = rcp.read(name, rcp.directories(dirs), "serve.list").part.get("model") or {}
+    except rcp.ProfileError:
+        return None
+    repo = model.get("repo")
+    return repo if isinstance(repo, str) else None
+
+
+def entry(ctx: StepContext, p: Placed) -> dict[str, Any]:
+    """What ``serve.list`` says of one placed engine (its JSON entry)."""
+    prof = ctx.dep.profile
+    listed = ep.models(p.url) if p.url and p.running else []
+    loaded = bool(listed) and ep.health(p.url or "")
+    repo = (listed[0] if listed else
+            (_recipe_repo(p.recipe, prof.recipes) if p.recipe else None)
+            or (prof.model.repo if p.deployment == prof.name else None))
+    return {"recipe": p.recipe or None, "repo": repo, "nodes": list(p.nodes), "url": p.url,
+            "loaded": loaded, "engine": p.engine, "deployment": p.deployment}
+
+
+def _line(e: dict[str, Any], p: Placed) -> str:
+    what = e["recipe"] or e["repo"] or f"deployment {e['deployment']}"
+    repo = f" ({e['repo']})" if e["recipe"] and e["repo"] else ""
+    where = f"{e['engine']} on {', '.join(e['nodes'])}" + (f" at {e['url']}" if e["url"] else "")
+    if e["loaded"]:
+        return f"{what}{repo}: {where}, loaded"
+    stopped = [c.name for c in p.containers if not c.running]
+    why = (f"not running: {', '.join(stopped)}" if stopped else
+           "no API port on its containers" if not e["url"] else f"{e['url']} does not serve")
+    return f"{what}{repo}: {where}, not loaded ({why})"
+
+
+@step(STEP_LIST)
+def serve_list(ctx: StepContext) -> None:
+    """Every model sparkdeploy has placed on the profile's nodes: recipe, repo, nodes, URL,
+    loaded or not (``placed``: entry per engine of any deployment)."""
+    dep = ctx.dep
+    hosts = [dep.host(n.name) for n in dep.profile.nodes]
+
+    def one(h: Host) -> list[labels.Container]:
+        return ours(h, None)
+
+    found = dict(zip((h.name for h in hosts), ctx.each(hosts, one), strict=True))
+    listing = {n: cs for n, cs in found.items() if cs is not None}
+    models = placed(dep, listing)
+    entries = [entry(ctx, p) for p in models]
+    for e, p in zip(entries, models, strict=True):
+        ctx.ok(_line(e, p), placed=e)
+    if not models and listing:
+        ctx.ok(f"nothing placed on {', '.join(listing)}")
