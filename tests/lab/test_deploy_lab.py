@@ -153,6 +153,15 @@ def test_a_second_clone_sees_names_and_adopts_the_deployment(lab, clone_b):
     assert engine in ("sglang", "vllm", "vllm-ray"), line
     head = next(n for n in before["spark1"] if n.endswith("-head"))
     assert f"{head} running since 20" in st.stdout
+    # serve.list: what serves where, from the nodes alone
+    ls, took = timed(b, "serve.list", "--json")
+    print(f"clone B serve.list: {took:.1f}s")
+    assert ls.returncode == 0, ls.stdout[-3000:] + ls.stderr[-3000:]
+    url = line.split("endpoint: ", 1)[1].split()[0]
+    assert json.loads(ls.stdout) == [{
+        "recipe": "qwen3.5-122b-a10b-fp8", "repo": dep_for(b).profile.model.repo,
+        "nodes": list(NODES), "url": url, "loaded": True, "engine": engine,
+        "deployment": "qwen3.5-122b-a10b-fp8-lab"}]
     # services.stop: our own engine named at once, not waited on
     stop, took = timed(b, "services.stop")
     print(f"clone B services.stop: {took:.1f}s")
