@@ -47,7 +47,8 @@ From ``lab.up`` (the head only; spark2 starts without them, as in the seed)::
 
 Figures (2-core lab machine, Docker 26 classic store): built from cached wheels about 45-70 s
 per image (about 3 min for the three; plus about 1 min of downloads with an empty wheel cache),
-loaded from the archives about 15 s for the three, about 0.3 s when all are present. Sizes:
+loaded from the archives 16-18 s for the three side by side (24-38 s one after another, three
+alternating runs into one fresh store, 2026-12-07), about 0.3 s when all are present. Sizes:
 base 191 MB; sglang images about 530 and 555 MB, vLLM image about 730 MB (base included).
 
 Development aid: ``python -m sparkdeploy.lab.images unix:///path/docker.sock [BASE_IMAGE]``
