@@ -288,3 +288,28 @@ def test_each_node_gets_a_dev_shm_of_its_own_once(monkeypatch):
                       "lab-shm-spark2", "/dev/shm"]
     assert node.ensure_private_shm("spark2") is False  # the machine's tmpfs is not the node's
     assert len(ran) == 3
+
+
+def test_lab_tiny_pp_is_lab_tiny_one_pipeline_stage_per_node_without_enforce_eager(tmp_path):
+    """The pipeline-parallel recipe serves lab-tiny's files; vLLM's CPU build crashes at the first
+    request with PP and --enforce-eager, so that flag, and only it, is gone."""
+    from sparkdeploy.engines import NodeFacts, launch
+    from sparkdeploy.engines.base import run_args
+    from sparkdeploy.profile.config import load_profile
+    from tests.unit.profiles import lab_profile_with_overlay
+
+    path = lab_profile_with_overlay(tmp_path)
+    tp, pp = load_profile(path, recipe=tiny.RECIPE), load_profile(path, recipe="lab-tiny-pp")
+    assert pp.model == tp.model and pp.model.repo == tiny.REPO_ID
+    [a], [b] = tp.engines, pp.engines
+    assert ((a.tensor_parallel, a.pipeline_parallel), (b.tensor_parallel, b.pipeline_parallel)) == (
+        (2, 1), (1, 2))
+    assert a.args == [*b.args, "--enforce-eager"] and a.image == b.image and a.env == b.env
+    facts = {n.name: NodeFacts(gid_index=3, rdma_devices=False) for n in pp.nodes}
+    for rank, c in enumerate(launch(pp, b, facts).containers):
+        argv = run_args(c)
+        at = argv.index("--tensor-parallel-size")
+        assert argv[at:at + 4] == ["--tensor-parallel-size", "1", "--pipeline-parallel-size", "2"]
+        assert argv[argv.index("--node-rank") + 1] == str(rank) and "--enforce-eager" not in argv
+    # no gate of its own: the bench finds lab-tiny's, by the model's repo
+    assert [g[0] for g in recipes.gates([internet.RECIPES])].count(tiny.REPO_ID) == 1
