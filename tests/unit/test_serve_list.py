@@ -105,3 +105,54 @@ def test_the_json_flag_prints_the_list_alone_on_stdout(lab, monkeypatch, capsys,
                                 "loaded": True, "engine": "sglang",
                                 "deployment": dep.profile.name}]
     assert "loaded" in err and out.count("\n") == 1
+
+
+def test_a_worker_down_while_the_head_answers_is_not_loaded(lab):  # noqa: F811
+    dep, ctx, nodes, cluster, clock = lab
+    healthy_sglang(nodes)
+    serve.up(dep)
+    nodes["spark2"].containers["sparkdeploy-sglang-worker"].script.exit_at = 0
+    [r] = serve_list.serve_list(dep)
+    assert r.why == (f"{MODEL}: sglang on spark1, spark2 at http://10.0.0.1:30000, not loaded "
+                     "(not running: sparkdeploy-sglang-worker)")
+    assert r.details["placed"]["loaded"] is False
+
+
+def test_an_engine_that_answers_health_but_lists_no_model_is_not_loaded(lab, monkeypatch):  # noqa: F811
+    dep, ctx, nodes, cluster, clock = lab
+    healthy_sglang(nodes)
+    serve.up(dep)
+    monkeypatch.setattr(serve_list.ep, "models", lambda url: [])
+    [r] = serve_list.serve_list(dep)
+    assert r.details["placed"]["loaded"] is False
+    assert r.why.endswith("not loaded (http://10.0.0.1:30000 does not serve)")
+
+
+def test_the_repo_is_what_the_engine_lists_over_what_the_recipe_says(lab):  # noqa: F811
+    dep, ctx, nodes, cluster, clock = lab
+    nodes["spark1"].containers["spare-vllm-head"] = Container(
+        "spare-vllm-head", clock.now, Script(opens={8000: 0}), OTHER, ["run"])
+    [r] = serve_list.serve_list(dep)
+    assert r.details["placed"]["repo"] == MODEL  # what it serves, not the recipe's gpt-oss-120b
+    assert r.why == (f"gpt-oss-120b ({MODEL}): vllm on spark1 at http://10.0.0.1:8000, loaded")
+
+
+def test_containers_without_an_api_port_have_no_url(lab):  # noqa: F811
+    dep, ctx, nodes, cluster, clock = lab
+    labels = {k: v for k, v in OTHER.items() if k != "org.sparkdeploy.port"}
+    nodes["spark2"].containers["spare-vllm-worker"] = Container(
+        "spare-vllm-worker", clock.now, Script(), labels, ["run"])
+    [r] = serve_list.serve_list(dep)
+    assert r.why == ("gpt-oss-120b (openai/gpt-oss-120b): vllm on spark2, not loaded "
+                     "(no API port on its containers)")
+    assert (r.details["placed"]["url"], r.details["placed"]["loaded"]) == (None, False)
+
+
+def test_a_recipe_no_directory_knows_gives_no_repo(lab):  # noqa: F811
+    dep, ctx, nodes, cluster, clock = lab
+    nodes["spark2"].containers["spare-vllm-head"] = Container(
+        "spare-vllm-head", clock.now, Script(exit_at=0),
+        {**OTHER, "org.sparkdeploy.recipe": "someone-elses"}, ["run"])
+    [r] = serve_list.serve_list(dep)
+    assert (r.details["placed"]["recipe"], r.details["placed"]["repo"]) == ("someone-elses", None)
+    assert r.why.startswith("someone-elses: vllm on spark2 at http://10.0.0.1:8000, not loaded")
