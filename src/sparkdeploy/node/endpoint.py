@@ -43,6 +43,11 @@ def controller_address(host: Host) -> str:
     return host.ssh_view().get("hostname") or host.node.ssh or host.name
 
 
+def engine_url(host: Host, port: int) -> str:
+    """An engine's own address as the controller reaches it: the node's address, the port."""
+    return f"http://{controller_address(host)}:{port}"
+
+
 def port_open(host: str, port: int, timeout: float = 2.0) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout):

@@ -150,7 +150,7 @@ def bring_up(dep: Deployment, lau: Launch, run: Run, watch: Watch) -> str:
         elif stage.wait == "ranks-joined":
             watch.phase(f"{names}: rank joined", partial(_ranks_joined, stage, watch), left())
     addr = ep.controller_address(dep.host(lau.head))
-    url = f"http://{addr}:{lau.port}"
+    url = ep.engine_url(dep.host(lau.head), lau.port)  # the node's address is asked once
     watch.phase(f"port {addr}:{lau.port} open", lambda: ep.port_open(addr, lau.port), left())
     watch.mark("port_open")
     watch.phase(f"{url}/health", lambda: ep.health(url), left())

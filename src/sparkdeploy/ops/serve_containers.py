@@ -90,7 +90,7 @@ def serving(dep: Deployment, engine: Engine,
         return Serving(engine.name, why=f"{engine.name} runs image {', '.join(sorted(ran))[:19]}, "
                        f"the head's {engine.image} is now {now[:19]}", containers=found)
     port = next((c.port for c in found if c.port), engine.port)
-    url = f"http://{ep.controller_address(head)}:{port}"
+    url = ep.engine_url(head, port)
     if ep.health(url) and prof.model.repo in ep.models(url):
         return Serving(engine.name, url=url, containers=found)
     return Serving(engine.name, why=f"{engine.name} runs but {url} does not serve "
@@ -126,8 +126,7 @@ def placed(dep: Deployment, on_nodes: dict[str, list[labels.Container]]) -> list
     out = []
     for (deployment, engine), found in groups.items():
         head = next(((node, c) for node, c in found if c.port), None)
-        url = (f"http://{ep.controller_address(dep.host(head[0]))}:{head[1].port}" if head
-               else None)
+        url = ep.engine_url(dep.host(head[0]), head[1].port) if head and head[1].port else None
         out.append(Placed(deployment, engine, next((c.recipe for _, c in found if c.recipe), ""),
                           tuple(dict.fromkeys(node for node, _ in found)), url,
                           tuple(c for _, c in found)))

@@ -196,8 +196,7 @@ def _wait_endpoint(ctx: StepContext, lau: Launch, engine: str, seen: int) -> str
     ``seen`` ones there before the hand-over): it would not try again."""
     dep = ctx.dep
     head = dep.host(lau.head)
-    addr = ep.controller_address(head)
-    url = f"http://{addr}:{lau.port}"
+    url = ep.engine_url(head, lau.port)
 
     def serving() -> bool:
         if (ep.health(url) and lau.served_model in ep.models(url)

@@ -144,7 +144,7 @@ def watch(ctx: StepContext, checks: int | None = None) -> None:
         return
     lau = running_launch(dep, eng)  # EngineError: the step's failure
     pol = policy(dep.profile.serve)
-    url = f"http://{ep.controller_address(dep.host(lau.head))}:{lau.port}"
+    url = ep.engine_url(dep.host(lau.head), lau.port)
     if dep.dry:
         ctx.would(f"watch {url}: a canary every {pol.watch_s:g}s, every rank's engine read")
         return
