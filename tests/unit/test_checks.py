@@ -213,7 +213,7 @@ def test_a_hub_file_name_that_is_safe_is_taken(name):
 
 
 def test_a_unit_file_has_every_section_and_value_on_its_own_line():
-    from sparkdeploy.steps.serve_persist import unit_file
+    from sparkdeploy.ops.units import unit_file
 
     assert unit_file({"Unit": [("Description", "x y"), ("After", "a.target")],
                       "Install": [("WantedBy", "multi-user.target")]}) == (
@@ -222,7 +222,7 @@ def test_a_unit_file_has_every_section_and_value_on_its_own_line():
 
 @pytest.mark.parametrize("key", ["Description\n", "Exec\x1bStart"])
 def test_a_unit_key_that_would_break_its_line_is_refused(key):
-    from sparkdeploy.steps.serve_persist import UnitValueError, unit_file
+    from sparkdeploy.ops.units import UnitValueError, unit_file
 
     with pytest.raises(UnitValueError) as e:
         unit_file({"Unit": [(key, "x")]})
@@ -231,13 +231,13 @@ def test_a_unit_key_that_would_break_its_line_is_refused(key):
 
 @pytest.mark.parametrize("value", ["a ", "aX"])
 def test_the_last_value_of_a_unit_file_is_kept_whole(value):
-    from sparkdeploy.steps.serve_persist import unit_file
+    from sparkdeploy.ops.units import unit_file
 
     assert unit_file({"Install": [("WantedBy", value)]}) == f"[Install]\nWantedBy={value}\n"
 
 
 def test_a_backslash_inside_a_unit_value_is_kept():
-    from sparkdeploy.steps.serve_persist import unit_file
+    from sparkdeploy.ops.units import unit_file
 
     assert unit_file({"Unit": [("Description", "a\\b")]}) == "[Unit]\nDescription=a\\b\n"
 

@@ -785,6 +785,8 @@ OUTSIDE = CORE / "outside.py"
 NOT_OUTSIDE_DATA = {
     "core/records.py read": "the state dir's own records (RecordError when one does not fit)",
     "engines/flags.py manifest": "the package's own flag manifests (data/engine-flags)",
+    "data/metrics_exporter.py read_json": "node-side, in the serving image: the node's own "
+                                          "records (metrics.up wrote them), {} when not one",
 }
 """``path function`` of a JSON parse that reads no outside data, each with why."""
 

@@ -352,7 +352,7 @@ def test_task_bad_step_name_is_one_line_exit_2(tmp_path):
     assert r.stderr.strip().splitlines() == [
         "--only: no step 'nope' in the plan (steps: link.check, model.download, hosts.check, model.precheck, "
         "services.stop, model.fit, image.probe, image.build, image.ship, link.fabric, model.sync, model.verify, "
-        "serve.up, bench.run)"]
+        "serve.up, metrics.up, bench.run)"]
 
 
 def test_the_deploy_plan_pipelines_and_records(tmp_path, calls, monkeypatch):

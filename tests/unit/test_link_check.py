@@ -384,4 +384,4 @@ def test_task_runs_link_check_before_serve_up(tmp_path, monkeypatch):
     assert ran == ["link.check"] and getattr(e.value, "code", None) == 1
     ran.clear()
     serve_tasks.up(c, skip_link_check=True)
-    assert ran == ["serve.up"]
+    assert ran == ["serve.up", "metrics.up"]  # the metrics once it serves

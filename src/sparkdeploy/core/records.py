@@ -208,6 +208,32 @@ class FabricRecord(Record):
     nodes: list[str] = Field(default_factory=list)
 
 
+class BenchFigures(Record):
+    """``bench.run``'s last figures at its lowest load, as the metrics publish them (the
+    exporter's ``sparkdeploy_bench_*``)."""
+
+    NAME = "bench-figures"
+    WHAT = "bench figures"
+    STEP = "bench.run"
+    output_tok_s: float | None = None
+    ttft_ms_median: float | None = None
+    itl_ms_median: float | None = None
+    time: float | None = None
+
+
+class MetricsRecord(Record):
+    """``metrics.up``'s last outcome: Prometheus' address, the units it started per node and the
+    ports they hold (``serve.down`` and ``metrics.down`` remove them)."""
+
+    NAME = "metrics"
+    WHAT = "metrics record"
+    STEP = "metrics.up"
+    url: str
+    units: dict[str, list[str]]
+    ports: dict[str, list[int]]
+    targets: int
+
+
 class StepTiming(BaseModel):
     state: str
     elapsed: float | None

@@ -106,18 +106,25 @@ def apt_closure(suite: str, packages: Sequence[str], status: bytes) -> list[Path
     return debs
 
 
+def unpack(suite: str, package: str, into: Path) -> Path:
+    """Debian ``suite``'s current .deb of ``package`` unpacked (``dpkg -x``) as ``into``, whole
+    or not at all (built beside it, then moved in); the .deb."""
+    [deb] = apt_download(suite, [package])
+    clean_stale_tmp(into.parent, into.name)
+    tmp = into.parent / f"{into.name}.{os.getpid()}.tmp"
+    remove_tree(tmp)
+    run(["dpkg", "-x", str(deb), str(tmp)])
+    remove_tree(into)
+    move_in(tmp, into)
+    return deb
+
+
 def ensure_docker26() -> tuple[bool, str]:
     """Docker 26's dockerd from trixie's ``docker.io``, unpacked under the cache.
     Returns (changed, why)."""
     if DOCKER26_DOCKERD.exists():
         return False, f"{DOCKER26_DOCKERD} cached"
-    [deb] = apt_download("trixie", ["docker.io"])
-    clean_stale_tmp(layout.CACHE_DIR, "docker26")
-    tmp = layout.CACHE_DIR / f"docker26.{os.getpid()}.tmp"
-    remove_tree(tmp)
-    run(["dpkg", "-x", str(deb), str(tmp)])
-    remove_tree(DOCKER26_DIR)
-    move_in(tmp, DOCKER26_DIR)
+    deb = unpack("trixie", "docker.io", DOCKER26_DIR)
     ver = run([str(DOCKER26_DOCKERD), "--version"], check=False).stdout.strip()
     return True, f"unpacked {deb.name} ({ver})"
 

@@ -19,7 +19,19 @@ from sparkdeploy.core.events import EventSink
 from sparkdeploy.core.files import write_if_changed
 from sparkdeploy.core.outcomes import Result, Status
 from sparkdeploy.core.wait import Stop, WaitTimeout, wait_for
-from sparkdeploy.lab import dockerd, glm, image, internet, keys, layout, node, packages, proc, standins_install
+from sparkdeploy.lab import (
+    dockerd,
+    glm,
+    image,
+    internet,
+    keys,
+    layout,
+    node,
+    packages,
+    proc,
+    prometheus,
+    standins_install,
+)
 from sparkdeploy.lab import state as lab_state
 from sparkdeploy.lab.heartbeat import Heartbeat
 from sparkdeploy.lab.layout import AddressPlan
@@ -103,6 +115,7 @@ def _up_lab(ctx: StepContext, nodes: int, flavor: str, seed_worker: bool,
                 if set(flavors) != {"classic20"}:
                     run.jobs["docker26"] = pool.submit(dockerd.ensure_docker26)
                 run.jobs["wheels"] = pool.submit(internet.prefetch, real_engine)
+                run.jobs["prometheus"] = pool.submit(prometheus.ensure_cached)
                 _up(run, mgmt_net, seed_worker, real_engine)
         except LabError as e:
             run.add(Result("lab.up", Status.FAILED, str(e)))
@@ -225,8 +238,11 @@ def _ssh_and_daemons(run: _Run) -> None:
     run.add(Result("ssh.files", Status.CHANGED, f"wrote {len(files)}: " + ", ".join(files[:4])
                     + (" ..." if len(files) > 4 else ""), None, {"files": files}) if files
             else Result("ssh.files", Status.OK, f"{layout.SSH_CONFIG}, known_hosts, node keys unchanged"))
+    run.join("prometheus", "prometheus")
     for x in names:
         did = standins_install.install(x)
+        if prometheus.install(standins_install.backing(x)):
+            did = ", ".join(filter(None, [did, "bin/prometheus (Debian's)"]))
         run.add(Result("standins", Status.CHANGED, did, x) if did else Result("standins", Status.OK, "up to date", x))
     for x in names:
         with run.beat.phase("sshd", x):

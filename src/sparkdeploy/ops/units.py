@@ -1,11 +1,14 @@
 """A node's systemd units and the processes on its GPU, as probes read them: shared by the
-``services.*`` steps, ``serve.up``'s preflight and ``services.stop``'s fingerprint."""
+``services.*`` steps, ``serve.up``'s preflight and ``services.stop``'s fingerprint; and the one
+way a unit file is written (``unit_file``: the persisted engines', the metrics')."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from sparkdeploy.core import checks
+from sparkdeploy.core.errors import StepFailed
 from sparkdeploy.node.hosts import Host, NodeUnreachable
 
 if TYPE_CHECKING:
@@ -95,3 +98,24 @@ def gpu_processes(host: Host) -> tuple[list[GpuProcess] | None, str]:
     if r.exit_code != 0:
         return None, f"nvidia-smi failed: {r.one_line_error()}"
     return parse_compute_apps(r.stdout), ""
+
+
+class UnitValueError(StepFailed, ValueError):
+    """A value that cannot go into a unit file (it would end its line or continue it)."""
+
+
+def unit_file(sections: dict[str, list[tuple[str, str]]]) -> str:
+    """A systemd unit file from ``{section: [(key, value), ...]}``: every value is one line.
+
+    A value holding a control character (a newline would start a directive of its own) or
+    ending in a backslash (which continues the line) is refused whatever the schema allowed;
+    ``%`` is doubled (systemd would expand it as a specifier)."""
+    out = []
+    for section, items in sections.items():
+        out.append(f"[{section}]")
+        for key, value in items:
+            if checks.control_char(key + value) is not None or value.endswith("\\"):
+                raise UnitValueError(f"{key}={value!r} cannot go into a unit file")
+            out.append(f"{key}={value.replace('%', '%%')}")
+        out.append("")
+    return "\n".join(out).rstrip("\n") + "\n"

@@ -366,6 +366,34 @@ class Bench(_Strict):
     """Seconds the whole of one request may take (a server that trickles bytes ends on time)."""
 
 
+class Metrics(_Strict):
+    """``metrics.up``: Prometheus on the head scraping every engine's ``/metrics`` and an exporter
+    on every node (the deployment, the node's memory and link counters, the watchdog's restarts,
+    the last fabric and bench figures); started, kept and removed with the deployment."""
+
+    enabled: bool = True
+    prometheus: Literal["package", "image"] = "package"
+    """``package``: the head's own ``prometheus`` (Debian and Ubuntu: ``apt install
+    prometheus``), found on its PATH; ``image``: ``prometheus_image`` run by the head's Docker."""
+    prometheus_image: ImageRef = "prom/prometheus:v3.7.3"
+    """Prometheus' own image (hub.docker.com/r/prom/prometheus: amd64 and arm64)."""
+    port: Port = 9090
+    """Prometheus' port on the head (its default)."""
+    exporter_port: Port = 9408
+    """The exporter's port on every node (9400 is NVIDIA's dcgm-exporter's)."""
+    scrape_s: float = Field(default=15, ge=1, le=300)
+    """How often Prometheus scrapes and evaluates its recording rules (its default is 60 s;
+    15 s is what Grafana's dashboards expect of a rate over 1 m)."""
+    retention_days: int = Field(default=15, ge=1, le=3650)
+    """How long Prometheus keeps what it scraped (Prometheus' default: 15 days)."""
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> Metrics:
+        if self.port == self.exporter_port:
+            raise ValueError(f"port and exporter_port are both {self.port}")
+        return self
+
+
 class Profile(_Strict):
     name: Annotated[str, AfterValidator(checks.profile_name)]
     """The deployment's name: in unit descriptions, state-dir file names and container labels."""
@@ -383,6 +411,7 @@ class Profile(_Strict):
     bench: Bench = Field(default_factory=Bench)
     serve: Serve = Field(default_factory=Serve)
     fit: Fit = Field(default_factory=Fit)
+    metrics: Metrics = Field(default_factory=Metrics)
     endpoint: Url | None = None
     """The deployed OpenAI-compatible endpoint, when known (bench's default target)."""
 

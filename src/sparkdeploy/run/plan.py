@@ -13,6 +13,7 @@ The plan (data, run by ``sparkdeploy.run.runner``)::
     link.check, image.ship -> link.fabric (an all-reduce in the serving image) -> model.sync, serve.up
     all of the above -> serve.up (with fallback) -> bench.run (a smoke: a few requests at
     concurrency 1, when something changed or with --bench) -> serve.persist (with --persist)
+    serve.up -> metrics.up (Prometheus on the head, an exporter on every node)
 
 A plan names steps and their options, nothing else: each step declares where it is written
 (``@step``, ``steps/registry.py``) what it needs, its fingerprint (the profile slice and the
@@ -135,6 +136,8 @@ def plan(dep: Deployment, *, bench: bool = False, persist: bool = False) -> list
         PlanStep("model.sync", {"to": workers}),
         PlanStep("model.verify"),
         PlanStep("serve.up"),
+        # Prometheus and the exporters, beside the bench (which it then sees)
+        PlanStep("metrics.up"),
         PlanStep("bench.run", {**SMOKE, "url": lambda d, runs: endpoint_url(d),
                                "settings": smoke_settings}, forced=bench),
     ]

@@ -23,12 +23,20 @@ from sparkdeploy.bench.sweep import STEP, check_baseline, run_sweep, sweep_json
 from sparkdeploy.core.errors import PartFailed, StepFailed
 from sparkdeploy.core.files import write_atomic, write_text_atomic
 from sparkdeploy.core.fingerprint import Fingerprint
-from sparkdeploy.core.records import DeployRun, ImageDecision, RecordError, ServeDecision
+from sparkdeploy.core.records import (
+    BenchFigures,
+    DeployRun,
+    ImageDecision,
+    MetricsRecord,
+    RecordError,
+    ServeDecision,
+)
 from sparkdeploy.core.redaction import redact
 from sparkdeploy.node.deployment import Deployment
 from sparkdeploy.node.endpoint import url as endpoint_url
 from sparkdeploy.node.hosts import HostError
 from sparkdeploy.node.nodeops import read_node_file
+from sparkdeploy.ops import metrics
 from sparkdeploy.profile import recipes
 from sparkdeploy.profile.config import Bench, Profile
 from sparkdeploy.steps.registry import Ran, StepContext, step
@@ -323,3 +331,30 @@ def run(ctx: StepContext, url: str | None = None, settings: Settings | None = No
               max_concurrency=max_concurrency, json_path=json_path, plot_path=plot_path,
               save_dir=dep.state.path / "bench" if save else None,
               baseline=gate if check else None, context=report_context(dep))
+    if url == endpoint_url(dep) and not dep.dry:
+        _publish(ctx)
+
+
+def _publish(ctx: StepContext) -> None:
+    """The deployment's bench figures at the lowest load: its record, and the head's metrics
+    (``sparkdeploy_bench_*``) when they run there."""
+    dep = ctx.dep
+    levels = [r.details["run"] for r in ctx.results if isinstance(r.details.get("run"), dict)]
+    if not levels:
+        return
+    s = levels[0].get("summary") or {}
+
+    def number(v: Any) -> float | None:
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    dep.records.write(BenchFigures(
+        output_tok_s=number(s.get("output_tok_s")), time=time.time(),
+        ttft_ms_median=number((s.get("ttft_ms") or {}).get("median")),
+        itl_ms_median=number((s.get("itl_ms") or {}).get("median"))))
+    if not dep.profile.metrics.enabled or dep.records.read(MetricsRecord) is None:
+        return  # no metrics.up of this controller: they run nowhere it knows of
+    try:
+        if metrics.publish(dep, metrics.figures(dep)):
+            ctx.ok("the figures are in the metrics (sparkdeploy_bench_*)")
+    except HostError as e:
+        ctx.skipped(f"the figures are not in the metrics: {e}")

@@ -33,7 +33,7 @@ from sparkdeploy.node import endpoint as ep
 from sparkdeploy.node.deployment import Deployment
 from sparkdeploy.node.hosts import Host
 from sparkdeploy.node.nodeops import NodeUnreachable, docker
-from sparkdeploy.ops import serve_preflight
+from sparkdeploy.ops import metrics, serve_preflight
 from sparkdeploy.ops.image import chosen, image_id
 from sparkdeploy.ops.serve import (
     STEP_UP,
@@ -306,14 +306,14 @@ def up(ctx: StepContext, engine: str | None = None) -> None:
 
 @step(STEP_DOWN, needs=("serve.unpersist",))
 def down(ctx: StepContext) -> None:
-    """Remove this deployment's engine containers on every node."""
+    """Remove this deployment's engine containers and its metrics units on every node."""
     dep = ctx.dep
     ctx.each([dep.host(n.name) for n in dep.profile.nodes], lambda h: _down_node(ctx, h))
 
 
 def _down_node(ctx: StepContext, h: Host) -> None:
     dep = ctx.dep
-    units = stop_units(dep, h)
+    units = stop_units(dep, h) + metrics.remove(dep, h)
     found = ours(h, dep.profile.name)
     if not found and not units:
         ctx.ok("no engine container", h.name)
@@ -385,6 +385,14 @@ def _fabric(ctx: StepContext) -> None:
     ctx.ok(f"link.fabric{when}: {rec.verdict}: {rec.why}", fabric=rec.model_dump(mode="json"))
 
 
+def _metrics(ctx: StepContext, head: Host) -> None:
+    """Prometheus' address, when its unit runs on the head (``metrics.up``)."""
+    dep = ctx.dep
+    if dep.profile.metrics.enabled and active(head, [metrics.PROMETHEUS_UNIT]):
+        url = metrics.url(dep)
+        ctx.ok(f"metrics: {url} (Prometheus on {head.name})", head.name, metrics=url)
+
+
 @step(STEP_STATUS)
 def status(ctx: StepContext) -> None:
     """What the nodes run of this deployment (by their containers' labels: engine, role, since
@@ -405,6 +413,7 @@ def status(ctx: StepContext) -> None:
         ctx.ok(ray, head)
     _restarts(ctx, dep.host(head))
     _fabric(ctx)
+    _metrics(ctx, dep.host(head))
     engines = {c.engine for cs in found.values() for c in cs or []}
     for eng in (e for e in dep.profile.engines if e.name in engines):
         got = serving(dep, eng)

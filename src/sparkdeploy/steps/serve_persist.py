@@ -37,7 +37,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparkdeploy.core import checks, labels
+from sparkdeploy.core import labels
 from sparkdeploy.core.errors import StepFailed
 from sparkdeploy.core.fingerprint import Fingerprint
 from sparkdeploy.core.packaged import helper
@@ -70,6 +70,7 @@ from sparkdeploy.ops.serve_containers import (
     unit_name,
 )
 from sparkdeploy.ops.serve_watch import EngineFailed, Watch, describe, policy, read_restarts
+from sparkdeploy.ops.units import unit_file
 from sparkdeploy.profile.config import Engine
 from sparkdeploy.steps.registry import StepContext, step
 
@@ -80,27 +81,6 @@ SUPERVISOR = "serve_unit.py"
 WATCHDOG = "serve_watchdog.py"
 """The watchdog's decisions, beside the supervisor (it imports them)."""
 PYTHON = "/usr/bin/python3"
-
-
-class UnitValueError(StepFailed, ValueError):
-    """A value that cannot go into a unit file (it would end its line or continue it)."""
-
-
-def unit_file(sections: dict[str, list[tuple[str, str]]]) -> str:
-    """A systemd unit file from ``{section: [(key, value), ...]}``: every value is one line.
-
-    A value holding a control character (a newline would start a directive of its own) or
-    ending in a backslash (which continues the line) is refused whatever the schema allowed;
-    ``%`` is doubled (systemd would expand it as a specifier)."""
-    out = []
-    for section, items in sections.items():
-        out.append(f"[{section}]")
-        for key, value in items:
-            if checks.control_char(key + value) is not None or value.endswith("\\"):
-                raise UnitValueError(f"{key}={value!r} cannot go into a unit file")
-            out.append(f"{key}={value.replace('%', '%%')}")
-        out.append("")
-    return "\n".join(out).rstrip("\n") + "\n"
 
 
 def unit_text(dep: Deployment, engine: Engine, host: Host, roles: list[str]) -> str:

@@ -11,6 +11,7 @@ from sparkdeploy.tasks import (
     image,
     lab,
     link,
+    metrics,
     model,
     profile,
     recipe,
@@ -18,5 +19,6 @@ from sparkdeploy.tasks import (
     services,
 )
 
-ns = Collection(profile, recipe, hosts, cluster, link, services, image, model, lab, bench, serve, deploy)
+ns = Collection(profile, recipe, hosts, cluster, link, services, image, model, lab, bench, serve, metrics,
+                deploy)
 ns.configure({"sparkdeploy": dict(DEFAULTS)})

@@ -116,11 +116,12 @@ def run_step(c: Context, name: str, *, profile: str | None = None, lock: bool = 
              show: Callable[[Deployment, list[Result]], None] | None = None,
              live: bool = True, first: tuple[str, ...] = (), flag: str = NODES,
              then: str = "", recipe: str | None = None, recipe_dirs: tuple[str, ...] = (),
-             **options: Any) -> list[Result]:
+             after: tuple[str, ...] = (), **options: Any) -> list[Result]:
     """``drive`` the registered step ``name`` with ``options``. ``first``: steps (of those
     ``name`` needs) run before it, without options; a failure there and ``name`` does not run.
     A node name no node of the profile has (``node=``, or ``to=`` naming workers; ``flag`` is
-    the flag the user gave them with) or an unknown ``engine=`` is a usage error (exit 2); a
+    the flag the user gave them with) or an unknown ``engine=`` is a usage error (exit 2); ``after``:
+    steps run once ``name`` succeeded, without options (``serve.up`` then ``metrics.up``); a
     deprecated spelling of ``--nodes`` says so in one line once the names are good (``then``:
     what else the new spelling takes). ``recipe``: the deployment of that recipe's model part
     (as ``deploy.all --recipe``)."""
@@ -145,7 +146,12 @@ def run_step(c: Context, name: str, *, profile: str | None = None, lock: bool = 
             results += run_one(dep, before)
             if any(r.failed and not r.superseded for r in results):
                 return results
-        return results + run_one(dep, name, **options)
+        results += run_one(dep, name, **options)
+        for then_step in after:
+            if any(r.failed and not r.superseded for r in results):
+                break
+            results += run_one(dep, then_step)
+        return results
 
     def shown(dep: Deployment | None, results: list[Result]) -> None:
         if show is not None and dep is not None:  # a step runs on a deployment

@@ -21,15 +21,16 @@ _P = {"profile": "profile file (default: sparkdeploy.profile)"}
                           "skip_link_check": "do not run link.check first", **_P})
 def up(c, engine=None, profile=None, skip_link_check=False):
     """link.check, then preflight, start and wait in phases; on a hang diagnose and fall back to the
-    next engine."""
+    next engine; then metrics.up (Prometheus and the exporters, `metrics: URL`)."""
     # serve.up needs link.check: a bad link fails before anything starts
     run_step(c, "serve.up", profile=profile, engine=engine,
-             first=() if skip_link_check else ("link.check",))
+             first=() if skip_link_check else ("link.check",), after=("metrics.up",))
 
 
 @task(help=_P)
 def down(c, profile=None):
-    """Remove the deployment's engine containers on every node (stopping persisted units)."""
+    """Remove the deployment's engine containers and metrics units on every node (stopping
+    persisted units)."""
     run_step(c, "serve.down", profile=profile)
 
 
