@@ -43,8 +43,10 @@ def inv_env(state: Path, profile: Path = LAB) -> dict[str, str]:
     return env
 
 
-def inv(state: Path, *args: str, timeout: float = 1500, profile: Path = LAB) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=ROOT, env=inv_env(state, profile),
+def inv(state: Path, *args: str, timeout: float = 1500, profile: Path = LAB,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=ROOT,
+                          env={**inv_env(state, profile), **(env or {})},
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -75,10 +77,14 @@ WATCH = {"watch_s": 5, "canary_s": 5, "restart_backoff_s": 0}
 """The watchdog's test timings (a node helper's, read when the units are written)."""
 
 
+METRICS = ROOT / "configs" / "lab-metrics.yaml"
+"""The lab's profile with Prometheus and the exporters (the real image has prometheus_client)."""
+
+
 def watched(where: Path) -> Path:
-    """The lab's profile with the watchdog's test timings on top."""
+    """The lab's profile with the metrics on and the watchdog's test timings on top."""
     p = where / "watched.yaml"
-    p.write_text(yaml.safe_dump({"extends": str(LAB), "sparkdeploy": {"serve": WATCH}}))
+    p.write_text(yaml.safe_dump({"extends": str(METRICS), "sparkdeploy": {"serve": WATCH}}))
     return p
 
 
@@ -159,6 +165,102 @@ def test_bench_with_the_recipes_gate_and_the_engines_real_metrics(served, tmp_pa
     engine = summary["engine"]
     assert engine["families"]["ttft_ms"] == "vllm:time_to_first_token_seconds"
     assert engine["ttft_count"] == 4 and engine["itl_count"] > 0
+
+
+SECRET = "hf_labSecretNeverOnANode0123456789"
+"""A token in the controller's environment while metrics.up runs: on no node, page or series."""
+EXPORTER_PORT = 9408
+
+
+def prom(url: str, query: str) -> list[dict]:
+    """What Prometheus answers for ``query`` now (its instant vector)."""
+    r = http().get(f"{url}/api/v1/query", params={"query": query}, timeout=10)
+    r.raise_for_status()
+    body = r.json()
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def until(what: str, probe, deadline: float = 30):
+    end = time.monotonic() + deadline
+    while True:
+        got = probe()
+        if got:
+            return got
+        assert time.monotonic() < end, f"{what}: not within {deadline:g} s"
+        time.sleep(1)
+
+
+def test_prometheus_on_the_head_scrapes_the_real_engine_and_every_node(served, tmp_path):
+    """deploy.all started Prometheus (Debian's, on spark1) and the exporter on both nodes (in
+    the real vLLM image); the engine's own counter grows after a bench, the bench's figures
+    reach the exporter, every panel of the shipped dashboard has a series, and no secret of the
+    controller reaches a node, a scrape or Prometheus' configuration."""
+    lab, state, url, record, out = served
+    prof = watched(state.parent)
+    murl = url.rsplit(":", 1)[0] + ":9090"
+    assert f"metrics: {murl}\n" in out, out[-3000:]
+    # a re-run restarts nothing, with a token in the controller's environment
+    r = inv(state, "metrics.up", profile=prof, env={"HF_TOKEN": SECRET})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert f"metrics: {murl} (3 targets up), as it was" in r.stdout, r.stdout[-3000:]
+    rec = json.loads((state / "decisions" / lab_name(state) / "metrics.json").read_text())["data"]
+    assert rec["units"] == {"spark1": ["sparkdeploy-exporter.service", "sparkdeploy-prometheus.service"],
+                            "spark2": ["sparkdeploy-exporter.service"]}
+    assert rec["ports"] == {"spark1": [EXPORTER_PORT, 9090], "spark2": [EXPORTER_PORT]}
+
+    def total() -> float:
+        [series] = prom(murl, "vllm:generation_tokens_total")
+        assert series["metric"]["job"] == "engine"
+        return float(series["value"][1])
+
+    before = total()
+    doc = tmp_path / "bench.json"
+    r = inv(state, "bench.run", "--json", str(doc), "--requests", "4", "--concurrency", "1",
+            "--warmup", "0", "--input-tokens", "64", "--output-tokens", "16", profile=prof, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "the figures are in the metrics (sparkdeploy_bench_*)" in r.stdout
+    # 4 answers of 16 tokens each, seen by the next scrape
+    until("the generated tokens counted", lambda: total() >= before + 64)
+    tok_s = json.loads(doc.read_text())["runs"][0]["summary"]["output_tok_s"]
+    [fig] = until("the bench's figure", lambda: prom(murl, "sparkdeploy_bench_output_tokens_per_second"))
+    assert float(fig["value"][1]) == pytest.approx(tok_s)
+    # the recording rules see the bench; each panel's query has a series here
+    until("a generation rate", lambda: [s for s in prom(murl, "sparkdeploy:generation_tokens:rate1m")
+                                        if float(s["value"][1]) > 0])
+    dash = json.loads((ROOT / "src/sparkdeploy/data/metrics/dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert len(exprs) >= 12
+    empty = [e for e in exprs if not prom(murl, e)]
+    assert empty == [], empty
+    mem = {s["metric"]["node"]: float(s["value"][1])
+           for s in prom(murl, "sparkdeploy_node_memory_available_bytes")}
+    assert set(mem) == {"spark1", "spark2"} and all(v > 2**30 for v in mem.values()), mem
+    info = prom(murl, "sparkdeploy_deployment_info")
+    assert {(s["metric"]["node"], s["metric"]["recipe"], s["metric"]["engine"]) for s in info} == {
+        ("spark1", tiny.RECIPE, "vllm"), ("spark2", tiny.RECIPE, "vllm")}
+    [verdict] = prom(murl, "sparkdeploy_fabric_verdict")
+    assert verdict["metric"]["verdict"] == "ok"
+    # no secret: not in any scrape, Prometheus' configuration, or the files on the nodes
+    config = http().get(f"{murl}/api/v1/status/config", timeout=10).json()["data"]["yaml"]
+    texts = [config, *(http().get(f"http://{addr}:{EXPORTER_PORT}/metrics", timeout=10).text
+                       for addr in node_addresses(lab))]
+    texts += [lab.ssh(n, ["sh", "-c", "cat /var/lib/sparkdeploy-node/metrics/*.* "
+                          "/etc/systemd/system/sparkdeploy-*.service"]).stdout for n in RANKS]
+    assert all(SECRET not in t for t in texts)
+    assert all("sparkdeploy_node_memory_total_bytes" in t for t in texts[1:3])
+
+
+def lab_name(state: Path) -> str:
+    """The deployment's records' folder under the state dir (the profile's name)."""
+    [d] = [p.name for p in (state / "decisions").iterdir() if p.is_dir()]
+    return d
+
+
+def node_addresses(lab) -> list[str]:
+    """Each node's management address (where the controller reaches it)."""
+    return [lab.ssh(n, ["sh", "-c", "ip -4 -o addr show dev eth0 | awk '{print $4}'"]).stdout
+            .strip().split("/")[0] for n in RANKS]
 
 
 def test_bench_depth_counts_with_the_models_own_tokenizer_as_the_engine_does(served, tmp_path):
@@ -264,6 +366,12 @@ def test_a_frozen_real_worker_is_found_and_the_pair_restarted_as_a_whole(served)
     r = inv(state, "serve.status", profile=prof)
     assert f"vllm: restart 1 at {rec['at']} by {UNIT}: {rec['why']}" in r.stdout, r.stdout[-3000:]
     assert f"served again after {rec['served_again_after_s']:g}s" in r.stdout
+    # and in the metrics: the head's exporter reads the same record
+    murl = url.rsplit(":", 1)[0] + ":9090"
+    [restarts] = until("the restart in the metrics",
+                       lambda: prom(murl, "sparkdeploy_watchdog_restarts_total"))
+    assert (restarts["metric"]["reason"], restarts["value"][1]) == (rec.get("class") or "unknown", "1")
+    assert f"metrics: {murl} (Prometheus on spark1)" in r.stdout
 
 
 def test_serve_down_leaves_no_headless_rank(served):
@@ -280,6 +388,12 @@ def test_serve_down_leaves_no_headless_rank(served):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     for node in ("spark1", "spark2"):
         assert lab.ssh(node, ["test", "-e", f"/etc/systemd/system/{UNIT}"], check=False).returncode == 1
+        # the metrics went with the engine: no unit, no container, no port
+        units = lab.ssh(node, ["sh", "-c", "ls /etc/systemd/system/ | grep -c '^sparkdeploy-' || true"])
+        assert units.stdout.strip() == "0", units.stdout
+        assert "sparkdeploy-exporter" not in lab.ssh(node, ["docker", "ps", "-a"]).stdout
+        held = lab.ssh(node, ["ss", "-Hltn"]).stdout
+        assert f":{EXPORTER_PORT} " not in held and ":9090 " not in held, held
 
 
 RESTARTS = "/var/lib/sparkdeploy-node/serve/vllm.restarts.json"

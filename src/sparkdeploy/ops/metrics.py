@@ -98,7 +98,7 @@ def prometheus_config(m: Metrics, deployment: str, engine: str, engine_target: s
         "rule_files": [RULES_FILE],
         "scrape_configs": [
             {"job_name": "engine", "metrics_path": "/metrics",
-             "static_configs": [{"targets": [engine_target], "labels": {"engine": engine}}]},
+             "static_configs": [{"targets": [engine_target], "labels": {"sparkdeploy_engine": engine}}]},
             {"job_name": "sparkdeploy",
              "static_configs": [{"targets": [t], "labels": {"node": n}}
                                 for n, t in exporters.items()]},
