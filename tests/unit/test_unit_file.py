@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sparkdeploy.profile.config import load_profile
 from sparkdeploy.ops.units import UnitValueError, unit_file
+from sparkdeploy.profile.config import load_profile
 from sparkdeploy.steps.serve_persist import unit_text
 from tests.unit.profiles import SEED
 from tests.unit.test_doors_profile import INJECTED
