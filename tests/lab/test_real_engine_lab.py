@@ -12,8 +12,10 @@ as the other lab tests expect it (nothing of ours serving, the head's units back
 
 from __future__ import annotations
 
+import html
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -23,7 +25,9 @@ import pytest
 import requests
 import yaml
 
+from sparkdeploy.helpers import status_page
 from sparkdeploy.lab import images, lifecycle, tiny
+from tests import chromium
 from tests.lab.test_serve_lab import ours
 
 pytestmark = [pytest.mark.lab, pytest.mark.real_engine]
@@ -199,15 +203,16 @@ def test_prometheus_on_the_head_scrapes_the_real_engine_and_every_node(served, t
     lab, state, url, record, out = served
     prof = watched(state.parent)
     murl = url.rsplit(":", 1)[0] + ":9090"
-    assert f"metrics: {murl}\n" in out, out[-3000:]
+    assert f"metrics: {murl}\nendpoint: {url}\n" in out, out[-3000:]
     # a re-run restarts nothing, with a token in the controller's environment
     r = inv(state, "metrics.up", profile=prof, env={"HF_TOKEN": SECRET})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert f"metrics: {murl} (3 targets up), as it was" in r.stdout, r.stdout[-3000:]
     rec = json.loads((state / "decisions" / lab_name(state) / "metrics.json").read_text())["data"]
-    assert rec["units"] == {"spark1": ["sparkdeploy-exporter.service", "sparkdeploy-prometheus.service"],
+    assert rec["units"] == {"spark1": ["sparkdeploy-exporter.service", "sparkdeploy-prometheus.service",
+                                       "sparkdeploy-status.service"],
                             "spark2": ["sparkdeploy-exporter.service"]}
-    assert rec["ports"] == {"spark1": [EXPORTER_PORT, 9090], "spark2": [EXPORTER_PORT]}
+    assert rec["ports"] == {"spark1": [EXPORTER_PORT, 9090, 9480], "spark2": [EXPORTER_PORT]}
 
     def total() -> float:
         [series] = prom(murl, "vllm:generation_tokens_total")
@@ -249,6 +254,31 @@ def test_prometheus_on_the_head_scrapes_the_real_engine_and_every_node(served, t
                           "/etc/systemd/system/sparkdeploy-*.service"]).stdout for n in RANKS]
     assert all(SECRET not in t for t in texts)
     assert all("sparkdeploy_node_memory_total_bytes" in t for t in texts[1:3])
+
+
+def test_the_status_page_shows_what_prometheus_answers_in_chromium(served, tmp_path):
+    """The status page on the head, rendered by Debian's Chromium: no console message, every
+    figure it shows is what Prometheus answers for the same query at the page's instant, the
+    deployment and both nodes named, and nothing of the controller's secret."""
+    lab, state, url, record, out = served
+    base = url.rsplit(":", 1)[0]
+    surl, murl = f"{base}:9480", f"{base}:9090"
+    assert f"status: {surl}\n" in out, out[-3000:]
+    dom, console = chromium.render(surl, tmp_path)
+    assert console == []
+    at = re.search(r'<body data-time="([0-9.]+)"', dom).group(1)
+    cells = re.findall(r'<td class="figure" data-query="([^"]*)" data-value="([^"]*)" '
+                       r'data-how="(\w+)">([^<]*)</td>', dom)
+    assert len(cells) >= 12, dom[-3000:]
+    for q, value, how, text in cells:
+        r = http().get(f"{murl}/api/v1/query", params={"query": html.unescape(q), "time": at}, timeout=10)
+        [series] = r.json()["data"]["result"]
+        assert series["value"][1] == value, q
+        assert text == status_page.show(float(value), how), q
+    assert "<th>recipe</th><td>lab-tiny</td>" in dom and "<th>spark2</th><td>worker</td>" in dom
+    assert SECRET not in dom
+    if os.environ.get("SPARKDEPLOY_SCREENSHOT"):  # docs/status-page.png
+        chromium.screenshot(surl, Path(os.environ["SPARKDEPLOY_SCREENSHOT"]), tmp_path)
 
 
 def lab_name(state: Path) -> str:
@@ -393,7 +423,7 @@ def test_serve_down_leaves_no_headless_rank(served):
         assert units.stdout.strip() == "0", units.stdout
         assert "sparkdeploy-exporter" not in lab.ssh(node, ["docker", "ps", "-a"]).stdout
         held = lab.ssh(node, ["ss", "-Hltn"]).stdout
-        assert f":{EXPORTER_PORT} " not in held and ":9090 " not in held, held
+        assert not [p for p in (EXPORTER_PORT, 9090, 9480) if f":{p} " in held], held
 
 
 RESTARTS = "/var/lib/sparkdeploy-node/serve/vllm.restarts.json"

@@ -5,8 +5,6 @@ where Chromium is absent and this is not CI (``.ci/run`` installs it and sets ``
 import json
 import os
 import re
-import shutil
-import subprocess
 
 import pytest
 
@@ -16,25 +14,10 @@ from sparkdeploy.bench.sweep import run_sweep
 from sparkdeploy.lab.standins import engine_server as es
 from sparkdeploy.profile.config import Bench
 from sparkdeploy.steps.bench import request_settings
+from tests.chromium import CHROMIUM, render
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 if CHROMIUM is None and not os.environ.get("CI"):
     pytest.skip("no chromium here (apt-get install chromium); CI runs this", allow_module_level=True)
-
-CONSOLE = re.compile(r":CONSOLE[:(]\d+\)?\] (.*)")
-
-
-def render(path, tmp_path) -> tuple[str, list[str]]:
-    """The DOM Chromium built from ``path`` and the console messages it logged."""
-    assert CHROMIUM is not None, "CI must have chromium (.ci/run installs it)"
-    p = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-         "--no-first-run", "--disable-background-networking", "--disable-component-update",
-         "--disable-sync", f"--user-data-dir={tmp_path / 'chromium'}", "--enable-logging=stderr",
-         "--v=0", "--dump-dom", path.resolve().as_uri()],
-        capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr[-2000:]
-    return p.stdout, [m.group(1) for m in CONSOLE.finditer(p.stderr)]
 
 
 @pytest.fixture(scope="module")

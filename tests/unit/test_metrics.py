@@ -101,6 +101,7 @@ def up_targets(monkeypatch):
             "http://192.168.1.12:9408/metrics")]
 
     monkeypatch.setattr(step, "targets", targets)
+    monkeypatch.setattr(step, "page_up", lambda url: seen.append(url) or True)
     return seen
 
 
@@ -116,11 +117,16 @@ def test_metrics_up_writes_the_files_and_starts_the_units_then_a_rerun_changes_n
     dep, _ = dep_of(tmp_path, ns)
     results = run_one(dep, "metrics.up")
     assert [(r.status, r.why) for r in results] == [
-        (Status.CHANGED, "started spark1: sparkdeploy-exporter.service, sparkdeploy-prometheus.service; "
-                         "spark2: sparkdeploy-exporter.service"),
-        (Status.OK, "metrics: http://192.168.1.11:9090 (3 targets up)")]
+        (Status.CHANGED, "started spark1: sparkdeploy-exporter.service, sparkdeploy-prometheus.service, "
+                         "sparkdeploy-status.service; spark2: sparkdeploy-exporter.service"),
+        (Status.OK, "metrics: http://192.168.1.11:9090 (3 targets up)"),
+        (Status.OK, "status: http://192.168.1.11:9480")]
     head, worker = ns["spark1"], ns["spark2"]
-    assert up_targets[-1] == "http://192.168.1.11:9090"
+    assert up_targets[-2:] == ["http://192.168.1.11:9090", "http://192.168.1.11:9480"]
+    status = head.node_files[f"{mx.UNIT_DIR}/{mx.STATUS_UNIT}"]
+    assert ("ExecStart=/usr/bin/python3 /var/lib/sparkdeploy-node/metrics/status_page.py "
+            "--listen=0.0.0.0:9480 --prometheus=http://127.0.0.1:9090 "
+            "--state=/var/lib/sparkdeploy-node\n") in status
     unit = head.node_files[f"{mx.UNIT_DIR}/{mx.EXPORTER_UNIT}"]
     assert ("ExecStart=/usr/bin/docker -H unix:///var/run/docker.sock run --rm "
             "--name=sparkdeploy-exporter --network=host --read-only "
@@ -148,23 +154,26 @@ def test_metrics_up_writes_the_files_and_starts_the_units_then_a_rerun_changes_n
         "image_digest": IMAGE, "recipe": "qwen3.5-122b", "role": "worker",
         "since": 1796666400.0}
     assert mx.PROMETHEUS_UNIT not in str(worker.node_files) and mx.CONFIG not in worker.node_files
+    units = [mx.EXPORTER_UNIT, mx.PROMETHEUS_UNIT, mx.STATUS_UNIT]
     assert [a for a in head.ran if a[0] == "systemctl"] == [
-        ["systemctl", "is-active", "--", mx.EXPORTER_UNIT, mx.PROMETHEUS_UNIT],
+        ["systemctl", "is-active", "--", *units],
         ["systemctl", "daemon-reload"],
-        ["systemctl", "is-active", "--", mx.EXPORTER_UNIT, mx.PROMETHEUS_UNIT],
+        ["systemctl", "is-active", "--", *units],
         ["systemctl", "start", "--", mx.EXPORTER_UNIT],
-        ["systemctl", "start", "--", mx.PROMETHEUS_UNIT]]
+        ["systemctl", "start", "--", mx.PROMETHEUS_UNIT],
+        ["systemctl", "start", "--", mx.STATUS_UNIT]]
     # again: nothing written, nothing (re)started
     before = dict(head.node_files)
     head.ran.clear()
     results = run_one(dep, "metrics.up")
     assert [(r.status, r.why) for r in results] == [
-        (Status.OK, "metrics: http://192.168.1.11:9090 (3 targets up), as it was")]
+        (Status.OK, "metrics: http://192.168.1.11:9090 (3 targets up), as it was"),
+        (Status.OK, "status: http://192.168.1.11:9480")]
     assert head.node_files == before
     assert [a for a in head.ran if a[:2] in (["systemctl", "start"], ["systemctl", "restart"],
                                               ["systemctl", "daemon-reload"])] == []
     rec = json.loads((tmp_path / "state/decisions/qwen3.5-122b-a10b-fp8/metrics.json").read_text())
-    assert rec["data"]["ports"] == {"spark1": [9408, 9090], "spark2": [9408]}
+    assert rec["data"]["ports"] == {"spark1": [9408, 9090, 9480], "spark2": [9408]}
 
 
 def test_a_changed_scrape_interval_restarts_prometheus_alone(tmp_path, up_targets):
@@ -229,13 +238,22 @@ def test_off_or_nothing_serving_is_skipped_and_touches_nothing(tmp_path, up_targ
 def test_targets_that_never_come_up_fail_with_what_prometheus_said(tmp_path, monkeypatch):
     monkeypatch.setattr(step, "targets", lambda url: [
         step._Target(scrapeUrl="http://192.168.1.11:8000/metrics", health="up"),
+        step._Target(scrapeUrl="http://192.168.1.11:9408/metrics", health="up"),
         step._Target(scrapeUrl="http://192.168.1.12:9408/metrics", health="down",
                      lastError="connection refused")])
+    monkeypatch.setattr(step, "page_up", lambda url: True)
     dep, _ = dep_of(tmp_path, nodes())
     results = run_one(dep, "metrics.up")
     assert (results[-1].status, results[-1].why) == (
-        Status.FAILED, "Prometheus at http://192.168.1.11:9090 has not scraped every target: "
+        Status.FAILED, "the metrics at http://192.168.1.11:9090 are not ready after 90 s: "
                        "http://192.168.1.12:9408/metrics down (connection refused)")
+    monkeypatch.setattr(step, "targets", lambda url: [
+        step._Target(scrapeUrl=f"http://192.168.1.1{i}:9408/metrics", health="up") for i in (1, 1, 2)])
+    monkeypatch.setattr(step, "page_up", lambda url: False)
+    results = run_one(dep, "metrics.up")
+    assert (results[-1].status, results[-1].why) == (
+        Status.FAILED, "the metrics at http://192.168.1.11:9090 are not ready after 90 s: "
+                       "the status page http://192.168.1.11:9480 does not answer")
 
 
 def test_metrics_down_and_serve_down_stop_and_remove_the_units_and_files(tmp_path, up_targets):
@@ -244,10 +262,12 @@ def test_metrics_down_and_serve_down_stop_and_remove_the_units_and_files(tmp_pat
     run_one(dep, "metrics.up")
     results = run_one(dep, "metrics.down")
     assert [(r.node, r.why) for r in results] == [
-        ("spark1", "stopped and removed sparkdeploy-exporter.service, sparkdeploy-prometheus.service"),
+        ("spark1", "stopped and removed sparkdeploy-exporter.service, sparkdeploy-prometheus.service, "
+                   "sparkdeploy-status.service"),
         ("spark2", "stopped and removed sparkdeploy-exporter.service")]
     assert set(ns["spark1"].node_files) == set()
-    assert ns["spark1"].units == {mx.EXPORTER_UNIT: "inactive", mx.PROMETHEUS_UNIT: "inactive"}
+    assert ns["spark1"].units == {mx.EXPORTER_UNIT: "inactive", mx.PROMETHEUS_UNIT: "inactive",
+                                  mx.STATUS_UNIT: "inactive"}
     assert [(r.node, r.why) for r in run_one(dep, "metrics.down")] == [
         ("spark1", "no metrics unit"), ("spark2", "no metrics unit")]
 
@@ -287,6 +307,10 @@ def test_a_port_clash_in_the_profile_is_one_line(tmp_path):
     with pytest.raises(ProfileError) as e:
         load_profile(p)
     assert str(e.value).endswith("sparkdeploy.metrics: port and exporter_port are both 9408")
+    p.write_text(f"extends: {SEED}\nsparkdeploy:\n  metrics: {{status_port: 9408}}\n")
+    with pytest.raises(ProfileError) as e:
+        load_profile(p)
+    assert str(e.value).endswith("sparkdeploy.metrics: exporter_port and status_port are both 9408")
 
 
 # --- the exporter, on files as a node holds them -----------------------------------------------

@@ -37,6 +37,10 @@ from sparkdeploy.profile.config import Metrics
 NODE_DIR = f"{NODE_STATE}/metrics"
 UNIT_DIR = "/etc/systemd/system"
 PROMETHEUS_UNIT = "sparkdeploy-prometheus.service"
+STATUS_UNIT = "sparkdeploy-status.service"
+STATUS_PAGE = "status_page.py"
+"""The status page (``sparkdeploy/helpers/``, standard library only: the head's python3 runs it)."""
+PYTHON = "/usr/bin/python3"
 EXPORTER_UNIT = "sparkdeploy-exporter.service"
 EXPORTER_CONTAINER = "sparkdeploy-exporter"
 PROMETHEUS_CONTAINER = "sparkdeploy-prometheus"
@@ -56,6 +60,7 @@ TSDB = f"{NODE_DIR}/tsdb"
 DEPLOYMENT_FILE = f"{NODE_DIR}/deployment.json"
 FIGURES_FILE = f"{NODE_DIR}/figures.json"
 PROGRAM_FILE = f"{NODE_DIR}/{EXPORTER}"
+STATUS_FILE = f"{NODE_DIR}/{STATUS_PAGE}"
 
 
 class MetricsFailed(StepFailed):
@@ -63,13 +68,19 @@ class MetricsFailed(StepFailed):
 
 
 def units(dep: Deployment, node: str) -> list[str]:
-    """The metrics units a node runs: the exporter everywhere, Prometheus on the head too."""
-    return [EXPORTER_UNIT, *([PROMETHEUS_UNIT] if node == dep.profile.head.name else [])]
+    """The metrics units a node runs: the exporter everywhere, Prometheus and the status page on
+    the head too."""
+    return [EXPORTER_UNIT, *([PROMETHEUS_UNIT, STATUS_UNIT] if node == dep.profile.head.name else [])]
 
 
 def url(dep: Deployment) -> str:
     """Prometheus' address as the controller (and an owner's browser) reaches it."""
     return ep.engine_url(dep.host(dep.profile.head.name), dep.profile.metrics.port)
+
+
+def status_url(dep: Deployment) -> str:
+    """The status page's address."""
+    return ep.engine_url(dep.host(dep.profile.head.name), dep.profile.metrics.status_port)
 
 
 def target(url_: str) -> str:
@@ -137,6 +148,12 @@ def exporter_start(host: Host, image: str, listen_port: int) -> list[str]:
             "--entrypoint=python3", image,
             f"{IN_CONTAINER}/metrics/{EXPORTER}", f"--listen=0.0.0.0:{listen_port}",
             f"--node={host.name}", f"--state={IN_CONTAINER}", f"--interface={node.link.interface}"]
+
+
+def status_start(m: Metrics) -> list[str]:
+    """The status page unit's ExecStart: the head's python3, Prometheus on the head itself."""
+    return [PYTHON, STATUS_FILE, f"--listen=0.0.0.0:{m.status_port}",
+            f"--prometheus=http://127.0.0.1:{m.port}", f"--state={NODE_STATE}"]
 
 
 def container_stop(host: Host, name: str) -> list[str]:
@@ -221,7 +238,7 @@ def remove(dep: Deployment, host: Host) -> list[str]:
     for u in present:
         host.run(["systemctl", "stop", "--", u], sudo=True, timeout=60)
     host.run(["rm", "-f", "--", *(f"{UNIT_DIR}/{u}" for u in present), CONFIG, RULES_FILE,
-              DEPLOYMENT_FILE, FIGURES_FILE, PROGRAM_FILE], sudo=True)
+              DEPLOYMENT_FILE, FIGURES_FILE, PROGRAM_FILE, STATUS_FILE], sudo=True)
     host.run(["systemctl", "daemon-reload"], sudo=True)
     return present
 

@@ -381,6 +381,8 @@ class Metrics(_Strict):
     """Prometheus' port on the head (its default)."""
     exporter_port: Port = 9408
     """The exporter's port on every node (9400 is NVIDIA's dcgm-exporter's)."""
+    status_port: Port = 9480
+    """The status page's port on the head."""
     scrape_s: float = Field(default=15, ge=1, le=300)
     """How often Prometheus scrapes and evaluates its recording rules (its default is 60 s;
     15 s is what Grafana's dashboards expect of a rate over 1 m)."""
@@ -389,8 +391,12 @@ class Metrics(_Strict):
 
     @model_validator(mode="after")
     def _ports_differ(self) -> Metrics:
-        if self.port == self.exporter_port:
-            raise ValueError(f"port and exporter_port are both {self.port}")
+        ports = {"port": self.port, "exporter_port": self.exporter_port,
+                 "status_port": self.status_port}
+        for a, b in (("port", "exporter_port"), ("port", "status_port"),
+                     ("exporter_port", "status_port")):
+            if ports[a] == ports[b]:
+                raise ValueError(f"{a} and {b} are both {ports[a]}")
         return self
 
 

@@ -5,9 +5,9 @@ node, around the deployment that serves (``sparkdeploy.ops.metrics`` says what g
 run ``serve.up`` finds it too), refuses before it writes anything (no ``prometheus`` on the head,
 a port another program holds, a serving image without ``prometheus_client``), writes the
 programs, the configuration and the units, (re)starts what changed and waits until Prometheus
-has scraped every target once. A re-run with nothing changed restarts nothing. Its last line is
-``metrics: URL``. ``serve.down`` removes the units with the engine (``remove``), as
-``metrics.down`` does alone.
+has scraped every target once and the status page (``helpers/status_page.py``) answers. A re-run
+with nothing changed restarts nothing. Its last lines are ``metrics: URL`` and ``status: URL``.
+``serve.down`` removes the units with the engine (``mx.remove``), as ``metrics.down`` does alone.
 """
 
 from __future__ import annotations
@@ -62,6 +62,14 @@ def targets(url: str) -> list[_Target]:
         return []
 
 
+def page_up(url: str) -> bool:
+    """The status page answers its ``/health``."""
+    try:
+        return request("GET", f"{url}/health", deadline=5).status == 200
+    except OutsideError:
+        return False
+
+
 def listening(host: Host) -> dict[int, str]:
     """{port: who} of the node's listening TCP sockets (``ss``; who: the process when told)."""
     r = host.run(["ss", "-Hltnp"], change=False)
@@ -103,10 +111,11 @@ def _refusals(ctx: StepContext, s: mx.Serving, hosts: list[Host]) -> tuple[list[
         bad = []
         mine = active(h, mx.units(dep, h.name))
         held = listening(h)
-        for port, unit in ((m.exporter_port, mx.EXPORTER_UNIT), (m.port, mx.PROMETHEUS_UNIT)):
+        for port, unit, key in ((m.exporter_port, mx.EXPORTER_UNIT, "metrics.exporter_port"),
+                                (m.port, mx.PROMETHEUS_UNIT, "metrics.port"),
+                                (m.status_port, mx.STATUS_UNIT, "metrics.status_port")):
             if unit not in mx.units(dep, h.name) or port not in held or unit in mine:
                 continue
-            key = "metrics.exporter_port" if unit == mx.EXPORTER_UNIT else "metrics.port"
             bad.append(f"{h.name}: port {port} is held by {held[port]} ({key})")
         image = s.images.get(h.name)
         if not image:
@@ -164,6 +173,13 @@ def _write(dep: Deployment, s: mx.Serving, h: Host, binary: str | None,
         restart.append(mx.PROMETHEUS_UNIT)
     elif changed_conf:
         restart.append(mx.PROMETHEUS_UNIT)
+    page = _put(h, mx.STATUS_FILE, packaged.helper(mx.STATUS_PAGE).read_text())
+    status_unit = mx.unit_text("status page", dep, h, mx.status_start(prof.metrics), None)
+    if _put(h, f"{mx.UNIT_DIR}/{mx.STATUS_UNIT}", status_unit):
+        unit_changed = True
+        restart.append(mx.STATUS_UNIT)
+    elif page:
+        restart.append(mx.STATUS_UNIT)
     return restart, unit_changed
 
 
@@ -191,14 +207,17 @@ def _ready(ctx: StepContext, url: str, want: int) -> list[_Target]:
 
     def probe() -> list[_Target] | None:
         last[:] = targets(url)
-        return list(last) if len(last) == want and all(t.health == "up" for t in last) else None
+        ok = len(last) == want and all(t.health == "up" for t in last)
+        return list(last) if ok and page_up(mx.status_url(ctx.dep)) else None
 
     def seen(_: object) -> str:
         if not last:
             return f"{url} does not answer"
         return "; ".join(f"{t.scrapeUrl} {t.health or 'unknown'}"
                          + (f" ({t.lastError})" if t.lastError else "") for t in last
-                         if t.health != "up") or f"{len(last)} of {want} targets"
+                         if t.health != "up") or (
+            f"{len(last)} of {want} targets" if len(last) != want
+            else f"the status page {mx.status_url(ctx.dep)} does not answer")
 
     dep = ctx.dep
     try:
@@ -206,7 +225,8 @@ def _ready(ctx: StepContext, url: str, want: int) -> list[_Target]:
                         what="every target up", clock=dep.clock, sleep=dep.sleep,
                         describe=seen) or []
     except WaitTimeout as e:
-        raise mx.MetricsFailed(f"Prometheus at {url} has not scraped every target: {e.last}") from None
+        raise mx.MetricsFailed(f"the metrics at {url} are not ready after {e.waited:.0f} s: "
+                               f"{e.last}") from None
 
 
 @step(STEP_UP, needs=("serve.up",))
@@ -246,15 +266,18 @@ def up(ctx: StepContext) -> None:
     dep.records.write(MetricsRecord(
         url=url, targets=len(up_targets),
         units={h.name: mx.units(dep, h.name) for h in hosts},
-        ports={h.name: [prof.metrics.exporter_port, *([prof.metrics.port] if h.name == prof.head.name
-                                                       else [])] for h in hosts}))
+        ports={h.name: [prof.metrics.exporter_port, *([prof.metrics.port, prof.metrics.status_port]
+                                                       if h.name == prof.head.name else [])]
+               for h in hosts}))
     what = "; ".join(f"{n}: {', '.join(u)}" for n, u in started.items() if u)
     line = f"metrics: {url} ({len(up_targets)} targets up)"
+    status = mx.status_url(dep)
     if what:
         ctx.changed(f"started {what}", metrics=url)
         ctx.ok(line, metrics=url)
     else:
         ctx.ok(line + ", as it was", metrics=url)
+    ctx.ok(f"status: {status}", status=status)
 
 
 @step(STEP_DOWN)

@@ -93,10 +93,13 @@ def all_(c, serial=False, only=None, skip=None, bench=False, persist=False, prof
         written = write_record(dep, run.out, run.steps)
         endpoint = endpoint_url(dep)
         print(f"took: {run.out.wall:.1f}s{' (serial)' if run.out.serial else ''}", flush=True)
-        print(f"endpoint: {endpoint or '-'}", flush=True)
         metrics = next((r.details["metrics"] for r in results
                         if r.step == "metrics.up" and not r.failed and r.details.get("metrics")), None)
-        print(f"metrics: {metrics or '-'}", flush=True)
+        status = next((r.details["status"] for r in results
+                       if r.step == "metrics.up" and not r.failed and r.details.get("status")), None)
+        print(f"status: {status or '-'}", flush=True)
+        print(f"metrics: {metrics or '-'}", flush=True)  # beside the endpoint, which stays last but one
+        print(f"endpoint: {endpoint or '-'}", flush=True)
         print(f"record: {written.markdown if written else 'none (dry run)'}", flush=True)
 
     run.drive(c, profile, show, recipe=recipe, recipes=recipes)
