@@ -64,11 +64,15 @@ def rehearse(session: nox.Session) -> None:
     """Bring up the lab (root, Linux; installs what it needs) and deploy on it with `inv
     deploy.all`: ends with `endpoint:` and `record:` and leaves the lab serving (`inv lab.down`
     to finish). Arguments after -- go to lab.up; with `-- --real-engine`, the real vLLM (CPU
-    build) serves the lab's real model (`deploy.all --recipe lab-tiny`)."""
+    build) serves the lab's real model (`deploy.all --recipe lab-tiny`), with Prometheus, the
+    exporters and the status page (`configs/lab-metrics.yaml`)."""
     session.install("-e", ".[lab]")
     session.run("inv", "lab.up", *session.posargs)
-    real = ["--recipe", "lab-tiny"] if "--real-engine" in session.posargs else []
-    session.run("inv", "deploy.all", *real, env=LAB_ENV)
+    if "--real-engine" in session.posargs:
+        session.run("inv", "deploy.all", "--recipe", "lab-tiny",
+                    env={"INVOKE_SPARKDEPLOY_PROFILE": "configs/lab-metrics.yaml"})
+    else:
+        session.run("inv", "deploy.all", env=LAB_ENV)
 
 
 @nox.session(default=False)
