@@ -332,6 +332,13 @@ def test_serve_swap_to_a_second_real_model_passes_its_own_gate(served):
     after = greedy(url, model=tiny.SECOND.repo_id)
     assert after and after != before
     SWAPPED.update(model=tiny.SECOND.repo_id, recipe=tiny.SECOND.recipe)
+    # the metrics followed: the exporters name the new recipe, the head's swap record its phase
+    murl = url.rsplit(":", 1)[0] + ":9090"
+    until("the new recipe in the metrics", lambda: {
+        s["metric"]["recipe"] for s in prom(murl, "sparkdeploy_deployment_info")} == {tiny.SECOND.recipe})
+    [phase] = prom(murl, "sparkdeploy_swap_phase")
+    assert (phase["metric"]["phase"], phase["metric"]["from_model"], phase["metric"]["to_model"]) == (
+        "done", tiny.REPO_ID, tiny.SECOND.repo_id)
 
 
 SWAPPED = {"model": tiny.REPO_ID, "recipe": tiny.RECIPE}

@@ -315,7 +315,7 @@ def test_a_port_clash_in_the_profile_is_one_line(tmp_path):
 
 # --- the exporter, on files as a node holds them -----------------------------------------------
 
-def exporter_text(tmp_path, deployment=None, figures=None, restarts=None) -> str:
+def exporter_text(tmp_path, deployment=None, figures=None, restarts=None, swap=None) -> str:
     from prometheus_client import CollectorRegistry, generate_latest
 
     from sparkdeploy.data import metrics_exporter as ex
@@ -329,6 +329,8 @@ def exporter_text(tmp_path, deployment=None, figures=None, restarts=None) -> str
         (state / "metrics" / "figures.json").write_text(figures)
     if restarts is not None:
         (state / "serve" / "vllm.restarts.json").write_text(json.dumps({"restarts": restarts}))
+    if swap is not None:
+        (state / "swap.json").write_text(json.dumps(swap))
     (tmp_path / "meminfo").write_text("MemTotal:       127535616 kB\nMemAvailable:   98304000 kB\n"
                                       "HugePages_Total:       0\n")
     stats = tmp_path / "net" / "enp1s0f0np0" / "statistics"
@@ -354,7 +356,9 @@ def test_the_exporter_reports_what_the_nodes_files_say(tmp_path):
         figures=mx.figures_json({"verdict": "degraded", "expected_gbs": 12.5, "sizes": [
             {"bytes": 1048576, "busbw_gbs": 0.5}]}, {"output_tok_s": 27.0, "time": 5.0}),
         restarts=[{"class": "nccl-hang", "outcome": "restarted"},
-                  {"class": "nccl-hang", "outcome": "restarted"}, {"outcome": "restarted"}]))
+                  {"class": "nccl-hang", "outcome": "restarted"}, {"outcome": "restarted"}],
+        swap={"phase": "cut-over", "deployment": "d", "from_model": "a/b", "to_model": "c/d"}))
+    assert got['sparkdeploy_swap_phase{from_model="a/b",node="spark1",phase="cut-over",to_model="c/d"}'] == 1
     assert got[f'sparkdeploy_deployment_info{{deployment="d",engine="vllm",image_digest="{IMAGE}",'
                f'kind="vllm",node="spark1",recipe="r",role="head"}}'] == 1
     assert got['sparkdeploy_deployment_since_timestamp_seconds{deployment="d",node="spark1"}'] == 1796666400
@@ -378,6 +382,12 @@ def test_the_exporter_with_no_records_reports_the_node_alone(tmp_path):
     assert [k for k in got if k.startswith(("sparkdeploy_deployment", "sparkdeploy_watchdog",
                                             "sparkdeploy_fabric", "sparkdeploy_bench"))] == []
     assert got['sparkdeploy_node_memory_total_bytes{node="spark1"}'] == 127535616 * 1024
+
+
+def test_a_swap_of_another_deployment_is_not_this_ones(tmp_path):
+    got = samples(exporter_text(tmp_path, deployment={"deployment": "d"},
+                                swap={"phase": "done", "deployment": "other", "to_model": "x"}))
+    assert not [k for k in got if k.startswith("sparkdeploy_swap_phase")]
 
 
 def test_an_engine_name_that_would_leave_the_records_is_not_read(tmp_path):

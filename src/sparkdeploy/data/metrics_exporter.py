@@ -12,6 +12,7 @@ scrape, what the node holds, so a series is never older than the scrape:
   last fabric test and bench: ``sparkdeploy_fabric_*``, ``sparkdeploy_bench_*``;
 - ``<state>/serve/<engine>.restarts.json`` (the watchdog's records, on the head):
   ``sparkdeploy_watchdog_restarts_total`` by reason class, ``sparkdeploy_watchdog_gave_up``;
+- ``<state>/swap.json`` (the head's record of the last ``serve.swap``): ``sparkdeploy_swap_phase``;
 - ``/proc/meminfo``: ``sparkdeploy_node_memory_total_bytes``, ``_available_bytes`` (a Spark's
   GPU shares this memory);
 - ``/sys/class/net/<interface>/statistics``: the fast link's byte, packet, error and drop counters.
@@ -91,6 +92,7 @@ class NodeCollector:
         yield from self._link()
         yield from self._restarts(dep)
         yield from self._figures()
+        yield from self._swap(dep)
 
     def _deployment(self, dep: dict):
         info = GaugeMetricFamily("sparkdeploy_deployment_info",
@@ -190,6 +192,19 @@ class NodeCollector:
             if _number(bench.get(key)) is not None:
                 g.add_metric([], _number(bench[key]))
             yield g
+
+
+    def _swap(self, dep: dict):
+        """The last swap's phase (the head's ``swap.json``: prepare, cut-over, done, rolled-back)."""
+        g = GaugeMetricFamily("sparkdeploy_swap_phase",
+                              "The last serve.swap's phase (1 for the phase it is in or ended in).",
+                              labels=["node", "phase", "from_model", "to_model"])
+        rec = read_json(os.path.join(self.state, "swap.json"))
+        mine = not rec.get("deployment") or rec.get("deployment") == dep.get("deployment")
+        if rec.get("phase") and mine:
+            g.add_metric([self.node, str(rec["phase"])[:32], str(rec.get("from_model") or "")[:200],
+                          str(rec.get("to_model") or "")[:200]], 1)
+        yield g
 
 
 def main(argv=None) -> int:
