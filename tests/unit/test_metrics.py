@@ -420,3 +420,21 @@ def test_the_rules_and_the_dashboard_speak_of_the_same_series():
     assert used and used <= recorded  # every rule a panel reads exists
     assert recorded - used == {"sparkdeploy:prompt_tokens:rate1m"} - used
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+
+
+def test_a_bench_of_the_deployment_reaches_the_heads_figures_once_metrics_run(tmp_path, up_targets):
+    from sparkdeploy.core.outcomes import Result
+
+    ns = nodes()
+    dep, _ = dep_of(tmp_path, ns)
+    run = [Result("bench.run", Status.OK, "concurrency 1: ...", None, {"run": {"summary": {
+        "output_tok_s": 26.9, "ttft_ms": {"median": 51.0}, "itl_ms": {"median": 36.5}}}})]
+    before = len(ns["spark1"].ran)
+    assert run_one(dep, "bench.figures", results=run) == []  # no metrics here yet: the record alone
+    assert len(ns["spark1"].ran) == before
+    run_one(dep, "metrics.up")
+    [r] = run_one(dep, "bench.figures", results=run)
+    assert (r.status, r.why) == (Status.OK, "the figures are in the metrics (sparkdeploy_bench_*)")
+    bench = json.loads(ns["spark1"].node_files[mx.FIGURES_FILE])["bench"]
+    assert (bench["output_tok_s"], bench["ttft_ms_median"], bench["itl_ms_median"]) == (26.9, 51.0, 36.5)
+    assert mx.FIGURES_FILE not in ns["spark2"].node_files

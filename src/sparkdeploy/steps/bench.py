@@ -23,6 +23,7 @@ from sparkdeploy.bench.sweep import STEP, check_baseline, run_sweep, sweep_json
 from sparkdeploy.core.errors import PartFailed, StepFailed
 from sparkdeploy.core.files import write_atomic, write_text_atomic
 from sparkdeploy.core.fingerprint import Fingerprint
+from sparkdeploy.core.outcomes import Result
 from sparkdeploy.core.records import (
     BenchFigures,
     DeployRun,
@@ -276,6 +277,8 @@ def depth_benchmark(ctx: StepContext, url: str, settings: Settings, *, tokenizer
         ctx.changed(f"wrote {json_path}", path=str(json_path))
 
 
+STEP_FIGURES = "bench.figures"
+
 SMOKE: dict[str, Any] = {"concurrency": [1], "requests": 3, "warmup": 0}
 """``deploy.all``'s bench: a smoke, not a measurement."""
 SMOKE_OUTPUT_TOKENS = 64  # a few short answers at concurrency 1
@@ -331,16 +334,17 @@ def run(ctx: StepContext, url: str | None = None, settings: Settings | None = No
               max_concurrency=max_concurrency, json_path=json_path, plot_path=plot_path,
               save_dir=dep.state.path / "bench" if save else None,
               baseline=gate if check else None, context=report_context(dep))
-    if url == endpoint_url(dep) and not dep.dry:
-        _publish(ctx)
+    if url == endpoint_url(dep):
+        ctx.call(STEP_FIGURES, results=list(ctx.results))
 
 
-def _publish(ctx: StepContext) -> None:
-    """The deployment's bench figures at the lowest load: its record, and the head's metrics
-    (``sparkdeploy_bench_*``) when they run there."""
+@step(STEP_FIGURES)
+def figures(ctx: StepContext, results: Sequence[Result] = ()) -> None:
+    """A bench run's figures at its lowest load (``results``: the run's): the deployment's
+    record, and the head's metrics (``sparkdeploy_bench_*``) when this controller started them."""
     dep = ctx.dep
-    levels = [r.details["run"] for r in ctx.results if isinstance(r.details.get("run"), dict)]
-    if not levels:
+    levels = [r.details["run"] for r in results if isinstance(r.details.get("run"), dict)]
+    if not levels or dep.dry:
         return
     s = levels[0].get("summary") or {}
 

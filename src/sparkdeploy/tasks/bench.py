@@ -20,7 +20,14 @@ from sparkdeploy.core.outcomes import Result
 from sparkdeploy.node.deployment import Deployment, state_dir
 from sparkdeploy.node.endpoint import url as endpoint_url
 from sparkdeploy.profile.config import Bench
-from sparkdeploy.steps.bench import STEP, benchmark, depth_benchmark, report_context, request_settings
+from sparkdeploy.steps.bench import (
+    STEP,
+    STEP_FIGURES,
+    benchmark,
+    depth_benchmark,
+    report_context,
+    request_settings,
+)
 from sparkdeploy.steps.registry import run_one
 from sparkdeploy.tasks import _flags as flags
 from sparkdeploy.tasks._common import drive, exits
@@ -136,13 +143,16 @@ def run(c, url=None, model=None, concurrency=None, rate=None, max_concurrency=No
                                     timeout=secs, deadline=whole)
         floor = (bench.baseline_decode_tok_s,
                  bench.baseline_tolerance_pct if tolerance is None else tolerance)
-        return run_one(None, STEP, target, settings, events=events, body=benchmark,
-                       concurrency=levels or list(bench.concurrency), rates=rates,
-                       requests=n or bench.requests, warmup=bench.warmup if k is None else k,
-                       max_concurrency=cap, json_path=json_path, plot_path=plot_path,
-                       save_dir=state_dir(c) / "bench" if save else None,
-                       baseline=floor if check_baseline else None, slo=slos, runs=k_runs,
-                       context=report_context(dep) if dep is not None else None, gate=gate)
+        out = run_one(None, STEP, target, settings, events=events, body=benchmark,
+                      concurrency=levels or list(bench.concurrency), rates=rates,
+                      requests=n or bench.requests, warmup=bench.warmup if k is None else k,
+                      max_concurrency=cap, json_path=json_path, plot_path=plot_path,
+                      save_dir=state_dir(c) / "bench" if save else None,
+                      baseline=floor if check_baseline else None, slo=slos, runs=k_runs,
+                      context=report_context(dep) if dep is not None else None, gate=gate)
+        if dep is not None and target == endpoint_url(dep):  # the deployment's own figures
+            out += run_one(dep, STEP_FIGURES, results=out)
+        return out
 
     drive(c, STEP, work, profile=profile, deployment="optional" if url else "needed", lock=False,
           show=lambda dep, results: _tables(results), recipe=recipe,
