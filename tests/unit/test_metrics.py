@@ -35,6 +35,7 @@ class MetricsNode(FakeNode):
     listening: dict[int, str] = field(default_factory=dict)
     programs: dict[str, str] = field(default_factory=dict)
     has_client: bool = True
+    images: set[str] = field(default_factory=set)
     ran: list[list[str]] = field(default_factory=list)
 
     def answer(self, argv, stdin=None):
@@ -61,6 +62,8 @@ class MetricsNode(FakeNode):
             self.units[bare[3]] = "active"
             return 0, "", ""
         if bare[:2] == ["systemctl", "start"]:
+            if bare[3] in self.fail_start:
+                return 1, "", f"Job for {bare[3]} failed."
             self.units[bare[3]] = "active"
             return 0, "", ""
         if bare[:2] == ["systemctl", "stop"]:
@@ -70,6 +73,8 @@ class MetricsNode(FakeNode):
             return (0, "", "") if self.has_client else (
                 1, "", "ModuleNotFoundError: No module named 'prometheus_client'")
         if bare[:2] == ["docker", "-H"] and bare[3:5] == ["image", "inspect"]:
+            if bare[-1] in self.images:
+                return 0, json.dumps({"Id": "sha256:" + "cd" * 32}) + "\n", ""
             return 1, "", "Error: No such image"
         return super().answer(argv, stdin)
 
@@ -438,3 +443,161 @@ def test_a_bench_of_the_deployment_reaches_the_heads_figures_once_metrics_run(tm
     bench = json.loads(ns["spark1"].node_files[mx.FIGURES_FILE])["bench"]
     assert (bench["output_tok_s"], bench["ttft_ms_median"], bench["itl_ms_median"]) == (26.9, 51.0, 36.5)
     assert mx.FIGURES_FILE not in ns["spark2"].node_files
+
+
+WRITE = 'umask 022 && mkdir -p -- "$(dirname -- "$1")" && cat > "$1.part" && chmod "$2" "$1.part" && mv -f -- "$1.part" "$1"'
+
+
+def said(ran: list[list[str]]) -> list:
+    """The node's commands, a write (Host.put_file: readable by all, mode 0644) as (write, path)."""
+    out = []
+    for a in ran:
+        if a[:3] == ["sh", "-c", WRITE]:
+            assert a[5] == "0644", a
+            out.append(("write", a[4]))
+        elif a[:2] == ["sha256sum", "--"] or a[3:4] == ["ps"]:
+            continue
+        else:
+            out.append(a)
+    return out
+
+
+UNITS = [mx.EXPORTER_UNIT, mx.PROMETHEUS_UNIT, mx.STATUS_UNIT]
+SOCK = ["docker", "-H", "unix:///var/run/docker.sock"]
+
+
+def test_metrics_up_on_the_head_and_a_worker_command_by_command(tmp_path, up_targets):
+    ns = nodes()
+    dep, _ = dep_of(tmp_path, ns)
+    run_one(dep, "metrics.up")
+    check = [*SOCK, "run", "--rm", "--network=none", "--entrypoint=python3", IMAGE, "-c",
+             "import prometheus_client"]
+    assert said(ns["spark1"].ran) == [
+        ["sh", "-c", 'command -v -- "$1"', "sh", "prometheus"],
+        ["systemctl", "is-active", "--", *UNITS], ["ss", "-Hltnp"], check,
+        ("write", f"{mx.UNIT_DIR}/{mx.EXPORTER_UNIT}"), ("write", mx.PROGRAM_FILE),
+        ("write", mx.DEPLOYMENT_FILE), ("write", mx.FIGURES_FILE), ("write", mx.CONFIG),
+        ("write", mx.RULES_FILE), ("write", f"{mx.UNIT_DIR}/{mx.PROMETHEUS_UNIT}"),
+        ("write", mx.STATUS_FILE), ("write", f"{mx.UNIT_DIR}/{mx.STATUS_UNIT}"),
+        ["systemctl", "daemon-reload"], ["systemctl", "is-active", "--", *UNITS],
+        *(["systemctl", "start", "--", u] for u in UNITS)]
+    assert said(ns["spark2"].ran) == [
+        ["systemctl", "is-active", "--", mx.EXPORTER_UNIT], ["ss", "-Hltnp"], check,
+        ("write", f"{mx.UNIT_DIR}/{mx.EXPORTER_UNIT}"), ("write", mx.PROGRAM_FILE),
+        ("write", mx.DEPLOYMENT_FILE), ["systemctl", "daemon-reload"],
+        ["systemctl", "is-active", "--", mx.EXPORTER_UNIT],
+        ["systemctl", "start", "--", mx.EXPORTER_UNIT]]
+    head = ns["spark1"].node_files
+    assert head[f"{mx.UNIT_DIR}/{mx.EXPORTER_UNIT}"] == (
+        "[Unit]\nDescription=sparkdeploy metrics exporter of qwen3.5-122b-a10b-fp8 on spark1\n"
+        "Wants=docker.service network-online.target\nAfter=docker.service network-online.target\n\n"
+        "[Service]\nType=simple\n"
+        "ExecStart=/usr/bin/docker -H unix:///var/run/docker.sock run --rm --name=sparkdeploy-exporter "
+        "--network=host --read-only --volume=/var/lib/sparkdeploy-node:/sparkdeploy:ro "
+        f"--entrypoint=python3 {IMAGE} /sparkdeploy/metrics/metrics_exporter.py --listen=0.0.0.0:9408 "
+        "--node=spark1 --state=/sparkdeploy --interface=enp1s0f0np0\n"
+        "ExecStop=/usr/bin/docker -H unix:///var/run/docker.sock rm --force sparkdeploy-exporter\n"
+        "Restart=on-failure\nRestartSec=5\nTimeoutStopSec=30\n\n[Install]\nWantedBy=multi-user.target\n")
+    assert head[f"{mx.UNIT_DIR}/{mx.STATUS_UNIT}"].startswith(
+        "[Unit]\nDescription=sparkdeploy status page of qwen3.5-122b-a10b-fp8 on spark1\n")
+    assert "\nExecStop" not in head[f"{mx.UNIT_DIR}/{mx.STATUS_UNIT}"]
+    assert head[mx.CONFIG] == (
+        "# written by sparkdeploy's metrics.up; serve.down removes it\n"
+        "global:\n  scrape_interval: 15s\n  evaluation_interval: 15s\n  external_labels:\n"
+        "    deployment: qwen3.5-122b-a10b-fp8\nrule_files:\n- /var/lib/sparkdeploy-node/metrics/rules.yml\n"
+        "scrape_configs:\n- job_name: engine\n  metrics_path: /metrics\n  static_configs:\n"
+        "  - targets:\n    - 192.168.1.11:8000\n    labels:\n      sparkdeploy_engine: vllm\n"
+        "- job_name: sparkdeploy\n  static_configs:\n  - targets:\n    - 192.168.1.11:9408\n"
+        "    labels:\n      node: spark1\n  - targets:\n    - 192.168.1.12:9408\n    labels:\n"
+        "      node: spark2\n")
+    from sparkdeploy.core import packaged
+
+    assert head[mx.RULES_FILE] == packaged.data(mx.RULES).read_text()
+    assert head[mx.PROGRAM_FILE] == packaged.data(mx.EXPORTER).read_text()
+    assert head[mx.STATUS_FILE] == packaged.helper(mx.STATUS_PAGE).read_text()
+    assert json.loads(head[mx.FIGURES_FILE]) == {}  # no fabric test, no bench recorded
+
+
+@pytest.mark.parametrize("case, want", [
+    ("prometheus-port", ["spark1: port 9090 is held by prometheus (metrics.port)"]),
+    ("status-port", ["spark1: port 9480 is held by grafana (metrics.status_port)"]),
+    ("both", ["spark1: port 9090 is held by prometheus (metrics.port)",
+              "spark1: port 9480 is held by grafana (metrics.status_port)"]),
+    ("worker-status-port", []),  # the status page runs on the head only
+    ("no-engine-on-worker", ["spark2: no engine container of qwen3.5-122b-a10b-fp8 runs here (the "
+                             "exporter runs in the serving image)"]),
+])
+def test_each_port_and_node_is_checked(tmp_path, up_targets, case, want):
+    ns = nodes()
+    ns["spark1"].units[mx.EXPORTER_UNIT] = "active"  # its own port held: the others still checked
+    ns["spark1"].listening[9408] = "python3"
+    if case in ("prometheus-port", "both"):
+        ns["spark1"].listening[9090] = "prometheus"
+    if case in ("status-port", "both"):
+        ns["spark1"].listening[9480] = "grafana"
+    if case == "worker-status-port":
+        ns["spark2"].listening.update({9480: "grafana", 9090: "prometheus"})
+    if case == "no-engine-on-worker":
+        ns["spark2"].containers.clear()
+    dep, _ = dep_of(tmp_path, ns)
+    results = run_one(dep, "metrics.up")
+    assert [r.why for r in results if r.failed] == want
+    if want:
+        assert all(not n.node_files for n in ns.values())
+
+
+def test_with_the_prometheus_image_the_head_must_hold_it(tmp_path, up_targets):
+    ns = nodes()
+    ns["spark1"].programs.clear()  # no package needed
+    dep, _ = dep_of(tmp_path, ns)
+    dep.profile = dep.profile.model_copy(update={"metrics": dep.profile.metrics.model_copy(
+        update={"prometheus": "image"})})
+    [r] = run_one(dep, "metrics.up")
+    assert (r.status, r.why) == (Status.FAILED, "spark1: no image prom/prometheus:v3.7.3 (docker pull "
+                                                "it; metrics.prometheus_image)")
+    assert [*SOCK, "image", "inspect", "--format", "{{json .}}", "prom/prometheus:v3.7.3"] in ns["spark1"].ran
+    ns["spark1"].images = {"prom/prometheus:v3.7.3"}
+    results = run_one(dep, "metrics.up")
+    assert results[-2].why == "metrics: http://192.168.1.11:9090 (3 targets up)"
+    unit = ns["spark1"].node_files[f"{mx.UNIT_DIR}/{mx.PROMETHEUS_UNIT}"]
+    assert ("\nExecStop=/usr/bin/docker -H unix:///var/run/docker.sock rm --force sparkdeploy-prometheus\n"
+            in unit)
+
+
+def test_a_unit_that_does_not_start_fails_the_step_naming_it(tmp_path, up_targets):
+    ns = nodes()
+    ns["spark2"].fail_start.add(mx.EXPORTER_UNIT)
+    dep, _ = dep_of(tmp_path, ns)
+    results = run_one(dep, "metrics.up")
+    assert (results[-1].status, results[-1].why) == (
+        Status.FAILED, "spark2: systemctl start sparkdeploy-exporter.service: Job for "
+                       "sparkdeploy-exporter.service failed.")
+
+
+def test_a_dry_run_writes_and_starts_nothing(tmp_path, up_targets):
+    ns = nodes()
+    dep, ctx = dep_of(tmp_path, ns, dry=True)
+    results = run_one(dep, "metrics.up")
+    assert results[-1].why.startswith("would start sparkdeploy-exporter.service, "
+                                      "sparkdeploy-prometheus.service, sparkdeploy-status.service on spark1")
+    assert all(not n.node_files for n in ns.values())
+    assert not [a for n in ns.values() for a in n.ran if a[:1] == ["systemctl"] and a[1] != "is-active"]
+    assert up_targets == []
+
+
+def test_serve_down_removes_the_metrics_with_the_engine(tmp_path, up_targets):
+    ns = nodes()
+    dep, _ = dep_of(tmp_path, ns)
+    run_one(dep, "metrics.up")
+    for n in ns.values():
+        n.ran.clear()
+    assert mx.remove(dep, dep.host("spark1")) == UNITS
+    assert said(ns["spark1"].ran) == [
+        ["sh", "-c", 'for f; do [ -e "$f" ] && echo "$f"; done; true', "sh",
+         *(f"{mx.UNIT_DIR}/{u}" for u in UNITS)],
+        *(["systemctl", "stop", "--", u] for u in UNITS),
+        ["rm", "-f", "--", *(f"{mx.UNIT_DIR}/{u}" for u in UNITS), mx.CONFIG, mx.RULES_FILE,
+         mx.DEPLOYMENT_FILE, mx.FIGURES_FILE, mx.PROGRAM_FILE, mx.STATUS_FILE],
+        ["systemctl", "daemon-reload"]]
+    assert ns["spark1"].node_files == {}
+    assert mx.remove(dep, dep.host("spark1")) == []
