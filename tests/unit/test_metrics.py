@@ -445,7 +445,8 @@ def test_a_bench_of_the_deployment_reaches_the_heads_figures_once_metrics_run(tm
     assert mx.FIGURES_FILE not in ns["spark2"].node_files
 
 
-WRITE = 'umask 022 && mkdir -p -- "$(dirname -- "$1")" && cat > "$1.part" && chmod "$2" "$1.part" && mv -f -- "$1.part" "$1"'
+WRITE = ('umask 022 && mkdir -p -- "$(dirname -- "$1")" && cat > "$1.part" && chmod "$2" "$1.part" '
+         '&& mv -f -- "$1.part" "$1"')
 
 
 def said(ran: list[list[str]]) -> list:
