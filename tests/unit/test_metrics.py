@@ -38,9 +38,14 @@ class MetricsNode(FakeNode):
     images: set[str] = field(default_factory=set)
     ran: list[list[str]] = field(default_factory=list)
 
+    sudo: list[list[str]] = field(default_factory=list)
+    """The commands that ran through ``sudo -n``."""
+
     def answer(self, argv, stdin=None):
         bare = argv[3:] if argv[:3] == ["sudo", "-n", "--"] else argv
         self.ran.append(bare)
+        if bare is not argv:
+            self.sudo.append(bare)
         if bare == ["ss", "-Hltnp"]:
             return 0, "".join(f'LISTEN 0 4096 0.0.0.0:{p} 0.0.0.0:* users:(("{who}",pid=7,fd=3))\n'
                               for p, who in self.listening.items()), ""
@@ -602,3 +607,134 @@ def test_serve_down_removes_the_metrics_with_the_engine(tmp_path, up_targets):
         ["systemctl", "daemon-reload"]]
     assert ns["spark1"].node_files == {}
     assert mx.remove(dep, dep.host("spark1")) == []
+
+
+def test_what_changes_a_node_goes_through_sudo_and_what_reads_does_not(tmp_path, up_targets):
+    ns = nodes()
+    dep, _ = dep_of(tmp_path, ns)
+    run_one(dep, "metrics.up")
+    mx.remove(dep, dep.host("spark1"))
+    head = ns["spark1"]
+    changing = [a for a in head.ran if a[:2] in (["systemctl", "start"], ["systemctl", "stop"],
+                                                  ["systemctl", "daemon-reload"])
+                or a[:1] == ["rm"] or a[:3] == ["sh", "-c", WRITE]]
+    assert len(changing) == 9 + 3 + 1 + 3 + 1 + 1 and changing == [a for a in head.sudo if a in changing]
+    assert [a for a in head.sudo if a not in changing] == [a for a in head.sudo if a[:1] == ["sha256sum"]]
+
+
+def test_restarts_follow_what_changed(tmp_path, up_targets):
+    ns = nodes()
+    dep, _ = dep_of(tmp_path, ns)
+    run_one(dep, "metrics.up")
+    head = ns["spark1"]
+
+    def again() -> list:
+        head.ran.clear()
+        run_one(dep, "metrics.up")
+        return [a for a in head.ran if a[:1] == ["systemctl"] and a[1] != "is-active"]
+
+    head.node_files[mx.PROGRAM_FILE] = "an older exporter"
+    assert again() == [["systemctl", "restart", "--", mx.EXPORTER_UNIT]]
+    head.node_files[mx.STATUS_FILE] = "an older page"
+    assert again() == [["systemctl", "restart", "--", mx.STATUS_UNIT]]
+    head.node_files[f"{mx.UNIT_DIR}/{mx.EXPORTER_UNIT}"] = "an older unit"
+    head.node_files[mx.PROGRAM_FILE] = "an older exporter"
+    assert again() == [["systemctl", "daemon-reload"], ["systemctl", "restart", "--", mx.EXPORTER_UNIT]]
+    head.node_files[f"{mx.UNIT_DIR}/{mx.PROMETHEUS_UNIT}"] = "an older unit"
+    head.node_files[f"{mx.UNIT_DIR}/{mx.STATUS_UNIT}"] = "an older unit"
+    assert again() == [["systemctl", "daemon-reload"], ["systemctl", "restart", "--", mx.PROMETHEUS_UNIT],
+                       ["systemctl", "restart", "--", mx.STATUS_UNIT]]
+    head.node_files[mx.DEPLOYMENT_FILE] = "{}"  # read at each scrape: nothing restarts
+    head.node_files[mx.FIGURES_FILE] = "{}"
+    assert again() == []
+    assert json.loads(head.node_files[mx.DEPLOYMENT_FILE])["role"] == "head"
+    head.units[mx.STATUS_UNIT] = "failed"  # a unit that died is started again
+    assert again() == [["systemctl", "start", "--", mx.STATUS_UNIT]]
+
+
+def test_the_heads_figures_come_from_the_records(tmp_path, up_targets):
+    from sparkdeploy.core.records import BenchFigures, FabricRecord, FabricSize
+
+    ns = nodes()
+    dep, _ = dep_of(tmp_path, ns)
+    dep.records.write(FabricRecord(verdict="ok", expected_gbs=12.5, why="w", sizes=[
+        FabricSize(bytes=1048576, algbw_gbs=0.5, busbw_gbs=0.5)]))
+    dep.records.write(BenchFigures(output_tok_s=27.0, ttft_ms_median=50.0, itl_ms_median=36.0, time=9.0))
+    run_one(dep, "metrics.up")
+    assert ns["spark1"].node_files[mx.FIGURES_FILE] == (
+        '{"bench": {"itl_ms_median": 36.0, "output_tok_s": 27.0, "time": 9.0, "ttft_ms_median": 50.0}, '
+        '"fabric": {"expected_gbs": 12.5, "sizes": [{"busbw_gbs": 0.5, "bytes": 1048576}], '
+        '"verdict": "ok"}}\n')
+    assert ns["spark2"].node_files[mx.DEPLOYMENT_FILE] == (
+        '{"deployment": "qwen3.5-122b-a10b-fp8", "engine": "vllm", "image_digest": "' + IMAGE + '", '
+        '"kind": "vllm", "recipe": "qwen3.5-122b", "role": "worker", "since": 1796666400.0}\n')
+    # a head without the metrics' figures (metrics.down ran since): the bench is recorded alone
+    del ns["spark1"].node_files[mx.FIGURES_FILE]
+    assert run_one(dep, "bench.figures", results=[]) == []
+    assert mx.publish(dep, "{}\n") is False and mx.FIGURES_FILE not in ns["spark1"].node_files
+
+
+def test_a_prometheus_that_is_no_path_is_none(tmp_path, up_targets):
+    ns = nodes()
+    ns["spark1"].programs["prometheus"] = "prometheus: aliased to prom"
+    dep, _ = dep_of(tmp_path, ns)
+    assert run_one(dep, "metrics.up")[0].why.startswith("spark1: no prometheus on the PATH")
+
+
+def test_ready_says_what_prometheus_has_not_got(tmp_path, monkeypatch):
+    monkeypatch.setattr(step, "page_up", lambda url: True)
+    monkeypatch.setattr(step, "targets", lambda url: [
+        step._Target(scrapeUrl="http://a/metrics", health="up"),
+        step._Target(scrapeUrl="http://b/metrics")])
+    ns = nodes()
+    ctx = Ctx(ns)
+    clock = FakeClock()
+    dep = deployment(SEED, tmp_path / "state", ctx, clock=clock)
+    assert run_one(dep, "metrics.up")[-1].why.endswith("not ready after 90 s: http://b/metrics unknown")
+    assert set(clock.sleeps) == {1}  # a probe a second
+    monkeypatch.setattr(step, "targets", lambda url: [step._Target(scrapeUrl="http://a/metrics",
+                                                                   health="up")])
+    assert run_one(dep, "metrics.up")[-1].why.endswith("not ready after 90 s: 1 of 3 targets")
+    monkeypatch.setattr(step, "targets", lambda url: [])
+    assert run_one(dep, "metrics.up")[-1].why.endswith(
+        "not ready after 90 s: http://192.168.1.11:9090 does not answer")
+
+
+def test_metrics_down_in_a_dry_run_says_what_it_would_remove(tmp_path, up_targets):
+    ns = nodes()
+    dep, _ = dep_of(tmp_path, ns)
+    run_one(dep, "metrics.up")
+    dry, _ = dep_of(tmp_path, ns, dry=True)
+    results = run_one(dry, "metrics.down")
+    assert [(r.node, r.why) for r in results if r.why.startswith("would")] == [
+        ("spark1", "would stop and remove sparkdeploy-exporter.service, sparkdeploy-prometheus.service, "
+                   "sparkdeploy-status.service"),
+        ("spark2", "would stop and remove sparkdeploy-exporter.service")]
+    assert ns["spark1"].units[mx.EXPORTER_UNIT] == "active"
+
+
+def test_what_serves_is_read_from_this_deployments_running_containers(tmp_path, monkeypatch):
+    from sparkdeploy.core.labels import Container
+
+    ns = nodes()
+    dep, _ = dep_of(tmp_path, ns)
+    mine = dict(deployment="qwen3.5-122b-a10b-fp8", engine="vllm", kind="vllm", recipe="r")
+    head = Container("1", "h", "running", "", role="head", port=8000, image_id="sha256:h",
+                     started="2026-12-07T18:00:10Z", **mine)
+    other = Container("2", "o", "running", "", deployment="another", engine="vllm", port=9000,
+                      image_id="sha256:o", started="2026-12-07T17:00:00Z")
+    stopped = Container("3", "w", "exited", "", role="worker", image_id="sha256:w",
+                        started="2026-12-07T17:00:00Z", **mine)
+    fresh = Container("4", "w2", "running", "", role="worker", **mine)
+    s = mx.serving_from(dep, {"spark1": [other, head], "spark2": [stopped, fresh]})
+    assert s == mx.Serving(engine="vllm", kind="vllm", recipe="r", engine_url="http://192.168.1.11:8000",
+                           images={"spark1": "sha256:h"}, since=1796666410.0)
+    assert mx.serving_from(dep, {"spark1": [other], "spark2": [stopped]}) is None
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    __import__("time").tzset()
+    try:
+        assert mx.epoch("1970-01-01T00:00:10Z") == 10.0 and mx.epoch("yesterday") is None
+    finally:
+        monkeypatch.delenv("TZ")
+        __import__("time").tzset()
+    assert mx.target("http://10.0.0.1:9408/") == "10.0.0.1:9408" == mx.target("10.0.0.1:9408")
