@@ -156,7 +156,7 @@ def test_metrics_up_writes_the_files_and_starts_the_units_then_a_rerun_changes_n
     assert conf["scrape_configs"] == [
         {"job_name": "engine", "metrics_path": "/metrics", "static_configs": [
             {"targets": ["192.168.1.11:8000"], "labels": {"sparkdeploy_engine": "vllm"}}]},
-        {"job_name": "sparkdeploy", "static_configs": [
+        {"job_name": "sparkdeploy", "honor_labels": True, "static_configs": [
             {"targets": ["192.168.1.11:9408"], "labels": {"node": "spark1"}},
             {"targets": ["192.168.1.12:9408"], "labels": {"node": "spark2"}}]}]
     assert json.loads(worker.node_files[mx.DEPLOYMENT_FILE]) == {
@@ -513,7 +513,7 @@ def test_metrics_up_on_the_head_and_a_worker_command_by_command(tmp_path, up_tar
         "    deployment: qwen3.5-122b-a10b-fp8\nrule_files:\n- /var/lib/sparkdeploy-node/metrics/rules.yml\n"
         "scrape_configs:\n- job_name: engine\n  metrics_path: /metrics\n  static_configs:\n"
         "  - targets:\n    - 192.168.1.11:8000\n    labels:\n      sparkdeploy_engine: vllm\n"
-        "- job_name: sparkdeploy\n  static_configs:\n  - targets:\n    - 192.168.1.11:9408\n"
+        "- job_name: sparkdeploy\n  honor_labels: true\n  static_configs:\n  - targets:\n    - 192.168.1.11:9408\n"
         "    labels:\n      node: spark1\n  - targets:\n    - 192.168.1.12:9408\n    labels:\n"
         "      node: spark2\n")
     from sparkdeploy.core import packaged

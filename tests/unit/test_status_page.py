@@ -109,3 +109,16 @@ def test_a_prometheus_that_does_not_answer_is_a_page_of_no_data(tmp_path):
     (27.04, "rate", "27.0"), (float("nan"), "rate", "no data")])
 def test_each_figure_is_shown_one_way(value, how, text):
     assert sp.show(value, how) == text
+
+
+def test_of_two_series_of_a_node_the_one_scraped_last_is_shown(prometheus, tmp_path, monkeypatch):
+    url, _ = prometheus
+    old = {"node": "spark1", "deployment": "d", "recipe": "before", "exported_node": "spark1"}
+    new = {"node": "spark1", "deployment": "d", "recipe": "after"}
+    monkeypatch.setitem(SERIES, "sparkdeploy_deployment_info", [
+        {"metric": {"__name__": "sparkdeploy_deployment_info", **old}, "value": [1, "1"]},
+        {"metric": {"__name__": "sparkdeploy_deployment_info", **new}, "value": [1, "1"]}])
+    monkeypatch.setitem(SERIES, "timestamp(sparkdeploy_deployment_info)", [
+        {"metric": new, "value": [1, "1796666400.5"]}, {"metric": old, "value": [1, "1796666100.0"]}])
+    page = sp.page(url, str(tmp_path), 10, at=1796666401.0)
+    assert "<th>recipe</th><td>after</td>" in page

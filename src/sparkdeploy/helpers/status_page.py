@@ -85,6 +85,24 @@ class Prometheus:
         return [s for s in result if isinstance(s, dict)] if isinstance(result, list) else []
 
 
+def latest(p: Prometheus, query: str) -> list:
+    """``query``'s series, of each node only the one scraped last: after Prometheus restarts, a
+    series it no longer scrapes is still answered for five minutes (its lookback), beside the
+    one that replaced it."""
+    when = {_key(s): _val(s) for s in p.query(f"timestamp({query})")}
+    best: dict = {}
+    for s in p.query(query):
+        node = s.get("metric", {}).get("node", "")
+        t = when.get(_key(s), math.nan)
+        if node not in best or t > best[node][0]:
+            best[node] = (t, s)
+    return [s for _, s in best.values()]
+
+
+def _key(series: dict) -> tuple:
+    return tuple(sorted((k, v) for k, v in series.get("metric", {}).items() if k != "__name__"))
+
+
 def _val(series: dict) -> float:
     try:
         return float(series["value"][1])
@@ -125,10 +143,10 @@ def page(prom_url: str, state: str, refresh: int, at: float | None = None) -> st
     at = time.time() if at is None else at
     p = Prometheus(prom_url, at)
     e = html.escape
-    info = p.query("sparkdeploy_deployment_info")
+    info = latest(p, "sparkdeploy_deployment_info")
     nodes = sorted({s.get("metric", {}).get("node", "") for s in info} - {""})
     first = info[0].get("metric", {}) if info else {}
-    since = p.query("sparkdeploy_deployment_since_timestamp_seconds")
+    since = latest(p, "sparkdeploy_deployment_since_timestamp_seconds")
     out = [
         "<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
         f'<meta http-equiv="refresh" content="{int(refresh)}">',

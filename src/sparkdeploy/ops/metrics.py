@@ -110,7 +110,8 @@ def prometheus_config(m: Metrics, deployment: str, engine: str, engine_target: s
         "scrape_configs": [
             {"job_name": "engine", "metrics_path": "/metrics",
              "static_configs": [{"targets": [engine_target], "labels": {"sparkdeploy_engine": engine}}]},
-            {"job_name": "sparkdeploy",
+            # the exporter names its node itself: its label is kept (not exported_node)
+            {"job_name": "sparkdeploy", "honor_labels": True,
              "static_configs": [{"targets": [t], "labels": {"node": n}}
                                 for n, t in exporters.items()]},
         ],

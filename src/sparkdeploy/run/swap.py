@@ -148,7 +148,7 @@ def bring_back(ctx: StepContext, old: Deployment, engine: str | None, was_persis
                decision: ImageDecision | None) -> str:
     """The old deployment serving again from what the nodes still hold; what happened."""
     new = ctx.dep
-    call_on(ctx, new, "serve.down")
+    call_on(ctx, new, "serve.down", keep_metrics=True)
     if decision is not None and not old.dry:
         old.records.write(decision, markdown=None)
     if was_persisted:
@@ -187,7 +187,7 @@ def cut_over(ctx: StepContext, old: Deployment, engine: str | None,
     if not new.dry:
         ops.write_phase(head, record)
     last_good = time.time()
-    down = call_on(ctx, old, "serve.down")
+    down = call_on(ctx, old, "serve.down", keep_metrics=True)  # the metrics follow after
     if failed(down) and not new.dry:
         return roll_back(ctx, old, f"the old engine did not stop: {failed(down)[0].why}",
                          was_persisted, decision, record)

@@ -305,15 +305,16 @@ def up(ctx: StepContext, engine: str | None = None) -> None:
 
 
 @step(STEP_DOWN, needs=("serve.unpersist",))
-def down(ctx: StepContext) -> None:
-    """Remove this deployment's engine containers and its metrics units on every node."""
+def down(ctx: StepContext, keep_metrics: bool = False) -> None:
+    """Remove this deployment's engine containers and its metrics units on every node
+    (``keep_metrics``: not those; a swap's cut-over keeps Prometheus and its history running)."""
     dep = ctx.dep
-    ctx.each([dep.host(n.name) for n in dep.profile.nodes], lambda h: _down_node(ctx, h))
+    ctx.each([dep.host(n.name) for n in dep.profile.nodes], lambda h: _down_node(ctx, h, keep_metrics))
 
 
-def _down_node(ctx: StepContext, h: Host) -> None:
+def _down_node(ctx: StepContext, h: Host, keep_metrics: bool = False) -> None:
     dep = ctx.dep
-    units = stop_units(dep, h) + metrics.remove(dep, h)
+    units = stop_units(dep, h) + ([] if keep_metrics else metrics.remove(dep, h))
     found = ours(h, dep.profile.name)
     if not found and not units:
         ctx.ok("no engine container", h.name)
