@@ -413,6 +413,7 @@ def test_ss_lines_name_who_holds_each_port():
             assert argv == ["ss", "-Hltnp"]
             return type("R", (), {"stdout": (
                 'LISTEN 0 4096 0.0.0.0:9090 0.0.0.0:* users:(("prometheus",pid=7,fd=3))\n'
+                "\n"
                 "LISTEN 0 128 [::]:22 [::]:*\n"
                 "LISTEN 0 511 127.0.0.1:9408 0.0.0.0:*\n")})()
 
@@ -437,12 +438,17 @@ def test_a_bench_of_the_deployment_reaches_the_heads_figures_once_metrics_run(tm
 
     ns = nodes()
     dep, _ = dep_of(tmp_path, ns)
-    run = [Result("bench.run", Status.OK, "concurrency 1: ...", None, {"run": {"summary": {
-        "output_tok_s": 26.9, "ttft_ms": {"median": 51.0}, "itl_ms": {"median": 36.5}}}})]
+
+    def run_of(tok_s: float) -> list:
+        return [Result("bench.run", Status.OK, "concurrency 1: ...", None, {"run": {"summary": {
+            "output_tok_s": tok_s, "ttft_ms": {"median": 51.0}, "itl_ms": {"median": 36.5}}}})]
+
     before = len(ns["spark1"].ran)
-    assert run_one(dep, "bench.figures", results=run) == []  # no metrics here yet: the record alone
+    assert run_one(dep, "bench.figures", results=run_of(20.0)) == []  # no metrics yet: the record
     assert len(ns["spark1"].ran) == before
     run_one(dep, "metrics.up")
+    assert json.loads(ns["spark1"].node_files[mx.FIGURES_FILE])["bench"]["output_tok_s"] == 20.0
+    run = run_of(26.9)
     [r] = run_one(dep, "bench.figures", results=run)
     assert (r.status, r.why) == (Status.OK, "the figures are in the metrics (sparkdeploy_bench_*)")
     bench = json.loads(ns["spark1"].node_files[mx.FIGURES_FILE])["bench"]
@@ -504,6 +510,8 @@ def test_metrics_up_on_the_head_and_a_worker_command_by_command(tmp_path, up_tar
         "--node=spark1 --state=/sparkdeploy --interface=enp1s0f0np0\n"
         "ExecStop=/usr/bin/docker -H unix:///var/run/docker.sock rm --force sparkdeploy-exporter\n"
         "Restart=on-failure\nRestartSec=5\nTimeoutStopSec=30\n\n[Install]\nWantedBy=multi-user.target\n")
+    assert head[f"{mx.UNIT_DIR}/{mx.PROMETHEUS_UNIT}"].startswith(
+        "[Unit]\nDescription=sparkdeploy Prometheus of qwen3.5-122b-a10b-fp8 on spark1\n")
     assert head[f"{mx.UNIT_DIR}/{mx.STATUS_UNIT}"].startswith(
         "[Unit]\nDescription=sparkdeploy status page of qwen3.5-122b-a10b-fp8 on spark1\n")
     assert "\nExecStop" not in head[f"{mx.UNIT_DIR}/{mx.STATUS_UNIT}"]
@@ -580,6 +588,22 @@ def test_a_unit_that_does_not_start_fails_the_step_naming_it(tmp_path, up_target
                        "sparkdeploy-exporter.service failed.")
 
 
+def test_a_dry_run_still_refuses_a_port_another_program_holds(tmp_path, up_targets):
+    ns = nodes()
+    ns["spark1"].listening[9090] = "prometheus"
+    dep, _ = dep_of(tmp_path, ns, dry=True)
+    assert [r.why for r in run_one(dep, "metrics.up") if r.failed] == [
+        "spark1: port 9090 is held by prometheus (metrics.port)"]
+
+
+def test_containers_without_a_start_label_have_no_since(tmp_path):
+    from sparkdeploy.core.labels import Container
+
+    dep, _ = dep_of(tmp_path, nodes())
+    c = Container("1", "h", "running", "", deployment="qwen3.5-122b-a10b-fp8", engine="vllm", port=8000)
+    assert mx.serving_from(dep, {"spark1": [c]}).since is None
+
+
 def test_a_dry_run_writes_and_starts_nothing(tmp_path, up_targets):
     ns = nodes()
     dep, ctx = dep_of(tmp_path, ns, dry=True)
@@ -638,12 +662,14 @@ def test_restarts_follow_what_changed(tmp_path, up_targets):
     head.node_files[mx.STATUS_FILE] = "an older page"
     assert again() == [["systemctl", "restart", "--", mx.STATUS_UNIT]]
     head.node_files[f"{mx.UNIT_DIR}/{mx.EXPORTER_UNIT}"] = "an older unit"
+    assert again() == [["systemctl", "daemon-reload"], ["systemctl", "restart", "--", mx.EXPORTER_UNIT]]
+    head.node_files[f"{mx.UNIT_DIR}/{mx.EXPORTER_UNIT}"] = "an older unit"
     head.node_files[mx.PROGRAM_FILE] = "an older exporter"
     assert again() == [["systemctl", "daemon-reload"], ["systemctl", "restart", "--", mx.EXPORTER_UNIT]]
     head.node_files[f"{mx.UNIT_DIR}/{mx.PROMETHEUS_UNIT}"] = "an older unit"
+    assert again() == [["systemctl", "daemon-reload"], ["systemctl", "restart", "--", mx.PROMETHEUS_UNIT]]
     head.node_files[f"{mx.UNIT_DIR}/{mx.STATUS_UNIT}"] = "an older unit"
-    assert again() == [["systemctl", "daemon-reload"], ["systemctl", "restart", "--", mx.PROMETHEUS_UNIT],
-                       ["systemctl", "restart", "--", mx.STATUS_UNIT]]
+    assert again() == [["systemctl", "daemon-reload"], ["systemctl", "restart", "--", mx.STATUS_UNIT]]
     head.node_files[mx.DEPLOYMENT_FILE] = "{}"  # read at each scrape: nothing restarts
     head.node_files[mx.FIGURES_FILE] = "{}"
     assert again() == []
@@ -684,13 +710,14 @@ def test_a_prometheus_that_is_no_path_is_none(tmp_path, up_targets):
 def test_ready_says_what_prometheus_has_not_got(tmp_path, monkeypatch):
     monkeypatch.setattr(step, "page_up", lambda url: True)
     monkeypatch.setattr(step, "targets", lambda url: [
-        step._Target(scrapeUrl="http://a/metrics", health="up"),
+        step._Target(scrapeUrl="http://a/metrics", health="down"),
         step._Target(scrapeUrl="http://b/metrics")])
     ns = nodes()
     ctx = Ctx(ns)
     clock = FakeClock()
     dep = deployment(SEED, tmp_path / "state", ctx, clock=clock)
-    assert run_one(dep, "metrics.up")[-1].why.endswith("not ready after 90 s: http://b/metrics unknown")
+    assert run_one(dep, "metrics.up")[-1].why.endswith(
+        "not ready after 90 s: http://a/metrics down; http://b/metrics unknown")
     assert set(clock.sleeps) == {1}  # a probe a second
     monkeypatch.setattr(step, "targets", lambda url: [step._Target(scrapeUrl="http://a/metrics",
                                                                    health="up")])
