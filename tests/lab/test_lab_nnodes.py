@@ -2,8 +2,9 @@
 pair's nodes untouched while spark3 and spark4 come and go, and nothing of them left after.
 
 On the same four nodes (grown once for the module), deploy.all through the real `inv`: with
-configs/lab-3nodes.yaml on three of them (pipeline parallel 3), then with configs/lab-4nodes.yaml
-and `deploy.all --recipe qwen3-235b-a22b-instruct-2507-fp8` (the 235B recipe, too big for two
+configs/lab-3nodes.yaml on three of them (pipeline parallel 3: `nox -s perf -- nnodes`, not the
+suite), and with configs/lab-4nodes.yaml and `deploy.all --recipe
+qwen3-235b-a22b-instruct-2507-fp8` (the 235B recipe, too big for two
 Sparks: the model part from the recipe, the layout the fit calculator picks for four nodes,
 TP=4; the lab hub serves the repository's real config.json and file layout). Each ends serving:
 the weights verified on every node (its own records agree with the head's), the same image ID
@@ -217,6 +218,7 @@ def deploy_on(lab, n: int, state: Path) -> None:
         assert engine_containers(lab, x, dep.profile.name) == [], x
 
 
+@pytest.mark.perf_lab  # `nox -s perf -- nnodes` (tools/perf/nnodes.py), not the suite
 def test_three_nodes_pipeline_parallel_deploy_all_serves(lab4, tmp_path):
     deploy_on(lab4, 3, tmp_path / "state")  # spark1..spark3 of the four
 

@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, str] = {
     "fanout": "tools.perf.fanout:run",
     "swap": "tools.perf.swap:run",
     "gateway": "tools.perf.gateway:run",
+    "nnodes": "tools.perf.nnodes:run",
 }
 
 
