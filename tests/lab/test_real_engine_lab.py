@@ -277,7 +277,8 @@ def test_the_status_page_shows_what_prometheus_answers_in_chromium(served, tmp_p
         [series] = r.json()["data"]["result"]
         assert series["value"][1] == value, q
         assert text == status_page.show(float(value), how), q
-    assert "<th>recipe</th><td>lab-tiny</td>" in dom and "<th>spark2</th><td>worker</td>" in dom
+    assert "<th>recipe</th><td>lab-tiny</td>" in dom
+    assert "<th>spark1</th><td>head</td><td>0</td>" in dom and "<th>spark2</th><td>worker</td><td>1</td>" in dom
     assert SECRET not in dom
 
 

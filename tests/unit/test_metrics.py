@@ -161,7 +161,7 @@ def test_metrics_up_writes_the_files_and_starts_the_units_then_a_rerun_changes_n
             {"targets": ["192.168.1.12:9408"], "labels": {"node": "spark2"}}]}]
     assert json.loads(worker.node_files[mx.DEPLOYMENT_FILE]) == {
         "deployment": "qwen3.5-122b-a10b-fp8", "engine": "vllm", "kind": "vllm",
-        "image_digest": IMAGE, "recipe": "qwen3.5-122b", "role": "worker",
+        "image_digest": IMAGE, "recipe": "qwen3.5-122b", "role": "worker", "ranks": "1",
         "since": 1796666400.0}
     assert mx.PROMETHEUS_UNIT not in str(worker.node_files) and mx.CONFIG not in worker.node_files
     units = [mx.EXPORTER_UNIT, mx.PROMETHEUS_UNIT, mx.STATUS_UNIT]
@@ -362,7 +362,7 @@ def test_the_exporter_reports_what_the_nodes_files_say(tmp_path):
     got = samples(exporter_text(
         tmp_path,
         deployment={"deployment": "d", "recipe": "r", "engine": "vllm", "kind": "vllm",
-                    "image_digest": IMAGE, "role": "head", "since": 1796666400.0},
+                    "image_digest": IMAGE, "role": "head", "ranks": "0,1", "since": 1796666400.0},
         figures=mx.figures_json({"verdict": "degraded", "expected_gbs": 12.5, "sizes": [
             {"bytes": 1048576, "busbw_gbs": 0.5}]}, {"output_tok_s": 27.0, "time": 5.0}),
         restarts=[{"class": "nccl-hang", "outcome": "restarted"},
@@ -370,7 +370,7 @@ def test_the_exporter_reports_what_the_nodes_files_say(tmp_path):
         swap={"phase": "cut-over", "deployment": "d", "from_model": "a/b", "to_model": "c/d"}))
     assert got['sparkdeploy_swap_phase{from_model="a/b",node="spark1",phase="cut-over",to_model="c/d"}'] == 1
     assert got[f'sparkdeploy_deployment_info{{deployment="d",engine="vllm",image_digest="{IMAGE}",'
-               f'kind="vllm",node="spark1",recipe="r",role="head"}}'] == 1
+               f'kind="vllm",node="spark1",ranks="0,1",recipe="r",role="head"}}'] == 1
     assert got['sparkdeploy_deployment_since_timestamp_seconds{deployment="d",node="spark1"}'] == 1796666400
     assert got['sparkdeploy_node_memory_total_bytes{node="spark1"}'] == 127535616 * 1024
     assert got['sparkdeploy_node_memory_available_bytes{node="spark1"}'] == 98304000 * 1024
@@ -693,7 +693,7 @@ def test_the_heads_figures_come_from_the_records(tmp_path, up_targets):
         '"verdict": "ok"}}\n')
     assert ns["spark2"].node_files[mx.DEPLOYMENT_FILE] == (
         '{"deployment": "qwen3.5-122b-a10b-fp8", "engine": "vllm", "image_digest": "' + IMAGE + '", '
-        '"kind": "vllm", "recipe": "qwen3.5-122b", "role": "worker", "since": 1796666400.0}\n')
+        '"kind": "vllm", "ranks": "1", "recipe": "qwen3.5-122b", "role": "worker", "since": 1796666400.0}\n')
     # a head without the metrics' figures (metrics.down ran since): the bench is recorded alone
     del ns["spark1"].node_files[mx.FIGURES_FILE]
     assert run_one(dep, "bench.figures", results=[]) == []
@@ -746,16 +746,18 @@ def test_what_serves_is_read_from_this_deployments_running_containers(tmp_path, 
     ns = nodes()
     dep, _ = dep_of(tmp_path, ns)
     mine = dict(deployment="qwen3.5-122b-a10b-fp8", engine="vllm", kind="vllm", recipe="r")
-    head = Container("1", "h", "running", "", role="head", port=8000, image_id="sha256:h",
+    head = Container("1", "h", "running", "", role="head", rank=0, port=8000, image_id="sha256:h",
                      started="2026-12-07T18:00:10Z", **mine)
     other = Container("2", "o", "running", "", deployment="another", engine="vllm", port=9000,
                       image_id="sha256:o", started="2026-12-07T17:00:00Z")
     stopped = Container("3", "w", "exited", "", role="worker", image_id="sha256:w",
                         started="2026-12-07T17:00:00Z", **mine)
-    fresh = Container("4", "w2", "running", "", role="worker", **mine)
-    s = mx.serving_from(dep, {"spark1": [other, head], "spark2": [stopped, fresh]})
+    fresh = Container("4", "w2", "running", "", role="worker", rank=2, **mine)
+    also = Container("5", "w1", "running", "", role="worker1", rank=1, **mine)
+    s = mx.serving_from(dep, {"spark1": [other, head], "spark2": [stopped, fresh, also]})
     assert s == mx.Serving(engine="vllm", kind="vllm", recipe="r", engine_url="http://192.168.1.11:8000",
-                           images={"spark1": "sha256:h"}, since=1796666410.0)
+                           images={"spark1": "sha256:h"}, since=1796666410.0,
+                           ranks={"spark1": "0", "spark2": "1,2"})
     assert mx.serving_from(dep, {"spark1": [other], "spark2": [stopped]}) is None
     monkeypatch.setenv("TZ", "Asia/Tokyo")
     __import__("time").tzset()

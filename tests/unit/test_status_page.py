@@ -20,7 +20,8 @@ SERIES = {
         {"metric": {"node": "spark1", "deployment": "qwen<b>", "recipe": "r", "engine": "vllm",
                     "kind": "vllm", "image_digest": "sha256:ab", "role": "head"}, "value": [1, "1"]},
         {"metric": {"node": "spark2", "deployment": "qwen<b>", "recipe": "r", "engine": "vllm",
-                    "kind": "vllm", "image_digest": "sha256:ab", "role": "worker"}, "value": [1, "1"]}],
+                    "kind": "vllm", "image_digest": "sha256:ab", "role": "worker", "ranks": "1"},
+         "value": [1, "1"]}],
     "sparkdeploy_node_memory_available_bytes": [
         {"metric": {"node": "spark1"}, "value": [1, "107374182400"]}],
     "sparkdeploy_node_memory_total_bytes": [
@@ -86,7 +87,7 @@ def test_every_figure_carries_its_query_the_instant_and_prometheus_value(prometh
     assert shown["sparkdeploy:kv_cache_usage:ratio"] == ("0.125", "12.5 %")
     assert shown['sparkdeploy_node_memory_available_bytes{node="spark1"}'] == ("107374182400", "100.0 GiB")
     # a node Prometheus has no figure of shows none; the exporter that is down says so
-    assert re.search(r"<tr><th>spark2</th><td>worker</td><td>-</td><td[^>]*>120.0 GiB</td>"
+    assert re.search(r"<tr><th>spark2</th><td>worker</td><td>1</td><td>-</td><td[^>]*>120.0 GiB</td>"
                      r"<td>-</td><td>down</td></tr>", page), page
     # the fabric's sizes in order, a label that is no size left out (it would be a query)
     sizes = [q for q in shown if q.startswith("sparkdeploy_fabric_busbw")]

@@ -35,7 +35,7 @@ from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFam
 
 LINK_COUNTERS = ("rx_bytes", "tx_bytes", "rx_packets", "tx_packets", "rx_errors", "tx_errors",
                  "rx_dropped", "tx_dropped")
-INFO_KEYS = ("deployment", "recipe", "engine", "kind", "image_digest", "role")
+INFO_KEYS = ("deployment", "recipe", "engine", "kind", "image_digest", "role", "ranks")
 
 
 def read_json(path: str) -> dict:

@@ -167,20 +167,23 @@ def page(prom_url: str, state: str, refresh: int, at: float | None = None) -> st
     if since:
         started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(_val(since[0])))
         out.append(f"<tr><th>serving since</th><td>{e(started)}</td></tr>")
-    out.append("</table><h2>Nodes</h2><table><tr><th>node</th><th>role</th><th>memory available"
+    out.append("</table><h2>Nodes</h2><table><tr><th>node</th><th>role</th><th>engine ranks</th>"
+               "<th>memory available"
                "</th><th>memory total</th><th>fast link</th><th>exporter</th></tr>")
     mem_a = {s["metric"].get("node"): s for s in p.query("sparkdeploy_node_memory_available_bytes")}
     mem_t = {s["metric"].get("node"): s for s in p.query("sparkdeploy_node_memory_total_bytes")}
     link = {s["metric"].get("node"): s for s in p.query("sparkdeploy:link_bytes:rate1m")}
     up = {s["metric"].get("node"): s for s in p.query('up{job="sparkdeploy"}')}
     roles = {s["metric"].get("node"): s["metric"].get("role", "") for s in info}
+    ranks = {s["metric"].get("node"): s["metric"].get("ranks", "") for s in info}
     for n in nodes:
         cells = [cell(p, f'{name}{{node="{n}"}}', how, table[n]) if n in table else "<td>-</td>"
                  for table, name, how in ((mem_a, "sparkdeploy_node_memory_available_bytes", "bytes"),
                                           (mem_t, "sparkdeploy_node_memory_total_bytes", "bytes"),
                                           (link, "sparkdeploy:link_bytes:rate1m", "Bps"))]
         state_up = "up" if n in up and _val(up[n]) == 1 else "down"
-        out.append(f"<tr><th>{e(n)}</th><td>{e(roles.get(n, ''))}</td>{''.join(cells)}"
+        out.append(f"<tr><th>{e(n)}</th><td>{e(roles.get(n, ''))}</td><td>{e(ranks.get(n, '') or '-')}</td>"
+                   f"{''.join(cells)}"
                    f"<td>{state_up}</td></tr>")
     out.append("</table><h2>Engine, live</h2><table>")
     out += [figure(p, label, q, how) for label, q, how in LIVE]

@@ -20,6 +20,7 @@ import datetime as dt
 import json
 import shlex
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
 
 import yaml
@@ -187,6 +188,8 @@ class Serving:
     images: dict[str, str]
     """{node: the image ID its engine container runs}"""
     since: float | None
+    ranks: dict[str, str] = dataclass_field(default_factory=dict)
+    """{node: the engine's ranks there, as its containers' labels say ("0", "1,2")}"""
 
 
 def deployment_json(dep: Deployment, s: Serving, node: str) -> str:
@@ -194,7 +197,7 @@ def deployment_json(dep: Deployment, s: Serving, node: str) -> str:
     roles = "head" if node == dep.profile.head.name else "worker"
     return json.dumps({"deployment": dep.profile.name, "recipe": s.recipe, "engine": s.engine,
                        "kind": s.kind, "image_digest": s.images.get(node, ""), "role": roles,
-                       "since": s.since}, sort_keys=True) + "\n"
+                       "ranks": s.ranks.get(node, ""), "since": s.since}, sort_keys=True) + "\n"
 
 
 def figures_json(fabric: dict[str, Any] | None, bench: dict[str, Any] | None) -> str:
@@ -219,12 +222,17 @@ def serving_from(dep: Deployment, on_nodes: dict[str, list[labels.Container]]) -
     if with_port is None:
         return None
     node, api = with_port
-    cs = [c for _, c in mine if c.engine == api.engine]
-    starts = [t for t in (epoch(c.started) for c in cs) if t is not None]
+    engine = [(n, c) for n, c in mine if c.engine == api.engine]
+    starts = [t for t in (epoch(c.started) for _, c in engine) if t is not None]
+    ranks: dict[str, set[int]] = {}
+    for n, c in engine:
+        if c.rank is not None:
+            ranks.setdefault(n, set()).add(c.rank)
     return Serving(engine=api.engine, kind=api.kind, recipe=api.recipe,
                    engine_url=ep.engine_url(dep.host(node), api.port or 0),
-                   images={n: c.image_id for n, c in mine if c.engine == api.engine and c.image_id},
-                   since=min(starts) if starts else None)
+                   images={n: c.image_id for n, c in engine if c.image_id},
+                   since=min(starts) if starts else None,
+                   ranks={n: ",".join(map(str, sorted(r))) for n, r in ranks.items()})
 
 
 def remove(dep: Deployment, host: Host) -> list[str]:
