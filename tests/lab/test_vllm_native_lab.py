@@ -21,6 +21,7 @@ from tests.lab.test_serve_lab import (  # noqa: F401  (the fixtures)
     ours,
     profile,
     results,
+    served,
     stream,
 )
 from tests.unit.profiles import seed_data
@@ -52,7 +53,7 @@ def test_the_native_pair_serves_with_no_ray_process_in_its_containers(clean):  #
     fault(state, prof, "none")
     cp = inv(state, prof, "serve.up", "--engine", "vllm")
     assert cp.returncode == 0, cp.stdout[-3000:] + cp.stderr
-    url = results(cp.stdout)[-1][3].split(" ", 1)[1]
+    url = served(cp.stdout)[3].split(" ", 1)[1]
     assert url == f"http://{lab.addr('spark1', 'mgmt')}:8000"
     assert stream(url)
     assert ours(lab, "spark1") == [HEAD] and ours(lab, "spark2") == [WORKER]
@@ -85,6 +86,6 @@ def test_a_worker_advertising_the_wrong_address_hangs_is_diagnosed_and_ray_takes
     assert any("DP group leader" in t for t in texts) and any("Model loading took" in t for t in texts)
     assert STALL <= tried.silent_s <= STALL * 1.1
     print(f"\nvllm_native.hang_to_fallback_seconds: {tried.fallback_after_s}")
-    url = results(out)[-1][3].split(" ", 1)[1]
+    url = served(out)[3].split(" ", 1)[1]
     assert stream(url)
     assert ours(lab, "spark1") == ["sparkdeploy-vllm-ray-api", "sparkdeploy-vllm-ray-head"]
