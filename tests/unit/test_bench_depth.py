@@ -322,7 +322,7 @@ def test_a_measured_answer_that_trickles_ends_within_the_timeout(tokdir, tmp_pat
                               runs="1", timeout="1", deadline="86400")
     finally:
         srv.close()
-    assert e.value.code == 1 and time.monotonic() - started < 3
+    assert e.value.code == 1 and time.monotonic() - started < 6  # a trickle never ends by itself
     assert failed_lines(capsys.readouterr().out) == [
         "depth 0, run 1: timeout: no data for 1s", "no depth was measured: nothing written"]
 
@@ -330,14 +330,15 @@ def test_a_measured_answer_that_trickles_ends_within_the_timeout(tokdir, tmp_pat
 def test_a_depth_that_fails_is_one_line_and_the_others_are_written(standin, tokdir, tmp_path,
                                                                     capsys):
     # requests 1-2: the gate; 3: depth 0; 4: depth 256 stalls past the timeout; 5: depth 512
-    standin.state.control({"faults": "stall:first=4:every=4:after=1:seconds=3"})
+    # the stall (8 s) outlasts the timeout (1 s) by more than a loaded machine adds to the run
+    standin.state.control({"faults": "stall:first=4:every=4:after=1:seconds=8"})
     out = tmp_path / "d.json"
     started = time.monotonic()
     with pytest.raises(Exit) as e:
         bench_tasks.depth(ctx(tmp_path), url=f"http://127.0.0.1:{standin.port}",
                           tokenizer=str(tokdir), depths="0,256,512", runs="1", timeout="1",
                           deadline="86400", output_tokens="4", json=str(out))
-    assert e.value.code == 1 and time.monotonic() - started < 3
+    assert e.value.code == 1 and time.monotonic() - started < 6  # CI ran it in 3.2 s beside the lab
     assert failed_lines(capsys.readouterr().out) == ["depth 256, run 1: timeout: no data for 1s"]
     rows = json.loads(out.read_text())["depths"]
     assert rows[1] == {"depth": 256, "error": "depth 256, run 1: timeout: no data for 1s"}
