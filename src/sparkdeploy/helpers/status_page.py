@@ -49,23 +49,21 @@ EVENTS = 5
 """The watchdog's last events shown."""
 
 
+FORMATS = {
+    "ms": lambda v: f"{v * 1000:.1f} ms",  # a figure in seconds, shown in ms
+    "plain_ms": lambda v: f"{v:.1f} ms",
+    "pct": lambda v: f"{v * 100:.1f} %",
+    "bytes": lambda v: f"{v / 2**30:.1f} GiB",
+    "Bps": lambda v: f"{v / 1e6:.2f} MB/s",
+    "count": lambda v: f"{v:.0f}",
+    "rate": lambda v: f"{v:.1f}",
+}
+"""How each kind of figure is shown (the test formats Prometheus' answer the same way)."""
+
+
 def show(value: float, how: str) -> str:
-    """A figure as the page shows it (the test formats Prometheus' answer the same way)."""
-    if math.isnan(value):
-        return "no data"
-    if how == "ms":
-        return f"{value * 1000:.1f} ms"
-    if how == "plain_ms":
-        return f"{value:.1f} ms"
-    if how == "pct":
-        return f"{value * 100:.1f} %"
-    if how == "bytes":
-        return f"{value / 2**30:.1f} GiB"
-    if how == "Bps":
-        return f"{value / 1e6:.2f} MB/s"
-    if how == "count":
-        return f"{value:.0f}"
-    return f"{value:.1f}"
+    """A figure as the page shows it."""
+    return "no data" if math.isnan(value) else FORMATS[how](value)
 
 
 class Prometheus:
