@@ -99,6 +99,11 @@ def nodes(**kw) -> dict[str, MetricsNode]:
     return {"spark1": head, "spark2": worker}
 
 
+def outcome(results: list) -> tuple:
+    """The step's last result: (status, why)."""
+    return results[-1].status, results[-1].why
+
+
 @pytest.fixture
 def up_targets(monkeypatch):
     """Prometheus' answer: every target up (what its /api/v1/targets says once it scraped)."""
@@ -254,14 +259,14 @@ def test_targets_that_never_come_up_fail_with_what_prometheus_said(tmp_path, mon
     monkeypatch.setattr(step, "page_up", lambda url: True)
     dep, _ = dep_of(tmp_path, nodes())
     results = run_one(dep, "metrics.up")
-    assert (results[-1].status, results[-1].why) == (
+    assert outcome(results) == (
         Status.FAILED, "the metrics at http://192.168.1.11:9090 are not ready after 90 s: "
                        "http://192.168.1.12:9408/metrics down (connection refused)")
     monkeypatch.setattr(step, "targets", lambda url: [
         step._Target(scrapeUrl=f"http://192.168.1.1{i}:9408/metrics", health="up") for i in (1, 1, 2)])
     monkeypatch.setattr(step, "page_up", lambda url: False)
     results = run_one(dep, "metrics.up")
-    assert (results[-1].status, results[-1].why) == (
+    assert outcome(results) == (
         Status.FAILED, "the metrics at http://192.168.1.11:9090 are not ready after 90 s: "
                        "the status page http://192.168.1.11:9480 does not answer")
 
@@ -583,7 +588,7 @@ def test_a_unit_that_does_not_start_fails_the_step_naming_it(tmp_path, up_target
     ns["spark2"].fail_start.add(mx.EXPORTER_UNIT)
     dep, _ = dep_of(tmp_path, ns)
     results = run_one(dep, "metrics.up")
-    assert (results[-1].status, results[-1].why) == (
+    assert outcome(results) == (
         Status.FAILED, "spark2: systemctl start sparkdeploy-exporter.service: Job for "
                        "sparkdeploy-exporter.service failed.")
 

@@ -32,11 +32,11 @@ from sparkdeploy.node import endpoint as ep
 from sparkdeploy.node.deployment import Deployment
 from sparkdeploy.node.hosts import Host
 from sparkdeploy.node.nodeops import NODE_STATE, read_node_file, write_node_file
+from sparkdeploy.ops.serve_containers import UNIT_DIR, unit_files
 from sparkdeploy.ops.units import unit_file
 from sparkdeploy.profile.config import Metrics
 
 NODE_DIR = f"{NODE_STATE}/metrics"
-UNIT_DIR = "/etc/systemd/system"
 PROMETHEUS_UNIT = "sparkdeploy-prometheus.service"
 STATUS_UNIT = "sparkdeploy-status.service"
 STATUS_PAGE = "status_page.py"
@@ -238,10 +238,7 @@ def serving_from(dep: Deployment, on_nodes: dict[str, list[labels.Container]]) -
 def remove(dep: Deployment, host: Host) -> list[str]:
     """Stop the node's metrics units (their ExecStop removes the containers) and remove them and
     the files they ran; the history (``tsdb/``) stays. The units that were there."""
-    paths = [f"{UNIT_DIR}/{u}" for u in units(dep, host.name)]
-    r = host.run(["sh", "-c", 'for f; do [ -e "$f" ] && echo "$f"; done; true', "sh", *paths],
-                 change=False)
-    present = [p.rsplit("/", 1)[1] for p in r.stdout.split()]
+    present = unit_files(host, units(dep, host.name))
     if not present:
         return []
     for u in present:

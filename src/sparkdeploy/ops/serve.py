@@ -182,14 +182,16 @@ def startup_line(marks: dict[str, float]) -> str:
     return f"bring-up {total:.1f} s (" + ", ".join(f"{words[k]} {v:.1f} s" for k, v in got) + ")"
 
 
-def put_file(host: Host, path: str, content: str, mode: str = "0644") -> bool:
-    """Write ``content`` at ``path`` on the node (``Host.put_file``: private, atomically,
-    through stdin) unless it is already there; True when written. The version it replaces is kept as
-    ``<path>.previous`` until the hand-over ends (``restore_files`` puts it back,
+def put_file(host: Host, path: str, content: str, mode: str = "0644", *, keep_previous: bool = True,
+             private: bool = True) -> bool:
+    """Write ``content`` at ``path`` on the node (``Host.put_file``: atomically, through stdin;
+    ``private``: under umask 077, else readable by anyone, as the node's records are) unless it
+    is already there; True when written. With ``keep_previous``, the version it replaces is kept
+    as ``<path>.previous`` until the hand-over ends (``restore_files`` puts it back,
     ``drop_previous`` removes it)."""
     if file_sum(host, path) == hashlib.sha256(content.encode()).hexdigest():
         return False
-    host.put_file(path, content, mode=mode, keep_previous=True)
+    host.put_file(path, content, mode=mode, keep_previous=keep_previous, private=private)
     return True
 
 

@@ -148,12 +148,17 @@ def unit_name(engine: str) -> str:
     return f"sparkdeploy-{engine}.service"
 
 
-def installed(dep: Deployment, host: Host) -> list[str]:
-    """This deployment's unit files on the node (one per engine of the profile)."""
-    paths = [f"{UNIT_DIR}/{unit_name(e.name)}" for e in dep.profile.engines]
+def unit_files(host: Host, units: list[str]) -> list[str]:
+    """Those of ``units`` whose file is on the node (``UNIT_DIR``), in one remote call."""
+    paths = [f"{UNIT_DIR}/{u}" for u in units]
     r = host.run(["sh", "-c", 'for f; do [ -e "$f" ] && echo "$f"; done; true', "sh", *paths],
                  change=False)
     return [p.rsplit("/", 1)[1] for p in r.stdout.split()]
+
+
+def installed(dep: Deployment, host: Host) -> list[str]:
+    """This deployment's unit files on the node (one per engine of the profile)."""
+    return unit_files(host, [unit_name(e.name) for e in dep.profile.engines])
 
 
 def active(host: Host, units: list[str]) -> list[str]:

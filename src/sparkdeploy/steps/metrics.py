@@ -12,8 +12,6 @@ with nothing changed restarts nothing. Its last lines are ``metrics: URL`` and `
 
 from __future__ import annotations
 
-import hashlib
-
 from pydantic import BaseModel
 
 from sparkdeploy.core import packaged
@@ -25,7 +23,7 @@ from sparkdeploy.node.deployment import Deployment
 from sparkdeploy.node.hosts import Host
 from sparkdeploy.node.nodeops import docker, inspect_image
 from sparkdeploy.ops import metrics as mx
-from sparkdeploy.ops.serve import file_sum
+from sparkdeploy.ops.serve import put_file
 from sparkdeploy.ops.serve_containers import active, ours
 from sparkdeploy.steps.registry import StepContext, step
 
@@ -135,11 +133,9 @@ def _refusals(ctx: StepContext, s: mx.Serving, hosts: list[Host]) -> tuple[list[
 
 
 def _put(host: Host, path: str, content: str) -> bool:
-    """Write a file of the node's records unless it is already so; True when written."""
-    if file_sum(host, path) == hashlib.sha256(content.encode()).hexdigest():
-        return False
-    host.put_file(path, content, mode="0644", private=False)
-    return True
+    """A file of the node's records (readable by anyone, no previous version kept) unless it is
+    already so; True when written."""
+    return put_file(host, path, content, "0644", keep_previous=False, private=False)
 
 
 def _write(dep: Deployment, s: mx.Serving, h: Host, binary: str | None,
@@ -204,11 +200,12 @@ def _start(h: Host, dep: Deployment, restart: list[str], reload: bool) -> list[s
 def _ready(ctx: StepContext, url: str, want: int) -> list[_Target]:
     """Every target scraped and up, within ``READY_S`` and two scrape intervals."""
     last: list[_Target] = []
+    page = mx.status_url(ctx.dep)
 
     def probe() -> list[_Target] | None:
         last[:] = targets(url)
         ok = len(last) == want and all(t.health == "up" for t in last)
-        return list(last) if ok and page_up(mx.status_url(ctx.dep)) else None
+        return list(last) if ok and page_up(page) else None
 
     def seen(_: object) -> str:
         if not last:
@@ -217,7 +214,7 @@ def _ready(ctx: StepContext, url: str, want: int) -> list[_Target]:
                          + (f" ({t.lastError})" if t.lastError else "") for t in last
                          if t.health != "up") or (
             f"{len(last)} of {want} targets" if len(last) != want
-            else f"the status page {mx.status_url(ctx.dep)} does not answer")
+            else f"the status page {page} does not answer")
 
     dep = ctx.dep
     try:
