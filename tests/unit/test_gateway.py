@@ -3,6 +3,7 @@ behind it, each serving one model."""
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import socket
@@ -201,10 +202,9 @@ def test_per_model_figures_on_metrics(engines, gateway):
 
 
 def test_the_program_keeps_the_key_out_of_its_argv_logs_and_metrics(engines, tmp_path):
-    key_file = tmp_path / "key"
-    key_file.write_text(KEY + "\n")
     config = tmp_path / "gateway.json"
-    config.write_text(json.dumps({"listen": "127.0.0.1:0", "api_key_file": str(key_file),
+    config.write_text(json.dumps({"listen": "127.0.0.1:0",
+                                  "api_key_sha256": hashlib.sha256(KEY.encode()).hexdigest(),
                                   "backends": [{"url": url(engines[0])},
                                                {"url": url(engines[1]), "models": ["m-b"]}]}))
     argv = [sys.executable, str(Path(gw.__file__)), "--config", str(config)]

@@ -17,7 +17,8 @@ FORMAT = ('[{{json .ID}},{{json .Names}},{{json .State}},{{json .Status}},'
           '{{json (.Label "org.sparkdeploy.started.by")}},'
           '{{json (.Label "org.sparkdeploy.fingerprint")}},'
           '{{json (.Label "org.sparkdeploy.fingerprint.keys")}},'
-          '{{json (.Label "org.sparkdeploy.recipe")}}]')
+          '{{json (.Label "org.sparkdeploy.recipe")}},'
+          '{{json (.Label "org.sparkdeploy.placement")}}]')
 
 
 def test_ps_argv_of_a_deployment_of_an_engine_and_of_any():

@@ -17,7 +17,7 @@ from sparkdeploy.run import swap as sw
 from sparkdeploy.steps import model_fit
 from sparkdeploy.steps import model_prune as checks_prune
 from sparkdeploy.steps import swap as checks
-from sparkdeploy.steps.registry import run_one
+from sparkdeploy.steps.registry import StepContext, run_one
 from tests.unit.fakes import FakeContext, deployment, split_command
 from tests.unit.profiles import SEED
 
@@ -239,8 +239,12 @@ class Swap:
         monkeypatch.setattr(sw, "prepare", lambda ctx, o, keep, engine=None: prepare_fails)
         monkeypatch.setattr(sw.Health, "__enter__", lambda s: s)
 
-        def call_on(ctx, d, name, **opts):
-            which = "new" if d is new else "old"
+        real_call = StepContext.call
+
+        def call(ctx, name, *, on=None, **opts):
+            if on is None:
+                return real_call(ctx, name, **opts)
+            which = "new" if on is new else "old"
             self.calls.append((which, name, opts))
             if name == "serve.down" and which == "old" and down_fails:
                 return [ctx.report(Result("serve.down", Status.FAILED, "still there: x", "spark2"))]
@@ -251,7 +255,7 @@ class Swap:
                 return [ctx.report(Result("serve.up", Status.OK, "endpoint: http://h:30000", None,
                                           {"endpoint": "http://h:30000", "engine": "sglang"}))]
             return [ctx.report(Result(name, Status.CHANGED, "done"))]
-        monkeypatch.setattr(sw, "call_on", call_on)
+        monkeypatch.setattr(StepContext, "call", call)
 
     def run(self, **kw):
         return sw.run(self.new, self.old, **kw)
@@ -364,7 +368,7 @@ def test_prepare_runs_the_new_deployments_steps_and_stops_nothing(dep, monkeypat
     assert ran["steps"] == ["model.download", "image.probe", "image.build", "image.ship",
                             "model.sync", "model.verify"]
     assert ctx.called == [("swap.fit", {"old": old, "engine": None}),
-                          ("swap.disk", {"keep": ["/srv/models/old"]}), ("swap.flags", {})]
+                          ("swap.disk", {"keep": ["/srv/models/old"]}), ("swap.flags", {"on": new})]
 
 
 def test_prepare_stops_at_a_check_before_the_plan(dep, monkeypatch):

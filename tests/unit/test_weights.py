@@ -355,5 +355,6 @@ def test_huggingface_hub_reads_the_recipe_repositories_from_the_lab_hub(recipe_h
     served = sorted(recipe_hub.state.repos)
     assert served == sorted(["Qwen/Qwen3.5-122B-A10B-FP8", *(m.repo_id for m in tiny.MODELS),
                              *(la.repo_id for la in hub_layouts.available())])
-    # the seed's, the real engine's two (lab-tiny, lab-tiny-b) and the five of tests/unit/data/configs
-    assert len(served) == 8
+    # the seed's, the real engine's three (lab-tiny, lab-tiny-b, lab-tiny-c) and the five of
+    # tests/unit/data/configs
+    assert len(served) == 9

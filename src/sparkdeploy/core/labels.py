@@ -48,6 +48,10 @@ PORT = f"{NS}.port"
 RECIPE = f"{NS}.recipe"
 """The recipe the deployment's model part came from (``deploy.all --recipe``, a swap's new one,
 the profile's ``recipe:``): how a controller knows which model serves (``ops.swap``)."""
+PLACEMENT = f"{NS}.placement"
+"""On a model ``serve.add`` placed beside the profile's deployment: its ``config.Placement`` as JSON
+(the deployment beside which, the recipe, the nodes, the ports' offset, the memory fraction), so
+any controller derives the same deployment again (``ops.placement``)."""
 FINGERPRINT = f"{NS}.fingerprint"
 FINGERPRINT_KEYS = f"{NS}.fingerprint.keys"
 
@@ -63,7 +67,7 @@ REQUIREMENT = f"{NS}.transformers.requirement"
 ENGINE_REQUIRES = f"{NS}.engine.requires"
 
 READ = (DEPLOYMENT, ENGINE, ENGINE_KIND, ROLE, RANK, IMAGE_ID, PORT, STARTED, STARTED_BY,
-        FINGERPRINT, FINGERPRINT_KEYS, RECIPE)
+        FINGERPRINT, FINGERPRINT_KEYS, RECIPE, PLACEMENT)
 """The labels ``ps_args`` reads, in this order after the container's ID, name, state, status."""
 
 
@@ -101,7 +105,8 @@ def engine_fingerprint(profile: Any, engine: Any) -> dict[str, Any]:
 
 def engine_labels(*, deployment: str, engine: str, kind: str, role: str, rank: int, port: int,
                   fingerprint: dict[str, Any], image_id: str | None = None,
-                  image_digest: str | None = None, recipe: str | None = None) -> dict[str, str]:
+                  image_digest: str | None = None, recipe: str | None = None,
+                  placement: str | None = None) -> dict[str, str]:
     """The labels of one engine container (``started`` adds when and by what)."""
     out = {DEPLOYMENT: deployment, ENGINE: engine, ENGINE_KIND: kind, ROLE: role,
            RANK: str(rank), PORT: str(port), FINGERPRINT: digest(fingerprint),
@@ -112,6 +117,8 @@ def engine_labels(*, deployment: str, engine: str, kind: str, role: str, rank: i
         out[IMAGE_DIGEST] = image_digest
     if recipe:
         out[RECIPE] = recipe
+    if placement:
+        out[PLACEMENT] = placement
     return out
 
 
@@ -157,6 +164,8 @@ class Container:
     fingerprint: str = ""
     fingerprint_keys: str = ""
     recipe: str = ""
+    placement: str = ""
+    """``PLACEMENT``'s JSON ('' on the profile's own deployment)."""
 
     @property
     def running(self) -> bool:
@@ -199,5 +208,6 @@ def parse_ps(stdout: str) -> list[Container]:
             deployment=lab[DEPLOYMENT], engine=lab[ENGINE], kind=lab[ENGINE_KIND], role=lab[ROLE],
             rank=_int(lab[RANK]), image_id=lab[IMAGE_ID], port=_int(lab[PORT]),
             started=lab[STARTED], started_by=lab[STARTED_BY], fingerprint=lab[FINGERPRINT],
-            fingerprint_keys=lab[FINGERPRINT_KEYS], recipe=lab[RECIPE]))
+            fingerprint_keys=lab[FINGERPRINT_KEYS], recipe=lab[RECIPE],
+            placement=lab[PLACEMENT]))
     return out

@@ -61,7 +61,8 @@ def launch(profile: Profile, engine: Engine, facts: dict[str, NodeFacts],
         return replace(c, image=by_id or c.image, labels=tuple(sorted(labels.engine_labels(
             deployment=profile.name, engine=engine.name, kind=engine.kind, role=c.role,
             rank=c.rank, port=lau.port, fingerprint=fp, image_id=image_id,
-            image_digest=image_digest, recipe=profile.recipe).items())))
+            image_digest=image_digest, recipe=profile.recipe,
+            placement=profile.placement.model_dump_json() if profile.placement else None).items())))
 
     return replace(lau, stages=tuple(replace(s, containers=tuple(map(labelled, s.containers)))
                                      for s in lau.stages))

@@ -117,6 +117,9 @@ class Kind:
     """Rules over the order of one log's lines that only this kind's logs need."""
     markers: ClassVar[tuple[Pat, ...]] = ()
     """The patterns its sequence rules look for (their keys pick a log's candidate lines)."""
+    memory_fraction_flag: ClassVar[str]
+    """The flag that bounds the share of the GPU's memory one instance takes (per instance: how
+    ``serve.add`` places several models on one node)."""
     api_key_env: ClassVar[str] = API_KEY_ENV
     """The container variable the endpoint's API key reaches the engine in (a secret handed
     over through ``--env-file``, never argv)."""

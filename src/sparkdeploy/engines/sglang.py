@@ -95,6 +95,9 @@ class SGLang(Kind):
 
     name = "sglang"
     software = "sglang"
+    memory_fraction_flag = "--mem-fraction-static"
+    """SGLang's server arguments: the fraction of the GPU's memory for the weights and the KV
+    cache pool of this server."""
     image_rule = ImageRule(
         min_version="0.5.9",
         model_files=("sglang/srt/models/qwen3_5.py", "sglang/srt/models/qwen3_5_mtp.py"),

@@ -217,6 +217,9 @@ class VLLM(Kind):
 
     name = "vllm"
     software = "vllm"
+    memory_fraction_flag = "--gpu-memory-utilization"
+    """vLLM's engine arguments: "the fraction of GPU memory to be used for the model executor
+    ... a per-instance limit" (``gpu_memory_utilization``, default 0.9)."""
     image_rule = ImageRule(
         min_version="0.17.0",
         model_files=("vllm/model_executor/models/qwen3_5.py",

@@ -14,20 +14,21 @@ Routes by the request's ``model``:
   table is read again from the backends first, at most once a second). No ``model``: 400.
 - A backend that cannot be reached: 502 naming the model and the backend's address; a backend
   that fails midway closes the client's stream (its chunked answer never ends).
-- With an API key (``--api-key-file``, or ``api_key_file`` in ``--config``), ``/v1/*`` needs
-  ``Authorization: Bearer <key>`` (401 otherwise; ``hmac.compare_digest``); ``/health`` and
-  ``/metrics`` stay open, as vLLM's do. The client's Authorization header is passed to the
-  backend as it came (the engines hold the deployment's key too). The key is never logged, never
-  in ``/metrics`` and never on the command line.
+- With an API key, ``/v1/*`` needs ``Authorization: Bearer <key>`` (401 otherwise). The gateway
+  holds only the key's SHA-256 (``api_key_sha256`` in ``--config``: the node never stores the
+  key itself) and compares the digest of what the client sent (``hmac.compare_digest``);
+  ``/health`` and ``/metrics`` stay open, as vLLM's do. The client's Authorization header is
+  passed to the backend as it came (the engines hold the deployment's key). Nothing of the key is
+  logged, in ``/metrics`` or on the command line.
 - ``GET /metrics``: Prometheus text, per model: requests, errors (an answer >= 400, or a backend
   that failed), prompt and completion tokens (from ``usage`` when an answer carries one), and
   the time to first byte (the request read to the backend's first byte of the answer) as a
   histogram. ``GET /health``: 200.
 
 Configuration: ``--config FILE`` (JSON: ``{"listen": "HOST:PORT", "backends": [{"url": URL,
-"models": [NAME, ...]}, ...], "api_key_file": PATH}``; ``models`` optional: names routed
+"models": [NAME, ...]}, ...], "api_key_sha256": HEX}``; ``models`` optional: names routed
 there before the backend answers ``/v1/models``) and/or ``--listen``, ``--backend URL``
-(repeated), ``--api-key-file``. Once listening it prints one JSON line on stdout,
+(repeated). Once listening it prints one JSON line on stdout,
 ``{"listening": "http://HOST:PORT", "models": {...}}``; a log line per request goes to stderr
 (method, path, model, status, seconds: never a header).
 
@@ -37,6 +38,7 @@ there before the backend answers ``/v1/models``) and/or ``--listen``, ``--backen
 from __future__ import annotations
 
 import argparse
+import hashlib
 import hmac
 import http.client
 import json
@@ -200,10 +202,11 @@ def _label(v: str) -> str:
 class Config:
     def __init__(self, listen: str = "127.0.0.1:0", backends: list[Backend] | None = None,
                  api_key: str | None = None, backend_timeout: float = BACKEND_TIMEOUT_S,
-                 log: bool = True) -> None:
+                 log: bool = True, api_key_sha256: str | None = None) -> None:
         self.listen = listen
         self.backends = list(backends or [])
-        self.api_key = api_key
+        self.api_key_sha256 = (hashlib.sha256(api_key.encode()).hexdigest() if api_key
+                               else (api_key_sha256 or "").lower() or None)
         self.backend_timeout = backend_timeout
         self.log = log
 
@@ -320,11 +323,12 @@ class Handler(BaseHTTPRequestHandler):
         self._json(code, {"object": "error", **err, "error": err})
 
     def _authorized(self) -> bool:
-        key = self.server.cfg.api_key
-        if not key:
+        want = self.server.cfg.api_key_sha256
+        if not want:
             return True
         given = self.headers.get("Authorization", "")
-        if hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        token = given[len("Bearer "):] if given.startswith("Bearer ") else ""
+        if token and hmac.compare_digest(hashlib.sha256(token.encode()).hexdigest(), want):
             return True
         self.server.figures.refuse("unauthorized")
         self._error(401, "missing or wrong API key (Authorization: Bearer ...)",
@@ -591,14 +595,13 @@ def load_config(ns: argparse.Namespace) -> Config:
             raise ValueError(f"{ns.config}: not a JSON object")
     backends = [Backend(b["url"], b.get("models")) for b in doc.get("backends", [])]
     backends += [Backend(u) for u in ns.backend or []]
-    key_file = ns.api_key_file or doc.get("api_key_file")
-    key = None
-    if key_file:
-        with open(key_file, encoding="utf-8") as f:
-            key = f.read().strip() or None
+    digest = doc.get("api_key_sha256")
+    if digest is not None and not (isinstance(digest, str) and len(digest) == 64
+                                   and all(ch in "0123456789abcdefABCDEF" for ch in digest)):
+        raise ValueError("api_key_sha256: not a SHA-256 in hex")
     return Config(listen=ns.listen or doc.get("listen") or "127.0.0.1:8000", backends=backends,
-                  api_key=key, backend_timeout=float(doc.get("backend_timeout",
-                                                             BACKEND_TIMEOUT_S)),
+                  api_key_sha256=digest,
+                  backend_timeout=float(doc.get("backend_timeout", BACKEND_TIMEOUT_S)),
                   log=not ns.quiet)
 
 
@@ -611,10 +614,9 @@ def start_in_thread(cfg: Config) -> Gateway:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gateway", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", help="a JSON file: listen, backends, api_key_file")
+    p.add_argument("--config", help="a JSON file: listen, backends, api_key_sha256")
     p.add_argument("--listen", help="HOST:PORT (default 127.0.0.1:8000)")
     p.add_argument("--backend", action="append", help="an engine's URL (repeat)")
-    p.add_argument("--api-key-file", help="a file holding the API key clients must send")
     p.add_argument("--quiet", action="store_true", help="no line per request on stderr")
     ns = p.parse_args(argv)
     try:
@@ -623,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as e:
         sys.stderr.write(f"error: {e}\n")
         return 1
-    gw.ask_backends(f"Bearer {cfg.api_key}" if cfg.api_key else None)  # the engines' key too
+    gw.ask_backends(None)  # keyed engines answer 401 here: the config's models route them
     print(json.dumps({"listening": gw.url,
                       "models": {m: b.url for m, b in sorted(gw.routes.items())}}), flush=True)
     try:

@@ -51,8 +51,10 @@ MODELS = (
     Tiny("sparkdeploy-lab/tiny-qwen3", "lab-tiny", "sparkdeploy lab-tiny qwen3 v1"),
     # a second set of weights, for serve.swap between two real models
     Tiny("sparkdeploy-lab/tiny-qwen3-b", "lab-tiny-b", "sparkdeploy lab-tiny-b qwen3 v1"),
+    # a third, for serve.add: three models on the pair behind one endpoint
+    Tiny("sparkdeploy-lab/tiny-qwen3-c", "lab-tiny-c", "sparkdeploy lab-tiny-c qwen3 v1"),
 )
-FIRST, SECOND = MODELS
+FIRST, SECOND, THIRD = MODELS
 REPO_ID, RECIPE, SEED = FIRST.repo_id, FIRST.recipe, FIRST.seed
 
 HIDDEN = 128

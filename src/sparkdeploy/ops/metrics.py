@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import shlex
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import Any
@@ -33,7 +32,6 @@ from sparkdeploy.node.deployment import Deployment
 from sparkdeploy.node.hosts import Host
 from sparkdeploy.node.nodeops import NODE_STATE, read_node_file, write_node_file
 from sparkdeploy.ops.serve_containers import UNIT_DIR, unit_files
-from sparkdeploy.ops.units import unit_file
 from sparkdeploy.profile.config import Metrics
 
 NODE_DIR = f"{NODE_STATE}/metrics"
@@ -160,21 +158,6 @@ def status_start(m: Metrics) -> list[str]:
 
 def container_stop(host: Host, name: str) -> list[str]:
     return [DOCKER, "-H", f"unix://{host.node.docker_socket}", "rm", "--force", name]
-
-
-def unit_text(what: str, dep: Deployment, host: Host, start: list[str],
-              stop: list[str] | None) -> str:
-    service = [("Type", "simple"), ("ExecStart", shlex.join(start))]
-    if stop:
-        service.append(("ExecStop", shlex.join(stop)))
-    service += [("Restart", "on-failure"), ("RestartSec", "5"), ("TimeoutStopSec", "30")]
-    return unit_file({
-        "Unit": [("Description", f"sparkdeploy {what} of {dep.profile.name} on {host.name}"),
-                 ("Wants", "docker.service network-online.target"),
-                 ("After", "docker.service network-online.target")],
-        "Service": service,
-        "Install": [("WantedBy", "multi-user.target")],
-    })
 
 
 @dataclass(frozen=True)

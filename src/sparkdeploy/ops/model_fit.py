@@ -15,12 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from sparkdeploy.core.errors import PartFailed
 from sparkdeploy.core.outside import OutsideError
 from sparkdeploy.model import estimate as est
 from sparkdeploy.model import fit
 from sparkdeploy.model.fit import GIB, Check
+from sparkdeploy.node import memory
 from sparkdeploy.node.deployment import Deployment
-from sparkdeploy.node.hosts import HostError
+from sparkdeploy.node.hosts import Host, HostError
+from sparkdeploy.node.memory import NodeMemory
+from sparkdeploy.node.nodeops import HelperFailed
+from sparkdeploy.ops import Ctx
 from sparkdeploy.ops.model import ModelError, fetch_file
 from sparkdeploy.profile.config import Engine, read_recipe
 from sparkdeploy.profile.overlays import ProfileError
@@ -103,3 +108,31 @@ def size(cfg: Any, engine: Engine, *, node: str, gpus: int, weights: float, rese
             f"none of {', '.join(fit.SEQS_FLAGS)} in its args: one, the least an engine holds "
             "at full context")
     return Sized(e, c, said)
+
+
+def node_memory(ctx: Ctx) -> dict[str, NodeMemory]:
+    """{node: its memory report} for every node that answered (one failed line each other)."""
+    dep = ctx.dep
+    got: dict[str, NodeMemory] = {}
+
+    def one(host: Host) -> None:
+        try:
+            m = memory.read(host)
+        except HelperFailed as e:
+            raise PartFailed(str(e), host.name) from None
+        want = dep.profile.node(host.name).gpus
+        if m.gpu_usable is None or m.gpu_total is None:
+            ctx.failed(f"{host.name}: no memory figures: {m.why or 'none given'}", host.name)
+        elif m.gpus < want:
+            ctx.failed(f"{host.name}: the profile gives it {want} GPUs, nvidia-smi lists {m.gpus}",
+                       host.name)
+        else:
+            got[host.name] = m
+
+    ctx.each([dep.host(n.name) for n in gpu_nodes(ctx)], one, parallel=True)
+    return got
+
+
+def gpu_nodes(ctx: Ctx) -> list:
+    """The profile's nodes that hold a rank (a node with no GPU holds no weights)."""
+    return [n for n in ctx.dep.profile.nodes if n.gpus > 0]

@@ -288,7 +288,8 @@ def check(ctx: Ctx, engine: Engine, lau: Launch) -> Preflight:
             pf.fail(h.name, got)
         elif got is not None:
             _check_node(dep, engine, h, got, pf, meta)
-            _check_gpu(h, pf)
+            if dep.profile.placement is None:  # a placed model shares the GPU: serve.add's fit
+                _check_gpu(h, pf)
     if None not in gathered:
         _check_images(dep, engine.image, hosts, pf)
     pf.image_digest = image_ops.engine_digest(dep, engine.name)

@@ -4,6 +4,7 @@ way a unit file is written (``unit_file``: the persisted engines', the metrics')
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -104,6 +105,23 @@ class UnitValueError(StepFailed, ValueError):
     """A value that cannot go into a unit file (it would end its line or continue it)."""
 
 
+def service_unit(what: str, deployment: str, node: str, start: list[str],
+                 stop: list[str] | None = None) -> str:
+    """A helper's unit (the metrics', the gateway's): one long-running program, restarted on a
+    failure, started with the node (``WantedBy=multi-user.target``) once enabled."""
+    service = [("Type", "simple"), ("ExecStart", shlex.join(start))]
+    if stop:
+        service.append(("ExecStop", shlex.join(stop)))
+    service += [("Restart", "on-failure"), ("RestartSec", "5"), ("TimeoutStopSec", "30")]
+    return unit_file({
+        "Unit": [("Description", f"sparkdeploy {what} of {deployment} on {node}"),
+                 ("Wants", "docker.service network-online.target"),
+                 ("After", "docker.service network-online.target")],
+        "Service": service,
+        "Install": [("WantedBy", "multi-user.target")],
+    })
+
+
 def unit_file(sections: dict[str, list[tuple[str, str]]]) -> str:
     """A systemd unit file from ``{section: [(key, value), ...]}``: every value is one line.
 
@@ -119,3 +137,18 @@ def unit_file(sections: dict[str, list[tuple[str, str]]]) -> str:
             out.append(f"{key}={value.replace('%', '%%')}")
         out.append("")
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+def listening(host: Host) -> dict[int, str]:
+    """{port: who} of the node's listening TCP sockets (``ss``; who: the process when told)."""
+    r = host.run(["ss", "-Hltnp"], change=False)
+    out: dict[int, str] = {}
+    for line in r.stdout.splitlines():
+        parts = line.split()
+        if len(parts) < 4:
+            continue
+        port = parts[3].rsplit(":", 1)[-1]
+        if port.isdigit():
+            who = next((p for p in parts[5:] if p.startswith("users:")), "")
+            out[int(port)] = who.split('"')[1] if who.count('"') >= 2 else "another program"
+    return out

@@ -400,6 +400,30 @@ class Metrics(_Strict):
         return self
 
 
+class Gateway(_Strict):
+    """``serve.add``'s one endpoint: the gateway on the head (``helpers/gateway.py``) in front of
+    every model placed on the cluster, routing each request by the ``model`` it names."""
+
+    port: Port = 8888
+    """The gateway's port on the head: the address ``serve.add`` prints as ``endpoint:``."""
+    ready_s: float = Field(default=30, gt=0, le=3600)
+    """How long the gateway may take to list every placed model after a (re)start."""
+
+
+class Placement(_Strict):
+    """What ``serve.add`` placed beside the profile's own deployment: set by ``serve.add`` (and read
+    back from the nodes' labels), never in a profile file."""
+
+    of: str
+    """The profile's deployment this model is placed beside."""
+    recipe: Text
+    nodes: list[Name] = Field(min_length=1)
+    offset: int = Field(ge=1, le=1000)
+    """Added to every port of the recipe's engines (API, init, the supervisors' group)."""
+    fraction: float | None = Field(default=None, gt=0, le=1)
+    """The memory fraction its engines were given (None: the recipe's own args)."""
+
+
 class Profile(_Strict):
     name: Annotated[str, AfterValidator(checks.profile_name)]
     """The deployment's name: in unit descriptions, state-dir file names and container labels."""
@@ -418,6 +442,9 @@ class Profile(_Strict):
     serve: Serve = Field(default_factory=Serve)
     fit: Fit = Field(default_factory=Fit)
     metrics: Metrics = Field(default_factory=Metrics)
+    gateway: Gateway = Field(default_factory=Gateway)
+    placement: Placement | None = None
+    """Set on the profile ``serve.add`` derives for a placed model (``ops.placement``)."""
     endpoint: Url | None = None
     """The deployed OpenAI-compatible endpoint, when known (bench's default target)."""
 
@@ -541,6 +568,8 @@ def _cross_checks(p: Profile) -> tuple[str, str] | None:
     for name in p.fit.engines:
         if name not in names:
             return f"sparkdeploy.fit.engines.{name}", "no engine by that name"
+    if p.placement is not None:
+        return "sparkdeploy.placement", "set by serve.add on the nodes, not in a profile"
     return None
 
 
@@ -550,6 +579,32 @@ def load_profile(path: str | Path, recipe: str | None = None,
     with one line. ``recipe``: deploy this recipe instead of the profile's model part;
     ``recipe_dirs``: owners' recipe directories beside the profile's ``recipes:``."""
     return load_layered(path, recipe, recipe_dirs)[0]
+
+
+def load_placed(path: str | Path, recipe: str, nodes: list[str],
+                recipe_dirs: tuple[str, ...] = ()) -> Profile:
+    """The profile with ``recipe``'s model part on ``nodes`` only (in the profile's order, the
+    first of them the head), the engines' layouts filled for those nodes' GPUs: what
+    ``serve.add`` derives a placed model's deployment from (``ops.placement.derive``)."""
+    merged = load_merged(path)
+    body = merged.body
+    listed = body.get("nodes") if isinstance(body.get("nodes"), list) else []
+    keep = [dict(n) for n in listed if isinstance(n, dict) and n.get("name") in nodes]
+    for i, n in enumerate(keep):
+        n["role"] = "head" if i == 0 else "worker"
+    body["nodes"] = keep
+    services = body.get("services")
+    if isinstance(services, dict):
+        services.pop("stop", None)  # the owner's units are the profile's deployment's business
+    merged = with_recipe(merged, recipe, recipe_dirs)
+    try:
+        profile = Profile.model_validate(merged.body)
+    except ValidationError as e:
+        raise _blame(merged, *_first_error(e)) from None
+    problem = _cross_checks(profile)
+    if problem:
+        raise _blame(merged, *problem)
+    return profile
 
 
 def _blame(merged: Merged, key: str, msg: str) -> ProfileError:

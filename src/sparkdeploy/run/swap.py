@@ -74,13 +74,6 @@ class Outcome:
     engine: str | None = None
 
 
-def call_on(ctx: StepContext, dep: Deployment, name: str, **options: Any) -> list[Result]:
-    """Run step ``name`` on ``dep`` (the old or the new deployment) as part of ``ctx``'s."""
-    child = StepContext(name, ctx.events, dep, parent=ctx)
-    child.run(**options)
-    return child.results
-
-
 def failed(results: list[Result]) -> list[Result]:
     return [r for r in results if r.failed and not r.superseded]
 
@@ -133,14 +126,21 @@ def prepare(ctx: StepContext, old: Deployment, keep: list[str],
         bad = failed(ctx.call(name, **opts))
         if bad:
             return f"{name}: {bad[0].why}"
+    return staged(ctx, new)
+
+
+def staged(ctx: StepContext, new: Deployment, name: str = "swap") -> str | None:
+    """``new``'s weights and image on its nodes (``PREPARE_STEPS`` as ``deploy.all``'s plan has
+    them), then its engines' flags checked (``swap.flags``), reporting as part of ``ctx``'s step:
+    why it failed, or None. Nothing serving is touched (``serve.swap``'s prepare, ``serve.add``)."""
     steps = [s for s in plans.plan(new) if s.name in PREPARE_STEPS]
-    out = Runner(new, steps, name="swap", serial=new.dry).run()
+    out = Runner(new, steps, name=name, serial=new.dry).run()
     bad_steps = [n for n, r in out.runs.items() if r.state == "failed"]
     for r in out.results():
         ctx.results.append(r)  # already on the stream, as the runner's steps reported them
     if bad_steps:
         return f"{', '.join(bad_steps)} failed"
-    bad = failed(ctx.call(FLAGS))
+    bad = failed(ctx.call(FLAGS, on=new))
     return f"{FLAGS}: {bad[0].why}" if bad else None
 
 
@@ -148,13 +148,13 @@ def bring_back(ctx: StepContext, old: Deployment, engine: str | None, was_persis
                decision: ImageDecision | None) -> str:
     """The old deployment serving again from what the nodes still hold; what happened."""
     new = ctx.dep
-    call_on(ctx, new, "serve.down", keep_metrics=True)
+    ctx.call("serve.down", on=new, keep_metrics=True, keep_placed=True)
     if decision is not None and not old.dry:
         old.records.write(decision, markdown=None)
     if was_persisted:
-        back = call_on(ctx, old, "serve.persist", engine=engine)
+        back = ctx.call("serve.persist", on=old, engine=engine)
     else:
-        back = call_on(ctx, old, "serve.up", engine=engine)
+        back = ctx.call("serve.up", on=old, engine=engine)
     bad = failed(back)
     return (f"the old model {old.profile.model.repo} could not be brought back: {bad[0].why}"
             if bad else f"the old model {old.profile.model.repo} serves again")
@@ -187,12 +187,12 @@ def cut_over(ctx: StepContext, old: Deployment, engine: str | None,
     if not new.dry:
         ops.write_phase(head, record)
     last_good = time.time()
-    down = call_on(ctx, old, "serve.down", keep_metrics=True)  # the metrics follow after
+    down = ctx.call("serve.down", on=old, keep_metrics=True, keep_placed=True)  # the metrics follow
     if failed(down) and not new.dry:
         return roll_back(ctx, old, f"the old engine did not stop: {failed(down)[0].why}",
                          was_persisted, decision, record)
     t0 = new.clock()
-    up = call_on(ctx, new, "serve.up", engine=engine)
+    up = ctx.call("serve.up", on=new, engine=engine)
     bringup = bringup_s(up, new.clock() - t0)
     url = next((r.details["endpoint"] for r in up if r.details.get("endpoint")), None)
     served = next((r.details.get("engine") for r in up if r.details.get("endpoint")), None)
@@ -209,7 +209,7 @@ def cut_over(ctx: StepContext, old: Deployment, engine: str | None,
         return roll_back(ctx, old, why, was_persisted, decision, record, bringup)
     if was_persisted:  # the hand-over to the new units is part of the downtime
         for name, opts in (("serve.unpersist", {}), ("serve.persist", {"engine": served})):
-            bad_p = failed(call_on(ctx, old if name == "serve.unpersist" else new, name, **opts))
+            bad_p = failed(ctx.call(name, on=old if name == "serve.unpersist" else new, **opts))
             if bad_p:
                 record.phase, record.why = ops.DONE, f"{name}: {bad_p[0].why}"
                 ops.write_phase(head, record)
@@ -233,8 +233,8 @@ def settled(ctx: StepContext, old: Deployment, was: ops.Phase | None) -> bool:
     if (was is not None and was.phase in (ops.PREPARE, ops.CUT_OVER)
             and was.to_model == new.profile.model.repo and not new.dry):
         if was.persisted and not persisted(new):
-            call_on(ctx, old, "serve.unpersist")
-            call_on(ctx, new, "serve.persist", engine=now[0])
+            ctx.call("serve.unpersist", on=old)
+            ctx.call("serve.persist", on=new, engine=now[0])
         was.phase, was.why = ops.DONE, f"{new.profile.model.repo} serves (completed by a re-run)"
         ops.write_phase(new.host(new.profile.head.name), was)
     ctx.ok(f"{now[0]} already serves {new.profile.model.repo}: nothing stopped",

@@ -25,6 +25,7 @@ from sparkdeploy.node.nodeops import docker, inspect_image
 from sparkdeploy.ops import metrics as mx
 from sparkdeploy.ops.serve import put_file
 from sparkdeploy.ops.serve_containers import active, ours
+from sparkdeploy.ops.units import listening, service_unit
 from sparkdeploy.steps.registry import StepContext, step
 
 STEP_UP = "metrics.up"
@@ -66,21 +67,6 @@ def page_up(url: str) -> bool:
         return request("GET", f"{url}/health", deadline=5).status == 200
     except OutsideError:
         return False
-
-
-def listening(host: Host) -> dict[int, str]:
-    """{port: who} of the node's listening TCP sockets (``ss``; who: the process when told)."""
-    r = host.run(["ss", "-Hltnp"], change=False)
-    out: dict[int, str] = {}
-    for line in r.stdout.splitlines():
-        parts = line.split()
-        if len(parts) < 4:
-            continue
-        port = parts[3].rsplit(":", 1)[-1]
-        if port.isdigit():
-            who = next((p for p in parts[5:] if p.startswith("users:")), "")
-            out[int(port)] = who.split('"')[1] if who.count('"') >= 2 else "another program"
-    return out
 
 
 def _which(host: Host, program: str) -> str | None:
@@ -146,7 +132,7 @@ def _write(dep: Deployment, s: mx.Serving, h: Host, binary: str | None,
     program = packaged.data(mx.EXPORTER).read_text()
     restart: list[str] = []
     unit_changed = False
-    exp_unit = mx.unit_text("metrics exporter", dep, h,
+    exp_unit = service_unit("metrics exporter", prof.name, h.name,
                             mx.exporter_start(h, s.images[h.name], prof.metrics.exporter_port),
                             mx.container_stop(h, mx.EXPORTER_CONTAINER))
     if _put(h, f"{mx.UNIT_DIR}/{mx.EXPORTER_UNIT}", exp_unit):
@@ -163,14 +149,14 @@ def _write(dep: Deployment, s: mx.Serving, h: Host, binary: str | None,
     changed_conf = _put(h, mx.RULES_FILE, packaged.data(mx.RULES).read_text()) or changed_conf
     stop = (mx.container_stop(h, mx.PROMETHEUS_CONTAINER) if prof.metrics.prometheus == "image"
             else None)
-    prom_unit = mx.unit_text("Prometheus", dep, h, mx.prometheus_start(dep, binary), stop)
+    prom_unit = service_unit("Prometheus", prof.name, h.name, mx.prometheus_start(dep, binary), stop)
     if _put(h, f"{mx.UNIT_DIR}/{mx.PROMETHEUS_UNIT}", prom_unit):
         unit_changed = True
         restart.append(mx.PROMETHEUS_UNIT)
     elif changed_conf:
         restart.append(mx.PROMETHEUS_UNIT)
     page = _put(h, mx.STATUS_FILE, packaged.helper(mx.STATUS_PAGE).read_text())
-    status_unit = mx.unit_text("status page", dep, h, mx.status_start(prof.metrics), None)
+    status_unit = service_unit("status page", prof.name, h.name, mx.status_start(prof.metrics))
     if _put(h, f"{mx.UNIT_DIR}/{mx.STATUS_UNIT}", status_unit):
         unit_changed = True
         restart.append(mx.STATUS_UNIT)

@@ -28,45 +28,14 @@ from sparkdeploy.model import estimate as est
 from sparkdeploy.model import fit
 from sparkdeploy.model.estimate import EstimateError
 from sparkdeploy.model.fit import FitError
-from sparkdeploy.node import memory
-from sparkdeploy.node.hosts import Host
 from sparkdeploy.node.memory import NodeMemory
-from sparkdeploy.node.nodeops import HelperFailed
-from sparkdeploy.ops.model_fit import Sized, model_config, size
+from sparkdeploy.ops.model_fit import Sized, gpu_nodes, model_config, node_memory, size
 from sparkdeploy.ops.model_select import selected
 from sparkdeploy.profile.config import Engine
 from sparkdeploy.steps.registry import StepContext, step
 
 FIT = "model.fit"
 PRECHECK = "model.precheck"
-
-
-def node_memory(ctx: StepContext) -> dict[str, NodeMemory]:
-    """{node: its memory report} for every node that answered (one failed line each other)."""
-    dep = ctx.dep
-    got: dict[str, NodeMemory] = {}
-
-    def one(host: Host) -> None:
-        try:
-            m = memory.read(host)
-        except HelperFailed as e:
-            raise PartFailed(str(e), host.name) from None
-        want = dep.profile.node(host.name).gpus
-        if m.gpu_usable is None or m.gpu_total is None:
-            ctx.failed(f"{host.name}: no memory figures: {m.why or 'none given'}", host.name)
-        elif m.gpus < want:
-            ctx.failed(f"{host.name}: the profile gives it {want} GPUs, nvidia-smi lists {m.gpus}",
-                       host.name)
-        else:
-            got[host.name] = m
-
-    ctx.each([dep.host(n.name) for n in gpu_nodes(ctx)], one, parallel=True)
-    return got
-
-
-def gpu_nodes(ctx: StepContext) -> list:
-    """The profile's nodes that hold a rank (a node with no GPU holds no weights)."""
-    return [n for n in ctx.dep.profile.nodes if n.gpus > 0]
 
 
 def checks(ctx: StepContext, cfg: Any, weights: int,

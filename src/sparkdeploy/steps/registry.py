@@ -175,10 +175,11 @@ class StepContext:
 
         return StepContext(self.name, EventSink([forward]), self._dep)
 
-    def call(self, name: str, **options: Any) -> list[Result]:
-        """Run the registered step ``name`` as part of this one; its results (under its own
+    def call(self, name: str, *, on: Deployment | None = None, **options: Any) -> list[Result]:
+        """Run the registered step ``name`` as part of this one (``on``: on that deployment, the
+        old one of a swap, a placed model, instead of this step's); its results (under its own
         name) are this step's too."""
-        child = StepContext(name, self.events, self._dep, parent=self)
+        child = StepContext(name, self.events, on if on is not None else self._dep, parent=self)
         child.run(**options)
         return child.results
 

@@ -305,10 +305,14 @@ def up(ctx: StepContext, engine: str | None = None) -> None:
 
 
 @step(STEP_DOWN, needs=("serve.unpersist",))
-def down(ctx: StepContext, keep_metrics: bool = False) -> None:
-    """Remove this deployment's engine containers and its metrics units on every node
-    (``keep_metrics``: not those; a swap's cut-over keeps Prometheus and its history running)."""
+def down(ctx: StepContext, keep_metrics: bool = False, keep_placed: bool = False) -> None:
+    """Remove this deployment's engine containers and its metrics units on every node, and the
+    models ``serve.add`` placed beside it with the gateway (``keep_metrics``: not the metrics; a
+    swap's cut-over keeps Prometheus and its history running; ``keep_placed``: not the placed
+    models, which a swap of the profile's own model leaves serving)."""
     dep = ctx.dep
+    if not keep_placed and dep.profile.placement is None:
+        ctx.call("serve.remove")  # every placed model, the gateway first
     ctx.each([dep.host(n.name) for n in dep.profile.nodes], lambda h: _down_node(ctx, h, keep_metrics))
 
 

@@ -10,7 +10,7 @@ from invoke.exceptions import Exit
 from sparkdeploy.engines import diagnose as dx
 from sparkdeploy.steps.registry import run_one
 from sparkdeploy.tasks import _flags as flags
-from sparkdeploy.tasks import _swap
+from sparkdeploy.tasks import _place, _swap
 from sparkdeploy.tasks._common import drive, run_step
 from sparkdeploy.tasks._flags import integer, task
 
@@ -107,4 +107,25 @@ def swap(c, recipe=None, engine=None, profile=None, recipes=None):
                recipes=tuple(flags.name_list("--recipes", recipes)))
 
 
-ns = Collection("serve", up, down, status, list_, logs, watch, persist, unpersist, diagnose, swap)
+_RECIPES = {"recipes": "an owner's recipe directory (DIR[,DIR...]), looked up first"}
+
+
+@task(help={"recipe": "the recipe whose model to place (recipe.list shows them)",
+            "nodes": "on these nodes: NAME[,NAME...] (default: the fewest nodes it fits on)",
+            **_RECIPES, **_P})
+def add(c, recipe=None, nodes=None, profile=None, recipes=None):
+    """Place a recipe's model beside what serves, where it fits (counting what the models there
+    hold), bring it up and route it through the gateway on the head; prints `endpoint: URL`."""
+    _place.add(c, recipe=recipe, nodes=nodes, profile=profile,
+               recipes=tuple(flags.name_list("--recipes", recipes)))
+
+
+@task(help={"recipe": "the placed recipe to stop serving", **_RECIPES, **_P})
+def remove(c, recipe=None, profile=None, recipes=None):
+    """Take a model serve.add placed out of the gateway, then stop its engine."""
+    _place.remove(c, recipe=recipe, profile=profile,
+                  recipes=tuple(flags.name_list("--recipes", recipes)))
+
+
+ns = Collection("serve", up, down, status, list_, logs, watch, persist, unpersist, diagnose, swap,
+                add, remove)

@@ -1,0 +1,69 @@
+"""``serve.add``: place a recipe's model beside what the cluster serves, behind one endpoint.
+
+Where it goes and what the nodes hold are ``steps/serve_add.py``'s (``place``: the fit, the
+refusals, the ports); here the run: the new model's weights and image staged on its nodes and its
+flags checked (``swap.staged``, the swap's prepare phase), ``serve.up`` of its own deployment,
+then ``serve.gateway``. Nothing that already serves is stopped or restarted; a refusal or a
+failure before ``serve.up`` leaves the nodes serving as they were.
+"""
+
+from __future__ import annotations
+
+from sparkdeploy.core.errors import StepFailed
+from sparkdeploy.core.outcomes import Result
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.ops import placement as pl
+from sparkdeploy.ops.serve_containers import serving
+from sparkdeploy.profile.config import ProfileError
+from sparkdeploy.run.swap import failed, staged
+from sparkdeploy.steps import serve_add as sa
+from sparkdeploy.steps.registry import StepContext, run_one
+
+STEP = "serve.add"
+
+
+def body(ctx: StepContext, recipe: str, nodes: str | None = None) -> None:
+    """Place ``recipe``'s model where it fits beside what serves, bring it up, put the gateway
+    in front of every model."""
+    base = ctx.dep
+    if base.profile.placement is not None:
+        ctx.failed(f"{base.profile.name} is itself a placed model: add beside "
+                   f"{base.profile.placement.of}")
+        return
+    listing = sa.cluster(ctx)
+    if listing is None:
+        return
+    placed = pl.found(base.profile.name, listing)
+    mine = next((f for f in placed if f.placement.recipe == recipe), None)
+    try:
+        asked = sa.given_nodes(ctx, nodes)
+    except ProfileError as e:
+        raise StepFailed(str(e)) from None
+    if mine is not None and asked and asked != list(mine.placement.nodes):
+        ctx.failed(f"{recipe} is placed on {', '.join(mine.placement.nodes)} already: "
+                   f"serve.remove --recipe {recipe} first to move it")
+        return
+    placement = mine.placement if mine is not None else sa.place(ctx, recipe, asked, listing, placed)
+    if placement is None:
+        return
+    try:
+        new = pl.deployment(base, placement)
+    except ProfileError as e:
+        raise StepFailed(str(e)) from None
+    up_already = mine is not None and mine.running and any(
+        serving(new, e).url for e in new.profile.engines)
+    if not up_already:
+        why = staged(ctx, new, name=STEP)
+        if why is not None:
+            ctx.failed(f"{recipe}: {why}; nothing that serves was touched")
+            return
+    bad = failed(ctx.call("serve.up", on=new))
+    if bad:
+        ctx.failed(f"{recipe} did not come up: {bad[-1].why}")
+        return
+    ctx.call(sa.STEP_GATEWAY)
+
+
+def run(dep: Deployment, recipe: str, nodes: str | None = None) -> list[Result]:
+    """``serve.add`` of ``recipe`` beside ``dep`` (``nodes``: on those nodes)."""
+    return run_one(dep, STEP, body=body, recipe=recipe, nodes=nodes)

@@ -1,0 +1,43 @@
+"""``inv serve.add``'s and ``inv serve.remove``'s drivers: the flags, the run, the last line
+(``endpoint: URL``, the gateway's address)."""
+
+from __future__ import annotations
+
+from invoke import Context
+
+from sparkdeploy.core.events import EventSink
+from sparkdeploy.core.outcomes import Result
+from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.run import placement
+from sparkdeploy.steps.registry import run_one
+from sparkdeploy.tasks._common import drive
+from sparkdeploy.tasks._flags import usage
+
+
+def _endpoint(dep: Deployment | None, results: list[Result]) -> None:
+    url = next((r.details["endpoint"] for r in reversed(results)
+                if r.details.get("endpoint") and not r.failed), None)
+    print(f"endpoint: {url or '-'}", flush=True)
+
+
+def add(c: Context, *, recipe: str | None, nodes: str | None, profile: str | None,
+        recipes: tuple[str, ...] = ()) -> list[Result]:
+    if not recipe:
+        raise usage("--recipe", "name the recipe whose model to place (recipe.list shows them)")
+
+    def work(dep: Deployment | None, events: EventSink) -> list[Result]:
+        assert dep is not None  # drive loads it ("needed")
+        return placement.run(dep, recipe, nodes)
+
+    return drive(c, placement.STEP, work, profile=profile, show=_endpoint, recipe_dirs=recipes)
+
+
+def remove(c: Context, *, recipe: str | None, profile: str | None,
+           recipes: tuple[str, ...] = ()) -> list[Result]:
+    if not recipe:
+        raise usage("--recipe", "name the placed recipe to remove (serve.list shows them)")
+
+    def work(dep: Deployment | None, events: EventSink) -> list[Result]:
+        return run_one(dep, "serve.remove", recipe=recipe)
+
+    return drive(c, "serve.remove", work, profile=profile, recipe_dirs=recipes)
