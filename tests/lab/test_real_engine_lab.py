@@ -412,9 +412,101 @@ def test_a_frozen_real_worker_is_found_and_the_pair_restarted_as_a_whole(served)
     assert f"metrics: {murl} (Prometheus on spark1)" in r.stdout
 
 
+PLACED = (tiny.FIRST, tiny.THIRD)
+"""serve.add places these beside the pair's model (lab-tiny-b after the swap): lab-tiny on the
+head, lab-tiny-c on the worker."""
+GATEWAY_PORT = 8888
+
+
+def placing(where: Path) -> Path:
+    """The watched profile with the fit's reserve at what the lab's CPU engine holds (its
+    processes' RSS, ~2.5 GiB, beside VLLM_CPU_KVCACHE_SPACE=1): three models fit the lab's memory."""
+    p = where / "placing.yaml"
+    p.write_text(yaml.safe_dump({"extends": str(watched(where)), "sparkdeploy": {"fit": {"reserve_gib": 3}}}))
+    return p
+
+
+def changed_lines(out: str) -> list[str]:
+    return [ln for ln in out.splitlines() if re.match(r"^\S+ changed ", ln)]
+
+
+def test_three_real_models_on_the_pair_answer_through_one_endpoint(served, tmp_path):
+    """serve.add: lab-tiny on one node and lab-tiny-c on the other, beside lab-tiny-b across both
+    (the swap's), each placed where it fits and brought up by the real engine without touching
+    what serves; the gateway on the head routes each by its name, streams, refuses an unknown one
+    naming those there; a model that fits nowhere is refused with the numbers and nothing stops;
+    a fresh controller lists the set, and a re-run changes nothing."""
+    lab, state, url, record, out = served
+    prof = placing(state.parent)
+    base_model = SWAPPED["model"]
+    before = greedy(url, model=base_model)
+    up = {n: started_at(lab, n, c) for n, c in RANKS.items()}
+    endpoint = None
+    for m, node in zip(PLACED, ("spark1", "spark2"), strict=True):
+        r = inv(state, "serve.add", "--recipe", m.recipe, profile=prof)
+        assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-2000:]
+        assert f"{m.recipe} ({m.repo_id}) fits on {node}: TP=1 x PP=1" in r.stdout, r.stdout[-3000:]
+        endpoint = r.stdout.strip().splitlines()[-1]
+        assert endpoint == f"endpoint: http://{url.split('//')[1].rsplit(':', 1)[0]}:{GATEWAY_PORT}"
+        # what served before was not touched
+        assert {n: started_at(lab, n, c) for n, c in RANKS.items()} == up
+        assert greedy(url, model=base_model) == before
+    gateway = endpoint.split(" ", 1)[1]
+    models = http().get(gateway + "/v1/models", timeout=10).json()
+    assert sorted(m["id"] for m in models["data"]) == sorted(
+        [base_model, *(m.repo_id for m in PLACED)])
+    # each model answers through the gateway with the text its own engine gives (serve.list
+    # names each engine's own address)
+    r = inv(state, "serve.list", "--json", profile=prof)
+    assert r.returncode == 0, r.stderr[-3000:]
+    own = {e["repo"]: e["url"] for e in json.loads(r.stdout)}
+    for m in PLACED:
+        assert greedy(gateway, model=m.repo_id) == greedy(own[m.repo_id], model=m.repo_id) != ""
+    assert greedy(gateway, model=base_model) == before
+    # streamed through, chunk by chunk
+    with http().post(gateway + "/v1/chat/completions", stream=True, timeout=60, json={
+            "model": PLACED[1].repo_id, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 8, "stream": True}) as resp:
+        assert resp.status_code == 200
+        events = [ln for ln in resp.iter_lines() if ln.startswith(b"data: ")]
+    assert len(events) >= 3 and events[-1] == b"data: [DONE]"
+    bad = http().post(gateway + "/v1/completions", timeout=10, json={"model": "nope", "prompt": "x"})
+    assert bad.status_code == 404 and all(m.repo_id in bad.json()["message"] for m in PLACED)
+    # per model figures at the gateway
+    figures = http().get(gateway + "/metrics", timeout=10).text
+    assert f'sparkdeploy_gateway_requests_total{{model="{PLACED[0].repo_id}"}}' in figures
+    # a model that fits nowhere: refused with the numbers, nothing stops
+    r = inv(state, "serve.add", "--recipe", "qwen3.5-122b-a10b-fp8", profile=prof)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "recipe qwen3.5-122b-a10b-fp8 does not fit beside what the cluster serves: on spark" in r.stdout
+    assert re.search(r"spark1: \d+\.\d GiB usable of \d+\.\d GiB \(\d+\.\d GiB available now, "
+                     r"lab-tiny holds \d+\.\d GiB \(0\.\d+ of it\)\)", r.stdout), r.stdout[-3000:]
+    assert {n: started_at(lab, n, c) for n, c in RANKS.items()} == up
+    assert sorted(m["id"] for m in http().get(gateway + "/v1/models", timeout=10).json()["data"]) == \
+        sorted([base_model, *(m.repo_id for m in PLACED)])
+    # a fresh controller (its own empty state dir) sees the set, and a re-run changes nothing
+    fresh = tmp_path / "fresh"
+    r = inv(fresh, "serve.list", "--json", profile=prof)
+    assert r.returncode == 0, r.stderr[-3000:]
+    listed = {e["repo"]: e for e in json.loads(r.stdout)}
+    assert set(listed) == {base_model, *(m.repo_id for m in PLACED)}
+    assert [listed[m.repo_id]["nodes"] for m in PLACED] == [["spark1"], ["spark2"]]
+    assert all(e["loaded"] for e in listed.values()), listed
+    placed_up = {m.recipe: started_at(lab, n, f"sparkdeploy-{m.recipe}-vllm-head")
+                 for m, n in zip(PLACED, ("spark1", "spark2"), strict=True)}
+    for m in PLACED:
+        r = inv(fresh, "serve.add", "--recipe", m.recipe, profile=prof)
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+        assert changed_lines(r.stdout) == [], r.stdout[-4000:]
+        assert r.stdout.strip().splitlines()[-1] == endpoint
+    assert placed_up == {m.recipe: started_at(lab, n, f"sparkdeploy-{m.recipe}-vllm-head")
+                         for m, n in zip(PLACED, ("spark1", "spark2"), strict=True)}
+
+
 def test_serve_down_leaves_no_headless_rank(served):
     """After the watchdog's restart too: serve.down ends both ranks (the headless one does not
-    end with its head: FACTS 2026-12), and serve.unpersist leaves no unit."""
+    end with its head: FACTS 2026-12) and the models placed beside them with the gateway, and
+    serve.unpersist leaves no unit."""
     lab, state, url, record, out = served
     r = inv(state, "serve.down", profile=watched(state.parent))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
@@ -431,7 +523,8 @@ def test_serve_down_leaves_no_headless_rank(served):
         assert units.stdout.strip() == "0", units.stdout
         assert "sparkdeploy-exporter" not in lab.ssh(node, ["docker", "ps", "-a"]).stdout
         held = lab.ssh(node, ["ss", "-Hltn"]).stdout
-        assert not [p for p in (EXPORTER_PORT, 9090, 9480) if f":{p} " in held], held
+        # and the models serve.add placed with their gateway: nothing on its port either
+        assert not [p for p in (EXPORTER_PORT, 9090, 9480, GATEWAY_PORT) if f":{p} " in held], held
 
 
 RESTARTS = "/var/lib/sparkdeploy-node/serve/vllm.restarts.json"

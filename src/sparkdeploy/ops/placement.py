@@ -218,15 +218,17 @@ def sized(recipe: rcp.Recipe, nodes: int, usable: int, reserve_gib: float) -> es
 
 
 def candidates(rooms: dict[str, Room], given: list[str] | None) -> list[tuple[str, ...]]:
-    """The node sets to try: the given ones, else every set from one node up, the roomiest
-    first within each size (the profile's order breaks ties)."""
+    """The node sets to try: the given ones, else every set from one node up; within a size,
+    the nodes holding the fewest placed models first (models spread over the nodes), then the
+    roomiest (the profile's order breaks ties)."""
     if given:
         return [tuple(given)]
     names = list(rooms)
     out: list[tuple[str, ...]] = []
     for k in range(1, len(names) + 1):
         sets = list(itertools.combinations(names, k))
-        sets.sort(key=lambda s: -min(rooms[n].usable for n in s))
+        sets.sort(key=lambda s: (sum(len(rooms[n].held) for n in s),
+                                 -min(rooms[n].usable for n in s)))
         out += sets
     return out
 

@@ -66,8 +66,9 @@ def served(ctx: StepContext, listing: dict[str, list[labels.Container]],
     out: dict[str, tuple[str, str, int]] = {}
     own = next(((n, c) for n, cs in listing.items() for c in cs
                 if c.deployment == prof.name and c.port), None)
-    if own is not None:
-        out[prof.model.repo] = (prof.name, own[0], own[1].port or 0)
+    if own is not None:  # its containers say which recipe serves (deploy.all --recipe, a swap)
+        repo = repo_of(ctx, own[1].recipe) if own[1].recipe else prof.model.repo
+        out[repo] = (prof.name, own[0], own[1].port or 0)
     for f in placed:
         api = next(((n, c) for n, c in f.containers if c.port), None)
         if api is None:

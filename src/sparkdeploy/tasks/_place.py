@@ -16,7 +16,7 @@ from sparkdeploy.tasks._flags import usage
 
 def _endpoint(dep: Deployment | None, results: list[Result]) -> None:
     url = next((r.details["endpoint"] for r in reversed(results)
-                if r.details.get("endpoint") and not r.failed), None)
+                if r.step == "serve.gateway" and r.details.get("endpoint") and not r.failed), None)
     print(f"endpoint: {url or '-'}", flush=True)
 
 
