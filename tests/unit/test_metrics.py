@@ -120,6 +120,27 @@ def up_targets(monkeypatch):
     return seen
 
 
+def test_with_serve_adds_gateway_on_the_head_prometheus_scrapes_it_too(tmp_path, monkeypatch):
+    ns = nodes()
+    ns["spark1"].node_files[f"{mx.UNIT_DIR}/sparkdeploy-gateway.service"] = "[Unit]\n"
+    dep, _ = dep_of(tmp_path, ns)
+    want: list[int] = []
+
+    def targets(url):
+        return [step._Target(scrapeUrl=f"http://t{i}/metrics", health="up") for i in range(4)]
+
+    monkeypatch.setattr(step, "targets", targets)
+    monkeypatch.setattr(step, "page_up", lambda url: True)
+    real = step._ready
+    monkeypatch.setattr(step, "_ready", lambda ctx, url, n: want.append(n) or real(ctx, url, n))
+    results = run_one(dep, "metrics.up")
+    assert not [r for r in results if r.failed], results
+    conf = yaml.safe_load(ns["spark1"].node_files[mx.CONFIG])
+    assert conf["scrape_configs"][-1] == {"job_name": "gateway",
+                                          "static_configs": [{"targets": ["192.168.1.11:8888"]}]}
+    assert want == [4]  # the engine, two exporters and the gateway
+
+
 def dep_of(tmp_path, ns, dry=False):
     ctx = Ctx(ns, dry=dry)
     clock = FakeClock()
@@ -492,6 +513,8 @@ def test_metrics_up_on_the_head_and_a_worker_command_by_command(tmp_path, up_tar
     assert said(ns["spark1"].ran) == [
         ["sh", "-c", 'command -v -- "$1"', "sh", "prometheus"],
         ["systemctl", "is-active", "--", *UNITS], ["ss", "-Hltnp"], check,
+        ["sh", "-c", 'for f; do [ -e "$f" ] && echo "$f"; done; true', "sh",
+         f"{mx.UNIT_DIR}/sparkdeploy-gateway.service"],
         ("write", f"{mx.UNIT_DIR}/{mx.EXPORTER_UNIT}"), ("write", mx.PROGRAM_FILE),
         ("write", mx.DEPLOYMENT_FILE), ("write", mx.FIGURES_FILE), ("write", mx.CONFIG),
         ("write", mx.RULES_FILE), ("write", f"{mx.UNIT_DIR}/{mx.PROMETHEUS_UNIT}"),

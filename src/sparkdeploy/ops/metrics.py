@@ -98,9 +98,11 @@ def epoch(stamp: str) -> float | None:
 # --- what goes on the nodes ------------------------------------------------------------------
 
 def prometheus_config(m: Metrics, deployment: str, engine: str, engine_target: str,
-                      exporters: dict[str, str]) -> str:
-    """``prometheus.yml``: the engine's ``/metrics`` (``engine_target``, ``host:port``) and each
-    node's exporter (``{node: host:port}``), every ``scrape_s``, the recording rules loaded."""
+                      exporters: dict[str, str], gateway: str | None = None) -> str:
+    """``prometheus.yml``: the engine's ``/metrics`` (``engine_target``, ``host:port``), each
+    node's exporter (``{node: host:port}``) and, while ``serve.add`` has placed models, the
+    gateway's per-model figures (``gateway``, ``host:port``), every ``scrape_s``, the recording
+    rules loaded."""
     interval = f"{m.scrape_s:g}s"
     doc = {
         "global": {"scrape_interval": interval, "evaluation_interval": interval,
@@ -113,6 +115,7 @@ def prometheus_config(m: Metrics, deployment: str, engine: str, engine_target: s
             {"job_name": "sparkdeploy", "honor_labels": True,
              "static_configs": [{"targets": [t], "labels": {"node": n}}
                                 for n, t in exporters.items()]},
+            *([{"job_name": "gateway", "static_configs": [{"targets": [gateway]}]}] if gateway else []),
         ],
     }
     return "# written by sparkdeploy's metrics.up; serve.down removes it\n" + yaml.safe_dump(

@@ -22,9 +22,10 @@ from sparkdeploy.node import endpoint as ep
 from sparkdeploy.node.deployment import Deployment
 from sparkdeploy.node.hosts import Host
 from sparkdeploy.node.nodeops import docker, inspect_image
+from sparkdeploy.ops import gateway as gw
 from sparkdeploy.ops import metrics as mx
 from sparkdeploy.ops.serve import put_file
-from sparkdeploy.ops.serve_containers import active, ours
+from sparkdeploy.ops.serve_containers import active, ours, unit_files
 from sparkdeploy.ops.units import listening, service_unit
 from sparkdeploy.steps.registry import StepContext, step
 
@@ -125,7 +126,7 @@ def _put(host: Host, path: str, content: str) -> bool:
 
 
 def _write(dep: Deployment, s: mx.Serving, h: Host, binary: str | None,
-           exporters: dict[str, str]) -> tuple[list[str], bool]:
+           exporters: dict[str, str], gateway: str | None) -> tuple[list[str], bool]:
     """Everything of one node written; (units to restart because what they run changed, any
     unit file written)."""
     prof = dep.profile
@@ -144,7 +145,8 @@ def _write(dep: Deployment, s: mx.Serving, h: Host, binary: str | None,
     if h.name != prof.head.name:
         return restart, unit_changed
     _put(h, mx.FIGURES_FILE, mx.figures(dep))
-    conf = mx.prometheus_config(prof.metrics, prof.name, s.engine, mx.target(s.engine_url), exporters)
+    conf = mx.prometheus_config(prof.metrics, prof.name, s.engine, mx.target(s.engine_url), exporters,
+                                gateway)
     changed_conf = _put(h, mx.CONFIG, conf)
     changed_conf = _put(h, mx.RULES_FILE, packaged.data(mx.RULES).read_text()) or changed_conf
     stop = (mx.container_stop(h, mx.PROMETHEUS_CONTAINER) if prof.metrics.prometheus == "image"
@@ -235,7 +237,9 @@ def up(ctx: StepContext) -> None:
         return
     url = mx.url(dep)
     exporters = {h.name: mx.target(ep.engine_url(h, prof.metrics.exporter_port)) for h in hosts}
-    written = ctx.each(hosts, lambda h: _write(dep, s, h, binary, exporters), parallel=True)
+    head = dep.host(prof.head.name)
+    gateway = (mx.target(gw.url(dep)) if unit_files(head, [gw.UNIT]) else None)  # serve.add's
+    written = ctx.each(hosts, lambda h: _write(dep, s, h, binary, exporters, gateway), parallel=True)
     if dep.dry:
         ctx.would(f"start {', '.join(mx.units(dep, prof.head.name))} on {prof.head.name}, "
                   f"{mx.EXPORTER_UNIT} on every node; metrics: {url}")
@@ -245,7 +249,7 @@ def up(ctx: StepContext) -> None:
         if w is None:
             return
         started[h.name] = _start(h, dep, *w)
-    up_targets = _ready(ctx, url, 1 + len(hosts))
+    up_targets = _ready(ctx, url, 1 + len(hosts) + (gateway is not None))
     dep.records.write(MetricsRecord(
         url=url, targets=len(up_targets),
         units={h.name: mx.units(dep, h.name) for h in hosts},

@@ -20,6 +20,14 @@ def _endpoint(dep: Deployment | None, results: list[Result]) -> None:
     print(f"endpoint: {url or '-'}", flush=True)
 
 
+def _then_metrics(dep: Deployment, results: list[Result]) -> list[Result]:
+    """``metrics.up`` once the change succeeded: Prometheus scrapes the gateway while models are
+    placed (its per-model figures), and no longer once none is."""
+    if any(r.failed and not r.superseded for r in results):
+        return results
+    return results + run_one(dep, "metrics.up")
+
+
 def add(c: Context, *, recipe: str | None, nodes: str | None, profile: str | None,
         recipes: tuple[str, ...] = ()) -> list[Result]:
     if not recipe:
@@ -27,7 +35,7 @@ def add(c: Context, *, recipe: str | None, nodes: str | None, profile: str | Non
 
     def work(dep: Deployment | None, events: EventSink) -> list[Result]:
         assert dep is not None  # drive loads it ("needed")
-        return placement.run(dep, recipe, nodes)
+        return _then_metrics(dep, placement.run(dep, recipe, nodes))
 
     return drive(c, placement.STEP, work, profile=profile, show=_endpoint, recipe_dirs=recipes)
 
@@ -38,6 +46,7 @@ def remove(c: Context, *, recipe: str | None, profile: str | None,
         raise usage("--recipe", "name the placed recipe to remove (serve.list shows them)")
 
     def work(dep: Deployment | None, events: EventSink) -> list[Result]:
-        return run_one(dep, "serve.remove", recipe=recipe)
+        assert dep is not None  # drive loads it ("needed")
+        return _then_metrics(dep, run_one(dep, "serve.remove", recipe=recipe))
 
     return drive(c, "serve.remove", work, profile=profile, recipe_dirs=recipes)

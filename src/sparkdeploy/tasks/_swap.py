@@ -1,6 +1,6 @@
 """``inv serve.swap``'s and ``inv model.prune``'s drivers: the new deployment (the profile with ``--recipe``'s model
 part), the old one beside it (``ops.swap.old_deployment``), the ``serve.swap`` step (then
-``metrics.up``), and its last lines (``bring-up N s``, ``endpoint: URL``, the record)."""
+``serve.gateway`` and ``metrics.up``), and its last lines (``bring-up N s``, ``endpoint: URL``, the record)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def swap(c: Context, *, recipe: str | None, engine: str | None, profile: str | N
         results = swapping.run(dep, old["dep"], engine=engine, from_recipe=old_recipe["recipe"],
                                to_recipe=recipe)
         if not any(r.failed and not r.superseded for r in results):
+            results += run_one(dep, "serve.gateway")  # with models placed: it routes the new one
             results += run_one(dep, "metrics.up")  # the exporters say the new model
         return results
 
