@@ -89,7 +89,7 @@ def given_nodes(ctx: StepContext, nodes: str | None) -> list[str] | None:
     have = [n.name for n in gpu_nodes(ctx)]
     bad = [n for n in names if n not in have]
     if bad or not names:
-        raise ProfileError(f"--nodes: {', '.join(bad) or nodes!r}: not a node with a GPU in the "
+        raise ProfileError(f"--nodes: {', '.join(bad) or repr(nodes)}: not a node with a GPU in the "
                            f"profile (nodes: {', '.join(have)})")
     return [n for n in have if n in names]
 
@@ -164,7 +164,8 @@ def remove(ctx: StepContext, recipe: str | None = None) -> None:
     if not gone:
         if recipe is not None:
             ctx.ok(f"{recipe} is not placed beside {base.profile.name}")
-        _no_gateway(ctx)
+        else:  # nothing placed: a gateway left from before goes too
+            _no_gateway(ctx)
         return
     deps = []
     for f in gone:

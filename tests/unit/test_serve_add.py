@@ -1,0 +1,191 @@
+"""serve.gateway, serve.remove and serve.add on scripted nodes: the gateway's exact files and unit,
+what a re-run restarts (nothing), the refusals before anything is written, serve.remove taking the
+model out of the gateway before it stops its engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sparkdeploy.core import labels
+from sparkdeploy.core.outcomes import Status
+from sparkdeploy.model.fit import GIB
+from sparkdeploy.node.memory import NodeMemory
+from sparkdeploy.ops import gateway as gw
+from sparkdeploy.profile.config import Placement
+from sparkdeploy.run import placement as run_placement
+from sparkdeploy.steps import serve_add as sa
+from sparkdeploy.steps.registry import run_one
+from tests.unit.fakes import EngineContainer
+from tests.unit.test_metrics import ADDR, MetricsNode, dep_of
+
+BASE = "qwen3.5-122b-a10b-fp8"
+BASE_REPO = "Qwen/Qwen3.5-122B-A10B-FP8"
+UNIT_FILE = f"{gw.UNIT_DIR}/{gw.UNIT}"
+PLACED = Placement(of=BASE, recipe="gpt-oss-120b", nodes=["spark2"], offset=1, fraction=0.55)
+
+
+def own(role: str, port: str) -> dict[str, str]:
+    return {labels.DEPLOYMENT: BASE, labels.ENGINE: "vllm", labels.ENGINE_KIND: "vllm",
+            labels.ROLE: role, labels.RANK: "0" if role == "head" else "1", labels.PORT: port,
+            labels.RECIPE: BASE}
+
+
+def placed_labels(pl: Placement = PLACED) -> dict[str, str]:
+    return {labels.DEPLOYMENT: f"{BASE}.{pl.recipe}", labels.ENGINE: f"{pl.recipe}-vllm",
+            labels.ENGINE_KIND: "vllm", labels.ROLE: "head", labels.RANK: "0", labels.PORT: "8001",
+            labels.RECIPE: pl.recipe, labels.PLACEMENT: pl.model_dump_json()}
+
+
+def cluster(placed: bool = True) -> dict[str, MetricsNode]:
+    head = MetricsNode(containers=[EngineContainer("sparkdeploy-vllm-head", own("head", "8000"), [1])])
+    worker = MetricsNode(containers=[EngineContainer("sparkdeploy-vllm-worker", own("worker", ""), [2])])
+    if placed:
+        worker.containers.append(EngineContainer("sparkdeploy-gpt-oss-120b-vllm-head", placed_labels(), [3]))
+    return {"spark1": head, "spark2": worker}
+
+
+@pytest.fixture
+def listed(monkeypatch):
+    """What the gateway lists once it runs: every model it was told of."""
+    said: list[str] = []
+
+    def models(url):
+        said.append(url)
+        return [BASE_REPO, "openai/gpt-oss-120b"]
+
+    monkeypatch.setattr(sa.ep, "models", models)
+    return said
+
+
+def writes(node: MetricsNode) -> list[str]:
+    return [a[4] for a in node.ran if a[:2] == ["sh", "-c"] and a[2].endswith('mv -f -- "$1.part" "$1"')]
+
+
+def test_the_gateway_is_written_started_and_a_rerun_restarts_nothing(tmp_path, listed):
+    ns = cluster()
+    dep, _ = dep_of(tmp_path, ns)
+    results = run_one(dep, "serve.gateway")
+    assert [(r.status, r.why) for r in results] == [
+        (Status.CHANGED, f"started {gw.UNIT} on spark1: {BASE_REPO}, openai/gpt-oss-120b"),
+        (Status.OK, "endpoint: http://192.168.1.11:8888")]
+    head = ns["spark1"]
+    assert writes(head) == [gw.PROGRAM_FILE, gw.CONFIG_FILE, UNIT_FILE]
+    assert json.loads(head.node_files[gw.CONFIG_FILE]) == {
+        "listen": "0.0.0.0:8888",
+        "backends": [{"url": "http://127.0.0.1:8000", "models": [BASE_REPO]},
+                     {"url": f"http://{ADDR['spark2']}:8001", "models": ["openai/gpt-oss-120b"]}]}
+    assert "ExecStart=/usr/bin/python3 /var/lib/sparkdeploy-node/gateway/gateway.py " \
+           "--config=/var/lib/sparkdeploy-node/gateway/config.json" in head.node_files[UNIT_FILE]
+    assert ["systemctl", "start", "--", gw.UNIT] in head.sudo
+    assert head.units[gw.UNIT] == "active" and listed == ["http://192.168.1.11:8888"]
+    head.ran.clear()
+    again = run_one(dep, "serve.gateway")
+    assert [(r.status, r.why) for r in again] == [
+        (Status.OK, f"the gateway routes {BASE_REPO}, openai/gpt-oss-120b, as it did"),
+        (Status.OK, "endpoint: http://192.168.1.11:8888")]
+    assert writes(head) == [] and not [a for a in head.ran if a[:2] in (["systemctl", "restart"],
+                                                                       ["systemctl", "start"])]
+
+
+def test_the_api_key_reaches_the_node_as_its_digest_only(tmp_path, listed, monkeypatch):
+    monkeypatch.setenv("SPARKDEPLOY_API_KEY", "sk-lab-secret")
+    ns = cluster()
+    dep, _ = dep_of(tmp_path, ns)
+    run_one(dep, "serve.gateway")
+    head = ns["spark1"]
+    assert "api_key_sha256" in json.loads(head.node_files[gw.CONFIG_FILE])
+    assert not [f for f, text in head.node_files.items() if "sk-lab-secret" in text]
+    assert not [a for a in head.ran if "sk-lab-secret" in " ".join(a)]
+
+
+def test_a_port_another_program_holds_is_refused_before_anything_is_written(tmp_path, listed):
+    ns = cluster()
+    ns["spark1"].listening[8888] = "jupyter-lab"
+    dep, _ = dep_of(tmp_path, ns)
+    results = run_one(dep, "serve.gateway")
+    assert [(r.status, r.why) for r in results] == [
+        (Status.FAILED, "spark1: port 8888 is held by jupyter-lab (gateway.port)")]
+    assert writes(ns["spark1"]) == []
+
+
+def test_with_nothing_placed_there_is_no_gateway_and_an_old_one_is_removed(tmp_path, listed):
+    ns = cluster(placed=False)
+    dep, _ = dep_of(tmp_path, ns)
+    assert [r.why for r in run_one(dep, "serve.gateway")] == []  # nothing to say, nothing done
+    assert writes(ns["spark1"]) == []
+    ns["spark1"].node_files.update({UNIT_FILE: "[Unit]\n", gw.CONFIG_FILE: "{}"})
+    ns["spark1"].units[gw.UNIT] = "active"
+    results = run_one(dep, "serve.gateway")
+    assert [(r.status, r.why) for r in results] == [
+        (Status.CHANGED, f"removed {gw.UNIT}: no model is placed beside {BASE}")]
+    assert ns["spark1"].units[gw.UNIT] == "inactive"
+    assert UNIT_FILE not in ns["spark1"].node_files and gw.CONFIG_FILE not in ns["spark1"].node_files
+
+
+def test_serve_remove_takes_the_model_out_of_the_gateway_before_it_stops_its_engine(
+        tmp_path, listed, monkeypatch):
+    ns = cluster()
+    glm = Placement(of=BASE, recipe="glm-4.5-air-fp8", nodes=["spark1"], offset=2, fraction=0.6)
+    ns["spark1"].containers.append(EngineContainer("sparkdeploy-glm-4-5-air-fp8-vllm-head",
+                                                   {**placed_labels(glm), labels.PORT: "8002"}, [4]))
+    ns["spark1"].node_files[UNIT_FILE] = "[Unit]\n"
+    ns["spark1"].units[gw.UNIT] = "active"
+    dep, _ = dep_of(tmp_path, ns)
+    order: list[str] = []
+    real_put = sa._put
+    monkeypatch.setattr(sa, "_put", lambda h, p, c, private: order.append(f"put {p}") or real_put(h, p, c, private))
+    removed = []
+
+    def rm(dep_, hosts, engine=None):
+        order.append(f"rm {dep_.profile.name}")
+        removed.append(dep_.profile.name)
+        return {}
+
+    monkeypatch.setattr(sa.ep, "models", lambda url: [BASE_REPO, "zai-org/GLM-4.5-Air-FP8"])
+    from sparkdeploy.steps import serve as serve_step
+    monkeypatch.setattr(serve_step, "ours", lambda h, d, engine=None: [])
+    monkeypatch.setattr(serve_step, "stop_units", lambda d, h: order.append(f"stop {d.profile.name}") or [])
+    results = run_one(dep, "serve.remove", recipe="gpt-oss-120b")
+    assert not [r for r in results if r.failed], [(r.step, r.why) for r in results]
+    config = json.loads(ns["spark1"].node_files[gw.CONFIG_FILE])
+    assert config["backends"] == [{"url": "http://127.0.0.1:8000", "models": [BASE_REPO]},
+                                  {"url": "http://127.0.0.1:8002", "models": ["zai-org/GLM-4.5-Air-FP8"]}]
+    assert order.index(f"put {gw.CONFIG_FILE}") < order.index(f"stop {BASE}.gpt-oss-120b")
+    assert ns["spark1"].units[gw.UNIT] == "active"
+    ns["spark1"].ran.clear()
+    assert [r.why for r in run_one(dep, "serve.remove", recipe="llama-3.3-70b-instruct")] == [
+        f"llama-3.3-70b-instruct is not placed beside {BASE}"]
+    assert writes(ns["spark1"]) == [] and ns["spark1"].units[gw.UNIT] == "active"
+
+
+def mem(usable_gib: float) -> NodeMemory:
+    return NodeMemory(gpus=1, unified=True, gpu_total=int(121.7 * GIB), gpu_usable=int(usable_gib * GIB),
+                      source="/proc/meminfo")
+
+
+def test_serve_add_refuses_a_model_the_cluster_serves_and_one_that_fits_nowhere(tmp_path, listed,
+                                                                               monkeypatch):
+    ns = cluster()
+    dep, _ = dep_of(tmp_path, ns)
+    out = run_placement.run(dep, BASE)
+    assert [(r.status, r.why) for r in out] == [
+        (Status.FAILED, f"{BASE_REPO} already serves on the cluster ({BASE}, spark1:8000): one "
+                        "engine per model behind the gateway")]
+    monkeypatch.setattr(sa, "node_memory", lambda ctx: {"spark1": mem(20), "spark2": mem(30)})
+    out = run_placement.run(dep, "glm-4.5-air-fp8")
+    [r] = out
+    assert r.status is Status.FAILED and r.why.startswith(
+        "recipe glm-4.5-air-fp8 does not fit beside what the cluster serves: on spark1: ")
+    assert "spark2: 30.0 GiB usable of 121.7 GiB (30.0 GiB available now, gpt-oss-120b holds " \
+           "66.9 GiB (0.55 of it))" in r.why
+    assert r.details["rooms"]["spark2"]["held"] == {"gpt-oss-120b": 0.55}
+    for n in ns.values():
+        assert writes(n) == [] and not [a for a in n.ran if a[:2] == ["systemctl", "start"]]
+    bad = run_placement.run(dep, "glm-4.5-air-fp8", nodes="spark3")
+    assert [r.why for r in bad] == ["--nodes: spark3: not a node with a GPU in the profile "
+                                    "(nodes: spark1, spark2)"]
+    moved = run_placement.run(dep, "gpt-oss-120b", nodes="spark1")
+    assert [r.why for r in moved] == ["gpt-oss-120b is placed on spark2 already: serve.remove "
+                                      "--recipe gpt-oss-120b first to move it"]
