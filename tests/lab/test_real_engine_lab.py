@@ -412,9 +412,6 @@ def test_a_frozen_real_worker_is_found_and_the_pair_restarted_as_a_whole(served)
     assert f"metrics: {murl} (Prometheus on spark1)" in r.stdout
 
 
-PLACED = (tiny.FIRST, tiny.THIRD)
-"""serve.add places these beside the pair's model (lab-tiny-b after the swap): lab-tiny on the
-head, lab-tiny-c on the worker."""
 GATEWAY_PORT = 8888
 
 
@@ -439,11 +436,14 @@ def test_three_real_models_on_the_pair_answer_through_one_endpoint(served, tmp_p
     lab, state, url, record, out = served
     prof = placing(state.parent)
     base_model = SWAPPED["model"]
+    # the two real models the pair does not serve (after the swap: lab-tiny and lab-tiny-c)
+    placed = [m for m in tiny.MODELS if m.repo_id != base_model]
     before = greedy(url, model=base_model)
     up = {n: started_at(lab, n, c) for n, c in RANKS.items()}
     endpoint = None
-    for m, node in zip(PLACED, ("spark1", "spark2"), strict=True):
-        r = inv(state, "serve.add", "--recipe", m.recipe, profile=prof)
+    for m, node, given in zip(placed, ("spark1", "spark2"), (["--nodes", "spark1"], []), strict=True):
+        # the first on the nodes given; the second where it fits: the node holding no placed model
+        r = inv(state, "serve.add", "--recipe", m.recipe, *given, profile=prof)
         assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-2000:]
         assert f"{m.recipe} ({m.repo_id}) fits on {node}: TP=1 x PP=1" in r.stdout, r.stdout[-3000:]
         endpoint = r.stdout.strip().splitlines()[-1]
@@ -454,53 +454,54 @@ def test_three_real_models_on_the_pair_answer_through_one_endpoint(served, tmp_p
     gateway = endpoint.split(" ", 1)[1]
     models = http().get(gateway + "/v1/models", timeout=10).json()
     assert sorted(m["id"] for m in models["data"]) == sorted(
-        [base_model, *(m.repo_id for m in PLACED)])
+        [base_model, *(m.repo_id for m in placed)])
     # each model answers through the gateway with the text its own engine gives (serve.list
     # names each engine's own address)
     r = inv(state, "serve.list", "--json", profile=prof)
     assert r.returncode == 0, r.stderr[-3000:]
     own = {e["repo"]: e["url"] for e in json.loads(r.stdout)}
-    for m in PLACED:
+    for m in placed:
         assert greedy(gateway, model=m.repo_id) == greedy(own[m.repo_id], model=m.repo_id) != ""
     assert greedy(gateway, model=base_model) == before
     # streamed through, chunk by chunk
     with http().post(gateway + "/v1/chat/completions", stream=True, timeout=60, json={
-            "model": PLACED[1].repo_id, "messages": [{"role": "user", "content": "hi"}],
+            "model": placed[1].repo_id, "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 8, "stream": True}) as resp:
         assert resp.status_code == 200
         events = [ln for ln in resp.iter_lines() if ln.startswith(b"data: ")]
     assert len(events) >= 3 and events[-1] == b"data: [DONE]"
     bad = http().post(gateway + "/v1/completions", timeout=10, json={"model": "nope", "prompt": "x"})
-    assert bad.status_code == 404 and all(m.repo_id in bad.json()["message"] for m in PLACED)
+    assert bad.status_code == 404 and all(m.repo_id in bad.json()["message"] for m in placed)
     # per model figures at the gateway
     figures = http().get(gateway + "/metrics", timeout=10).text
-    assert f'sparkdeploy_gateway_requests_total{{model="{PLACED[0].repo_id}"}}' in figures
+    assert f'sparkdeploy_gateway_requests_total{{model="{placed[0].repo_id}"}}' in figures
     # a model that fits nowhere: refused with the numbers, nothing stops
     r = inv(state, "serve.add", "--recipe", "qwen3.5-122b-a10b-fp8", profile=prof)
     assert r.returncode == 1, r.stdout[-3000:]
     assert "recipe qwen3.5-122b-a10b-fp8 does not fit beside what the cluster serves: on spark" in r.stdout
     assert re.search(r"spark1: \d+\.\d GiB usable of \d+\.\d GiB \(\d+\.\d GiB available now, "
-                     r"lab-tiny holds \d+\.\d GiB \(0\.\d+ of it\)\)", r.stdout), r.stdout[-3000:]
+                     + re.escape(placed[0].recipe) + r" holds \d+\.\d GiB \(0\.\d+ of it\)\)",
+                     r.stdout), r.stdout[-3000:]
     assert {n: started_at(lab, n, c) for n, c in RANKS.items()} == up
     assert sorted(m["id"] for m in http().get(gateway + "/v1/models", timeout=10).json()["data"]) == \
-        sorted([base_model, *(m.repo_id for m in PLACED)])
+        sorted([base_model, *(m.repo_id for m in placed)])
     # a fresh controller (its own empty state dir) sees the set, and a re-run changes nothing
     fresh = tmp_path / "fresh"
     r = inv(fresh, "serve.list", "--json", profile=prof)
     assert r.returncode == 0, r.stderr[-3000:]
     listed = {e["repo"]: e for e in json.loads(r.stdout)}
-    assert set(listed) == {base_model, *(m.repo_id for m in PLACED)}
-    assert [listed[m.repo_id]["nodes"] for m in PLACED] == [["spark1"], ["spark2"]]
+    assert set(listed) == {base_model, *(m.repo_id for m in placed)}
+    assert [listed[m.repo_id]["nodes"] for m in placed] == [["spark1"], ["spark2"]]
     assert all(e["loaded"] for e in listed.values()), listed
     placed_up = {m.recipe: started_at(lab, n, f"sparkdeploy-{m.recipe}-vllm-head")
-                 for m, n in zip(PLACED, ("spark1", "spark2"), strict=True)}
-    for m in PLACED:
+                 for m, n in zip(placed, ("spark1", "spark2"), strict=True)}
+    for m in placed:
         r = inv(fresh, "serve.add", "--recipe", m.recipe, profile=prof)
         assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
         assert changed_lines(r.stdout) == [], r.stdout[-4000:]
         assert r.stdout.strip().splitlines()[-1] == endpoint
     assert placed_up == {m.recipe: started_at(lab, n, f"sparkdeploy-{m.recipe}-vllm-head")
-                         for m, n in zip(PLACED, ("spark1", "spark2"), strict=True)}
+                         for m, n in zip(placed, ("spark1", "spark2"), strict=True)}
 
 
 def test_serve_down_leaves_no_headless_rank(served):
