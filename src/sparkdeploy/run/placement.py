@@ -3,6 +3,7 @@
 Where it goes and what the nodes hold are ``steps/serve_add.py``'s (``place``: the fit, the
 refusals, the ports); here the run: the new model's weights and image staged on its nodes and its
 flags checked (``swap.staged``, the swap's prepare phase), ``serve.up`` of its own deployment,
+``serve.persist`` of it when the profile's deployment is persisted (its own units and watchdog),
 then ``serve.gateway``. Nothing that already serves is stopped or restarted; a refusal or a
 failure before ``serve.up`` leaves the nodes serving as they were.
 """
@@ -15,7 +16,7 @@ from sparkdeploy.node.deployment import Deployment
 from sparkdeploy.ops import placement as pl
 from sparkdeploy.ops.serve_containers import serving
 from sparkdeploy.profile.config import ProfileError
-from sparkdeploy.run.swap import failed, staged
+from sparkdeploy.run.swap import failed, persisted, staged
 from sparkdeploy.steps import serve_add as sa
 from sparkdeploy.steps.registry import StepContext, run_one
 
@@ -50,17 +51,26 @@ def body(ctx: StepContext, recipe: str, nodes: str | None = None) -> None:
         new = pl.deployment(base, placement)
     except ProfileError as e:
         raise StepFailed(str(e)) from None
-    up_already = mine is not None and mine.running and any(
-        serving(new, e).url for e in new.profile.engines)
-    if not up_already:
+    now = next(((e.name, got) for e in new.profile.engines
+                if mine is not None and mine.running and (got := serving(new, e)).url), None)
+    if now is not None:
+        engine = now[0]
+        ctx.ok(f"{recipe} serves on {', '.join(placement.nodes)} as placed, since "
+               f"{now[1].since or '?'}", engine=engine, endpoint=now[1].url)
+    else:
         why = staged(ctx, new, name=STEP)
         if why is not None:
             ctx.failed(f"{recipe}: {why}; nothing that serves was touched")
             return
-    bad = failed(ctx.call("serve.up", on=new))
-    if bad:
-        ctx.failed(f"{recipe} did not come up: {bad[-1].why}")
-        return
+        up = ctx.call("serve.up", on=new)
+        if failed(up):
+            ctx.failed(f"{recipe} did not come up: {failed(up)[-1].why}")
+            return
+        engine = next((r.details["engine"] for r in up if r.details.get("endpoint")), None)
+    # the model keeps what the profile's deployment has: persisted units and their watchdog
+    if persisted(base) and not persisted(new):
+        if failed(ctx.call("serve.persist", on=new, engine=engine)):
+            return  # said; the model serves, not persisted
     ctx.call(sa.STEP_GATEWAY)
 
 

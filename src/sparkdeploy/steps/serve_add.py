@@ -12,7 +12,8 @@ and the step's last line is ``endpoint: URL``, the gateway's address. A re-run o
 brings it up if it is down, and otherwise changes nothing.
 
 ``serve.remove --recipe R`` takes R out of the gateway first (no new request goes there), then
-stops its engine (``serve.down`` of its deployment). ``serve.gateway`` writes the gateway's
+removes its persisted units, if any, and stops its engine (``serve.unpersist`` and ``serve.down``
+of its deployment). ``serve.gateway`` writes the gateway's
 configuration from the nodes' labels (every model of the profile's deployment and the ones
 placed beside it) and restarts it only when that changed; with nothing placed it removes it.
 """
@@ -174,7 +175,8 @@ def remove(ctx: StepContext, recipe: str | None = None) -> None:
         except ProfileError as e:
             raise StepFailed(f"{f.placement.recipe}: {e}") from None
     ctx.call(STEP_GATEWAY, leaving=[f.deployment for f in gone])
-    for new in deps:
+    for new in deps:  # its units first (a removed model must not come back at boot)
+        ctx.call("serve.unpersist", on=new)
         ctx.call("serve.down", on=new, keep_metrics=True)
 
 
