@@ -189,3 +189,44 @@ def test_serve_add_refuses_a_model_the_cluster_serves_and_one_that_fits_nowhere(
     moved = run_placement.run(dep, "gpt-oss-120b", nodes="spark1")
     assert [r.why for r in moved] == ["gpt-oss-120b is placed on spark2 already: serve.remove "
                                       "--recipe gpt-oss-120b first to move it"]
+
+
+@pytest.fixture
+def stop_before_staging(monkeypatch):
+    """serve.add up to its decision: the staging says no, so nothing after it runs."""
+    monkeypatch.setattr(run_placement, "staged", lambda ctx, new, name: "stopped here by the test")
+
+
+def test_serve_add_places_where_it_fits_with_the_fraction_it_needs_and_free_ports(
+        tmp_path, listed, monkeypatch, stop_before_staging):
+    from sparkdeploy import lab
+    from tests.unit.fakes import FakeClock, deployment
+    from tests.unit.profiles import seed_data, write_profile
+    from tests.unit.test_metrics import Ctx
+    data = seed_data()
+    data["sparkdeploy"]["recipes"] = [str(__import__("pathlib").Path(lab.__file__).parent / "recipes")]
+    path = write_profile(tmp_path, data)
+    ns = cluster()
+    dep = deployment(path, tmp_path / "state", Ctx(ns), clock=FakeClock())
+    monkeypatch.setattr(sa, "node_memory", lambda ctx: {"spark1": mem(60), "spark2": mem(90)})
+    out = run_placement.run(dep, "lab-tiny-c")
+    [fits, stopped] = out
+    # spark1 holds no placed model (gpt-oss-120b is on spark2): tried first
+    assert fits.status is Status.OK and fits.why.startswith(
+        "lab-tiny-c (sparkdeploy-lab/tiny-qwen3-c) fits on spark1: TP=1 x PP=1 on 1 node(s) fits: "
+        "8.0 GiB per node")
+    assert fits.why.endswith("<= 60.0 GiB usable; its engines may take 0.07 of each node's "
+                             "memory; ports +2")  # +1 is gpt-oss-120b's
+    assert fits.details["placement"] == {"of": BASE, "recipe": "lab-tiny-c", "nodes": ["spark1"],
+                                         "offset": 2, "fraction": 0.07}
+    assert (stopped.status, stopped.why) == (
+        Status.FAILED, "lab-tiny-c: stopped here by the test; nothing that serves was touched")
+    # a recipe's own fraction is kept, and refused when it asks more than the node gives
+    monkeypatch.setattr(sa, "node_memory", lambda ctx: {"spark1": mem(115), "spark2": mem(20)})
+    out = run_placement.run(dep, "gpt-oss-20b", nodes="spark1")
+    assert out[0].details["placement"]["fraction"] == 0.9 and "ports +2" in out[0].why
+    monkeypatch.setattr(sa, "node_memory", lambda ctx: {"spark1": mem(60), "spark2": mem(20)})
+    [r] = run_placement.run(dep, "gpt-oss-20b", nodes="spark1")
+    assert r.why.startswith("recipe gpt-oss-20b does not fit beside what the cluster serves: its "
+                            "--gpu-memory-utilization 0.9 asks more than spark1 can give [spark1: "
+                            "60.0 GiB usable of 121.7 GiB")
