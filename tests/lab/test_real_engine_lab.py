@@ -451,6 +451,10 @@ def test_three_real_models_on_the_pair_answer_through_one_endpoint(served, tmp_p
         # what served before was not touched
         assert {n: started_at(lab, n, c) for n, c in RANKS.items()} == up
         assert greedy(url, model=base_model) == before
+        # the pair's model is persisted (the watchdog test): the placed one is too, its own unit
+        unit = f"sparkdeploy-{m.recipe}-vllm.service"
+        assert f"{unit} written, enabled and started; it adopted" in r.stdout, r.stdout[-3000:]
+        assert lab.ssh(node, ["systemctl", "is-active", unit]).stdout.strip() == "active"
     gateway = endpoint.split(" ", 1)[1]
     models = http().get(gateway + "/v1/models", timeout=10).json()
     assert sorted(m["id"] for m in models["data"]) == sorted(
@@ -502,6 +506,22 @@ def test_three_real_models_on_the_pair_answer_through_one_endpoint(served, tmp_p
         assert r.stdout.strip().splitlines()[-1] == endpoint
     assert placed_up == {m.recipe: started_at(lab, n, f"sparkdeploy-{m.recipe}-vllm-head")
                          for m, n in zip(placed, ("spark1", "spark2"), strict=True)}
+    # its own watchdog: the placed model's engine killed, its unit brings it back alone
+    victim, node = f"sparkdeploy-{placed[1].recipe}-vllm-head", "spark2"
+    lab.ssh(node, ["docker", "kill", victim])
+    end = time.monotonic() + 240
+    while True:
+        try:
+            if greedy(gateway, timeout=5, model=placed[1].repo_id) and \
+                    started_at(lab, node, victim) not in ("", placed_up[placed[1].recipe]):
+                break
+        except requests.RequestException:
+            pass
+        assert time.monotonic() < end, f"{victim} did not serve again within 240 s"
+        time.sleep(2)
+    assert {n: started_at(lab, n, c) for n, c in RANKS.items()} == up
+    assert started_at(lab, "spark1", f"sparkdeploy-{placed[0].recipe}-vllm-head") == \
+        placed_up[placed[0].recipe]
 
 
 def test_serve_down_leaves_no_headless_rank(served):
