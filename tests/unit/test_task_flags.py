@@ -89,6 +89,13 @@ ROWS = [
     (["serve.logs", "--tail", "-3"], "--tail: must be >= 1, not -3"),
     (["serve.up", "--engine", "x"], "--engine: no engine named 'x' (engines: sglang, vllm-ray, vllm)"),
     (["serve.swap"], "--recipe: name the recipe to swap to (recipe.list shows them)"),
+    (["serve.add"], "--recipe: name the recipe whose model to place (recipe.list shows them)"),
+    (["serve.remove"], "--recipe: name the placed recipe to remove (serve.list shows them)"),
+    (["serve.add", "--recipe", "nosuch"], "--recipe: no recipe named 'nosuch' (recipes: "
+     "glm-4.5-air-fp8, gpt-oss-120b, gpt-oss-20b, llama-3.3-70b-instruct, "
+     "qwen3-235b-a22b-instruct-2507-fp8, qwen3.5-122b-a10b-fp8)"),
+    (["serve.add", "--recipe", "gpt-oss-20b", "--nodes", "spark1,x"],
+     "--nodes: no node named 'x' (nodes: spark1, spark2)"),
     (["lab.fault", "engine-hang"], "--model: engine-hang needs it (the model's hub repo, as the "
      "profile's model.repo), and only engine-hang takes it"),
     (["lab.fault", "sglang-hang", "--model", "a/b"], "--model: engine-hang needs it (the model's "

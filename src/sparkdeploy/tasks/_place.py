@@ -8,10 +8,11 @@ from invoke import Context
 from sparkdeploy.core.events import EventSink
 from sparkdeploy.core.outcomes import Result
 from sparkdeploy.node.deployment import Deployment
+from sparkdeploy.profile import recipes as rcp
 from sparkdeploy.run import placement
 from sparkdeploy.steps.registry import run_one
 from sparkdeploy.tasks._common import drive
-from sparkdeploy.tasks._flags import usage
+from sparkdeploy.tasks._flags import NODES, node_names, usage
 
 
 def _endpoint(dep: Deployment | None, results: list[Result]) -> None:
@@ -33,11 +34,16 @@ def add(c: Context, *, recipe: str | None, nodes: str | None, profile: str | Non
     if not recipe:
         raise usage("--recipe", "name the recipe whose model to place (recipe.list shows them)")
 
+    def prepare(dep: Deployment) -> None:
+        rcp.read(recipe, rcp.directories(dep.profile.recipes), "--recipe")  # a usage error
+        node_names(NODES, nodes, dep.hosts, allow_all=False)
+
     def work(dep: Deployment | None, events: EventSink) -> list[Result]:
         assert dep is not None  # drive loads it ("needed")
         return _then_metrics(dep, placement.run(dep, recipe, nodes))
 
-    return drive(c, placement.STEP, work, profile=profile, show=_endpoint, recipe_dirs=recipes)
+    return drive(c, placement.STEP, work, profile=profile, prepare=prepare, show=_endpoint,
+                 recipe_dirs=recipes)
 
 
 def remove(c: Context, *, recipe: str | None, profile: str | None,
