@@ -230,3 +230,19 @@ def test_serve_add_places_where_it_fits_with_the_fraction_it_needs_and_free_port
     assert r.why.startswith("recipe gpt-oss-20b does not fit beside what the cluster serves: its "
                             "--gpu-memory-utilization 0.9 asks more than spark1 can give [spark1: "
                             "60.0 GiB usable of 121.7 GiB")
+
+
+def test_serve_status_names_the_gateway_and_what_it_routes(tmp_path, listed, monkeypatch):
+    ns = cluster()
+    dep, _ = dep_of(tmp_path, ns)
+    from sparkdeploy.steps import serve as serve_step
+    monkeypatch.setattr(serve_step, "serving", lambda d, e: serve_step.Serving(e.name))
+    assert not [r for r in run_one(dep, "serve.status") if "gateway" in r.why]  # none: not said
+    ns["spark1"].node_files[UNIT_FILE] = "[Unit]\n"
+    said = [r for r in run_one(dep, "serve.status") if "gateway" in r.why]
+    assert [(r.status, r.why) for r in said] == [
+        (Status.OK, f"gateway: http://192.168.1.11:8888 routes {BASE_REPO}, openai/gpt-oss-120b "
+                    "(serve.list: where each serves)")]
+    monkeypatch.setattr(sa.ep, "models", lambda url: [])
+    assert [(r.status, r.why) for r in run_one(dep, "serve.status") if "gateway" in r.why] == [
+        (Status.FAILED, f"gateway: http://192.168.1.11:8888 lists no model ({gw.UNIT} on spark1)")]

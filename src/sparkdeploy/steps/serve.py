@@ -33,7 +33,7 @@ from sparkdeploy.node import endpoint as ep
 from sparkdeploy.node.deployment import Deployment
 from sparkdeploy.node.hosts import Host
 from sparkdeploy.node.nodeops import NodeUnreachable, docker
-from sparkdeploy.ops import metrics, serve_preflight
+from sparkdeploy.ops import gateway, metrics, serve_preflight
 from sparkdeploy.ops.image import chosen, image_id
 from sparkdeploy.ops.serve import (
     STEP_UP,
@@ -53,6 +53,7 @@ from sparkdeploy.ops.serve_containers import (
     remove,
     serving,
     stop_units,
+    unit_files,
 )
 from sparkdeploy.ops.serve_watch import (
     EngineFailed,
@@ -398,6 +399,19 @@ def _metrics(ctx: StepContext, head: Host) -> None:
         ctx.ok(f"metrics: {url} (Prometheus on {head.name})", head.name, metrics=url)
 
 
+def _gateway(ctx: StepContext, head: Host) -> None:
+    """The gateway in front of the models ``serve.add`` placed, when it runs: what it routes."""
+    if not unit_files(head, [gateway.UNIT]):
+        return
+    url = gateway.url(ctx.dep)
+    listed = ep.models(url)
+    if listed:
+        ctx.ok(f"gateway: {url} routes {', '.join(listed)} (serve.list: where each serves)",
+               head.name, gateway=url, models=listed)
+    else:
+        ctx.failed(f"gateway: {url} lists no model ({gateway.UNIT} on {head.name})", head.name)
+
+
 @step(STEP_STATUS)
 def status(ctx: StepContext) -> None:
     """What the nodes run of this deployment (by their containers' labels: engine, role, since
@@ -419,6 +433,7 @@ def status(ctx: StepContext) -> None:
     _restarts(ctx, dep.host(head))
     _fabric(ctx)
     _metrics(ctx, dep.host(head))
+    _gateway(ctx, dep.host(head))
     engines = {c.engine for cs in found.values() for c in cs or []}
     for eng in (e for e in dep.profile.engines if e.name in engines):
         got = serving(dep, eng)
