@@ -214,3 +214,90 @@ def test_the_gateway_config_holds_the_keys_digest_never_the_key(tmp_path):
                                "--config=/var/lib/sparkdeploy-node/gateway/config.json"]
     assert gw.backend_url(dep, "spark1", 8001) == "http://127.0.0.1:8001"
     assert gw.backend_url(dep, "spark2", 8002).endswith(":8002")
+
+
+def test_the_recipe_is_found_where_the_profile_looks_with_its_own_reserve_and_no_endpoint(tmp_path):
+    data = seed_data()  # no lab recipes in the file: given beside it (--recipes), as base.recipes
+    data["sparkdeploy"]["fit"] = {"engines": {"vllm": 5.0}}
+    data["sparkdeploy"]["endpoint"] = "http://spark1:8000"
+    path = write_profile(tmp_path, data)
+    base = load_profile(path, recipe_dirs=(str(LAB_RECIPES),))
+    p = pl.derive(path, base, Placement(of=base.name, recipe="lab-tiny-c", nodes=["spark1", "spark2"],
+                                        offset=1, fraction=0.1))
+    assert p.model.repo == "sparkdeploy-lab/tiny-qwen3-c" and p.endpoint is None
+    assert p.fit.engines == {"lab-tiny-c-vllm": 5.0}
+    assert [(n.name, n.role) for n in p.nodes] == [("spark1", "head"), ("spark2", "worker")]
+    assert p.engines[0].tensor_parallel == 2  # the recipe's layout for two nodes
+
+
+def test_an_engine_without_an_init_port_keeps_none(base_path, monkeypatch):
+    base = load_profile(base_path)
+    real = pl.load_placed
+
+    def no_dist(*a, **kw):
+        p = real(*a, **kw)
+        return p.model_copy(update={"engines": [e.model_copy(update={"dist_port": None}) for e in p.engines]})
+
+    monkeypatch.setattr(pl, "load_placed", no_dist)
+    p = pl.derive(base_path, base, Placement(of=base.name, recipe="lab-tiny-c", nodes=["spark1"], offset=2))
+    assert (p.engines[0].port, p.engines[0].dist_port) == (8002, None)
+
+
+def test_a_placed_models_deployment_shares_the_profiles_state_stream_and_clocks(base_path, tmp_path):
+    base = deployment(base_path, tmp_path / "state", dry=True)
+    d = pl.deployment(base, Placement(of=base.profile.name, recipe="lab-tiny-c", nodes=["spark2"], offset=1))
+    assert (d.profile_path, d.state, d.events, d.dry) == (base.profile_path, base.state, base.events, True)
+    assert (d.clock, d.sleep, d.wall) == (base.clock, base.sleep, base.wall)
+    assert list(d.hosts) == ["spark2"] and d.hosts["spark2"].state is base.state
+    assert d.hosts["spark2"].node.role == "head"
+
+
+def test_the_calculator_gets_the_recipes_context_layout_and_the_reserve():
+    r = recipe("qwen3.5-122b-a10b-fp8")
+    e = pl.sized(r, 2, int(100 * GIB), 3.0)
+    assert e.reserve.value == 3 * GIB and e.context.value == r.context
+    assert e.tp == r.stated(2)["tp"] and e.weights.source == r.about["weights"]["source"]
+    assert e.usable.source == "room beside the placed models" and e.worst.usable == 100 * GIB
+
+
+def test_the_reserve_decides_and_the_fraction_is_rounded_up_to_a_hundredth():
+    r = recipe("gpt-oss-120b")
+    need3 = pl.sized(r, 1, int(100 * GIB), 3.0).worst.need
+    need8 = pl.sized(r, 1, int(100 * GIB), 8.0).worst.need
+    assert need8 - need3 == 5 * GIB
+    room = {"a": pl.Room("a", int(need3 / 0.496), int(need3 / 0.496))}
+    got = pl.choose(r, room, None, 3.0)
+    assert isinstance(got, pl.Choice) and got.fraction == 0.5  # 49.6 % -> 0.50
+
+
+def test_a_size_the_calculator_refuses_is_passed_for_the_next(monkeypatch):
+    real = pl.sized
+
+    def one_node_refused(recipe_, nodes, usable, reserve):
+        if nodes == 1:
+            raise pl.est.EstimateError("no layout on one node")
+        return real(recipe_, nodes, usable, reserve)
+
+    monkeypatch.setattr(pl, "sized", one_node_refused)
+    got = pl.choose(recipe("gpt-oss-120b"), rooms(a=100, b=100), None, 3.0)
+    assert isinstance(got, pl.Choice) and got.nodes == ("a", "b")
+    monkeypatch.setattr(pl, "sized", lambda *a: (_ for _ in ()).throw(pl.est.EstimateError("no")))
+    assert pl.choose(recipe("gpt-oss-120b"), rooms(a=1, b=1), None, 3.0) == [
+        "on 1 node(s): no", "on 2 node(s): no"]
+
+
+def test_offset_bounds(base_path):
+    engines = list(load_placed(base_path, "lab-tiny-c", ["spark1"]).engines)
+    # the group port alone taken at +1
+    assert pl.offset({29991}, set(), engines, 29990) == 2
+    # the top port is 65535 itself: allowed
+    assert pl.offset(set(), set(), engines, 65534) == 1
+    with pytest.raises(pl.PlacementError):
+        pl.offset(set(), set(), engines, 65535)
+    # every offset up to MAX_OFFSET is tried, the last one too
+    assert pl.offset(set(), set(range(1, pl.MAX_OFFSET)), engines, 29990) == pl.MAX_OFFSET
+
+
+def test_an_engine_name_of_exactly_63_characters_is_kept_and_dashes_are_trimmed():
+    assert pl.engine_name("x" * 58, "vllm") == "x" * 58 + "-vllm"
+    assert pl.engine_name("-.a.-", "vllm") == "a-vllm"
