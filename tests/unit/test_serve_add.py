@@ -246,3 +246,42 @@ def test_serve_status_names_the_gateway_and_what_it_routes(tmp_path, listed, mon
     monkeypatch.setattr(sa.ep, "models", lambda url: [])
     assert [(r.status, r.why) for r in run_one(dep, "serve.status") if "gateway" in r.why] == [
         (Status.FAILED, f"gateway: http://192.168.1.11:8888 lists no model ({gw.UNIT} on spark1)")]
+
+
+def test_the_gateway_routes_each_model_to_its_own_engine_whatever_the_listing_order(tmp_path, listed):
+    ns = cluster()
+    # a placed model's container listed first on the head, and the profile's own without a recipe
+    ns["spark1"].containers.insert(0, EngineContainer(
+        "sparkdeploy-glm-4-5-air-fp8-vllm-head",
+        {**placed_labels(Placement(of=BASE, recipe="glm-4.5-air-fp8", nodes=["spark1"], offset=2)),
+         labels.PORT: "8002"}, [4]))
+    for c in ns["spark1"].containers[1:] + ns["spark2"].containers[:1]:
+        c.labels.pop(labels.RECIPE)
+    dep, _ = dep_of(tmp_path, ns)
+    run_one(dep, "serve.gateway")
+    got = {b["models"][0]: b["url"] for b in json.loads(ns["spark1"].node_files[gw.CONFIG_FILE])["backends"]}
+    assert got == {BASE_REPO: "http://127.0.0.1:8000", "zai-org/GLM-4.5-Air-FP8": "http://127.0.0.1:8002",
+                   "openai/gpt-oss-120b": f"http://{ADDR['spark2']}:8001"}
+
+
+def test_serve_add_takes_the_nodes_given_and_skips_every_port_in_use(tmp_path, listed, monkeypatch,
+                                                                       stop_before_staging):
+    ns = cluster()
+    # another deployment's engine holds 8002: the offset skips it (gpt-oss-120b holds +1)
+    ns["spark1"].containers.append(EngineContainer("other", {**own("head", "8002"),
+                                                             labels.DEPLOYMENT: "other"}, [5]))
+    dep, _ = dep_of(tmp_path, ns)
+    monkeypatch.setattr(sa, "node_memory", lambda ctx: {"spark1": mem(115), "spark2": mem(120)})
+    # the nodes given are the only ones tried: spark2, where gpt-oss-120b holds 0.55
+    [r] = run_placement.run(dep, "gpt-oss-20b", nodes="spark2")
+    assert "its --gpu-memory-utilization 0.9 asks more than spark2 can give" in r.why
+    out = run_placement.run(dep, "gpt-oss-20b")  # the fit alone: spark1, holding no placed model
+    assert out[0].details["placement"] == {"of": BASE, "recipe": "gpt-oss-20b", "nodes": ["spark1"],
+                                           "offset": 3, "fraction": 0.9}
+    monkeypatch.setattr(sa, "node_memory", lambda ctx: {"spark1": mem(20), "spark2": mem(30)})
+    [r] = run_placement.run(dep, "glm-4.5-air-fp8")
+    assert r.details["rooms"] == {
+        "spark1": {"total": int(121.7 * GIB), "available": 20 * GIB, "usable": 20 * GIB, "held": {}},
+        "spark2": {"total": int(121.7 * GIB), "available": 30 * GIB, "usable": 30 * GIB,
+                   "held": {"gpt-oss-120b": 0.55}}}
+    assert r.details["recipe"] == "glm-4.5-air-fp8"
