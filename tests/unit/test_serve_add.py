@@ -51,7 +51,7 @@ def listed(monkeypatch):
     """What the gateway lists once it runs: every model it was told of."""
     said: list[str] = []
 
-    def models(url):
+    def models(url, deadline=5.0):
         said.append(url)
         return [BASE_REPO, "openai/gpt-oss-120b"]
 
@@ -143,7 +143,7 @@ def test_serve_remove_takes_the_model_out_of_the_gateway_before_it_stops_its_eng
         removed.append(dep_.profile.name)
         return {}
 
-    monkeypatch.setattr(sa.ep, "models", lambda url: [BASE_REPO, "zai-org/GLM-4.5-Air-FP8"])
+    monkeypatch.setattr(sa.ep, "models", lambda url, deadline=5.0: [BASE_REPO, "zai-org/GLM-4.5-Air-FP8"])
     from sparkdeploy.steps import serve as serve_step
     monkeypatch.setattr(serve_step, "ours", lambda h, d, engine=None: [])
     monkeypatch.setattr(serve_step, "stop_units", lambda d, h: order.append(f"stop {d.profile.name}") or [])
@@ -243,7 +243,7 @@ def test_serve_status_names_the_gateway_and_what_it_routes(tmp_path, listed, mon
     assert [(r.status, r.why) for r in said] == [
         (Status.OK, f"gateway: http://192.168.1.11:8888 routes {BASE_REPO}, openai/gpt-oss-120b "
                     "(serve.list: where each serves)")]
-    monkeypatch.setattr(sa.ep, "models", lambda url: [])
+    monkeypatch.setattr(sa.ep, "models", lambda url, deadline=5.0: [])
     assert [(r.status, r.why) for r in run_one(dep, "serve.status") if "gateway" in r.why] == [
         (Status.FAILED, f"gateway: http://192.168.1.11:8888 lists no model ({gw.UNIT} on spark1)")]
 

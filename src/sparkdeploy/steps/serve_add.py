@@ -188,8 +188,13 @@ def _put(host: Host, path: str, content: str, private: bool) -> bool:
                     private=private)
 
 
+LIST_DEADLINE_S = 15.0
+"""How long the gateway's ``/v1/models`` may take: it asks every engine at once, each within its
+5 s (``helpers/gateway.BACKEND_TIMEOUT_S``), so its answer comes after the slowest engine's."""
+
+
 def _models(url: str, want: list[str]) -> list[str] | None:
-    listed = ep.models(url)
+    listed = ep.models(url, deadline=LIST_DEADLINE_S)
     return listed if all(m in listed for m in want) else None
 
 
@@ -247,7 +252,8 @@ def gateway(ctx: StepContext, leaving: list[str] | None = None) -> None:
     try:
         listed = wait_for(lambda: _models(url, models), deadline=prof.gateway.ready_s, interval=0.5,
                           what="the gateway listing every model", clock=dep.clock, sleep=dep.sleep,
-                          describe=lambda _: f"{url}/v1/models lists {', '.join(ep.models(url)) or 'nothing'}")
+                          describe=lambda _: f"{url}/v1/models lists "
+                                             f"{', '.join(ep.models(url, deadline=LIST_DEADLINE_S)) or 'nothing'}")
     except WaitTimeout as e:
         raise StepFailed(f"the gateway at {url} does not list {', '.join(models)} after "
                          f"{e.waited:.0f} s: {e.last}") from None
