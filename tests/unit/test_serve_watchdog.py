@@ -179,6 +179,21 @@ def test_a_stream_that_brings_no_token_in_time_is_said_so(standin):
     assert wd.canary("127.0.0.1", standin.port, "m", 0.3, key="k3y") == "no token within 0.3s"
 
 
+@pytest.mark.parametrize("line,alive", [
+    # the role chunk, then vLLM holding back the bytes of one character: not yet
+    (b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}', False),
+    (b'data: {"choices":[{"index":0,"delta":{"content":""},"finish_reason":null}]}', False),
+    # text, reasoning, or the answer's end (at its length, or the model's own end first)
+    (b'data: {"choices":[{"index":0,"delta":{"content":"\xef\xbf\xbd]"},"finish_reason":null}]}', True),
+    (b'data: {"choices":[{"index":0,"delta":{"reasoning_content":"hm"},"finish_reason":null}]}', True),
+    (b'data: {"choices":[{"index":0,"delta":{"content":""},"finish_reason":"length"}]}', True),
+    (b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}', True),
+    (b"data: [DONE]", False), (b"data: {not json", False), (b": keep-alive", False),
+])
+def test_what_shows_the_engine_generated(line, alive):
+    assert wd._has_token(line) is alive
+
+
 def test_a_closed_port_is_said_so():
     assert wd.canary("127.0.0.1", 9, "m", 1).startswith("ConnectionRefusedError")
 

@@ -346,6 +346,10 @@ def canary(host: str, port: int, model: str, deadline_s: float, key: str | None 
 
 
 def _has_token(line: bytes) -> bool:
+    """A chunk that shows the engine generated: text (or reasoning), or a ``finish_reason`` (the
+    answer ended, at its length or at the model's own end). Two tokens may both be bytes of one
+    character the engine holds back (vLLM sends them as empty ``content``): the finish still says
+    they were generated."""
     if not line.startswith(b"data: {"):
         return False
     try:
@@ -354,7 +358,7 @@ def _has_token(line: bytes) -> bool:
         return False
     for c in chunk.get("choices") or []:
         d = c.get("delta") or {}
-        if d.get("content") or d.get("reasoning_content"):
+        if d.get("content") or d.get("reasoning_content") or c.get("finish_reason"):
             return True
     return False
 
