@@ -301,3 +301,22 @@ def test_offset_bounds(base_path):
 def test_an_engine_name_of_exactly_63_characters_is_kept_and_dashes_are_trimmed():
     assert pl.engine_name("x" * 58, "vllm") == "x" * 58 + "-vllm"
     assert pl.engine_name("-.a.-", "vllm") == "a-vllm"
+
+
+def test_a_persisted_units_spec_names_its_placement_even_with_no_container_running():
+    pl_ = Placement(of="base", recipe="lab-tiny-c", nodes=["spark2"], offset=2, fraction=0.13)
+    spec = {"stages": [{"containers": [{"run": ["--label=org.sparkdeploy.deployment=base.lab-tiny-c",
+                                                f"--label={labels.PLACEMENT}={pl_.model_dump_json()}"]}]}]}
+    assert pl.from_spec(json.dumps(spec), "base") == pl_
+    assert pl.from_spec(json.dumps(spec), "other") is None
+    assert pl.from_spec(json.dumps({"stages": [{"containers": [{"run": ["--rm"]}]}]}), "base") is None
+    assert pl.from_spec("{not json", "base") is None and pl.from_spec("[]", "base") is None
+
+    class Host:
+        def run(self, argv, change=True, sudo=False):
+            assert argv[-1] == pl.SPECS and sudo and not change
+            out = "".join(f"{pl.SPECS}/{n}.json\n{t}\n#end\n" for n, t in (
+                ("vllm", json.dumps({"stages": []})), ("lab-tiny-c-vllm", json.dumps(spec))))
+            return type("R", (), {"stdout": out})()
+
+    assert pl.units_of(Host(), "base") == [pl_]

@@ -150,6 +150,42 @@ def found(base: str, on_nodes: dict[str, list[labels.Container]]) -> list[Found]
     return [Found(pl, name, tuple(cs)) for name, (pl, cs) in out.items()]
 
 
+SPECS = "/var/lib/sparkdeploy-node/serve"
+"""Where the persisted units' specs are (``steps/serve_persist.NODE_DIR``)."""
+
+
+def from_spec(text: str, base: str) -> Placement | None:
+    """The placement a persisted unit's spec runs (its containers' ``--label=`` arguments), when
+    it is one beside ``base``."""
+    try:
+        spec = parsed(text, "a unit's spec")
+    except OutsideError:
+        return None
+    stages = spec.get("stages") if isinstance(spec, dict) else None
+    for st in stages if isinstance(stages, list) else []:
+        for c in (st.get("containers") if isinstance(st, dict) else None) or []:
+            for a in (c.get("run") if isinstance(c, dict) else None) or []:
+                if isinstance(a, str) and a.startswith(f"--label={labels.PLACEMENT}="):
+                    pl = read_label(a.split("=", 2)[2])
+                    if pl is not None and pl.of == base:
+                        return pl
+    return None
+
+
+def units_of(host: Host, base: str) -> list[Placement]:
+    """The placements beside ``base`` whose persisted units are on the node, whether their
+    containers run now or not (a unit between two starts of its engine has none)."""
+    r = host.run(["sh", "-c", 'for f in "$1"/*.json; do [ -e "$f" ] && { echo "$f"; cat -- "$f"; '
+                  'echo; echo "#end"; }; done; true', "sh", SPECS], change=False, sudo=True)
+    out = []
+    for block in r.stdout.split("#end\n"):
+        path, _, text = block.partition("\n")
+        pl = from_spec(text, base) if path.endswith(".json") else None
+        if pl is not None and pl not in out:
+            out.append(pl)
+    return out
+
+
 @dataclass(frozen=True)
 class Held:
     """What one model claims on one node."""

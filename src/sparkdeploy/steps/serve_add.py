@@ -160,21 +160,26 @@ def remove(ctx: StepContext, recipe: str | None = None) -> None:
     listing = cluster(ctx)
     if listing is None:
         return
-    gone = [f for f in pl.found(base.profile.name, listing)
+    name = base.profile.name
+    gone = [f.placement for f in pl.found(name, listing)
             if recipe is None or f.placement.recipe == recipe]
+    # a persisted one between two starts of its engine has no container: its unit says it is there
+    hosts = [base.host(n.name) for n in base.profile.nodes]
+    for got in ctx.each(hosts, lambda h: pl.units_of(h, name), parallel=True):
+        gone += [p for p in got or [] if p not in gone and (recipe is None or p.recipe == recipe)]
     if not gone:
         if recipe is not None:
-            ctx.ok(f"{recipe} is not placed beside {base.profile.name}")
+            ctx.ok(f"{recipe} is not placed beside {name}")
         else:  # nothing placed: a gateway left from before goes too
             _no_gateway(ctx)
         return
     deps = []
-    for f in gone:
+    for p in gone:
         try:
-            deps.append(pl.deployment(base, f.placement))
+            deps.append(pl.deployment(base, p))
         except ProfileError as e:
-            raise StepFailed(f"{f.placement.recipe}: {e}") from None
-    ctx.call(STEP_GATEWAY, leaving=[f.deployment for f in gone])
+            raise StepFailed(f"{p.recipe}: {e}") from None
+    ctx.call(STEP_GATEWAY, leaving=[pl.deployment_name(name, p.recipe) for p in gone])
     for new in deps:  # its units first (a removed model must not come back at boot)
         ctx.call("serve.unpersist", on=new)
         ctx.call("serve.down", on=new, keep_metrics=True)
