@@ -244,7 +244,8 @@ def test_an_engine_without_an_init_port_keeps_none(base_path, monkeypatch):
 
 
 def test_a_placed_models_deployment_shares_the_profiles_state_stream_and_clocks(base_path, tmp_path):
-    base = deployment(base_path, tmp_path / "state", dry=True)
+    from tests.unit.fakes import FakeClock
+    base = deployment(base_path, tmp_path / "state", dry=True, clock=FakeClock())
     d = pl.deployment(base, Placement(of=base.profile.name, recipe="lab-tiny-c", nodes=["spark2"], offset=1))
     assert (d.profile_path, d.state, d.events, d.dry) == (base.profile_path, base.state, base.events, True)
     assert (d.clock, d.sleep, d.wall) == (base.clock, base.sleep, base.wall)

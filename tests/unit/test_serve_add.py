@@ -79,6 +79,10 @@ def test_the_gateway_is_written_started_and_a_rerun_restarts_nothing(tmp_path, l
     assert "ExecStart=/usr/bin/python3 /var/lib/sparkdeploy-node/gateway/gateway.py " \
            "--config=/var/lib/sparkdeploy-node/gateway/config.json" in head.node_files[UNIT_FILE]
     assert ["systemctl", "start", "--", gw.UNIT] in head.sudo
+    modes = {a[4]: (a[2].split(" && ")[0], a[5:]) for a in head.ran
+             if a[:2] == ["sh", "-c"] and a[2].endswith('mv -f -- "$1.part" "$1"')}
+    assert modes == {gw.PROGRAM_FILE: ("umask 022", ["0644"]), gw.CONFIG_FILE: ("umask 077", ["0600"]),
+                     UNIT_FILE: ("umask 022", ["0644"])}
     assert head.units[gw.UNIT] == "active" and listed == ["http://192.168.1.11:8888"]
     head.ran.clear()
     again = run_one(dep, "serve.gateway")
@@ -285,3 +289,44 @@ def test_serve_add_takes_the_nodes_given_and_skips_every_port_in_use(tmp_path, l
         "spark2": {"total": int(121.7 * GIB), "available": 30 * GIB, "usable": 30 * GIB,
                    "held": {"gpt-oss-120b": 0.55}}}
     assert r.details["recipe"] == "glm-4.5-air-fp8"
+
+
+def test_a_gateway_that_does_not_list_every_model_fails_on_time(tmp_path, monkeypatch):
+    ns = cluster()
+    dep, _ = dep_of(tmp_path, ns)
+    monkeypatch.setattr(sa.ep, "models", lambda url, deadline=5.0: [BASE_REPO])
+    [r] = run_one(dep, "serve.gateway")  # started, then not ready: one failed line
+    assert (r.status, r.why) == (
+        Status.FAILED, f"the gateway at http://192.168.1.11:8888 does not list {BASE_REPO}, "
+        f"openai/gpt-oss-120b after 30 s: http://192.168.1.11:8888/v1/models lists {BASE_REPO}")
+    assert dep.clock() >= 30
+
+
+def test_the_profiles_own_model_is_the_one_its_containers_say(tmp_path, listed):
+    ns = cluster()
+    for n in ns.values():
+        for c in n.containers:
+            if c.labels[labels.DEPLOYMENT] == BASE:
+                c.labels[labels.RECIPE] = "gpt-oss-20b"
+    dep, _ = dep_of(tmp_path, ns)
+    run_one(dep, "serve.gateway")
+    got = {b["models"][0]: b["url"] for b in json.loads(ns["spark1"].node_files[gw.CONFIG_FILE])["backends"]}
+    assert got["openai/gpt-oss-20b"] == "http://127.0.0.1:8000" and BASE_REPO not in got
+
+
+def test_nodes_given_are_read_in_the_profiles_order(tmp_path):
+    ns = cluster()
+    dep, _ = dep_of(tmp_path, ns)
+    from sparkdeploy.steps.registry import StepContext
+    ctx = StepContext("serve.add", dep.events, dep)
+    assert sa.given_nodes(ctx, " spark2 , spark1") == ["spark1", "spark2"]
+    assert sa.given_nodes(ctx, None) is None
+
+
+def test_without_a_placed_model_a_dry_run_says_it_would_remove_the_gateway(tmp_path):
+    ns = cluster(placed=False)
+    ns["spark1"].node_files[UNIT_FILE] = "[Unit]\n"
+    dep, _ = dep_of(tmp_path, ns, dry=True)
+    assert [(r.status, r.why) for r in run_one(dep, "serve.gateway")] == [
+        (Status.SKIPPED, f"would remove {gw.UNIT} on spark1")]
+    assert UNIT_FILE in ns["spark1"].node_files
