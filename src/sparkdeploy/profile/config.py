@@ -588,8 +588,9 @@ def load_placed(path: str | Path, recipe: str, nodes: list[str],
     ``serve.add`` derives a placed model's deployment from (``ops.placement.derive``)."""
     merged = load_merged(path)
     body = merged.body
-    listed = body.get("nodes") if isinstance(body.get("nodes"), list) else []
-    keep = [dict(n) for n in listed if isinstance(n, dict) and n.get("name") in nodes]
+    listed = body.get("nodes")
+    keep = [dict(n) for n in (listed if isinstance(listed, list) else [])
+            if isinstance(n, dict) and n.get("name") in nodes]
     for i, n in enumerate(keep):
         n["role"] = "head" if i == 0 else "worker"
     body["nodes"] = keep

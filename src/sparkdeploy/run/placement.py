@@ -53,6 +53,7 @@ def body(ctx: StepContext, recipe: str, nodes: str | None = None) -> None:
         raise StepFailed(str(e)) from None
     now = next(((e.name, got) for e in new.profile.engines
                 if mine is not None and mine.running and (got := serving(new, e)).url), None)
+    engine: str | None
     if now is not None:
         engine = now[0]
         ctx.ok(f"{recipe} serves on {', '.join(placement.nodes)} as placed, since "
