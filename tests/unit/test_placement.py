@@ -187,6 +187,7 @@ def test_the_offset_skips_what_other_models_and_ports_use(base_path):
     engines = list(load_placed(base_path, "lab-tiny-c", ["spark1"]).engines)
     taken = pl.profile_ports(base)
     assert {8000, 30000, 29990, 8888, 9090, 9408, 9480} <= taken
+    assert {e.dist_port for e in base.engines if e.dist_port is not None} <= taken  # init ports
     assert pl.offset(taken, set(), engines, 29990) == 1
     assert pl.offset(taken, {1, 2}, engines, 29990) == 3
     assert pl.offset(taken | {8001, 8002}, set(), engines, 29990) == 3  # an engine's API port there
@@ -312,6 +313,7 @@ def test_a_persisted_units_spec_names_its_placement_even_with_no_container_runni
     assert pl.from_spec(json.dumps(spec), "other") is None
     assert pl.from_spec(json.dumps({"stages": [{"containers": [{"run": ["--rm"]}]}]}), "base") is None
     assert pl.from_spec("{not json", "base") is None and pl.from_spec("[]", "base") is None
+    assert pl.from_spec(json.dumps({"stages": ["x", {"containers": ["y", {"run": None}]}]}), "base") is None
 
     class Host:
         def run(self, argv, change=True, sudo=False):

@@ -209,6 +209,7 @@ def test_serve_add_places_where_it_fits_with_the_fraction_it_needs_and_free_port
     from tests.unit.test_metrics import Ctx
     data = seed_data()
     data["sparkdeploy"]["recipes"] = [str(__import__("pathlib").Path(lab.__file__).parent / "recipes")]
+    data["sparkdeploy"]["fit"] = {"reserve_gib": 3}
     path = write_profile(tmp_path, data)
     ns = cluster()
     dep = deployment(path, tmp_path / "state", Ctx(ns), clock=FakeClock())
@@ -218,11 +219,11 @@ def test_serve_add_places_where_it_fits_with_the_fraction_it_needs_and_free_port
     # spark1 holds no placed model (gpt-oss-120b is on spark2): tried first
     assert fits.status is Status.OK and fits.why.startswith(
         "lab-tiny-c (sparkdeploy-lab/tiny-qwen3-c) fits on spark1: TP=1 x PP=1 on 1 node(s) fits: "
-        "8.0 GiB per node")
-    assert fits.why.endswith("<= 60.0 GiB usable; its engines may take 0.07 of each node's "
+        "3.0 GiB per node")  # the profile's reserve
+    assert fits.why.endswith("<= 60.0 GiB usable; its engines may take 0.03 of each node's "
                              "memory; ports +2")  # +1 is gpt-oss-120b's
     assert fits.details["placement"] == {"of": BASE, "recipe": "lab-tiny-c", "nodes": ["spark1"],
-                                         "offset": 2, "fraction": 0.07}
+                                         "offset": 2, "fraction": 0.03}
     assert (stopped.status, stopped.why) == (
         Status.FAILED, "lab-tiny-c: stopped here by the test; nothing that serves was touched")
     # a recipe's own fraction is kept, and refused when it asks more than the node gives
