@@ -180,6 +180,8 @@ def test_nowhere_is_a_refusal_with_every_layouts_and_nodes_numbers():
     assert line.startswith("recipe qwen3.5-122b-a10b-fp8 does not fit beside what the cluster serves: on ")
     assert "spark1: 40.0 GiB usable of 121.7 GiB (40.0 GiB available now, lab-tiny-b holds 60.8 GiB" in line
     assert "spark2: 30.0 GiB usable of 121.7 GiB (30.0 GiB available now)" in line
+    assert line == (f"recipe qwen3.5-122b-a10b-fp8 does not fit beside what the cluster serves: "
+                    f"{why[0]}; {why[1]} [{room['spark1'].line()}; {room['spark2'].line()}]")
 
 
 def test_the_offset_skips_what_other_models_and_ports_use(base_path):
@@ -302,6 +304,8 @@ def test_offset_bounds(base_path):
 
 def test_an_engine_name_of_exactly_63_characters_is_kept_and_dashes_are_trimmed():
     assert pl.engine_name("x" * 58, "vllm") == "x" * 58 + "-vllm"
+    with pytest.raises(pl.PlacementError):
+        pl.engine_name("x" * 59, "vllm")  # 64
     assert pl.engine_name("-.a.-", "vllm") == "a-vllm"
 
 
