@@ -511,6 +511,9 @@ def test_three_real_models_on_the_pair_answer_through_one_endpoint(served, tmp_p
                          for m, n in zip(placed, ("spark1", "spark2"), strict=True)}
     # its own watchdog: the placed model's engine killed, its unit brings it back alone
     victim, node = f"sparkdeploy-{placed[1].recipe}-vllm-head", "spark2"
+    # this test's restarts only: the node keeps a unit's restart record, and its budget, across
+    # deployments of the same name
+    lab.ssh(node, ["rm", "-f", "--", f"/var/lib/sparkdeploy-node/serve/{placed[1].recipe}-vllm.restarts.json"])
     lab.ssh(node, ["docker", "kill", victim])
     end = time.monotonic() + 240
     while True:
