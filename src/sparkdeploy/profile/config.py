@@ -597,15 +597,7 @@ def load_placed(path: str | Path, recipe: str, nodes: list[str],
     services = body.get("services")
     if isinstance(services, dict):
         services.pop("stop", None)  # the owner's units are the profile's deployment's business
-    merged = with_recipe(merged, recipe, recipe_dirs)
-    try:
-        profile = Profile.model_validate(merged.body)
-    except ValidationError as e:
-        raise _blame(merged, *_first_error(e)) from None
-    problem = _cross_checks(profile)
-    if problem:
-        raise _blame(merged, *problem)
-    return profile
+    return _validated(with_recipe(merged, recipe, recipe_dirs))
 
 
 def _blame(merged: Merged, key: str, msg: str) -> ProfileError:
@@ -619,6 +611,12 @@ def load_layered(path: str | Path, recipe: str | None = None,
                  recipe_dirs: tuple[str, ...] = ()) -> tuple[Profile, Merged]:
     """The validated profile and how it was merged (files, provenance, overrides)."""
     merged = with_recipe(load_merged(path), recipe, recipe_dirs)
+    return _validated(merged), merged
+
+
+def _validated(merged: Merged) -> Profile:
+    """The merged profile validated: its schema, then the checks across keys; ``ProfileError``
+    naming the file that set the key at fault."""
     try:
         profile = Profile.model_validate(merged.body)
     except ValidationError as e:
@@ -626,7 +624,7 @@ def load_layered(path: str | Path, recipe: str | None = None,
     problem = _cross_checks(profile)
     if problem:
         raise _blame(merged, *problem)
-    return profile, merged
+    return profile
 
 
 # --- recipes -------------------------------------------------------------------------------
