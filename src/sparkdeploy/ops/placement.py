@@ -36,6 +36,7 @@ from sparkdeploy.model import estimate as est
 from sparkdeploy.model import fit
 from sparkdeploy.node.deployment import Deployment
 from sparkdeploy.node.hosts import Host
+from sparkdeploy.ops.serve_containers import SERVE_DIR
 from sparkdeploy.profile import recipes as rcp
 from sparkdeploy.profile.config import Engine, Placement, Profile, ProfileError, load_placed
 
@@ -150,8 +151,8 @@ def found(base: str, on_nodes: dict[str, list[labels.Container]]) -> list[Found]
     return [Found(pl, name, tuple(cs)) for name, (pl, cs) in out.items()]
 
 
-SPECS = "/var/lib/sparkdeploy-node/serve"
-"""Where the persisted units' specs are (``steps/serve_persist.NODE_DIR``)."""
+SPECS = SERVE_DIR
+"""Where the persisted units' specs are."""
 
 
 def from_spec(text: str, base: str) -> Placement | None:

@@ -11,10 +11,12 @@ from sparkdeploy.engines import launch
 from sparkdeploy.node import endpoint as ep
 from sparkdeploy.node.deployment import Deployment
 from sparkdeploy.node.hosts import Host
-from sparkdeploy.node.nodeops import docker, inspect_image
+from sparkdeploy.node.nodeops import NODE_STATE, docker, inspect_image
 from sparkdeploy.profile.config import Engine
 
 UNIT_DIR = "/etc/systemd/system"
+SERVE_DIR = f"{NODE_STATE}/serve"
+"""The persisted units' files on a node: the supervisor, each engine's spec, key and records."""
 
 RAY_PROBE = (
     "import json, ray\n"

@@ -47,7 +47,7 @@ from sparkdeploy.engines.base import API_KEY_ENV, profile_secrets, run_args
 from sparkdeploy.node import endpoint as ep
 from sparkdeploy.node.deployment import Deployment
 from sparkdeploy.node.hosts import Host, HostError
-from sparkdeploy.node.nodeops import NODE_STATE, PROTOCOL, docker
+from sparkdeploy.node.nodeops import PROTOCOL, docker
 from sparkdeploy.ops.serve import (
     Run,
     bring_up,
@@ -60,6 +60,7 @@ from sparkdeploy.ops.serve import (
 )
 from sparkdeploy.ops.serve_containers import (
     RAY_PROBE,
+    SERVE_DIR,
     UNIT_DIR,
     active,
     installed,
@@ -76,7 +77,7 @@ from sparkdeploy.steps.registry import StepContext, step
 
 STEP_PERSIST = "serve.persist"
 STEP_UNPERSIST = "serve.unpersist"
-NODE_DIR = f"{NODE_STATE}/serve"
+NODE_DIR = SERVE_DIR
 SUPERVISOR = "serve_unit.py"
 WATCHDOG = "serve_watchdog.py"
 """The watchdog's decisions, beside the supervisor (it imports them)."""
