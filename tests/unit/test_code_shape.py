@@ -478,6 +478,7 @@ NOT_A_HELPERS_ANSWER = {
     "read_phase": "the head's swap record (``cat`` of it), not a helper's output",
     "read_label": "a container's placement label (``docker ps``'s JSON), not a helper's output",
     "from_spec": "a persisted unit's spec (``cat`` of the node's record), not a helper's output",
+    "_node_file": "the gateway's config and record on the head (``cat`` of them), not a helper's output",
     "rx_bytes": "``ip -j -s link``: iproute2's JSON (the perf harness's link counter)",
 }
 PARSES = ("json.loads", "loads", "last_line", "parsed")

@@ -123,8 +123,8 @@ def test_found_reads_the_models_placed_beside_this_deployment_only():
     assert [(f.deployment, f.placement.recipe, [n for n, _ in f.containers]) for f in got] == [
         ("base.a", "a", ["spark1"]), ("base.b", "b", ["spark1", "spark2"])]
     assert got[0].running and not got[1].running and got[1].port == 8001
-    assert pl.held(got) == {"spark1": (pl.Held("a", 0.3), pl.Held("b", 0.2)),
-                            "spark2": (pl.Held("b", 0.2),)}
+    assert pl.held(got) == {"spark1": (pl.Held("a", 0.3), pl.Held("b", 0.2, loaded=False)),
+                            "spark2": (pl.Held("b", 0.2, loaded=False),)}
 
 
 def test_a_room_is_what_the_node_gives_now_and_what_the_claims_leave():
@@ -313,17 +313,23 @@ def test_a_persisted_units_spec_names_its_placement_even_with_no_container_runni
     pl_ = Placement(of="base", recipe="lab-tiny-c", nodes=["spark2"], offset=2, fraction=0.13)
     spec = {"stages": [{"containers": [{"run": ["--label=org.sparkdeploy.deployment=base.lab-tiny-c",
                                                 f"--label={labels.PLACEMENT}={pl_.model_dump_json()}"]}]}]}
-    assert pl.from_spec(json.dumps(spec), "base") == pl_
+    assert pl.from_spec(json.dumps(spec), "base") == pl.Registered(pl_, "", None, None)
+    spec.update(unit="sparkdeploy-lab-tiny-c-vllm.service", canary={"port": 8002, "model": "m"})
+    assert pl.from_spec(json.dumps(spec), "base", "spark2") == pl.Registered(
+        pl_, "spark2", "sparkdeploy-lab-tiny-c-vllm.service", 8002)
     assert pl.from_spec(json.dumps(spec), "other") is None
     assert pl.from_spec(json.dumps({"stages": [{"containers": [{"run": ["--rm"]}]}]}), "base") is None
     assert pl.from_spec("{not json", "base") is None and pl.from_spec("[]", "base") is None
     assert pl.from_spec(json.dumps({"stages": ["x", {"containers": ["y", {"run": None}]}]}), "base") is None
 
     class Host:
+        name = "spark2"
+
         def run(self, argv, change=True, sudo=False):
             assert argv[-1] == pl.SPECS and sudo and not change
             out = "".join(f"{pl.SPECS}/{n}.json\n{t}\n#end\n" for n, t in (
                 ("vllm", json.dumps({"stages": []})), ("lab-tiny-c-vllm", json.dumps(spec))))
             return type("R", (), {"stdout": out})()
 
-    assert pl.units_of(Host(), "base") == [pl_]
+    assert pl.units_of(Host(), "base") == [
+        pl.Registered(pl_, "spark2", "sparkdeploy-lab-tiny-c-vllm.service", 8002)]

@@ -71,7 +71,7 @@ def test_the_gateway_is_written_started_and_a_rerun_restarts_nothing(tmp_path, l
         (Status.CHANGED, f"started {gw.UNIT} on spark1: {BASE_REPO}, openai/gpt-oss-120b"),
         (Status.OK, "endpoint: http://192.168.1.11:8888")]
     head = ns["spark1"]
-    assert writes(head) == [gw.PROGRAM_FILE, gw.CONFIG_FILE, UNIT_FILE]
+    assert writes(head) == [gw.PROGRAM_FILE, gw.TOOLKIT_FILE, gw.CONFIG_FILE, UNIT_FILE]
     assert json.loads(head.node_files[gw.CONFIG_FILE]) == {
         "listen": "0.0.0.0:8888",
         "backends": [{"url": "http://127.0.0.1:8000", "models": [BASE_REPO]},
@@ -82,7 +82,7 @@ def test_the_gateway_is_written_started_and_a_rerun_restarts_nothing(tmp_path, l
     modes = {a[4]: (a[2].split(" && ")[0], a[5:]) for a in head.ran
              if a[:2] == ["sh", "-c"] and a[2].endswith('mv -f -- "$1.part" "$1"')}
     assert modes == {gw.PROGRAM_FILE: ("umask 022", ["0644"]), gw.CONFIG_FILE: ("umask 077", ["0600"]),
-                     UNIT_FILE: ("umask 022", ["0644"])}
+                     gw.TOOLKIT_FILE: ("umask 022", ["0644"]), UNIT_FILE: ("umask 022", ["0644"])}
     assert head.units[gw.UNIT] == "active" and listed == ["http://192.168.1.11:8888"]
     head.ran.clear()
     again = run_one(dep, "serve.gateway")
@@ -223,7 +223,7 @@ def test_serve_add_places_where_it_fits_with_the_fraction_it_needs_and_free_port
     assert fits.why.endswith("<= 60.0 GiB usable; its engines may take 0.03 of each node's "
                              "memory; ports +2")  # +1 is gpt-oss-120b's
     assert fits.details["placement"] == {"of": BASE, "recipe": "lab-tiny-c", "nodes": ["spark1"],
-                                         "offset": 2, "fraction": 0.03}
+                                         "offset": 2, "fraction": 0.03, "on_demand": False}
     assert (stopped.status, stopped.why) == (
         Status.FAILED, "lab-tiny-c: stopped here by the test; nothing that serves was touched")
     # a recipe's own fraction is kept, and refused when it asks more than the node gives
@@ -282,7 +282,7 @@ def test_serve_add_takes_the_nodes_given_and_skips_every_port_in_use(tmp_path, l
     assert "its --gpu-memory-utilization 0.9 asks more than spark2 can give" in r.why
     out = run_placement.run(dep, "gpt-oss-20b")  # the fit alone: spark1, holding no placed model
     assert out[0].details["placement"] == {"of": BASE, "recipe": "gpt-oss-20b", "nodes": ["spark1"],
-                                           "offset": 3, "fraction": 0.9}
+                                           "offset": 3, "fraction": 0.9, "on_demand": False}
     monkeypatch.setattr(sa, "node_memory", lambda ctx: {"spark1": mem(20), "spark2": mem(30)})
     [r] = run_placement.run(dep, "glm-4.5-air-fp8")
     assert r.details["rooms"] == {

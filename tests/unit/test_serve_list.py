@@ -34,7 +34,7 @@ def test_the_deployment_serving_is_listed_with_its_nodes_and_url(lab):  # noqa: 
     assert placed(res) == [{"recipe": None, "repo": MODEL,
                             "nodes": ["spark1", "spark2"], "url": "http://10.0.0.1:30000",
                             "loaded": True, "engine": "sglang",
-                            "deployment": dep.profile.name}]
+                            "deployment": dep.profile.name, "on_demand": False}]
 
 
 def test_another_deployments_model_on_one_node_is_listed_not_loaded(lab):  # noqa: F811
@@ -50,7 +50,8 @@ def test_another_deployments_model_on_one_node_is_listed_not_loaded(lab):  # noq
     # its repo from the recipe (the engine does not answer), its url its own port
     assert placed(res)[1] == {"recipe": "gpt-oss-120b", "repo": "openai/gpt-oss-120b",
                               "nodes": ["spark2"], "url": "http://10.0.0.1:8000",
-                              "loaded": False, "engine": "vllm", "deployment": "spare"}
+                              "loaded": False, "engine": "vllm", "deployment": "spare",
+                              "on_demand": False}
 
 
 def test_a_running_engine_that_does_not_answer_is_not_loaded(lab):  # noqa: F811
@@ -103,7 +104,7 @@ def test_the_json_flag_prints_the_list_alone_on_stdout(lab, monkeypatch, capsys,
     assert json.loads(out) == [{"recipe": None, "repo": MODEL,
                                 "nodes": ["spark1", "spark2"], "url": "http://10.0.0.1:30000",
                                 "loaded": True, "engine": "sglang",
-                                "deployment": dep.profile.name}]
+                                "deployment": dep.profile.name, "on_demand": False}]
     assert "loaded" in err and out.count("\n") == 1
 
 

@@ -257,7 +257,9 @@ def test_exec_stop_and_environment(node):
     pid = node.main_pid("e.service")
     node.systemctl("stop", "e.service")
     log = node.log("e.service")
-    assert "greeting=hello world path=/usr/local/sbin:/usr/local/bin:/usr/sbin:" in log
+    # systemd's PATH, the stand-in's own directory first: `systemctl` in a unit is the node's
+    assert (f"greeting=hello world path={STANDINS.resolve()}:/usr/local/sbin:/usr/local/bin:/usr/sbin:"
+            in log)
     assert f"stopping {pid}\n" in log
 
 

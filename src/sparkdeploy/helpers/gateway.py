@@ -23,16 +23,46 @@ Routes by the request's ``model``:
 - ``GET /metrics``: Prometheus text, per model: requests, errors (an answer >= 400, or a backend
   that failed), prompt and completion tokens (from ``usage`` when an answer carries one), and
   the time to first byte (the request read to the backend's first byte of the answer) as a
-  histogram. ``GET /health``: 200.
+  histogram; per model on demand: whether it is loaded, its loads, evictions, failed loads,
+  requests answered 503, and its last load's seconds. ``GET /health``: 200.
+- Models on demand: a backend whose engine is a systemd unit on this node, not running until a
+  request names its model. The gateway loads it in a thread of its own, one load at a time:
+  first it stops other models on demand (``evict_order``: loaded ones with no request in
+  flight, the least recently used first; used = a request's start or end) until what the units
+  running hold together, this one's ``need_bytes`` included, is within ``budget_bytes`` and
+  ``need_bytes`` is within the node's ``MemAvailable`` plus what the stopped ones held (no such
+  choice: the load fails); then it starts the unit and asks the engine's ``/v1/models`` every
+  0.5 s until it lists the model (or answers 401: a keyed engine asked without the key),
+  ``load_s`` at most (then the unit is stopped and the load failed). A request waits for the
+  load ``wait_s`` at most, then gets a 503 with ``Retry-After`` (the model's last load's seconds
+  less those this load has run, at least 1; ``wait_s`` when it never loaded; 10 and why, after a
+  failed load); the load goes on. A unit already active when the gateway starts counts as
+  loaded once its engine lists the model (``load_s`` at most, else it is stopped). ``GET
+  /v1/models`` never asks the engine of a model on demand that is not loaded: it lists the model
+  from the configuration. A loaded one whose engine cannot be reached (502) and whose unit is
+  not active is no longer loaded (the next request loads it again). Each load, eviction and
+  failed load is a line on stderr and an entry in ``record`` (a JSON list of the last 200, each
+  beginning with its UTC time ``at``; written to a new file that then replaces the old).
 
 Configuration: ``--config FILE`` (JSON: ``{"listen": "HOST:PORT", "backends": [{"url": URL,
-"models": [NAME, ...]}, ...], "api_key_sha256": HEX}``; ``models`` optional: names routed
-there before the backend answers ``/v1/models``) and/or ``--listen``, ``--backend URL``
-(repeated). Once listening it prints one JSON line on stdout,
+"models": [NAME, ...], "on_demand": {"unit": UNIT, "need_bytes": N}}, ...], "api_key_sha256":
+HEX, "backend_timeout": S, "on_demand": {"budget_bytes": N, "wait_s": S, "load_s": S,
+"record": FILE, "systemctl": [ARG, ...], "meminfo": FILE}}``; ``models`` optional: names routed
+there before the backend answers ``/v1/models``; a backend's ``on_demand`` makes it a model on
+demand: ``unit`` its engine's systemd service on this node, ``need_bytes`` the memory its
+engine takes, ``models`` then naming its one model; the top ``on_demand``, every key optional:
+``budget_bytes`` what the models on demand may hold together (null: no cap but memory),
+``wait_s`` a request's wait for a load (60), ``load_s`` a load's own deadline (600), ``record``
+the file of loads and evictions (none by default), ``systemctl`` the argv that runs systemctl
+(``["systemctl"]``: ``ARGV VERB -- UNIT``, never through a shell), ``meminfo`` where
+``MemAvailable`` is read (``/proc/meminfo``; unreadable: no memory check)) and/or ``--listen``,
+``--backend URL`` (repeated). Once listening it prints one JSON line on stdout,
 ``{"listening": "http://HOST:PORT", "models": {...}}``; a log line per request goes to stderr
 (method, path, model, status, seconds: never a header).
 
-``start_in_thread(config)`` serves from a daemon thread (tests, the perf figures).
+``start_in_thread(config)`` serves from a daemon thread (tests, the perf figures);
+``Config(units=...)`` replaces systemctl by an object with ``start(unit) -> error line or None``,
+``stop(unit)``, ``active(unit) -> bool`` (tests).
 """
 
 from __future__ import annotations
@@ -42,14 +72,24 @@ import hashlib
 import hmac
 import http.client
 import json
+import math
 import os
 import queue
+import re
 import socket
+import subprocess
 import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import NamedTuple, Protocol
 from urllib.parse import urlsplit
+
+try:  # in the package (the controller, the tests)
+    from . import protocol
+except ImportError:  # a script: protocol.py beside it (serve.gateway puts it there, a checkout)
+    sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
+    import protocol  # type: ignore[import-not-found, no-redef]
 
 REFRESH_MIN_S = 1.0
 """An unknown model asks the backends again at most this often."""
@@ -65,12 +105,49 @@ HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "proxy
                         "te", "trailer", "trailers", "transfer-encoding", "upgrade",
                         "content-length", "host"))
 MAX_BODY = 64 * 1024 * 1024
+WAIT_S = 60.0
+"""A request's wait for its model on demand to load, by default."""
+LOAD_S = 600.0
+"""A load's own deadline (the unit started, the engine listing the model), by default."""
+LOAD_POLL_S = 0.5
+"""A loading engine's ``/v1/models`` is asked this often."""
+FAILED_RETRY_S = 10
+"""``Retry-After`` after a failed load."""
+RECORD_KEEP = 200
+"""Entries kept in the record of loads."""
+MEMINFO = "/proc/meminfo"
+START_STOP_TIMEOUT_S = 180.0
+IS_ACTIVE_TIMEOUT_S = 10.0
+UNIT_NAME = re.compile(r"[A-Za-z0-9@._:-]+\.service")
+"""A systemd service's name, matched whole."""
+ON_DEMAND_KEYS = ("budget_bytes", "wait_s", "load_s", "record", "systemctl", "meminfo")
+UNLOADED, LOADING, LOADED = "unloaded", "loading", "loaded"
+
+
+class HTTPStatus(OSError):
+    """A backend's answer other than 200."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+
+
+def _positive_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _positive(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
 
 
 class Backend:
-    """One engine's endpoint: its address and a pool of kept-alive connections."""
+    """One engine's endpoint: its address and a pool of kept-alive connections. With
+    ``on_demand`` (``{"unit": UNIT, "need_bytes": N}``) a model on demand: ``unit`` is its
+    engine's systemd service, ``need_bytes`` the memory the engine takes, ``models`` its one
+    model."""
 
-    def __init__(self, url: str, models: list[str] | None = None) -> None:
+    def __init__(self, url: str, models: list[str] | None = None,
+                 on_demand: dict | None = None) -> None:
         u = urlsplit(url if "://" in url else "http://" + url)
         if u.scheme != "http" or not u.hostname:
             raise ValueError(f"backend {url!r}: not an http://HOST:PORT URL")
@@ -81,6 +158,26 @@ class Backend:
             self.prefix = self.prefix[:-3]
         self.static = list(models or [])
         self._idle: queue.LifoQueue[http.client.HTTPConnection] = queue.LifoQueue()
+        self.unit: str | None = None
+        self.need_bytes = 0
+        if on_demand is not None:
+            self._on_demand(on_demand)
+
+    def _on_demand(self, spec: object) -> None:
+        where = f"backend {self.url}: on_demand"
+        if not isinstance(spec, dict):
+            raise ValueError(f"{where}: not an object")
+        for key in spec:
+            if key not in ("unit", "need_bytes"):
+                raise ValueError(f"{where}: unknown key {key!r}")
+        unit, need = spec.get("unit"), spec.get("need_bytes")
+        if not isinstance(unit, str) or not UNIT_NAME.fullmatch(unit):
+            raise ValueError(f"{where}.unit: {unit!r} is not a systemd service's name")
+        if not isinstance(need, int) or not _positive_int(need):
+            raise ValueError(f"{where}.need_bytes: {need!r} is not a positive integer")
+        if len(self.static) != 1 or not isinstance(self.static[0], str) or not self.static[0]:
+            raise ValueError(f"backend {self.url}: models must name the one model on demand")
+        self.unit, self.need_bytes = unit, need
 
     def connect(self, timeout: float) -> http.client.HTTPConnection:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
@@ -110,13 +207,23 @@ class Backend:
             r = conn.getresponse()
             body = r.read()
             if r.status != 200:
-                raise OSError(f"HTTP {r.status}")
+                raise HTTPStatus(r.status)
             data = json.loads(body).get("data")
             if not isinstance(data, list):
                 raise ValueError("no data list")
             return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
         finally:
             conn.close()
+
+    def ready(self, model: str, auth: str | None, timeout: float) -> bool:
+        """Whether its ``/v1/models`` lists ``model``, or answers 401 (an engine that wants a
+        key the gateway was not given: it answers, so its model is loaded)."""
+        try:
+            return any(m["id"] == model for m in self.models(auth, timeout))
+        except HTTPStatus as e:
+            return e.status == 401
+        except (OSError, ValueError, http.client.HTTPException):
+            return False
 
 
 class Histogram:
@@ -200,15 +307,419 @@ def _label(v: str) -> str:
 
 
 class Config:
+    """What a gateway serves. ``on_demand``: the configuration's top ``on_demand`` object (how
+    models on demand are loaded; ValueError naming a key that is wrong); ``units``: what starts,
+    stops and asks after their units (a ``Systemctl`` of ``on_demand``'s ``systemctl`` by
+    default)."""
+
     def __init__(self, listen: str = "127.0.0.1:0", backends: list[Backend] | None = None,
                  api_key: str | None = None, backend_timeout: float = BACKEND_TIMEOUT_S,
-                 log: bool = True, api_key_sha256: str | None = None) -> None:
+                 log: bool = True, api_key_sha256: str | None = None,
+                 on_demand: dict | None = None, units: Units | None = None) -> None:
         self.listen = listen
         self.backends = list(backends or [])
         self.api_key_sha256 = (hashlib.sha256(api_key.encode()).hexdigest() if api_key
                                else (api_key_sha256 or "").lower() or None)
         self.backend_timeout = backend_timeout
         self.log = log
+        spec = {} if on_demand is None else on_demand
+        if not isinstance(spec, dict):
+            raise ValueError("on_demand: not an object")
+        for key in spec:
+            if key not in ON_DEMAND_KEYS:
+                raise ValueError(f"on_demand: unknown key {key!r}")
+        budget = spec.get("budget_bytes")
+        if budget is not None and not _positive_int(budget):
+            raise ValueError(f"on_demand.budget_bytes: {budget!r} is not a positive integer or null")
+        self.budget_bytes: int | None = budget
+        for key, default in (("wait_s", WAIT_S), ("load_s", LOAD_S)):
+            v = spec.get(key, default)
+            if not _positive(v):
+                raise ValueError(f"on_demand.{key}: {v!r} is not a positive number of seconds")
+        self.wait_s = float(spec.get("wait_s", WAIT_S))
+        self.load_s = float(spec.get("load_s", LOAD_S))
+        self.record: str | None = spec.get("record")
+        if self.record is not None and not (isinstance(self.record, str) and self.record):
+            raise ValueError(f"on_demand.record: {self.record!r} is not a file name or null")
+        self.meminfo: str = spec.get("meminfo", MEMINFO)
+        if not (isinstance(self.meminfo, str) and self.meminfo):
+            raise ValueError(f"on_demand.meminfo: {self.meminfo!r} is not a file name")
+        argv = spec.get("systemctl", ["systemctl"])
+        if not (isinstance(argv, list) and argv and all(isinstance(a, str) and a for a in argv)):
+            raise ValueError(f"on_demand.systemctl: {argv!r} is not a list of arguments")
+        self.units: Units = units if units is not None else Systemctl(argv)
+        seen: dict[tuple[str, str], str] = {}
+        for b in self.backends:
+            if b.unit is None:
+                continue
+            for key, name in (("unit", b.unit), ("model", b.static[0])):
+                if (key, name) in seen:
+                    raise ValueError(f"backend {b.url}: on_demand {key} {name!r} is also "
+                                     f"{seen[key, name]}'s")
+                seen[key, name] = b.url
+
+
+class Units(Protocol):
+    """Starts, stops and asks after the units of models on demand."""
+
+    def start(self, unit: str) -> str | None:
+        """Start ``unit`` and wait for systemd's answer: None, else why it failed (one line)."""
+
+    def stop(self, unit: str) -> None:
+        """Stop ``unit`` (an error is logged, not raised)."""
+
+    def active(self, unit: str) -> bool:
+        """Whether ``unit`` is active."""
+
+
+class Systemctl:
+    """``Units`` by systemctl: ``[*argv, VERB, "--", UNIT]``, never through a shell."""
+
+    def __init__(self, argv: list[str] | None = None) -> None:
+        self.argv = list(argv or ["systemctl"])
+
+    def _run(self, verb: str, unit: str, timeout: float) -> subprocess.CompletedProcess:
+        return subprocess.run([*self.argv, verb, "--", unit], capture_output=True, text=True,
+                              timeout=timeout, check=False)
+
+    def start(self, unit: str) -> str | None:
+        try:
+            r = self._run("start", unit, START_STOP_TIMEOUT_S)
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"systemctl start {unit}: {e}"
+        if r.returncode == 0:
+            return None
+        lines = [line.strip() for line in (r.stderr or r.stdout or "").splitlines() if line.strip()]
+        return f"systemctl start {unit}: exit {r.returncode}" + (f": {lines[-1]}" if lines else "")
+
+    def stop(self, unit: str) -> None:
+        try:
+            r = self._run("stop", unit, START_STOP_TIMEOUT_S)
+            why = f"exit {r.returncode}: {_printable((r.stderr or '').strip())}" if r.returncode else ""
+        except (OSError, subprocess.SubprocessError) as e:
+            why = str(e)
+        if why:
+            sys.stderr.write(f"gateway: systemctl stop {unit}: {why}\n")
+
+    def active(self, unit: str) -> bool:
+        try:
+            return self._run("is-active", unit, IS_ACTIVE_TIMEOUT_S).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            return False
+
+
+class Held(NamedTuple):
+    """Another model on demand whose unit runs, as an eviction sees it."""
+
+    model: str
+    need: int
+    last_used: float
+    in_flight: int
+    loaded: bool
+
+
+def evict_order(need: int, budget: int | None, available: int | None,
+                others: list[Held]) -> list[str] | None:
+    """The models to stop before a model taking ``need`` bytes starts, least recently used
+    first, as many as it takes for what ``others`` still hold plus ``need`` to be within
+    ``budget`` (None: no budget) and ``need`` to be within ``available`` (None: not known) plus
+    what the stopped ones held. Only a loaded model with no request in flight may be stopped.
+    None: stopping all of those is not enough."""
+    candidates = sorted((h for h in others if h.loaded and h.in_flight == 0),
+                        key=lambda h: h.last_used)
+    held = sum(h.need for h in others)
+    freed = 0
+    chosen: list[str] = []
+    while not ((budget is None or held + need <= budget)
+               and (available is None or need <= available + freed)):
+        if not candidates:
+            return None
+        h = candidates.pop(0)
+        chosen.append(h.model)
+        held -= h.need
+        freed += h.need
+    return chosen
+
+
+def mem_available(path: str) -> int | None:
+    """``MemAvailable`` in bytes from a ``/proc/meminfo``-like file; None when it cannot be read."""
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _gb(n: int | None) -> str:
+    return "?" if n is None else f"{n / 1e9:.1f} GB"
+
+
+class Record:
+    """The record of loads, evictions and failed loads: a JSON list (the last ``RECORD_KEEP``),
+    each entry's first key ``at`` (UTC, seconds). Written whole to a new file in the same
+    directory that then replaces it (mode 0644); a failure is a line on stderr, never raised."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.lock = threading.Lock()
+
+    def add(self, entry: dict) -> None:
+        if not self.path:
+            return
+        with self.lock:
+            try:
+                self._write({"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **entry})
+            except (OSError, ValueError) as e:
+                sys.stderr.write(f"gateway: the record {self.path} is not written: {e}\n")
+
+    def _write(self, entry: dict) -> None:
+        assert self.path is not None
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                entries = json.load(f)
+        except FileNotFoundError:
+            entries = []
+        except ValueError:
+            entries = []  # not JSON (a hand's edit): begun again
+        if not isinstance(entries, list):
+            entries = []
+        entries = (entries + [entry])[-RECORD_KEEP:]
+        protocol.write_atomic(self.path, json.dumps(entries, indent=1) + "\n", 0o644)
+
+
+class Demand:
+    """A model on demand's state (changed under ``OnDemand.cond``)."""
+
+    def __init__(self, backend: Backend) -> None:
+        assert backend.unit is not None
+        self.backend = backend
+        self.model = backend.static[0]
+        self.unit = backend.unit
+        self.need = backend.need_bytes
+        self.state = UNLOADED
+        self.holds = False  # its unit runs (loaded, or found active at the start)
+        self.last_used = 0.0
+        self.in_flight = 0
+        self.attempt = 0  # loads begun
+        self.ended = 0  # the last load that ended
+        self.load_started: float | None = None  # when the running load took the load lock
+        self.why = ""  # the last failed load's
+        self.loads = self.evictions = self.load_failures = self.unavailable = 0
+        self.last_load_s: float | None = None
+
+
+class OnDemand:
+    """The models on demand of one gateway: their states, loads (one at a time, each in a thread
+    of its own) and evictions."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.units = cfg.units
+        self.demands = [Demand(b) for b in cfg.backends if b.unit is not None]
+        self.by_backend = {d.backend: d for d in self.demands}
+        self.cond = threading.Condition()
+        self.load_lock = threading.Lock()
+        self.record = Record(cfg.record)
+
+    def say(self, line: str) -> None:
+        sys.stderr.write(f"gateway: {line}\n")
+
+    def of(self, b: Backend) -> Demand | None:
+        return self.by_backend.get(b)
+
+    def asleep(self) -> set[Backend]:
+        """The backends of models on demand not loaded (not to be asked)."""
+        with self.cond:
+            return {d.backend for d in self.demands if d.state != LOADED}
+
+    def adopt(self) -> None:
+        """At the start: a unit already active is loaded once its engine answers (at once, or
+        in a thread within ``load_s``)."""
+        for d in self.demands:
+            if not self.units.active(d.unit):
+                continue
+            with self.cond:
+                d.holds = True
+            if d.backend.ready(d.model, None, self.cfg.backend_timeout):
+                with self.cond:
+                    d.state = LOADED
+                self.say(f"{d.model}: its unit {d.unit} is active: loaded")
+                continue
+            with self.cond:
+                d.state, d.attempt, d.load_started = LOADING, d.attempt + 1, time.monotonic()
+            threading.Thread(target=self._adopt, args=(d,), daemon=True,
+                             name=f"adopt {d.model}").start()
+
+    def _adopt(self, d: Demand) -> None:
+        assert d.load_started is not None
+        deadline = protocol.Deadline(self.cfg.load_s - (time.monotonic() - d.load_started))
+        while not deadline.passed():
+            time.sleep(LOAD_POLL_S)
+            if d.backend.ready(d.model, None, self.cfg.backend_timeout):
+                with self.cond:
+                    d.state, d.ended = LOADED, d.attempt
+                    self.cond.notify_all()
+                self.say(f"{d.model}: its unit {d.unit} was active: loaded")
+                return
+        self.units.stop(d.unit)
+        self._failed(d, f"its unit {d.unit} was active at the gateway's start but the engine did "
+                        f"not list the model within {self.cfg.load_s:g} s (stopped)")
+
+    def enter(self, d: Demand, auth: str | None) -> tuple[str, int] | None:
+        """A request for ``d`` begins (``leave`` after it, whatever happens): None once the model
+        is loaded, else the 503's message and its ``Retry-After`` (its load failed, or
+        ``wait_s`` passed). Begins a load when none runs."""
+        with self.cond:
+            now = time.monotonic()
+            d.last_used = now
+            d.in_flight += 1
+            if d.state == UNLOADED:
+                d.state, d.attempt, d.load_started = LOADING, d.attempt + 1, None
+                threading.Thread(target=self._load, args=(d, auth), daemon=True,
+                                 name=f"load {d.model}").start()
+            attempt, end = d.attempt, now + self.cfg.wait_s
+            while d.state != LOADED:
+                if d.ended >= attempt:
+                    d.unavailable += 1
+                    return (f"model `{d.model}` is on demand and could not be loaded: {d.why}",
+                            FAILED_RETRY_S)
+                left = end - time.monotonic()
+                if left <= 0:
+                    d.unavailable += 1
+                    retry = self._retry_after(d)
+                    return (f"model `{d.model}` is loading on demand (its engine is starting); "
+                            f"try again in {retry} s", retry)
+                self.cond.wait(left)
+            return None
+
+    def _retry_after(self, d: Demand) -> int:
+        if d.last_load_s is None:
+            return max(1, math.ceil(self.cfg.wait_s))
+        ran = 0.0 if d.load_started is None else time.monotonic() - d.load_started
+        return max(1, math.ceil(d.last_load_s - ran))
+
+    def leave(self, d: Demand) -> None:
+        with self.cond:
+            d.in_flight -= 1
+            d.last_used = time.monotonic()
+
+    def unreachable(self, b: Backend) -> None:
+        """A loaded model's engine cannot be reached: not loaded if its unit is not active."""
+        d = self.of(b)
+        if d is None or d.state != LOADED or self.units.active(d.unit):
+            return
+        with self.cond:
+            if d.state != LOADED:
+                return
+            d.state, d.holds = UNLOADED, False
+        self.say(f"{d.model}: its engine is unreachable and its unit {d.unit} is not active: "
+                 "unloaded")
+
+    def _load(self, d: Demand, auth: str | None) -> None:
+        with self.load_lock:
+            try:
+                self._load_locked(d, auth)
+            except Exception as e:  # a load never stays "loading"
+                self._failed(d, f"{type(e).__name__}: {e}")
+
+    def _load_locked(self, d: Demand, auth: str | None) -> None:
+        started = time.monotonic()
+        available = mem_available(self.cfg.meminfo)
+        budget = self.cfg.budget_bytes
+        with self.cond:
+            d.load_started = started
+            others = {o.model: o for o in self.demands if o is not d and o.holds}
+            held = [Held(o.model, o.need, o.last_used, o.in_flight, o.state == LOADED)
+                    for o in others.values()]
+            chosen = evict_order(d.need, budget, available, held)
+            if chosen is not None:
+                for name in chosen:
+                    o = others[name]
+                    o.state, o.holds = UNLOADED, False
+                    o.evictions += 1
+        why = _room(d.need, budget, available, sum(h.need for h in held))
+        if chosen is None:
+            self._failed(d, f"no room: {why}, and what could make room is in use or loading")
+            return
+        for name in chosen:
+            self.units.stop(others[name].unit)
+            self.record.add({"event": "evict", "model": name, "for": d.model, "why": why})
+            self.say(f"evicted {name} for {d.model} ({why})")
+        with self.cond:
+            d.holds = True
+        error = self.units.start(d.unit)
+        if error is not None:
+            self.units.stop(d.unit)
+            self._failed(d, error)
+            return
+        deadline = protocol.Deadline(self.cfg.load_s - (time.monotonic() - started))
+        while not d.backend.ready(d.model, auth, self.cfg.backend_timeout):
+            if deadline.passed():
+                self.units.stop(d.unit)
+                self._failed(d, f"its engine did not list the model within {self.cfg.load_s:g} s "
+                                f"(unit {d.unit} stopped)")
+                return
+            time.sleep(LOAD_POLL_S)
+        seconds = time.monotonic() - started
+        # recorded before the waiting requests go on: the record holds what they were answered by
+        self.record.add({"event": "load", "model": d.model, "seconds": round(seconds, 1),
+                         "evicted": chosen})
+        self.say(f"loaded {d.model} in {seconds:.1f}s"
+                 + (f" (evicted {', '.join(chosen)})" if chosen else ""))
+        with self.cond:
+            d.state, d.ended = LOADED, d.attempt
+            d.loads += 1
+            d.last_load_s = seconds
+            self.cond.notify_all()
+
+    def _failed(self, d: Demand, why: str) -> None:
+        self.record.add({"event": "load-failed", "model": d.model, "why": why})
+        self.say(f"could not load {d.model}: {why}")
+        with self.cond:
+            d.state, d.holds, d.ended, d.why = UNLOADED, False, d.attempt, why
+            d.load_failures += 1
+            self.cond.notify_all()
+
+    FAMILIES = (("loaded", "gauge", "1 while the model on demand is loaded, else 0."),
+                ("loads_total", "counter", "Loads of the model on demand."),
+                ("evictions_total", "counter", "Times the model on demand was stopped to make room."),
+                ("load_failures_total", "counter", "Loads of the model on demand that failed."),
+                ("unavailable_total", "counter",
+                 "Requests for the model on demand answered 503 (loading, or its load failed)."),
+                ("last_load_seconds", "gauge", "The model on demand's last load's seconds."))
+
+    def text(self) -> str:
+        """The ``/metrics`` families of the models on demand ("" when there are none)."""
+        if not self.demands:
+            return ""
+        out: list[str] = []
+        with self.cond:
+            rows = {d.model: {"loaded": int(d.state == LOADED), "loads_total": d.loads,
+                              "evictions_total": d.evictions,
+                              "load_failures_total": d.load_failures,
+                              "unavailable_total": d.unavailable,
+                              "last_load_seconds": d.last_load_s} for d in self.demands}
+        for key, kind, help_ in self.FAMILIES:
+            name = f"sparkdeploy_gateway_{key}"
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+            for model, row in sorted(rows.items()):
+                v = row[key]
+                if v is not None:  # a model never loaded has no last load
+                    out.append(f"{name}{{model={_label(model)}}} {v:g}")
+        return "\n".join(out) + "\n"
+
+
+def _room(need: int, budget: int | None, available: int | None, held: int) -> str:
+    """Why a load needs room, in words (what it would exceed)."""
+    parts = []
+    if budget is not None and held + need > budget:
+        parts.append(f"{_gb(need)} needed, {_gb(held)} held, budget {_gb(budget)}")
+    if available is not None and need > available:
+        parts.append(f"{_gb(need)} needed, MemAvailable {_gb(available)}")
+    return "; ".join(parts) or f"{_gb(need)} needed"
 
 
 class Gateway(ThreadingHTTPServer):
@@ -226,6 +737,8 @@ class Gateway(ThreadingHTTPServer):
         for b in cfg.backends:
             for name in b.static:
                 self.routes.setdefault(name, b)
+        self.on_demand = OnDemand(cfg)
+        self.on_demand.adopt()
         super().__init__((host.strip("[]") or "127.0.0.1", int(port)), Handler)
 
     @property
@@ -239,8 +752,13 @@ class Gateway(ThreadingHTTPServer):
         return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     def ask_backends(self, auth: str | None) -> tuple[list[dict], list[str]]:
-        """Every backend's models at once: (the merged list, the backends that did not answer)."""
-        found: list[list[dict] | None] = [None] * len(self.cfg.backends)
+        """Every backend's models at once: (the merged list, the backends that did not answer).
+        A model on demand that is not loaded is listed from the configuration, its engine not
+        asked."""
+        asleep = self.on_demand.asleep()
+        found: list[list[dict] | None] = [
+            [{"id": name, "object": "model", "created": 0, "owned_by": "sparkdeploy"}
+             for name in b.static] if b in asleep else None for b in self.cfg.backends]
 
         def ask(i: int, b: Backend) -> None:
             try:
@@ -249,7 +767,7 @@ class Gateway(ThreadingHTTPServer):
                 found[i] = None
 
         threads = [threading.Thread(target=ask, args=(i, b), daemon=True)
-                   for i, b in enumerate(self.cfg.backends)]
+                   for i, b in enumerate(self.cfg.backends) if b not in asleep]
         for t in threads:
             t.start()
         for t in threads:
@@ -318,9 +836,10 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def _error(self, code: int, message: str, kind: str, param: str | None = None) -> None:
+    def _error(self, code: int, message: str, kind: str, param: str | None = None,
+               extra: dict | None = None) -> None:
         err = {"message": message, "type": kind, "param": param, "code": code}
-        self._json(code, {"object": "error", **err, "error": err})
+        self._json(code, {"object": "error", **err, "error": err}, extra)
 
     def _authorized(self) -> bool:
         want = self.server.cfg.api_key_sha256
@@ -345,7 +864,7 @@ class Handler(BaseHTTPRequestHandler):
             self.end_headers()
             return
         if path == "/metrics":
-            data = self.server.figures.text().encode()
+            data = (self.server.figures.text() + self.server.on_demand.text()).encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
             self.send_header("Content-Length", str(len(data)))
@@ -403,8 +922,27 @@ class Handler(BaseHTTPRequestHandler):
                         f"{', '.join(names) or 'none'}", "NotFoundError", "model")
             self._log(model, 404, started)
             return
-        status = self._forward(backend, model, path, raw, started)
+        demand = self.server.on_demand.of(backend)
+        if demand is None:
+            status = self._forward(backend, model, path, raw, started)
+        else:
+            status = self._on_demand(demand, model, path, raw, started, auth)
         self._log(model, status, started)
+
+    def _on_demand(self, d: Demand, model: str, path: str, raw: bytes, started: float,
+                   auth: str | None) -> int:
+        """A request for a model on demand: forwarded once it is loaded, else a 503 with
+        ``Retry-After``; in flight (never evicted) from its start to its answer's end."""
+        od = self.server.on_demand
+        try:
+            unavailable = od.enter(d, auth)
+            if unavailable is None:
+                return self._forward(d.backend, model, path, raw, started)
+            message, retry = unavailable
+            self._error(503, message, "ServiceUnavailable", extra={"Retry-After": str(retry)})
+            return 503
+        finally:
+            od.leave(d)
 
     def _forward(self, b: Backend, model: str, path: str, raw: bytes, started: float) -> int:
         figs = self.server.figures
@@ -414,6 +952,8 @@ class Handler(BaseHTTPRequestHandler):
             conn, resp = self._send(b, path, raw, headers)
         except (OSError, http.client.HTTPException) as e:
             figs.add(model, requests=1, errors=1)
+            self.server.on_demand.unreachable(b)  # before the answer: the client's next request
+            # finds the model loaded or not as it is
             self._error(502, f"model `{model}`: its backend {b.url} cannot be reached "
                         f"({type(e).__name__}: {e})", "BadGateway")
             return 502
@@ -593,7 +1133,8 @@ def load_config(ns: argparse.Namespace) -> Config:
             doc = json.load(f)
         if not isinstance(doc, dict):
             raise ValueError(f"{ns.config}: not a JSON object")
-    backends = [Backend(b["url"], b.get("models")) for b in doc.get("backends", [])]
+    backends = [Backend(b["url"], b.get("models"), b.get("on_demand"))
+                for b in doc.get("backends", [])]
     backends += [Backend(u) for u in ns.backend or []]
     digest = doc.get("api_key_sha256")
     if digest is not None and not (isinstance(digest, str) and len(digest) == 64
@@ -602,7 +1143,7 @@ def load_config(ns: argparse.Namespace) -> Config:
     return Config(listen=ns.listen or doc.get("listen") or "127.0.0.1:8000", backends=backends,
                   api_key_sha256=digest,
                   backend_timeout=float(doc.get("backend_timeout", BACKEND_TIMEOUT_S)),
-                  log=not ns.quiet)
+                  log=not ns.quiet, on_demand=doc.get("on_demand"))
 
 
 def start_in_thread(cfg: Config) -> Gateway:
@@ -614,7 +1155,7 @@ def start_in_thread(cfg: Config) -> Gateway:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gateway", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", help="a JSON file: listen, backends, api_key_sha256")
+    p.add_argument("--config", help="a JSON file: listen, backends, api_key_sha256, on_demand")
     p.add_argument("--listen", help="HOST:PORT (default 127.0.0.1:8000)")
     p.add_argument("--backend", action="append", help="an engine's URL (repeat)")
     p.add_argument("--quiet", action="store_true", help="no line per request on stderr")

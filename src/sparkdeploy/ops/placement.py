@@ -118,10 +118,17 @@ class Found:
     deployment: str
     containers: tuple[tuple[str, labels.Container], ...]
     """(node, container) of its engine containers."""
+    unit: Registered | None = None
+    """Its persisted unit on its head, when it has one."""
 
     @property
     def running(self) -> bool:
         return all(c.running for _, c in self.containers)
+
+    @property
+    def loaded(self) -> bool:
+        """Its containers there and running (a model on demand not loaded has none)."""
+        return bool(self.containers) and self.running
 
     @property
     def port(self) -> int | None:
@@ -155,35 +162,69 @@ SPECS = SERVE_DIR
 """Where the persisted units' specs are."""
 
 
-def from_spec(text: str, base: str) -> Placement | None:
+@dataclass(frozen=True)
+class Registered:
+    """A placed model's persisted unit on a node, as its spec says (loaded or not)."""
+
+    placement: Placement
+    node: str
+    unit: str | None
+    """Its ``sparkdeploy-<engine>.service``."""
+    port: int | None
+    """Its engine's API port (the head's unit's canary port)."""
+
+
+def from_spec(text: str, base: str, node: str = "") -> Registered | None:
     """The placement a persisted unit's spec runs (its containers' ``--label=`` arguments), when
     it is one beside ``base``."""
     try:
         spec = parsed(text, "a unit's spec")
     except OutsideError:
         return None
-    stages = spec.get("stages") if isinstance(spec, dict) else None
+    if not isinstance(spec, dict):
+        return None
+    stages = spec.get("stages")
     for st in stages if isinstance(stages, list) else []:
         for c in (st.get("containers") if isinstance(st, dict) else None) or []:
             for a in (c.get("run") if isinstance(c, dict) else None) or []:
                 if isinstance(a, str) and a.startswith(f"--label={labels.PLACEMENT}="):
                     pl = read_label(a.split("=", 2)[2])
                     if pl is not None and pl.of == base:
-                        return pl
+                        unit, canary = spec.get("unit"), spec.get("canary")
+                        port = canary.get("port") if isinstance(canary, dict) else None
+                        return Registered(pl, node, unit if isinstance(unit, str) else None,
+                                          port if isinstance(port, int) else None)
     return None
 
 
-def units_of(host: Host, base: str) -> list[Placement]:
+def units_of(host: Host, base: str) -> list[Registered]:
     """The placements beside ``base`` whose persisted units are on the node, whether their
-    containers run now or not (a unit between two starts of its engine has none)."""
+    containers run now or not (a unit between two starts of its engine has none, and a model on
+    demand not loaded has none)."""
     r = host.run(["sh", "-c", 'for f in "$1"/*.json; do [ -e "$f" ] && { echo "$f"; cat -- "$f"; '
                   'echo; echo "#end"; }; done; true', "sh", SPECS], change=False, sudo=True)
-    out = []
+    out: list[Registered] = []
     for block in r.stdout.split("#end\n"):
         path, _, text = block.partition("\n")
-        pl = from_spec(text, base) if path.endswith(".json") else None
-        if pl is not None and pl not in out:
-            out.append(pl)
+        got = from_spec(text, base, host.name) if path.endswith(".json") else None
+        if got is not None and got.placement not in [x.placement for x in out]:
+            out.append(got)
+    return out
+
+
+def with_units(placed: list[Found], units: list[Registered]) -> list[Found]:
+    """``placed`` (found by their containers) with their units (the one on the placement's
+    first node before another), and the models found only by their units (on demand and not
+    loaded, or between two starts of their engine)."""
+    def unit(p: Placement) -> Registered | None:
+        mine = [u for u in units if u.placement == p]
+        return next((u for u in mine if u.node == p.nodes[0]), mine[0] if mine else None)
+
+    out = [Found(f.placement, f.deployment, f.containers, unit(f.placement)) for f in placed]
+    for u in units:
+        p = u.placement
+        if all(f.placement != p for f in out):
+            out.append(Found(p, deployment_name(p.of, p.recipe), (), unit(p)))
     return out
 
 
@@ -194,41 +235,63 @@ class Held:
     name: str
     """Its recipe (or deployment, for the profile's own)."""
     fraction: float
+    on_demand: bool = False
+    loaded: bool = True
 
 
 @dataclass(frozen=True)
 class Room:
-    """One node's memory for a new placement (bytes, per GPU)."""
+    """One node's memory for a new placement (bytes, per GPU).
+
+    The models on demand on a node take turns: one always-loaded model placed there must leave
+    room for the largest of them (``claimed``), and a new model on demand may take what they
+    hold, which the gateway evicts for it (``evicting``)."""
 
     node: str
     total: int
     available: int
     """What the node reports usable now (``MemAvailable`` on a GB10)."""
     held: tuple[Held, ...] = ()
+    evicting: bool = False
+    """The room for a model on demand: the others on demand count for nothing, and what the
+    loaded ones hold now counts as available."""
 
     @property
     def claimed(self) -> int:
-        return int(sum(h.fraction for h in self.held) * self.total)
+        always = sum(h.fraction for h in self.held if not h.on_demand)
+        turns = [h.fraction for h in self.held if h.on_demand]
+        return int((always + (0 if self.evicting or not turns else max(turns))) * self.total)
 
     @property
     def usable(self) -> int:
-        return max(0, min(self.available, int(self.total * (1 - OS_SHARE)) - self.claimed))
+        freed = self.evictable if self.evicting else 0
+        return max(0, min(self.available + freed, int(self.total * (1 - OS_SHARE)) - self.claimed))
+
+    @property
+    def evictable(self) -> int:
+        """What the loaded models on demand hold (the gateway's to evict)."""
+        return int(sum(h.fraction for h in self.held if h.on_demand and h.loaded) * self.total)
 
     def line(self) -> str:
-        held = "".join(f", {h.name} holds {fit.gib(h.fraction * self.total)} ({h.fraction:g} of it)"
-                       for h in self.held)
+        def how(h: Held) -> str:
+            return "" if not h.on_demand else ", on demand, loaded" if h.loaded else ", on demand"
+        held = "".join(f", {h.name} holds {fit.gib(h.fraction * self.total)} ({h.fraction:g} of it"
+                       f"{how(h)})" for h in self.held)
         return (f"{self.node}: {fit.gib(self.usable)} usable of {fit.gib(self.total)} "
                 f"({fit.gib(self.available)} available now{held})")
 
 
 def held(placed: list[Found]) -> dict[str, tuple[Held, ...]]:
-    """{node: the placed models' claims there}."""
+    """{node: the placed models' claims there} (a model on demand not loaded has no container:
+    its placement names its nodes)."""
     out: dict[str, list[Held]] = {}
     for f in placed:
         if f.placement.fraction is None:
             continue
-        for node in dict.fromkeys(n for n, _ in f.containers):
-            out.setdefault(node, []).append(Held(f.placement.recipe, f.placement.fraction))
+        nodes = [n for n, _ in f.containers] or list(f.placement.nodes)
+        for node in dict.fromkeys(nodes):
+            out.setdefault(node, []).append(Held(f.placement.recipe, f.placement.fraction,
+                                                 f.placement.on_demand, f.loaded))
     return {n: tuple(h) for n, h in out.items()}
 
 

@@ -408,6 +408,16 @@ class Gateway(_Strict):
     """The gateway's port on the head: the address ``serve.add`` prints as ``endpoint:``."""
     ready_s: float = Field(default=30, gt=0, le=3600)
     """How long the gateway may take to list every placed model after a (re)start."""
+    on_demand_gib: float | None = Field(default=None, gt=0, le=4096)
+    """What the models on demand may hold together at once on the head (GiB; None: what the
+    head's room beside the models always loaded allows). Past it, a load evicts the least
+    recently used."""
+    wait_s: float = Field(default=60, gt=0, le=3600)
+    """How long a request for a model on demand waits for its load before a 503 with
+    ``Retry-After`` (the load goes on)."""
+    load_s: float = Field(default=900, gt=0, le=7200)
+    """A load's own deadline: its unit started and the engine listing the model (the weights
+    read from disk: minutes for a large model); past it the load failed and the unit stops."""
 
 
 class Placement(_Strict):
@@ -422,6 +432,9 @@ class Placement(_Strict):
     """Added to every port of the recipe's engines (API, init, the supervisors' group)."""
     fraction: float | None = Field(default=None, gt=0, le=1)
     """The memory fraction its engines were given (None: the recipe's own args)."""
+    on_demand: bool = False
+    """Registered but loaded only by a request through the gateway (``serve.add --on-demand``):
+    its unit is installed on the head, not started or enabled."""
 
 
 class Profile(_Strict):

@@ -6,12 +6,19 @@ flags checked (``swap.staged``, the swap's prepare phase), ``serve.up`` of its o
 ``serve.persist`` of it when the profile's deployment is persisted (its own units and watchdog),
 then ``serve.gateway``. Nothing that already serves is stopped or restarted; a refusal or a
 failure before ``serve.up`` leaves the nodes serving as they were.
+
+``--on-demand`` registers the model instead: staged and checked the same way, on the head, its
+unit installed there but neither started nor enabled (``serve.persist`` with ``idle``); the
+gateway starts it on the first request for it, and stops the least recently used model on
+demand when the memory requires (``helpers/gateway.py``).
 """
 
 from __future__ import annotations
 
 from sparkdeploy.core.errors import StepFailed
 from sparkdeploy.core.outcomes import Result
+from sparkdeploy.engines.base import API_KEY_ENV
+from sparkdeploy.node import endpoint as ep
 from sparkdeploy.node.deployment import Deployment
 from sparkdeploy.ops import placement as pl
 from sparkdeploy.ops.serve_containers import serving
@@ -23,18 +30,22 @@ from sparkdeploy.steps.registry import StepContext, run_one
 STEP = "serve.add"
 
 
-def body(ctx: StepContext, recipe: str, nodes: str | None = None) -> None:
-    """Place ``recipe``'s model where it fits beside what serves, bring it up, put the gateway
-    in front of every model."""
+def body(ctx: StepContext, recipe: str, nodes: str | None = None, on_demand: bool = False) -> None:
+    """Place ``recipe``'s model where it fits beside what serves, bring it up (``on_demand``:
+    register it, for the gateway to load), put the gateway in front of every model."""
     base = ctx.dep
     if base.profile.placement is not None:
         ctx.failed(f"{base.profile.name} is itself a placed model: add beside "
                    f"{base.profile.placement.of}")
         return
+    if on_demand and ep.api_key():
+        ctx.failed(f"--on-demand: {API_KEY_ENV} is set, and the gateway starting the model's "
+                   "engine on a request would need the key stored on the node; not placed")
+        return
     listing = sa.cluster(ctx)
     if listing is None:
         return
-    placed = pl.found(base.profile.name, listing)
+    placed = sa.placements(ctx, listing)
     mine = next((f for f in placed if f.placement.recipe == recipe), None)
     try:
         asked = sa.given_nodes(ctx, nodes)
@@ -44,13 +55,22 @@ def body(ctx: StepContext, recipe: str, nodes: str | None = None) -> None:
         ctx.failed(f"{recipe} is placed on {', '.join(mine.placement.nodes)} already: "
                    f"serve.remove --recipe {recipe} first to move it")
         return
-    placement = mine.placement if mine is not None else sa.place(ctx, recipe, asked, listing, placed)
+    if mine is not None and mine.placement.on_demand != on_demand:
+        how = "on demand" if mine.placement.on_demand else "always loaded"
+        ctx.failed(f"{recipe} is placed {how} already: serve.remove --recipe {recipe} first to "
+                   "change it")
+        return
+    placement = (mine.placement if mine is not None
+                 else sa.place(ctx, recipe, asked, listing, placed, on_demand))
     if placement is None:
         return
     try:
         new = pl.deployment(base, placement)
     except ProfileError as e:
         raise StepFailed(str(e)) from None
+    if on_demand:
+        register(ctx, new, recipe, staging=mine is None or mine.unit is None)
+        return
     now = next(((e.name, got) for e in new.profile.engines
                 if mine is not None and mine.running and (got := serving(new, e)).url), None)
     engine: str | None
@@ -75,6 +95,22 @@ def body(ctx: StepContext, recipe: str, nodes: str | None = None) -> None:
     ctx.call(sa.STEP_GATEWAY)
 
 
-def run(dep: Deployment, recipe: str, nodes: str | None = None) -> list[Result]:
-    """``serve.add`` of ``recipe`` beside ``dep`` (``nodes``: on those nodes)."""
-    return run_one(dep, STEP, body=body, recipe=recipe, nodes=nodes)
+def register(ctx: StepContext, new: Deployment, recipe: str, staging: bool) -> None:
+    """A model on demand: its weights and image staged on the head and its flags checked, as for
+    any placed model (``staging``: not yet registered), then its unit installed there, neither
+    started nor enabled (the gateway starts it on the first request for it), then the gateway."""
+    why = staged(ctx, new, name=STEP) if staging else None
+    if why is not None:
+        ctx.failed(f"{recipe}: {why}; nothing that serves was touched")
+        return
+    engine = new.profile.engines[0].name  # the recipe's first engine: no fallback on demand
+    if failed(ctx.call("serve.persist", on=new, engine=engine, idle=True)):
+        return
+    ctx.call(sa.STEP_GATEWAY)
+
+
+def run(dep: Deployment, recipe: str, nodes: str | None = None,
+        on_demand: bool = False) -> list[Result]:
+    """``serve.add`` of ``recipe`` beside ``dep`` (``nodes``: on those nodes; ``on_demand``:
+    registered, loaded by the gateway on a request)."""
+    return run_one(dep, STEP, body=body, recipe=recipe, nodes=nodes, on_demand=on_demand)

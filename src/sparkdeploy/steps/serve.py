@@ -410,6 +410,9 @@ def _gateway(ctx: StepContext, head: Host) -> None:
                head.name, gateway=url, models=listed)
     else:
         ctx.failed(f"gateway: {url} lists no model ({gateway.UNIT} on {head.name})", head.name)
+    for d in gateway.on_demand(head):
+        ctx.ok(d.line(), head.name, on_demand={"model": d.model, "unit": d.unit, "loaded": d.loaded,
+                                               "events": list(d.events)})
 
 
 @step(STEP_STATUS)

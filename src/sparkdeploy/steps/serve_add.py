@@ -28,6 +28,7 @@ from sparkdeploy.core.wait import WaitTimeout, wait_for
 from sparkdeploy.model import fit
 from sparkdeploy.node import endpoint as ep
 from sparkdeploy.node.hosts import Host
+from sparkdeploy.node.nodeops import PROTOCOL
 from sparkdeploy.ops import gateway as gw
 from sparkdeploy.ops import placement as pl
 from sparkdeploy.ops.model_fit import gpu_nodes, node_memory
@@ -53,6 +54,16 @@ def cluster(ctx: StepContext) -> dict[str, list[labels.Container]] | None:
     return {h.name: g or [] for h, g in zip(hosts, got, strict=True)}
 
 
+def placements(ctx: StepContext, listing: dict[str, list[labels.Container]]) -> list[pl.Found]:
+    """Every model placed beside the profile's deployment: found by its containers' labels and
+    by its persisted units' specs (a model on demand not loaded has no container)."""
+    dep = ctx.dep
+    name = dep.profile.name
+    hosts = [dep.host(n.name) for n in dep.profile.nodes]
+    units = ctx.each(hosts, lambda h: pl.units_of(h, name), parallel=True)
+    return pl.with_units(pl.found(name, listing), [u for got in units for u in got or []])
+
+
 def repo_of(ctx: StepContext, recipe: str) -> str:
     """The model repo a recipe serves (``RecipeError`` when it cannot be read)."""
     r = rcp.read(recipe, rcp.directories(ctx.dep.profile.recipes), "--recipe")
@@ -71,14 +82,16 @@ def served(ctx: StepContext, listing: dict[str, list[labels.Container]],
         repo = repo_of(ctx, own[1].recipe) if own[1].recipe else prof.model.repo
         out[repo] = (prof.name, own[0], own[1].port or 0)
     for f in placed:
-        api = next(((n, c) for n, c in f.containers if c.port), None)
+        api = next(((n, c.port) for n, c in f.containers if c.port), None)
+        if api is None and f.placement.on_demand and f.unit is not None and f.unit.port:
+            api = (f.unit.node, f.unit.port)  # registered, not loaded: its unit says where
         if api is None:
             continue
         try:
             repo = repo_of(ctx, f.placement.recipe)
         except rcp.RecipeError as e:
             raise StepFailed(f"placed model {f.placement.recipe}: {e}") from None
-        out[repo] = (f.deployment, api[0], api[1].port or 0)
+        out[repo] = (f.deployment, api[0], api[1])
     return out
 
 
@@ -95,19 +108,23 @@ def given_nodes(ctx: StepContext, nodes: str | None) -> list[str] | None:
     return [n for n in have if n in names]
 
 
-def rooms(ctx: StepContext, placed: list[pl.Found]) -> dict[str, pl.Room] | None:
-    """Each GPU node's room for a new model (None when a node gave no figures: said)."""
+def rooms(ctx: StepContext, placed: list[pl.Found],
+          evicting: bool = False) -> dict[str, pl.Room] | None:
+    """Each GPU node's room for a new model (``evicting``: for a model on demand; None when a
+    node gave no figures: said)."""
     mem = node_memory(ctx)
     if len(mem) < len(gpu_nodes(ctx)):
         return None
     claims = pl.held(placed)
-    return {n: pl.Room(n, m.gpu_total or 0, m.gpu_usable or 0, claims.get(n, ()))
+    return {n: pl.Room(n, m.gpu_total or 0, m.gpu_usable or 0, claims.get(n, ()), evicting)
             for n, m in mem.items()}
 
 
 def place(ctx: StepContext, recipe: str, given: list[str] | None,
-           listing: dict[str, list[labels.Container]], placed: list[pl.Found]) -> Placement | None:
-    """Where the new model goes (None: refused, said)."""
+          listing: dict[str, list[labels.Container]], placed: list[pl.Found],
+          on_demand: bool = False) -> Placement | None:
+    """Where the new model goes (None: refused, said). A model on demand goes on the head alone
+    (the gateway there loads it), in the room the other models on demand leave when evicted."""
     prof = ctx.dep.profile
     try:
         r = rcp.read(recipe, rcp.directories(prof.recipes), "--recipe")
@@ -120,9 +137,20 @@ def place(ctx: StepContext, recipe: str, given: list[str] | None,
         ctx.failed(f"{repo} already serves on the cluster ({who}, {node}:{port}): one engine per "
                    "model behind the gateway")
         return None
-    room = rooms(ctx, placed)
+    head = prof.head.name
+    if on_demand and given not in (None, [head]):
+        ctx.failed(f"--on-demand: a model on demand is loaded by the gateway on the head, "
+                   f"{head}; not on {', '.join(given or [])}")
+        return None
+    room = rooms(ctx, placed, evicting=on_demand)
     if room is None:
         return None
+    if on_demand:
+        room = {head: room[head]} if head in room else {}
+        given = [head] if room else None
+        if not room:
+            ctx.failed(f"--on-demand: the head, {head}, has no GPU figures to place on")
+            return None
     choice = pl.choose(r, room, given, prof.fit.reserve_gib)
     if isinstance(choice, list):
         ctx.failed(pl.refusal(recipe, choice, room), recipe=recipe,
@@ -145,9 +173,10 @@ def place(ctx: StepContext, recipe: str, given: list[str] | None,
     except ProfileError as e:
         raise StepFailed(str(e)) from None
     placement = Placement(of=prof.name, recipe=recipe, nodes=list(choice.nodes), offset=k,
-                          fraction=fraction)
-    ctx.ok(f"{recipe} ({repo}) fits on {', '.join(choice.nodes)}: {choice.estimate.why()}; its "
-           f"engines may take {fraction:g} of each node's memory; ports +{k}",
+                          fraction=fraction, on_demand=on_demand)
+    how = ", on demand (the models on demand there take turns)" if on_demand else ""
+    ctx.ok(f"{recipe} ({repo}) fits on {', '.join(choice.nodes)}{how}: {choice.estimate.why()}; "
+           f"its engines may take {fraction:g} of each node's memory; ports +{k}",
            placement=placement.model_dump(mode="json"))
     return placement
 
@@ -161,12 +190,10 @@ def remove(ctx: StepContext, recipe: str | None = None) -> None:
     if listing is None:
         return
     name = base.profile.name
-    gone = [f.placement for f in pl.found(name, listing)
+    # one persisted between two starts of its engine, or on demand and not loaded, has no
+    # container: its unit says it is there
+    gone = [f.placement for f in placements(ctx, listing)
             if recipe is None or f.placement.recipe == recipe]
-    # a persisted one between two starts of its engine has no container: its unit says it is there
-    hosts = [base.host(n.name) for n in base.profile.nodes]
-    for got in ctx.each(hosts, lambda h: pl.units_of(h, name), parallel=True):
-        gone += [p for p in got or [] if p not in gone and (recipe is None or p.recipe == recipe)]
     if not gone:
         if recipe is not None:
             ctx.ok(f"{recipe} is not placed beside {name}")
@@ -203,6 +230,29 @@ def _models(url: str, want: list[str]) -> list[str] | None:
     return listed if all(m in listed for m in want) else None
 
 
+def on_demand_loads(ctx: StepContext, placed: list[pl.Found]) -> gw.OnDemand | None:
+    """The models on demand the gateway loads: each one's unit on the head and what it takes
+    there, and what they may hold together (the head's room beside the models always loaded,
+    under ``gateway.on_demand_gib``). None when the head gave no figures (said)."""
+    prof = ctx.dep.profile
+    mine = [f for f in placed if f.placement.on_demand and f.unit is not None and f.unit.unit]
+    if not mine:
+        return gw.OnDemand({}, None)
+    room = rooms(ctx, placed, evicting=True)
+    if room is None:
+        return None
+    head = room.get(prof.head.name)
+    if head is None:
+        ctx.failed(f"{prof.head.name}: no GPU figures for the models on demand")
+        return None
+    budget = max(1, int(head.total * (1 - pl.OS_SHARE)) - head.claimed)  # 0: nothing loads
+    if prof.gateway.on_demand_gib is not None:
+        budget = min(budget, int(prof.gateway.on_demand_gib * fit.GIB))
+    return gw.OnDemand({f.deployment: gw.Load(str(f.unit.unit),
+                                              int((f.placement.fraction or 0) * head.total))
+                        for f in mine if f.unit is not None}, budget)
+
+
 def _no_gateway(ctx: StepContext) -> None:
     """Nothing is placed: the gateway removed when it is there, said only then."""
     dep = ctx.dep
@@ -225,12 +275,15 @@ def gateway(ctx: StepContext, leaving: list[str] | None = None) -> None:
     listing = cluster(ctx)
     if listing is None:
         return
-    placed = [f for f in pl.found(prof.name, listing) if f.deployment not in (leaving or [])]
+    placed = [f for f in placements(ctx, listing) if f.deployment not in (leaving or [])]
     if not placed:
         _no_gateway(ctx)
         return
     routes = served(ctx, listing, placed)
-    backends = [gw.Backend(repo, gw.backend_url(dep, node, port), who)
+    loads = on_demand_loads(ctx, placed)
+    if loads is None:
+        return
+    backends = [gw.Backend(repo, gw.backend_url(dep, node, port), who, loads.get(who))
                 for repo, (who, node, port) in routes.items()]
     ours_up = bool(active(head, [gw.UNIT]))
     holder = listening(head).get(prof.gateway.port)
@@ -243,7 +296,9 @@ def gateway(ctx: StepContext, leaving: list[str] | None = None) -> None:
         ctx.would(f"route {', '.join(models)} at {url} ({gw.UNIT} on {head.name})")
         return
     changed = _put(head, gw.PROGRAM_FILE, packaged.helper(gw.PROGRAM).read_text(), False)
-    changed = _put(head, gw.CONFIG_FILE, gw.config_json(dep, backends, ep.api_key()), True) or changed
+    changed = _put(head, gw.TOOLKIT_FILE, packaged.helper(PROTOCOL).read_text(), False) or changed
+    changed = _put(head, gw.CONFIG_FILE, gw.config_json(dep, backends, ep.api_key(), loads.budget),
+                   True) or changed
     unit = service_unit("gateway", prof.name, head.name, gw.start_argv())
     unit_changed = _put(head, f"{gw.UNIT_DIR}/{gw.UNIT}", unit, False)
     if unit_changed:

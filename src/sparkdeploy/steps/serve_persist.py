@@ -195,9 +195,9 @@ def _wait_endpoint(ctx: StepContext, lau: Launch, engine: str, seen: int) -> str
 
 
 def _install(dep: Deployment, eng: Engine, lau: Launch, h: Host, text: str,
-             key: str | None) -> Handover:
-    """The unit's files on one node (the versions they replace kept), enabled; raises
-    HandoverFailed when enabling fails (the node's files then are as before)."""
+             key: str | None, enable: bool = True) -> Handover:
+    """The unit's files on one node (the versions they replace kept), enabled (``enable``);
+    raises HandoverFailed when enabling fails (the node's files then are as before)."""
     unit = unit_name(eng.name)
     ho = Handover(h, _enabled(h, unit), bool(active(h, [unit])))
     files = {f"{NODE_DIR}/{SUPERVISOR}": (helper(SUPERVISOR).read_text(), "0755"),
@@ -212,6 +212,8 @@ def _install(dep: Deployment, eng: Engine, lau: Launch, h: Host, text: str,
         if put_file(h, path, content, mode):
             ho.written.append(path)
     h.run(["systemctl", "daemon-reload"], sudo=True)
+    if not enable:
+        return ho
     r = h.run(["systemctl", "enable", "--", unit], sudo=True)
     if not r.ok:
         raise HandoverFailed(f"{h.name}: systemctl enable {unit}: {r.one_line_error()}", [ho])
@@ -345,9 +347,10 @@ def serving_other(dep: Deployment, eng: Engine,
 
 
 @step(STEP_PERSIST, needs=("serve.up", "bench.run"), fingerprint=Fingerprint("engines", "nodes"))
-def persist(ctx: StepContext, engine: str | None = None) -> None:
+def persist(ctx: StepContext, engine: str | None = None, idle: bool = False) -> None:
     """Install the deployment as systemd units on every node and hand it over to them: all
-    units start and the endpoint serves, or the previous deployment is back."""
+    units start and the endpoint serves, or the previous deployment is back. ``idle`` (a model
+    on demand): the units installed only, neither started nor enabled."""
     dep = ctx.dep
     if ep.api_key():
         ctx.failed(f"{API_KEY_ENV} is set: a unit that comes back at boot would need the key "
@@ -370,6 +373,9 @@ def persist(ctx: StepContext, engine: str | None = None) -> None:
         return
     unit = unit_name(eng.name)
     hosts = [dep.host(n.name) for n in dep.profile.nodes if lau.on(n.name)]
+    if idle:
+        _install_idle(ctx, eng, lau, hosts)
+        return
     if dep.dry:
         for h in hosts:
             h.run(["systemctl", "enable", "--", unit], sudo=True)
@@ -399,6 +405,37 @@ def persist(ctx: StepContext, engine: str | None = None) -> None:
     for name, why in started.items():
         ctx.changed(why, name)
     ctx.ok(f"endpoint: {url} (under systemd)", endpoint=url, engine=eng.name)
+
+
+def _install_idle(ctx: StepContext, eng: Engine, lau: Launch, hosts: list[Host]) -> None:
+    """The units' files written, not started, not enabled (whatever starts them later runs what
+    they say then); a node that refuses a write puts back what it had."""
+    dep = ctx.dep
+    unit = unit_name(eng.name)
+    if dep.dry:
+        for h in hosts:
+            ctx.would(f"write {UNIT_DIR}/{unit}, not started (on demand)", h.name)
+        return
+    texts = {h.name: unit_text(dep, eng, h, [c.role for c in lau.on(h.name)]) for h in hosts}
+    nodes: list[Handover] = []
+    try:
+        key = group_key(eng, hosts)
+        for h in hosts:
+            nodes.append(_install(dep, eng, lau, h, texts[h.name], key, enable=False))
+    except HostError as e:
+        for n in nodes:
+            if n.written:
+                restore_files(n.host, n.written)
+        raise StepFailed(f"{e}; the unit files were put back") from None
+    for n in nodes:
+        if n.written:
+            drop_previous(n.host, n.written)
+            ctx.changed(f"{unit} written, not started: on demand" +
+                        (" (it runs now: the new files at its next start)" if n.active else ""),
+                        n.host.name)
+        else:
+            ctx.ok(f"{unit} installed, {'loaded' if n.active else 'not loaded'}: on demand",
+                   n.host.name)
 
 
 @step(STEP_UNPERSIST)

@@ -30,7 +30,7 @@ def _then_metrics(dep: Deployment, results: list[Result]) -> list[Result]:
 
 
 def add(c: Context, *, recipe: str | None, nodes: str | None, profile: str | None,
-        recipes: tuple[str, ...] = ()) -> list[Result]:
+        recipes: tuple[str, ...] = (), on_demand: bool = False) -> list[Result]:
     if not recipe:
         raise usage("--recipe", "name the recipe whose model to place (recipe.list shows them)")
 
@@ -40,7 +40,7 @@ def add(c: Context, *, recipe: str | None, nodes: str | None, profile: str | Non
 
     def work(dep: Deployment | None, events: EventSink) -> list[Result]:
         assert dep is not None  # drive loads it ("needed")
-        return _then_metrics(dep, placement.run(dep, recipe, nodes))
+        return _then_metrics(dep, placement.run(dep, recipe, nodes, on_demand))
 
     return drive(c, placement.STEP, work, profile=profile, prepare=prepare, show=_endpoint,
                  recipe_dirs=recipes)

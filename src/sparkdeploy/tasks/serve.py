@@ -112,11 +112,13 @@ _RECIPES = {"recipes": "an owner's recipe directory (DIR[,DIR...]), looked up fi
 
 @task(help={"recipe": "the recipe whose model to place (recipe.list shows them)",
             "nodes": "on these nodes: NAME[,NAME...] (default: the fewest nodes it fits on)",
+            "on-demand": "register it on the head, loaded by the first request for it (the least "
+                         "recently used model on demand evicted when memory requires)",
             **_RECIPES, **_P})
-def add(c, recipe=None, nodes=None, profile=None, recipes=None):
+def add(c, recipe=None, nodes=None, on_demand=False, profile=None, recipes=None):
     """Place a recipe's model beside what serves, where it fits (counting what the models there
     hold), bring it up and route it through the gateway on the head; prints `endpoint: URL`."""
-    _place.add(c, recipe=recipe, nodes=nodes, profile=profile,
+    _place.add(c, recipe=recipe, nodes=nodes, on_demand=bool(on_demand), profile=profile,
                recipes=tuple(flags.name_list("--recipes", recipes)))
 
 
