@@ -530,6 +530,113 @@ def test_three_real_models_on_the_pair_answer_through_one_endpoint(served, tmp_p
         placed_up[placed[0].recipe]
 
 
+def on_demand(where: Path) -> Path:
+    """The placing profile with room for one model on demand at a time on the head (each takes
+    about 3 GiB), and a request's wait shorter than the CPU engine's load (about 30 s)."""
+    p = where / "on-demand.yaml"
+    p.write_text(yaml.safe_dump({"extends": str(placing(where)), "sparkdeploy": {
+        "gateway": {"on_demand_gib": 4, "wait_s": 5}}}))
+    return p
+
+
+def gateway_record(lab) -> list[dict]:
+    r = lab.ssh("spark1", ["cat", "/var/lib/sparkdeploy-node/gateway/loads.json"], check=False)
+    return json.loads(r.stdout) if r.returncode == 0 else []
+
+
+def unit_state(lab, verb: str, unit: str) -> str:
+    return lab.ssh("spark1", ["systemctl", verb, unit], check=False).stdout.strip()
+
+
+def served_after_503s(gateway: str, model: str, deadline_s: float = 240) -> tuple[str, list[str]]:
+    """The greedy text once the model answers through the gateway; the Retry-After of each 503
+    before it."""
+    retries: list[str] = []
+    end = time.monotonic() + deadline_s
+    while True:
+        r = http().post(gateway + "/v1/completions", timeout=120, json={
+            "model": model, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0,
+            "ignore_eos": True})
+        if r.status_code == 200:
+            return r.json()["choices"][0]["text"], retries
+        assert r.status_code == 503, (r.status_code, r.text[:500])
+        retries.append(r.headers.get("Retry-After", ""))
+        assert time.monotonic() < end, f"{model} not loaded within {deadline_s} s: {r.text[:300]}"
+
+
+def test_models_on_demand_load_on_their_first_request_and_evict_the_least_recent(served, tmp_path):
+    """serve.add --on-demand: lab-tiny and lab-tiny-c registered on the head (units written, not
+    started), listed by the gateway; the first request for one loads it through its unit (503
+    with Retry-After while the real engine starts), the first request for the other evicts it
+    (room for one: gateway.on_demand_gib); the record, serve.status, serve.list and the
+    gateway's /metrics say so; a fresh controller sees the set and a re-run changes nothing."""
+    lab, state, url, record, out = served
+    prof = on_demand(state.parent)
+    base_model = SWAPPED["model"]
+    models = [m for m in tiny.MODELS if m.repo_id != base_model]
+    up = {n: started_at(lab, n, c) for n, c in RANKS.items()}
+    for m in models:  # placed always loaded by the test before: out, then back on demand
+        r = inv(state, "serve.remove", "--recipe", m.recipe, profile=prof)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    units = {m.recipe: f"sparkdeploy-{m.recipe}-vllm.service" for m in models}
+    for m in models:
+        r = inv(state, "serve.add", "--recipe", m.recipe, "--on-demand", profile=prof)
+        assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-2000:]
+        assert f"{m.recipe} ({m.repo_id}) fits on spark1, on demand" in r.stdout, r.stdout[-3000:]
+        assert f"{units[m.recipe]} written, not started: on demand" in r.stdout, r.stdout[-3000:]
+        gateway = r.stdout.strip().splitlines()[-1].split(" ", 1)[1]
+    for m in models:  # registered, not loaded, not at boot
+        assert unit_state(lab, "is-active", units[m.recipe]) == "inactive"
+        assert unit_state(lab, "is-enabled", units[m.recipe]) == "disabled"
+        assert started_at(lab, "spark1", f"sparkdeploy-{m.recipe}-vllm-head") == ""
+    listed = http().get(gateway + "/v1/models", timeout=10)
+    assert sorted(x["id"] for x in listed.json()["data"]) == sorted([base_model, *(m.repo_id for m in models)])
+    assert "X-Sparkdeploy-Unreachable" not in listed.headers
+    r = inv(state, "serve.list", "--json", profile=prof)
+    entries = {e["repo"]: e for e in json.loads(r.stdout)}
+    assert [(entries[m.repo_id]["loaded"], entries[m.repo_id]["on_demand"]) for m in models] == [(False, True)] * 2
+    # the first request loads the first: 503s with Retry-After while the engine starts (wait_s 5)
+    first, retries = served_after_503s(gateway, models[0].repo_id)
+    assert retries and all(x.isdigit() and int(x) >= 1 for x in retries), retries
+    assert unit_state(lab, "is-active", units[models[0].recipe]) == "active"
+    assert first == greedy(gateway, model=models[0].repo_id) != ""
+    # the second's first request evicts the first (room for one), then loads
+    second, _ = served_after_503s(gateway, models[1].repo_id)
+    assert second != ""
+    assert unit_state(lab, "is-active", units[models[0].recipe]) == "inactive"
+    assert started_at(lab, "spark1", f"sparkdeploy-{models[0].recipe}-vllm-head") == ""
+    events = [(e["event"], e["model"]) for e in gateway_record(lab)]
+    assert events == [("load", models[0].repo_id), ("evict", models[0].repo_id), ("load", models[1].repo_id)]
+    assert gateway_record(lab)[1]["for"] == models[1].repo_id
+    # serve.status, serve.list and the gateway's figures say the same
+    r = inv(state, "serve.status", profile=prof)
+    assert re.search(rf"{re.escape(models[1].repo_id)} on demand \({units[models[1].recipe]}\): loaded; "
+                     r"1 load\(s\), 0 eviction\(s\); last load at \S+ in [\d.]+ s", r.stdout), r.stdout[-3000:]
+    assert f"{models[0].repo_id} on demand ({units[models[0].recipe]}): not loaded; 1 load(s), 1 eviction(s)" \
+        in r.stdout, r.stdout[-3000:]
+    figures = http().get(gateway + "/metrics", timeout=10).text
+    for name, model, value in (("loaded", models[1], 1), ("loaded", models[0], 0),
+                               ("evictions_total", models[0], 1), ("loads_total", models[1], 1)):
+        assert re.search(rf'^sparkdeploy_gateway_{name}{{model="{re.escape(model.repo_id)}"}} {value}$',
+                         figures, re.M), (name, model.repo_id, figures[-3000:])
+    # a fresh controller sees the set, and a re-run changes nothing (the loaded one stays loaded)
+    fresh = tmp_path / "fresh"
+    r = inv(fresh, "serve.list", "--json", profile=prof)
+    entries = {e["repo"]: e for e in json.loads(r.stdout)}
+    assert [(entries[m.repo_id]["loaded"], entries[m.repo_id]["on_demand"]) for m in models] == [
+        (False, True), (True, True)]
+    loaded_at = started_at(lab, "spark1", f"sparkdeploy-{models[1].recipe}-vllm-head")
+    for m in models:
+        r = inv(fresh, "serve.add", "--recipe", m.recipe, "--on-demand", profile=prof)
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+        assert changed_lines(r.stdout) == [], r.stdout[-4000:]
+    assert started_at(lab, "spark1", f"sparkdeploy-{models[1].recipe}-vllm-head") == loaded_at
+    # always loaded is not on demand: refused, one line, nothing changed
+    r = inv(fresh, "serve.add", "--recipe", models[0].recipe, profile=prof)
+    assert r.returncode == 1 and f"{models[0].recipe} is placed on demand already" in r.stdout
+    assert {n: started_at(lab, n, c) for n, c in RANKS.items()} == up
+
+
 def test_serve_down_leaves_no_headless_rank(served):
     """After the watchdog's restart too: serve.down ends both ranks (the headless one does not
     end with its head: FACTS 2026-12) and the models placed beside them with the gateway, and

@@ -56,6 +56,9 @@ class MetricsNode(FakeNode):
             got = self.node_files.get(bare[2])
             return (0, f"{hashlib.sha256(got.encode()).hexdigest()}  {bare[2]}\n", "") if got \
                 is not None else (1, "", f"sha256sum: {bare[2]}: No such file or directory")
+        if bare[:2] == ["sh", "-c"] and 'for f in "$1"/*.json' in bare[2]:  # the units' specs
+            return 0, "".join(f"{p}\n{t}\n#end\n" for p, t in sorted(self.node_files.items())
+                              if p.startswith(bare[4] + "/") and p.endswith(".json")), ""
         if bare[:2] == ["sh", "-c"] and "for f" in bare[2]:
             return 0, "".join(f"{p}\n" for p in bare[4:] if p in self.node_files), ""
         if bare[:3] == ["systemctl", "is-active", "--"]:

@@ -333,3 +333,42 @@ def test_a_persisted_units_spec_names_its_placement_even_with_no_container_runni
 
     assert pl.units_of(Host(), "base") == [
         pl.Registered(pl_, "spark2", "sparkdeploy-lab-tiny-c-vllm.service", 8002)]
+
+
+def test_models_on_demand_take_turns_in_a_nodes_room():
+    always, od_loaded, od_idle = (pl.Held("a", 0.3), pl.Held("b", 0.2, on_demand=True),
+                                  pl.Held("c", 0.25, on_demand=True, loaded=False))
+    # a model always loaded leaves room for the largest model on demand, not for all of them
+    r = pl.Room("s", 100 * GIB, 40 * GIB, (always, od_loaded, od_idle))
+    assert r.claimed == 55 * GIB and r.evictable == 20 * GIB
+    assert r.usable == 40 * GIB  # under what the node gives now
+    assert pl.Room("s", 100 * GIB, 90 * GIB, (always, od_loaded, od_idle)).usable == 40 * GIB
+    # a model on demand: the others on demand count for nothing, and the loaded ones' memory is
+    # the gateway's to free
+    e = pl.Room("s", 100 * GIB, 40 * GIB, (always, od_loaded, od_idle), evicting=True)
+    assert e.claimed == 30 * GIB and e.usable == 60 * GIB
+    assert pl.Room("s", 100 * GIB, 90 * GIB, (always, od_loaded), evicting=True).usable == 65 * GIB
+    assert pl.Room("s", 100 * GIB, 40 * GIB, (always,), evicting=True).usable == 40 * GIB
+    assert r.line() == ("s: 40.0 GiB usable of 100.0 GiB (40.0 GiB available now, a holds 30.0 GiB "
+                        "(0.3 of it), b holds 20.0 GiB (0.2 of it, on demand, loaded), c holds "
+                        "25.0 GiB (0.25 of it, on demand))")
+
+
+def test_a_model_found_by_its_unit_alone_is_placed_on_its_nodes_not_loaded():
+    a = Placement(of="base", recipe="a", nodes=["spark1"], offset=1, fraction=0.3)
+    b = Placement(of="base", recipe="b", nodes=["spark1"], offset=2, fraction=0.2, on_demand=True)
+    c = Placement(of="base", recipe="c", nodes=["spark1", "spark2"], offset=3, fraction=0.1)
+    found = pl.found("base", {"spark1": [container("base.a", a)]})
+    units = [pl.Registered(c, "spark2", "sparkdeploy-c-vllm.service", None),
+             pl.Registered(a, "spark1", "sparkdeploy-a-vllm.service", 8001),
+             pl.Registered(b, "spark1", "sparkdeploy-b-vllm.service", 8002),
+             pl.Registered(c, "spark1", "sparkdeploy-c-vllm.service", 8003)]
+    got = pl.with_units(found, units)
+    assert [(f.deployment, bool(f.containers), f.unit) for f in got] == [
+        ("base.a", True, units[1]), ("base.c", False, units[3]), ("base.b", False, units[2])]
+    assert got[0].loaded and not got[1].loaded and not got[2].loaded
+    assert pl.held(got) == {"spark1": (pl.Held("a", 0.3), pl.Held("c", 0.1, loaded=False),
+                                       pl.Held("b", 0.2, on_demand=True, loaded=False)),
+                            "spark2": (pl.Held("c", 0.1, loaded=False),)}
+    # a unit on another node only: that one
+    assert pl.with_units([], units[:1])[0].unit == units[0]

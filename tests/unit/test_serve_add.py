@@ -13,6 +13,7 @@ from sparkdeploy.core.outcomes import Status
 from sparkdeploy.model.fit import GIB
 from sparkdeploy.node.memory import NodeMemory
 from sparkdeploy.ops import gateway as gw
+from sparkdeploy.ops.serve_containers import SERVE_DIR
 from sparkdeploy.profile.config import Placement
 from sparkdeploy.run import placement as run_placement
 from sparkdeploy.steps import serve_add as sa
@@ -331,3 +332,89 @@ def test_without_a_placed_model_a_dry_run_says_it_would_remove_the_gateway(tmp_p
     assert [(r.status, r.why) for r in run_one(dep, "serve.gateway")] == [
         (Status.SKIPPED, f"would remove {gw.UNIT} on spark1")]
     assert UNIT_FILE in ns["spark1"].node_files
+
+
+OD = Placement(of=BASE, recipe="gpt-oss-20b", nodes=["spark1"], offset=2, fraction=0.1, on_demand=True)
+OD_UNIT = "sparkdeploy-gpt-oss-20b-vllm.service"
+
+
+def registered(node: MetricsNode, placement: Placement = OD, port: int = 8002) -> None:
+    """A model on demand's unit spec on the node, as serve.persist --idle writes it."""
+    spec = {"unit": OD_UNIT, "canary": {"port": port, "model": "openai/gpt-oss-20b"},
+            "stages": [{"containers": [{"run": [f"--label={labels.PLACEMENT}={placement.model_dump_json()}"]}]}]}
+    node.node_files[f"{SERVE_DIR}/gpt-oss-20b-vllm.json"] = json.dumps(spec)
+
+
+def test_serve_add_on_demand_goes_on_the_head_alone(tmp_path, listed, monkeypatch, stop_before_staging):
+    from sparkdeploy import lab
+    from tests.unit.fakes import FakeClock, deployment
+    from tests.unit.profiles import seed_data, write_profile
+    from tests.unit.test_metrics import Ctx
+    data = seed_data()
+    data["sparkdeploy"]["recipes"] = [str(__import__("pathlib").Path(lab.__file__).parent / "recipes")]
+    data["sparkdeploy"]["fit"] = {"reserve_gib": 3}
+    ns = cluster()
+    dep = deployment(write_profile(tmp_path, data), tmp_path / "state", Ctx(ns), clock=FakeClock())
+    monkeypatch.setattr(sa, "node_memory", lambda ctx: {"spark1": mem(10), "spark2": mem(90)})
+    # spark2 is roomier and holds gpt-oss-120b: the gateway on spark1 loads it, so spark1 it is
+    [fits, stopped] = run_placement.run(dep, "lab-tiny-c", on_demand=True)
+    assert fits.why.startswith("lab-tiny-c (sparkdeploy-lab/tiny-qwen3-c) fits on spark1, on demand "
+                               "(the models on demand there take turns): TP=1 x PP=1")
+    assert fits.details["placement"]["on_demand"] is True and fits.details["placement"]["nodes"] == ["spark1"]
+    assert stopped.why == "lab-tiny-c: stopped here by the test; nothing that serves was touched"
+    [r] = run_placement.run(dep, "lab-tiny-c", nodes="spark2", on_demand=True)
+    assert (r.status, r.why) == (Status.FAILED, "--on-demand: a model on demand is loaded by the gateway "
+                                                "on the head, spark1; not on spark2")
+    # one on demand there, not loaded, frees nothing by its eviction: the node's 1 GiB is all
+    ns["spark1"].node_files.clear()
+    registered(ns["spark1"], OD.model_copy(update={"fraction": 0.5}))
+    monkeypatch.setattr(sa, "node_memory", lambda ctx: {"spark1": mem(1), "spark2": mem(90)})
+    [r] = run_placement.run(dep, "lab-tiny-c", on_demand=True)[:1]
+    assert r.status is Status.FAILED and ("1.0 GiB usable of 121.7 GiB (1.0 GiB available now, "
+                                          "gpt-oss-20b holds 60.8 GiB (0.5 of it, on demand))") in r.why
+    monkeypatch.setenv("SPARKDEPLOY_API_KEY", "sk-x")
+    [r] = run_placement.run(dep, "lab-tiny-c", on_demand=True)
+    assert r.why.startswith("--on-demand: SPARKDEPLOY_API_KEY is set")
+    assert not [a for n in ns.values() for a in n.ran if a[:2] in (["systemctl", "start"], ["docker", "run"])]
+
+
+def test_the_gateway_is_told_each_model_on_demands_unit_and_memory(tmp_path, monkeypatch):
+    ns = cluster()
+    registered(ns["spark1"])
+    dep, _ = dep_of(tmp_path, ns)
+    monkeypatch.setattr(sa.ep, "models", lambda url, deadline=5.0: [BASE_REPO, "openai/gpt-oss-120b",
+                                                                   "openai/gpt-oss-20b"])
+    monkeypatch.setattr(sa, "node_memory", lambda ctx: {"spark1": mem(50), "spark2": mem(90)})
+    results = run_one(dep, "serve.gateway")
+    assert [(r.status, r.why) for r in results] == [
+        (Status.CHANGED, f"started {gw.UNIT} on spark1: {BASE_REPO}, openai/gpt-oss-120b, openai/gpt-oss-20b"),
+        (Status.OK, "endpoint: http://192.168.1.11:8888")]
+    total = int(121.7 * GIB)
+    doc = json.loads(ns["spark1"].node_files[gw.CONFIG_FILE])
+    assert doc["backends"][2] == {"url": "http://127.0.0.1:8002", "models": ["openai/gpt-oss-20b"],
+                                  "on_demand": {"unit": OD_UNIT, "need_bytes": int(0.1 * total)}}
+    # gpt-oss-120b is always loaded, on spark2: the head's whole room is theirs
+    assert doc["on_demand"] == {"budget_bytes": int(total * 0.95), "wait_s": 60, "load_s": 900,
+                                "record": gw.RECORD_FILE}
+    assert "on_demand" not in doc["backends"][0] and "on_demand" not in doc["backends"][1]
+    # gateway.on_demand_gib caps it
+    dep.profile.gateway.__dict__["on_demand_gib"] = 20
+    run_one(dep, "serve.gateway")
+    assert json.loads(ns["spark1"].node_files[gw.CONFIG_FILE])["on_demand"]["budget_bytes"] == 20 * GIB
+    # serve.status: each model on demand, loaded or not, with its loads and evictions
+    ns["spark1"].node_files[gw.RECORD_FILE] = json.dumps([
+        {"at": "2026-12-08T01:00:00Z", "event": "load", "model": "openai/gpt-oss-20b", "seconds": 31.2,
+         "evicted": []},
+        {"at": "2026-12-08T01:05:00Z", "event": "evict", "model": "openai/gpt-oss-20b", "for": "x/y",
+         "why": "budget"}])
+    from sparkdeploy.steps import serve as serve_step
+    monkeypatch.setattr(serve_step, "serving", lambda d, e: serve_step.Serving(e.name))
+    said = [r.why for r in run_one(dep, "serve.status") if "on demand" in r.why]
+    assert said == [f"openai/gpt-oss-20b on demand ({OD_UNIT}): not loaded; 1 load(s), 1 eviction(s); "
+                    "last load at 2026-12-08T01:00:00Z in 31.2 s; last evicted at 2026-12-08T01:05:00Z "
+                    "for x/y"]
+    # serve.list names it, not loaded; serve.remove takes it out with its unit
+    listed = [r.details["placed"] for r in run_one(dep, "serve.list") if "placed" in r.details]
+    assert listed[-1] == {"recipe": "gpt-oss-20b", "repo": "openai/gpt-oss-20b", "nodes": ["spark1"],
+                          "url": "http://192.168.1.11:8002", "loaded": False, "engine": "gpt-oss-20b-vllm",
+                          "deployment": f"{BASE}.gpt-oss-20b", "on_demand": True}

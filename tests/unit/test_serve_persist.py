@@ -340,3 +340,26 @@ def test_a_hand_over_ends_when_the_heads_unit_gives_up(units):
     assert nodes["spark1"].clock() - t0 < dep.profile.serve.ready_timeout_s / 10
     assert serving_containers(nodes) == {"spark1": ["sparkdeploy-sglang-head"],
                                          "spark2": ["sparkdeploy-sglang-worker"]}
+
+
+def test_idle_writes_the_units_neither_started_nor_enabled_and_a_rerun_changes_nothing(units):
+    """A model on demand (serve.add --on-demand): its units written for the gateway to start;
+    nothing runs, nothing comes up at boot."""
+    dep, ctx, nodes, cluster, sds = units
+    results = serve_persist.persist(dep, engine="sglang", idle=True)
+    assert [(r.status, r.node, r.why) for r in results] == [
+        (Status.CHANGED, "spark1", f"{UNIT} written, not started: on demand"),
+        (Status.CHANGED, "spark2", f"{UNIT} written, not started: on demand")]
+    for sd in sds.values():
+        assert {UNIT_FILE, SPEC, KEY} <= set(sd.files) and not any(f.endswith(".previous") for f in sd.files)
+        assert sd.enabled == set() and sd.running == set()
+        assert not [c for c in sd.calls if c[1] in ("start", "enable")]
+    assert not any(node.containers for node in nodes.values())
+    again = serve_persist.persist(dep, engine="sglang", idle=True)
+    assert [(r.status, r.node, r.why) for r in again] == [
+        (Status.OK, "spark1", f"{UNIT} installed, not loaded: on demand"),
+        (Status.OK, "spark2", f"{UNIT} installed, not loaded: on demand")]
+    # started by whatever loads it: a re-run leaves it running
+    sds["spark1"].running.add(UNIT)
+    assert serve_persist.persist(dep, engine="sglang", idle=True)[0].why == \
+        f"{UNIT} installed, loaded: on demand"
