@@ -77,7 +77,7 @@ def test_the_gateway_is_written_started_and_a_rerun_restarts_nothing(tmp_path, l
         "listen": "0.0.0.0:8888",
         "backends": [{"url": "http://127.0.0.1:8000", "models": [BASE_REPO]},
                      {"url": f"http://{ADDR['spark2']}:8001", "models": ["openai/gpt-oss-120b"]}]}
-    assert "ExecStart=/usr/bin/python3 /var/lib/sparkdeploy-node/gateway/gateway.py " \
+    assert "ExecStart=/usr/bin/python3 -B /var/lib/sparkdeploy-node/gateway/gateway.py " \
            "--config=/var/lib/sparkdeploy-node/gateway/config.json" in head.node_files[UNIT_FILE]
     assert ["systemctl", "start", "--", gw.UNIT] in head.sudo
     modes = {a[4]: (a[2].split(" && ")[0], a[5:]) for a in head.ran
@@ -418,3 +418,26 @@ def test_the_gateway_is_told_each_model_on_demands_unit_and_memory(tmp_path, mon
     assert listed[-1] == {"recipe": "gpt-oss-20b", "repo": "openai/gpt-oss-20b", "nodes": ["spark1"],
                           "url": "http://192.168.1.11:8002", "loaded": False, "engine": "gpt-oss-20b-vllm",
                           "deployment": f"{BASE}.gpt-oss-20b", "on_demand": True}
+
+
+def test_a_model_on_demand_registered_already_is_left_as_it_is(tmp_path, monkeypatch):
+    ns = cluster()
+    registered(ns["spark1"])
+    dep, _ = dep_of(tmp_path, ns)
+    monkeypatch.setattr(sa.ep, "models", lambda url, deadline=5.0: [BASE_REPO, "openai/gpt-oss-120b",
+                                                                   "openai/gpt-oss-20b"])
+    monkeypatch.setattr(sa, "node_memory", lambda ctx: {"spark1": mem(50), "spark2": mem(90)})
+    run_one(dep, "serve.gateway")
+    for n in ns.values():
+        n.ran.clear()
+    out = run_placement.run(dep, "gpt-oss-20b", on_demand=True)
+    assert [(r.step, r.status, r.why) for r in out] == [
+        ("serve.add", Status.OK, "gpt-oss-20b is registered on demand on spark1, as placed"),
+        ("serve.gateway", Status.OK, f"the gateway routes {BASE_REPO}, openai/gpt-oss-120b, "
+                                     "openai/gpt-oss-20b, as it did"),
+        ("serve.gateway", Status.OK, "endpoint: http://192.168.1.11:8888")]
+    assert writes(ns["spark1"]) == [] and not [a for a in ns["spark1"].ran if a[:1] == ["systemctl"]
+                                               and a[1] in ("start", "restart", "enable")]
+    [r] = run_placement.run(dep, "gpt-oss-20b")
+    assert (r.status, r.why) == (Status.FAILED, "gpt-oss-20b is placed on demand already: serve.remove "
+                                                "--recipe gpt-oss-20b first to change it")

@@ -149,7 +149,8 @@ def on_demand(host: Host) -> list[Demand]:
 
 
 def start_argv() -> list[str]:
-    return [PYTHON, PROGRAM_FILE, f"--config={CONFIG_FILE}"]
+    """``-B``: no ``__pycache__`` beside it (its toolkit is imported), nothing left when it goes."""
+    return [PYTHON, "-B", PROGRAM_FILE, f"--config={CONFIG_FILE}"]
 
 
 def remove(host: Host) -> bool:

@@ -97,15 +97,20 @@ def body(ctx: StepContext, recipe: str, nodes: str | None = None, on_demand: boo
 
 def register(ctx: StepContext, new: Deployment, recipe: str, staging: bool) -> None:
     """A model on demand: its weights and image staged on the head and its flags checked, as for
-    any placed model (``staging``: not yet registered), then its unit installed there, neither
-    started nor enabled (the gateway starts it on the first request for it), then the gateway."""
-    why = staged(ctx, new, name=STEP) if staging else None
-    if why is not None:
-        ctx.failed(f"{recipe}: {why}; nothing that serves was touched")
-        return
-    engine = new.profile.engines[0].name  # the recipe's first engine: no fallback on demand
-    if failed(ctx.call("serve.persist", on=new, engine=engine, idle=True)):
-        return
+    any placed model, then its unit installed there, neither started nor enabled (the gateway
+    starts it on the first request for it), then the gateway. Registered already (not
+    ``staging``): its unit is left as it is, loaded or not."""
+    if staging:
+        why = staged(ctx, new, name=STEP)
+        if why is not None:
+            ctx.failed(f"{recipe}: {why}; nothing that serves was touched")
+            return
+        engine = new.profile.engines[0].name  # the recipe's first engine: no fallback on demand
+        if failed(ctx.call("serve.persist", on=new, engine=engine, idle=True)):
+            return
+    else:
+        head = new.profile.head.name
+        ctx.ok(f"{recipe} is registered on demand on {head}, as placed")
     ctx.call(sa.STEP_GATEWAY)
 
 
