@@ -213,7 +213,7 @@ def test_the_gateway_config_holds_the_keys_digest_never_the_key(tmp_path):
                      {"url": "http://spark2:8002", "models": ["m/b"]}],
         "api_key_sha256": hashlib.sha256(b"s3cret-key").hexdigest()}
     assert "api_key_sha256" not in json.loads(gw.config_json(dep, backends, None))
-    assert gw.start_argv() == ["/usr/bin/python3", "/var/lib/sparkdeploy-node/gateway/gateway.py",
+    assert gw.start_argv() == ["/usr/bin/python3", "-B", "/var/lib/sparkdeploy-node/gateway/gateway.py",
                                "--config=/var/lib/sparkdeploy-node/gateway/config.json"]
     assert gw.backend_url(dep, "spark1", 8001) == "http://127.0.0.1:8001"
     assert gw.backend_url(dep, "spark2", 8002).endswith(":8002")
