@@ -372,3 +372,17 @@ def test_a_model_found_by_its_unit_alone_is_placed_on_its_nodes_not_loaded():
                             "spark2": (pl.Held("c", 0.1, loaded=False),)}
     # a unit on another node only: that one
     assert pl.with_units([], units[:1])[0].unit == units[0]
+
+
+def test_what_a_spec_or_a_placement_does_not_say_is_left_out():
+    pl_ = Placement(of="base", recipe="a", nodes=["spark1"], offset=1, fraction=0.2, on_demand=True)
+    spec = {"unit": 5, "canary": {"port": "8001"},
+            "stages": [{"containers": [{"run": [f"--label={labels.PLACEMENT}={pl_.model_dump_json()}"]}]}]}
+    assert pl.from_spec(json.dumps(spec), "base", "spark1") == pl.Registered(pl_, "spark1", None, None)
+    # found by its containers alone: no unit
+    found = pl.found("base", {"spark1": [container("base.a", pl_)]})
+    assert [f.unit for f in pl.with_units(found, [])] == [None]
+    # a placement with no fraction of its own claims nothing; the next one still counts
+    own = Placement(of="base", recipe="o", nodes=["spark1"], offset=2)
+    got = pl.with_units([], [pl.Registered(own, "spark1", "u1", 1), pl.Registered(pl_, "spark1", "u2", 2)])
+    assert pl.held(got) == {"spark1": (pl.Held("a", 0.2, on_demand=True, loaded=False),)}
