@@ -233,9 +233,16 @@ def test_a_second_model_evicts_the_first_when_the_budget_holds_one(node, capfd):
     assert node.events() == [("load", "m-a"), ("evict", "m-a", "m-b"), ("load", "m-b")]
     evict, load = node.entries()[1:]
     assert "budget 3.0 GB" in evict["why"] and load["evicted"] == ["m-a"]
-    # and back: m-a evicts m-b
+    # and back: m-a evicts m-b, and again: each load and eviction counted
     assert ask(g, "m-a")[0] == 200
     assert node.events()[-2:] == [("evict", "m-b", "m-a"), ("load", "m-a")]
+    assert ask(g, "m-b")[0] == 200
+    text = metrics(g)
+    for line in ('sparkdeploy_gateway_loads_total{model="m-a"} 2',
+                 'sparkdeploy_gateway_evictions_total{model="m-a"} 2',
+                 'sparkdeploy_gateway_loads_total{model="m-b"} 2',
+                 'sparkdeploy_gateway_evictions_total{model="m-b"} 1'):
+        assert line in text, text
 
 
 def test_the_least_recently_used_model_is_evicted_first(node):
@@ -287,6 +294,8 @@ def test_a_request_waits_wait_s_then_a_503_and_the_load_goes_on(node):
     assert body["error"]["type"] == "ServiceUnavailable"
     assert "`m-a`" in msg and "loading on demand" in msg
     assert 'sparkdeploy_gateway_unavailable_total{model="m-a"} 1' in metrics(g)
+    assert ask(g, "m-a")[0] == 503  # still loading: the second counted too
+    assert 'sparkdeploy_gateway_unavailable_total{model="m-a"} 2' in metrics(g)
     # the load went on without the request
     wait_for(lambda: node.events() == [("load", "m-a")], deadline=3, interval=0.02,
              what="the load")
@@ -316,6 +325,7 @@ def test_a_start_that_fails_is_a_503_naming_why(node):
     assert "Job for sparkdeploy-m-a-vllm.service failed" in body["error"]["message"]
     [entry] = node.entries()
     assert entry["event"] == "load-failed" and "Job for" in entry["why"]
+    assert units.calls == [("start", unit_of("m-a")), ("stop", unit_of("m-a"))]  # what it left, gone
     text = metrics(g)
     assert 'sparkdeploy_gateway_load_failures_total{model="m-a"} 1' in text
     assert 'sparkdeploy_gateway_loaded{model="m-a"} 0' in text
@@ -427,6 +437,30 @@ def test_an_engine_gone_is_no_longer_loaded(node):
     assert 'sparkdeploy_gateway_loaded{model="m-a"} 0' in metrics(g)  # as the 502 was sent
     assert ask(g, "m-a")[0] == 200  # loaded again
     assert node.events() == [("load", "m-a"), ("load", "m-a")]
+
+
+def test_an_engine_unreachable_while_its_unit_runs_stays_loaded(node):
+    g, units = node.gateway(["m-a"])
+    assert ask(g, "m-a")[0] == 200
+    units.servers[unit_of("m-a")].kill()  # the engine does not answer; its unit is still active
+    assert ask(g, "m-a")[0] == 502
+    assert 'sparkdeploy_gateway_loaded{model="m-a"} 1' in metrics(g)
+    assert units.calls == [("start", unit_of("m-a"))]  # no load again, no stop
+
+
+def test_two_requests_waiting_for_one_load_keep_their_model_from_eviction(node):
+    g, units = node.gateway(["m-a", "m-b"], budget=NEED, wait_s=3, load_s=5)
+    assert ask(g, "m-a")[0] == 200
+    d = demand(g, "m-a")
+    gw_od = g.on_demand
+    gw_od.enter(d, None)
+    gw_od.enter(d, None)
+    gw_od.leave(d)  # one of the two ends: the other is in flight still
+    assert d.in_flight == 1
+    status, _, body = ask(g, "m-b")
+    assert status == 503 and "no room" in body["error"]["message"]
+    gw_od.leave(d)
+    assert ask(g, "m-b")[0] == 200
 
 
 def test_the_program_reads_on_demand_from_its_config(node, tmp_path, capsys):
