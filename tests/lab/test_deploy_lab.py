@@ -161,7 +161,7 @@ def test_a_second_clone_sees_names_and_adopts_the_deployment(lab, clone_b):
     assert json.loads(ls.stdout) == [{
         "recipe": "qwen3.5-122b-a10b-fp8", "repo": dep_for(b).profile.model.repo,
         "nodes": list(NODES), "url": url, "loaded": True, "engine": engine,
-        "deployment": "qwen3.5-122b-a10b-fp8-lab"}]
+        "deployment": "qwen3.5-122b-a10b-fp8-lab", "on_demand": False}]
     # services.stop: our own engine named at once, not waited on
     stop, took = timed(b, "services.stop")
     print(f"clone B services.stop: {took:.1f}s")
