@@ -378,13 +378,21 @@ def test_serve_add_on_demand_goes_on_the_head_alone(tmp_path, listed, monkeypatc
     assert not [a for n in ns.values() for a in n.ran if a[:2] in (["systemctl", "start"], ["docker", "run"])]
 
 
-def test_the_gateway_is_told_each_model_on_demands_unit_and_memory(tmp_path, monkeypatch):
+@pytest.fixture
+def with_on_demand(tmp_path, monkeypatch):
+    """The cluster with gpt-oss-20b registered on demand on the head (spark1 121.7 GiB, 50 usable),
+    the gateway listing every model."""
     ns = cluster()
     registered(ns["spark1"])
     dep, _ = dep_of(tmp_path, ns)
     monkeypatch.setattr(sa.ep, "models", lambda url, deadline=5.0: [BASE_REPO, "openai/gpt-oss-120b",
                                                                    "openai/gpt-oss-20b"])
     monkeypatch.setattr(sa, "node_memory", lambda ctx: {"spark1": mem(50), "spark2": mem(90)})
+    return dep, ns
+
+
+def test_the_gateway_is_told_each_model_on_demands_unit_and_memory(with_on_demand, monkeypatch):
+    dep, ns = with_on_demand
     results = run_one(dep, "serve.gateway")
     assert [(r.status, r.why) for r in results] == [
         (Status.CHANGED, f"started {gw.UNIT} on spark1: {BASE_REPO}, openai/gpt-oss-120b, openai/gpt-oss-20b"),
@@ -420,13 +428,8 @@ def test_the_gateway_is_told_each_model_on_demands_unit_and_memory(tmp_path, mon
                           "deployment": f"{BASE}.gpt-oss-20b", "on_demand": True}
 
 
-def test_a_model_on_demand_registered_already_is_left_as_it_is(tmp_path, monkeypatch):
-    ns = cluster()
-    registered(ns["spark1"])
-    dep, _ = dep_of(tmp_path, ns)
-    monkeypatch.setattr(sa.ep, "models", lambda url, deadline=5.0: [BASE_REPO, "openai/gpt-oss-120b",
-                                                                   "openai/gpt-oss-20b"])
-    monkeypatch.setattr(sa, "node_memory", lambda ctx: {"spark1": mem(50), "spark2": mem(90)})
+def test_a_model_on_demand_registered_already_is_left_as_it_is(with_on_demand):
+    dep, ns = with_on_demand
     run_one(dep, "serve.gateway")
     for n in ns.values():
         n.ran.clear()
