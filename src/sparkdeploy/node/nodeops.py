@@ -188,9 +188,9 @@ def verified(paths: list[str], argv: list[str]) -> list[str]:
 NODE_STATE = "/var/lib/sparkdeploy-node"
 
 
-def read_node_file(host: Host, path: str) -> str | None:
-    """A file of the node's records (None when there is none)."""
-    r = host.run(["cat", "--", path], change=False)
+def read_node_file(host: Host, path: str, sudo: bool = False) -> str | None:
+    """A file of the node's records (None when there is none; ``sudo``: one only root reads)."""
+    r = host.run(["cat", "--", path], change=False, sudo=sudo)
     if r.ok:
         return r.stdout
     if "No such file" in r.stderr:

@@ -19,7 +19,7 @@ from sparkdeploy.core.outside import OutsideError, parsed
 from sparkdeploy.node import endpoint as ep
 from sparkdeploy.node.deployment import Deployment
 from sparkdeploy.node.hosts import Host
-from sparkdeploy.node.nodeops import NODE_STATE
+from sparkdeploy.node.nodeops import NODE_STATE, read_node_file
 from sparkdeploy.ops.serve_containers import UNIT_DIR, active, unit_files
 
 NODE_DIR = f"{NODE_STATE}/gateway"
@@ -124,9 +124,10 @@ class Demand:
 
 
 def _node_file(host: Host, path: str, what: str) -> object:
-    r = host.run(["cat", "--", path], change=False, sudo=True)
+    """The JSON in one of the gateway's files on the head (None: none, or not JSON)."""
+    text = read_node_file(host, path, sudo=True)  # its config is root's alone
     try:
-        return parsed(r.stdout, what) if r.ok else None
+        return parsed(text, what) if text is not None else None
     except OutsideError:
         return None
 
